@@ -1,0 +1,74 @@
+"""The ``geomuon`` command line: one verb per sub-command, each implemented next to its code.
+
+A verb is registered in :data:`VERBS` as ``name -> "module:function"``; the function
+receives the sub-parser to fill in and must set ``func`` (the callable run with the parsed
+arguments, returning an exit code) through ``parser.set_defaults``. Modules are imported
+only when their verb is used, so ``geomuon info`` does not pay for the training stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS: dict[str, tuple[str, str]] = {
+    "info": ("geomuon_cli:add_info_parser", "print versions, manifolds and optimizers"),
+}
+
+
+def add_info_parser(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(func=run_info)
+
+
+def _public_subclasses(module_name: str, base: type) -> list[str]:
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", dir(module))
+    return sorted(
+        name
+        for name in names
+        if isinstance(getattr(module, name, None), type) and issubclass(getattr(module, name), base)
+    )
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import geoopt
+    import torch
+
+    for dist in ("geomuon", "torch", "geoopt", "numpy", "sympy"):
+        try:
+            print(f"{dist:10s} {version(dist)}")
+        except PackageNotFoundError:
+            print(f"{dist:10s} (not installed)")
+    print(f"{'cuda':10s} {'available' if torch.cuda.is_available() else 'not available'}")
+    print("manifolds: " + ", ".join(_public_subclasses("manifolds", geoopt.Manifold)))
+    print("optimizers: " + ", ".join(_public_subclasses("optimizers", torch.optim.Optimizer)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="geomuon", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for name, (target, help_text) in VERBS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        module_name, func_name = target.split(":")
+        sub_parser.set_defaults(_target=(module_name, func_name))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # First pass finds the verb; its module then defines the verb's own arguments.
+    known, _ = parser.parse_known_args(argv)
+    module_name, func_name = known._target
+    verb_parser = argparse.ArgumentParser(prog=f"geomuon {known.verb}")
+    getattr(importlib.import_module(module_name), func_name)(verb_parser)
+    args = verb_parser.parse_args(argv[argv.index(known.verb) + 1 :])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
