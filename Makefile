@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.geomuon-installed
 export PIP_CONSTRAINT = $(CURDIR)/constraints.txt
 
-.PHONY: setup test test-thorough docs demo clean
+.PHONY: setup test test-thorough docs demo clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,14 +17,29 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "site built: open site/index.html in a browser (it needs no network)"
+
+# Headless Chromium for the docs' browser test (tests/test_docs.py). Installed with apt-get
+# only where that needs no question (root, or CI with passwordless sudo); elsewhere the
+# test skips and says what to install. A failed install does not stop `make test`: under
+# CI=true the browser test then fails with the reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif [ "$$CI" = true ] && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "note: chromium not found, the docs browser test will skip (install it: sudo apt-get install chromium)"; exit 0; fi; \
+	  echo "installing chromium for the docs browser test (log: $(VENV)/chromium-install.log)"; \
+	  mkdir -p $(VENV); \
+	  { $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; } \
+	    >$(VENV)/chromium-install.log 2>&1 \
+	    || echo "warning: installing chromium failed, see $(VENV)/chromium-install.log"; }
 
 clean:
 	rm -rf $(VENV) site build *.egg-info .pytest_cache .hypothesis

@@ -14,6 +14,8 @@ import sys
 
 VERBS: dict[str, tuple[str, str]] = {
     "info": ("geomuon_cli:add_info_parser", "print versions, manifolds and optimizers"),
+    "pretrain": ("pretrain.train:add_parser", "pretrain a GPT with a per-module strategy"),
+    "compare": ("pretrain.compare:add_parser", "compare strategies: results table and plots"),
 }
 
 

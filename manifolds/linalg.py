@@ -166,6 +166,9 @@ def msign(
     out_dtype = X.dtype
     work = X.to(compute_dtype) if compute_dtype is not None else X
     if coefficients is None and method == "svd":
+        # torch has no half-precision SVD; the reference runs in at least float32.
+        if work.dtype in (torch.float16, torch.bfloat16):
+            work = work.float()
         return _msign_svd(work).to(out_dtype)
     schedule = coefficients or _SCHEDULES.get(method)
     if schedule is None:

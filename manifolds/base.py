@@ -1,0 +1,403 @@
+r"""The base class of every matrix manifold, and the geometry it derives from a constraint.
+
+A matrix manifold $M \subset \mathbb{R}^{m\times n}$ is described to the rest of the
+library by its **tangent constraint**: a linear map $L_x$ with
+$T_xM = \ker L_x$, and its adjoint $L_x^*$ (for the Frobenius inner products). From these
+two maps alone :class:`MatrixManifold` derives
+
+* the orthogonal tangent projection $P_x(u) = u - L_x^*\Lambda$ with
+  $L_xL_x^*\Lambda = L_xu$, solved by Jacobi-preconditioned conjugate gradients
+  (:meth:`MatrixManifold.gram_solve`);
+* given a defining map $F$ with $M = \{F = 0\}$ and $dF_x = L_x$, a retraction (and
+  ``projx``) by Gauss–Newton projection along normal spaces,
+  $y \leftarrow y - L_y^*\big((L_yL_y^*)^{-1}F(y)\big)$ from $y = x + u$;
+* the membership checks geoopt asks for.
+
+Built-in manifolds override these with closed forms; a user's manifold can stop at
+``constraint`` and ``constraint_adjoint`` (plus ``defining_map`` for a retraction).
+
+The Riemannian metric is the Euclidean (Frobenius) one inherited from
+$\mathbb{R}^{m\times n}$, so ``egrad2rgrad`` is the tangent projection.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+with warnings.catch_warnings():
+    # geoopt 0.5.1 decorates helpers with torch.jit.script, deprecated by current torch;
+    # silence exactly that message at import time (see the README's compatibility notes).
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning
+    )
+    import geoopt
+from geoopt.utils import size2shape
+
+__all__ = ["MatrixManifold", "matrix_method", "retraction_dtype", "conjugate_gradients", "broadcast_pair"]
+
+
+def retraction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Compute dtype of retractions: float64 for float64 tensors, float32 otherwise.
+
+    A bf16 retraction adds noise comparable to the step itself, so retractions never run
+    in half precision (DESIGN §2).
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def matrix_method(*matrix_args: str, result: str = "matrix"):
+    """Decorate a manifold method taking a point ``x`` first.
+
+    The wrapper validates ``x`` (:meth:`MatrixManifold.validate_point`) and the named
+    matrix arguments (same trailing shape as ``x``). On a manifold with
+    ``transposes_wide = True`` a wide point ($m < n$) is handled by the transposed
+    geometry: ``x`` and the named matrix arguments are transposed on the way in, and the
+    result is transposed back when ``result="matrix"`` (``"multiplier"`` and ``"check"``
+    results pass through).
+    """
+    if result not in ("matrix", "multiplier", "check"):
+        raise ValueError(f"matrix_method: unknown result kind {result!r}")
+
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(self, x, *args, **kwargs):
+            self.validate_point(x, "x")
+            args = list(args)
+            for position, name in enumerate(matrix_args):
+                in_args = position < len(args)
+                value = args[position] if in_args else kwargs.get(name)
+                if value is None:
+                    continue
+                self.validate_vector(x, value, name)
+                if self.transposes_wide and x.size(-2) < x.size(-1):
+                    if in_args:
+                        args[position] = value.mT
+                    else:
+                        kwargs[name] = value.mT
+            if not (self.transposes_wide and x.size(-2) < x.size(-1)):
+                return method(self, x, *args, **kwargs)
+            out = method(self, x.mT, *args, **kwargs)
+            return out.mT if result == "matrix" else out
+
+        return wrapper
+
+    return decorate
+
+
+class MatrixManifold(geoopt.Manifold):
+    r"""A manifold of matrices $M \subset \mathbb{R}^{m\times n}$, batched over ``[..., m, n]``.
+
+    Subclasses provide the tangent constraint:
+
+    * ``constraint(x, u)``: $L_x(u)$, zero iff $u \in T_xM$; the output is the
+      *multiplier* shape (e.g. ``[..., n, n]``, ``[..., n]``, ``[..., 0]``).
+    * ``constraint_adjoint(x, lam)``: $L_x^*(\Lambda)$, ``[..., m, n]``; it must be the
+      true adjoint, $\langle L_xu, \Lambda\rangle = \langle u, L_x^*\Lambda\rangle$ for
+      every $\Lambda$ of the multiplier shape.
+    * ``constraint_gram_diag(x)`` (optional): the diagonal of $L_xL_x^*$ on the range of
+      $L_x$ when that operator is diagonal there (Jacobi preconditioner of
+      :meth:`gram_solve`); entries where the multiplier is identically zero may hold any
+      positive number. ``None`` when not diagonal.
+    * ``defining_map(x)`` (optional): $F(x)$ with $M = \{F = 0\}$ and $dF_x = L_x$; gives
+      ``projx``, ``retr`` and the point check for free.
+
+    Everything else has a generic implementation here, overridden by closed forms where
+    they exist. Metric: Euclidean (Frobenius), $\langle u, v\rangle = \operatorname{tr}(u^\top v)$.
+    ``expmap`` is the retraction (no geodesics are used); ``transp`` projects the vector
+    onto the new tangent space.
+
+    Attributes:
+        transposes_wide: when ``True`` a wide point ($m < n$) uses the transposed
+            geometry (the manifold's docstring says which side is then constrained).
+        newton_steps: most Gauss–Newton iterations of the generic projection.
+    """
+
+    ndim = 2
+    name = "MatrixManifold"
+    reversible = False
+    transposes_wide = False
+    newton_steps = 30
+
+    # ---------------------------------------------------------------- validation
+    def shape_problem(self, m: int, n: int) -> str | None:
+        """Why an ``m``×``n`` matrix cannot be a point of this manifold, or ``None``."""
+        if m == 0 or n == 0:
+            return f"the matrix is empty ({m}x{n})"
+        return None
+
+    def validate_point(self, x: torch.Tensor, name: str = "x") -> None:
+        """Raise ``TypeError``/``ValueError`` naming what is wrong with a point ``x``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.name}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(
+                f"{self.name}: {name} must be a matrix or a batch of matrices [..., m, n], "
+                f"got a {x.dim()}-D tensor of shape {tuple(x.shape)}; vectors (biases, "
+                "gains) belong to an unconstrained (AdamW) group, not to a matrix manifold"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"{self.name}: {name} must be a floating-point tensor, got {x.dtype}")
+        problem = self.shape_problem(x.size(-2), x.size(-1))
+        if problem is not None:
+            raise ValueError(f"{self.name}: {name} of shape {tuple(x.shape)} is invalid: {problem}")
+
+    def validate_vector(self, x: torch.Tensor, u: torch.Tensor, name: str = "u") -> None:
+        """Raise if ``u`` is not a matrix of ``x``'s shape ``[..., m, n]`` (batches broadcast)."""
+        if not isinstance(u, torch.Tensor):
+            raise TypeError(f"{self.name}: {name} must be a torch.Tensor, got {type(u).__name__}")
+        if u.dim() < 2 or u.shape[-2:] != x.shape[-2:]:
+            raise ValueError(
+                f"{self.name}: {name} of shape {tuple(u.shape)} does not match the point's "
+                f"matrix shape {tuple(x.shape[-2:])}; tangent vectors are [..., m, n] like x"
+            )
+        try:
+            torch.broadcast_shapes(x.shape[:-2], u.shape[:-2])
+        except RuntimeError:
+            raise ValueError(
+                f"{self.name}: batch dimensions of {name} {tuple(u.shape[:-2])} and x "
+                f"{tuple(x.shape[:-2])} do not broadcast"
+            ) from None
+
+    def _check_shape(self, shape, name):
+        if len(shape) < 2:
+            return False, f"{self.name}: {name} needs shape [..., m, n], got {tuple(shape)}"
+        problem = self.shape_problem(shape[-2], shape[-1])
+        if problem is not None:
+            return False, f"{self.name}: {name} of shape {tuple(shape)}: {problem}"
+        return True, None
+
+    # ---------------------------------------------------------------- the constraint
+    def constraint(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """$L_x(u)$: zero iff ``u`` is tangent at ``x`` (subclasses define it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define constraint(x, u) and constraint_adjoint(x, lam)"
+        )
+
+    def constraint_adjoint(self, x: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        r"""$L_x^*(\Lambda)$, ``[..., m, n]`` (subclasses define it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define constraint(x, u) and constraint_adjoint(x, lam)"
+        )
+
+    def constraint_gram_diag(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Diagonal of $L_xL_x^*$ where it is diagonal, else ``None`` (the default)."""
+        return None
+
+    def defining_map(self, x: torch.Tensor) -> torch.Tensor:
+        """$F(x)$ with $M = \\{F = 0\\}$ and $dF_x = L_x$ (optional)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no defining_map(x)")
+
+    @property
+    def has_defining_map(self) -> bool:
+        """Whether the subclass defines :meth:`defining_map`."""
+        return type(self).defining_map is not MatrixManifold.defining_map
+
+    @matrix_method(result="multiplier")
+    def gram_solve(self, x: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        r"""Solve $L_xL_x^*\Lambda = \text{rhs}$ for the multiplier $\Lambda$.
+
+        Jacobi-preconditioned conjugate gradients (the preconditioner is
+        ``constraint_gram_diag`` when given, so a diagonal $L_xL_x^*$ is solved in one
+        iteration), batched over the leading dimensions of ``x``; see
+        :func:`conjugate_gradients` for the stopping rule. $L_xL_x^*$ may be singular (a
+        symmetric multiplier stored as a full matrix): the right-hand side lies in its
+        range, where CG started from zero stays up to round-off.
+
+        Args:
+            x: ``[..., m, n]`` point; its batch dimensions are those of ``rhs``.
+            rhs: multiplier-shaped ``[..., *multiplier]``, usually $L_x(u)$.
+
+        Returns:
+            $\Lambda$ of ``rhs``'s shape, computed in ``rhs.dtype``.
+        """
+        batch = rhs.shape[: x.dim() - 2]
+        if rhs.shape[len(batch) :].numel() == 0:
+            return rhs.clone()
+        x = x.expand(*batch, *x.shape[-2:])
+        b = rhs.reshape(*batch, -1)
+        diag = self.constraint_gram_diag(x)
+        diag = torch.ones_like(b) if diag is None else diag.expand_as(rhs).reshape(b.shape)
+        # Entries where the multiplier is structurally zero may carry a zero diagonal.
+        diag = torch.where(diag > 0, diag, torch.ones_like(diag))
+
+        def gram(v):
+            lam = v.reshape(rhs.shape)
+            return self.constraint(x, self.constraint_adjoint(x, lam)).reshape(b.shape)
+
+        return conjugate_gradients(gram, b, diag).reshape(rhs.shape)
+
+    # ---------------------------------------------------------------- geoopt surface
+    @matrix_method("u")
+    def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""Orthogonal projection onto $T_xM$: $P_x(u) = u - L_x^*\Lambda$, $L_xL_x^*\Lambda = L_xu$.
+
+        Generic (conjugate gradients, :meth:`gram_solve`); built-in manifolds override it
+        with their closed form. Computed in ``u``'s dtype.
+        """
+        x, u = broadcast_pair(x, u)
+        return u - self.constraint_adjoint(x, self.gram_solve(x, self.constraint(x, u)))
+
+    def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Riemannian gradient of the Euclidean metric: the tangent projection of ``u``."""
+        return self.proju(x, u)
+
+    @matrix_method()
+    def projx(self, x: torch.Tensor) -> torch.Tensor:
+        """A point of $M$ near ``x``: generic Gauss–Newton projection (needs ``defining_map``).
+
+        Computed in float32 (float64 for float64 input), returned in ``x.dtype``.
+        """
+        return self._newton_projection(x).to(x.dtype)
+
+    @matrix_method("u")
+    def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""Retraction $R_x(u)$: Gauss–Newton projection of $x + u$ onto $M$ along normal spaces.
+
+        $y_0 = x + u$, $y_{k+1} = y_k - L_{y_k}^*\big((L_{y_k}L_{y_k}^*)^{-1}F(y_k)\big)$
+        until the step is negligible (quadratic convergence; at most ``newton_steps``).
+        Because the correction is normal up to $O(\|u\|)$ and of size $O(\|u\|^2)$, this is
+        a second-order retraction. Needs ``defining_map``; computed in float32 (float64
+        for float64 input), returned in ``x.dtype``.
+        """
+        x, u = broadcast_pair(x, u)
+        return self._newton_projection(x + u).to(x.dtype)
+
+    def expmap(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Falls back to :meth:`retr` (no closed-form geodesics are used)."""
+        return self.retr(x, u)
+
+    @matrix_method("u", "v", result="check")
+    def inner(self, x, u, v=None, *, keepdim=False):
+        r"""Euclidean metric $\langle u, v\rangle = \sum_{ij} u_{ij}v_{ij}$ over the last two dims."""
+        product = u * u if v is None else u * v
+        product = product.expand(*torch.broadcast_shapes(x.shape, product.shape))
+        return product.sum(dim=(-2, -1), keepdim=keepdim)
+
+    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Vector transport by projection: $P_y(v)$."""
+        self.validate_vector(x, y, "y")
+        return self.proju(y, v)
+
+    def random(self, *size, dtype=None, device=None, generator=None) -> torch.Tensor:
+        """A random point: ``projx`` of a standard Gaussian matrix of shape ``size``.
+
+        Args:
+            size: ``(..., m, n)``.
+            dtype, device: of the result (default dtype: ``torch.get_default_dtype()``).
+            generator: a ``torch.Generator`` on ``device`` for reproducible draws.
+
+        Returns:
+            A plain tensor on the manifold (wrap it in ``geoopt.ManifoldParameter`` to
+            attach the manifold).
+        """
+        shape = size2shape(*size)
+        ok, reason = self._check_shape(shape, "size")
+        if not ok:
+            raise ValueError(reason)
+        gaussian = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+        return self.projx(gaussian)
+
+    def origin(self, *size, dtype=None, device=None, seed: int = 42) -> torch.Tensor:
+        """A deterministic point: :meth:`random` with a generator seeded by ``seed``.
+
+        The global RNG is left untouched.
+        """
+        generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+        return self.random(*size, dtype=dtype, device=device, generator=generator)
+
+    @matrix_method(result="check")
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        if self.has_defining_map:
+            residual = self.defining_map(x)
+            ok = torch.allclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
+            return ok, None if ok else f"defining map F(x) != 0 with atol={atol}"
+        ok = torch.allclose(self.projx(x), x, atol=atol, rtol=rtol)
+        return ok, None if ok else f"projx(x) != x with atol={atol}, rtol={rtol}"
+
+    @matrix_method("u", result="check")
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        x, u = broadcast_pair(x, u)
+        residual = self.constraint(x, u)
+        ok = torch.allclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
+        return ok, None if ok else f"constraint L_x(u) != 0 with atol={atol}"
+
+    def extra_repr(self) -> str:
+        return ""
+
+    # ---------------------------------------------------------------- internals
+    def _newton_projection(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.has_defining_map:
+            raise NotImplementedError(
+                f"{type(self).__name__}: the generic projx/retr need defining_map(x) "
+                "(F with M = {F = 0}); define it, or override projx and retr"
+            )
+        y = y.to(retraction_dtype(y.dtype))
+        # Stop once a step is below sqrt(eps)/100 relative: quadratic convergence then puts
+        # the next error under the dtype's round-off.
+        small = 1e-2 * torch.finfo(y.dtype).eps ** 0.5
+        for _ in range(self.newton_steps):
+            step = self.constraint_adjoint(y, self.gram_solve(y, self.defining_map(y)))
+            y = y - step
+            step_norm = step.norm(dim=(-2, -1))
+            if bool((step_norm <= small * y.norm(dim=(-2, -1))).all()):
+                break
+        return y
+
+
+def conjugate_gradients(apply, b: torch.Tensor, diag: torch.Tensor) -> torch.Tensor:
+    r"""Batched Jacobi-preconditioned conjugate gradients for $G\lambda = b$ over the last dim.
+
+    ``apply(v)`` computes $Gv$ for ``[..., p]`` tensors ($G$ symmetric positive
+    semi-definite, $b$ in its range); ``diag`` ``[..., p]`` is the positive preconditioner.
+    Each batch entry stops on a normwise backward error at round-off,
+    $\|r\| \le 16\varepsilon(\|b\| + \|G\|\|\lambda\|)$ with $\|G\|$ estimated from the
+    products seen, or once its residual grows 1000-fold over its best (the right-hand side
+    carries round-off outside the range of a singular $G$, and CG iterating on that noise
+    diverges); at most $p$ iterations, the exact-arithmetic bound. Returns the iterate
+    with the smallest residual, in ``b.dtype``.
+    """
+
+    def dot(u, v):
+        return (u * v).sum(-1, keepdim=True)
+
+    eps, tiny = torch.finfo(b.dtype).eps, torch.finfo(b.dtype).tiny
+    b_norm = b.norm(dim=-1, keepdim=True)
+    gram_norm = torch.zeros_like(b_norm)
+    lam = torch.zeros_like(b)
+    best_lam, best_r = lam, b_norm
+    done = torch.zeros_like(b_norm, dtype=torch.bool)
+    r = b.clone()
+    z = r / diag
+    p = z
+    rz = dot(r, z)
+    for iteration in range(b.size(-1) + 1):
+        r_norm = r.norm(dim=-1, keepdim=True)
+        improved = r_norm < best_r
+        best_lam = torch.where(improved, lam, best_lam)
+        best_r = torch.where(improved, r_norm, best_r)
+        target = 16 * eps * (b_norm + gram_norm * lam.norm(dim=-1, keepdim=True))
+        done = done | (r_norm <= target) | (r_norm > 1e3 * best_r)
+        if bool(done.all()) or iteration == b.size(-1):
+            break
+        gp = apply(p)
+        p_norm = p.norm(dim=-1, keepdim=True).clamp_min(tiny)
+        gram_norm = torch.maximum(gram_norm, gp.norm(dim=-1, keepdim=True) / p_norm)
+        pgp = dot(p, gp)
+        alpha = torch.where(pgp > 0, rz / pgp, torch.zeros_like(pgp))
+        lam = lam + alpha * p
+        r = r - alpha * gp
+        z = r / diag
+        rz_next = dot(r, z)
+        beta = torch.where(rz > 0, rz_next / rz, torch.zeros_like(rz))
+        p = z + beta * p
+        rz = rz_next
+    return best_lam
+
+
+def broadcast_pair(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand ``x`` and ``u`` to their common batch shape."""
+    batch = torch.broadcast_shapes(x.shape[:-2], u.shape[:-2])
+    return x.expand(*batch, *x.shape[-2:]), u.expand(*batch, *u.shape[-2:])

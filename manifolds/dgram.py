@@ -1,0 +1,110 @@
+r"""DGram: matrices with pairwise orthogonal, nonzero columns."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import MatrixManifold, matrix_method, retraction_dtype
+from .linalg import msign, sym
+
+__all__ = ["DGram"]
+
+
+def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
+    return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
+
+
+class DGram(MatrixManifold):
+    r"""Diagonal-Gram matrices $\{W : \operatorname{Off}(W^\top W) = 0,\ w_j \ne 0\}$.
+
+    Equivalently $W = Q\operatorname{diag}(d)$ with $Q^\top Q = I$ and $d_j = \|w_j\| > 0$:
+    the singular values of $W$ are its column norms, and they are not bounded. Its
+    symmetry group is $O_m \times$ signed column permutations, *not* $O_m \times O_n$.
+
+    Tall and square points ($m \ge n$) have orthogonal **columns**; a wide point has
+    orthogonal nonzero **rows** (the transposed geometry). For a tall $W$, with
+    $d_i = \|w_i\|$:
+
+    | map | formula |
+    |---|---|
+    | constraint | $L_W(A) = \operatorname{Off}(W^\top A + A^\top W)$ (``[..., n, n]``) |
+    | adjoint | $L_W^*(\Lambda) = 2W\operatorname{Off}(\operatorname{sym}\Lambda)$ |
+    | $L_WL_W^*$ on symmetric zero-diagonal $\Lambda$ | $\Lambda_{ij} \mapsto 2(d_i^2 + d_j^2)\Lambda_{ij}$ |
+    | defining map | $F(W) = \operatorname{Off}(W^\top W)$ |
+    | tangent projection | $P_W(X) = X - W\Sigma$, $\Sigma_{ij} = \dfrac{(W^\top X + X^\top W)_{ij}}{d_i^2 + d_j^2}$, $\Sigma_{ii} = 0$ |
+    | retraction | $R_W(V) = \operatorname{msign}(W + V)\operatorname{diag}(\|(W + V)_j\|)$ |
+    | ``projx`` | $UV^\top\operatorname{diag}(\|x_j\|)$, $X = U\Sigma V^\top$ |
+
+    The retraction keeps each column's norm and orthogonalizes the directions. It is
+    **not** the map $\operatorname{polar}(X)\operatorname{diag}(\text{sorted }\sigma(X))$,
+    which moves a point whose column norms are unsorted and needs an SVD. It runs Polar
+    Express in float32 (float64 for float64 points). ``projx`` (thin SVD in float64,
+    rounded once) fixes every point of the manifold but is not the metric projection
+    (which has no closed form).
+
+    A point, a retraction target $W + V$ or a ``projx`` input with a zero column raises
+    ``ValueError``: the manifold requires nonzero columns and the formulas divide by them.
+    """
+
+    name = "DGram"
+    transposes_wide = True
+
+    def _squared_column_norms(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        d2 = x.square().sum(-2)
+        if bool((d2 == 0).any()):
+            raise ValueError(
+                f"DGram: {what} has a zero column (a zero row if it is wide); DGram points "
+                "need nonzero columns: start from DGram.random, or projx of a matrix whose "
+                "columns are all nonzero"
+            )
+        return d2
+
+    @matrix_method("u", result="multiplier")
+    def constraint(self, x, u):
+        return _off_diagonal(x.mT @ u + u.mT @ x)
+
+    @matrix_method()
+    def constraint_adjoint(self, x, lam):
+        return 2 * x @ _off_diagonal(sym(lam))
+
+    @matrix_method(result="multiplier")
+    def constraint_gram_diag(self, x):
+        # The diagonal entries of the multiplier are always zero; 4 d_i^2 there is a safe
+        # positive placeholder given by the same formula.
+        d2 = self._squared_column_norms(x, "x")
+        return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+
+    @matrix_method(result="multiplier")
+    def defining_map(self, x):
+        return _off_diagonal(x.mT @ x)
+
+    @matrix_method("u")
+    def proju(self, x, u):
+        d2 = self._squared_column_norms(x, "x")
+        sigma = _off_diagonal(x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+        return u - x @ sigma
+
+    @matrix_method()
+    def projx(self, x):
+        x64 = x.double()
+        d2 = self._squared_column_norms(x64, "x given to projx")
+        U, _, Vh = torch.linalg.svd(x64, full_matrices=False)
+        return ((U @ Vh) * d2.sqrt().unsqueeze(-2)).to(x.dtype)
+
+    @matrix_method("u")
+    def retr(self, x, u):
+        compute = retraction_dtype(x.dtype)
+        y = x.to(compute) + u.to(compute)
+        d2 = self._squared_column_norms(y, "the retraction target x + u")
+        return (msign(y, method="polar_express") * d2.sqrt().unsqueeze(-2)).to(x.dtype)
+
+    @matrix_method(result="check")
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        d = x.norm(dim=-2)
+        if bool((d == 0).any()):
+            return False, "x has a zero column (row for wide matrices)"
+        # Scale-free: the normalized columns must be orthonormal (cosines vanish).
+        q = x / d.unsqueeze(-2)
+        cosines = _off_diagonal(q.mT @ q)
+        ok = torch.allclose(cosines, torch.zeros_like(cosines), atol=atol, rtol=rtol)
+        return ok, None if ok else f"columns are not orthogonal (cosines) with atol={atol}"

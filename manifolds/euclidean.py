@@ -1,0 +1,48 @@
+r"""The unconstrained space of matrices."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import MatrixManifold, broadcast_pair, matrix_method
+
+__all__ = ["Euclidean"]
+
+
+class Euclidean(MatrixManifold):
+    r"""All of $\mathbb{R}^{m\times n}$: no constraint, $P_W(X) = X$, $R_W(V) = W + V$.
+
+    The constraint is the empty map: its multiplier has shape ``[..., 0]``. ``random``
+    draws a standard Gaussian matrix.
+    """
+
+    name = "Euclidean"
+
+    @matrix_method("u", result="multiplier")
+    def constraint(self, x, u):
+        x, u = broadcast_pair(x, u)
+        return u.new_zeros((*u.shape[:-2], 0))
+
+    @matrix_method()
+    def constraint_adjoint(self, x, lam):
+        return x.new_zeros((*torch.broadcast_shapes(x.shape[:-2], lam.shape[:-1]), *x.shape[-2:]))
+
+    @matrix_method(result="multiplier")
+    def constraint_gram_diag(self, x):
+        return x.new_zeros((*x.shape[:-2], 0))
+
+    @matrix_method(result="multiplier")
+    def defining_map(self, x):
+        return x.new_zeros((*x.shape[:-2], 0))
+
+    @matrix_method("u")
+    def proju(self, x, u):
+        return broadcast_pair(x, u)[1]
+
+    @matrix_method()
+    def projx(self, x):
+        return x
+
+    @matrix_method("u")
+    def retr(self, x, u):
+        return x + u

@@ -1,0 +1,98 @@
+r"""The vocabulary-by-feature space of embeddings and LM heads (LPRO geometry)."""
+
+from __future__ import annotations
+
+from .euclidean import Euclidean
+from .oblique import (
+    sphere_adjoint,
+    sphere_constraint,
+    sphere_defining_map,
+    sphere_gram_diag,
+    sphere_normalize,
+    sphere_proju,
+)
+from .base import matrix_method
+
+__all__ = ["LPRO"]
+
+
+class LPRO(Euclidean):
+    r"""Embedding / LM-head matrices: vocabulary rows $\times$ features, optional row radius.
+
+    The name is the block's symmetry group, Left Permutation $\times$ Right Orthogonal
+    ($S_m \times O_n$): permuting the vocabulary and rotating the feature space. Rows are
+    vocabulary items for every shape.
+
+    Without ``radius`` the set is all of $\mathbb{R}^{m\times n}$ (the geometry of
+    :class:`~manifolds.Euclidean`, multiplier ``[..., 0]``). With a radius $r$ every row
+    has norm $r$, $\|w_i\| = r$:
+
+    | map | formula |
+    |---|---|
+    | constraint | $L_W(A) = \operatorname{rowdot}(W, A)_i = \langle w_i, a_i\rangle$ (``[..., m]``) |
+    | adjoint | $L_W^*(\lambda) = \operatorname{diag}(\lambda)W$ |
+    | diagonal of $L_WL_W^*$ | $\|w_i\|^2$ |
+    | defining map | $F(W)_i = \tfrac12(\|w_i\|^2 - r^2)$ |
+    | tangent projection | $P_W(X) = X - \operatorname{diag}(\operatorname{rowdot}(W, X)/\|w_i\|^2)W$ |
+    | retraction / ``projx`` | rescale every row of $W + V$ / $X$ to norm $r$ |
+
+    ($\|w_i\|^2 = r^2$ on the manifold; dividing by the actual norm keeps the projection
+    orthogonal slightly off it.) Retractions compute in float32 (float64 for float64
+    points); a zero row given to ``projx`` raises ``ValueError``.
+
+    Args:
+        radius: row norm $r > 0$, or ``None`` for no constraint.
+    """
+
+    name = "LPRO"
+
+    def __init__(self, radius: float | None = None):
+        super().__init__()
+        if radius is not None and not float(radius) > 0:
+            raise ValueError(f"LPRO: radius must be a positive number or None, got {radius!r}")
+        self.radius = None if radius is None else float(radius)
+
+    def extra_repr(self) -> str:
+        return "" if self.radius is None else f"radius={self.radius}"
+
+    @matrix_method("u", result="multiplier")
+    def constraint(self, x, u):
+        if self.radius is None:
+            return super().constraint(x, u)
+        return sphere_constraint(x, u, -1)
+
+    @matrix_method()
+    def constraint_adjoint(self, x, lam):
+        if self.radius is None:
+            return super().constraint_adjoint(x, lam)
+        return sphere_adjoint(x, lam, -1)
+
+    @matrix_method(result="multiplier")
+    def constraint_gram_diag(self, x):
+        if self.radius is None:
+            return super().constraint_gram_diag(x)
+        return sphere_gram_diag(x, -1)
+
+    @matrix_method(result="multiplier")
+    def defining_map(self, x):
+        if self.radius is None:
+            return super().defining_map(x)
+        return sphere_defining_map(x, self.radius, -1)
+
+    @matrix_method("u")
+    def proju(self, x, u):
+        if self.radius is None:
+            return super().proju(x, u)
+        return sphere_proju(x, u, -1)
+
+    @matrix_method()
+    def projx(self, x):
+        if self.radius is None:
+            return x
+        return sphere_normalize(x, self.radius, -1, "LPRO.projx")
+
+    @matrix_method("u")
+    def retr(self, x, u):
+        if self.radius is None:
+            return x + u
+        return sphere_normalize(x, self.radius, -1, "LPRO.retr", step=u)

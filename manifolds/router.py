@@ -1,0 +1,71 @@
+r"""The centered subspace of MoE router weights."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import MatrixManifold, broadcast_pair, matrix_method, retraction_dtype
+
+__all__ = ["CenteredRouterSpace"]
+
+
+def _centered(x):
+    return x - x.mean(-2, keepdim=True)
+
+
+class CenteredRouterSpace(MatrixManifold):
+    r"""Router weights with experts on rows, centered over experts: $\{W : \mathbf{1}^\top W = 0\}$.
+
+    A router's logits are invariant under a shared shift $W \mapsto W + \mathbf{1}v^\top$
+    (softmax over experts), so the centered subspace is its quotient. Rows are experts
+    for every shape ($e = m \ge 2$ experts), columns are features.
+
+    | map | formula |
+    |---|---|
+    | constraint | $L_W(A) = \mathbf{1}^\top A$ (multiplier ``[..., n]``) |
+    | adjoint | $L_W^*(\lambda) = \mathbf{1}\lambda^\top$ |
+    | diagonal of $L_WL_W^*$ | $e$ |
+    | defining map | $F(W) = \mathbf{1}^\top W$ |
+    | tangent projection / ``projx`` | $\Pi^\perp X = X - \tfrac1e\mathbf{1}\mathbf{1}^\top X$ |
+    | retraction | $\Pi^\perp(W + V)$ ($= W + V$ for tangent $V$; re-centering removes drift) |
+
+    ``proju`` computes in the input's dtype, the retraction in float32 (float64 for
+    float64 points), ``projx`` in float64 (rounded once).
+    """
+
+    name = "CenteredRouterSpace"
+
+    def shape_problem(self, m, n):
+        if m < 2:
+            return f"a router needs at least 2 experts (rows), got {m}"
+        return super().shape_problem(m, n)
+
+    @matrix_method("u", result="multiplier")
+    def constraint(self, x, u):
+        return broadcast_pair(x, u)[1].sum(-2)
+
+    @matrix_method()
+    def constraint_adjoint(self, x, lam):
+        batch = torch.broadcast_shapes(x.shape[:-2], lam.shape[:-1])
+        return lam.unsqueeze(-2).expand(*batch, *x.shape[-2:])
+
+    @matrix_method(result="multiplier")
+    def constraint_gram_diag(self, x):
+        return x.new_full((*x.shape[:-2], x.size(-1)), float(x.size(-2)))
+
+    @matrix_method(result="multiplier")
+    def defining_map(self, x):
+        return x.sum(-2)
+
+    @matrix_method("u")
+    def proju(self, x, u):
+        return _centered(broadcast_pair(x, u)[1])
+
+    @matrix_method()
+    def projx(self, x):
+        return _centered(x.double()).to(x.dtype)
+
+    @matrix_method("u")
+    def retr(self, x, u):
+        compute = retraction_dtype(x.dtype)
+        return _centered(x.to(compute) + u.to(compute)).to(x.dtype)

@@ -1,0 +1,28 @@
+"""Update maps, the steepest-descent engine and the matrix optimizers (see DESIGN §3).
+
+``msign`` is re-exported from :mod:`manifolds.linalg`, where the kernel lives.
+"""
+
+from manifolds.linalg import msign
+
+from . import maps
+from .base import MatrixOptimizer
+from .manifold_muon import ManifoldMuon
+from .muon import Muon
+from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
+from .steepest import NORMS, SteepestResult, steepest_direction
+
+__all__ = [
+    "msign",
+    "maps",
+    "MatrixOptimizer",
+    "Muon",
+    "ManifoldMuon",
+    "RowNormM",
+    "RightPolarGradM",
+    "LeftPolarGradM",
+    "HybridPolarGradM",
+    "steepest_direction",
+    "SteepestResult",
+    "NORMS",
+]

@@ -1,0 +1,344 @@
+r"""Per-module assignment: which geometry and update each weight of a model gets.
+
+Two steps, kept apart so each can be checked on its own:
+
+1. :func:`classify` reads the *role* of every parameter from the module tree. A module
+   declares its weights' roles in a ``ROLES = {child attribute: role}`` mapping (as
+   ``pretrain.model`` does); undeclared ``nn.Embedding`` are embeddings, 1-D tensors are
+   vectors, and a short table of conventional child names (``q_proj``, ``gate_proj``,
+   ``c_fc``, …, read together with the parent's name) covers foreign models. A weight
+   that none of these places is an error, never a silent default; ``roles={name: role}``
+   overrides.
+2. :func:`assign` applies a *strategy* — a map from role to :class:`Rule` — and builds
+   the optimizers, one per update family, with one param group per (rule, manifold).
+   Weights assigned a manifold are moved onto it (``projx``) before training.
+
+Strategies (DESIGN §3.6): ``adamw`` (baseline), ``unconstrained`` (Muon on hidden
+matrices), the seed-000 family ``all_stiefel``, ``all_dgram``, ``hetero`` (Stiefel
+attention, DGram MLP), ``hetero_inv``; ``symmetry`` (seed 004: spectral attention,
+hybrid row-aware MLP input, right-polar MLP output, row-norm embedding, centered hybrid
+head, centered left-polar router) and ``lipschitz`` (seed 003: Muon plus the spectral
+soft cap after every step). Everything a strategy does not name goes to AdamW.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+ATTENTION_ROLES = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o")
+MLP_ROLES = ("mlp_in", "mlp_out", "mlp_gate", "mlp_up", "mlp_down")
+ROLES = ATTENTION_ROLES + MLP_ROLES + ("embedding", "lm_head", "router", "vector")
+
+# Conventional child names of foreign models: (child name, parent-name hint or None, role).
+_CONVENTIONAL_NAMES = (
+    ("q_proj", None, "attn_q"),
+    ("k_proj", None, "attn_k"),
+    ("v_proj", None, "attn_v"),
+    ("o_proj", None, "attn_o"),
+    ("out_proj", "attn", "attn_o"),
+    ("qkv", None, "attn_qkv"),
+    ("c_attn", None, "attn_qkv"),
+    ("c_proj", "attn", "attn_o"),
+    ("c_proj", "mlp", "mlp_out"),
+    ("c_fc", None, "mlp_in"),
+    ("fc1", None, "mlp_in"),
+    ("fc2", None, "mlp_out"),
+    ("gate_proj", None, "mlp_gate"),
+    ("up_proj", None, "mlp_up"),
+    ("down_proj", None, "mlp_down"),
+    ("router", None, "router"),
+    ("lm_head", None, "lm_head"),
+)
+
+
+def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str, str]:
+    """``{parameter name: role}`` for every parameter of ``model`` (tied tensors once,
+    under their first name, as ``named_parameters`` lists them).
+
+    Raises:
+        ValueError: a role in ``roles`` is not one of :data:`ROLES`, a name in ``roles``
+            is not a parameter, or a matrix parameter has no role.
+    """
+    roles = dict(roles or {})
+    names = dict(model.named_parameters())
+    for name, role in roles.items():
+        if role not in ROLES:
+            raise ValueError(f"roles[{name!r}] = {role!r} is not a role; use one of {ROLES}")
+        if name not in names:
+            raise ValueError(f"roles names {name!r}, which is not a parameter of the model")
+    declared: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        for child_name, role in getattr(module, "ROLES", {}).items():
+            if role not in ROLES:
+                raise ValueError(f"{type(module).__name__}.ROLES[{child_name!r}] = {role!r} is not a role")
+            child = getattr(module, child_name, None)
+            weight = getattr(child, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                declared.setdefault(id(weight), role)
+    out = {}
+    for name, p in names.items():
+        role = roles.get(name) or declared.get(id(p))
+        if role is None and p.dim() < 2:
+            role = "vector"
+        if role is None:
+            role = _structural_role(model, name)
+        if role is None:
+            raise ValueError(
+                f"cannot tell the role of parameter {name!r} (shape {tuple(p.shape)}): its module "
+                f"declares no ROLES and its name is not a conventional one; pass "
+                f"roles={{{name!r}: ROLE}} with ROLE in {ROLES}"
+            )
+        out[name] = role
+    return out
+
+
+def _structural_role(model: nn.Module, name: str) -> str | None:
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    parent_path, _, child = module_path.rpartition(".")
+    for conventional, parent_hint, role in _CONVENTIONAL_NAMES:
+        if child == conventional and (parent_hint is None or parent_hint in parent_path.lower()):
+            return role
+    return None
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one role is optimised: an update family, an optional manifold, a regulator."""
+
+    update: str  # "adamw", "muon", "manifold_muon", "row_norm", "right_polar", "left_polar", "hybrid"
+    manifold: str | None = None  # "stiefel", "dgram", "centered_router" (ManifoldMuon only)
+    centered: bool = False
+    regulate: str | None = None
+
+    def describe(self) -> str:
+        text = self.update
+        if self.manifold:
+            text += f"[{self.manifold}]"
+        if self.centered:
+            text = "centered " + text
+        if self.regulate:
+            text += f" + {self.regulate}"
+        return text
+
+
+ADAMW = Rule("adamw")
+
+
+def _seed000(attention: Rule, mlp: Rule) -> dict[str, Rule]:
+    return {**{r: attention for r in ATTENTION_ROLES}, **{r: mlp for r in MLP_ROLES}}
+
+
+_STIEFEL = Rule("manifold_muon", "stiefel")
+_DGRAM = Rule("manifold_muon", "dgram")
+_MUON = Rule("muon")
+_CAPPED = Rule("muon", regulate="soft_cap")
+
+#: strategy name → {role: rule}; roles not listed use AdamW.
+STRATEGIES: dict[str, dict[str, Rule]] = {
+    "adamw": {},
+    "unconstrained": _seed000(_MUON, _MUON),
+    "all_stiefel": _seed000(_STIEFEL, _STIEFEL),
+    "all_dgram": _seed000(_DGRAM, _DGRAM),
+    "hetero": _seed000(_STIEFEL, _DGRAM),
+    "hetero_inv": _seed000(_DGRAM, _STIEFEL),
+    "symmetry": {
+        **{r: _MUON for r in ATTENTION_ROLES},
+        # Hidden neurons are the rows of the input/gate/up matrices (permutation-equivariant
+        # row-aware update) and the columns of the output matrix (O_m × O_n-equivariant
+        # right polar update, which contains those column permutations).
+        **{r: Rule("hybrid") for r in ("mlp_in", "mlp_gate", "mlp_up")},
+        **{r: Rule("right_polar") for r in ("mlp_out", "mlp_down")},
+        "embedding": Rule("row_norm"),
+        "lm_head": Rule("hybrid", centered=True),
+        "router": Rule("left_polar", centered=True),
+    },
+    "lipschitz": {
+        **{r: _CAPPED for r in ATTENTION_ROLES + MLP_ROLES},
+        "lm_head": _CAPPED,
+        "router": _CAPPED,
+    },
+}
+
+
+@dataclass
+class Hyper:
+    """Hyperparameters shared by the strategies (seed-000 defaults)."""
+
+    lr: float = 0.02  # matrix updates (Muon, Manifold Muon, seed-004 maps)
+    adamw_lr: float = 6e-4
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1  # AdamW matrices and the unconstrained Muon baseline
+    momentum: float = 0.95
+    nesterov: bool = True
+    dual_steps: int | None = None  # Manifold Muon dual-ascent steps (None: optimizer default)
+    compute_dtype: torch.dtype | None = None  # directions (None: the optimizers' default)
+    w_max: float = 2.0  # Lipschitz strategy: largest RMS→RMS norm of each weight
+    # Seed-004 maps: 0 gives unit-scale directions (one lr for every matrix update); the
+    # reference's 1 scales by the nuclear norm, which needs a much smaller lr.
+    polar_alpha: float = 0.0
+    extra: dict = field(default_factory=dict)  # passed to every matrix optimizer
+
+
+@dataclass
+class Row:
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    rule: Rule
+    tied: str = ""
+
+
+class Assignment:
+    """The optimizers built for a model, the per-parameter table, and a combined
+    ``step``/``zero_grad``/``state_dict`` over all of them."""
+
+    def __init__(self, strategy: str, rows: list[Row], optimizers: dict[str, torch.optim.Optimizer]):
+        self.strategy = strategy
+        self.rows = rows
+        self.optimizers = optimizers
+
+    def table(self) -> str:
+        header = ("parameter", "shape", "role", "update")
+        body = [(r.name + (f" (= {r.tied})" if r.tied else ""), "×".join(map(str, r.shape)), r.role, r.rule.describe()) for r in self.rows]
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join([f"strategy: {self.strategy}", line(header), rule, *map(line, body)])
+
+    @property
+    def param_groups(self):
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def step(self):
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.optimizers):
+            raise ValueError(
+                f"optimizer state holds {sorted(state)} but strategy {self.strategy!r} builds "
+                f"{sorted(self.optimizers)}; resume with the strategy the checkpoint was written with"
+            )
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+
+def _manifold(name: str):
+    manifolds = importlib.import_module("manifolds")
+    classes = {"stiefel": "Stiefel", "dgram": "DGram", "centered_router": "CenteredRouterSpace"}
+    return getattr(manifolds, classes[name])()
+
+
+_UPDATE_CLASSES = {
+    "muon": "Muon",
+    "manifold_muon": "ManifoldMuon",
+    "row_norm": "RowNormM",
+    "right_polar": "RightPolarGradM",
+    "left_polar": "LeftPolarGradM",
+    "hybrid": "HybridPolarGradM",
+}
+
+
+def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
+    if update == "adamw":
+        return torch.optim.AdamW(groups, lr=hyper.adamw_lr, betas=hyper.adamw_betas, weight_decay=0.0)
+    cls = getattr(importlib.import_module("optimizers"), _UPDATE_CLASSES[update])
+    kwargs = dict(lr=hyper.lr, momentum=hyper.momentum, **hyper.extra)
+    if update in ("muon", "manifold_muon"):
+        kwargs["nesterov"] = hyper.nesterov
+    else:  # the seed-004 skeleton: plain momentum, nuclear-norm exponent alpha
+        kwargs["alpha"] = hyper.polar_alpha
+    if update == "manifold_muon" and hyper.dual_steps is not None:
+        kwargs["dual_steps"] = hyper.dual_steps
+    if hyper.compute_dtype is not None:
+        kwargs["compute_dtype"] = hyper.compute_dtype
+    return cls(groups, **kwargs)
+
+
+def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) -> dict:
+    group: dict = {"params": params}
+    if rule.update == "adamw":
+        group["weight_decay"] = hyper.weight_decay if decay else 0.0
+    elif rule.update == "muon":
+        # the seed-000 baseline: decoupled weight decay; the Lipschitz strategy caps instead
+        group["weight_decay"] = 0.0 if rule.regulate else hyper.weight_decay
+    if rule.manifold:
+        group["manifold"] = _manifold(rule.manifold)
+    if rule.centered:
+        group["centered"] = True
+    if rule.regulate:
+        regulate = importlib.import_module("optimizers.regulate")
+        group["regulate"] = regulate.make_regulator({"kind": rule.regulate, "w_max": hyper.w_max})
+    return group
+
+
+def assign(
+    model: nn.Module,
+    strategy: str,
+    hyper: Hyper | None = None,
+    roles: dict[str, str] | None = None,
+) -> Assignment:
+    """Classify ``model``'s parameters, apply ``strategy`` and build its optimizers.
+
+    Weights given a manifold are projected onto it in place (a zero-initialised weight is
+    first replaced by a Gaussian one of std ``1/sqrt(fan_in)``, since zero has no polar
+    factor). Unknown strategy or role → ``ValueError`` naming the valid ones.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    hyper = hyper or Hyper()
+    table = STRATEGIES[strategy]
+    role_of = classify(model, roles)
+    params = dict(model.named_parameters())
+    tied = _tied_names(model)
+    rows, buckets = [], {}
+    for name, role in role_of.items():
+        p = params[name]
+        rule = table.get(role, ADAMW) if role != "vector" else ADAMW
+        rows.append(Row(name, tuple(p.shape), role, rule, tied.get(name, "")))
+        # AdamW decays matrices only (nanoGPT); one group per (rule, decay)
+        key = (rule, rule.update == "adamw" and p.dim() >= 2)
+        buckets.setdefault(key, []).append(p)
+    by_update: dict[str, list[dict]] = {}
+    for (rule, decay), ps in buckets.items():
+        group = _group(rule, ps, hyper, decay)
+        if "manifold" in group:
+            _move_onto(group["manifold"], ps)
+        by_update.setdefault(rule.update, []).append(group)
+    optimizers = {update: _build(update, groups, hyper) for update, groups in by_update.items()}
+    return Assignment(strategy, rows, optimizers)
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first and first[id(p)] != name:
+            tied[first[id(p)]] = name
+        first.setdefault(id(p), name)
+    return tied
+
+
+@torch.no_grad()
+def _move_onto(manifold, params: list[torch.Tensor]) -> None:
+    for p in params:
+        if not p.any():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+        p.copy_(manifold.projx(p.float()).to(p.dtype))

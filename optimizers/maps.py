@@ -1,0 +1,270 @@
+r"""Update maps: pure functions $U(D)$ from a (momentum) direction to an update.
+
+Every map acts on the last two dimensions of ``[..., m, n]`` (a stack of same-shape
+matrices is one call), returns the input's dtype, and sends a zero matrix (and, for the
+row/column maps, a zero row/column) to zero, never NaN. Epsilons are keyword arguments
+with documented defaults.
+
+Each docstring names the group the map is **equivariant** under, $U(g\cdot D) =
+g\cdot U(D)$, where $(P, Q)\cdot D = P D Q^\top$; these claims are what the symmetry
+tests check (including negative controls for the groups a map is *not* equivariant
+under). Notation: $O_k$ orthogonal matrices, $S_k$ permutations, $S_k^\pm$ signed
+permutations.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from manifolds.linalg import inv_sqrt_psd, msign
+
+__all__ = [
+    "UpdateMap",
+    "spectral",
+    "row_norm",
+    "col_norm",
+    "right_polar",
+    "left_polar",
+    "hybrid",
+    "centered",
+    "sign",
+    "MAPS",
+]
+
+UpdateMap = Callable[..., torch.Tensor]
+
+#: Default floor added to row/column norms (the reference RowNormM uses $10^{-8}$).
+ROW_EPS = 1e-8
+
+
+def _check(D: torch.Tensor, what: str) -> None:
+    if not isinstance(D, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(D).__name__}")
+    if D.dim() < 2:
+        raise ValueError(
+            f"{what}: expected [..., m, n], got shape {tuple(D.shape)}; vectors (biases, "
+            "gains) have no matrix update — send them to the AdamW path"
+        )
+    if not D.is_floating_point():
+        raise TypeError(f"{what}: expected a floating-point tensor, got {D.dtype}")
+
+
+def spectral(
+    D: torch.Tensor,
+    *,
+    method: str = "polar_express",
+    steps: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+) -> torch.Tensor:
+    r"""Spectral update (Muon): $U(D) = \operatorname{msign}(D) = UV^\top$.
+
+    The dualizer of the spectral norm: $\arg\max_{\|A\|_2\le 1}\langle D, A\rangle$.
+
+    **Equivariant under** $O_m \times O_n$ (exactly for ``method="svd"``; the Newton–Schulz
+    methods are odd matrix polynomials $p(DD^\top)D$, equivariant up to round-off).
+
+    Args:
+        D: ``[..., m, n]``.
+        method, steps, compute_dtype: passed to :func:`manifolds.linalg.msign`.
+        eps: floor of $\|D\|_F$ in the normalization ($10^{-7}$); zero $D$ gives zero.
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``; matmuls in ``compute_dtype`` (default ``D.dtype``).
+    """
+    _check(D, "spectral")
+    return msign(D, method=method, steps=steps, compute_dtype=compute_dtype, eps=eps)
+
+
+def row_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
+    r"""Row normalization (RowNormM): $U(D) = \operatorname{diag}(1/(\|d_i\| + \epsilon))\,D$.
+
+    The dualizer of the max-row-norm $\|A\|_{2\to\infty} = \max_i\|a_i\|$ (rows of the
+    ``[out, in]`` layout: one row per output neuron / vocabulary entry).
+
+    **Equivariant under** $S_m^\pm \times O_n$ (signed row permutations on the left, any
+    rotation on the right); **not** under $O_m$ (mixing rows changes their norms).
+
+    Args:
+        D: ``[..., m, n]``.
+        eps: added to each row norm ($10^{-8}$); a zero row stays zero.
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``, computed in ``D.dtype``.
+    """
+    _check(D, "row_norm")
+    return D / (D.norm(dim=-1, keepdim=True) + eps)
+
+
+def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
+    r"""Column normalization: $U(D) = D\,\operatorname{diag}(1/(\|d^j\| + \epsilon))$.
+
+    The dualizer of the max-column-norm $\|A\|_{1\to 2} = \max_j\|a^j\|$.
+
+    **Equivariant under** $O_m \times S_n^\pm$; **not** under $O_n$.
+
+    Args:
+        D: ``[..., m, n]``.
+        eps: added to each column norm ($10^{-8}$); a zero column stays zero.
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``, computed in ``D.dtype``.
+    """
+    _check(D, "col_norm")
+    return D / (D.norm(dim=-2, keepdim=True) + eps)
+
+
+def _polar_scaled(D: torch.Tensor, *, right: bool, alpha: float, eps: float | None) -> torch.Tensor:
+    compute = torch.float64 if D.dtype == torch.float64 else torch.float32
+    X = D.to(compute)
+    gram = X.mT @ X if right else X @ X.mT
+    Z = inv_sqrt_psd(gram, eps=eps)
+    polar = X @ Z if right else Z @ X
+    # nu = <D, D (D^T D)^{-1/2}> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product.
+    nuclear = (X * polar).sum(dim=(-2, -1), keepdim=True)
+    out = polar * nuclear.clamp_min(0).pow(alpha) if alpha != 0 else polar
+    nonzero = X.norm(dim=(-2, -1), keepdim=True) > 0
+    return torch.where(nonzero, out, torch.zeros_like(out)).to(D.dtype)
+
+
+def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None) -> torch.Tensor:
+    r"""Right polar update (RightPolarGradM): $U(D) = \|D\|_*^{\alpha}\,D\,(D^\top D)^{-1/2}$.
+
+    The inverse square root of the $n\times n$ Gram matrix comes from coupled
+    Newton–Schulz (:func:`manifolds.linalg.inv_sqrt_psd`), and
+    $\|D\|_* = \operatorname{tr}(D^\top D)^{1/2} = \langle D, D(D^\top D)^{-1/2}\rangle$ is read
+    off the same product. $\alpha = 0$ gives Muon's direction $\operatorname{msign}(D)$;
+    the reference PolarGrad uses $\alpha = 1$. For full-rank $D$ this equals
+    :func:`left_polar` ($D f(D^\top D) = f(DD^\top) D$); pick the side whose Gram matrix
+    is small (``right`` for tall $D$).
+
+    **Equivariant under** $O_m \times O_n$.
+
+    Args:
+        D: ``[..., m, n]``.
+        alpha: exponent of the nuclear-norm scale.
+        eps: diagonal shift of the Gram matrix (default: $n\,\varepsilon\,\|D^\top D\|_F$,
+            see :func:`~manifolds.linalg.inv_sqrt_psd`); a zero $D$ gives zero.
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
+    """
+    _check(D, "right_polar")
+    return _polar_scaled(D, right=True, alpha=alpha, eps=eps)
+
+
+def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None) -> torch.Tensor:
+    r"""Left polar update (LeftPolarGradM): $U(D) = \|D\|_*^{\alpha}\,(DD^\top)^{-1/2}D$.
+
+    Same map as :func:`right_polar` for full-rank $D$, computed through the $m\times m$
+    Gram matrix (the small one for wide blocks such as routers ``[experts, features]``).
+
+    **Equivariant under** $O_m \times O_n$.
+
+    Args:
+        D: ``[..., m, n]``.
+        alpha: exponent of the nuclear-norm scale.
+        eps: diagonal shift of $DD^\top$ (default as in :func:`right_polar`).
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
+    """
+    _check(D, "left_polar")
+    return _polar_scaled(D, right=False, alpha=alpha, eps=eps)
+
+
+def hybrid(
+    D: torch.Tensor,
+    *,
+    alpha: float = 1.0,
+    eps: float = ROW_EPS,
+    method: str = "polar_express",
+    steps: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    r"""Hybrid update (HybridPolarGradM): $R = \operatorname{row\_norm}(D)$,
+    $U(D) = \|R\|_*^{\alpha}\operatorname{msign}(R)$.
+
+    Rows are equalized first (the vocabulary / neuron side), then the result is
+    orthogonalized; $\|R\|_* = \langle R, \operatorname{msign}(R)\rangle$.
+
+    **Equivariant under** $S_m^\pm \times O_n$; **not** under $O_m$.
+
+    Args:
+        D: ``[..., m, n]``.
+        alpha: exponent of the nuclear-norm scale ($1$ in the reference code).
+        eps: row-norm floor ($10^{-8}$).
+        method, steps, compute_dtype: passed to :func:`manifolds.linalg.msign`.
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``; matmuls in ``compute_dtype`` (default ``D.dtype``).
+    """
+    _check(D, "hybrid")
+    R = row_norm(D, eps=eps)
+    Q = msign(R, method=method, steps=steps, compute_dtype=compute_dtype)
+    if alpha == 0:
+        return Q
+    nuclear = (R * Q).sum(dim=(-2, -1), keepdim=True).clamp_min(0)
+    return Q * nuclear.pow(alpha)
+
+
+def _center_rows(D: torch.Tensor) -> torch.Tensor:
+    # Pi^perp D = D - (1/m) 1 1^T D: remove the shared shift of every column.
+    return D - D.mean(dim=-2, keepdim=True)
+
+
+def centered(update: UpdateMap) -> UpdateMap:
+    r"""Centered form of a map: $U_c(D) = \Pi^\perp\,U(\Pi^\perp D)$, $\Pi^\perp = I - \tfrac1m
+    \mathbf 1\mathbf 1^\top$ on the row side.
+
+    For routers and LM heads (rows = experts / vocabulary), whose logits are invariant to
+    a shared shift $D \mapsto D + \mathbf 1 v^\top$: the input is centered so the shift
+    cannot leak into the update, and the output is re-centered because row scaling (row
+    norm, hybrid) does not preserve $\mathbf 1^\top U = 0$.
+
+    **Equivariant under** $S_m \ltimes$ shifts (row permutations; shifts act trivially on
+    the output: $U_c(D + \mathbf 1v^\top) = U_c(D)$), times the right group of ``update``
+    ($O_n$ for spectral, row-norm, polar and hybrid maps). Sign flips of rows are **not**
+    in the group (they move the mean).
+
+    Returns:
+        a map with the same keyword arguments and dtype contract as ``update``.
+    """
+
+    def centered_update(D: torch.Tensor, **kwargs) -> torch.Tensor:
+        _check(D, f"centered({update.__name__})")
+        return _center_rows(update(_center_rows(D), **kwargs))
+
+    centered_update.__name__ = f"centered_{update.__name__}"
+    centered_update.__qualname__ = centered_update.__name__
+    centered_update.__doc__ = f"Centered form of :func:`{update.__name__}` (see :func:`centered`)."
+    return centered_update
+
+
+def sign(D: torch.Tensor) -> torch.Tensor:
+    r"""Coordinate-wise sign $U(D) = \operatorname{sign}(D)$ (what Adam-like updates reduce to
+    without momentum); $\operatorname{sign}(0) = 0$.
+
+    The negative control of the symmetry tests: **equivariant only under** $S_m^\pm\times
+    S_n^\pm$ (signed permutations on both sides), **not** under $O_m$ or $O_n$.
+
+    Returns:
+        ``[..., m, n]`` in ``D.dtype``.
+    """
+    _check(D, "sign")
+    return torch.sign(D)
+
+
+#: Name -> map, for configuration by string (``centered_<name>`` for centered forms).
+MAPS: dict[str, UpdateMap] = {
+    "spectral": spectral,
+    "row_norm": row_norm,
+    "col_norm": col_norm,
+    "right_polar": right_polar,
+    "left_polar": left_polar,
+    "hybrid": hybrid,
+    "sign": sign,
+}
+MAPS.update({f"centered_{k}": centered(v) for k, v in list(MAPS.items()) if k != "sign"})

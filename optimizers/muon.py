@@ -1,0 +1,144 @@
+r"""Muon: momentum, then the Newton–Schulz polar factor, batched over same-shape matrices.
+
+A drop-in for ``torch.optim.Muon`` (same arguments, same meaning, same refusals), with
+the package's conventions on top (AdamW groups, batching, non-finite handling,
+regulation; see :mod:`optimizers.base`). One step, for every matrix $W$ with gradient $G$:
+
+$$B \leftarrow \mu B + (1-\mu)G,\qquad \tilde B = \begin{cases}(1-\mu)G + \mu B & \text{Nesterov}\\ B\end{cases},$$
+$$O = \mathrm{NS}^{(a,b,c)}_k\big(\tilde B / \max(\|\tilde B\|_F, \epsilon)\big),\qquad
+W \leftarrow (1 - \eta\lambda)W - \eta\,s(m, n)\,O,$$
+
+with $s = \sqrt{\max(1, m/n)}$ (``adjust_lr_fn=None`` or ``"original"``) or
+$0.2\sqrt{\max(m, n)}$ (``"match_rms_adamw"``), $(m, n)$ the last two dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from .base import MatrixOptimizer
+
+__all__ = ["Muon", "newton_schulz"]
+
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    X: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    r"""Quintic Newton–Schulz on a stack ``[..., m, n]``, **in place** on ``X``'s storage.
+
+    $Y \leftarrow Y/\max(\|Y\|_F, \epsilon)$, then ``steps`` times $S = YY^\top$,
+    $Y \leftarrow aY + (bS + cS^2)Y$ on the wide orientation, as fused ``baddbmm`` calls
+    over the whole stack (one kernel per product for every matrix of the batch).
+    The caller owns ``X`` (it is normalized in place: never pass a momentum buffer).
+
+    Returns:
+        ``[..., m, n]`` in ``X.dtype``, computed in ``X.dtype``.
+    """
+    a, b, c = coefficients
+    shape = X.shape
+    Y = X.reshape(-1, *shape[-2:])
+    if Y.size(-2) > Y.size(-1):
+        Y = Y.mT
+    Y.div_(Y.norm(dim=(-2, -1), keepdim=True).clamp_(min=eps))
+    for _ in range(steps):
+        S = Y @ Y.mT
+        P = torch.baddbmm(S, S, S, beta=b, alpha=c)
+        Y = torch.baddbmm(Y, P, Y, beta=a)
+    if shape[-2] > shape[-1]:
+        Y = Y.mT
+    return Y.reshape(shape)
+
+
+class Muon(MatrixOptimizer):
+    r"""Muon (momentum + orthogonalized update), drop-in for ``torch.optim.Muon``.
+
+    Args:
+        params: parameters or param groups. Matrix groups take 2-D parameters
+            (``matrix_view="batch"`` or ``"flatten"`` in a group admits 3-D+ ones, see
+            :mod:`optimizers.base`); ``update="adamw"`` groups take anything.
+        lr: learning rate $\eta$, float or 1-element tensor (default ``1e-3``).
+        weight_decay: decoupled decay $\lambda$, multiplied by the unadjusted ``lr``
+            (default ``0.1``).
+        momentum: $\mu$ (default ``0.95``).
+        nesterov: Nesterov momentum (default ``True``).
+        ns_coefficients: $(a, b, c)$ of the quintic (default Keller Jordan's
+            $(3.4445, -4.7750, 2.0315)$).
+        eps: floor of $\|\tilde B\|_F$ (default ``1e-7``).
+        ns_steps: Newton–Schulz steps, $< 100$ (default ``5``).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
+        compute_dtype: dtype of the Newton–Schulz matmuls (default ``torch.bfloat16``,
+            as ``torch.optim.Muon``; ``None`` uses the parameter's dtype). The update is
+            added to the parameter in its own dtype.
+        nonfinite, regulate, matrix_view: group keys of :mod:`optimizers.base`
+            (defaults ``"skip"``, ``None``, ``"strict"``).
+
+    Raises:
+        ValueError: negative ``lr``/``momentum``/``weight_decay``, a multi-element
+            tensor ``lr``, an unknown ``adjust_lr_fn``, ``ns_steps >= 100``, coefficients
+            that are not three numbers, a parameter that is not 2-D (under
+            ``matrix_view="strict"``).
+        RuntimeError: at ``step``, for complex parameters or sparse gradients.
+    """
+
+    matrix_update = "muon"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        compute_dtype: torch.dtype | None = torch.bfloat16,
+        nonfinite: str = "skip",
+        regulate=None,
+        matrix_view: str = "strict",
+    ) -> None:
+        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            compute_dtype=compute_dtype, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict, index: int) -> None:
+        super()._validate_group(group, index)
+        if group["update"] == "adamw":
+            return
+        if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
+            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+        if not 0 <= int(group["ns_steps"]) < 100:
+            raise ValueError(
+                f"group {index}: ns_steps must be in [0, 100) for computational efficiency, got {group['ns_steps']}"
+            )
+        if len(tuple(group["ns_coefficients"])) != 3:
+            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+
+    def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
+        return group["compute_dtype"] or p.dtype
+
+    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        return newton_schulz(M, tuple(group["ns_coefficients"]), int(group["ns_steps"]), group["eps"])
+
+    def _lr_scale(self, group: dict, shape: tuple[int, ...]) -> float:
+        rows, cols = shape
+        if group["adjust_lr_fn"] == "match_rms_adamw":
+            return 0.2 * math.sqrt(max(rows, cols))
+        return math.sqrt(max(1.0, rows / cols))

@@ -1,0 +1,116 @@
+r"""The symmetry-compatible family of seed 004: RowNormM and the PolarGrad optimizers.
+
+One skeleton (Lau & Su): momentum $M \leftarrow \beta M + (1-\beta)G$ ($\beta = 0.95$, no
+Nesterov by default), decoupled weight decay $W \leftarrow (1 - \eta\lambda)W$, then
+$W \leftarrow W - \eta\,U(M)$ with the update map $U$ of :mod:`optimizers.maps`:
+
+| optimizer | $U$ | equivariant under |
+|---|---|---|
+| :class:`RowNormM` | $\operatorname{diag}(1/(\|m_i\|+\epsilon))M$ | $S_m^\pm\times O_n$ |
+| :class:`RightPolarGradM` | $\|M\|_*^\alpha M(M^\top M)^{-1/2}$ | $O_m\times O_n$ |
+| :class:`LeftPolarGradM` | $\|M\|_*^\alpha (MM^\top)^{-1/2}M$ | $O_m\times O_n$ |
+| :class:`HybridPolarGradM` | $\|R\|_*^\alpha\operatorname{msign}(R)$, $R$ = row-normalized $M$ | $S_m^\pm\times O_n$ |
+
+``centered=True`` (group key) uses the centered map $\Pi^\perp U(\Pi^\perp M)$ (routers,
+LM heads: invariant to a shared logit shift). All compute the map in the parameter's
+dtype (the polar maps' inverse square root in float32 at least) unless
+``compute_dtype`` says otherwise, and add the update to the parameter in its dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from . import maps
+from .base import MatrixOptimizer
+
+__all__ = ["RowNormM", "RightPolarGradM", "LeftPolarGradM", "HybridPolarGradM"]
+
+
+class _MapOptimizer(MatrixOptimizer):
+    """The seed-004 skeleton around one update map of :mod:`optimizers.maps`.
+
+    Args:
+        params: parameters or param groups (matrices; ``update="adamw"`` groups for the rest).
+        lr: $\\eta$ (default ``1e-3``). momentum: $\\beta$ (default ``0.95``).
+        nesterov: default ``False`` (the reference skeleton).
+        weight_decay: decoupled $\\lambda$ (default 0).
+        alpha: exponent of the nuclear-norm scale of the polar maps (default 1, the
+            reference; 0 gives the unit-scale direction). Ignored by RowNormM.
+        centered: use the centered map (default ``False``).
+        eps: the map's epsilon (row-norm floor, or the Gram shift of the polar maps;
+            ``None``: the map's default).
+        compute_dtype: dtype the map computes in (default: the parameter's).
+        nonfinite, regulate, matrix_view: group keys of :mod:`optimizers.base`.
+    """
+
+    map_name = ""
+    uses_alpha = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        *,
+        alpha: float = 1.0,
+        centered: bool = False,
+        eps: float | None = None,
+        compute_dtype: torch.dtype | None = None,
+        nonfinite: str = "skip",
+        regulate=None,
+        matrix_view: str = "batch",
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, alpha=alpha,
+            centered=centered, eps=eps, compute_dtype=compute_dtype, nonfinite=nonfinite,
+            regulate=regulate, matrix_view=matrix_view,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict, index: int) -> None:
+        super()._validate_group(group, index)
+        if group["update"] != "adamw" and not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"group {index}: momentum must be in [0, 1), got {group['momentum']}")
+
+    def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
+        return group["compute_dtype"] or p.dtype
+
+    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        name = ("centered_" if group["centered"] else "") + self.map_name
+        kwargs = {"alpha": group["alpha"]} if self.uses_alpha else {}
+        if group["eps"] is not None:
+            kwargs["eps"] = group["eps"]
+        return maps.MAPS[name](M, **kwargs)
+
+
+class RowNormM(_MapOptimizer):
+    __doc__ = "RowNormM: $U(M) = \\operatorname{diag}(1/(\\|m_i\\|+\\epsilon))M$.\n\n" + _MapOptimizer.__doc__
+    matrix_update = "row_norm"
+    map_name = "row_norm"
+    uses_alpha = False
+
+
+class RightPolarGradM(_MapOptimizer):
+    __doc__ = "RightPolarGradM: $U(M) = \\|M\\|_*^\\alpha M(M^\\top M)^{-1/2}$.\n\n" + _MapOptimizer.__doc__
+    matrix_update = "right_polar"
+    map_name = "right_polar"
+
+
+class LeftPolarGradM(_MapOptimizer):
+    __doc__ = "LeftPolarGradM: $U(M) = \\|M\\|_*^\\alpha (MM^\\top)^{-1/2}M$ (routers).\n\n" + _MapOptimizer.__doc__
+    matrix_update = "left_polar"
+    map_name = "left_polar"
+
+
+class HybridPolarGradM(_MapOptimizer):
+    __doc__ = (
+        "HybridPolarGradM: $U(M) = \\|R\\|_*^\\alpha\\operatorname{msign}(R)$, $R$ the row-normalized "
+        "$M$.\n\n" + _MapOptimizer.__doc__
+    )
+    matrix_update = "hybrid"
+    map_name = "hybrid"

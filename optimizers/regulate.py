@@ -1,0 +1,772 @@
+r"""Weight regulation applied after each optimizer step (seed 003: enforced Lipschitz bounds).
+
+Every regulator here is a map $W \mapsto W'$ on ``[..., fan_out, fan_in]`` weights
+(PyTorch ``nn.Linear`` layout, batched over leading dimensions) that controls the
+**RMS→RMS operator norm**
+
+$$\|W\|_{\mathrm{RMS}\to\mathrm{RMS}} = \sqrt{\tfrac{\text{fan\_in}}{\text{fan\_out}}}\;\sigma_{\max}(W),$$
+
+the norm in which a unit-RMS input gives an output of RMS at most $\|W\|$. Each regulator
+rescales to $M = \sqrt{\text{fan\_in}/\text{fan\_out}}\,W$, acts on the singular values of
+$M$ (threshold ``w_max`` is in RMS→RMS units) and scales back.
+
+Protocol (see ``CONTRIBUTING.md``): a regulator is a callable
+``reg(W, *, lr, state=None) -> W'``. ``lr`` is the learning rate of the step just taken
+(lr-coupled regulators and the soft cap's coupling read it); ``state`` is an optional
+per-parameter ``dict`` (an optimizer passes ``self.state[p]``) where power-iteration
+regulators keep their warm-start vector. Regulators are functional: they never write
+into ``W``; the optimizer copies the result into the parameter.
+:func:`make_regulator` builds one from ``None | str | dict | Regulator | callable |
+list`` (a list is applied in order).
+
+Dtypes: every regulator computes in float32 (float64 for float64 weights; bf16/fp16
+weights are upcast) and returns ``W.dtype``.
+
+Costs for an $m\times n$ matrix, $k = \min(m, n)$, one matmul $\approx 2mnk$ FLOPs:
+
+| regulator | guarantee on $\|W'\|_{\mathrm{RMS}\to\mathrm{RMS}}$ | cost |
+|---|---|---|
+| ``weight_decay`` | none (shrinks all $\sigma$ by $1-\text{lr}\cdot\text{wd}$) | 1 scale |
+| ``spectral_normalize`` | $\le w_{\max}$ up to power-iteration error | ``steps`` mat-vec pairs |
+| ``spectral_hammer`` | $\sigma_{\max}\to w_{\max}$ up to power-iteration error | ``steps`` mat-vec pairs + rank-1 |
+| ``spectral_weight_decay`` | none (shrinks the top $\sigma$ only) | ``steps`` mat-vec pairs + rank-1 |
+| ``soft_cap`` | $\le w_{\max}$ if $\sigma \le k$ before (Muon coupling) | 4 matmuls, no SVD |
+| ``hard_cap`` | $= \min(\sigma, w_{\max})$ for every $\sigma$ (msign-exact) | 2 msign + 4 matmuls per pass |
+| ``column_cap`` | $\le w_{\max}$ for DGram (orthogonal columns) | 1 column-norm |
+
+The power-iteration regulators estimate $\sigma_{\max}$ from below: from a cold start
+on a matrix with a small spectral gap the estimate can be low by a few percent; passing
+``state`` (warm start across steps) makes it track a slowly moving weight closely.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Iterable, Mapping, Union
+
+import torch
+
+from manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, power_iteration
+
+__all__ = [
+    "Regulator",
+    "Sequence",
+    "WeightDecay",
+    "SpectralNormalize",
+    "SpectralHammer",
+    "SpectralWeightDecay",
+    "SoftCap",
+    "HardCap",
+    "ColumnCap",
+    "make_regulator",
+    "soft_cap_alpha",
+    "soft_cap_polynomial",
+    "ns_output_max",
+    "muon_update_norm",
+    "rms_scale",
+    "rms_spectral_norm",
+    "REGULATORS",
+]
+
+
+# --------------------------------------------------------------------------------------
+# shared helpers
+
+
+def _check_weight(W: Any, who: str) -> None:
+    if not isinstance(W, torch.Tensor):
+        raise TypeError(f"{who}: expected a torch.Tensor weight, got {type(W).__name__}")
+    if W.dim() < 2:
+        raise ValueError(
+            f"{who}: expected a weight [..., fan_out, fan_in], got shape {tuple(W.shape)}; "
+            "1-D tensors (biases, gains) have no spectral norm: leave them unregulated"
+        )
+    if not W.is_floating_point():
+        raise TypeError(f"{who}: expected a floating-point weight, got {W.dtype}")
+
+
+def _compute_dtype(W: torch.Tensor) -> torch.dtype:
+    return torch.float64 if W.dtype == torch.float64 else torch.float32
+
+
+def _positive(value: Any, name: str, who: str) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{who}: {name} must be a finite number > 0, got {value}")
+    return value
+
+
+def _fraction(value: Any, name: str, who: str) -> float:
+    value = float(value)
+    if not (0.0 <= value < 1.0):
+        raise ValueError(f"{who}: {name} must lie in [0, 1), got {value}")
+    return value
+
+
+def rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
+    r"""$\sqrt{\text{fan\_in}/\text{fan\_out}}$ for a ``[..., fan_out, fan_in]`` shape."""
+    fan_out, fan_in = shape[-2], shape[-1]
+    return math.sqrt(fan_in / fan_out)
+
+
+def rms_spectral_norm(W: torch.Tensor) -> torch.Tensor:
+    r"""Exact RMS→RMS norm $\sqrt{\text{fan\_in}/\text{fan\_out}}\,\sigma_{\max}(W)$ (SVD), ``[...]``.
+
+    The independent reference the tests measure regulators with; computed in float64.
+    """
+    _check_weight(W, "rms_spectral_norm")
+    return rms_scale(W.shape) * torch.linalg.matrix_norm(W.double(), ord=2)
+
+
+def _start_block(X: torch.Tensor, block: int) -> torch.Tensor:
+    # Fixed pseudo-random start: deterministic, and not orthogonal to the top singular
+    # vectors of structured (e.g. centered) matrices the way a constant block would be.
+    generator = torch.Generator(device="cpu").manual_seed(0x5EED)
+    start = torch.randn(X.size(-1), block, generator=generator, dtype=torch.float64)
+    return start.to(dtype=X.dtype, device=X.device).expand(*X.shape[:-2], -1, -1)
+
+
+def _top_singular_triplet(
+    M: torch.Tensor, steps: int, block: int, state: dict | None, key: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""$(\hat\sigma, \hat u, \hat v)$, ``[...], [..., m], [..., n]``: the top singular
+    triplet by block power (subspace) iteration with Rayleigh–Ritz.
+
+    With $G$ the short-side Gram matrix ($M^\top M$ for tall, $MM^\top$ for wide) and an
+    orthonormal block $V$ of ``block`` columns: ``steps`` times $V \leftarrow
+    \operatorname{qr}(GV)$, then $\hat v$ = top eigenvector of $V^\top G V$ mapped back
+    and $\hat\sigma = \|M\hat v\|$, a lower bound on $\sigma_{\max}$. The error decays
+    like $(\sigma_{b+1}/\sigma_1)^{2\,\text{steps}}$ ($b$ = ``block``) instead of plain
+    power iteration's $(\sigma_2/\sigma_1)^{2\,\text{steps}}$: a capped or normalized
+    weight has a flat top spectrum ($\sigma_2/\sigma_1 \approx 0.998$ under Muon), where a
+    single vector does not converge. The block is read from and written to
+    ``state[key]`` when a state dict is given (warm start).
+    """
+    wide = M.size(-2) < M.size(-1)
+    X = M.mT if wide else M
+    gram = X.mT @ X
+    width = min(block, X.size(-1))
+    V = None
+    if state is not None:
+        cached = state.get(key)
+        if isinstance(cached, torch.Tensor) and cached.shape == X.shape[:-2] + (X.size(-1), width):
+            V = cached.to(M.dtype)
+    if V is None:
+        V = _start_block(X, width)
+    V = torch.linalg.qr(V).Q
+    for _ in range(steps):
+        V = torch.linalg.qr(gram @ V).Q
+    if state is not None:
+        state[key] = V.detach().clone()
+    _, ritz_vectors = torch.linalg.eigh(V.mT @ gram @ V)
+    v = (V @ ritz_vectors[..., -1:]).squeeze(-1)
+    Xv = (X @ v.unsqueeze(-1)).squeeze(-1)
+    sigma = Xv.norm(dim=-1)
+    u = Xv / sigma.unsqueeze(-1).clamp_min(torch.finfo(M.dtype).tiny)
+    return (sigma, v, u) if wide else (sigma, u, v)
+
+
+class Regulator:
+    r"""Base class: subclasses implement :meth:`regulate` on the RMS-scaled matrix
+    $M = \sqrt{\text{fan\_in}/\text{fan\_out}}\,W$ in the compute dtype.
+
+    ``__call__(W, *, lr, state=None)`` validates ``W``, scales, calls :meth:`regulate`,
+    scales back and returns ``W.dtype``.
+    """
+
+    #: key under which :func:`make_regulator` finds this class
+    name: str = ""
+
+    def __call__(self, W: torch.Tensor, *, lr: float, state: dict | None = None) -> torch.Tensor:
+        _check_weight(W, type(self).__name__)
+        lr = float(lr)
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {lr}")
+        scale = rms_scale(W.shape)
+        M = W.detach().to(_compute_dtype(W)) * scale
+        out = self.regulate(M, lr=lr, state=state)
+        return (out / scale).to(W.dtype)
+
+    def regulate(self, M: torch.Tensor, *, lr: float, state: dict | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+# --------------------------------------------------------------------------------------
+# the regulators
+
+
+@dataclass(repr=False)
+class WeightDecay(Regulator):
+    r"""lr-coupled decoupled weight decay $W \leftarrow (1 - \text{lr}\cdot\text{wd})\,W$.
+
+    Applied after the step (the reference applies it before; the two orders differ by
+    $O(\text{lr}^2\,\text{wd})$). No norm guarantee. Cost: one scaling.
+    """
+
+    weight_decay: float = 0.1
+    name = "weight_decay"
+
+    def __post_init__(self):
+        self.weight_decay = float(self.weight_decay)
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"WeightDecay: weight_decay must be >= 0, got {self.weight_decay}")
+
+    def regulate(self, M, *, lr, state):
+        factor = 1.0 - lr * self.weight_decay
+        if factor < 0:
+            raise ValueError(
+                f"WeightDecay: lr * weight_decay = {lr * self.weight_decay} > 1 would flip the "
+                "weights' sign; lower lr or weight_decay"
+            )
+        return M * factor
+
+
+@dataclass(repr=False)
+class SpectralNormalize(Regulator):
+    r"""Spectral normalization $W \leftarrow W / \max(1, \hat\sigma/w_{\max})$.
+
+    $\hat\sigma$: RMS→RMS top singular value by ``steps`` power iterations (a lower
+    bound, so the result can exceed $w_{\max}$ by the estimate's relative error; warm
+    start through ``state`` to make it small). Shrinks all singular values together.
+    Cost: ``steps`` pairs of mat-vecs.
+    """
+
+    w_max: float = 1.0
+    steps: int = 16
+    block: int = 8
+    name = "spectral_normalize"
+
+    def __post_init__(self):
+        self.w_max = _positive(self.w_max, "w_max", "SpectralNormalize")
+        self.steps = int(self.steps)
+        self.block = int(self.block)
+
+    def regulate(self, M, *, lr, state):
+        sigma, _, _ = _top_singular_triplet(M, self.steps, self.block, state, "regulate_v")
+        factor = (sigma / self.w_max).clamp_min(1.0)
+        return M / factor[..., None, None]
+
+
+@dataclass(repr=False)
+class SpectralHammer(Regulator):
+    r"""Spectral hammer: set the top singular value to $w_{\max}$ when it exceeds it,
+    $W \leftarrow W - (\hat\sigma - w_{\max})^+\,\hat u\hat v^\top$.
+
+    Only the top direction moves (suited to AdamW, whose updates are not low stable
+    rank). The guarantee $\sigma_{\max} \le w_{\max}$ holds when a single singular value
+    exceeds $w_{\max}$ and power iteration has converged. Cost: ``steps`` pairs of
+    mat-vecs and a rank-1 update.
+    """
+
+    w_max: float = 1.0
+    steps: int = 16
+    block: int = 8
+    name = "spectral_hammer"
+
+    def __post_init__(self):
+        self.w_max = _positive(self.w_max, "w_max", "SpectralHammer")
+        self.steps = int(self.steps)
+        self.block = int(self.block)
+
+    def regulate(self, M, *, lr, state):
+        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, "regulate_v")
+        excess = (sigma - self.w_max).clamp_min(0.0)
+        return M - excess[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
+
+
+@dataclass(repr=False)
+class SpectralWeightDecay(Regulator):
+    r"""Spectral weight decay: shrink only the top singular value,
+    $W \leftarrow W - \text{lr}\cdot\text{wd}\cdot\hat\sigma\,\hat u\hat v^\top$
+    (lr-coupled like decoupled weight decay). No norm guarantee. Cost: ``steps`` pairs
+    of mat-vecs and a rank-1 update.
+    """
+
+    weight_decay: float = 0.1
+    steps: int = 16
+    block: int = 8
+    name = "spectral_weight_decay"
+
+    def __post_init__(self):
+        self.weight_decay = float(self.weight_decay)
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(
+                f"SpectralWeightDecay: weight_decay must be >= 0, got {self.weight_decay}"
+            )
+        self.steps = int(self.steps)
+        self.block = int(self.block)
+
+    def regulate(self, M, *, lr, state):
+        shrink = lr * self.weight_decay
+        if shrink > 1:
+            raise ValueError(
+                f"SpectralWeightDecay: lr * weight_decay = {shrink} > 1 would flip the top "
+                "singular direction; lower lr or weight_decay"
+            )
+        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, "regulate_v")
+        return M - (shrink * sigma)[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
+
+
+# --------------------------------------------------------------------------------------
+# spectral soft cap and its coupling with Muon
+
+
+def soft_cap_polynomial(sigma, alpha: float):
+    r"""The soft cap's scalar map $f_\alpha(\sigma) = g(\sigma) + \alpha\,g(\sigma)^3$ with
+    $g(\sigma) = \sigma - \alpha\sigma^3$ (two odd cubic steps). Works on floats, numpy
+    arrays and tensors alike.
+
+    $f_\alpha'(\sigma) = (1 + 3\alpha g^2)(1 - 3\alpha\sigma^2)$, so $f_\alpha$ increases
+    exactly on $[0, 1/\sqrt{3\alpha}]$.
+    """
+    g = sigma - alpha * sigma**3
+    return g + alpha * g**3
+
+
+#: $f_{1/(3k^2)}(k)/k = 62/81$: the smallest ratio $w_{\max}/k$ a soft cap monotone on
+#: $[0, k]$ can reach (see :func:`soft_cap_alpha`).
+SOFT_CAP_MIN_RATIO = 62.0 / 81.0
+
+
+@lru_cache(maxsize=4096)
+def soft_cap_alpha(w_max: float, wd: float, eta: float) -> float:
+    r"""Soft-cap strength $\alpha$ that keeps singular values at most $w_{\max}$.
+
+    After decay and one update of RMS→RMS norm at most $\eta$, a weight with
+    $\sigma \le w_{\max}$ has $\sigma \le k = w_{\max}(1 - \text{wd}) + \eta$. The soft cap
+    must map $[0, k]$ into $[0, w_{\max}]$; with $f_\alpha$ monotone this is $f_\alpha(k) =
+    w_{\max}$, i.e. the quartic
+
+    $$-k^9\alpha^4 + 3k^7\alpha^3 - 3k^5\alpha^2 + (k - w_{\max}) = 0.$$
+
+    With $\beta = \alpha k^2$ it reads $h(\beta) = 1 - 3\beta^2 + 3\beta^3 - \beta^4 =
+    w_{\max}/k$, and $h'(\beta) = -\beta(6 - 9\beta + 4\beta^2) < 0$ for $\beta > 0$
+    (the quadratic has no real root), so the smallest real root $\ge 0$ is the unique
+    one. $f_\alpha$ is monotone on $[0, k]$ iff $3\alpha k^2 \le 1$, i.e.
+    $\beta \le 1/3$, where $h(1/3) = 62/81$. Hence:
+
+    * $k \le w_{\max}$: no cap is needed, returns $0$;
+    * $w_{\max}/k \ge 62/81$: returns the root, found by bisection on $[0, 1/3]$ to
+      float64 round-off;
+    * otherwise no monotone soft cap exists (the root's $f_\alpha$ would peak above
+      $w_{\max}$ inside $[0, k]$, e.g. $w_{\max} = 1, \eta = 1$): raises ``ValueError``.
+
+    Args:
+        w_max: RMS→RMS cap, $> 0$.
+        wd: weight-decay factor applied this step ($\text{lr}\cdot\text{weight\_decay}$),
+            in $[0, 1)$; $0$ is the conservative choice when unsure.
+        eta: the largest RMS→RMS norm of one update, $\ge 0$ (see
+            :func:`muon_update_norm`).
+
+    Returns:
+        $\alpha \ge 0$ as a Python float (float64).
+    """
+    w_max = _positive(w_max, "w_max", "soft_cap_alpha")
+    wd = _fraction(wd, "wd", "soft_cap_alpha")
+    eta = float(eta)
+    if not (math.isfinite(eta) and eta >= 0):
+        raise ValueError(f"soft_cap_alpha: eta must be a finite number >= 0, got {eta}")
+    k = w_max * (1.0 - wd) + eta
+    ratio = w_max / k
+    if ratio >= 1.0:
+        return 0.0
+    if ratio < SOFT_CAP_MIN_RATIO:
+        max_eta = w_max / SOFT_CAP_MIN_RATIO - w_max * (1.0 - wd)
+        raise ValueError(
+            f"soft_cap_alpha: eta={eta:.6g} is too large for w_max={w_max:.6g} (wd={wd:.6g}): "
+            f"k = w_max(1-wd)+eta = {k:.6g} > (81/62) w_max, and no soft cap monotone on [0, k] "
+            f"maps it to w_max. Use eta <= {max_eta:.6g} (lower the learning rate or raise "
+            "w_max), or the exact 'hard_cap' regulator."
+        )
+
+    def h(beta: float) -> float:
+        return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4
+
+    lo, hi = 0.0, 1.0 / 3.0  # h(lo) >= ratio >= h(hi)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if h(mid) > ratio:
+            lo = mid
+        else:
+            hi = mid
+    beta = lo if abs(h(lo) - ratio) <= abs(h(hi) - ratio) else hi
+    return beta / k**2
+
+
+def ns_output_max(schedule: NSSchedule = KELLER_QUINTIC, steps: int | None = None) -> float:
+    r"""Largest singular value a Newton–Schulz schedule can output: $\sup_{x \in (0,
+    1/s]} p_K \circ \dots \circ p_1(x)$ with $s$ the schedule's input scale (the input is
+    normalized by $s\|X\|_F$, so every normalized singular value lies there).
+
+    Evaluated in float64 on a grid of $2\cdot10^6$ uniform plus $2\cdot10^5$ log-spaced
+    points (the composed polynomial is smooth; the grid error is below $10^{-9}$).
+    Keller's quintic, 5 steps: $1.20237$. This is the $\eta$ per unit learning rate of a
+    Muon update in exact arithmetic; bf16 adds up to a few $10^{-3}$ relative, hence the
+    margin of :func:`muon_update_norm`.
+    """
+    n_steps = schedule.default_steps if steps is None else int(steps)
+    return _ns_output_max(schedule.coefficients, schedule.input_scale, n_steps)
+
+
+@lru_cache(maxsize=32)
+def _ns_output_max(coefficients, input_scale: float, steps: int) -> float:
+    top = 1.0 / input_scale
+    x = torch.cat(
+        [
+            torch.linspace(0.0, top, 2_000_001, dtype=torch.float64)[1:],
+            torch.logspace(-9, math.log10(top), 200_000, dtype=torch.float64),
+        ]
+    )
+    for k in range(steps):
+        a, b, c = coefficients[min(k, len(coefficients) - 1)]
+        x = a * x + b * x**3 + c * x**5
+    return float(x.max())
+
+
+def muon_update_norm(
+    lr: float,
+    shape: tuple[int, ...] | torch.Size,
+    *,
+    schedule: NSSchedule = KELLER_QUINTIC,
+    adjust_lr: str | None = "original",
+    margin: float = 1.05,
+) -> float:
+    r"""Recommended $\eta$ for the soft cap under Muon: an upper bound on the RMS→RMS norm
+    of one Muon update of a ``[..., fan_out, fan_in]`` weight.
+
+    A Muon update is $\text{lr}\cdot c(\text{shape})\cdot O$ with $\sigma(O) \le$
+    :func:`ns_output_max` (Keller's quintic: $1.20237$), so
+
+    $$\eta = \text{lr}\cdot \text{ns\_max}\cdot\text{margin}\cdot
+      \sqrt{\text{fan\_in}/\text{fan\_out}}\; c(\text{shape}),$$
+
+    with $c$ the shape factor of ``torch.optim.Muon`` (and ``optimizers.Muon``):
+    ``"original"`` $\sqrt{\max(1, \text{fan\_out}/\text{fan\_in})}$ (so the product is
+    $\max(1, \sqrt{\text{fan\_in}/\text{fan\_out}})$), ``"match_rms_adamw"``
+    $0.2\sqrt{\max(\text{fan\_out}, \text{fan\_in})}$, or ``None`` for an update already
+    scaled to unit RMS→RMS norm (the reference code's $\sqrt{\text{fan\_out}/\text{fan\_in}}$
+    scaling). The default ``margin=1.05`` covers bf16 rounding of the iteration.
+
+    The reference NanoGPT script uses $\text{lr}\times 1.14502\times 1.05$: $1.14502$ is the
+    output maximum of *its own* NS table. For Keller's quintic the maximum is $1.20237$,
+    and $1.14502\times1.05 = 1.2023$ leaves no margin at all, so use this function (or
+    $1.20237\times$ margin) rather than the reference's constant.
+    """
+    fan_out, fan_in = shape[-2], shape[-1]
+    if adjust_lr == "original":
+        shape_factor = math.sqrt(max(1.0, fan_out / fan_in))
+    elif adjust_lr == "match_rms_adamw":
+        shape_factor = 0.2 * math.sqrt(max(fan_out, fan_in))
+    elif adjust_lr is None:
+        shape_factor = math.sqrt(fan_out / fan_in)
+    else:
+        raise ValueError(
+            f"muon_update_norm: adjust_lr must be 'original', 'match_rms_adamw' or None, "
+            f"got {adjust_lr!r}"
+        )
+    return float(lr) * ns_output_max(schedule) * margin * rms_scale(shape) * shape_factor
+
+
+EtaSpec = Union[float, Callable[[float, tuple], float], None]
+
+
+@dataclass(repr=False)
+class SoftCap(Regulator):
+    r"""Spectral soft cap (seed 003), co-designed with Muon's fixed update norm.
+
+    Two odd polynomial steps on the RMS-scaled weight,
+
+    $$M \leftarrow M - \alpha\,M(M^\top M),\qquad M \leftarrow M + \alpha\,M(M^\top M),$$
+
+    map every singular value by $f_\alpha$ (:func:`soft_cap_polynomial`): 4 matmuls (the
+    Gram matrix on the short side and a product, twice), no SVD, no power iteration.
+    $\alpha$ = :func:`soft_cap_alpha` $(w_{\max}, \text{lr}\cdot\text{weight\_decay}, \eta)$,
+    recomputed (cached) whenever lr changes. If every singular value was
+    $\le w_{\max}$ before the step and the update's RMS→RMS norm is $\le \eta$, every
+    singular value is $\le w_{\max}$ after.
+
+    Args:
+        w_max: RMS→RMS cap.
+        eta: the update-norm bound: ``None`` (default) = :func:`muon_update_norm` for this
+            weight's shape at this ``lr`` (Keller's NS, ``adjust_lr="original"``, margin
+            1.05); a float = a fixed bound; a callable ``(lr, shape) -> float``.
+        weight_decay: the optimizer's decoupled weight-decay coefficient *applied before
+            the step* (tightens $k$); ``0`` is always safe.
+        guard_steps: power iterations of a cheap guard: if the estimate of $\sigma_{\max}$
+            exceeds $k$ (weights not yet inside the ball: at initialisation, after a manual
+            edit, or when $\eta$ was underestimated), the matrix is first scaled down to
+            $\sigma_{\max} = k$, because beyond $1/\sqrt{3\alpha}$ the polynomial decreases
+            and then explodes. The guard is a lower bound; initialize weights inside the
+            ball (e.g. apply ``hard_cap`` once) for the guarantee. ``0`` disables it.
+
+    Raises ``ValueError`` (from :func:`soft_cap_alpha`) when $\eta$ is too large for
+    $w_{\max}$. Cost: 4 matmuls (+ ``guard_steps`` mat-vec pairs).
+    """
+
+    w_max: float = 1.0
+    eta: EtaSpec = None
+    weight_decay: float = 0.0
+    guard_steps: int = 4
+    name = "soft_cap"
+
+    def __post_init__(self):
+        self.w_max = _positive(self.w_max, "w_max", "SoftCap")
+        self.weight_decay = float(self.weight_decay)
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"SoftCap: weight_decay must be >= 0, got {self.weight_decay}")
+        if not (self.eta is None or callable(self.eta)):
+            self.eta = float(self.eta)
+        self.guard_steps = int(self.guard_steps)
+
+    def eta_for(self, lr: float, shape: tuple[int, ...]) -> float:
+        if self.eta is None:
+            return muon_update_norm(lr, shape)
+        if callable(self.eta):
+            return float(self.eta(lr, tuple(shape)))
+        return self.eta
+
+    def regulate(self, M, *, lr, state):
+        wd = lr * self.weight_decay
+        eta = self.eta_for(lr, tuple(M.shape))
+        alpha = soft_cap_alpha(self.w_max, wd, eta)
+        if alpha == 0.0:
+            return M
+        if self.guard_steps > 0:
+            k = self.w_max * (1.0 - wd) + eta
+            sigma, _ = power_iteration(M, steps=self.guard_steps)
+            M = M / (sigma / k).clamp_min(1.0)[..., None, None]
+        wide = M.size(-2) < M.size(-1)
+        X = M.mT if wide else M
+        for coefficient in (-alpha, alpha):
+            X = X + coefficient * (X @ (X.mT @ X))
+        return X.mT if wide else X
+
+
+# --------------------------------------------------------------------------------------
+# exact hard cap and the DGram column cap
+
+
+@dataclass(repr=False)
+class HardCap(Regulator):
+    r"""Exact hard cap $\sigma \mapsto \min(\sigma, w_{\max})$ of every singular value,
+    through msign, no SVD.
+
+    One pass at level $c$, on the tall orientation ($M = U\Sigma V^\top$, $m \ge n$; wide
+    matrices are transposed): with $Q = \operatorname{msign}(M) = UV^\top$ and the
+    spectral projector onto the singular values above $c$,
+
+    $$\Pi = \tfrac12\bigl(I + \operatorname{msign}(M^\top M - c^2 I)\bigr) = V\,\mathbb 1[\Sigma > c]\,V^\top$$
+
+    (the polar factor of a symmetric matrix is its matrix sign), the capped matrix is
+
+    $$M' = M(I - \Pi) + c\,Q\Pi = U\bigl(\Sigma\,\mathbb 1[\Sigma\le c] + c\,\mathbb 1[\Sigma > c]\bigr)V^\top = U\min(\Sigma, c)V^\top,$$
+
+    because $M\Pi = U\Sigma\mathbb 1[\Sigma>c]V^\top$ and $Q\Pi = U\mathbb 1[\Sigma>c]V^\top$.
+    $Q$ only enters on singular values $> c$, where msign is accurate; where the
+    iterative sign is inexact ($\sigma \approx c$) the output is the convex combination
+    $(1-\pi)\sigma + \pi c$, within $|\sigma - c|$ of the exact value.
+
+    Dynamic range: msign resolves eigenvalues relative to $\|M^\top M - c^2I\|_F$, so a
+    single pass cannot separate $\sigma = c(1 \pm 10^{-4})$ next to $\sigma = 10^4c$. The
+    cap therefore descends through levels $c\rho^{J-1}, \dots, c\rho, c$
+    ($\rho$ = ``ratio``), with $J$ the smallest integer such that $\rho^J c$ exceeds the
+    Schatten-8 bound $\|(M^\top M)^2\|_F^{1/4} \ge \sigma_{\max}$; since
+    $\min(\min(\sigma, c_1), c_2) = \min(\sigma, c_2)$ for $c_2 \le c_1$, the result is the
+    same cap. A weight already inside the ball (bound $\le c$) is returned unchanged
+    after one Gram product. No fixed polynomial (the reference's 4-step hard cap only
+    works for $\sigma \le 3.5$).
+
+    Args:
+        w_max: RMS→RMS cap.
+        method: msign method (``"polar_express"`` default; ``"svd"`` for a reference).
+        sign_steps: Polar Express steps for the symmetric sign (20: eigenvalues down to
+            about $10^{-7}$ of the Frobenius norm are resolved in float64).
+        ratio: level ratio $\rho$ of one pass.
+
+    Cost per pass: one msign of the $m\times n$ matrix, one of an $n\times n$ symmetric
+    matrix and 4 matmuls (about 3 Muon orthogonalizations); one pass whenever
+    $\sigma_{\max} \le \rho c / n^{1/8}$, which covers a weight capped at the previous
+    step plus one optimizer update.
+    """
+
+    w_max: float = 1.0
+    method: str = "polar_express"
+    sign_steps: int = 20
+    ratio: float = 16.0
+    name = "hard_cap"
+
+    def __post_init__(self):
+        self.w_max = _positive(self.w_max, "w_max", "HardCap")
+        self.sign_steps = int(self.sign_steps)
+        self.ratio = float(self.ratio)
+        if not self.ratio > 1:
+            raise ValueError(f"HardCap: ratio must be > 1, got {self.ratio}")
+
+    def regulate(self, M, *, lr, state):
+        wide = M.size(-2) < M.size(-1)
+        X = M.mT if wide else M
+        gram = X.mT @ X
+        # Schatten-8 norm: an upper bound on sigma_max within a factor n^(1/8).
+        bound = (gram @ gram).norm(dim=(-2, -1)).amax().sqrt().sqrt().item()
+        if bound <= self.w_max:
+            return M
+        passes = math.ceil(math.log(bound / self.w_max) / math.log(self.ratio))
+        for level in reversed(range(passes)):
+            X = self._cap_once(X, gram, self.w_max * self.ratio**level)
+            gram = X.mT @ X
+        return X.mT if wide else X
+
+    def _cap_once(self, X, gram, c):
+        eye = torch.eye(X.size(-1), dtype=X.dtype, device=X.device)
+        steps = None if self.method == "svd" else self.sign_steps
+        sign = msign(gram - c**2 * eye, method=self.method, steps=steps)
+        projector = 0.5 * (eye + 0.5 * (sign + sign.mT))
+        Q = msign(X, method=self.method)
+        return X - (X - c * Q) @ projector
+
+
+@dataclass(repr=False)
+class ColumnCap(Regulator):
+    r"""Column-norm cap for DGram weights (orthogonal columns, so the singular values are
+    the column norms): scale every column (RMS-scaled) of norm above $w_{\max}$ down to
+    $w_{\max}$. Exact for DGram points; for other matrices it caps column norms, not
+    $\sigma_{\max}$.
+
+    ``side``: ``"columns"``, ``"rows"``, or ``"auto"`` (default: columns for tall, rows for
+    wide matrices, the side DGram constrains in its transposed geometry).
+    Cost: one norm per column.
+    """
+
+    w_max: float = 1.0
+    side: str = "auto"
+    name = "column_cap"
+
+    def __post_init__(self):
+        self.w_max = _positive(self.w_max, "w_max", "ColumnCap")
+        if self.side not in ("auto", "columns", "rows"):
+            raise ValueError(
+                f"ColumnCap: side must be 'auto', 'columns' or 'rows', got {self.side!r}"
+            )
+
+    def regulate(self, M, *, lr, state):
+        rows = self.side == "rows" or (self.side == "auto" and M.size(-2) < M.size(-1))
+        dim = -1 if rows else -2
+        norms = M.norm(dim=dim, keepdim=True)
+        return M / (norms / self.w_max).clamp_min(1.0)
+
+
+# --------------------------------------------------------------------------------------
+# composition and construction
+
+
+class Sequence(Regulator):
+    """Several regulators applied in order (what a list spec builds); each sees the
+    previous one's output and the same ``lr`` and ``state``."""
+
+    name = "sequence"
+
+    def __init__(self, regulators: Iterable[Callable]):
+        self.regulators = list(regulators)
+
+    def __call__(self, W, *, lr, state=None):
+        for regulator in self.regulators:
+            W = regulator(W, lr=lr, state=state)
+        return W
+
+
+REGULATORS: dict[str, type[Regulator]] = {
+    cls.name: cls
+    for cls in (
+        WeightDecay,
+        SpectralNormalize,
+        SpectralHammer,
+        SpectralWeightDecay,
+        SoftCap,
+        HardCap,
+        ColumnCap,
+    )
+}
+
+
+def make_regulator(spec: Any) -> Callable | None:
+    r"""Build a regulator from a param group's ``regulate=`` value.
+
+    * ``None`` → ``None`` (no regulation; the optimizer skips the call);
+    * ``"soft_cap"`` (a name in :data:`REGULATORS`) → that regulator with defaults;
+    * ``{"name": "soft_cap", "w_max": 2.0, ...}`` → the regulator with those arguments
+      (``"kind"`` is accepted for ``"name"``);
+    * a :class:`Regulator` or any callable ``f(W, *, lr[, state])`` → itself;
+    * a list/tuple of specs → :class:`Sequence`, applied in order.
+
+    The result is called as ``reg(W, lr=lr, state=self.state[p])`` and returns the new
+    weight (same shape and dtype); ``state`` may be omitted.
+
+    Raises ``TypeError``/``ValueError`` naming the bad part of the spec.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, Regulator):
+        return spec
+    if isinstance(spec, str):
+        return _regulator_class(spec)()
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None) or options.pop("kind", None)
+        if name is None:
+            raise ValueError(
+                f"make_regulator: a dict spec needs a 'name' key (one of {sorted(REGULATORS)}), "
+                f"got keys {sorted(spec)}"
+            )
+        cls = _regulator_class(name)
+        try:
+            return cls(**options)
+        except TypeError as error:
+            raise TypeError(f"make_regulator: bad options for {name!r}: {error}") from None
+    if isinstance(spec, (list, tuple)):
+        regulators = [make_regulator(item) for item in spec]
+        return Sequence(r for r in regulators if r is not None)
+    if callable(spec):
+        return _StatelessCallable(spec) if not _accepts_state(spec) else spec
+    raise TypeError(
+        "make_regulator: regulate= must be None, a name, a dict with 'name', a Regulator, "
+        f"a callable or a list of these; got {type(spec).__name__}"
+    )
+
+
+class _StatelessCallable:
+    """Adapter for a user callable ``f(W, *, lr)`` that takes no ``state``."""
+
+    def __init__(self, function: Callable):
+        self.function = function
+
+    def __call__(self, W, *, lr, state=None):
+        return self.function(W, lr=lr)
+
+    def __repr__(self) -> str:
+        return f"{self.function!r}"
+
+
+def _accepts_state(function: Callable) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: assume the protocol
+        return True
+    return any(p.name == "state" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _regulator_class(name: str) -> type[Regulator]:
+    try:
+        return REGULATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"make_regulator: unknown regulator {name!r}; choose one of {sorted(REGULATORS)}"
+        ) from None

@@ -1,0 +1,1 @@
+"""Pretraining: models, data, per-module strategies, the training loop and comparisons."""

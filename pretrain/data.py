@@ -1,0 +1,215 @@
+r"""Training data: token streams, their sources, and deterministic batches.
+
+Sources (``load_data(spec)``):
+
+* ``"embedded"`` — the default: Python's own documentation topics (``pydoc_data.topics``,
+  ≈ 465k characters of real English prose and code that ship with every CPython), char
+  level. Needs no download.
+* ``"shakespeare:PATH"`` — tiny Shakespeare from a local file, char level, checked
+  against its sha256 (``--no-checksum`` style override: ``shakespeare:PATH:nocheck``).
+* ``"text:PATH"`` — any UTF-8 text file, char level.
+* ``"tokens:DIR"`` — GPT-2 token shards: nanoGPT's headerless ``train.bin``/``val.bin``
+  (uint16) or llm.c/modded-nanogpt shards ``*val*.bin``/``*train*.bin`` (a 256 × int32
+  header ``[20240520, 1, n_tokens, 0, …]`` followed by ``n_tokens`` uint16 tokens).
+
+Batches are a pure function of ``(seed, step)`` (:meth:`TokenData.batch`), so a resumed
+run and a run on many processes draw exactly the batches of an uninterrupted
+single-process run: every rank draws the same global batch and keeps its slice.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+LLMC_MAGIC = 20240520
+LLMC_VERSION = 1
+LLMC_HEADER_INTS = 256
+VAL_FRACTION = 0.1
+
+
+@dataclass
+class TokenData:
+    """Train/val token streams (int64 tensors or uint16 memmaps) and how to decode them."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    source: str
+    itos: list[str] | None = None  # char-level vocabulary (None for GPT-2 tokens)
+    meta: dict = field(default_factory=dict)
+
+    def check_context(self, block_size: int) -> None:
+        """Both splits must hold at least one window of ``block_size + 1`` tokens."""
+        for split in ("train", "val"):
+            n = len(getattr(self, split))
+            if n < block_size + 1:
+                raise ValueError(
+                    f"data {self.source}: the {split} split has {n} tokens, fewer than "
+                    f"block_size + 1 = {block_size + 1}; use a shorter context (--block-size) "
+                    f"or a larger corpus"
+                )
+
+    def batch(self, split: str, batch_size: int, block_size: int, seed: int, step: int):
+        """``(x, y)`` int64 ``[batch_size, block_size]`` windows drawn by a generator seeded
+        from ``(seed, step, split)`` alone — the same on every process and after resume."""
+        tokens = self.train if split == "train" else self.val
+        gen = torch.Generator().manual_seed(_mix(seed, step, split == "val"))
+        starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=gen).tolist()
+        windows = np.stack([np.asarray(tokens[s : s + block_size + 1], dtype=np.int64) for s in starts])
+        windows = torch.from_numpy(windows)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def decode(self, ids) -> str:
+        if self.itos is None:
+            raise ValueError(f"data {self.source}: GPT-2 token data has no char vocabulary to decode")
+        return "".join(self.itos[i] for i in ids)
+
+
+def _mix(seed: int, step: int, val: bool) -> int:
+    return (seed * 1_000_003 + step * 2 + int(val)) % (2**63 - 1)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def char_data(text: str, source: str) -> TokenData:
+    """Char-level tokens of ``text``: the vocabulary is its sorted character set; the
+    first 90% is train, the rest val."""
+    if not text:
+        raise ValueError(f"data {source}: the text is empty")
+    itos = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(itos)}
+    ids = np.fromiter((stoi[c] for c in text), dtype=np.int64, count=len(text))
+    n_train = int(len(ids) * (1 - VAL_FRACTION))
+    return TokenData(ids[:n_train], ids[n_train:], len(itos), source, itos)
+
+
+def embedded_corpus() -> str:
+    """The documentation topics shipped with CPython, concatenated in sorted key order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def read_text(path: str, expected_sha256: str | None = None) -> str:
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist")
+    raw = open(path, "rb").read()
+    if expected_sha256 is not None:
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != expected_sha256:
+            raise ValueError(
+                f"data file {path!r}: sha256 {digest} differs from the expected "
+                f"{expected_sha256}; the file is not the expected corpus (or is corrupt)"
+            )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data file {path!r} is not UTF-8 text ({err})") from None
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+def read_shard(path: str, vocab_size: int = 50304) -> np.ndarray:
+    """Tokens of one GPT-2 shard as a read-only uint16 memmap.
+
+    The format is recognised from the first int32: ``20240520`` is an llm.c header
+    (checked: version 1, token count consistent with the file size); anything else is a
+    headerless nanoGPT file (its first two uint16 would form 20240520 only with token
+    54216 ≥ any GPT-2 vocabulary, so the two formats cannot be confused). Tokens must be
+    below ``vocab_size``."""
+    if not os.path.isfile(path):
+        raise ValueError(f"token shard {path!r} does not exist")
+    size = os.path.getsize(path)
+    header_bytes = LLMC_HEADER_INTS * 4
+    with open(path, "rb") as f:
+        head = f.read(4)
+    first = np.frombuffer(head, dtype="<i4") if len(head) == 4 else np.empty(0, dtype="<i4")
+    if len(first) and first[0] == LLMC_MAGIC:
+        if size < header_bytes:
+            raise ValueError(f"token shard {path!r}: truncated llm.c header ({size} of {header_bytes} bytes)")
+        header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
+        if header[1] != LLMC_VERSION:
+            raise ValueError(f"token shard {path!r}: llm.c header version {header[1]}, expected {LLMC_VERSION}")
+        n_tokens = int(header[2])
+        expected = header_bytes + 2 * n_tokens
+        if n_tokens < 0 or size != expected:
+            raise ValueError(
+                f"token shard {path!r}: header says {n_tokens} tokens ({expected} bytes) but the "
+                f"file has {size} bytes; the shard is truncated or malformed — re-create it"
+            )
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=header_bytes, shape=(n_tokens,))
+    else:
+        if size % 2:
+            raise ValueError(
+                f"token shard {path!r}: {size} bytes is not a whole number of uint16 tokens; "
+                f"the file is truncated or not a nanoGPT .bin (llm.c shards start with int32 "
+                f"{LLMC_MAGIC}, this one starts with {int(first[0]) if len(first) else 'nothing'})"
+            )
+        tokens = np.memmap(path, dtype="<u2", mode="r")
+    if len(tokens) == 0:
+        raise ValueError(f"token shard {path!r} holds no tokens")
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise ValueError(
+            f"token shard {path!r}: token id {top} ≥ vocab_size {vocab_size}; not GPT-2 tokens, "
+            f"or the header is wrong"
+        )
+    return tokens
+
+
+def shard_data(directory: str, vocab_size: int = 50304) -> TokenData:
+    """GPT-2 tokens from ``directory``: nanoGPT ``train.bin``/``val.bin``, or llm.c shards
+    whose names contain ``val``/``train`` (concatenated in sorted order)."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"token directory {directory!r} does not exist")
+    splits = {}
+    for split in ("train", "val"):
+        plain = os.path.join(directory, f"{split}.bin")
+        paths = [plain] if os.path.isfile(plain) else sorted(glob.glob(os.path.join(directory, f"*{split}*.bin")))
+        if not paths:
+            raise ValueError(
+                f"token directory {directory!r} has no {split} shard: expected {split}.bin "
+                f"(nanoGPT) or *{split}*.bin (llm.c)"
+            )
+        shards = [read_shard(p, vocab_size) for p in paths]
+        splits[split] = shards[0] if len(shards) == 1 else np.concatenate(shards)
+    return TokenData(splits["train"], splits["val"], vocab_size, f"tokens:{directory}")
+
+
+def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
+    """Resolve a data spec (see the module docstring) into a :class:`TokenData`."""
+    kind, _, rest = spec.partition(":")
+    if kind == "embedded":
+        return char_data(embedded_corpus(), "embedded:pydoc_data.topics")
+    if kind == "shakespeare":
+        path, _, flag = rest.partition(":")
+        if flag not in ("", "nocheck"):
+            raise ValueError(f"data spec {spec!r}: unknown flag {flag!r} (only 'nocheck')")
+        sha = None if flag == "nocheck" else SHAKESPEARE_SHA256
+        return char_data(read_text(path, sha), f"shakespeare:{path}")
+    if kind == "text":
+        return char_data(read_text(rest), f"text:{rest}")
+    if kind == "tokens":
+        return shard_data(rest, vocab_size)
+    raise ValueError(
+        f"unknown data spec {spec!r}; use 'embedded', 'shakespeare:PATH', 'text:PATH' or 'tokens:DIR'"
+    )
+
+
+def write_llmc_shard(path: str, tokens, *, magic: int = LLMC_MAGIC, version: int = LLMC_VERSION) -> None:
+    """Write ``tokens`` as an llm.c shard (used by tests and data-preparation scripts)."""
+    tokens = np.asarray(tokens, dtype="<u2")
+    header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
+    header[:3] = (magic, version, len(tokens))
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())

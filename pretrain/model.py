@@ -1,0 +1,418 @@
+r"""A GPT in one file (nanoGPT-shaped), with the switches the geometry studies need.
+
+* MLP: GELU (``c_fc``/``c_proj``) or SwiGLU (``w_gate``/``w_up``/``w_down``), optionally a
+  mixture of experts with a linear router (top-$k$, Switch-style load-balancing loss).
+* Normalisation: pre-LayerNorm residual blocks (GPT-2), or the **Lipschitz variant**
+  (seed 003, DESIGN §5): no LayerNorm, residual $x \leftarrow (1-a)x + a\,f(x)$ with
+  $a = 1/(2N)$ for $N$ blocks, attention scores $\times 1/d_\text{head}$, attention output
+  $\times 1/3$, $\text{GELU}/1.1289$, unit-RMS token embeddings, RoPE, no biases, zero-init
+  output projections and head. :meth:`GPT.lipschitz_weights` hands the weights to
+  ``theory.lipschitz.transformer_lipschitz_bound``.
+* Attention q/k/v fused in one ``c_attn`` (GPT-2 layout, $[3d, d]$) or separate
+  ``q``/``k``/``v``; tied or untied head.
+
+Every module declares the *role* of each of its weights in ``ROLES`` (name → role);
+``optimizers.assign`` reads these declarations from the module tree instead of guessing
+from parameter names.
+
+Observables for the saturation mechanism of seed 000 (softmax Jacobian vanishing as the
+attention logits grow) are recorded only inside :meth:`GPT.observe`, on eval batches:
+the attention path then materialises the score matrix (fp32) instead of calling the fused
+kernel. Everything computes in the parameters' dtype (fp32), or bf16 under autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 1024  # context length
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    mlp: str = "gelu"  # "gelu" | "swiglu"
+    mlp_hidden: int = 0  # 0: 4·n_embd for GELU, the 8/3·n_embd rounded to 64 for SwiGLU
+    n_experts: int = 0  # 0: dense MLP; >0: mixture of experts with a linear router
+    moe_top_k: int = 2
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss
+    lipschitz: bool = False  # the seed-003 Lipschitz variant instead of pre-LayerNorm
+    fused_qkv: bool = True  # one c_attn [3d, d] (GPT-2) or separate q, k, v
+    rope: bool = False  # rotary positions instead of a learned position table
+    tie_weights: bool = True
+    bias: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        if self.mlp not in ("gelu", "swiglu"):
+            problems.append(f"mlp={self.mlp!r} must be 'gelu' or 'swiglu'")
+        if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
+            problems.append(f"moe_top_k={self.moe_top_k} must be in [1, n_experts={self.n_experts}]")
+        if self.rope and (self.n_embd // self.n_head) % 2:
+            problems.append("rope needs an even head dimension n_embd/n_head")
+        if self.lipschitz and (self.tie_weights or self.bias):
+            problems.append("the Lipschitz variant needs tie_weights=False and bias=False")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:
+            raise ValueError("GPTConfig: " + "; ".join(problems))
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.mlp == "gelu":
+            return 4 * self.n_embd
+        return 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+_LIPSCHITZ = dict(lipschitz=True, fused_qkv=False, rope=True, tie_weights=False, bias=False)
+
+#: Named configurations. Character-level configs get ``vocab_size`` from the data.
+CONFIGS: dict[str, GPTConfig] = {
+    "gpt2-small": GPTConfig(),
+    "gpt2-small-swiglu": GPTConfig(mlp="swiglu"),
+    "shakespeare-lipschitz": GPTConfig(
+        block_size=256, vocab_size=65, n_layer=3, n_head=4, n_embd=256, **_LIPSCHITZ
+    ),
+    "cpu-tiny": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32),
+    "cpu-small": GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
+    "cpu-swiglu": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32, mlp="swiglu"),
+    "cpu-moe": GPTConfig(
+        block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32, mlp="swiglu", n_experts=4
+    ),
+    "cpu-lipschitz": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32, **_LIPSCHITZ),
+    "demo": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64),
+}
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+    """A named config with fields overridden (``None`` values are ignored)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
+    return replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def config_to_dict(config: GPTConfig) -> dict:
+    return asdict(config)
+
+
+# --------------------------------------------------------------------------------------
+# Attention
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    r"""Rotary position embedding of ``x: [B, H, T, D]`` (pairs of channels rotated by
+    $t\,\theta_i$, $\theta_i = 10000^{-2i/D}$); an isometry for each position."""
+    T, D = x.shape[-2], x.shape[-1]
+    inv_freq = 10000.0 ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+@dataclass
+class AttentionRecord:
+    """What one attention layer saw on the observed batches (running maxima/means)."""
+
+    max_logit: float = -math.inf
+    jacobian_sum: float = 0.0
+    rows: int = 0
+
+    @property
+    def mean_jacobian_norm(self) -> float:
+        return self.jacobian_sum / max(self.rows, 1)
+
+
+def softmax_jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
+    r"""$\|\operatorname{diag}(p) - pp^\top\|_F$ for each probability row of ``p``.
+
+    $\|J\|_F^2 = \sum_i p_i^2 - 2\sum_i p_i^3 + (\sum_i p_i^2)^2$; it tends to 0 as the
+    softmax saturates to a one-hot row (the vanishing-gradient regime of seed 000) and is
+    at most $1/\sqrt{2}$. The three terms cancel near saturation (fp32 loses 5 digits at
+    $\|J\|_F \approx 0.05$), so this computes in float64; returns float64 of shape
+    ``p.shape[:-1]``.
+    """
+    p = p.double()
+    s2 = (p * p).sum(-1)
+    return (s2 - 2 * (p * p * p).sum(-1) + s2 * s2).clamp_min(0).sqrt()
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d = config.n_embd
+        self.n_head = config.n_head
+        self.head_dim = d // config.n_head
+        self.fused = config.fused_qkv
+        if self.fused:
+            self.c_attn = nn.Linear(d, 3 * d, bias=config.bias)
+            self.ROLES = {"c_attn": "attn_qkv", "c_proj": "attn_o"}
+        else:
+            self.q = nn.Linear(d, d, bias=config.bias)
+            self.k = nn.Linear(d, d, bias=config.bias)
+            self.v = nn.Linear(d, d, bias=config.bias)
+            self.ROLES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "c_proj": "attn_o"}
+        self.c_proj = nn.Linear(d, d, bias=config.bias)
+        self.rope = config.rope
+        self.lipschitz = config.lipschitz
+        # Lipschitz variant: 1/d_head instead of 1/sqrt(d_head) keeps the score map
+        # Lipschitz with a dimension-free constant (seed 003).
+        self.scale = 1.0 / self.head_dim if config.lipschitz else 1.0 / math.sqrt(self.head_dim)
+        self.record: AttentionRecord | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        if self.fused:
+            q, k, v = self.c_attn(x).split(C, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.rope:
+            q, k = rotary(q), rotary(k)
+        if self.record is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            y = self._observed_attention(q, k, v)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = self.c_proj(y)
+        return y / 3.0 if self.lipschitz else y
+
+    def _observed_attention(self, q, k, v):
+        T = q.size(-2)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        record = self.record
+        record.max_logit = max(record.max_logit, scores.masked_fill(~causal, -math.inf).max().item())
+        p = scores.masked_fill(~causal, -math.inf).softmax(dim=-1)
+        jac = softmax_jacobian_frobenius(p)
+        record.jacobian_sum += jac.sum().item()
+        record.rows += jac.numel()
+        return (p @ v.float()).to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# MLPs
+
+
+class MLP(nn.Module):
+    """GELU MLP (``c_fc`` → GELU → ``c_proj``); the Lipschitz variant divides GELU by
+    1.1289, its Lipschitz constant, so the block's bound is $\\|W_{out}\\|\\|W_{in}\\|$."""
+
+    ROLES = {"c_fc": "mlp_in", "c_proj": "mlp_out"}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.hidden, config.n_embd, bias=config.bias)
+        self.gelu_scale = 1 / 1.1289 if config.lipschitz else 1.0
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)) * self.gelu_scale)
+
+
+class SwiGLU(nn.Module):
+    r"""$W_\text{down}\,(\text{SiLU}(W_\text{gate}x) \odot W_\text{up}x)$."""
+
+    ROLES = {"w_gate": "mlp_gate", "w_up": "mlp_up", "w_down": "mlp_down"}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(config.n_embd, config.hidden, bias=config.bias)
+        self.w_up = nn.Linear(config.n_embd, config.hidden, bias=config.bias)
+        self.w_down = nn.Linear(config.hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+def dense_mlp(config: GPTConfig) -> nn.Module:
+    return SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
+
+
+class MoE(nn.Module):
+    r"""Mixture of experts: a linear router ``[n_experts, d]`` (experts on rows), top-$k$
+    gating renormalised over the chosen experts, and the Switch load-balancing loss
+    $\text{aux} = E\sum_e f_e P_e$ ($f_e$: fraction of routing slots sent to expert $e$,
+    $P_e$: mean router probability), left in ``self.aux_loss`` after each forward."""
+
+    ROLES = {"router": "router"}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.top_k = config.moe_top_k
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = nn.ModuleList(dense_mlp(config) for _ in range(config.n_experts))
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x):
+        B, T, C = x.shape
+        tokens = x.reshape(-1, C)
+        probs = self.router(tokens).float().softmax(dim=-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        top_p = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = (top_i == e).nonzero(as_tuple=True)
+            if token_idx.numel():
+                out.index_add_(0, token_idx, expert(tokens[token_idx]) * top_p[token_idx, slot, None])
+        n_experts = len(self.experts)
+        routed_fraction = F.one_hot(top_i, n_experts).float().sum(1).mean(0) / self.top_k
+        self.aux_loss = n_experts * (routed_fraction * probs.mean(0)).sum()
+        return out.view(B, T, C)
+
+
+# --------------------------------------------------------------------------------------
+# Blocks and the model
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.lipschitz = config.lipschitz
+        if not config.lipschitz:
+            self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        # a = 1/(2N): the residual is a convex combination, so the block's Lipschitz
+        # constant is (1 - a) + a·L_f (DESIGN §5).
+        self.residual_weight = 1.0 / (2 * config.n_layer)
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MoE(config) if config.n_experts else dense_mlp(config)
+
+    def forward(self, x):
+        if self.lipschitz:
+            a = self.residual_weight
+            x = (1 - a) * x + a * self.attn(x)
+            return (1 - a) * x + a * self.mlp(x)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = None if config.lipschitz else nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.ROLES = {"wte": "embedding", "wpe": "embedding", "lm_head": "lm_head"}
+        self.apply(self._init_weights)
+        n_residual = 2 * config.n_layer
+        for name, p in self.named_parameters():
+            if name.endswith(("c_proj.weight", "w_down.weight")):
+                if config.lipschitz:
+                    nn.init.zeros_(p)
+                else:  # GPT-2: scale residual projections by 1/sqrt(number of residual adds)
+                    nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(n_residual))
+        if config.lipschitz:
+            nn.init.zeros_(self.lm_head.weight)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once); ``non_embedding`` drops the tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
+        return n
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        if self.config.lipschitz:  # unit RMS per token: the input has norm sqrt(d)
+            x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)).to(x.dtype)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        return x
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits ``[B, T, V]`` and, with targets, the mean cross-entropy (plus the MoE
+        load-balancing term ``moe_aux_weight``·Σ aux during training)."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
+        x = self.embed(idx)
+        for block in self.h:
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        if self.config.n_experts and self.training:
+            aux = sum(block.mlp.aux_loss for block in self.h)
+            loss = loss + self.config.moe_aux_weight * aux
+        return logits, loss
+
+    # ---------------------------------------------------------------- observables
+
+    def attention_layers(self) -> dict[str, CausalSelfAttention]:
+        return {f"h.{i}.attn": block.attn for i, block in enumerate(self.h)}
+
+    @contextlib.contextmanager
+    def observe(self):
+        """Record per-layer attention statistics while inside the context.
+
+        Yields ``{layer name: AttentionRecord}``; the max attention logit and the mean
+        softmax-Jacobian Frobenius norm over every causal row seen."""
+        layers = self.attention_layers()
+        records = {name: AttentionRecord() for name in layers}
+        for name, layer in layers.items():
+            layer.record = records[name]
+        try:
+            yield records
+        finally:
+            for layer in layers.values():
+                layer.record = None
+
+    def lipschitz_weights(self) -> dict:
+        """The weights the Lipschitz bound of DESIGN §5 needs (Lipschitz variant only).
+
+        Returns ``{"blocks": [{"q", "k", "v", "o", "mlp_in", "mlp_out"}: [out, in]
+        tensors], "head": [V, d], "residual_weight": a, "attention_scale": 1/3,
+        "score_scale": 1/d_head, "n_embd": d}``; tensors are the live parameters
+        (detach before modifying)."""
+        if not self.config.lipschitz:
+            raise ValueError("lipschitz_weights() needs the Lipschitz variant (GPTConfig(lipschitz=True))")
+        if self.config.n_experts or self.config.mlp != "gelu":
+            raise ValueError("the Lipschitz bound is implemented for the dense GELU MLP only")
+        blocks = [
+            {
+                "q": b.attn.q.weight,
+                "k": b.attn.k.weight,
+                "v": b.attn.v.weight,
+                "o": b.attn.c_proj.weight,
+                "mlp_in": b.mlp.c_fc.weight,
+                "mlp_out": b.mlp.c_proj.weight,
+            }
+            for b in self.h
+        ]
+        return {
+            "blocks": blocks,
+            "head": self.lm_head.weight,
+            "residual_weight": 1.0 / (2 * self.config.n_layer),
+            "attention_scale": 1.0 / 3.0,
+            "score_scale": 1.0 / (self.config.n_embd // self.config.n_head),
+            "n_embd": self.config.n_embd,
+        }

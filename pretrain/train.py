@@ -1,0 +1,553 @@
+r"""One training loop for one CPU, one GPU and many processes (``torchrun``).
+
+``geomuon pretrain --config demo --strategy hetero --steps 200`` (see ``--help``).
+
+* **Devices.** CPU runs in fp32. CUDA runs the forward under bf16 autocast (parameters,
+  optimizer state and retractions stay fp32) and optionally ``torch.compile``.
+* **Many processes.** Under ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in DDP
+  (gloo on CPU, NCCL on GPU), which averages the gradients. Every rank draws the same
+  global batch (:meth:`pretrain.data.TokenData.batch`) and keeps its slice, so the run
+  sees exactly the batches of a single-process run. The optimizer work — the
+  orthogonalisations and dual ascents — is **sharded by parameter**: each parameter has
+  one owner rank (greedy balance of the matrix work), every rank steps only the
+  parameters it owns (the others have ``grad = None`` during the step, which every
+  optimizer skips), and each updated parameter is then broadcast from its owner. Ranks
+  therefore hold bit-identical parameters and each does ≈ 1/world of the optimizer work.
+  Optimizer state lives only on the owner; checkpoints gather it on rank 0.
+* **Schedules.** Linear warmup then cosine decay to ``min_lr_ratio`` of every group's
+  base learning rate (the matrix and AdamW rates share the schedule, as in seed 000).
+* **Checkpoints** are written atomically (temp file, fsync, ``os.replace``) and the
+  previous one is kept as ``ckpt.prev.pt``. Resuming restores parameters, optimizer
+  state, the step and the log; batches are a function of (seed, step), so the remaining
+  losses are bit-identical to an uninterrupted run on CPU.
+* **Metrics** at each eval (rank 0, unwrapped model, fixed val batches): val loss and
+  accuracy, max |activation| per block, max attention logit and mean softmax-Jacobian
+  norm per layer, σ_max and column-norm spread per matrix, the Lipschitz bound for the
+  Lipschitz variant. Everything goes to ``<out_dir>/log.jsonl``.
+
+A run stops early, flagged ``diverged``, when the training loss or the gradient norm is
+not finite; it never writes a non-finite checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+
+from manifolds.linalg import power_iteration
+from optimizers.assign import ATTENTION_ROLES, MLP_ROLES, STRATEGIES, Assignment, Hyper, assign
+from pretrain.data import TokenData, load_data
+from pretrain.model import CONFIGS, GPT, get_config
+
+
+@dataclass
+class TrainConfig:
+    model: str = "demo"  # a name in pretrain.model.CONFIGS
+    strategy: str = "adamw"  # a name in optimizers.assign.STRATEGIES
+    data: str = "embedded"  # see pretrain.data.load_data
+    out_dir: str = "runs/pretrain"
+    steps: int = 200  # length of the schedule
+    stop_after: int | None = None  # stop at this step (resume later) without changing the schedule
+    batch_size: int = 16  # global batch, in sequences
+    block_size: int | None = None  # context (default: the model config's)
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    lr: float = 0.02  # matrix updates
+    adamw_lr: float = 6e-4
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 disables
+    dual_steps: int | None = None
+    direction_dtype: str = "default"  # "default" | "fp32" | "bf16": optimizer direction compute dtype
+    w_max: float = 2.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 1
+    ckpt_every: int = 0  # 0: checkpoint at each eval and at the end
+    seed: int = 0
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    compile: bool = False
+    resume: bool = False
+    progress: bool = True
+    print_table: bool = True
+
+    def validate(self) -> None:
+        """Everything that can be checked without touching data: fail before training."""
+        problems = []
+        if self.model not in CONFIGS:
+            problems.append(f"--config {self.model!r} is unknown; choose one of {sorted(CONFIGS)}")
+        if self.strategy not in STRATEGIES:
+            problems.append(f"--strategy {self.strategy!r} is unknown; choose one of {sorted(STRATEGIES)}")
+        for name in ("steps", "batch_size", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be ≥ 1 (got {getattr(self, name)})")
+        if not 0 <= self.warmup_steps < self.steps:
+            problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
+            problems.append(f"--stop-after must be in (0, steps={self.steps}] (got {self.stop_after})")
+        if self.direction_dtype not in ("default", "fp32", "bf16"):
+            problems.append(f"--direction-dtype must be default, fp32 or bf16 (got {self.direction_dtype!r})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"--device must be auto, cpu or cuda (got {self.device!r})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            problems.append("--device cuda was asked for but CUDA is not available; use --device cpu")
+        for name in ("lr", "adamw_lr"):
+            if not getattr(self, name) > 0:
+                problems.append(f"--{name.replace('_', '-')} must be > 0")
+        if problems:
+            raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+
+
+@dataclass
+class TrainResult:
+    out_dir: str
+    losses: dict[int, float] = field(default_factory=dict)  # step → train loss
+    evals: list[dict] = field(default_factory=list)
+    diverged: bool = False
+    wall_time: float = 0.0
+    last_step: int = 0
+    model: GPT | None = None  # the trained model (unwrapped), on its device
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    r"""Warmup then cosine: $\min(1, (s+1)/w)$ for $s < w$, then
+    $r + (1-r)\tfrac12(1 + \cos(\pi (s-w)/(S-w)))$ with $r$ = ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def owners(params: list[torch.Tensor], world: int) -> list[int]:
+    """Owner rank of each parameter: greedy, largest matrix work first (∝ m·n·min(m, n)
+    for a polar factor), so every rank does about 1/world of the orthogonalisations."""
+    cost = [p.numel() * (min(p.shape[-2:]) if p.dim() >= 2 else 1) for p in params]
+    load = [0] * world
+    owner = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -cost[i]):
+        rank = min(range(world), key=lambda r: load[r])
+        owner[i] = rank
+        load[rank] += cost[i]
+    return owner
+
+
+class Distributed:
+    """Rank bookkeeping; a no-op when ``WORLD_SIZE`` is unset or 1."""
+
+    def __init__(self, device: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world > 1
+        if self.enabled and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.enabled:
+            dist.barrier()
+
+    def close(self):
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _portable_state(assignment: Assignment) -> dict:
+    """Optimizer states without the live objects of the groups (manifolds, regulators):
+    those are rebuilt by the strategy and re-attached on load."""
+    state = assignment.state_dict()
+    for opt_state in state.values():
+        for group in opt_state["param_groups"]:
+            group.pop("manifold", None)
+            group.pop("regulate", None)
+    return state
+
+
+def _load_portable_state(assignment: Assignment, state: dict) -> None:
+    for name, opt in assignment.optimizers.items():
+        if name in state:
+            for saved, live in zip(state[name]["param_groups"], opt.param_groups):
+                for key in ("manifold", "regulate"):
+                    if key in live:
+                        saved[key] = live[key]
+    assignment.load_state_dict(state)
+
+
+def save_checkpoint(path: str, payload: dict) -> None:
+    """Write ``payload`` atomically to ``path``; the previous file becomes ``*.prev.pt``."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        prev = previous_checkpoint(path)
+        try:  # a hard link keeps `path` valid until the new file replaces it
+            os.link(path, prev + ".tmp")
+        except OSError:
+            shutil.copy2(path, prev + ".tmp")
+        os.replace(prev + ".tmp", prev)
+    os.replace(tmp, path)
+
+
+def previous_checkpoint(path: str) -> str:
+    return path[: -len(".pt")] + ".prev.pt" if path.endswith(".pt") else path + ".prev"
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint; an unreadable one raises ``ValueError`` naming the file and the
+    previous checkpoint to fall back on."""
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path!r} does not exist; start without --resume")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(payload, dict) or "model" not in payload:
+            raise ValueError("not a geomuon checkpoint")
+    except Exception as err:  # torch raises several types for a damaged zip archive
+        prev = previous_checkpoint(path)
+        hint = (
+            f"the previous checkpoint {prev!r} is intact: move it over {path!r} to resume from it"
+            if os.path.isfile(prev)
+            else "no previous checkpoint exists; restart without --resume"
+        )
+        raise ValueError(f"checkpoint {path!r} is truncated or corrupt ({err}); {hint}") from None
+    return payload
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@torch.no_grad()
+def weight_metrics(assignment: Assignment, model: torch.nn.Module) -> dict[str, dict]:
+    """σ_max (power iteration, fp32, 30 steps) and column-norm spread max/min on the
+    constrained side (the columns of the tall orientation) of every hidden matrix."""
+    sigma, spread = {}, {}
+    params = dict(model.named_parameters())
+    for row in assignment.rows:
+        if row.role in ATTENTION_ROLES + MLP_ROLES + ("router", "lm_head"):
+            W = params[row.name].detach().float()
+            W = W if W.shape[-2] >= W.shape[-1] else W.mT
+            sigma[row.name] = float(power_iteration(W, steps=30)[0])
+            norms = W.norm(dim=-2)
+            spread[row.name] = float(norms.max() / norms.min().clamp_min(1e-30))
+    return {"sigma_max": sigma, "column_spread": spread}
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: TokenData, cfg: TrainConfig, block_size: int, device, autocast) -> dict:
+    from pretrain import monitoring
+
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    activation: dict[str, float] = {}
+    blocks = {f"h.{i}": block for i, block in enumerate(model.h)}
+    with model.observe() as attention, monitoring.ActivationMonitor(model, blocks) as monitor:
+        for i in range(cfg.eval_batches):
+            x, y = data.batch("val", cfg.batch_size, block_size, cfg.seed, i)
+            x, y = x.to(device), y.to(device)
+            with autocast():
+                logits, loss = model(x, y)
+            total_loss += loss.item() * y.numel()
+            correct += (logits.argmax(-1) == y).sum().item()
+            count += y.numel()
+        activation = monitor.summary()
+    activation.pop("max", None)
+    model.train()
+    metrics = {
+        "val_loss": total_loss / count,
+        "val_acc": correct / count,
+        "max_activation": max(activation.values(), default=float("nan")),
+        "activation": activation,
+        "max_attn_logit": max(r.max_logit for r in attention.values()),
+        "attn_logit": {k: r.max_logit for k, r in attention.items()},
+        "softmax_jacobian": {k: r.mean_jacobian_norm for k, r in attention.items()},
+    }
+    if model.config.lipschitz:
+        from theory.lipschitz import transformer_lipschitz_bound
+
+        metrics["lipschitz_bound"] = transformer_lipschitz_bound(model.lipschitz_weights()).bound
+    return metrics
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _device(cfg: TrainConfig, ddp: Distributed) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(ddp.local_rank)
+    return torch.device("cuda", ddp.local_rank)
+
+
+def build(cfg: TrainConfig, data: TokenData, device: torch.device) -> tuple[GPT, Assignment]:
+    """The model (seeded init, same on every rank) and its optimizers."""
+    char_level = data.itos is not None
+    model_cfg = get_config(
+        cfg.model,
+        vocab_size=data.vocab_size if char_level else None,
+        block_size=cfg.block_size,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+    )
+    if data.vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"data {data.source} has vocab {data.vocab_size} > the model's {model_cfg.vocab_size}; "
+            f"use a config with a larger vocab_size"
+        )
+    data.check_context(model_cfg.block_size)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg).to(device)
+    direction = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.direction_dtype]
+    hyper = Hyper(
+        lr=cfg.lr,
+        adamw_lr=cfg.adamw_lr,
+        weight_decay=cfg.weight_decay,
+        dual_steps=cfg.dual_steps,
+        compute_dtype=direction,
+        w_max=cfg.w_max,
+    )
+    return model, assign(model, cfg.strategy, hyper)
+
+
+def train(cfg: TrainConfig, data: TokenData | None = None) -> TrainResult:
+    """Run (or resume) one training run; returns the losses, evals and verdict."""
+    cfg.validate()
+    ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    try:
+        return _train(cfg, data, ddp)
+    finally:
+        ddp.close()
+
+
+def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainResult:
+    if cfg.batch_size % ddp.world:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the {ddp.world} processes")
+    device = _device(cfg, ddp)
+    data = data or load_data(cfg.data)
+    model, assignment = build(cfg, data, device)
+    block_size = model.config.block_size
+    say = print if ddp.main else (lambda *a, **k: None)
+    say(f"model {cfg.model}: {model.num_params():,} parameters; data {data.source}: "
+        f"{len(data.train):,} train / {len(data.val):,} val tokens, vocab {data.vocab_size}")
+    if cfg.print_table:
+        say(assignment.table())
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    log_path = os.path.join(cfg.out_dir, "log.jsonl")
+    result = TrainResult(cfg.out_dir)
+    start = 0
+    if cfg.resume:
+        payload = load_checkpoint(ckpt_path)
+        _check_same_run(payload["config"], cfg)
+        model.load_state_dict(payload["model"])
+        _load_portable_state(assignment, payload["optimizer"])
+        start = payload["step"]
+        result.losses = {int(k): v for k, v in payload["losses"].items()}
+        result.evals = payload["evals"]
+        say(f"resumed from {ckpt_path} at step {start}")
+    if ddp.main:
+        _rewrite_log(log_path, start, result)
+
+    params = [p for group in assignment.param_groups for p in group["params"]]
+    owner = owners(params, ddp.world)
+    mine = [p for p, r in zip(params, owner) if r == ddp.rank]
+    others = [p for p, r in zip(params, owner) if r != ddp.rank]
+    train_model = model
+    if ddp.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(model, find_unused_parameters=bool(model.config.n_experts))
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+    use_bf16 = device.type == "cuda"
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+    for group in assignment.param_groups:
+        group.setdefault("base_lr", group["lr"])
+
+    end = cfg.stop_after or cfg.steps
+    ckpt_every = cfg.ckpt_every or cfg.eval_every
+    local = slice(ddp.rank * cfg.batch_size // ddp.world, (ddp.rank + 1) * cfg.batch_size // ddp.world)
+    progress = _progress(range(start, end), ddp.main and cfg.progress, cfg.strategy)
+    t0 = time.perf_counter()
+    log = open(log_path, "a") if ddp.main else None
+    try:
+        for step in progress:
+            factor = lr_factor(step, cfg)
+            for group in assignment.param_groups:
+                group["lr"] = group["base_lr"] * factor
+            x, y = data.batch("train", cfg.batch_size, block_size, cfg.seed, step)
+            x, y = x[local].to(device), y[local].to(device)
+            with autocast():
+                _, loss = train_model(x, y)
+            loss.backward()
+            loss_value = _global_mean(loss.detach(), ddp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+            if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
+                result.diverged = True
+                _write(log, {"kind": "diverged", "step": step, "loss": loss_value, "grad_norm": float(grad_norm)})
+                say(f"step {step}: non-finite loss {loss_value} or gradient norm {float(grad_norm)}; stopping")
+                break
+            for p in others:  # sharded step: only the owner updates a parameter
+                p.grad = None
+            assignment.step()
+            if ddp.enabled:
+                for p, r in zip(params, owner):
+                    dist.broadcast(p.data, src=r)
+            assignment.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            result.losses[step] = loss_value
+            result.last_step = step + 1
+            if step % cfg.log_every == 0:
+                _write(log, {"kind": "train", "step": step, "loss": loss_value, "lr_factor": factor,
+                             "grad_norm": float(grad_norm)})
+            if hasattr(progress, "set_postfix"):
+                progress.set_postfix(loss=f"{loss_value:.3f}")
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                record = None
+                if ddp.main:
+                    record = {"kind": "eval", "step": done, "time": time.perf_counter() - t0,
+                              **evaluate(model, data, cfg, block_size, device, autocast),
+                              **weight_metrics(assignment, model)}
+                    result.evals.append(record)
+                    _write(log, record)
+                    if not math.isfinite(record["val_loss"]):
+                        result.diverged = True
+            if done % ckpt_every == 0 or done == end:
+                _checkpoint(ckpt_path, model, assignment, cfg, done, result, ddp)
+            if result.diverged:
+                break
+    finally:
+        if log is not None:
+            log.close()
+    result.wall_time = time.perf_counter() - t0
+    result.model = model
+    return result
+
+
+def _progress(iterable, enabled: bool, desc: str):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+
+def _global_mean(loss: torch.Tensor, ddp: Distributed) -> float:
+    if ddp.enabled:
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= ddp.world
+    return float(loss)
+
+
+def _write(log, record: dict) -> None:
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+
+def _rewrite_log(path: str, start: int, result: TrainResult) -> None:
+    """A fresh run starts an empty log; a resumed one keeps the records before its step."""
+    records = [{"kind": "train", "step": s, "loss": v} for s, v in sorted(result.losses.items()) if s < start]
+    records += [e for e in result.evals if e["step"] <= start]
+    records.sort(key=lambda r: r["step"])
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+_RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "block_size", "n_layer", "n_head",
+                 "n_embd", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio", "seed")
+
+
+def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
+    changed = [f"{k}: {saved.get(k)!r} → {getattr(cfg, k)!r}" for k in _RUN_IDENTITY if saved.get(k) != getattr(cfg, k)]
+    if changed:
+        raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
+                         + "); use the original settings or a new --out-dir")
+
+
+def _checkpoint(path, model, assignment, cfg, step, result, ddp: Distributed):
+    state = _portable_state(assignment)
+    if ddp.enabled:  # each rank holds the state of the parameters it owns: merge them
+        gathered = [None] * ddp.world
+        dist.all_gather_object(gathered, state)
+        for other in gathered:
+            for name, opt_state in other.items():
+                state[name]["state"].update(opt_state["state"])
+    if ddp.main:
+        save_checkpoint(path, {
+            "model": model.state_dict(),
+            "optimizer": state,
+            "step": step,
+            "config": asdict(cfg),
+            "model_config": asdict(model.config),
+            "losses": result.losses,
+            "evals": result.evals,
+        })
+    ddp.barrier()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``geomuon pretrain`` parser: one option per :class:`TrainConfig` field."""
+    parser.description = "Pretrain a GPT with a per-module optimizer strategy (CPU, GPU, torchrun)."
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        flag = "--config" if f.name == "model" else "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]] if isinstance(f.type, str) else f.type
+            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default: {default}")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    try:
+        result = train(cfg)
+    except ValueError as err:
+        print(f"geomuon pretrain: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        last = result.evals[-1] if result.evals else {}
+        print(f"done: {result.last_step} steps in {result.wall_time:.1f}s, diverged={result.diverged}, "
+              f"val_loss={last.get('val_loss', float('nan')):.4f}, log {os.path.join(cfg.out_dir, 'log.jsonl')}")
+    return 1 if result.diverged else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m pretrain.train")
+    add_parser(parser)
+    sys.exit(run(parser.parse_args()))

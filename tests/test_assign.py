@@ -1,0 +1,111 @@
+"""Per-module assignment: role classification, strategies, weights on their manifold."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from manifolds import DGram, Stiefel
+from optimizers.assign import ROLES, STRATEGIES, Hyper, assign, classify
+from pretrain.model import GPT, get_config
+
+
+def test_classify_gpt2_layout_with_fused_qkv_and_tied_head():
+    roles = classify(GPT(get_config("cpu-tiny")))
+    assert roles["h.0.attn.c_attn.weight"] == "attn_qkv"
+    assert roles["h.0.attn.c_proj.weight"] == "attn_o"
+    assert roles["h.0.mlp.c_fc.weight"] == "mlp_in"
+    assert roles["h.0.mlp.c_proj.weight"] == "mlp_out"  # same child name as attn_o: parent decides
+    assert roles["wte.weight"] == "embedding" and "lm_head.weight" not in roles  # tied: listed once
+    assert roles["h.0.ln_1.weight"] == "vector"
+
+
+def test_classify_separate_qkv_swiglu_moe_and_untied_head():
+    lip = classify(GPT(get_config("cpu-lipschitz")))
+    assert [lip[f"h.1.attn.{c}.weight"] for c in "qkv"] == ["attn_q", "attn_k", "attn_v"]
+    assert lip["lm_head.weight"] == "lm_head"
+    moe = classify(GPT(get_config("cpu-moe")))
+    assert moe["h.0.mlp.router.weight"] == "router"
+    assert {moe[f"h.0.mlp.experts.3.{c}.weight"] for c in ("w_gate", "w_up", "w_down")} == {
+        "mlp_gate", "mlp_up", "mlp_down"}
+
+
+class Foreign(nn.Module):
+    """A model that declares no ROLES (conventional names) plus one odd matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(10, 8)
+        self.self_attn = nn.ModuleDict({n: nn.Linear(8, 8) for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        self.mlp = nn.ModuleDict({n: nn.Linear(8, 8) for n in ("gate_proj", "up_proj", "down_proj")})
+        self.mystery = nn.Linear(8, 8, bias=False)
+
+
+def test_foreign_model_needs_overrides_for_unknown_matrices():
+    model = Foreign()
+    with pytest.raises(ValueError, match=r"role of parameter 'mystery.weight'.*roles=\{'mystery.weight'"):
+        classify(model)
+    roles = classify(model, roles={"mystery.weight": "lm_head"})
+    assert roles["embed_tokens.weight"] == "embedding"
+    assert roles["self_attn.q_proj.weight"] == "attn_q" and roles["mlp.down_proj.weight"] == "mlp_down"
+    assert roles["self_attn.q_proj.bias"] == "vector" and roles["mystery.weight"] == "lm_head"
+    with pytest.raises(ValueError, match="'attention' is not a role"):
+        classify(model, roles={"mystery.weight": "attention"})
+    with pytest.raises(ValueError, match="not a parameter"):
+        classify(model, roles={"nothing.weight": "lm_head"})
+
+
+def test_unknown_strategy_is_rejected():
+    with pytest.raises(ValueError, match="unknown strategy 'stiefel'.*all_stiefel"):
+        assign(GPT(get_config("cpu-tiny")), "stiefel")
+
+
+def test_every_role_known_to_every_strategy_is_a_role():
+    for table in STRATEGIES.values():
+        assert set(table) <= set(ROLES)
+
+
+@pytest.mark.parametrize("strategy", ["all_stiefel", "all_dgram", "hetero", "hetero_inv"])
+def test_seed000_strategies_put_weights_on_their_manifold(strategy):
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny"))
+    assignment = assign(model, strategy, Hyper())
+    expected = {
+        "all_stiefel": ("stiefel", "stiefel"),
+        "all_dgram": ("dgram", "dgram"),
+        "hetero": ("stiefel", "dgram"),
+        "hetero_inv": ("dgram", "stiefel"),
+    }[strategy]
+    manifold_of = {"stiefel": Stiefel(), "dgram": DGram()}
+    params = dict(model.named_parameters())
+    for row in assignment.rows:
+        if row.role.startswith("attn"):
+            kind = expected[0]
+        elif row.role.startswith("mlp"):
+            kind = expected[1]
+        else:
+            assert row.rule.update == "adamw"
+            continue
+        assert row.rule.manifold == kind
+        ok, reason = manifold_of[kind]._check_point_on_manifold(params[row.name].detach(), atol=1e-5, rtol=1e-5)
+        assert ok, f"{row.name} not on {kind}: {reason}"
+    # the DGram points keep distinct column norms (not all 1: it is not Stiefel)
+    if strategy == "all_dgram":
+        W = params["h.0.mlp.c_fc.weight"].detach()
+        assert not Stiefel()._check_point_on_manifold(W, atol=1e-3, rtol=1e-3)[0]
+    assert strategy in assignment.table() and "h.0.attn.c_attn.weight" in assignment.table()
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_strategy_trains_one_step_on_every_layout(strategy):
+    for config in ("cpu-tiny", "cpu-moe", "cpu-lipschitz"):
+        torch.manual_seed(0)
+        model = GPT(get_config(config))
+        assignment = assign(model, strategy, Hyper(lr=0.01, adamw_lr=1e-3))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        idx = torch.randint(0, 256, (2, 16))
+        model(idx, idx)[1].backward()
+        assignment.step()
+        moved = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()
+                 and not torch.equal(p, before[n])]
+        assert moved, f"{strategy} on {config}: no parameter moved"
+        assert all(torch.isfinite(p).all() for p in model.parameters())

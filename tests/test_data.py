@@ -1,0 +1,106 @@
+"""Data sources of ``pretrain.data``: embedded corpus, Shakespeare, GPT-2 token shards."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.data import (
+    SHAKESPEARE_SHA256,
+    load_data,
+    read_shard,
+    shard_data,
+    write_llmc_shard,
+)
+
+SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+
+
+def test_embedded_corpus_needs_no_download():
+    data = load_data("embedded")
+    assert len(data.train) > 100_000 and len(data.val) > 10_000
+    assert data.vocab_size == len(data.itos) and data.train.max() < data.vocab_size
+    assert "def" in data.decode(data.train[:20_000].tolist())
+
+
+@pytest.mark.skipif(not os.path.exists(SHAKESPEARE), reason="tiny Shakespeare is not on this machine")
+def test_shakespeare_from_path_with_checksum(tmp_path):
+    data = load_data(f"shakespeare:{SHAKESPEARE}")
+    assert data.vocab_size == 65 and len(data.train) + len(data.val) == 1_115_394
+    assert data.decode(data.train[:9].tolist()) == "First Cit"
+    tampered = tmp_path / "shakespeare.txt"
+    shutil.copy(SHAKESPEARE, tampered)
+    with open(tampered, "a") as f:
+        f.write("x")
+    with pytest.raises(ValueError, match=f"differs from the expected {SHAKESPEARE_SHA256}"):
+        load_data(f"shakespeare:{tampered}")
+    assert load_data(f"shakespeare:{tampered}:nocheck").vocab_size == 65
+
+
+def test_llmc_and_nanogpt_shards_round_trip(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 50257, size=5000).astype(np.uint16)
+    write_llmc_shard(tmp_path / "fineweb_val_000000.bin", tokens[:1000])
+    write_llmc_shard(tmp_path / "fineweb_train_000001.bin", tokens[1000:3000])
+    write_llmc_shard(tmp_path / "fineweb_train_000002.bin", tokens[3000:])
+    data = shard_data(str(tmp_path))
+    assert np.array_equal(data.val, tokens[:1000]) and np.array_equal(data.train, tokens[1000:])
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    tokens[:4000].tofile(nano / "train.bin")
+    tokens[4000:].tofile(nano / "val.bin")
+    data = load_data(f"tokens:{nano}")
+    assert np.array_equal(data.train, tokens[:4000]) and data.vocab_size == 50304
+
+
+def test_malformed_shards_name_the_file_and_the_problem(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16)
+    path = tmp_path / "s.bin"
+    write_llmc_shard(path, tokens)
+    with open(path, "r+b") as f:
+        f.truncate(1024 + 2 * 60)
+    with pytest.raises(ValueError, match=r"s\.bin.*header says 100 tokens.*truncated"):
+        read_shard(str(path))
+    write_llmc_shard(path, tokens, version=7)
+    with pytest.raises(ValueError, match=r"s\.bin.*version 7"):
+        read_shard(str(path))
+    with open(path, "wb") as f:  # magic, then nothing
+        f.write(np.array([20240520], dtype="<i4").tobytes())
+    with pytest.raises(ValueError, match="truncated llm.c header"):
+        read_shard(str(path))
+    with open(path, "wb") as f:
+        f.write(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="not a whole number of uint16"):
+        read_shard(str(path))
+    np.array([1, 60000], dtype=np.uint16).tofile(path)
+    with pytest.raises(ValueError, match="token id 60000 ≥ vocab_size 50304"):
+        read_shard(str(path))
+    only_train = tmp_path / "only_train"
+    only_train.mkdir()
+    tokens.tofile(only_train / "train.bin")
+    with pytest.raises(ValueError, match=r"only_train.*has no val shard"):
+        shard_data(str(only_train))
+    with pytest.raises(ValueError, match="does not exist"):
+        read_shard(str(tmp_path / "missing.bin"))
+
+
+def test_corpus_shorter_than_context_is_an_error(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("to be or not to be, " * 20)  # 400 characters: val split has 40
+    data = load_data(f"text:{path}")
+    data.check_context(32)
+    with pytest.raises(ValueError, match=r"short\.txt.*val split has 40 tokens.*--block-size"):
+        data.check_context(64)
+    with pytest.raises(ValueError, match="unknown data spec"):
+        load_data("webtext")
+
+
+def test_batches_depend_only_on_seed_and_step():
+    data = load_data("embedded")
+    x1, y1 = data.batch("train", 4, 16, seed=0, step=5)
+    x2, y2 = data.batch("train", 4, 16, seed=0, step=5)
+    assert torch.equal(x1, x2) and torch.equal(y1[:, :-1], x1[:, 1:])
+    assert not torch.equal(x1, data.batch("train", 4, 16, seed=0, step=6)[0])
+    assert not torch.equal(x1, data.batch("train", 4, 16, seed=1, step=5)[0])
+    assert x1.dtype == torch.int64 and x1.shape == (4, 16)

@@ -1,0 +1,364 @@
+"""Every built-in manifold against the manifold contract, hypothesis properties, the DGram
+facts of DESIGN §2 (with negative controls), dtype handling and bad input.
+
+Math runs in float64 (tolerance 1e-10), the real retraction dtype in float32 (1e-5); both
+come from theory.contracts.default_tolerance, whose docstring says why.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifolds import (
+    LPRO,
+    CenteredRouterSpace,
+    DGram,
+    Euclidean,
+    MatrixManifold,
+    Oblique,
+    Stiefel,
+    msign,
+)
+from theory.contracts import (
+    check_manifold_contract,
+    default_tolerance,
+    manifold_residual,
+    normal_component,
+)
+from theory.strategies import matrix_shapes, points_and_tangents
+
+MANIFOLDS = {
+    "euclidean": Euclidean,
+    "stiefel": Stiefel,
+    "dgram": DGram,
+    "oblique": Oblique,
+    "router": CenteredRouterSpace,
+    "lpro": LPRO,
+    "lpro_radius": lambda: LPRO(radius=2.0),
+}
+SHAPES = {
+    "tall": (9, 4),
+    "square": (5, 5),
+    "wide": (4, 9),
+    "batched_tall": (2, 7, 3),
+    "batched_wide": (3, 2, 6),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("name", MANIFOLDS)
+def test_contract(name, shape, dtype):
+    report = check_manifold_contract(MANIFOLDS[name](), shape, dtype=dtype, seed=7)
+    assert report.passed
+    assert len(report.checks) >= 14  # the adjoint/gram checks only exist with multipliers
+
+
+# --------------------------------------------------------------------------- negative controls
+class _ScaledAdjointOblique(Oblique):
+    """The adjoint off by a factor 2: the adjoint and Gram-diagonal checks must fail (the
+    derived projection itself is invariant under rescaling the adjoint)."""
+
+    def constraint_adjoint(self, x, lam):
+        return 2 * super().constraint_adjoint(x, lam)
+
+
+class _FirstOrderWrongStiefel(Stiefel):
+    """msign(x + 2u) is not a retraction (its derivative at 0 is 2u): the slope check fails."""
+
+    def retr(self, x, u):
+        return super().retr(x, 2 * u)
+
+
+class _NonOrthogonalProjectionStiefel(Stiefel):
+    """Idempotent and onto T_x, but not orthogonal: P'u = Pu + <u - Pu, x> P(1). Self-adjointness fails."""
+
+    def proju(self, x, u):
+        tangent = super().proju(x, u)
+        normal_weight = ((u - tangent) * x).sum(dim=(-2, -1), keepdim=True)
+        return tangent + normal_weight * super().proju(x, torch.ones_like(x))
+
+
+@pytest.mark.parametrize(
+    "broken,failing",
+    [
+        (_ScaledAdjointOblique(), {"constraint_adjoint", "constraint_gram_diag"}),
+        (_FirstOrderWrongStiefel(), {"retr_slope"}),
+        (_NonOrthogonalProjectionStiefel(), {"proju_self_adjoint"}),
+    ],
+    ids=["wrong_adjoint", "not_a_retraction", "non_orthogonal_projection"],
+)
+def test_contract_detects_broken_manifolds(broken, failing):
+    report = check_manifold_contract(broken, (8, 5), raise_on_failure=False)
+    assert failing <= {check.name for check in report.failures}, str(report)
+    with pytest.raises(AssertionError, match="manifold contract failed"):
+        check_manifold_contract(broken, (8, 5))
+
+
+# --------------------------------------------------------------------------- hypothesis
+HYPOTHESIS_SHAPES = matrix_shapes(min_side=2, max_side=8)
+
+
+@pytest.mark.parametrize("name", MANIFOLDS)
+@given(data=st.data())
+def test_properties_on_drawn_points(name, data):
+    """projx/proju/retr on points of scale 1e-3..1e3, condition up to 1e3, rank-deficient inputs."""
+    manifold = MANIFOLDS[name]()
+    x, v = data.draw(points_and_tangents(manifold, HYPOTHESIS_SHAPES, max_relative_norm=0.5))
+    tol = default_tolerance(torch.float64)
+    # Relative residuals are scale-free; the constraint Gram of DGram has condition
+    # (d_max/d_min)^2 <= 1e6 here, which multiplies round-off (1e-16) to at most 1e-10.
+    assert manifold_residual(manifold, x) <= tol
+    u = data.draw(st.sampled_from([v, torch.randn_like(v)]))
+    pu = manifold.proju(x, u)
+    u_norm = u.norm(dim=(-2, -1)).max()
+    assert normal_component(manifold, x, pu).norm(dim=(-2, -1)).max() <= tol * u_norm
+    assert (manifold.proju(x, pu) - pu).norm(dim=(-2, -1)).max() <= tol * u_norm
+    assert manifold_residual(manifold, manifold.retr(x, v)) <= tol
+
+
+# --------------------------------------------------------------------------- DGram facts
+def dgram_point(shape=(10, 6), norms=(3.0, 0.2, 7.0, 1.0, 0.05, 2.0), seed=0):
+    """Q diag(d) with deliberately unsorted column norms d."""
+    gen = torch.Generator().manual_seed(seed)
+    Q = Stiefel().random(*shape, dtype=torch.float64, generator=gen)
+    return Q * torch.tensor(norms, dtype=torch.float64)
+
+
+def sorted_sigma_map(X):
+    """The seed paper's map polar(X) diag(sorted sigma(X)): the negative control."""
+    return msign(X, method="svd") * torch.linalg.svdvals(X).unsqueeze(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_dgram_retraction_fixes_points_with_unsorted_norms(dtype):
+    W = dgram_point().to(dtype)
+    R = DGram().retr(W, torch.zeros_like(W))
+    # Relative error: round-off of the fp32/fp64 Polar Express at condition 7/0.05 = 140.
+    tol = default_tolerance(dtype)
+    assert ((R.double() - W.double()).norm() / W.double().norm()).item() <= tol
+    # The sorted-sigma map moves the same point by O(1): the fact the retraction respects.
+    moved = sorted_sigma_map(W.double())
+    assert ((moved - W.double()).norm() / W.double().norm()).item() > 0.1
+
+
+def signed_permutation(n, gen):
+    perm = torch.randperm(n, generator=gen)
+    signs = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    return torch.eye(n, dtype=torch.float64)[:, perm] * signs
+
+
+def haar(n, gen):
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def dgram_maps(W, U, V):
+    manifold = DGram()
+    return {
+        "projx": manifold.projx(W + 0.1 * U),
+        "proju": manifold.proju(W, U),
+        "retr": manifold.retr(W, manifold.proju(W, V)),
+    }
+
+
+def transform(maps_or_tensor, left, right):
+    return left @ maps_or_tensor @ right
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dgram_maps_commute_with_left_rotations_and_signed_column_permutations(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    W = dgram_point()
+    U, V = (torch.randn(W.shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    O, P = haar(W.size(-2), gen), signed_permutation(W.size(-1), gen)
+    base = dgram_maps(W, U, V)
+    moved = dgram_maps(O @ W @ P, O @ U @ P, O @ V @ P)
+    for name in base:
+        residual = (moved[name] - O @ base[name] @ P).norm() / base[name].norm()
+        # Exact symmetry: only round-off (fp64, condition 140) separates the two sides.
+        assert residual.item() <= 1e-10, name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dgram_maps_do_not_commute_with_a_generic_right_rotation(seed):
+    # Negative control: O_m x O_n is NOT DGram's symmetry group; the residual is O(1).
+    gen = torch.Generator().manual_seed(200 + seed)
+    W = dgram_point()
+    U, V = (torch.randn(W.shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    O, R = haar(W.size(-2), gen), haar(W.size(-1), gen)
+    base = dgram_maps(W, U, V)
+    moved = dgram_maps(O @ W @ R, O @ U @ R, O @ V @ R)
+    for name in base:
+        residual = (moved[name] - O @ base[name] @ R).norm() / base[name].norm()
+        assert residual.item() > 1e-2, name
+
+
+def test_wide_dgram_uses_orthogonal_rows():
+    W = dgram_point().mT  # 6 x 10: rows orthogonal with unsorted norms
+    manifold = DGram()
+    assert manifold.check_point_on_manifold(W)
+    gram = W @ W.mT
+    assert torch.allclose(gram, torch.diag_embed(torch.diagonal(gram)), atol=1e-12)
+    V = manifold.proju(W, torch.randn_like(W))
+    R = manifold.retr(W, 0.1 * V)
+    row_gram = R @ R.mT
+    assert torch.allclose(row_gram, torch.diag_embed(torch.diagonal(row_gram)), atol=1e-12)
+
+
+# --------------------------------------------------------------------------- orientation
+def test_orientation_of_each_manifold():
+    gen = torch.Generator().manual_seed(3)
+    wide = Stiefel().random(3, 7, dtype=torch.float64, generator=gen)
+    assert torch.allclose(wide @ wide.mT, torch.eye(3, dtype=torch.float64), atol=1e-14)
+    tall = Stiefel().random(7, 3, dtype=torch.float64, generator=gen)
+    assert torch.allclose(tall.mT @ tall, torch.eye(3, dtype=torch.float64), atol=1e-14)
+    oblique = Oblique().random(3, 7, dtype=torch.float64, generator=gen)  # columns, any shape
+    assert torch.allclose(oblique.norm(dim=-2), torch.ones(7, dtype=torch.float64), atol=1e-14)
+    router = CenteredRouterSpace().random(4, 9, dtype=torch.float64, generator=gen)  # experts = rows
+    assert torch.allclose(router.sum(-2), torch.zeros(9, dtype=torch.float64), atol=1e-13)
+    rows = LPRO(radius=0.5).random(3, 7, dtype=torch.float64, generator=gen)  # vocabulary = rows
+    assert torch.allclose(rows.norm(dim=-1), torch.full((3,), 0.5, dtype=torch.float64), atol=1e-14)
+
+
+# --------------------------------------------------------------------------- dtypes and API
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique", "router", "lpro_radius"])
+def test_retraction_computes_in_fp32_for_bf16_points(name):
+    manifold = MANIFOLDS[name]()
+    x = manifold.random(16, 8, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    v = 0.05 * manifold.proju(x, torch.randn(16, 8, generator=torch.Generator().manual_seed(1)))
+    xb, vb = x.bfloat16(), v.bfloat16()
+    out = manifold.retr(xb, vb)
+    assert out.dtype == torch.bfloat16
+    # Bitwise equal to the fp32 computation rounded once: no bf16 arithmetic inside.
+    assert torch.equal(out, manifold.retr(xb.float(), vb.float()).bfloat16())
+
+
+def test_generic_surface_is_consistent():
+    manifold = DGram()
+    gen = torch.Generator().manual_seed(4)
+    x = manifold.random(2, 6, 4, dtype=torch.float64, generator=gen)
+    u, v = (torch.randn(2, 6, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    assert torch.equal(manifold.egrad2rgrad(x, u), manifold.proju(x, u))
+    assert torch.equal(manifold.expmap(x, u), manifold.retr(x, u))
+    assert manifold.inner(x, u, v).shape == (2,)
+    assert manifold.inner(x, u, v, keepdim=True).shape == (2, 1, 1)
+    assert torch.allclose(manifold.inner(x, u), (u * u).sum(dim=(-2, -1)))
+    assert torch.equal(manifold.component_inner(x, u, v), manifold.inner(x, u, v, keepdim=True))
+    y = manifold.retr(x, 0.1 * manifold.proju(x, u))
+    assert torch.equal(manifold.transp(x, y, v), manifold.proju(y, v))
+    # Batched x with one shared tangent direction broadcasts.
+    assert manifold.proju(x, u[0]).shape == (2, 6, 4)
+
+
+def test_origin_is_deterministic_and_leaves_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a, b = Stiefel().origin(5, 3, dtype=torch.float64), Stiefel().origin(5, 3, dtype=torch.float64)
+    assert torch.equal(a, b)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert Stiefel().check_point_on_manifold(a)
+
+
+def test_point_checks_report_reasons():
+    manifold = Stiefel()
+    x = manifold.random(6, 3, dtype=torch.float64)
+    assert manifold.check_point_on_manifold(x)
+    ok, reason = manifold.check_point_on_manifold(2 * x, explain=True)
+    assert not ok and "F(x)" in reason
+    u = manifold.proju(x, torch.randn_like(x))
+    assert manifold.check_vector_on_tangent(x, u)
+    assert not manifold.check_vector_on_tangent(x, u + x)
+    ok, reason = DGram().check_point_on_manifold(torch.zeros(6, 3, dtype=torch.float64), explain=True)
+    assert not ok and "zero column" in reason
+
+
+def test_generic_projection_solves_a_non_diagonal_gram():
+    # A Stiefel point far from the manifold makes L L* non-diagonal: the Jacobi guess is
+    # wrong and CG must iterate. The generic projection must still be exactly orthogonal.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    u = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    manifold = Stiefel()
+    pu = MatrixManifold.proju(manifold, x, u)
+    assert manifold.constraint(x, pu).norm() <= 1e-10 * u.norm()
+    normal = u - pu  # must be x S with S symmetric: the normal space at x
+    S = torch.linalg.lstsq(x, normal).solution
+    assert torch.allclose(x @ S, normal, atol=1e-12) and torch.allclose(S, S.mT, atol=1e-10)
+    one_jacobi_step = u - manifold.constraint_adjoint(x, manifold.constraint(x, u) / 4)
+    assert manifold.constraint(x, one_jacobi_step).norm() > 1e-3 * u.norm()  # CG was needed
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("name", MANIFOLDS)
+@pytest.mark.parametrize("method", ["projx", "proju", "retr", "constraint", "egrad2rgrad"])
+def test_vectors_are_rejected_with_a_clear_error(name, method):
+    manifold = MANIFOLDS[name]()
+    vector = torch.randn(5, dtype=torch.float64)
+    args = (vector,) if method == "projx" else (vector, vector)
+    with pytest.raises(ValueError, match=r"\[\.\.\., m, n\], got a 1-D tensor"):
+        getattr(manifold, method)(*args)
+
+
+@pytest.mark.parametrize("name", MANIFOLDS)
+def test_mismatched_vector_shape_is_rejected(name):
+    manifold = MANIFOLDS[name]()
+    x = manifold.random(6, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="does not match the point's matrix shape"):
+        manifold.proju(x, torch.randn(4, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        manifold.retr(x.expand(2, 6, 4), torch.zeros(3, 6, 4, dtype=torch.float64))
+
+
+def test_wrong_shapes_and_types_are_rejected():
+    with pytest.raises(ValueError, match="at least 2 experts"):
+        CenteredRouterSpace().projx(torch.randn(1, 5))
+    with pytest.raises(ValueError, match="at least 2 experts"):
+        CenteredRouterSpace().random(1, 5)
+    with pytest.raises(ValueError, match=r"\[\.\.\., m, n\]"):
+        Stiefel().random(5)
+    with pytest.raises(ValueError, match="empty"):
+        Oblique().projx(torch.randn(0, 3))
+    with pytest.raises(TypeError, match="floating-point"):
+        Stiefel().projx(torch.ones(4, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        Stiefel().projx([[1.0, 0.0], [0.0, 1.0]])
+    with pytest.raises(ValueError, match="radius"):
+        LPRO(radius=0.0)
+
+
+def test_dgram_zero_column_is_rejected():
+    W = dgram_point()
+    W[:, 2] = 0
+    manifold = DGram()
+    for call in (
+        lambda: manifold.projx(W),
+        lambda: manifold.proju(W, torch.randn_like(W)),
+        lambda: manifold.constraint_gram_diag(W),
+        lambda: manifold.retr(W, torch.zeros_like(W)),
+    ):
+        with pytest.raises(ValueError, match="zero column"):
+            call()
+    # A step that annihilates a column (V = -W is tangent: Off(-2 W^T W) = 0).
+    with pytest.raises(ValueError, match="zero column"):
+        manifold.retr(dgram_point(), -dgram_point())
+
+
+def test_zero_columns_and_rows_cannot_be_normalized():
+    with pytest.raises(ValueError, match="column of the input is zero"):
+        Oblique().projx(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="row of the input is zero"):
+        LPRO(radius=1.0).projx(torch.zeros(4, 3))
+
+
+def test_no_nan_from_the_documented_safe_inputs():
+    # Zero tangent vectors and zero steps are safe everywhere (no division by |u|).
+    for name, factory in MANIFOLDS.items():
+        manifold = factory()
+        x = manifold.random(5, 3, dtype=torch.float64)
+        zero = torch.zeros_like(x)
+        for out in (manifold.proju(x, zero), manifold.retr(x, zero)):
+            assert torch.isfinite(out).all(), name
+    assert math.isfinite(manifold_residual(Euclidean(), torch.zeros(3, 2)))

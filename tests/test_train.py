@@ -1,0 +1,102 @@
+"""The training loop: schedule, metrics, JSONL log, the GPT-2 entry point, bad configs."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from geomuon_cli import main as cli
+from optimizers.assign import STRATEGIES, Hyper, assign
+from pretrain.model import GPT, get_config
+from pretrain.train import TrainConfig, lr_factor, owners, train
+
+
+def tiny(tmp_path, **overrides):
+    base = dict(model="cpu-tiny", strategy="adamw", steps=12, batch_size=4, block_size=32, eval_every=6,
+                eval_batches=1, warmup_steps=2, adamw_lr=3e-3, out_dir=str(tmp_path / "run"), progress=False,
+                print_table=False)
+    return TrainConfig(**{**base, **overrides})
+
+
+def test_warmup_then_cosine():
+    cfg = TrainConfig(steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, cfg) == pytest.approx(0.1) and lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(60, cfg) == pytest.approx(0.55)  # half way through the cosine
+    assert lr_factor(110, cfg) == pytest.approx(0.1)
+    factors = [lr_factor(s, cfg) for s in range(10, 110)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+
+
+def test_owners_balance_the_matrix_work():
+    params = [torch.empty(64, 64), torch.empty(64, 64), torch.empty(8, 8), torch.empty(64)]
+    owner = owners(params, 2)
+    assert owner[0] != owner[1]  # the two big matrices on different ranks
+    assert owners(params, 1) == [0, 0, 0, 0]
+
+
+def test_training_logs_every_metric(tmp_path):
+    result = train(tiny(tmp_path, model="cpu-lipschitz", strategy="adamw"))
+    assert not result.diverged and result.last_step == 12
+    assert result.losses[11] < result.losses[0]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(12))
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [6, 12]
+    last = evals[-1]
+    for key in ("val_loss", "val_acc", "max_activation", "max_attn_logit", "lipschitz_bound"):
+        assert math.isfinite(last[key]), key
+    assert set(last["softmax_jacobian"]) == {"h.0.attn", "h.1.attn"}
+    assert "h.0.attn.q.weight" in last["sigma_max"] and "h.0.mlp.c_fc.weight" in last["column_spread"]
+    assert 0 < last["val_acc"] < 1 and last["lipschitz_bound"] > 0
+
+
+def test_bad_configs_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"--strategy 'stiefel' is unknown.*all_stiefel"):
+        train(tiny(tmp_path, strategy="stiefel"))
+    with pytest.raises(ValueError, match=r"--config 'gpt3' is unknown"):
+        train(tiny(tmp_path, model="gpt3"))
+    with pytest.raises(ValueError, match=r"--warmup-steps must be in \[0, steps=12\)"):
+        train(tiny(tmp_path, warmup_steps=12))
+    short = tmp_path / "short.txt"
+    short.write_text("abcdefghij" * 30)
+    with pytest.raises(ValueError, match=r"short\.txt.*fewer than block_size \+ 1 = 33.*--block-size"):
+        train(tiny(tmp_path, data=f"text:{short}"))
+    assert not (tmp_path / "run").exists()  # nothing was written: it failed before training
+
+
+def test_cli_reports_bad_config_and_runs(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    assert cli(["pretrain", "--config", "cpu-tiny", "--strategy", "nope", "--out-dir", out]) == 2
+    assert "--strategy 'nope' is unknown" in capsys.readouterr().err
+    code = cli(["pretrain", "--config", "cpu-tiny", "--strategy", "adamw", "--steps", "4", "--batch-size", "2",
+                "--block-size", "16", "--eval-every", "4", "--eval-batches", "1", "--warmup-steps", "1",
+                "--out-dir", out, "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "done: 4 steps" in printed and "parameter" in printed  # the assignment table
+    assert os.path.isfile(os.path.join(out, "ckpt.pt"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_small():
+    torch.manual_seed(0)
+    model = GPT(get_config("gpt2-small"))
+    return model, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_gpt2_small_one_step_per_strategy(gpt2_small, strategy):
+    # The GPU entry point's model on CPU: batch 1, 8 tokens, one forward/backward/step.
+    model, initial = gpt2_small
+    model.load_state_dict(initial)
+    model.zero_grad(set_to_none=True)
+    assignment = assign(model, strategy, Hyper(dual_steps=1))
+    idx = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(0))
+    _, loss = model(idx, idx)
+    loss.backward()
+    before = model.h[0].mlp.c_fc.weight.detach().clone()
+    assignment.step()
+    assert math.isfinite(loss.item())
+    assert not torch.equal(model.h[0].mlp.c_fc.weight, before)
+    assert torch.isfinite(model.h[0].mlp.c_fc.weight).all()

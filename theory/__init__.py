@@ -1,0 +1,6 @@
+"""Generic checkers: symmetry groups, equivariance, the manifold contract and its
+hypothesis strategies, sympy certificates and Lipschitz bounds.
+
+Import the submodule you need (``from theory.contracts import check_manifold_contract``);
+this package imports nothing on its own, so ``import theory`` stays cheap.
+"""

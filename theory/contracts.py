@@ -1,0 +1,287 @@
+r"""The contract every matrix manifold must satisfy, runnable on a user's manifold in one call.
+
+```python
+from theory.contracts import check_manifold_contract
+report = check_manifold_contract(MyManifold(), (64, 32))   # raises AssertionError on failure
+print(report)
+```
+
+Every check measures a dimensionless residual and compares it with a tolerance derived
+from the dtype under test (:func:`default_tolerance`); the measurements themselves run in
+float64, so a float32 manifold is judged on its own round-off, not on the checker's.
+
+Distances to the manifold and to tangent spaces are measured through the manifold's own
+constraint: the normal component of $v$ at $x$ is $N_x v = L_x^*(L_xL_x^*)^{-1}L_xv$, and
+the first-order distance of $x$ to $M = \{F = 0\}$ is the Gauss–Newton step
+$\|L_x^*(L_xL_x^*)^{-1}F(x)\|$. A manifold without ``defining_map`` is measured by
+$\|\operatorname{projx}(x) - x\|$ instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from manifolds.base import MatrixManifold
+
+__all__ = [
+    "ContractCheck",
+    "ContractReport",
+    "check_manifold_contract",
+    "default_tolerance",
+    "manifold_residual",
+    "normal_component",
+    "retraction_slope",
+]
+
+#: Smallest accepted log-log slope of $\|R_x(tv) - (x + tv)\|$ against $t$ (2 in theory).
+MIN_RETRACTION_SLOPE = 1.9
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Contract tolerance for relative residuals: 1e-10 in float64, 1e-5 in float32.
+
+    Both sit a few orders of magnitude above the dtype's unit round-off times the
+    $\\sqrt{mn}$ growth of Frobenius-norm sums at the sizes the contract uses, and far
+    below any real defect (a wrong formula gives residuals of order 1).
+    """
+    if dtype == torch.float64:
+        return 1e-10
+    if dtype == torch.float32:
+        return 1e-5
+    raise ValueError(f"the manifold contract runs in float32 or float64, got {dtype}")
+
+
+def _matrix_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.norm(dim=(-2, -1))
+
+
+def normal_component(manifold: MatrixManifold, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""$N_xv = L_x^*(L_xL_x^*)^{-1}L_xv$, the component of ``v`` normal to $T_xM$, in float64."""
+    x, v = x.double(), v.double()
+    batch = torch.broadcast_shapes(x.shape[:-2], v.shape[:-2])
+    x, v = x.expand(*batch, *x.shape[-2:]), v.expand(*batch, *v.shape[-2:])
+    return manifold.constraint_adjoint(x, manifold.gram_solve(x, manifold.constraint(x, v)))
+
+
+def manifold_residual(manifold: MatrixManifold, x: torch.Tensor) -> float:
+    r"""Relative distance of ``x`` to the manifold, largest over the batch, measured in float64.
+
+    $\|L_x^*(L_xL_x^*)^{-1}F(x)\| / \|x\|$ (the first Gauss–Newton step) when the manifold
+    has a ``defining_map``, else $\|\operatorname{projx}(x) - x\| / \|x\|$.
+    """
+    x = x.detach().double()
+    if manifold.has_defining_map:
+        offset = manifold.constraint_adjoint(x, manifold.gram_solve(x, manifold.defining_map(x)))
+    else:
+        offset = manifold.projx(x) - x
+    return float((_matrix_norm(offset) / _matrix_norm(x).clamp_min(1e-300)).max())
+
+
+def retraction_slope(
+    manifold: MatrixManifold, x: torch.Tensor, v: torch.Tensor, ts: torch.Tensor
+) -> tuple[float, list[float]]:
+    r"""Log-log slope of $e(t) = \|R_x(tv) - (x + tv)\| / \|x\|$ over the step sizes ``ts``.
+
+    A retraction agrees with $x + tv$ to first order, so $e(t) = O(t^2)$ and the slope
+    (least squares over ``ts``, worst matrix of the batch) is about 2. An affine
+    retraction ($e \equiv 0$ up to round-off) returns ``inf``.
+
+    Returns:
+        ``(slope, errors)`` with the largest error over the batch at each ``t``.
+    """
+    errors = []
+    for t in ts.tolist():
+        step = manifold.retr(x, t * v).double()
+        errors.append(_matrix_norm(step - (x.double() + t * v.double())) / _matrix_norm(x.double()))
+    errors = torch.stack(errors, dim=-1)  # [..., len(ts)]
+    worst = errors.reshape(-1, len(ts)).max(dim=0).values.tolist()
+    if max(worst) <= 64 * torch.finfo(x.dtype).eps:
+        return math.inf, worst
+    log_t = ts.double().log()
+    log_e = errors.clamp_min(1e-300).log()
+    centered_t = log_t - log_t.mean()
+    slopes = ((log_e - log_e.mean(-1, keepdim=True)) * centered_t).sum(-1) / centered_t.square().sum()
+    return float(slopes.min()), worst
+
+
+@dataclass
+class ContractCheck:
+    """One measured property: ``value`` against ``bound`` (``passed`` says which way)."""
+
+    name: str
+    value: float
+    bound: float
+    passed: bool
+    note: str = ""
+
+    def __str__(self) -> str:
+        status = "ok  " if self.passed else "FAIL"
+        return f"{status} {self.name:28s} {self.value:10.3e}  (bound {self.bound:.1e}) {self.note}"
+
+
+@dataclass
+class ContractReport:
+    """The outcome of :func:`check_manifold_contract`: one :class:`ContractCheck` per property."""
+
+    manifold: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    checks: list[ContractCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failures(self) -> list[ContractCheck]:
+        return [check for check in self.checks if not check.passed]
+
+    def __getitem__(self, name: str) -> ContractCheck:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        head = f"manifold contract: {self.manifold} on {self.shape} in {self.dtype}"
+        return "\n".join([head] + [f"  {check}" for check in self.checks])
+
+
+def check_manifold_contract(
+    manifold: MatrixManifold,
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    tol: float | None = None,
+    raise_on_failure: bool = True,
+) -> ContractReport:
+    r"""Run the manifold contract on points of ``shape`` in ``dtype``.
+
+    Checks (each a relative residual $\le$ ``tol`` unless said otherwise):
+
+    * ``random`` lands on $M$ with the requested shape and dtype;
+    * ``projx`` lands on $M$ and fixes points of $M$;
+    * ``proju`` lands in $T_xM$, is idempotent and self-adjoint, and equals the projection
+      derived from ``constraint``/``constraint_adjoint`` (:meth:`MatrixManifold.proju`);
+    * ``constraint_adjoint`` is the adjoint of ``constraint``; ``constraint_gram_diag``
+      (when given) is the diagonal of $L_xL_x^*$ on its range; ``defining_map`` (when
+      given) has derivative ``constraint`` (central differences, bound $10^{-6}$:
+      truncation $h^2 = 10^{-8}$ times the curvature, round-off $\varepsilon/h$);
+    * ``retr(x, 0) = x``; ``retr`` lands on $M$; $\|R_x(tv) - (x + tv)\|$ shrinks like
+      $t^2$ (log-log slope $\ge 1.9$); ``transp`` lands in the new tangent space;
+    * geoopt interop: a ``geoopt.ManifoldParameter`` stepped by
+      ``geoopt.optim.RiemannianSGD`` (momentum) stays on $M$.
+
+    Args:
+        manifold: the manifold under test.
+        shape: ``(..., m, n)`` of the points.
+        dtype: float64 (tolerance $10^{-10}$) or float32 ($10^{-5}$).
+        seed: seeds every random draw (a private ``torch.Generator``).
+        tol: override of :func:`default_tolerance`.
+        raise_on_failure: raise ``AssertionError`` listing the failed checks.
+
+    Returns:
+        The :class:`ContractReport`.
+    """
+    if not isinstance(manifold, MatrixManifold):
+        raise TypeError(
+            f"check_manifold_contract: expected a manifolds.MatrixManifold, got {type(manifold).__name__}"
+        )
+    tol = default_tolerance(dtype) if tol is None else tol
+    shape = tuple(int(s) for s in shape)
+    generator = torch.Generator().manual_seed(seed)
+    report = ContractReport(f"{type(manifold).__name__}({manifold.extra_repr()})", shape, dtype)
+
+    def record(name, value, bound=tol, *, at_least=False, note=""):
+        passed = value >= bound if at_least else value <= bound
+        report.checks.append(ContractCheck(name, float(value), bound, bool(passed), note))
+
+    def gaussian():
+        return torch.randn(shape, dtype=dtype, generator=generator)
+
+    def rel(a, b):
+        return float((_matrix_norm(a.double()) / _matrix_norm(b.double()).clamp_min(1e-300)).max())
+
+    def inner(a, b):
+        return (a.double() * b.double()).sum(dim=(-2, -1))
+
+    x = manifold.random(*shape, dtype=dtype, generator=generator)
+    same_kind = tuple(x.shape) == shape and x.dtype == dtype
+    record("random_shape_dtype", 0.0 if same_kind else 1.0, 0.0,
+           note="" if same_kind else f"got {tuple(x.shape)} {x.dtype}")
+    record("random_on_manifold", manifold_residual(manifold, x))
+
+    record("projx_on_manifold", manifold_residual(manifold, manifold.projx(gaussian())))
+    record("projx_fixes_points", rel(manifold.projx(x) - x, x))
+
+    u, v = gaussian(), gaussian()
+    pu, pv = manifold.proju(x, u), manifold.proju(x, v)
+    record("proju_tangent", rel(normal_component(manifold, x, pu), u))
+    record("proju_idempotent", rel(manifold.proju(x, pu) - pu, u))
+    asym = (inner(pu, v) - inner(u, pv)).abs() / (_matrix_norm(u.double()) * _matrix_norm(v.double()))
+    record("proju_self_adjoint", float(asym.max()))
+    record("proju_matches_constraint", rel(pu - MatrixManifold.proju(manifold, x, u), u))
+
+    lam_like = manifold.constraint(x, u)
+    if lam_like.numel() > 0:
+        lam = torch.randn(lam_like.shape, dtype=dtype, generator=generator)
+        adj = manifold.constraint_adjoint(x, lam)
+        lhs = (lam_like.double() * lam.double()).reshape(*lam.shape[: len(shape) - 2], -1).sum(-1)
+        scale = (
+            lam_like.double().reshape(*lam.shape[: len(shape) - 2], -1).norm(dim=-1)
+            * lam.double().reshape(*lam.shape[: len(shape) - 2], -1).norm(dim=-1)
+            + _matrix_norm(u.double()) * _matrix_norm(adj.double())
+        )
+        record("constraint_adjoint", float(((lhs - inner(u, adj)).abs() / scale).max()))
+        diag = manifold.constraint_gram_diag(x)
+        if diag is not None:
+            in_range = manifold.constraint(x, v)
+            gram = manifold.constraint(x, manifold.constraint_adjoint(x, in_range)).double()
+            mismatch = gram - diag.double() * in_range.double()
+            flat = (*lam.shape[: len(shape) - 2], -1)
+            ratio = mismatch.reshape(flat).norm(dim=-1) / gram.reshape(flat).norm(dim=-1).clamp_min(1e-300)
+            record("constraint_gram_diag", float(ratio.max()))
+    if manifold.has_defining_map:
+        x64, pu64 = x.double(), pu.double()
+        h = 1e-4 * float(_matrix_norm(x64).max() / _matrix_norm(pu64).clamp_min(1e-300).max())
+        central = (manifold.defining_map(x64 + h * pu64) - manifold.defining_map(x64 - h * pu64)) / (2 * h)
+        direct = manifold.constraint(x64, pu64)
+        scale = float(manifold.constraint(x64, u.double()).norm()) + 1e-300
+        record("defining_map_derivative", float((central - direct).norm()) / scale, 1e-6)
+
+    record("retr_zero", rel(manifold.retr(x, torch.zeros_like(x)) - x, x))
+    direction = pu * (_matrix_norm(x) / _matrix_norm(pu).clamp_min(1e-30))[..., None, None]
+    far = manifold.retr(x, 0.5 * direction)
+    record("retr_on_manifold", manifold_residual(manifold, far))
+    ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)
+    slope, errors = retraction_slope(manifold, x, direction, ts)
+    record("retr_slope", slope, MIN_RETRACTION_SLOPE, at_least=True,
+           note="affine retraction (exact)" if math.isinf(slope) else
+           f"errors {errors[0]:.1e}..{errors[-1]:.1e}")
+    transported = manifold.transp(x, far, pv)
+    record("transp_tangent", rel(normal_component(manifold, far, transported), pv))
+
+    record("geoopt_sgd_on_manifold", manifold_residual(manifold, _geoopt_steps(manifold, x, gaussian())))
+
+    if raise_on_failure and not report.passed:
+        failed = ", ".join(check.name for check in report.failures)
+        raise AssertionError(f"manifold contract failed ({failed})\n{report}")
+    return report
+
+
+def _geoopt_steps(manifold: MatrixManifold, x: torch.Tensor, target: torch.Tensor, steps: int = 5):
+    """A few ``RiemannianSGD`` steps (momentum 0.9) on $\\|W - T\\|^2$ from ``x``."""
+    import geoopt  # first imported by manifolds.base, which filters its torch.jit warnings
+
+    param = geoopt.ManifoldParameter(x.detach().clone(), manifold=manifold)
+    optimizer = geoopt.optim.RiemannianSGD([param], lr=1e-2, momentum=0.9)
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimizer.zero_grad()
+            (param - target).square().sum().backward()
+            optimizer.step()
+    return param.detach()
