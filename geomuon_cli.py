@@ -23,13 +23,19 @@ def add_info_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run_info)
 
 
+# Base classes users subclass; `info` lists what can be used as is.
+_BASE_CLASSES = {"MatrixManifold", "MatrixOptimizer"}
+
+
 def _public_subclasses(module_name: str, base: type) -> list[str]:
     module = importlib.import_module(module_name)
     names = getattr(module, "__all__", dir(module))
     return sorted(
         name
         for name in names
-        if isinstance(getattr(module, name, None), type) and issubclass(getattr(module, name), base)
+        if isinstance(getattr(module, name, None), type)
+        and issubclass(getattr(module, name), base)
+        and name not in _BASE_CLASSES
     )
 
 

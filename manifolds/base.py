@@ -36,7 +36,13 @@ with warnings.catch_warnings():
     import geoopt
 from geoopt.utils import size2shape
 
-__all__ = ["MatrixManifold", "matrix_method", "retraction_dtype", "conjugate_gradients", "broadcast_pair"]
+__all__ = [
+    "MatrixManifold",
+    "matrix_method",
+    "retraction_dtype",
+    "conjugate_gradients",
+    "broadcast_pair",
+]
 
 
 def retraction_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,6 +71,7 @@ def matrix_method(*matrix_args: str, result: str = "matrix"):
         @functools.wraps(method)
         def wrapper(self, x, *args, **kwargs):
             self.validate_point(x, "x")
+            flip = self.transposes_wide and x.size(-2) < x.size(-1)
             args = list(args)
             for position, name in enumerate(matrix_args):
                 in_args = position < len(args)
@@ -72,12 +79,11 @@ def matrix_method(*matrix_args: str, result: str = "matrix"):
                 if value is None:
                     continue
                 self.validate_vector(x, value, name)
-                if self.transposes_wide and x.size(-2) < x.size(-1):
-                    if in_args:
-                        args[position] = value.mT
-                    else:
-                        kwargs[name] = value.mT
-            if not (self.transposes_wide and x.size(-2) < x.size(-1)):
+                if flip and in_args:
+                    args[position] = value.mT
+                elif flip:
+                    kwargs[name] = value.mT
+            if not flip:
                 return method(self, x, *args, **kwargs)
             out = method(self, x.mT, *args, **kwargs)
             return out.mT if result == "matrix" else out
@@ -232,7 +238,8 @@ class MatrixManifold(geoopt.Manifold):
     # ---------------------------------------------------------------- geoopt surface
     @matrix_method("u")
     def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""Orthogonal projection onto $T_xM$: $P_x(u) = u - L_x^*\Lambda$, $L_xL_x^*\Lambda = L_xu$.
+        r"""Orthogonal projection onto $T_xM$: $P_x(u) = u - L_x^*\Lambda$ with
+        $L_xL_x^*\Lambda = L_xu$.
 
         Generic (conjugate gradients, :meth:`gram_solve`); built-in manifolds override it
         with their closed form. Computed in ``u``'s dtype.
@@ -271,7 +278,7 @@ class MatrixManifold(geoopt.Manifold):
 
     @matrix_method("u", "v", result="check")
     def inner(self, x, u, v=None, *, keepdim=False):
-        r"""Euclidean metric $\langle u, v\rangle = \sum_{ij} u_{ij}v_{ij}$ over the last two dims."""
+        r"""Euclidean metric $\langle u, v\rangle = \sum_{ij} u_{ij}v_{ij}$ (last two dims)."""
         product = u * u if v is None else u * v
         product = product.expand(*torch.broadcast_shapes(x.shape, product.shape))
         return product.sum(dim=(-2, -1), keepdim=keepdim)
@@ -324,9 +331,6 @@ class MatrixManifold(geoopt.Manifold):
         ok = torch.allclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
         return ok, None if ok else f"constraint L_x(u) != 0 with atol={atol}"
 
-    def extra_repr(self) -> str:
-        return ""
-
     # ---------------------------------------------------------------- internals
     def _newton_projection(self, y: torch.Tensor) -> torch.Tensor:
         if not self.has_defining_map:
@@ -338,12 +342,21 @@ class MatrixManifold(geoopt.Manifold):
         # Stop once a step is below sqrt(eps)/100 relative: quadratic convergence then puts
         # the next error under the dtype's round-off.
         small = 1e-2 * torch.finfo(y.dtype).eps ** 0.5
+        tiny = torch.finfo(y.dtype).tiny
         for _ in range(self.newton_steps):
             step = self.constraint_adjoint(y, self.gram_solve(y, self.defining_map(y)))
             y = y - step
-            step_norm = step.norm(dim=(-2, -1))
-            if bool((step_norm <= small * y.norm(dim=(-2, -1))).all()):
+            relative_step = step.norm(dim=(-2, -1)) / y.norm(dim=(-2, -1)).clamp_min(tiny)
+            if bool((relative_step <= small).all()):
                 break
+        else:
+            warnings.warn(
+                f"{self.name}: the Gauss-Newton projection did not converge in "
+                f"{self.newton_steps} steps (last relative step {float(relative_step.max()):.1e}); "
+                "the result may be off the manifold (is the step too long?)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return y
 
 

@@ -13,7 +13,7 @@ class Euclidean(MatrixManifold):
     r"""All of $\mathbb{R}^{m\times n}$: no constraint, $P_W(X) = X$, $R_W(V) = W + V$.
 
     The constraint is the empty map: its multiplier has shape ``[..., 0]``. ``random``
-    draws a standard Gaussian matrix.
+    draws a standard Gaussian matrix. Everything computes in the input's dtype.
     """
 
     name = "Euclidean"

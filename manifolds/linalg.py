@@ -133,7 +133,7 @@ def msign(
     *,
     coefficients: NSSchedule | None = None,
     compute_dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
+    eps: float | None = None,
 ) -> torch.Tensor:
     r"""Matrix sign (polar factor) $\operatorname{msign}(X) = UV^\top$ for $X = U\Sigma V^\top$.
 
@@ -157,7 +157,10 @@ def msign(
         steps: iteration count (default: the schedule's own).
         coefficients: a custom :class:`NSSchedule`.
         compute_dtype: dtype of the matmuls (default: ``X.dtype``).
-        eps: floor of the Frobenius norm in the normalization.
+        eps: floor of the Frobenius norm in the normalization; default
+            $\sqrt{\text{tiny}}$ of the compute dtype, so only an (almost) exact zero is
+            floored and ``msign`` is scale-invariant down to $10^{-19}$ in fp32 (an
+            absolute floor such as Muon's $10^{-7}$ would distort small matrices).
 
     Returns:
         ``[..., m, n]`` tensor of ``X.dtype``.
@@ -179,7 +182,8 @@ def msign(
 
     wide = work.size(-2) <= work.size(-1)
     Y = work if wide else work.mT
-    norm = Y.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    floor = torch.finfo(Y.dtype).tiny ** 0.5 if eps is None else eps
+    norm = Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor)
     Y = Y / (norm * schedule.input_scale)
     for a, b, c in schedule.step_coefficients(n_steps):
         S = Y @ Y.mT

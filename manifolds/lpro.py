@@ -37,8 +37,9 @@ class LPRO(Euclidean):
     | retraction / ``projx`` | rescale every row of $W + V$ / $X$ to norm $r$ |
 
     ($\|w_i\|^2 = r^2$ on the manifold; dividing by the actual norm keeps the projection
-    orthogonal slightly off it.) Retractions compute in float32 (float64 for float64
-    points); a zero row given to ``projx`` raises ``ValueError``.
+    orthogonal slightly off it.) ``projx`` and the retraction compute in float32 (float64
+    for float64 points), the constraint maps and ``proju`` in the input's dtype; a zero
+    row given to ``projx`` raises ``ValueError``.
 
     Args:
         radius: row norm $r > 0$, or ``None`` for no constraint.

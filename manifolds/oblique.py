@@ -2,8 +2,6 @@ r"""The oblique manifold (unit columns), and the sphere-product maps it shares w
 
 from __future__ import annotations
 
-import torch
-
 from .base import MatrixManifold, matrix_method, retraction_dtype
 
 __all__ = ["Oblique"]
@@ -68,8 +66,9 @@ class Oblique(MatrixManifold):
     | retraction / ``projx`` | normalize the columns of $W + V$ / of $X$ |
 
     The projection divides by $\|w_j\|^2$ rather than 1, so it stays an orthogonal
-    projection at points slightly off the manifold. Retractions compute in float32
-    (float64 for float64 points). A zero column given to ``projx`` raises ``ValueError``.
+    projection at points slightly off the manifold. ``projx`` and the retraction compute
+    in float32 (float64 for float64 points), the constraint maps and ``proju`` in the
+    input's dtype. A zero column given to ``projx`` raises ``ValueError``.
     """
 
     name = "Oblique"

@@ -32,7 +32,7 @@ class Stiefel(MatrixManifold):
     the iteration is well conditioned. ``projx`` takes the thin SVD in float64 (a float32
     SVD returns frames orthonormal only to about $n\varepsilon$) and rounds once; its $U$
     is a full orthonormal frame even for a rank-deficient $X$, so it always lands on the
-    manifold.
+    manifold. The constraint maps and ``proju`` compute in the input's dtype.
     """
 
     name = "Stiefel"
@@ -68,4 +68,7 @@ class Stiefel(MatrixManifold):
     @matrix_method("u")
     def retr(self, x, u):
         compute = retraction_dtype(x.dtype)
-        return msign(x.to(compute) + u.to(compute), method="polar_express").to(x.dtype)
+        # msign's default norm floor (1e-7) would leave a point of tiny scale outside the
+        # Polar Express range; sqrt(tiny) only guards exact zeros.
+        floor = torch.finfo(compute).tiny ** 0.5
+        return msign(x.to(compute) + u.to(compute), "polar_express", eps=floor).to(x.dtype)

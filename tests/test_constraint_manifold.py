@@ -4,11 +4,19 @@ L L* Lambda = L u), projx/retr (Gauss-Newton), the checks, random/origin and geo
 interop, and the result must match closed forms and pass the whole contract.
 """
 
+import math
+
 import pytest
 import torch
 
 from manifolds import MatrixManifold, Oblique
 from theory.contracts import check_manifold_contract, manifold_residual
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_global_rng():
+    # Tests that draw without an explicit generator stay reproducible.
+    torch.manual_seed(0)
 
 
 class UnitColumnsFromMaps(MatrixManifold):
@@ -50,7 +58,8 @@ class GeneralizedStiefel(MatrixManifold):
 def spd(m, condition=10.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
-    return (q * torch.logspace(0, torch.log10(torch.tensor(condition)).item(), m, dtype=torch.float64)) @ q.mT
+    eigenvalues = torch.logspace(0, math.log10(condition), m, dtype=torch.float64)
+    return (q * eigenvalues) @ q.mT
 
 
 @pytest.mark.parametrize("shape", [(9, 4), (4, 9), (3, 6, 5)], ids=["tall", "wide", "batched"])
@@ -109,3 +118,12 @@ def test_missing_maps_are_named():
         NoDefiningMap().retr(x, x)
     # The projection still works without a defining map.
     assert NoDefiningMap().proju(x, x).norm() <= 1e-12
+
+
+def test_unconverged_projection_warns():
+    class OneStep(UnitColumnsFromMaps):
+        newton_steps = 1
+
+    x = Oblique().random(5, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        OneStep().retr(x, 3 * Oblique().proju(x, torch.randn_like(x)))

@@ -13,6 +13,12 @@ from theory.contracts import default_tolerance, manifold_residual
 
 import geoopt  # noqa: E402  (after manifolds, which imports it with the jit warnings filtered)
 
+@pytest.fixture(autouse=True)
+def _deterministic_global_rng():
+    # Tests that draw without an explicit generator stay reproducible.
+    torch.manual_seed(0)
+
+
 MANIFOLDS = {
     "euclidean": Euclidean,
     "stiefel": Stiefel,

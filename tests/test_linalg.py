@@ -30,7 +30,8 @@ def exact_polar(X):
 @pytest.mark.parametrize("shape", [(256, 128), (128, 512), (4, 96, 64), (2, 3, 48, 80)])
 def test_polar_express_fp32_matches_the_polar_factor_at_condition_1e3(shape):
     k = min(shape[-2:])
-    sigma = torch.logspace(0, -3, k, dtype=torch.float64)[torch.randperm(k, generator=torch.Generator().manual_seed(k))]
+    shuffle = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+    sigma = torch.logspace(0, -3, k, dtype=torch.float64)[shuffle]
     X = synthesized(shape, sigma)
     out = msign(X.float(), method="polar_express")
     assert out.dtype == torch.float32
@@ -39,15 +40,34 @@ def test_polar_express_fp32_matches_the_polar_factor_at_condition_1e3(shape):
     assert error <= 1e-3, error
 
 
-def test_newton_schulz_five_steps_lands_in_its_band():
+def _spectrum_at_the_bound(k):
+    """k - 1 unit singular values and one at exactly 0.003 * |X|_F (the claim's boundary)."""
+    small = 0.003 * ((k - 1) / (1 - 0.003**2)) ** 0.5
+    return torch.tensor([1.0] * (k - 1) + [small], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "shape,spectrum",
+    [
+        ((128, 64), "log"),
+        ((64, 256), "log"),
+        ((3, 32, 48), "log"),
+        ((96, 48), "boundary"),
+    ],
+)
+def test_newton_schulz_five_steps_lands_in_its_band(shape, spectrum):
     # Quintic (3.4445, -4.7750, 2.0315) x 5 maps normalized singular values >= 0.003 into
     # [0.6, 1.25] (scalar oracle: [0.68, 1.13] from 1e-2, 0.47 only near 1e-3).
-    k = 64
-    sigma = torch.logspace(0, -2, k, dtype=torch.float64)
-    X = synthesized((128, k), sigma, seed=1)
-    normalized = sigma / X.norm()
-    assert normalized.min() >= 0.003  # the hypothesis of the claim holds for this input
+    k = min(shape[-2:])
+    if spectrum == "log":
+        sigma = torch.logspace(0, -2, k, dtype=torch.float64)
+    else:
+        sigma = _spectrum_at_the_bound(k)
+    X = synthesized(shape, sigma, seed=1)
+    normalized = sigma / X.norm(dim=(-2, -1), keepdim=True).squeeze(-1)
+    assert normalized.min() >= 0.003 * (1 - 1e-12)  # the claim's hypothesis holds
     out = msign(X.float(), method="newton_schulz")
+    assert out.dtype == torch.float32
     s = torch.linalg.svdvals(out.double())
     assert s.min() >= 0.6 and s.max() <= 1.25, (s.min().item(), s.max().item())
 
@@ -55,7 +75,7 @@ def test_newton_schulz_five_steps_lands_in_its_band():
 def test_newton_schulz_band_fails_below_its_hypothesis():
     # Negative control: normalized singular values of 1e-5 are outside the claim and are
     # not lifted to 0.6 in 5 steps, so the band check above is able to fail.
-    sigma = torch.cat([torch.ones(8, dtype=torch.float64), torch.full((8,), 1e-5 * 4, dtype=torch.float64)])
+    sigma = torch.tensor([1.0] * 8 + [4e-5] * 8, dtype=torch.float64)
     X = synthesized((32, 16), sigma, seed=2)
     assert (sigma / X.norm()).min() < 0.003
     s = torch.linalg.svdvals(msign(X.float(), method="newton_schulz").double())
@@ -95,7 +115,8 @@ def test_inv_sqrt_psd_matches_the_eigendecomposition():
     out = inv_sqrt_psd(A)
     # Condition 1e4: the default shift k*eps*|A| perturbs the smallest eigenvalue by a relative
     # 20*2.2e-16*1/1e-4 = 4e-11; Newton-Schulz converges to round-off well within 25 steps.
-    error = (torch.linalg.matrix_norm(out - reference, ord=2) / torch.linalg.matrix_norm(reference, ord=2)).item()
+    spectral = torch.linalg.matrix_norm
+    error = (spectral(out - reference, ord=2) / spectral(reference, ord=2)).item()
     assert error <= 1e-8, error
     assert inv_sqrt_psd(A.float()).dtype == torch.float32
 
@@ -121,7 +142,9 @@ def test_nuclear_norm_matches_the_sum_of_singular_values(method, rtol):
     assert torch.allclose(nuclear_norm(X, method=method), reference, rtol=rtol)
 
 
-@pytest.mark.parametrize("kernel", [msign, nuclear_norm, spectral_norm, power_iteration, inv_sqrt_psd])
+@pytest.mark.parametrize(
+    "kernel", [msign, nuclear_norm, spectral_norm, power_iteration, inv_sqrt_psd]
+)
 def test_kernels_reject_vectors_and_integers(kernel):
     with pytest.raises(ValueError, match="1-D|matrix"):
         kernel(torch.randn(5))

@@ -30,6 +30,12 @@ from theory.contracts import (
 )
 from theory.strategies import matrix_shapes, points_and_tangents
 
+@pytest.fixture(autouse=True)
+def _deterministic_global_rng():
+    # Tests that draw without an explicit generator stay reproducible.
+    torch.manual_seed(0)
+
+
 MANIFOLDS = {
     "euclidean": Euclidean,
     "stiefel": Stiefel,
@@ -74,7 +80,8 @@ class _FirstOrderWrongStiefel(Stiefel):
 
 
 class _NonOrthogonalProjectionStiefel(Stiefel):
-    """Idempotent and onto T_x, but not orthogonal: P'u = Pu + <u - Pu, x> P(1). Self-adjointness fails."""
+    """Idempotent and onto T_x but not orthogonal, P'u = Pu + <u - Pu, x> P(1): the
+    self-adjointness check must fail."""
 
     def proju(self, x, u):
         tangent = super().proju(x, u)
@@ -218,7 +225,8 @@ def test_orientation_of_each_manifold():
     assert torch.allclose(tall.mT @ tall, torch.eye(3, dtype=torch.float64), atol=1e-14)
     oblique = Oblique().random(3, 7, dtype=torch.float64, generator=gen)  # columns, any shape
     assert torch.allclose(oblique.norm(dim=-2), torch.ones(7, dtype=torch.float64), atol=1e-14)
-    router = CenteredRouterSpace().random(4, 9, dtype=torch.float64, generator=gen)  # experts = rows
+    # Experts are rows.
+    router = CenteredRouterSpace().random(4, 9, dtype=torch.float64, generator=gen)
     assert torch.allclose(router.sum(-2), torch.zeros(9, dtype=torch.float64), atol=1e-13)
     rows = LPRO(radius=0.5).random(3, 7, dtype=torch.float64, generator=gen)  # vocabulary = rows
     assert torch.allclose(rows.norm(dim=-1), torch.full((3,), 0.5, dtype=torch.float64), atol=1e-14)
@@ -271,7 +279,8 @@ def test_point_checks_report_reasons():
     u = manifold.proju(x, torch.randn_like(x))
     assert manifold.check_vector_on_tangent(x, u)
     assert not manifold.check_vector_on_tangent(x, u + x)
-    ok, reason = DGram().check_point_on_manifold(torch.zeros(6, 3, dtype=torch.float64), explain=True)
+    zero = torch.zeros(6, 3, dtype=torch.float64)
+    ok, reason = DGram().check_point_on_manifold(zero, explain=True)
     assert not ok and "zero column" in reason
 
 
@@ -362,3 +371,31 @@ def test_no_nan_from_the_documented_safe_inputs():
         for out in (manifold.proju(x, zero), manifold.retr(x, zero)):
             assert torch.isfinite(out).all(), name
     assert math.isfinite(manifold_residual(Euclidean(), torch.zeros(3, 2)))
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1.0, 1e12])
+def test_dgram_retraction_is_scale_free(scale):
+    # DGram is a cone (W in M => sW in M), so its retraction must fix points at any scale
+    # (msign's default norm floor of 1e-7 would break this at 1e-12).
+    W = dgram_point() * scale
+    R = DGram().retr(W, torch.zeros_like(W))
+    assert ((R - W).norm() / W.norm()).item() <= default_tolerance(torch.float64)
+
+
+class _WrongNormalConstraintOblique(Oblique):
+    """Constraint 2 diag(W^T A) against F = (|w_j|^2 - 1)/2: same kernel (so projection,
+    adjointness and retraction all pass) but not dF; only the derivative check sees it."""
+
+    def constraint(self, x, u):
+        return 2 * super().constraint(x, u)
+
+    def constraint_adjoint(self, x, lam):
+        return 2 * super().constraint_adjoint(x, lam)
+
+    def constraint_gram_diag(self, x):
+        return 4 * super().constraint_gram_diag(x)
+
+
+def test_contract_checks_the_defining_map_against_the_constraint():
+    report = check_manifold_contract(_WrongNormalConstraintOblique(), (7, 3), raise_on_failure=False)
+    assert {check.name for check in report.failures} == {"defining_map_derivative"}, str(report)

@@ -103,7 +103,8 @@ def retraction_slope(
     log_t = ts.double().log()
     log_e = errors.clamp_min(1e-300).log()
     centered_t = log_t - log_t.mean()
-    slopes = ((log_e - log_e.mean(-1, keepdim=True)) * centered_t).sum(-1) / centered_t.square().sum()
+    covariance = ((log_e - log_e.mean(-1, keepdim=True)) * centered_t).sum(-1)
+    slopes = covariance / centered_t.square().sum()
     return float(slopes.min()), worst
 
 
@@ -189,7 +190,8 @@ def check_manifold_contract(
     """
     if not isinstance(manifold, MatrixManifold):
         raise TypeError(
-            f"check_manifold_contract: expected a manifolds.MatrixManifold, got {type(manifold).__name__}"
+            "check_manifold_contract: expected a manifolds.MatrixManifold, got "
+            f"{type(manifold).__name__}"
         )
     tol = default_tolerance(dtype) if tol is None else tol
     shape = tuple(int(s) for s in shape)
@@ -222,36 +224,42 @@ def check_manifold_contract(
     pu, pv = manifold.proju(x, u), manifold.proju(x, v)
     record("proju_tangent", rel(normal_component(manifold, x, pu), u))
     record("proju_idempotent", rel(manifold.proju(x, pu) - pu, u))
-    asym = (inner(pu, v) - inner(u, pv)).abs() / (_matrix_norm(u.double()) * _matrix_norm(v.double()))
+    uv_norms = _matrix_norm(u.double()) * _matrix_norm(v.double())
+    asym = (inner(pu, v) - inner(u, pv)).abs() / uv_norms
     record("proju_self_adjoint", float(asym.max()))
     record("proju_matches_constraint", rel(pu - MatrixManifold.proju(manifold, x, u), u))
 
-    lam_like = manifold.constraint(x, u)
-    if lam_like.numel() > 0:
-        lam = torch.randn(lam_like.shape, dtype=dtype, generator=generator)
+    batch = shape[:-2]
+
+    def flat(t):  # multiplier-shaped -> [*batch, p] in float64
+        return t.double().reshape(*batch, -1)
+
+    lu = manifold.constraint(x, u)
+    if lu.numel() > 0:
+        lam = torch.randn(lu.shape, dtype=dtype, generator=generator)
         adj = manifold.constraint_adjoint(x, lam)
-        lhs = (lam_like.double() * lam.double()).reshape(*lam.shape[: len(shape) - 2], -1).sum(-1)
+        pairing = (flat(lu) * flat(lam)).sum(-1) - inner(u, adj)
         scale = (
-            lam_like.double().reshape(*lam.shape[: len(shape) - 2], -1).norm(dim=-1)
-            * lam.double().reshape(*lam.shape[: len(shape) - 2], -1).norm(dim=-1)
+            flat(lu).norm(dim=-1) * flat(lam).norm(dim=-1)
             + _matrix_norm(u.double()) * _matrix_norm(adj.double())
         )
-        record("constraint_adjoint", float(((lhs - inner(u, adj)).abs() / scale).max()))
+        record("constraint_adjoint", float((pairing.abs() / scale).max()))
         diag = manifold.constraint_gram_diag(x)
         if diag is not None:
             in_range = manifold.constraint(x, v)
-            gram = manifold.constraint(x, manifold.constraint_adjoint(x, in_range)).double()
-            mismatch = gram - diag.double() * in_range.double()
-            flat = (*lam.shape[: len(shape) - 2], -1)
-            ratio = mismatch.reshape(flat).norm(dim=-1) / gram.reshape(flat).norm(dim=-1).clamp_min(1e-300)
+            gram = manifold.constraint(x, manifold.constraint_adjoint(x, in_range))
+            mismatch = flat(gram) - flat(diag.expand_as(in_range)) * flat(in_range)
+            ratio = mismatch.norm(dim=-1) / flat(gram).norm(dim=-1).clamp_min(1e-300)
             record("constraint_gram_diag", float(ratio.max()))
     if manifold.has_defining_map:
-        x64, pu64 = x.double(), pu.double()
-        h = 1e-4 * float(_matrix_norm(x64).max() / _matrix_norm(pu64).clamp_min(1e-300).max())
-        central = (manifold.defining_map(x64 + h * pu64) - manifold.defining_map(x64 - h * pu64)) / (2 * h)
-        direct = manifold.constraint(x64, pu64)
-        scale = float(manifold.constraint(x64, u.double()).norm()) + 1e-300
-        record("defining_map_derivative", float((central - direct).norm()) / scale, 1e-6)
+        # A generic (not tangent) direction, so that a wrong normal part of L is caught.
+        x64, u64 = x.double(), u.double()
+        h = 1e-4 * float(_matrix_norm(x64).max() / _matrix_norm(u64).max())
+        forward = manifold.defining_map(x64 + h * u64)
+        central = (forward - manifold.defining_map(x64 - h * u64)) / (2 * h)
+        direct = manifold.constraint(x64, u64)
+        error = float((central - direct).norm()) / (float(direct.norm()) + 1e-300)
+        record("defining_map_derivative", error, 1e-6)
 
     record("retr_zero", rel(manifold.retr(x, torch.zeros_like(x)) - x, x))
     direction = pu * (_matrix_norm(x) / _matrix_norm(pu).clamp_min(1e-30))[..., None, None]
@@ -265,7 +273,8 @@ def check_manifold_contract(
     transported = manifold.transp(x, far, pv)
     record("transp_tangent", rel(normal_component(manifold, far, transported), pv))
 
-    record("geoopt_sgd_on_manifold", manifold_residual(manifold, _geoopt_steps(manifold, x, gaussian())))
+    stepped = _geoopt_steps(manifold, x, gaussian())
+    record("geoopt_sgd_on_manifold", manifold_residual(manifold, stepped))
 
     if raise_on_failure and not report.passed:
         failed = ", ".join(check.name for check in report.failures)

@@ -49,6 +49,9 @@ __all__ = [
     "check_equivariance",
     "assert_equivariant",
     "MUST_FAIL_RESIDUAL",
+    "Case",
+    "hypothesis_cases",
+    "verify_declaration",
 ]
 
 #: A must-fail pair must show a relative residual at least this large on a counterexample.
@@ -104,18 +107,30 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _clone_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A deep copy of an optimizer with its parameters and state, attributes included.
+
+    ``copy.deepcopy`` goes through ``Optimizer.__getstate__``, which keeps only
+    ``defaults``, ``state`` and ``param_groups`` and so drops any attribute a subclass set
+    in ``__init__``; copying ``__dict__`` with one memo keeps everything, and the state
+    stays keyed by the copied parameters."""
+    clone = type(optimizer).__new__(type(optimizer))
+    clone.__dict__.update(copy.deepcopy(optimizer.__dict__, {}))
+    return clone
+
+
 def step_residual(
     optimizer: torch.optim.Optimizer, element: GroupElement, gradients: Sequence
 ) -> float:
     r"""Largest $\|W'_t - g\cdot W_t\| / \|W_t - W_0\|$ over the steps $t$.
 
-    ``optimizer`` is left untouched: two deep copies (parameters and state together) are
-    stepped, one from its current parameters $W_0$ with gradients $G_t$, one from
+    ``optimizer`` is left untouched: two deep copies (parameters, state and attributes
+    together) are stepped, one from its current parameters $W_0$ with gradients $G_t$, one from
     $g\cdot W_0$ with gradients $g\cdot G_t$. ``gradients`` holds one entry per step: a
     tensor for a single-parameter optimizer, or a tuple with one tensor per parameter (in
     ``param_groups`` order) for joint groups.
     """
-    plain, twin = copy.deepcopy(optimizer), copy.deepcopy(optimizer)
+    plain, twin = _clone_optimizer(optimizer), _clone_optimizer(optimizer)
     params, twin_params = _parameters(plain), _parameters(twin)
     single = len(params) == 1
 
@@ -239,12 +254,16 @@ class _Subject:
     #: through a Gram matrix $D^\top D$ (whose condition number is $\kappa_2(D)^2$).
     condition_power: int = 1
 
+    def condition(self, example) -> float:
+        r"""$\kappa_2^{\text{condition\_power}}$ of the worst-conditioned input matrix."""
+        mats = [t for x in self.directions(example) for t in _members(x)]
+        return max(condition_number(t) for t in mats) ** self.condition_power
+
     def tolerance(self, example, dtype: torch.dtype) -> float:
         mats = [t for x in self.directions(example) for t in _members(x)]
-        condition = max(condition_number(t) for t in mats) ** self.condition_power
         size = max(max(t.shape[-2:]) for t in mats)
         return self.scale(example) * roundoff_tolerance(
-            dtype, condition=condition, size=size, depth=self.depth
+            dtype, condition=self.condition(example), size=size, depth=self.depth
         )
 
 
@@ -254,13 +273,21 @@ class MapUpdate(_Subject):
 
     ``depth``: sequential stages (default 16: covers a 12-step Polar Express msign plus
     normalizations). ``condition_power``: 2 for maps computed through a Gram matrix
-    (one-sided polar maps by coupled Newton–Schulz, 25 stages)."""
+    (one-sided polar maps by coupled Newton–Schulz, 25 stages). ``conditioning``: the
+    matrix the map effectively works on, when that is not ``D`` itself (e.g. the centered
+    input of a centered map), for the tolerance. ``amplification``: round-off growth the
+    condition number does not capture (documented where it is set)."""
 
     update: Callable
     name: str = ""
     depth: int = 16
     condition_power: int = 1
+    conditioning: Callable | None = None
+    amplification: float = 1.0
     inputs: int = field(default=1, init=False)
+
+    def scale(self, example) -> float:
+        return self.amplification
 
     def __post_init__(self):
         self.name = self.name or getattr(self.update, "__name__", repr(self.update))
@@ -272,7 +299,9 @@ class MapUpdate(_Subject):
         return map_residual(self.update, element, example)
 
     def directions(self, example):
-        return [example]
+        if self.conditioning is None:
+            return [example]
+        return [tuple(self.conditioning(t) for t in _members(example))]
 
 
 @dataclass
@@ -453,3 +482,123 @@ def assert_equivariant(update, group: Group | str, shape: tuple[int, int] = (6, 
     if not report.passed:
         raise AssertionError(report.table())
     return report
+
+
+@dataclass
+class Case:
+    """One hypothesis-drawn case: a shape, a condition number, a seed, the example built
+    from them and a group element. Its ``repr`` prints the (small, after shrinking)
+    matrices, so a falsifying example reads as matrices."""
+
+    shape: tuple[int, int]
+    condition: float
+    seed: int
+    example: Any
+    element: GroupElement
+
+    def __repr__(self) -> str:
+        torch.set_printoptions(precision=4, sci_mode=False)
+        try:
+            return (
+                f"Case(shape={self.shape}, condition={self.condition:.3g}, seed={self.seed})\n"
+                f"example = {self.example!r}\nelement:\n{self.element!r}"
+            )
+        finally:
+            torch.set_printoptions(profile="default")
+
+
+def hypothesis_cases(
+    subject,
+    group: Group,
+    *,
+    orientation: str = "any",
+    dims: tuple[int, int] = (2, 6),
+    max_condition: float = 100.0,
+    dtype: torch.dtype = torch.float64,
+):
+    """Hypothesis strategy of :class:`Case` for ``subject`` under ``group`` (needs the
+    ``test`` extra). Shapes ``m, n`` in ``dims`` (``orientation`` ``"tall"``/``"wide"``
+    orders them), condition numbers in ``[1, max_condition]``, matrices from
+    :func:`random_matrix` seeded by a drawn integer; shrinking goes to the smallest shape,
+    condition 1 and seed 0."""
+    from hypothesis import strategies as st
+
+    subject = _as_subject(subject)
+    if orientation not in ("any", "tall", "wide"):
+        raise ValueError(f"orientation must be 'any', 'tall' or 'wide', got {orientation!r}")
+
+    @st.composite
+    def cases(draw):
+        m = draw(st.integers(*dims))
+        n = draw(st.integers(*dims))
+        if orientation != "any" and (m < n) != (orientation == "wide"):
+            m, n = n, m
+        condition = draw(st.floats(1.0, max_condition))
+        seed = draw(st.integers(0, 2**31 - 1))
+        generator = torch.Generator().manual_seed(seed)
+        shapes = sample_shapes(group, (m, n))
+        raws = [_raw(shapes, generator, dtype, condition) for _ in range(subject.inputs)]
+        return Case((m, n), condition, seed, subject.example(raws), group.sample(shapes, generator))
+
+    return cases()
+
+
+def verify_declaration(
+    update,
+    group: Group | str,
+    expected: str,
+    *,
+    orientation: str = "any",
+    max_condition: float = 100.0,
+    max_examples: int | None = None,
+    tolerance_cap: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> Case | None:
+    """Check one declared pair with hypothesis; raise ``AssertionError`` if it misbehaves.
+
+    * ``expected="holds"``: on every drawn case the residual is within the round-off bound
+      and within ``tolerance_cap`` if given (a requirement on top of the derivation, never
+      a loosening); a failure is shrunk and printed as matrices.
+    * ``expected="fails"``: hypothesis searches for a case with residual at least
+      :data:`MUST_FAIL_RESIDUAL`, shrinks it and returns it; no such case is an error.
+
+    ``max_examples`` defaults to the active hypothesis profile's. Needs the ``test`` extra.
+    """
+    from hypothesis import find, given, settings
+    from hypothesis.errors import NoSuchExample
+
+    group = get_group(group) if isinstance(group, str) else group
+    subject = _as_subject(update)
+    strategy = hypothesis_cases(
+        subject, group, orientation=orientation, max_condition=max_condition, dtype=dtype
+    )
+    budget = settings(max_examples=max_examples or settings.default.max_examples, database=None)
+    if expected == "holds":
+
+        @budget
+        @given(strategy)
+        def must_hold(case):
+            residual = subject.residual(case.element, case.example)
+            tolerance = subject.tolerance(case.example, dtype)
+            if tolerance_cap is not None:
+                tolerance = min(tolerance, tolerance_cap)
+            assert residual <= tolerance, (
+                f"{subject.name} under {group.name}: residual {residual:.3e} > tolerance "
+                f"{tolerance:.3e} (declared: holds)"
+            )
+
+        must_hold()
+        return None
+    if expected != "fails":
+        raise ValueError(f"expected must be 'holds' or 'fails', got {expected!r}")
+    try:
+        return find(
+            strategy,
+            lambda case: subject.residual(case.element, case.example) >= MUST_FAIL_RESIDUAL,
+            settings=budget,
+        )
+    except NoSuchExample:
+        raise AssertionError(
+            f"{subject.name} under {group.name} is declared to fail, but no case with residual "
+            f">= {MUST_FAIL_RESIDUAL:g} was found"
+        ) from None

@@ -75,7 +75,8 @@ def _haar_frames(shape, k, generator, dtype):
 
 
 def _shuffled_logspace(count, condition, generator):
-    values = torch.logspace(0.0, -torch.log10(torch.tensor(condition)).item(), count, dtype=torch.float64)
+    exponent = -torch.log10(torch.tensor(condition)).item()
+    values = torch.logspace(0.0, exponent, count, dtype=torch.float64)
     return values[torch.randperm(count, generator=generator)]
 
 
@@ -180,6 +181,7 @@ def points_and_tangents(
     max_relative_norm: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A point of ``manifold`` and a tangent vector there (see :func:`tangent_vectors`)."""
-    x = draw(manifold_points(manifold, shape, dtype=dtype, kinds=kinds, max_condition=max_condition))
+    points = manifold_points(manifold, shape, dtype=dtype, kinds=kinds, max_condition=max_condition)
+    x = draw(points)
     v = draw(tangent_vectors(manifold, x, kinds=kinds, max_relative_norm=max_relative_norm))
     return x, v

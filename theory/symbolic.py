@@ -333,31 +333,44 @@ def ns_fixed_points(coefficients: Sequence) -> list[sp.Expr]:
     return sorted({sp.Integer(0), *[sp.sqrt(t) for t in roots]}, key=lambda v: float(v))
 
 
+_DIGITS = 50
+
+
+def _round_out(x, up: bool) -> sp.Rational:
+    """A rational within $10^{-50}$ of ``x`` on the requested side (outward rounding)."""
+    scaled = sp.N(x, _DIGITS + 20) * sp.Integer(10) ** _DIGITS
+    integer = sp.ceiling(scaled) if up else sp.floor(scaled)
+    return sp.Rational(integer, sp.Integer(10) ** _DIGITS)
+
+
 def _interval_image(a, b, c, lo, hi):
-    """Exact image of [lo, hi] under the quintic: endpoints and interior critical values."""
+    """Rational enclosure of the image of [lo, hi] under the quintic: its values at the
+    endpoints and at the interior critical points (exact radicals), rounded outward."""
     sigma = sp.Symbol("sigma", positive=True)
     p = lambda x: a * x + b * x**3 + c * x**5  # noqa: E731 - one-line scalar polynomial
     candidates = [p(lo), p(hi)]
     for s in sp.solve(a + 3 * b * sigma**2 + 5 * c * sigma**4, sigma):
-        if s.is_real and lo < s < hi:
+        if s.is_real and lo <= s <= hi:
             candidates.append(p(s))
     return (
-        min(candidates, key=lambda v: sp.N(v, 60)),
-        max(candidates, key=lambda v: sp.N(v, 60)),
+        _round_out(min(candidates, key=lambda v: sp.N(v, _DIGITS)), up=False),
+        _round_out(max(candidates, key=lambda v: sp.N(v, _DIGITS)), up=True),
     )
 
 
 def ns_output_range(
-    coefficients: Sequence[Sequence], steps: int, lo=sp.Rational(3, 1000), hi=1, input_scale=1
-) -> tuple[sp.Expr, sp.Expr]:
-    r"""Exact range of the composed Newton–Schulz map on $\sigma \in [lo, hi]$.
+    coefficients: Sequence[Sequence], steps: int, lo="0.003", hi=1, input_scale=1
+) -> tuple[sp.Rational, sp.Rational]:
+    r"""Rigorous range of the composed Newton–Schulz map on $\sigma \in [lo, hi]$.
 
     The input is divided by ``input_scale`` (the schedule's safety factor), then step $k$
     applies ``coefficients[min(k, len - 1)]``. A continuous map sends an interval onto the
-    interval between its smallest and largest value, attained at an endpoint or a critical
-    point; the critical points of a quintic solve a biquadratic, so each step's image is
-    exact (nested radicals), compared by ``sympy.N`` at 60 digits. Returns
-    ``(min, max)`` as exact expressions (``float()`` them to read).
+    interval between its smallest and largest value, attained at an endpoint or at a
+    critical point; the critical points of a quintic solve a biquadratic, so each step's
+    extreme values are exact radicals. Carrying them exactly through several steps nests
+    radicals without bound, so each step's interval is rounded *outward* to 50 decimals:
+    the result is a rational enclosure $[\ell, u] \supseteq p([lo, hi])$ wider than the true
+    range by less than $10^{-45}$ — exact for every practical purpose, and never optimistic.
     """
     lo, hi = exact(lo) / exact(input_scale), exact(hi) / exact(input_scale)
     table = [tuple(exact(v) for v in row) for row in coefficients]
@@ -443,8 +456,8 @@ def certify_residual_lipschitz() -> Certificate:
     $$((1-a) + aL)^2 - ((1-a) + at)^2 = a\,(L - t)\,\big(2(1 - a) + a(L + t)\big),$$
 
     and with $a = 1/(1+s)$, $L - t = \delta$, $L + t = \epsilon$ ($s, \delta, \epsilon \ge 0$)
-    every factor is a ratio of polynomials with nonnegative coefficients in nonnegative
-    variables. Equality at $t = L$ makes the rule tight. ``witness``: the factorization
+    every factor is a ratio of sign-definite polynomials in nonnegative variables, with an
+    even number of negative ones. Equality at $t = L$ makes the rule tight. ``witness``: the factorization
     and the substituted factors.
     """
     a, L, t = sp.symbols("a L t", real=True)
@@ -461,11 +474,9 @@ def certify_residual_lipschitz() -> Certificate:
             return 1
         return -1 if all(c <= 0 for c in coeffs) else 0
 
-    def nonnegative(expr) -> bool:
-        num, den = sp.fraction(sp.together(expr))
-        return sign_definite(num) * sign_definite(den) == 1
-
-    holds = all(nonnegative(f) for f in factors) and sp.expand(gap.subs(t, L)) == 0
+    signs = [sign_definite(part) for f in factors for part in sp.fraction(f)]
+    nonnegative = 0 not in signs and sp.prod(signs) == 1
+    holds = nonnegative and sp.expand(gap.subs(t, L)) == 0
     return Certificate(
         "Lip((1-a)x + a f(x)) <= (1-a) + a Lip(f) for a in [0, 1], tight at t = L",
         holds,

@@ -6,12 +6,13 @@ Markers in the Markdown sources are replaced before conversion:
   package and one per public module under it (found on disk, recursively), so a module
   added to a package appears in the API reference without editing the docs.
 * ``<!-- geomuon:symmetry-table -->`` becomes the declared (update x group) table read
-  from ``optimizers.symmetry`` -- the same rows the equivariance tests run -- so the
-  page cannot disagree with the code.
+  from ``optimizers.symmetry.declarations()`` -- the rows the equivariance suite runs --
+  so the page cannot disagree with the code or the tests.
 """
 
 from __future__ import annotations
 
+import html
 import logging
 import pkgutil
 import re
@@ -43,10 +44,8 @@ def _api_section(match: re.Match) -> str:
     package = match.group("package")
     modules = public_modules(package)
     if not modules:
-        # Packages land one by one; an absent one is shown as such rather than breaking
-        # the build (tests/test_docs.py checks every existing public name is documented).
-        log.info("API page: package %r has no __init__.py under %s yet", package, ROOT)
-        return f'!!! note "Not written yet"\n    The package `{package}` has no modules yet.\n'
+        log.warning("API page: package %r not found under %s", package, ROOT)
+        return ""
     blocks = []
     for module, is_package in modules:
         # A package shows only its docstring: what it re-exports is documented once, in
@@ -56,29 +55,43 @@ def _api_section(match: re.Match) -> str:
     return "\n".join(blocks)
 
 
-def symmetry_table_markdown() -> str:
-    try:
-        import optimizers.symmetry as symmetry
-    except ModuleNotFoundError as error:
-        # Only the module's own absence is tolerated (packages land one by one, and
-        # tests/test_docs.py requires the table); a broken import inside it is an error.
-        if error.name not in ("optimizers", "optimizers.symmetry"):
-            raise
-        log.info("symmetry table: optimizers.symmetry does not exist yet")
-        return '!!! note "Not generated yet"\n    `optimizers/symmetry.py` does not exist yet.\n'
-    return declared_table(symmetry)
+_EXPECTED = {"holds": "holds", "fails": "fails (negative control)"}
+_ORIENTATION = {"any": "", "tall": ", tall m ≥ n", "wide": ", wide m ≤ n"}
+
+
+def symmetry_rows(symmetry) -> list[tuple[str, str, str, str]]:
+    """``(update (kind), group, expected, rationale)`` as displayed, one per declaration of
+    the ``optimizers.symmetry`` module given."""
+    return [
+        (
+            f"{declaration.update} ({declaration.kind}){_ORIENTATION[declaration.orientation]}",
+            declaration.group.name,
+            _EXPECTED[declaration.expected],
+            declaration.rationale,
+        )
+        for declaration in symmetry.declarations()
+    ]
+
+
+def declared_table(symmetry) -> str:
+    """The declared table as an HTML block: the rationales hold characters (``*``, ``_``,
+    ``|``) that Markdown would read as markup."""
+    header = ("update (kind)", "group", "equivariance", "why")
+
+    def cells(row, tag):
+        return "".join(f"<{tag}>{html.escape(cell)}</{tag}>" for cell in row)
+
+    body = "\n".join(f"<tr>{cells(row, 'td')}</tr>" for row in symmetry_rows(symmetry))
+    return (
+        f'<div class="geomuon-declared">\n<table>\n<thead><tr>{cells(header, "th")}</tr></thead>\n'
+        f"<tbody>\n{body}\n</tbody>\n</table>\n</div>\n"
+    )
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = _API_MARKER.sub(_api_section, markdown)
     if _SYMMETRY_MARKER in markdown:
-        markdown = markdown.replace(_SYMMETRY_MARKER, symmetry_table_markdown())
+        import optimizers.symmetry
+
+        markdown = markdown.replace(_SYMMETRY_MARKER, declared_table(optimizers.symmetry))
     return markdown
-
-
-def symmetry_rows(symmetry) -> list[tuple[str, ...]]:
-    raise NotImplementedError("waiting for optimizers/symmetry.py")
-
-
-def declared_table(symmetry) -> str:
-    raise NotImplementedError("waiting for optimizers/symmetry.py")

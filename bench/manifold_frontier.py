@@ -1,0 +1,139 @@
+r"""Quality/cost frontier of ManifoldMuon's dual solver inside a training run.
+
+Each configuration (dual steps 0…8, warm-started or cold) trains the same problem:
+matrices $W$ on a manifold fitting noisy linear regressions $\min_W \tfrac12\|XW - Y\|^2$
+with fresh minibatches $X$ every step, so the momentum $G$ drifts as in training. Every
+step computes the **exact** duality certificate of each direction (SVD-based:
+primal $\langle G, \hat A\rangle/\max(1,\|\hat A\|_2)$ over dual $\|G + L^*\Lambda\|_*$),
+and the table reports its mean over steps and matrices, with the step time (without
+the certificate) as a ratio to our Muon on the same matrices, timed interleaved.
+
+Sets: ``384x128`` (one 384×128 matrix) and ``gpt`` (2 layers × width 384 of the
+GPT-2 block shapes of ``bench/optimizer_step.py``).
+
+Usage::
+
+    python bench/manifold_frontier.py --set 384x128 --manifold stiefel --steps 40
+    python bench/manifold_frontier.py --set gpt --manifold dgram --steps 12 --dual 0 1 2 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def problem_shapes(name: str) -> list[tuple[int, int]]:
+    if name == "384x128":
+        return [(384, 128)]
+    if name == "gpt":
+        from bench.optimizer_step import gpt_shapes
+
+        return gpt_shapes(2, 384)
+    raise ValueError(f"unknown set {name!r}: choose 384x128 or gpt")
+
+
+class Regression:
+    """Noisy least squares per matrix; ``grads(params)`` fills ``p.grad`` from a fresh batch.
+
+    The batch is twice the larger side of each matrix, so a gradient has full rank, as
+    a transformer layer's does (tokens per batch far exceed the width). With fewer
+    samples than columns the gradient is rank-deficient, the dual function is
+    nonsmooth there and constant-step dual iterations stop helping.
+    """
+
+    def __init__(self, shapes, manifold, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.targets = [manifold.projx(torch.randn(s, generator=self.gen)) for s in shapes]
+        self.start = [manifold.projx(torch.randn(s, generator=self.gen)) for s in shapes]
+
+    def grads(self, params) -> None:
+        for p, target in zip(params, self.targets):
+            batch = 2 * max(p.shape)
+            X = torch.randn(batch, p.shape[0], generator=self.gen)
+            Y = X @ target + 0.1 * torch.randn(batch, p.shape[1], generator=self.gen)
+            p.grad = X.mT @ (X @ p.detach() - Y) / batch
+
+
+def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: int, alpha: float, **solver):
+    from optimizers import ManifoldMuon
+
+    task = Regression(shapes, manifold, seed=seed)
+    params = [torch.nn.Parameter(w.clone()) for w in task.start]
+    opt = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.02, dual_steps=dual_steps,
+                       warm_start=warm, dual_alpha=alpha, certify_every=1, **solver)
+    ratios = []
+    for _ in range(steps):
+        task.grads(params)
+        opt.step()
+        ratios.extend(opt.certificates.values())
+    return statistics.mean(ratios), min(ratios)
+
+
+def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, seed: int, alpha: float, **solver):
+    """Median step time of ManifoldMuon (no certificate) and of our Muon, interleaved."""
+    from optimizers import ManifoldMuon, Muon
+
+    task = Regression(shapes, manifold, seed=seed)
+    mm_params = [torch.nn.Parameter(w.clone()) for w in task.start]
+    mu_params = [torch.nn.Parameter(w.clone()) for w in task.start]
+    mm = ManifoldMuon([{"params": mm_params, "manifold": manifold}], lr=0.02, dual_steps=dual_steps,
+                      warm_start=warm, dual_alpha=alpha, **solver)
+    mu = Muon(mu_params, lr=0.02)
+    t_mm, t_mu = [], []
+    for round_ in range(repeats + 1):
+        task.grads(mm_params)
+        for p, q in zip(mu_params, mm_params):
+            p.grad = q.grad.clone()
+        for opt, ts in ((mu, t_mu), (mm, t_mm)):
+            start = time.perf_counter()
+            opt.step()
+            if round_:
+                ts.append(time.perf_counter() - start)
+    return statistics.median(t_mm) / statistics.median(t_mu)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="384x128", choices=["384x128", "gpt"])
+    parser.add_argument("--manifold", default="stiefel", choices=["stiefel", "dgram"])
+    parser.add_argument("--steps", type=int, default=40, help="training steps per configuration")
+    parser.add_argument("--dual", type=int, nargs="+", default=list(range(9)))
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
+    parser.add_argument("--msign-steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (0: no timing)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from optimizers.manifold_muon import resolve_manifold
+
+    manifold = resolve_manifold(args.manifold, "--manifold")
+    shapes = problem_shapes(args.set)
+    solver = {"msign_steps": args.msign_steps}
+    if args.msign:
+        solver["msign_method"] = args.msign
+    print(f"set {args.set} ({len(shapes)} matrices) on {args.manifold}, {args.steps} steps, "
+          f"alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer {solver}")
+    print("| dual steps | start | mean certified ratio | min | step cost / Muon |")
+    print("|---|---|---|---|---|")
+    for dual_steps in args.dual:
+        for warm in (True, False):
+            if dual_steps == 0 and not warm:
+                continue  # no dual step: warm and cold are the same computation
+            mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **solver)
+            cost = "-"
+            if args.repeats:
+                ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha, **solver)
+                cost = f"{ratio:.2f}"
+            label = "warm" if warm else "cold"
+            print(f"| {dual_steps} | {label} | {mean:.4f} | {low:.4f} | {cost} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""Update maps: formulas, zero handling, dtypes and each docstring's equivariance claim.
+
+Equivariance is checked in float64 on random full-rank matrices, where every map is
+smooth, so a residual of ~1e-12 means "holds" and O(1) means "fails"; each claimed group
+is paired with a negative control the docstring says fails.
+"""
+
+import pytest
+import torch
+
+from optimizers import maps
+from optimizers.maps import centered, col_norm, hybrid, left_polar, right_polar, row_norm, sign, spectral
+
+M, N = 12, 7
+# float64 maps are accurate to ~1e-13 relative (Polar Express reaches the fp64 fixed point,
+# the coupled inverse square root converges quadratically); 1e-8 leaves room for the
+# conditioning of a random 12x7 matrix (condition number < 1e2) without hiding an O(1) miss.
+HOLDS = 1e-8
+# A map that is not equivariant under a group moves by O(1) relative; 1e-2 is far above
+# round-off and far below what a violation gives.
+FAILS = 1e-2
+
+
+def _orthogonal(k, gen):
+    q, r = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def _signed_permutation(k, gen):
+    perm = torch.eye(k, dtype=torch.float64)[torch.randperm(k, generator=gen)]
+    signs = torch.where(torch.rand(k, generator=gen) < 0.5, -1.0, 1.0).to(torch.float64)
+    return perm * signs
+
+
+def _permutation(k, gen):
+    return torch.eye(k, dtype=torch.float64)[torch.randperm(k, generator=gen)]
+
+
+GROUPS = {"O": _orthogonal, "S+-": _signed_permutation, "S": _permutation}
+
+
+def _residual(update, left, right, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    D = torch.randn(M, N, generator=gen, dtype=torch.float64)
+    P, Q = GROUPS[left](M, gen), GROUPS[right](N, gen)
+    out = update(P @ D @ Q.T)
+    expected = P @ update(D) @ Q.T
+    return ((out - expected).norm() / expected.norm()).item()
+
+
+svd_spectral = lambda D: spectral(D, method="svd")  # noqa: E731
+# (map, left group, right group, holds?) — the docstring claims and their negative controls.
+CLAIMS = [
+    (svd_spectral, "O", "O", True),
+    (spectral, "O", "O", True),
+    (row_norm, "S+-", "O", True),
+    (row_norm, "O", "O", False),
+    (col_norm, "O", "S+-", True),
+    (col_norm, "O", "O", False),
+    (right_polar, "O", "O", True),
+    (left_polar, "O", "O", True),
+    (hybrid, "S+-", "O", True),
+    (hybrid, "O", "O", False),
+    (centered(spectral), "S", "O", True),
+    (centered(spectral), "S+-", "O", False),
+    (centered(row_norm), "S", "O", True),
+    (centered(row_norm), "O", "O", False),
+    (centered(hybrid), "S", "O", True),
+    (centered(left_polar), "S", "O", True),
+    (sign, "S+-", "S+-", True),
+    (sign, "O", "S+-", False),
+    (sign, "S+-", "O", False),
+]
+
+
+@pytest.mark.parametrize("update,left,right,holds", CLAIMS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_equivariance_claims(update, left, right, holds):
+    residual = max(_residual(update, left, right, seed) for seed in range(3))
+    if holds:
+        assert residual < HOLDS
+    else:
+        assert residual > FAILS
+
+
+@pytest.mark.parametrize("update", [centered(spectral), centered(row_norm), centered(hybrid), centered(left_polar)])
+def test_centered_maps_ignore_shifts_and_return_centered(update):
+    gen = torch.Generator().manual_seed(1)
+    D = torch.randn(M, N, generator=gen, dtype=torch.float64)
+    shift = torch.ones(M, 1, dtype=torch.float64) @ torch.randn(1, N, generator=gen, dtype=torch.float64)
+    out = update(D)
+    assert ((update(D + shift) - out).norm() / out.norm()).item() < HOLDS
+    assert out.sum(dim=0).abs().max().item() < HOLDS
+    # negative control: the uncentered map does see the shift
+    plain = getattr(maps, update.__name__.removeprefix("centered_"))
+    assert ((plain(D + shift) - plain(D)).norm() / plain(D).norm()).item() > FAILS
+
+
+def test_formulas_against_svd():
+    gen = torch.Generator().manual_seed(2)
+    D = torch.randn(M, N, generator=gen, dtype=torch.float64)
+    U, S, Vh = torch.linalg.svd(D, full_matrices=False)
+    polar = U @ Vh
+    assert torch.allclose(spectral(D), polar, atol=1e-10)
+    assert torch.allclose(right_polar(D, alpha=0.0), polar, atol=1e-10)
+    assert torch.allclose(right_polar(D), S.sum() * polar, atol=1e-9)
+    assert torch.allclose(left_polar(D), right_polar(D), atol=1e-9)
+    R = D / D.norm(dim=1, keepdim=True)
+    Ur, Sr, Vhr = torch.linalg.svd(R, full_matrices=False)
+    assert torch.allclose(hybrid(D), Sr.sum() * Ur @ Vhr, atol=1e-9)
+    assert torch.allclose(row_norm(D).norm(dim=1), torch.ones(M, dtype=torch.float64))
+    assert torch.allclose(col_norm(D).norm(dim=0), torch.ones(N, dtype=torch.float64))
+
+
+ALL_MAPS = [spectral, row_norm, col_norm, right_polar, left_polar, hybrid, sign,
+            centered(spectral), centered(row_norm), centered(hybrid), centered(left_polar)]
+
+
+@pytest.mark.parametrize("update", ALL_MAPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_zero_matrix_gives_zero_and_dtype_is_kept(update, dtype):
+    D = torch.zeros(3, M, N, dtype=dtype)
+    out = update(D)
+    assert out.dtype == dtype and out.shape == D.shape
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("update", [row_norm, hybrid, centered(row_norm)], ids=lambda f: f.__name__)
+def test_zero_row_stays_finite(update):
+    D = torch.randn(M, N)
+    D[3] = 0
+    out = update(D)
+    assert torch.isfinite(out).all()
+    if update is row_norm:
+        assert torch.equal(out[3], torch.zeros(N))
+
+
+def test_zero_column_col_norm():
+    D = torch.randn(M, N)
+    D[:, 2] = 0
+    out = col_norm(D)
+    assert torch.isfinite(out).all() and torch.equal(out[:, 2], torch.zeros(M))
+
+
+@pytest.mark.parametrize("update", [right_polar, left_polar])
+def test_rank_deficient_polar_is_finite(update):
+    D = torch.randn(M, 2) @ torch.randn(2, N)
+    out = update(D)
+    assert torch.isfinite(out).all()
+
+
+def test_batched_equals_per_matrix():
+    D = torch.randn(4, M, N, dtype=torch.float64)
+    for update in ALL_MAPS:
+        batched = update(D)
+        single = torch.stack([update(d) for d in D])
+        assert torch.allclose(batched, single, atol=1e-12), update.__name__
+
+
+def test_bf16_compute_dtype_spectral_is_close_to_fp32():
+    D = torch.randn(32, 16)
+    exact = spectral(D, method="svd")
+    # bf16 has an 8-bit mantissa (unit round-off 2^-8 ~ 4e-3); 12 Polar Express steps in
+    # bf16 accumulate a few ulps per entry, so 5e-2 relative bounds it without admitting
+    # a wrong answer (a different polar factor differs by O(1)).
+    out = spectral(D, compute_dtype=torch.bfloat16)
+    assert out.dtype == torch.float32
+    assert ((out - exact).norm() / exact.norm()).item() < 5e-2
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="AdamW"):
+        row_norm(torch.randn(5))
+    with pytest.raises(TypeError, match="floating"):
+        spectral(torch.ones(3, 3, dtype=torch.int64))
+    with pytest.raises(TypeError):
+        hybrid([[1.0]])
+
+
+def test_registry_names():
+    assert set(maps.MAPS) >= {"spectral", "row_norm", "col_norm", "right_polar", "left_polar", "hybrid",
+                              "sign", "centered_hybrid", "centered_left_polar"}
