@@ -16,6 +16,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "info": ("geomuon_cli:add_info_parser", "print versions, manifolds and optimizers"),
     "pretrain": ("pretrain.train:add_parser", "pretrain a GPT with a per-module strategy"),
     "compare": ("pretrain.compare:add_parser", "compare strategies: results table and plots"),
+    "study": ("pretrain.studies:add_parser", "rerun a seed study and write its results page"),
 }
 
 

@@ -22,12 +22,13 @@ symmetry means changing its row (and its rationale).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from manifolds import DGram, Euclidean, LPRO, Oblique, CenteredRouterSpace, Stiefel
+from manifolds import LPRO, POLAR_EXPRESS, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
 from theory.equivariance import DirectionUpdate, MapUpdate, OptimizerUpdate
 from theory.groups import (
     BiOrthogonal,
@@ -67,6 +68,11 @@ FAST_RESCALE_SOLVER = dict(EXACT_SOLVER, exact_norm=False)
 #: eigenvalue's factor by 1.5 per step, and round-off leaking into that direction is
 #: amplified by up to $1.5^{25} \approx 2.5\cdot10^4$ before the output is re-centered.
 SINGULAR_GRAM_GROWTH = 1.5**25
+
+#: Slope at 0 of the default msign (Polar Express, 12 steps, input $\div 1.01$): the
+#: largest factor by which it can amplify round-off along a (structurally) zero singular
+#: value, which the condition number of the input does not see.
+PE_SLOPE_AT_ZERO = math.prod(a for a, _, _ in POLAR_EXPRESS.step_coefficients(POLAR_EXPRESS.default_steps)) / POLAR_EXPRESS.input_scale
 
 BO, LPRO_G, RPLO = BiOrthogonal(), LeftPermRightOrth(), RightPermLeftOrth()
 SCP, SP, NP, SHIFT = SignedColumnPermutation(), SignedPermutation(), NeuronPermutation(), RouterShift()
@@ -121,8 +127,8 @@ def _direction(manifold, solver=EXACT_SOLVER, name: str = "") -> Callable[[], Di
     return lambda: DirectionUpdate(steepest_direction, manifold, dict(solver), name=label)
 
 
-def _step(factory, name: str, manifold=None) -> Callable[[], OptimizerUpdate]:
-    return lambda: OptimizerUpdate(factory, name=name, manifold=manifold, steps=3)
+def _step(factory, name: str, manifold=None, **kwargs) -> Callable[[], OptimizerUpdate]:
+    return lambda: OptimizerUpdate(factory, name=name, manifold=manifold, steps=3, **kwargs)
 
 
 def declarations() -> list[Declaration]:
@@ -184,8 +190,11 @@ def declarations() -> list[Declaration]:
                     "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α.",
                     _map(maps.centered(maps.left_polar), "centered(left_polar)", condition_power=2, depth=32,
                          conditioning=_centered_conditioning, amplification=SINGULAR_GRAM_GROWTH), "wide"),
-        Declaration("centered(hybrid)", "map", SHIFT, H, "Centered row normalization then msign.",
-                    _map(maps.centered(maps.hybrid), "centered(hybrid)", conditioning=_centered_conditioning)),
+        Declaration("centered(hybrid)", "map", SHIFT, H,
+                    "Centered row normalization then msign. Row scaling moves the structural null "
+                    "vector of Π^⊥D off 1, so msign's slope at 0 amplifies round-off there.",
+                    _map(maps.centered(maps.hybrid), "centered(hybrid)", conditioning=_centered_conditioning,
+                         amplification=PE_SLOPE_AT_ZERO)),
         Declaration("swiglu hybrid stack", "map", NP, H,
                     "Row-aware hybrid on W_gate, W_up (P on rows) and column-aware on W_down (Pᵀ on columns).",
                     _map(_swiglu_symmetry_update, "swiglu hybrid stack")),
@@ -194,32 +203,32 @@ def declarations() -> list[Declaration]:
         # --- steepest directions on manifolds ---------------------------------------
         Declaration("steepest[Stiefel]", "direction", BO, H,
                     "O_m × O_n maps Stiefel to itself, L_{gW}(gA) = R L_W(A) Rᵀ, and every dual step "
-                    "composes equivariant maps.", _direction(Stiefel())),
+                    "composes equivariant maps.", _direction(Stiefel()), "tall"),
         Declaration("steepest[DGram]", "direction", SCP, H,
                     "DGram = {Q diag(d)} is preserved by O_m × signed column permutations, which permute "
-                    "the Jacobi weights 2(d_i² + d_j²) consistently.", _direction(DGram())),
+                    "the Jacobi weights 2(d_i² + d_j²) consistently.", _direction(DGram()), "tall"),
         Declaration("steepest[DGram]", "direction", BO, F,
                     "Right rotations take Q diag(d) off DGram: its symmetry is not O_m × O_n.",
-                    _direction(DGram())),
+                    _direction(DGram()), "tall"),
         Declaration("steepest[Oblique]", "direction", SCP, H,
                     "Unit columns are preserved by left rotations and signed column permutations.",
-                    _direction(Oblique())),
+                    _direction(Oblique()), "tall"),
         Declaration("steepest[Oblique]", "direction", BO, F, "Right rotations change column norms.",
-                    _direction(Oblique())),
+                    _direction(Oblique()), "tall"),
         Declaration("steepest[CenteredRouterSpace]", "direction", SHIFT, H,
                     "Closed form msign(Π^⊥G): invariant to shifts of W and G.", _direction(CenteredRouterSpace())),
         Declaration("steepest[Euclidean]", "direction", SHIFT, F,
                     "msign(G) sees the shift of G.", _direction(Euclidean())),
         Declaration("steepest[LPRO(radius=1)]", "direction", LPRO_G, H,
-                    "Rows of fixed norm are permuted by S_m and rotated by O_n.", _direction(LPRO(radius=1.0))),
+                    "Rows of fixed norm are permuted by S_m and rotated by O_n.", _direction(LPRO(radius=1.0)), "tall"),
         Declaration("steepest[LPRO(radius=1)]", "direction", BO, F,
-                    "Left rotations change row norms.", _direction(LPRO(radius=1.0))),
+                    "Left rotations change row norms.", _direction(LPRO(radius=1.0)), "tall"),
         Declaration("steepest[Stiefel], power-iteration rescale", "direction", BO, F,
                     "Known defect of the cheap setting: the final rescale divides by a 3-step power "
                     "iteration from a fixed start vector, which is not rotated with the problem "
                     "(residual = the estimate's error, ~1e-2..1e-1). Use exact_norm=True for "
                     "equivariance.", _direction(Stiefel(), FAST_RESCALE_SOLVER,
-                                                 "steepest[Stiefel], power-iteration rescale")),
+                                                 "steepest[Stiefel], power-iteration rescale"), "tall"),
         # --- optimizer steps --------------------------------------------------------
         Declaration("Muon", "step", BO, H,
                     "Nesterov momentum and decoupled weight decay are linear; Newton–Schulz is a matrix "
@@ -237,14 +246,16 @@ def declarations() -> list[Declaration]:
         Declaration("RowNormM", "step", BO, F, "row_norm breaks left rotations.",
                     _step(lambda p: RowNormM(p, lr=0.1, weight_decay=0.1), "RowNormM")),
         Declaration("RightPolarGradM", "step", BO, H, "right_polar is O_m × O_n-equivariant (tall).",
-                    _step(lambda p: RightPolarGradM(p, lr=0.1, weight_decay=0.1), "RightPolarGradM"), "tall"),
+                    _step(lambda p: RightPolarGradM(p, lr=0.1, weight_decay=0.1), "RightPolarGradM",
+                          condition_power=2), "tall"),
         Declaration("HybridPolarGradM", "step", LPRO_G, H, "hybrid is S_m × O_n-equivariant.",
                     _step(lambda p: HybridPolarGradM(p, lr=0.1, weight_decay=0.1), "HybridPolarGradM")),
         Declaration("HybridPolarGradM", "step", BO, F, "hybrid breaks left rotations.",
                     _step(lambda p: HybridPolarGradM(p, lr=0.1, weight_decay=0.1), "HybridPolarGradM")),
         Declaration("LeftPolarGradM(centered)", "step", SHIFT, H,
                     "The centered map ignores shifts of the momentum, so W + 1vᵀ moves exactly like W.",
-                    _step(lambda p: LeftPolarGradM(p, lr=0.1, centered=True), "LeftPolarGradM(centered)"),
+                    _step(lambda p: LeftPolarGradM(p, lr=0.1, centered=True), "LeftPolarGradM(centered)",
+                          condition_power=2),
                     "wide"),
         Declaration("LeftPolarGradM(centered, weight_decay)", "step", SHIFT, F,
                     "Decoupled weight decay shrinks the shift component 1vᵀ too: harmless for the "
@@ -258,7 +269,7 @@ def declarations() -> list[Declaration]:
                     "engine with exact_norm=False, whose fixed power-iteration start vector breaks "
                     "rotation equivariance by ~1e-1. Flip to holds once the rescale is equivariant.",
                     _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=Stiefel(), compute_dtype=None),
-                          "ManifoldMuon[Stiefel]", Stiefel())),
+                          "ManifoldMuon[Stiefel]", Stiefel()), "tall"),
     ]
     return rows
 

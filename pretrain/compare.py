@@ -60,7 +60,7 @@ def compare(
 ) -> list[RunSummary]:
     """Run every (strategy, seed) pair on ``base`` and return their summaries."""
     if not strategies or not seeds:
-        raise ValueError("compare needs at least one strategy and one seed")
+        raise ValueError("compare needs at least one strategy (--strategies) and one seed (--seeds)")
     for strategy in strategies:  # fail before the first run, not after the third
         dataclasses.replace(base, strategy=strategy).validate()
     data = load_data(base.data)
@@ -168,12 +168,22 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run, out_dir="runs/compare", progress=False, print_table=False)
 
 
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r} must be comma-separated integers, e.g. --seeds 0,1,2") from None
+    if not seeds:
+        raise ValueError("--seeds is empty; give at least one seed, e.g. --seeds 0")
+    return seeds
+
+
 def run(args: argparse.Namespace) -> int:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     base = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     try:
         strategies = [s for s in args.strategies.split(",") if s]
-        seeds = [int(s) for s in args.seeds.split(",") if s]
+        seeds = _parse_seeds(args.seeds)
         summaries = compare(base, strategies, seeds, args.divergence_margin)
     except ValueError as err:
         print(f"geomuon compare: {err}", file=sys.stderr)

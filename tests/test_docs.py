@@ -5,17 +5,18 @@ The site is built once per session into a temporary directory with
 ``mkdocs build --strict`` (any warning -- a broken link, an unrendered formula, a missing
 page -- fails the build). The browser tests need Debian's ``chromium``: under ``CI=true`` a
 missing browser is a failure, elsewhere the tests skip and say what to install.
-Screenshots go to ``$GEOMUON_DOCS_SCREENSHOTS`` (default: a pytest temporary directory,
-printed by the test).
+Screenshots go to ``$GEOMUON_DOCS_SCREENSHOTS`` (default: a pytest temporary directory;
+each browser test prints its path, shown with ``pytest -s``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import html.parser
-import json
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -32,7 +33,8 @@ PACKAGES = ("manifolds", "optimizers", "theory", "pretrain")
 CONCEPT_PAGES = ("manifolds", "steepest-descent", "symmetry", "lipschitz")
 
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import geomuon_pages  # noqa: E402  (the hook that lists the API modules; shared, not copied)
+import geomuon_mathml  # noqa: E402  (the hooks under test; imported, not copied)
+import geomuon_pages  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +184,15 @@ def _public_objects(module_name: str):
             yield name, obj
 
 
+def _own_docstring(obj) -> str | None:
+    """The docstring written for ``obj`` itself, as griffe reads it from the source: not one
+    inherited from a base class, nor the signature ``dataclass`` puts there when none is."""
+    doc = vars(obj).get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    if doc and dataclasses.is_dataclass(obj) and doc.startswith(f"{obj.__name__}("):
+        return None
+    return doc.strip() if doc else None
+
+
 def test_api_reference_documents_every_public_class_and_function(site):
     undocumented, missing_docstring, checked = [], [], 0
     for package in PACKAGES:
@@ -194,7 +205,7 @@ def test_api_reference_documents_every_public_class_and_function(site):
                 anchor = f'id="{module_name}.{name}"'
                 if anchor not in page:
                     undocumented.append(f"{module_name}.{name}")
-                elif not inspect.getdoc(obj):
+                elif not _own_docstring(obj):
                     missing_docstring.append(f"{module_name}.{name}")
     assert checked >= 5
     assert not undocumented, f"absent from the API reference: {undocumented}"
@@ -212,7 +223,7 @@ def test_package_exports_are_documented_where_they_are_defined(site):
             if not (inspect.isclass(obj) or inspect.isfunction(obj)) or home is None:
                 continue
             top = home.split(".")[0]
-            if top not in pages or f'id="{home}.{name}"' not in pages[top]:
+            if top not in pages or f'id="{home}.{obj.__name__}"' not in pages[top]:
                 absent.append(f"{package}.{name} (defined in {home})")
     assert not absent, f"re-exported but documented nowhere: {absent}"
 
@@ -329,6 +340,20 @@ def test_math_renders_in_headless_chromium(site, chromium, screenshot_dir, page_
     print(f"screenshot: {shot}")
 
 
+def test_formula_converter_rejects_what_would_show_as_raw_latex():
+    # latex2mathml passes unknown commands through as text; the hook must refuse them (the
+    # build then fails naming the page and the formula) instead of publishing "\\foo".
+    with pytest.raises(ValueError, match="unsupported"):
+        geomuon_mathml.latex_to_mathml(r"\foo(x)", display=False)
+    with pytest.raises(ValueError, match="alignment"):
+        geomuon_mathml.latex_to_mathml(r"a &= b", display=True)
+    # The rewrites it relies on: escapes inside \text, \arg\max, \tfrac.
+    mathml = geomuon_mathml.latex_to_mathml(r"\text{fan\_in} + \arg\max_x \tfrac12", display=True)
+    rendered = re.sub(r'alttext="[^"]*"', "", mathml)  # the TeX source is kept only there
+    assert "fan_in" in rendered and "\\" not in rendered
+    assert 'display="block"' in mathml and "<mfrac>" in mathml
+
+
 def test_raw_latex_detector_flags_unrendered_math():
     # Negative control of assert_math_rendered: raw delimiters in text are caught, the same
     # characters inside code are not.
@@ -349,3 +374,13 @@ def test_browser_probe_tells_mathml_from_unrendered_markup(chromium, tmp_path):
     dom = run_chromium(chromium, "--dump-dom", page.as_uri())
     result = json.loads(html.unescape(re.search(r'<pre id="geomuon-probe">(.*?)</pre>', dom.stdout).group(1)))
     assert result == {"maths": 1, "laidOut": 1, "fractions": 2, "stacked": 1}, result
+
+
+@pytest.mark.browser
+def test_search_works_offline_from_file_urls(site, chromium):
+    # The search index is inlined and the worker shim vendored (mkdocs.yml), so searching a
+    # site opened from disk finds pages without a server or a network.
+    url = (site / "index.html").as_uri() + "?q=retraction"
+    dom = run_chromium(chromium, "--virtual-time-budget=8000", "--dump-dom", url)
+    found = re.search(r'md-search-result__meta">(\d+) matching document', dom.stdout)
+    assert found and int(found.group(1)) >= 3, dom.stdout[-2000:]

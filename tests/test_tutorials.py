@@ -1,9 +1,9 @@
-"""Every Python block of the Getting-started page and of the tutorials runs as written.
+"""Every Python block of the README, the Getting-started page and the tutorials runs as written.
 
 The ```` ```python ```` blocks of a page are joined in order and run as one script in a
 fresh interpreter (so a page cannot depend on state from another page or from the test
-process), in an empty working directory (with ``TINYSHAKESPEARE`` pointing at the machine's copy of
-tiny Shakespeare when there is one). Shell blocks (```` ```bash ````) are not run. A page that
+process), in an empty working directory, with ``TINYSHAKESPEARE`` pointing at the
+machine's copy of tiny Shakespeare when there is one. Shell blocks (```` ```bash ````) are not run. A page that
 drifts from the code fails here. Tutorials that train use configurations small enough to
 finish in seconds; the prose says how to scale them up.
 """
@@ -21,8 +21,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = [DOCS / "index.md"] + sorted((DOCS / "tutorials").glob("*.md"))
-PYTHON_BLOCK = re.compile(r"^(?P<indent>[ ]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```[ ]*$", re.DOTALL | re.MULTILINE)
+# The README mirrors the Getting-started example, so it runs too.
+PAGES = [ROOT / "README.md", DOCS / "index.md"] + sorted((DOCS / "tutorials").glob("*.md"))
+# A fence may be indented (inside a list item); the block's lines lose that indent.
+PYTHON_BLOCK = re.compile(
+    r"^(?P<indent>[ ]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```[ ]*$", re.DOTALL | re.MULTILINE
+)
 # The machines that run the suite keep tiny Shakespeare beside the repository (DESIGN §6).
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 # Each page runs well under this; the margin covers a loaded 2-core CI machine.
@@ -53,7 +57,7 @@ def test_custom_manifold_tutorial_fits_in_40_lines():
     assert 0 < len(lines) < 40, f"{len(lines)} non-blank lines of code"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_page_code_runs_as_written(page, tmp_path):
     blocks = python_blocks(page.read_text())
     script = tmp_path / f"{page.stem}.py"

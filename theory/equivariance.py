@@ -334,6 +334,14 @@ class DirectionUpdate(_Subject):
     def directions(self, example):
         return list(example)
 
+    def scale(self, example):
+        r"""$\|G\| / \|P_W G\|$: the direction is normalized to norm one, so round-off of
+        size $u\|G\|$ is relative to the tangent part $P_W G$ — unbounded where $G$ is
+        (nearly) normal to the manifold and the steepest direction is not determined."""
+        W, G = example
+        tangent = _norm(self.manifold.proju(W, G))
+        return _norm(G) / max(tangent, torch.finfo(torch.float64).tiny)
+
 
 @dataclass
 class OptimizerUpdate(_Subject):
@@ -349,6 +357,7 @@ class OptimizerUpdate(_Subject):
     manifold: Any = None
     steps: int = 3
     depth: int = 0
+    condition_power: int = 1
     inputs: int = field(default=0, init=False)
 
     def __post_init__(self):
@@ -374,8 +383,20 @@ class OptimizerUpdate(_Subject):
         return step_residual(self._optimizer(start), element, gradients)
 
     def directions(self, example):
+        r"""The start and the matrices the update map sees: the momentum
+        $M_t = \beta M_{t-1} + (1-\beta)G_t$ and its Nesterov blend
+        $(1-\beta)G_t + \beta M_t$ ($\beta$ = the group's ``momentum``, 0 if it has none).
+        A sum of well-conditioned gradients can be ill-conditioned, and that is what
+        amplifies round-off."""
         start, gradients = example
-        return [start, *gradients]
+        group = self._optimizer(start).param_groups[0]
+        beta = float(group.get("momentum", 0.0) or 0.0)
+        momentum, seen = None, [start]
+        for G in gradients:
+            G = _members(G)
+            momentum = G if momentum is None else tuple(beta * m + (1 - beta) * g for m, g in zip(momentum, G))
+            seen += [momentum, tuple((1 - beta) * g + beta * m for m, g in zip(momentum, G))]
+        return seen
 
     def scale(self, example):
         start, gradients = example

@@ -1,0 +1,582 @@
+r"""What every seed study shares: variants, the training run, the parallel runner with
+its cache, mean ± std aggregation, figures and the results page.
+
+A study module (``bench/studies/<name>.py``) defines
+
+* ``NAME``, ``TITLE`` and ``SIZES = {"full": {...}, "tiny": {...}}`` (see :class:`Size`);
+* ``variants(size) -> list[Variant]`` — what is compared, each trained for every seed;
+* ``extra_metrics(model, data, eval_cfg, memory) -> dict`` — study-specific observables
+  added to every evaluation (``memory`` is a per-run dict kept across evaluations);
+* ``report(results, size, meta, figure_dir) -> str`` — the page body from the measured runs.
+
+Why a training loop here instead of :func:`pretrain.train.train`: ``train`` builds its
+optimizers from a strategy *name*, while the studies also need optimizers built by
+composition (a :class:`optimizers.ManifoldMuon` subclass with the seed code's solver, a
+regulator added to one param group). So each run builds its assignment with
+:func:`optimizers.assign.assign` and then lets the variant adjust it; the loop itself uses
+the training stack's own pieces (:func:`pretrain.train.lr_factor`,
+:func:`pretrain.train.evaluate`, :func:`pretrain.train.weight_metrics`,
+:func:`pretrain.compare.verdict`), and every variant of a study goes through the same loop.
+
+Runs are independent processes (``--jobs``, one torch thread each by default: these
+models are too small for two threads to beat two processes), and each run's record is
+cached as JSON under the work directory, keyed by everything that defines it, so an
+interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import importlib
+import json
+import math
+import multiprocessing
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+#: Seed of the validation windows: every run of a study is scored on the same text.
+VAL_SEED = 1234
+#: Bump when the loop or a metric changes meaning, so cached runs are not reused.
+RECORD_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def resolve_data(path: str | None) -> str:
+    """The tiny-Shakespeare file to use: ``path``, else the test machines' copy at
+    ``../shared/data/tinyshakespeare.txt`` next to the repository; ``ValueError`` saying
+    what to pass when neither exists."""
+    candidate = Path(path) if path else DEFAULT_DATA
+    if not candidate.is_file():
+        where = f"--data {path}" if path else f"the default {DEFAULT_DATA}"
+        raise ValueError(
+            f"tiny Shakespeare not found at {where}; pass --data PATH to a copy of "
+            "tinyshakespeare.txt (1,115,394 bytes, sha256 86c4e6aa…565ed, e.g. from "
+            "karpathy/char-rnn's data/tinyshakespeare/input.txt)"
+        )
+    return str(candidate)
+
+
+def load_text(path: str):
+    from pretrain.data import load_data
+
+    return load_data(f"shakespeare:{path}")
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One arm of a study.
+
+    Attributes:
+        name: short identifier (file names, table rows).
+        label: what it is, for the page.
+        strategy: a name in :data:`optimizers.assign.STRATEGIES`, or a ``{role: Rule}``
+            table, registered there under ``"study:" + name`` (roles it omits use AdamW,
+            as for every strategy).
+        customize: ``f(model, assignment, hyper) -> assignment`` applied after
+            :func:`optimizers.assign.assign` (a module-level function, so runs can be
+            sent to worker processes).
+        hyper: overrides of :class:`optimizers.assign.Hyper` fields.
+        model: overrides of the model config.
+    """
+
+    name: str
+    label: str
+    strategy: str | dict
+    customize: Callable | None = None
+    hyper: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+
+    def strategy_name(self) -> str:
+        if isinstance(self.strategy, str):
+            return self.strategy
+        from optimizers.assign import STRATEGIES
+
+        name = "study:" + self.name
+        STRATEGIES[name] = dict(self.strategy)
+        return name
+
+    def identity(self) -> dict:
+        """Everything that defines the variant, as JSON-able data (for the cache key)."""
+        strategy = self.strategy if isinstance(self.strategy, str) else {
+            role: rule.describe() for role, rule in sorted(self.strategy.items())
+        }
+        customize = None if self.customize is None else f"{self.customize.__module__}.{self.customize.__qualname__}"
+        return dict(name=self.name, strategy=strategy, customize=customize, hyper=self.hyper, model=self.model)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A study's training size and shared hyperparameters (every variant uses them)."""
+
+    model: str  # a name in pretrain.model.CONFIGS
+    model_overrides: dict
+    steps: int
+    batch_size: int
+    eval_every: int
+    eval_batches: int  # validation batches at intermediate evaluations
+    final_eval_batches: int  # validation batches at the last evaluation (the table's numbers)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    lr: float = 0.02
+    adamw_lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    w_max: float = 2.0
+
+
+def size_from(study, name: str, seeds: list[int] | None = None) -> Size:
+    if name not in study.SIZES:
+        raise ValueError(f"--size {name!r} is unknown for study {study.NAME}; choose one of {sorted(study.SIZES)}")
+    size = study.SIZES[name]
+    return dataclasses.replace(size, seeds=tuple(seeds)) if seeds else size
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def _train_config(size: Size, seed: int):
+    from pretrain.train import TrainConfig
+
+    return TrainConfig(
+        model=size.model, strategy="adamw", data="study", steps=size.steps, batch_size=size.batch_size,
+        lr=size.lr, adamw_lr=size.adamw_lr, weight_decay=size.weight_decay, warmup_steps=size.warmup_steps,
+        min_lr_ratio=size.min_lr_ratio, grad_clip=size.grad_clip, w_max=size.w_max,
+        eval_batches=size.eval_batches, seed=seed, progress=False, print_table=False,
+    )
+
+
+def build_run(study, variant: Variant, size: Size, seed: int, data):
+    """The seeded model and its optimizers for one (variant, seed)."""
+    import torch
+
+    from optimizers.assign import Hyper, assign
+    from pretrain.model import GPT, get_config
+
+    config = get_config(size.model, vocab_size=data.vocab_size, **{**size.model_overrides, **variant.model})
+    data.check_context(config.block_size)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    hyper_fields = dict(lr=size.lr, adamw_lr=size.adamw_lr, weight_decay=size.weight_decay, w_max=size.w_max)
+    hyper = Hyper(**{**hyper_fields, **variant.hyper})
+    assignment = assign(model, variant.strategy_name(), hyper)
+    if variant.customize is not None:
+        assignment = variant.customize(model, assignment, hyper)
+    return model, assignment
+
+
+def train_run(study, variant: Variant, size: Size, seed: int, data) -> dict:
+    """Train one (variant, seed) and return its JSON-able record.
+
+    Same loop as ``geomuon pretrain`` on one CPU: warmup + cosine on every group's base
+    learning rate, gradient clipping, stop on a non-finite loss or gradient norm
+    (``diverged``). Evaluations every ``eval_every`` steps score the fixed validation
+    windows (:data:`VAL_SEED`) and add the study's ``extra_metrics``.
+    """
+    import torch
+
+    from pretrain.compare import verdict
+    from pretrain.train import TrainResult, evaluate, lr_factor, weight_metrics
+
+    cfg = _train_config(size, seed)
+    model, assignment = build_run(study, variant, size, seed, data)
+    block = model.config.block_size
+    for group in assignment.param_groups:
+        group["base_lr"] = group["lr"]
+    memory: dict = {}
+
+    def evaluation(step: int, batches: int) -> dict:
+        eval_cfg = dataclasses.replace(cfg, seed=VAL_SEED, eval_batches=batches)
+        record = {"step": step, **evaluate(model, data, eval_cfg, block, torch.device("cpu"), contextlib.nullcontext)}
+        record.update(weight_metrics(assignment, model))
+        record.update(study.extra_metrics(model, data, eval_cfg, memory))
+        return record
+
+    losses: dict[int, float] = {}
+    evals = [evaluation(0, size.eval_batches)]
+    diverged = False
+    start = time.perf_counter()
+    for step in range(size.steps):
+        factor = lr_factor(step, cfg)
+        for group in assignment.param_groups:
+            group["lr"] = group["base_lr"] * factor
+        x, y = data.batch("train", size.batch_size, block, seed, step)
+        _, loss = model(x, y)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), size.grad_clip or float("inf")))
+        loss_value = float(loss.detach())
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            diverged = True
+            losses[step] = loss_value
+            break
+        assignment.step()
+        assignment.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        losses[step] = loss_value
+        done = step + 1
+        if done == size.steps:
+            evals.append(evaluation(done, size.final_eval_batches))
+        elif done % size.eval_every == 0:
+            evals.append(evaluation(done, size.eval_batches))
+        if not math.isfinite(evals[-1]["val_loss"]):
+            break
+    wall = time.perf_counter() - start
+    result = TrainResult(out_dir="", losses=losses, evals=evals, diverged=diverged)
+    final, best, diverged = verdict(result, divergence_margin=0.5)
+    return {
+        "variant": variant.name, "seed": seed, "steps": size.steps, "steps_done": len(losses),
+        "diverged": diverged, "final_val_loss": final, "best_val_loss": best,
+        "completed": len(losses) == size.steps and evals[-1]["step"] == size.steps,
+        "train_loss": [losses[k] for k in sorted(losses)], "evals": evals, "wall_time": wall,
+        "assignment": assignment.table(),
+    }
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+@dataclass(frozen=True)
+class Job:
+    study: str  # module name
+    variant: str
+    seed: int
+    size: Size
+    data: str
+    path: str  # where the record is cached
+    threads: int
+
+
+def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) -> str:
+    identity = dict(version=RECORD_VERSION, study=study, variant=variant.identity(),
+                    size=dataclasses.asdict(size) | {"seeds": None}, seed=seed, data=os.path.basename(data_path))
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _run_job(job: Job) -> dict:
+    import torch
+
+    torch.set_num_threads(job.threads)
+    study = importlib.import_module(job.study)
+    variant = {v.name: v for v in study.variants(job.size)}[job.variant]
+    data = load_text(job.data)
+    record = train_run(study, variant, job.size, job.seed, data)
+    tmp = job.path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, job.path)
+    return record
+
+
+def run_all(study, size: Size, data_path: str, work_dir: Path, jobs: int, threads: int, fresh: bool,
+            say=print) -> tuple[dict[str, list[dict]], int]:
+    """Every (variant, seed) record, from the cache or trained now: ``({variant: [records]}``
+    in the study's variant order, number of records taken from the cache)."""
+    variants = study.variants(size)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    todo, records = [], {}
+    for variant in variants:
+        for seed in size.seeds:
+            key = _key(study.NAME, variant, size, seed, data_path)
+            path = work_dir / f"{re.sub(r'[^A-Za-z0-9_.=+-]', '_', variant.name)}-s{seed}-{key}.json"
+            if path.is_file() and not fresh:
+                records[(variant.name, seed)] = json.loads(path.read_text())
+            else:
+                todo.append(Job(f"bench.studies.{study.NAME}", variant.name, seed, size, data_path, str(path), threads))
+    say(f"study {study.NAME}: {len(variants)} variants × {len(size.seeds)} seeds; "
+        f"{len(records)} cached, {len(todo)} to train with {jobs} process(es) × {threads} thread(s)")
+    if todo:
+        if jobs == 1:
+            finished = map(_run_job, todo)
+        else:
+            pool = multiprocessing.get_context("spawn").Pool(jobs)
+            finished = pool.imap(_run_job, todo)
+        try:
+            for job, record in zip(todo, finished):
+                records[(job.variant, job.seed)] = record
+                say(f"  {job.variant:28s} seed {job.seed}: val loss {record['final_val_loss']:.4f}"
+                    f"{' (diverged)' if record['diverged'] else ''} in {record['wall_time']:.0f}s")
+        finally:
+            if jobs != 1:
+                pool.close()
+                pool.join()
+    cached = len(variants) * len(size.seeds) - len(todo)
+    return {v.name: [records[(v.name, s)] for s in size.seeds] for v in variants}, cached
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def finite(values) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def mean_std(values) -> tuple[float, float, int]:
+    """Mean and sample standard deviation (n − 1) of the finite values, and their count."""
+    vals = finite(values)
+    if not vals:
+        return math.nan, math.nan, 0
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
+
+
+def fmt(values, digits: int = 3, scientific: bool = False) -> str:
+    """``mean ± std`` of the finite values; ``(k of n finite)`` when some are not."""
+    values = list(values)
+    mean, std, n = mean_std(values)
+    if n == 0:
+        return "—"
+    text = f"{mean:.{digits}e} ± {std:.1e}" if scientific else f"{mean:.{digits}f} ± {std:.{digits}f}"
+    return text if n == len(values) else f"{text} ({n} of {len(values)} finite)"
+
+
+def separated(a, b) -> bool | None:
+    """Whether two sets of seed values differ by more than their spreads:
+    $|\\bar a - \\bar b| > s_a + s_b$ (the mean ± std bands do not overlap). ``None``
+    when either side has fewer than two finite values."""
+    ma, sa, na = mean_std(a)
+    mb, sb, nb = mean_std(b)
+    if na < 2 or nb < 2:
+        return None
+    return abs(ma - mb) > sa + sb
+
+
+def compare_sentence(name_a: str, a, name_b: str, b, what: str, lower_is_better: bool | None = True,
+                     digits: int = 3) -> str:
+    """One sentence comparing two variants' seed values of ``what``, claiming a difference
+    only when :func:`separated` says the bands do not overlap. ``lower_is_better=None``
+    (an observable, not a score) says higher/lower instead of better/worse."""
+    ma, _, _ = mean_std(a)
+    mb, _, _ = mean_std(b)
+    verdict = separated(a, b)
+    if verdict is None:
+        return f"{what}: {name_a} {fmt(a, digits)} vs {name_b} {fmt(b, digits)} (too few finite values to compare)."
+    if not verdict:
+        return (f"{what}: {name_a} {fmt(a, digits)} vs {name_b} {fmt(b, digits)} — the mean ± std bands "
+                f"overlap: no difference resolved at this size.")
+    if lower_is_better is None:
+        word = "lower" if ma < mb else "higher"
+    else:
+        word = "better" if (ma < mb) == lower_is_better else "worse"
+    return (f"{what}: {name_a} {fmt(a, digits)} vs {name_b} {fmt(b, digits)} — {name_a} is "
+            f"{word} by more than the seed spread.")
+
+
+def final_eval(record: dict) -> dict:
+    return record["evals"][-1]
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def colours(names):
+    plt = pyplot()
+    return {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+
+
+def save(fig, figure_dir: Path, name: str) -> str:
+    plt = pyplot()
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(figure_dir / name, dpi=100)
+    plt.close(fig)
+    return name
+
+
+def plot_curves(results: dict[str, list[dict]], series: Callable[[dict], tuple[list, list]], title: str,
+                ylabel: str, figure_dir: Path, name: str, logy: bool = False) -> str:
+    """One axis: every seed of every variant as a thin line (one colour per variant)."""
+    plt = pyplot()
+    colour = colours(results)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for variant, records in results.items():
+        for i, record in enumerate(records):
+            xs, ys = series(record)
+            ax.plot(xs, ys, color=colour[variant], alpha=0.75, lw=1.2, label=variant if i == 0 else None)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    return save(fig, figure_dir, name)
+
+
+def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict[str, float]], title: str,
+                ylabel: str, figure_dir: Path, name: str, logy: bool = False) -> str:
+    """One panel per variant, one colour per layer, every seed drawn."""
+    plt = pyplot()
+    n = len(results)
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), squeeze=False, sharey=True)
+    for ax, (variant, records) in zip(axes.flat, results.items()):
+        layers = list(per_layer(records[0]["evals"][0]))
+        colour = colours(layers)
+        for record in records:
+            steps = [e["step"] for e in record["evals"]]
+            for layer in layers:
+                ax.plot(steps, [per_layer(e).get(layer, math.nan) for e in record["evals"]], color=colour[layer],
+                        alpha=0.7, lw=1.0, label=layer if record is records[0] else None)
+        ax.set_title(variant, fontsize=9)
+        ax.set_xlabel("step")
+        if logy:
+            ax.set_yscale("log")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(title)
+    return save(fig, figure_dir, name)
+
+
+# ----------------------------------------------------------------------------- page
+
+
+def git_commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return "unknown (not a git checkout)"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + (" with uncommitted changes to tracked files" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir: Path,
+               results: dict[str, list[dict]]) -> Path:
+    """``<out_dir>/<NAME>.md`` (title, status, the study's body, config, provenance) and
+    ``<out_dir>/<NAME>/results.json`` (every run's record)."""
+    figure_dir = out_dir / study.NAME
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"study": study.NAME, "size": size_name, "config": dataclasses.asdict(size), **meta,
+               "variants": {name: [v.identity() for v in study.variants(size) if v.name == name][0]
+                            for name in results},
+               "runs": results}
+    (figure_dir / "results.json").write_text(json.dumps(payload, indent=1, default=str))
+    if size_name == "full":
+        status = (f"Measured at the study's full default size (`--size full`): "
+                  f"{len(results)} variants × {len(size.seeds)} seeds, {size.steps} steps each.")
+    else:
+        status = (f'!!! warning "Not a result"\n    This page was written by a `--size {size_name}` run '
+                  f"({size.steps} steps): a smoke test of the study's machinery. Its numbers say "
+                  "nothing about the question; run the study at `--size full`.")
+    config = json.dumps({"size": size_name, **dataclasses.asdict(size)}, indent=1, default=str)
+    provenance = table(["", ""], [
+        ["command", f"`{meta['command']}`"],
+        ["commit", f"`{meta['commit']}`"],
+        ["date (UTC)", meta["date"]],
+        ["wall time", f"{meta['wall_time']:.0f} s ({meta['wall_time'] / 60:.1f} min) for the runs trained now; "
+                      f"{meta['cached']} run(s) came from the cache"],
+        ["summed run time", f"{meta['run_time']:.0f} s over {meta['runs']} runs"],
+        ["machine", meta["machine"]],
+        ["processes × threads", f"{meta['jobs']} × {meta['threads']}"],
+    ])
+    text = "\n\n".join([
+        f"# {study.TITLE}",
+        status,
+        body.strip(),
+        "## Configuration\n\nEvery variant uses these settings (the variants' own changes are listed "
+        "above and in `results.json`):\n\n```json\n" + config + "\n```",
+        "## Provenance\n\n" + provenance + f"\n\nEvery run's record (losses, evaluations, the per-parameter "
+        f"assignment table) is in [`{study.NAME}/results.json`]({study.NAME}/results.json).",
+    ]) + "\n"
+    path = out_dir / f"{study.NAME}.md"
+    path.write_text(text)
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser, study) -> None:
+    parser.add_argument("--size", default="full", help=f"full (default, the published size) or tiny (smoke test); "
+                        f"sizes: {', '.join(study.SIZES)}")
+    parser.add_argument("--data", default=None, help=f"tiny Shakespeare text file (default {DEFAULT_DATA})")
+    parser.add_argument("--out", default=str(REPO / "docs" / "results"),
+                        help="directory of the results page (default: docs/results of the checkout)")
+    parser.add_argument("--work-dir", default=None, help="run cache (default: runs/studies/<study>)")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel runs (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the size's, 3 seeds)")
+    parser.add_argument("--fresh", action="store_true", help="retrain runs that are cached")
+
+
+def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
+    seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
+    size = size_from(study, args.size, seeds)
+    if len(size.seeds) < 1 or args.jobs < 1 or args.threads < 1:
+        raise ValueError("--seeds must name at least one seed; --jobs and --threads must be >= 1")
+    data_path = resolve_data(args.data)
+    work_dir = Path(args.work_dir) if args.work_dir else REPO / "runs" / "studies" / study.NAME
+    start = time.perf_counter()
+    results, cached = run_all(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
+    wall = time.perf_counter() - start
+    runs = [r for records in results.values() for r in records]
+    command = "geomuon study " + study.NAME + " " + " ".join(shlex.quote(a) for a in (argv_for_page or []))
+    meta = {
+        "command": command.strip(), "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "runs": len(runs),
+        "cached": cached, "jobs": args.jobs, "threads": args.threads,
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s), "
+                   f"torch {_torch_version()}, Python {platform.python_version()}",
+    }
+    out_dir = Path(args.out)
+    body = study.report(results, size, meta, out_dir / study.NAME)
+    return write_page(study, args.size, size, body, meta, out_dir, results)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def main(study, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"geomuon study {study.NAME}", description=study.TITLE)
+    add_arguments(parser, study)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    try:
+        path = run_study(study, args, argv)
+    except ValueError as err:
+        print(f"geomuon study {study.NAME}: {err}", file=sys.stderr)
+        return 2
+    print(f"results page: {path}")
+    return 0

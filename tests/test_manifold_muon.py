@@ -1,0 +1,135 @@
+"""ManifoldMuon: known optimum, staying on the manifold, certified quality in a run."""
+
+import geoopt
+import pytest
+import torch
+
+from manifolds import DGram, Euclidean, Stiefel
+from optimizers import ManifoldMuon, msign
+from optimizers.manifold_muon import polish_retraction
+
+
+def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold():
+    # min ||W - M||_F^2 over W^T W = I has the known solution msign(M).
+    gen = torch.Generator().manual_seed(0)
+    M = torch.randn(8, 4, generator=gen)
+    W = torch.nn.Parameter(Stiefel().random(8, 4, generator=gen))
+    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5000, eta_min=1e-4)
+    for _ in range(5000):
+        W.grad = 2 * (W.detach() - M)
+        opt.step()
+        sched.step()
+    Wd = W.detach()
+    assert Wd.dtype == torch.float32
+    # after 5,000 fp32 steps the polished fp32 retraction keeps W^T W = I to 1e-5
+    assert (Wd.T @ Wd - torch.eye(4)).abs().max().item() <= 1e-5
+    # final lr 1e-4 with unit-norm steps: W sits within ~1e-4 of the optimum
+    target = msign(M.double(), method="svd").float()
+    assert (Wd - target).abs().max().item() <= 1e-3
+
+
+def test_dgram_iterates_stay_on_dgram():
+    gen = torch.Generator().manual_seed(1)
+    # targets with column norms over [0.1, 10]
+    M = torch.randn(16, 6, generator=gen) * torch.logspace(-1, 1, 6)
+    W = torch.nn.Parameter(DGram().random(16, 6, generator=gen))
+    opt = ManifoldMuon([W], manifold="dgram", lr=0.05)
+    cosine_max = 0.0
+    for _ in range(1000):
+        W.grad = 2 * (W.detach() - M)
+        opt.step()
+        q = W.detach() / W.detach().norm(dim=0)
+        cosine_max = max(cosine_max, (q.T @ q - torch.eye(6)).abs().max().item())
+    # columns stay orthogonal to fp32 round-off at every step (cosines <= 1e-5)
+    assert cosine_max <= 1e-5
+    loss = ((W.detach() - M) ** 2).sum().item()
+    assert loss < ((DGram().random(16, 6, generator=gen) - M) ** 2).sum().item()
+
+
+def _regression_run(manifold, shape, steps, seed=0, **kwargs):
+    """Noisy least squares with a fresh full-rank batch per step; returns the certified ratios."""
+    gen = torch.Generator().manual_seed(seed)
+    target = manifold.projx(torch.randn(shape, generator=gen))
+    W = torch.nn.Parameter(manifold.projx(torch.randn(shape, generator=gen)))
+    opt = ManifoldMuon([{"params": [W], "manifold": manifold}], lr=0.02, certify_every=1, **kwargs)
+    ratios = []
+    for _ in range(steps):
+        X = torch.randn(2 * max(shape), shape[0], generator=gen)
+        Y = X @ target + 0.1 * torch.randn(X.shape[0], shape[1], generator=gen)
+        W.grad = X.T @ (X @ W.detach() - Y) / X.shape[0]
+        opt.step()
+        ratios.extend(opt.certificates.values())
+    return ratios
+
+
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
+def test_default_settings_certify_095_along_a_training_run(manifold):
+    ratios = _regression_run(manifold, (192, 64), steps=15)
+    # the exact (SVD) certificate of every step's direction, averaged over the run
+    assert sum(ratios) / len(ratios) >= 0.95
+
+
+def test_dual_steps_improve_the_certificate_in_a_run():
+    zero = _regression_run(DGram(), (96, 32), steps=10, dual_steps=0)
+    two = _regression_run(DGram(), (96, 32), steps=10, dual_steps=2)
+    assert sum(two) / len(two) > sum(zero) / len(zero) + 0.02
+
+
+def test_manifold_parameter_carries_its_manifold_and_wide_matrices_work():
+    gen = torch.Generator().manual_seed(2)
+    wide = geoopt.ManifoldParameter(Stiefel().random(4, 12, generator=gen), manifold=Stiefel())
+    tall = geoopt.ManifoldParameter(DGram().random(12, 4, generator=gen), manifold=DGram())
+    opt = ManifoldMuon([wide, tall], lr=0.1)
+    for _ in range(5):
+        wide.grad = torch.randn(4, 12, generator=gen)
+        tall.grad = torch.randn(12, 4, generator=gen)
+        opt.step()
+    assert opt.check_on_manifold() == []
+    assert (wide.detach() @ wide.detach().T - torch.eye(4)).abs().max().item() < 1e-5
+
+
+def test_euclidean_manifold_gives_a_unit_spectral_step():
+    gen = torch.Generator().manual_seed(3)
+    W0 = torch.randn(10, 6, generator=gen)
+    G = torch.randn(10, 6, generator=gen)
+    W = torch.nn.Parameter(W0.clone())
+    W.grad = G.clone()
+    ManifoldMuon([W], manifold=Euclidean(), lr=0.1, momentum=0.0, nesterov=False,
+                 compute_dtype=None, msign_steps=None).step()
+    step = (W0 - W.detach()) / 0.1
+    # closed form: msign(G) rescaled to spectral norm 1 (Polar Express in fp32)
+    assert torch.allclose(step, msign(G.double(), method="svd").float(), atol=1e-4)
+
+
+def test_polish_retraction():
+    gen = torch.Generator().manual_seed(4)
+    for manifold in (Stiefel(), DGram()):
+        W = manifold.random(20, 6, generator=gen)
+        V = manifold.proju(W, torch.randn(20, 6, generator=gen))
+        V = 0.05 * V / torch.linalg.matrix_norm(V, ord=2)
+        R = polish_retraction(manifold, W, V)
+        assert manifold.check_point_on_manifold(R)
+        assert torch.allclose(polish_retraction(manifold, W, torch.zeros_like(V)), W, atol=1e-6)
+        # a retraction agrees with W + tV to second order: halving t quarters the gap
+        gaps = [(polish_retraction(manifold, W.double(), t * V.double()) - (W.double() + t * V.double())).norm()
+                for t in (1.0, 0.5)]
+        assert 3.0 < (gaps[0] / gaps[1]).item() < 5.0
+    # Stiefel: the same map as the manifold's own retraction (fp32 round-off)
+    W = Stiefel().random(20, 6, generator=gen)
+    V = 0.05 * Stiefel().proju(W, torch.randn(20, 6, generator=gen))
+    assert torch.allclose(polish_retraction(Stiefel(), W, V), Stiefel().retr(W, V), atol=1e-5)
+    # a step outside the cubic iteration's basin falls back to the manifold's retraction
+    big = 10 * V / torch.linalg.matrix_norm(V, ord=2)
+    assert torch.allclose(polish_retraction(Stiefel(), W, big), Stiefel().retr(W, big), atol=1e-5)
+
+
+def test_state_is_small():
+    W = torch.nn.Parameter(Stiefel().random(64, 16))
+    opt = ManifoldMuon([W], manifold="stiefel")
+    for _ in range(2):
+        W.grad = torch.randn(64, 16)
+        opt.step()
+    state = opt.state[W]
+    assert state["momentum_buffer"].shape == (64, 16)
+    assert state["dual_correction"].shape == (16, 16)  # <= n x n

@@ -1,0 +1,108 @@
+"""Activation monitoring with forward hooks (pretrain.monitoring)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pretrain.model import GPT, GPTConfig
+from pretrain.monitoring import ActivationMonitor, default_blocks
+
+
+class Scale(nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class Stack(nn.Module):
+    """blocks[i] multiplies by factors[i]; `pair` returns a tuple (a, -2a)."""
+
+    def __init__(self, factors):
+        super().__init__()
+        self.blocks = nn.ModuleList(Scale(f) for f in factors)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, {"doubled": -2 * x, "index": torch.arange(3)}
+
+
+def test_records_the_running_max_per_block():
+    model = Stack([2.0, -3.0, 0.5])
+    with ActivationMonitor(model) as monitor:
+        model(torch.tensor([1.0, -4.0]))
+        model(torch.tensor([0.5, 1.0]))  # smaller: the maxima stay
+    # block outputs on the first input: [2, -8], [-6, 24], [-3, 12]
+    assert monitor.summary() == {"blocks.0": 8.0, "blocks.1": 24.0, "blocks.2": 12.0, "max": 24.0}
+    monitor.reset()
+    assert monitor.summary() == {}
+
+
+def test_hooks_are_removed_on_exit():
+    model = Stack([2.0])
+    with ActivationMonitor(model) as monitor:
+        model(torch.ones(1))
+    model(torch.full((1,), 100.0))  # outside the context: not recorded
+    assert monitor.summary()["blocks.0"] == 2.0
+    assert not model.blocks[0]._forward_hooks
+
+
+def test_selection_by_names_mapping_and_predicate():
+    model = Stack([2.0, 3.0])
+    x = torch.ones(2)
+    by_name = ActivationMonitor(model, ["blocks.1"])
+    by_map = ActivationMonitor(model, {"first": model.blocks[0]})
+    by_rule = ActivationMonitor(model, lambda name, module: isinstance(module, Scale))
+    for monitor in (by_name, by_map, by_rule):
+        with monitor:
+            model(x)
+    assert by_name.summary() == {"blocks.1": 6.0, "max": 6.0}
+    assert by_map.summary() == {"first": 2.0, "max": 2.0}
+    assert set(by_rule.summary()) == {"blocks.0", "blocks.1", "max"}
+    with pytest.raises(ValueError, match="no submodule named"):
+        ActivationMonitor(model, ["blocks.7"])
+    with pytest.raises(ValueError, match="no module selected"):
+        ActivationMonitor(model, lambda name, module: False)
+    with pytest.raises(TypeError, match="nn.Module"):
+        ActivationMonitor(lambda x: x)
+
+
+def test_nested_outputs_nan_and_bf16():
+    model = nn.Sequential(Pair())
+    with ActivationMonitor(model, ["0"]) as monitor:
+        model(torch.tensor([1.5, -0.5], dtype=torch.bfloat16))
+    assert monitor.summary()["0"] == 3.0  # from the dict entry -2x; integer tensors ignored
+    with monitor:
+        model(torch.tensor([math.nan]))
+    assert math.isnan(monitor.summary()["0"]) and math.isnan(monitor.summary()["max"])
+
+
+def test_default_blocks_of_a_gpt():
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=8)
+    model = GPT(config)
+    assert list(default_blocks(model)) == ["h.0", "h.1"]
+    idx = torch.randint(0, 16, (2, 8))
+    with ActivationMonitor(model) as monitor, torch.no_grad():
+        model(idx)
+        expected = model.embed(idx)
+        peaks = []
+        for block in model.h:
+            expected = block(expected)
+            peaks.append(expected.abs().max().item())
+    summary = monitor.summary()
+    assert [summary["h.0"], summary["h.1"]] == pytest.approx(peaks, rel=0, abs=0)
+
+
+def test_models_without_module_lists_fall_back_to_leaves():
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    assert list(default_blocks(model)) == ["0", "1"]

@@ -1,0 +1,236 @@
+"""Conventions every matrix optimizer shares (optimizers/base.py), checked on each class."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from manifolds import DGram, Stiefel
+from optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
+
+FACTORIES = {
+    "Muon": lambda groups, **kw: Muon(groups, lr=0.02, **kw),
+    "ManifoldMuon-stiefel": lambda groups, **kw: ManifoldMuon(groups, lr=0.02, manifold="stiefel", **kw),
+    "ManifoldMuon-dgram": lambda groups, **kw: ManifoldMuon(groups, lr=0.02, manifold="dgram", **kw),
+    "RowNormM": lambda groups, **kw: RowNormM(groups, lr=0.01, weight_decay=0.01, **kw),
+    "RightPolarGradM": lambda groups, **kw: RightPolarGradM(groups, lr=1e-3, **kw),
+    "LeftPolarGradM": lambda groups, **kw: LeftPolarGradM(groups, lr=1e-3, centered=True, **kw),
+    "HybridPolarGradM": lambda groups, **kw: HybridPolarGradM(groups, lr=1e-3, **kw),
+}
+
+
+class Tiny(torch.nn.Module):
+    """Two same-shape matrices, one other matrix, a bias: batching, AdamW path, names."""
+
+    def __init__(self, manifold=None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(12, 6, generator=gen))
+        self.b = torch.nn.Parameter(torch.randn(12, 6, generator=gen))
+        self.c = torch.nn.Parameter(torch.randn(6, 10, generator=gen))
+        self.bias = torch.nn.Parameter(torch.randn(6, generator=gen))
+        if manifold is not None:
+            with torch.no_grad():
+                for p in (self.a, self.b, self.c):
+                    p.copy_(manifold.projx(p))
+
+    def matrices(self):
+        return [self.a, self.b, self.c]
+
+    def loss(self, x):
+        h = torch.tanh(x @ self.a.T @ self.b) @ self.c.T[:6]  # [batch, 6]
+        return (h.sum(-1) + self.bias.sum()).pow(2).mean()
+
+
+def _model(name):
+    manifold = {"ManifoldMuon-stiefel": Stiefel(), "ManifoldMuon-dgram": DGram()}.get(name)
+    return Tiny(manifold)
+
+
+def _groups(model):
+    return [{"params": model.matrices()}, {"params": [model.bias], "update": "adamw", "lr": 1e-2}]
+
+
+def _step(model, opt, seed):
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    loss = model.loss(x)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_resume_from_state_dict_is_bit_identical(name):
+    model = _model(name)
+    opt = FACTORIES[name](_groups(model))
+    for k in range(3):
+        _step(model, opt, k)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for k in range(3, 6):
+        _step(model, opt, k)
+    resumed = _model(name)
+    resumed.load_state_dict(saved_model)
+    opt2 = FACTORIES[name](_groups(resumed))
+    opt2.load_state_dict(saved_opt)
+    for k in range(3, 6):
+        _step(resumed, opt2, k)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_closure_scheduler_and_none_grads(name):
+    model = _model(name)
+    opt = FACTORIES[name](_groups(model))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    x = torch.randn(16, 6)
+
+    returned = []
+
+    def closure():
+        opt.zero_grad()
+        loss = model.loss(x)
+        loss.backward()
+        model.c.grad = None  # a parameter without gradient is skipped
+        returned.append(loss)
+        return loss
+
+    c_before = model.c.detach().clone()
+    a_before = model.a.detach().clone()
+    loss = opt.step(closure)
+    assert len(returned) == 1 and loss is returned[0]
+    assert torch.equal(model.c.detach(), c_before) and model.c not in opt.state
+    assert not torch.equal(model.a.detach(), a_before)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * opt.defaults["lr"])
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_vector_in_matrix_group_is_refused_with_its_name(name):
+    model = _model(name)
+    with pytest.raises(ValueError, match=r"'bias'.*update='adamw'"):
+        FACTORIES[name]([{"params": [("a", model.a), ("bias", model.bias)]}])
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_nonfinite_gradient_skips_that_parameter_and_names_it(name):
+    model = _model(name)
+    groups = [{"params": [("a", model.a), ("b", model.b), ("c", model.c)]}]
+    opt = FACTORIES[name](groups)
+    _step(model, opt, 0)
+    state_before = copy.deepcopy(opt.state[model.a])
+    a_before, b_before = model.a.detach().clone(), model.b.detach().clone()
+    opt.zero_grad()
+    model.loss(torch.randn(16, 6)).backward()
+    model.a.grad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="'a'"):
+        opt.step()
+    assert torch.equal(model.a.detach(), a_before)
+    for key, value in state_before.items():
+        assert torch.equal(opt.state[model.a][key], value)
+    assert not torch.equal(model.b.detach(), b_before)  # the others still step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    strict = FACTORIES[name]([{"params": [("a", model.a)], "nonfinite": "raise"}])
+    model.a.grad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="'a'"):
+        strict.step()
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_zero_gradient_gives_no_nan(name):
+    model = _model(name)
+    opt = FACTORIES[name](_groups(model))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_regulator_runs_after_the_step(name):
+    model = _model(name)
+    seen = []
+
+    def halve(W, *, lr):
+        seen.append(lr)
+        return W * 0.5
+
+    opt = FACTORIES[name]([{"params": [model.c], "regulate": halve}])
+    unregulated_model = _model(name)
+    plain = FACTORIES[name]([{"params": [unregulated_model.c]}])
+    g = torch.randn(6, 10)
+    model.c.grad, unregulated_model.c.grad = g.clone(), g.clone()
+    opt.step()
+    plain.step()
+    assert seen == [opt.param_groups[0]["lr"]]
+    assert torch.allclose(model.c.detach(), 0.5 * unregulated_model.c.detach())
+
+
+def test_regulate_spec_goes_through_make_regulator():
+    from optimizers.regulate import make_regulator
+
+    p = torch.nn.Parameter(torch.randn(8, 8) * 10)
+    opt = Muon([{"params": [p], "regulate": {"name": "spectral_normalize", "w_max": 1.0}}], lr=0.0)
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    expected_type = type(make_regulator({"name": "spectral_normalize", "w_max": 1.0}))
+    assert isinstance(opt._regulators[0], expected_type)
+    # RMS->RMS norm of a square matrix is sigma_max; power iteration estimates from below,
+    # so allow 2% above the cap
+    assert torch.linalg.matrix_norm(p.detach(), ord=2).item() <= 1.02
+
+
+def test_adamw_path_matches_torch_adamw():
+    gen = torch.Generator().manual_seed(5)
+    v1 = torch.nn.Parameter(torch.randn(7, generator=gen))
+    v2 = torch.nn.Parameter(v1.detach().clone())
+    m = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    ours = Muon([{"params": [m]}, {"params": [v1], "update": "adamw", "lr": 0.01, "weight_decay": 0.1}])
+    ref = torch.optim.AdamW([v2], lr=0.01, weight_decay=0.1)
+    for k in range(5):
+        g = torch.randn(7, generator=gen)
+        v1.grad, v2.grad = g.clone(), g.clone()
+        m.grad = torch.randn(8, 4, generator=gen)
+        ours.step()
+        ref.step()
+    # same formula, different foreach grouping: agreement to fp32 round-off
+    assert torch.allclose(v1, v2, atol=1e-6, rtol=1e-6)
+    assert ours.param_groups[1]["eps"] == 1e-8 and ours.param_groups[1]["betas"] == (0.9, 0.999)
+
+
+def test_manifold_check_detects_a_point_off_its_manifold():
+    model = _model("ManifoldMuon-stiefel")
+    opt = ManifoldMuon([{"params": [("a", model.a), ("c", model.c)]}], manifold="stiefel")
+    assert opt.check_on_manifold() == []
+    with torch.no_grad():
+        model.a.mul_(1.1)  # an edited checkpoint
+    failures = opt.check_on_manifold(raise_error=False)
+    assert [name for name, _ in failures] == ["'a'"]
+    for p in (model.a, model.c):
+        p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="'a'.*projx"):
+        opt.step()
+    opt.project_to_manifolds()
+    assert opt.check_on_manifold() == []
+    opt.step()
+
+
+def test_group_validation_messages():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="nonfinite"):
+        Muon([{"params": [p], "nonfinite": "ignore"}])
+    with pytest.raises(ValueError, match="update="):
+        Muon([{"params": [p], "update": "row_norm"}])
+    with pytest.raises(ValueError, match="no manifold"):
+        ManifoldMuon([p])
+    with pytest.raises(ValueError, match="unknown manifold"):
+        ManifoldMuon([p], manifold="sphere")
+    with pytest.raises(ValueError, match="lacks"):
+        ManifoldMuon([p], manifold=object())
+    with pytest.raises(ValueError, match="unknown norm"):
+        ManifoldMuon([p], manifold="stiefel", norm="frobenius")
