@@ -14,6 +14,7 @@ import sys
 
 VERBS: dict[str, tuple[str, str]] = {
     "info": ("geomuon_cli:add_info_parser", "print versions, manifolds and optimizers"),
+    "check-equivariance": ("theory.cli:add_parser", "check an update map against a symmetry group"),
     "pretrain": ("pretrain.train:add_parser", "pretrain a GPT with a per-module strategy"),
     "compare": ("pretrain.compare:add_parser", "compare strategies: results table and plots"),
     "study": ("pretrain.studies:add_parser", "rerun a seed study and write its results page"),
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="geomuon", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (target, help_text) in VERBS.items():
-        sub_parser = sub.add_parser(name, help=help_text)
+        # add_help=False: `geomuon VERB --help` must reach the verb's own parser (second pass)
+        sub_parser = sub.add_parser(name, help=help_text, add_help=False)
         module_name, func_name = target.split(":")
         sub_parser.set_defaults(_target=(module_name, func_name))
     return parser

@@ -11,7 +11,7 @@ Two steps, kept apart so each can be checked on its own:
    overrides.
 2. :func:`assign` applies a *strategy* — a map from role to :class:`Rule` — and builds
    the optimizers, one per update family, with one param group per (rule, manifold).
-   Weights assigned a manifold are moved onto it (``projx``) before training.
+   Weights assigned a manifold start on it (a random semi-orthogonal point).
 
 Strategies (DESIGN §3.6): ``adamw`` (baseline), ``unconstrained`` (Muon on hidden
 matrices), the seed-000 family ``all_stiefel``, ``all_dgram``, ``hetero`` (Stiefel
@@ -297,9 +297,9 @@ def assign(
 ) -> Assignment:
     """Classify ``model``'s parameters, apply ``strategy`` and build its optimizers.
 
-    Weights given a manifold are projected onto it in place (a zero-initialised weight is
-    first replaced by a Gaussian one of std ``1/sqrt(fan_in)``, since zero has no polar
-    factor). Unknown strategy or role → ``ValueError`` naming the valid ones.
+    Weights given a manifold are re-initialised on it in place (see :func:`_move_onto`;
+    this draws from the global torch RNG). Unknown strategy or role → ``ValueError``
+    naming the valid ones.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
@@ -338,7 +338,13 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 
 @torch.no_grad()
 def _move_onto(manifold, params: list[torch.Tensor]) -> None:
+    """Start every constrained weight at a random semi-orthogonal point (``orthogonal_``:
+    fp32 QR, the distribution of the polar factor of a Gaussian matrix), which lies on
+    Stiefel and DGram alike, so the seed-000 strategies all start from the same weights;
+    other manifolds project it with ``projx``. (A float64 SVD ``projx`` of every GPT-2
+    matrix costs minutes on a CPU; the QR costs seconds.)"""
     for p in params:
-        if not p.any():
-            p.normal_(0.0, p.shape[-1] ** -0.5)
-        p.copy_(manifold.projx(p.float()).to(p.dtype))
+        point = torch.nn.init.orthogonal_(torch.empty(p.shape, dtype=torch.float32, device=p.device))
+        if not manifold.check_point_on_manifold(point):
+            point = manifold.projx(point)
+        p.copy_(point.to(p.dtype))

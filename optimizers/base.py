@@ -260,7 +260,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
         Use after loading weights from a checkpoint that may have been edited, or after
         touching parameters by hand. Each point is checked in float32 (float64 for
-        float64 parameters) with ``manifold.check_point_on_manifold(explain=True)``.
+        float64 parameters) with ``manifold.check_point_on_manifold(explain=True)``;
+        ``atol`` is raised to $16\\,\\varepsilon$ of the parameter's dtype, since a bf16
+        weight cannot be on a manifold closer than its own rounding.
 
         Returns:
             list of ``(parameter name, reason)`` for the points that are off.
@@ -277,8 +279,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if manifold is None:
                     continue
                 x = p.detach() if p.dtype == torch.float64 else p.detach().float()
+                tol = max(atol, 16 * torch.finfo(p.dtype).eps)
                 for matrix in [x.reshape(x.shape[0], -1)] if group["matrix_view"] == "flatten" else [x]:
-                    ok, reason = manifold.check_point_on_manifold(matrix, explain=True, atol=atol, rtol=rtol)
+                    ok, reason = manifold.check_point_on_manifold(matrix, explain=True, atol=tol, rtol=rtol)
                     if not ok:
                         failures.append((self._name(group, i, index), reason))
         if failures and raise_error:

@@ -29,6 +29,7 @@ from optimizers.regulate import (
     soft_cap_alpha,
     soft_cap_polynomial,
 )
+from theory.symbolic import soft_cap_coupling_roots
 
 F64_EPS = torch.finfo(torch.float64).eps
 F32_EPS = torch.finfo(torch.float32).eps
@@ -91,6 +92,12 @@ def test_soft_cap_alpha_solves_the_coupling(w_max, wd, eta):
     # independent root finder (companion-matrix eigenvalues); the root is simple
     # (h'(beta) < 0), so both agree to the conditioning of the quartic, ~1e-13 relative.
     assert alpha == pytest.approx(numpy_smallest_nonnegative_root(w_max, wd, eta), rel=1e-10)
+
+
+@pytest.mark.parametrize("w_max, wd, eta", COUPLING_POINTS)
+def test_soft_cap_alpha_agrees_with_the_symbolic_certificate(w_max, wd, eta):
+    # theory.symbolic isolates the real roots exactly (sympy) and rounds at the end
+    assert soft_cap_alpha(w_max, wd, eta) == pytest.approx(soft_cap_coupling_roots(w_max, wd, eta)[0], rel=1e-10)
 
 
 def test_soft_cap_alpha_is_zero_when_no_cap_is_needed():

@@ -138,9 +138,10 @@ def test_mostly_normal_gradient_keeps_its_tangent_part_in_bf16():
     assert r.ratio.item() > 0.85
 
 
-def test_zero_gradient_gives_zero_direction():
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_zero_gradient_gives_zero_direction(norm):
     W, _ = _problem(24, 8, seed=10)
-    r = steepest_direction(Stiefel(), W, torch.zeros_like(W))
+    r = steepest_direction(Stiefel(), W, torch.zeros_like(W), norm=norm)
     assert torch.equal(r.direction, torch.zeros_like(W))
     assert r.ratio.item() == 1.0
 

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import importlib
 import json
@@ -73,7 +74,10 @@ def resolve_data(path: str | None) -> str:
     return str(candidate)
 
 
+@functools.lru_cache(maxsize=2)
 def load_text(path: str):
+    """The character-level data of ``path`` (checked against its sha256), cached per
+    process: a worker trains many runs on the same text."""
     from pretrain.data import load_data
 
     return load_data(f"shakespeare:{path}")
@@ -404,8 +408,7 @@ def colours(names):
 def save(fig, figure_dir: Path, name: str) -> str:
     plt = pyplot()
     figure_dir.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(figure_dir / name, dpi=100)
+    fig.savefig(figure_dir / name, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return name
 
@@ -451,6 +454,7 @@ def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict
         ax.axis("off")
     axes[0][0].set_ylabel(ylabel)
     axes[0][0].legend(fontsize=6)
+    fig.subplots_adjust(hspace=0.45, wspace=0.12)
     fig.suptitle(title)
     return save(fig, figure_dir, name)
 
@@ -525,8 +529,8 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser, study) -> None:
-    parser.add_argument("--size", default="full", help=f"full (default, the published size) or tiny (smoke test); "
-                        f"sizes: {', '.join(study.SIZES)}")
+    parser.add_argument("--size", default="full", choices=list(study.SIZES),
+                        help="full (default: the published size) or tiny (seconds: a smoke test, not a result)")
     parser.add_argument("--data", default=None, help=f"tiny Shakespeare text file (default {DEFAULT_DATA})")
     parser.add_argument("--out", default=str(REPO / "docs" / "results"),
                         help="directory of the results page (default: docs/results of the checkout)")

@@ -1,0 +1,143 @@
+"""The seed studies (``geomuon study NAME``): each command runs end to end at its tiny
+size and writes a results page, figures and a JSON record of the right structure; the
+statistics that decide what a page may claim; the seed-code reference pieces of the
+manifolds study.
+
+The tiny size trains every variant for 3 steps on a 16-character context, so these
+tests check the machinery (every variant builds, trains, is evaluated and reported), not
+the studies' numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import geomuon_cli
+from bench.studies import common
+from bench.studies import lipschitz as lipschitz_study
+from bench.studies import manifolds as manifolds_study
+from bench.studies import symmetry as symmetry_study
+
+DATA = common.DEFAULT_DATA
+needs_data = pytest.mark.skipif(not DATA.is_file(), reason=f"tiny Shakespeare not at {DATA}")
+
+# study → an observable its extra_metrics must add to every evaluation
+STUDY_KEYS = {
+    manifolds_study: "qk_sigma_product",
+    lipschitz_study: "max_weight_rms_norm",
+    symmetry_study: "expert_imbalance",
+}
+SEEDS = (0, 1)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(study, tmp_path: Path, *extra: str) -> int:
+    argv = ["--size", "tiny", "--seeds", ",".join(map(str, SEEDS)), "--jobs", "1", "--data", str(DATA),
+            "--out", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"), *extra]
+    torch.set_num_threads(1)
+    return common.main(study, argv)
+
+
+@needs_data
+@pytest.mark.parametrize("study", list(STUDY_KEYS), ids=lambda s: s.NAME)
+def test_study_writes_page_figures_and_record(study, tmp_path):
+    assert _run(study, tmp_path) == 0
+    page = (tmp_path / "results" / f"{study.NAME}.md").read_text()
+    variant_names = [v.name for v in study.variants(study.SIZES["tiny"])]
+
+    assert page.startswith(f"# {study.TITLE}\n")
+    assert '!!! warning "Not a result"' in page  # a tiny run must never pass for a result
+    # the results table: one row per variant, every cell of the first numeric column mean ± std
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `([^`]*)`", row).group(1) for row in rows[: len(variant_names)]] == variant_names
+    for row in rows[: len(variant_names)]:
+        assert re.search(r"\| -?\d+\.\d+ ± \d+\.\d+ ", row), row
+    assert "```json" in page and '"size": "tiny"' in page
+    assert re.search(r"\| commit \| `([0-9a-f]{40}|unknown)", page)
+    assert re.search(r"\| wall time \| \d+ s", page)
+
+    figures = re.findall(rf"!\[[^\]]*\]\({study.NAME}/([^)]+\.png)\)", page)
+    assert len(figures) >= 3
+    for name in figures:
+        assert (tmp_path / "results" / study.NAME / name).read_bytes()[:8] == PNG_MAGIC
+
+    record = json.loads((tmp_path / "results" / study.NAME / "results.json").read_text())
+    assert record["size"] == "tiny" and record["config"]["steps"] == study.SIZES["tiny"].steps
+    assert list(record["runs"]) == variant_names
+    for name, runs in record["runs"].items():
+        assert [r["seed"] for r in runs] == list(SEEDS)
+        for run in runs:
+            assert run["completed"], (name, run["seed"])
+            assert len(run["train_loss"]) == study.SIZES["tiny"].steps
+            assert run["evals"][-1]["step"] == study.SIZES["tiny"].steps
+            assert STUDY_KEYS[study] in run["evals"][-1]
+
+
+@needs_data
+def test_cli_dispatch_and_cache(tmp_path, capsys):
+    argv = ["study", "symmetry", "--size", "tiny", "--seeds", "0", "--jobs", "1", "--data", str(DATA),
+            "--out", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work")]
+    assert geomuon_cli.main(argv) == 0
+    n_variants = len(symmetry_study.variants(symmetry_study.SIZES["tiny"]))
+    assert f"0 cached, {n_variants} to train" in capsys.readouterr().out
+    assert geomuon_cli.main(argv) == 0  # the second run reuses every record
+    assert f"{n_variants} cached, 0 to train" in capsys.readouterr().out
+    assert (tmp_path / "results" / "symmetry.md").is_file()
+
+
+def test_bad_arguments_are_reported(tmp_path, capsys):
+    assert _run(lipschitz_study, tmp_path, "--data", str(tmp_path / "missing.txt")) == 2
+    assert "--data" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+    with pytest.raises(SystemExit):
+        common.main(lipschitz_study, ["--size", "huge"])
+
+
+def test_claims_need_separated_bands():
+    low, high = [1.0, 1.1, 0.9], [2.0, 2.1, 1.9]
+    assert common.mean_std(low) == pytest.approx((1.0, 0.1, 3))
+    assert common.separated(low, high) is True
+    assert common.separated(low, [1.05, 1.3, 0.8]) is False
+    assert common.separated(low, [2.0]) is None  # one seed: no claim either way
+    assert "better by more than the seed spread" in common.compare_sentence("a", low, "b", high, "loss")
+    assert "no difference resolved" in common.compare_sentence("a", low, "b", [1.05, 1.3, 0.8], "loss")
+    assert common.fmt([1.0, float("nan"), 3.0]) == "2.000 ± 1.414 (2 of 3 finite)"
+
+
+def test_sorted_sigma_map_is_not_a_retraction():
+    """The seed code's DGram map moves a point whose column norms are unsorted (negative
+    control), while the library's retraction fixes it; both land on DGram."""
+    from manifolds import DGram
+
+    gen = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen, dtype=torch.float64))
+    W = (Q * torch.tensor([1.0, 3.0, 2.0, 0.5], dtype=torch.float64)).float()  # unsorted column norms
+    zero = torch.zeros_like(W)
+    ours = DGram().retr(W, zero)
+    reference = manifolds_study.SortedSigmaDGram().retr(W, zero)
+    # fp32 retraction of an exact point: round-off of a few ulps times the norm ratio 6
+    assert torch.allclose(ours, W, atol=1e-5)
+    # bf16 polar factor: 3 significant digits, far below the column swap tested here
+    assert (reference - W).norm() > 1.0
+    assert DGram().check_point_on_manifold(reference, atol=2e-2)
+
+
+def test_reference_optimizer_steps_on_dgram():
+    from manifolds import DGram
+
+    gen = torch.Generator().manual_seed(1)
+    W = torch.nn.Parameter(DGram().projx(torch.randn(24, 8, generator=gen)))
+    before = W.detach().clone()
+    opt = manifolds_study.ReferenceManifoldMuon([{"params": [W], "manifold": manifolds_study.SortedSigmaDGram()}],
+                                                lr=0.05)
+    W.grad = torch.randn(24, 8, generator=gen)
+    opt.step()
+    assert not torch.allclose(W.detach(), before)
+    assert opt.param_groups[0]["retraction"] == "manifold"  # its step uses the sorted-σ map
+    # bf16 polar factor in the map: cosines between columns at bf16 resolution
+    assert DGram().check_point_on_manifold(W.detach(), atol=2e-2)
