@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +32,8 @@ def problem_shapes(name: str) -> list[tuple[int, int]]:
     if name == "384x128":
         return [(384, 128)]
     if name == "gpt":
-        from bench.optimizer_step import gpt_shapes
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from optimizer_step import gpt_shapes
 
         return gpt_shapes(2, 384)
     raise ValueError(f"unknown set {name!r}: choose 384x128 or gpt")
@@ -73,7 +76,8 @@ def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: 
     return statistics.mean(ratios), min(ratios)
 
 
-def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, seed: int, alpha: float, **solver):
+def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, seed: int, alpha: float,
+                clock=time.perf_counter, **solver):
     """Median step time of ManifoldMuon (no certificate) and of our Muon, interleaved."""
     from optimizers import ManifoldMuon, Muon
 
@@ -89,10 +93,10 @@ def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, see
         for p, q in zip(mu_params, mm_params):
             p.grad = q.grad.clone()
         for opt, ts in ((mu, t_mu), (mm, t_mm)):
-            start = time.perf_counter()
+            start = clock()
             opt.step()
             if round_:
-                ts.append(time.perf_counter() - start)
+                ts.append(clock() - start)
     return statistics.median(t_mm) / statistics.median(t_mu)
 
 
@@ -106,19 +110,26 @@ def main(argv=None) -> int:
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
     parser.add_argument("--msign-steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (0: no timing)")
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+                        help="process: CPU time of this process, robust to other load on a shared "
+                             "machine when --threads 1 (with more threads it counts spin-waits)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     from optimizers.manifold_muon import resolve_manifold
 
     manifold = resolve_manifold(args.manifold, "--manifold")
     shapes = problem_shapes(args.set)
-    solver = {"msign_steps": args.msign_steps}
+    solver = {}
     if args.msign:
         solver["msign_method"] = args.msign
+    if args.msign_steps is not None:
+        solver["msign_steps"] = args.msign_steps
     print(f"set {args.set} ({len(shapes)} matrices) on {args.manifold}, {args.steps} steps, "
-          f"alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer {solver}")
+          f"alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer {solver or 'default'}, "
+          f"{args.threads} thread(s), {args.clock} clock")
     print("| dual steps | start | mean certified ratio | min | step cost / Muon |")
     print("|---|---|---|---|---|")
     for dual_steps in args.dual:
@@ -128,7 +139,8 @@ def main(argv=None) -> int:
             mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **solver)
             cost = "-"
             if args.repeats:
-                ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha, **solver)
+                ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha,
+                                    clock, **solver)
                 cost = f"{ratio:.2f}"
             label = "warm" if warm else "cold"
             print(f"| {dual_steps} | {label} | {mean:.4f} | {low:.4f} | {cost} |", flush=True)

@@ -338,12 +338,15 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 
 @torch.no_grad()
 def _move_onto(manifold, params: list[torch.Tensor]) -> None:
-    """Start every constrained weight at a random semi-orthogonal point (``orthogonal_``:
-    fp32 QR, the distribution of the polar factor of a Gaussian matrix), which lies on
-    Stiefel and DGram alike, so the seed-000 strategies all start from the same weights;
-    other manifolds project it with ``projx``. (A float64 SVD ``projx`` of every GPT-2
-    matrix costs minutes on a CPU; the QR costs seconds.)"""
+    """Put every constrained weight on its manifold. A weight already there (a model
+    trained with this geometry) is kept. Others restart at a random semi-orthogonal point
+    (``orthogonal_``: fp32 QR, the distribution of the polar factor of a Gaussian matrix),
+    which lies on Stiefel and DGram alike, so the seed-000 strategies all start from the
+    same kind of point; other manifolds project it with ``projx``. (A float64 SVD
+    ``projx`` of every GPT-2 matrix costs minutes on a CPU; the QR costs seconds.)"""
     for p in params:
+        if manifold.check_point_on_manifold(p.detach().float()):
+            continue
         point = torch.nn.init.orthogonal_(torch.empty(p.shape, dtype=torch.float32, device=p.device))
         if not manifold.check_point_on_manifold(point):
             point = manifold.projx(point)

@@ -255,6 +255,7 @@ class ManifoldMuon(MatrixOptimizer):
             alpha=float(group["dual_alpha"]), decay=False, tol=0.0, init="projection",
             warm_start=warm, msign_method=group["msign_method"], msign_steps=group["msign_steps"],
             compute_dtype=group["compute_dtype"], certify=certify, track_best=False, exact_norm=False,
+            safeguard=True,
         )
         if group["warm_start"] and result.correction is not None:
             for state, correction in zip(states, result.correction):

@@ -37,6 +37,11 @@ def newton_schulz(
     over the whole stack (one kernel per product for every matrix of the batch).
     The caller owns ``X`` (it is normalized in place: never pass a momentum buffer).
 
+    This is :func:`manifolds.linalg.msign`'s iteration with one fixed quintic, written
+    with ``torch.optim.Muon``'s fused products so that, fed the same bf16 input, it
+    rounds as torch's does (the drop-in guarantee) and runs at its speed; ``msign``'s
+    unfused form is about 30% slower per step on these CPUs.
+
     Returns:
         ``[..., m, n]`` in ``X.dtype``, computed in ``X.dtype``.
     """

@@ -127,7 +127,7 @@ NORMS: dict[str, Norm] = {
 #: kept to show what the preconditioning buys.
 SOLVER_PRESETS: dict[str, dict] = {
     "accurate": dict(steps=100, alpha=0.8, decay=True, tol=1e-10, certify="exact", track_best=True),
-    "fast": dict(steps=1, alpha=1.0, decay=False, tol=0.0, certify=None, track_best=False),
+    "fast": dict(steps=1, alpha=1.0, decay=False, tol=0.0, certify=None, track_best=False, safeguard=True),
     "reference": dict(
         steps=20, alpha=0.1, decay=True, tol=1e-6, init="reference", precondition=False,
         certify="exact", track_best=False,
@@ -169,6 +169,11 @@ def _inner(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
 
 #: ``track_best`` scores every this many iterates (and the last): two SVDs per score.
 _TRACK_EVERY = 10
+
+
+def _per_matrix(values: torch.Tensor, like: torch.Tensor, batch: int) -> torch.Tensor:
+    """Reshape per-matrix ``values [...]`` to broadcast against ``like [..., *item]``."""
+    return values.reshape(tuple(values.shape) + (1,) * (like.dim() - batch))
 
 
 def _rms(H: torch.Tensor, batch: int) -> torch.Tensor:
@@ -218,6 +223,7 @@ def steepest_direction(
     certify: str | None = "default",
     track_best: bool | None = None,
     exact_norm: bool | None = None,
+    safeguard: bool | None = None,
 ) -> SteepestResult:
     r"""Steepest-descent direction of ``G`` on ``manifold`` at ``W`` under ``norm``.
 
@@ -254,6 +260,10 @@ def steepest_direction(
         exact_norm: rescale by the exact norm (SVD for the spectral norm) rather than an
             estimate (default: ``certify == "exact"``). The certified primal always
             divides by $\max(1, \|\hat A\|)$ with the exact norm, so it stays honest.
+        safeguard: after each dual step, a matrix whose residual RMS$(L_W(A))$ grew
+            returns to its previous iterate and stops (``fast``: constant steps can
+            overshoot where the dual is nonsmooth, e.g. for a rank-deficient $G$); costs
+            one constraint product for the last iterate.
 
     Returns:
         :class:`SteepestResult` with tensors of ``W.dtype``.
@@ -265,7 +275,7 @@ def steepest_direction(
         raise ValueError(f"steepest_direction: unknown preset {preset!r}; choose {list(SOLVER_PRESETS)}")
     settings = dict(SOLVER_PRESETS[preset]) if preset is not None else {}
     explicit = dict(steps=steps, alpha=alpha, decay=decay, tol=tol, init=init,
-                    precondition=precondition, track_best=track_best)
+                    precondition=precondition, track_best=track_best, safeguard=safeguard)
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if certify != "default":
         settings["certify"] = certify
@@ -278,6 +288,7 @@ def steepest_direction(
     certify_ = settings.get("certify", None)
     best = bool(settings.get("track_best", False))
     exact_size = certify_ == "exact" if exact_norm is None else bool(exact_norm)
+    guard = bool(settings.get("safeguard", False))
 
     nrm = NORMS.get(norm) if isinstance(norm, str) else norm
     if nrm is None:
@@ -331,10 +342,27 @@ def steepest_direction(
     delta = None if warm_start is None else warm_start.to(out_dtype)
     best_dir = best_primal = best_dual = None
     taken = 0
-    residual = None
+    residual = previous = frozen = None
     for k in range(K + 1):
         X = B if delta is None else B + manifold.constraint_adjoint(Wc, delta.to(Wc.dtype)).to(out_dtype)
         A = nrm.dualize(X if compute_dtype is None else X.to(compute_dtype), s)
+        if k == K and not diagnose and previous is None:
+            break
+        H = manifold.constraint(Wc, A.to(Wc.dtype)).to(out_dtype)
+        if H.shape[-1] == 0:  # unconstrained: Phi(G) is the answer
+            break
+        residual = _rms(H, batch)
+        if previous is not None:
+            # safeguard: a matrix whose residual grew goes back to its previous iterate
+            # and takes no further step (a rank-deficient G makes the dual nonsmooth,
+            # where a constant step can overshoot).
+            worse = residual > previous[3]
+            if bool(worse.any()):
+                frozen = worse if frozen is None else frozen | worse
+                A, X, delta, residual = (
+                    torch.where(_per_matrix(worse, new, batch), old, new)
+                    for old, new in zip(previous, (A, X, delta, residual))
+                )
         if best and certify_ is not None and (k % _TRACK_EVERY == 0 or k == K):
             cand = feasible(A)
             p, d = primal_value(cand), dual_value(X, A)
@@ -345,12 +373,6 @@ def steepest_direction(
                 best_dir = torch.where(better.reshape(*better.shape, 1, 1), cand, best_dir)
                 best_primal = torch.maximum(best_primal, p)
                 best_dual = torch.minimum(best_dual, d)
-        if k == K and not diagnose:
-            break
-        H = manifold.constraint(Wc, A.to(Wc.dtype)).to(out_dtype)
-        if H.shape[-1] == 0:  # unconstrained: Phi(G) is the answer
-            break
-        residual = _rms(H, batch)
         if k == K or bool((residual < tol_).all()):
             break
         rate = alpha_ * (1.0 - k / K) if decay_ else alpha_
@@ -361,8 +383,12 @@ def steepest_direction(
             # (row/column norm for those norms).
             Ac = A.to(out_dtype)
             sigma = _inner(X, Ac) / _inner(Ac, Ac).clamp_min(torch.finfo(out_dtype).tiny)
-            rate = rate * sigma.reshape(*sigma.shape, *([1] * (H.dim() - batch)))
+            rate = rate * _per_matrix(sigma, H, batch)
         step = -rate * (_gram_solve(manifold, W, H, gram) if precond else H)
+        if frozen is not None:
+            step = torch.where(_per_matrix(frozen, step, batch), 0, step)
+        if guard:
+            previous = (A, X, torch.zeros_like(step) if delta is None else delta, residual)
         delta = step if delta is None else delta + step
         taken += 1
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from manifolds import LPRO, POLAR_EXPRESS, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
@@ -39,6 +40,7 @@ from theory.groups import (
     RouterShift,
     SignedColumnPermutation,
     SignedPermutation,
+    SignedRowPermutation,
 )
 
 from . import maps
@@ -72,13 +74,26 @@ FAST_RESCALE_SOLVER = dict(EXACT_SOLVER, exact_norm=False)
 #: amplified by up to $1.5^{25} \approx 2.5\cdot10^4$ before the output is re-centered.
 SINGULAR_GRAM_GROWTH = 1.5**25
 
-#: Slope at 0 of the default msign (Polar Express, 12 steps, input $\div 1.01$): the
-#: largest factor by which it can amplify round-off along a (structurally) zero singular
-#: value, which the condition number of the input does not see.
-PE_SLOPE_AT_ZERO = math.prod(a for a, _, _ in POLAR_EXPRESS.step_coefficients(POLAR_EXPRESS.default_steps)) / POLAR_EXPRESS.input_scale
+def _max_slope(schedule, samples: int = 200001) -> float:
+    """Largest $|p'|$ of a Newton–Schulz schedule's composed polynomial on normalized
+    singular values $[0, 1]$ (grid evaluation of the chain rule, float64)."""
+    x = np.linspace(0.0, 1.0, samples) / schedule.input_scale
+    slope = np.full_like(x, 1.0 / schedule.input_scale)
+    for a, b, c in schedule.step_coefficients(schedule.default_steps):
+        slope = slope * (a + 3 * b * x**2 + 5 * c * x**4)
+        x = a * x + b * x**3 + c * x**5
+    return float(np.abs(slope).max())
+
+
+#: Largest slope of the default msign (Polar Express, 12 steps, input $\div 1.01$) on
+#: $[0, 1]$: about $7.8\cdot10^4$, attained at 0. The most an msign can amplify relative
+#: round-off, whatever the input's conditioning — the bound used where an update applies
+#: msign to matrices with (structurally or possibly) zero singular values.
+PE_MAX_SLOPE = _max_slope(POLAR_EXPRESS)
 
 BO, LPRO_G, RPLO = BiOrthogonal(), LeftPermRightOrth(), RightPermLeftOrth()
-SCP, SP, NP, SHIFT = SignedColumnPermutation(), SignedPermutation(), NeuronPermutation(), RouterShift()
+SCP, SRP, SP = SignedColumnPermutation(), SignedRowPermutation(), SignedPermutation()
+NP, SHIFT = NeuronPermutation(), RouterShift()
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ class Declaration:
     """One row: ``update`` (display name) under ``group`` is ``expected`` (``"holds"`` or
     ``"fails"``), because ``rationale``. ``build()`` returns the
     :mod:`theory.equivariance` subject; ``orientation`` (``"any"``, ``"tall"`` $m \\ge n$,
-    ``"wide"`` $m \\le n$) restricts the shapes the row is declared on."""
+    ``"wide"`` $m < n$) restricts the shapes the row is declared on."""
 
     update: str
     kind: str
@@ -97,8 +112,13 @@ class Declaration:
     orientation: str = "any"
 
     @property
+    def label(self) -> str:
+        """The update's name, with the orientation when the row is restricted to one."""
+        return self.update if self.orientation == "any" else f"{self.update} ({self.orientation})"
+
+    @property
     def id(self) -> str:
-        return f"{self.update} | {self.group.name} | {self.expected}"
+        return f"{self.label} | {self.group.name} | {self.expected}"
 
 
 def _map(fn, name: str, **kwargs) -> Callable[[], MapUpdate]:
@@ -131,7 +151,10 @@ def _spectral_each(block):
 
 def _direction(manifold, solver=EXACT_SOLVER, name: str = "") -> Callable[[], DirectionUpdate]:
     label = name or f"steepest[{type(manifold).__name__}]"
-    return lambda: DirectionUpdate(steepest_direction, manifold, dict(solver), name=label)
+    # The dual iterates G + L*(Lambda_k) may be nearly singular: msign's largest slope
+    # bounds the round-off amplification (measured: 3x2..4x3 Stiefel draws reach 1e-10).
+    return lambda: DirectionUpdate(steepest_direction, manifold, dict(solver), name=label,
+                                   amplification=PE_MAX_SLOPE)
 
 
 def _step(factory, name: str, manifold=None, **kwargs) -> Callable[[], OptimizerUpdate]:
@@ -201,7 +224,7 @@ def declarations() -> list[Declaration]:
                     "Centered row normalization then msign. Row scaling moves the structural null "
                     "vector of Π^⊥D off 1, so msign's slope at 0 amplifies round-off there.",
                     _map(maps.centered(maps.hybrid), "centered(hybrid)", conditioning=_centered_conditioning,
-                         amplification=PE_SLOPE_AT_ZERO)),
+                         amplification=PE_MAX_SLOPE)),
         Declaration("swiglu hybrid stack", "map", NP, H,
                     "Row-aware hybrid on W_gate, W_up (P on rows) and column-aware on W_down (Pᵀ on columns).",
                     _map(_swiglu_symmetry_update, "swiglu hybrid stack")),
@@ -210,10 +233,17 @@ def declarations() -> list[Declaration]:
         # --- steepest directions on manifolds ---------------------------------------
         Declaration("steepest[Stiefel]", "direction", BO, H,
                     "O_m × O_n maps Stiefel to itself, L_{gW}(gA) = R L_W(A) Rᵀ, and every dual step "
-                    "composes equivariant maps.", _direction(Stiefel()), "tall"),
+                    "composes equivariant maps (wide matrices: the transposed geometry, same group).",
+                    _direction(Stiefel())),
         Declaration("steepest[DGram]", "direction", SCP, H,
                     "DGram = {Q diag(d)} is preserved by O_m × signed column permutations, which permute "
                     "the Jacobi weights 2(d_i² + d_j²) consistently.", _direction(DGram()), "tall"),
+        Declaration("steepest[DGram]", "direction", SRP, H,
+                    "Wide DGram uses the transposed geometry (orthogonal rows), whose symmetry is "
+                    "signed row permutations × O_n.", _direction(DGram()), "wide"),
+        Declaration("steepest[DGram]", "direction", SCP, F,
+                    "On wide matrices the columns are not the constrained side: left rotations take "
+                    "W off DGram.", _direction(DGram()), "wide"),
         Declaration("steepest[DGram]", "direction", BO, F,
                     "Right rotations take Q diag(d) off DGram: its symmetry is not O_m × O_n.",
                     _direction(DGram()), "tall"),
@@ -283,4 +313,4 @@ def declarations() -> list[Declaration]:
 
 def table_rows() -> list[tuple[str, str, str, str]]:
     """``(update, group, expected, rationale)`` for every declaration, for the docs."""
-    return [(d.update, type(d.group).__name__, d.expected, d.rationale) for d in declarations()]
+    return [(d.label, type(d.group).__name__, d.expected, d.rationale) for d in declarations()]

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -384,3 +385,22 @@ def test_search_works_offline_from_file_urls(site, chromium):
     dom = run_chromium(chromium, "--virtual-time-budget=8000", "--dump-dom", url)
     found = re.search(r'md-search-result__meta">(\d+) matching document', dom.stdout)
     assert found and int(found.group(1)) >= 3, dom.stdout[-2000:]
+
+
+def test_results_pages_written_by_studies_join_the_navigation(tmp_path):
+    # A study writes docs/results/<name>.md; the hook lists it on the landing page and adds
+    # it under Results in the navigation, so strict mode never sees an orphan page.
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "index.md").write_text("# Results\n\n<!-- geomuon:results-pages -->\n")
+    nav = [{"Home": "index.md"}, {"Results": "results/index.md"}]
+    config = types.SimpleNamespace(docs_dir=str(tmp_path), nav=nav)
+    assert geomuon_pages.on_config(config).nav[1] == {"Results": "results/index.md"}
+    listing = geomuon_pages.on_page_markdown("<!-- geomuon:results-pages -->", None, config, None)
+    assert "No study has written its page yet" in listing
+
+    (tmp_path / "results" / "lipschitz.md").write_text("# Enforced Lipschitz bounds\n\nbody\n")
+    geomuon_pages.on_config(config)
+    assert config.nav[1] == {"Results": [{"Overview": "results/index.md"},
+                                         {"Enforced Lipschitz bounds": "results/lipschitz.md"}]}
+    listing = geomuon_pages.on_page_markdown("<!-- geomuon:results-pages -->", None, config, None)
+    assert listing == "* [Enforced Lipschitz bounds](lipschitz.md)\n"

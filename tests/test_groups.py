@@ -103,7 +103,7 @@ def test_group_names_resolve():
     for name, group in GROUPS.items():
         assert get_group(name) is group
         assert get_group(type(group).__name__) is group
-    assert len(GROUPS) == 7
+    assert len(GROUPS) == 8
 
 
 def test_bi_orthogonal_is_a_symmetry_of_a_linear_layer():

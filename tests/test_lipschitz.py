@@ -20,6 +20,7 @@ from theory.lipschitz import (
     mlp_lipschitz,
     residual_lipschitz,
     rms_operator_norm,
+    sequence_rms,
     token_rms_max,
     transformer_lipschitz_bound,
 )
@@ -129,6 +130,23 @@ def test_bound_holds_for_random_models(n_head, scale):
     assert 0 < estimate.estimate <= bound
     # every pair the estimator reports lies in the bound's domain (token RMS <= 1)
     assert token_rms_max(torch.stack([estimate.x, estimate.y])).max() <= 1 + 1e-12
+
+
+def test_sequence_norm_bound_holds():
+    gen = torch.Generator().manual_seed(6)
+    model = GPT(lipschitz_config(n_head=2)).double()
+    set_rms_spectra(model, 1.5, gen)
+    T = 10
+    per_token = transformer_lipschitz_bound(model.lipschitz_weights())
+    whole = transformer_lipschitz_bound(model.lipschitz_weights(), sequence_length=T)
+    assert whole.bound > per_token.bound
+    estimate = empirical_lipschitz(
+        body(model), unit_rms_tokens(T, 16, gen), restarts=6, steps=150,
+        in_norm=sequence_rms, out_norm=sequence_rms,
+    )
+    assert 0 < estimate.estimate <= whole.bound
+    with pytest.raises(ValueError, match="sequence_length"):
+        transformer_lipschitz_bound(model.lipschitz_weights(), sequence_length=0)
 
 
 def test_bound_holds_for_a_trained_model():

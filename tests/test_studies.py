@@ -36,17 +36,40 @@ SEEDS = (0, 1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(study, tmp_path: Path, *extra: str) -> int:
-    argv = ["--size", "tiny", "--seeds", ",".join(map(str, SEEDS)), "--jobs", "1", "--data", str(DATA),
+def _argv(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--size", "tiny", "--seeds", ",".join(map(str, SEEDS)), "--jobs", "1", "--data", str(DATA),
             "--out", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"), *extra]
+
+
+def _run(study, tmp_path: Path, *extra: str) -> int:
     torch.set_num_threads(1)
-    return common.main(study, argv)
+    return common.main(study, _argv(tmp_path, *extra))
+
+
+@pytest.fixture(scope="module")
+def run_once(tmp_path_factory):
+    """``run_once(study) -> (study, directory, exit code)``: each study runs at its tiny
+    size once per module, whichever test asks first."""
+    done = {}
+
+    def run(study):
+        if study not in done:
+            tmp_path = tmp_path_factory.mktemp(study.NAME)
+            done[study] = (study, tmp_path, _run(study, tmp_path))
+        return done[study]
+
+    return run
+
+
+@pytest.fixture(params=list(STUDY_KEYS), ids=lambda s: s.NAME)
+def study_run(request, run_once):
+    return run_once(request.param)
 
 
 @needs_data
-@pytest.mark.parametrize("study", list(STUDY_KEYS), ids=lambda s: s.NAME)
-def test_study_writes_page_figures_and_record(study, tmp_path):
-    assert _run(study, tmp_path) == 0
+def test_study_writes_page_figures_and_record(study_run):
+    study, tmp_path, code = study_run
+    assert code == 0
     page = (tmp_path / "results" / f"{study.NAME}.md").read_text()
     variant_names = [v.name for v in study.variants(study.SIZES["tiny"])]
 
@@ -79,15 +102,17 @@ def test_study_writes_page_figures_and_record(study, tmp_path):
 
 
 @needs_data
-def test_cli_dispatch_and_cache(tmp_path, capsys):
-    argv = ["study", "symmetry", "--size", "tiny", "--seeds", "0", "--jobs", "1", "--data", str(DATA),
-            "--out", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work")]
-    assert geomuon_cli.main(argv) == 0
-    n_variants = len(symmetry_study.variants(symmetry_study.SIZES["tiny"]))
-    assert f"0 cached, {n_variants} to train" in capsys.readouterr().out
-    assert geomuon_cli.main(argv) == 0  # the second run reuses every record
-    assert f"{n_variants} cached, 0 to train" in capsys.readouterr().out
-    assert (tmp_path / "results" / "symmetry.md").is_file()
+def test_cli_dispatch_reuses_cached_runs(run_once, tmp_path, capsys):
+    """``geomuon study NAME`` reaches the study; a rerun with the same settings trains
+    nothing (every record comes from the work directory's cache)."""
+    study, first, code = run_once(lipschitz_study)
+    assert code == 0
+    argv = _argv(first)
+    argv[argv.index("--out") + 1] = str(tmp_path)
+    assert geomuon_cli.main(["study", study.NAME, *argv]) == 0
+    runs = len(study.variants(study.SIZES["tiny"])) * len(SEEDS)
+    assert f"{runs} cached, 0 to train" in capsys.readouterr().out
+    assert (tmp_path / f"{study.NAME}.md").read_text().count("| `") >= len(study.variants(study.SIZES["tiny"]))
 
 
 def test_bad_arguments_are_reported(tmp_path, capsys):

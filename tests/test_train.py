@@ -82,6 +82,9 @@ def test_cli_reports_bad_config_and_runs(tmp_path, capsys):
 def gpt2_small():
     torch.manual_seed(0)
     model = GPT(get_config("gpt2-small"))
+    # Start the hidden matrices semi-orthogonal once (on Stiefel and DGram alike), so each
+    # manifold strategy below keeps them instead of paying 48 QR factorisations again.
+    assign(model, "all_stiefel")
     return model, {k: v.clone() for k, v in model.state_dict().items()}
 
 

@@ -2,5 +2,7 @@
 hypothesis strategies, sympy certificates and Lipschitz bounds.
 
 Import the submodule you need (``from theory.contracts import check_manifold_contract``);
-this package imports nothing on its own, so ``import theory`` stays cheap.
+this package imports nothing on its own, so ``import theory`` stays cheap. Symmetry checks:
+``from theory.equivariance import assert_equivariant`` with a group of
+:mod:`theory.groups`; exact certificates: :mod:`theory.symbolic`.
 """

@@ -46,6 +46,7 @@ __all__ = [
     "LeftPermRightOrth",
     "RightPermLeftOrth",
     "SignedColumnPermutation",
+    "SignedRowPermutation",
     "SignedPermutation",
     "NeuronPermutation",
     "RouterShift",
@@ -288,6 +289,15 @@ class SignedColumnPermutation(TwoSidedGroup):
     left, right = "orthogonal", "signed_permutation"
 
 
+class SignedRowPermutation(TwoSidedGroup):
+    r"""$(\{\pm1\}^m \rtimes S_m) \times O_n$: the transpose of
+    :class:`SignedColumnPermutation` — the symmetry of DGram's transposed geometry on wide
+    matrices (orthogonal rows)."""
+
+    name = "signed-row-permutation"
+    left, right = "signed_permutation", "orthogonal"
+
+
 class SignedPermutation(TwoSidedGroup):
     r"""Signed permutations on both sides: the symmetry of coordinate-wise maps
     (``sign``, Adam), the group under which they do hold."""
@@ -352,6 +362,7 @@ GROUPS: dict[str, Group] = {
         LeftPermRightOrth(),
         RightPermLeftOrth(),
         SignedColumnPermutation(),
+        SignedRowPermutation(),
         SignedPermutation(),
         NeuronPermutation(),
         RouterShift(),

@@ -56,6 +56,7 @@ __all__ = [
     "REFERENCE_GELU_DIVISOR",
     "rms_operator_norm",
     "token_rms_max",
+    "sequence_rms",
     "residual_lipschitz",
     "mlp_lipschitz",
     "attention_lipschitz",
@@ -93,6 +94,13 @@ def token_rms_max(X: torch.Tensor) -> torch.Tensor:
     → ``[B]`` (RMS over the last dimension, max over the rest)."""
     rms = X.pow(2).mean(-1).sqrt()
     return rms.reshape(rms.size(0), -1).amax(-1)
+
+
+def sequence_rms(X: torch.Tensor) -> torch.Tensor:
+    r"""$\bigl(\sum_t \|x_t\|_{\mathrm{RMS}}^2\bigr)^{1/2}$ (the Frobenius norm over $\sqrt{\dim x}$):
+    ``[B, ..., k]`` → ``[B]``. The norm of the ``sequence_length`` variant of
+    :func:`transformer_lipschitz_bound`."""
+    return X.pow(2).mean(-1).reshape(X.size(0), -1).sum(-1).sqrt()
 
 
 def residual_lipschitz(a: float, inner: float) -> float:
@@ -192,7 +200,8 @@ class TransformerBound:
     r"""Result of :func:`transformer_lipschitz_bound`.
 
     ``bound``: Lipschitz constant from the embedded sequence to the logits, in the max
-    per-token RMS norm on both sides (multiply by $\sqrt{V/d}$ for per-token $\ell_2$ norms).
+    per-token RMS norm on both sides (multiply by $\sqrt{V/d}$ for per-token $\ell_2$ norms),
+    or in :func:`sequence_rms` when a ``sequence_length`` was given.
     ``sublayers``: the constants $L_f$ of each attention and MLP map, in order;
     ``residuals``: $(1-a) + aL_f$ for each; ``radii``: the token-RMS bound of the
     activations entering each sub-layer and, last, entering the head; ``head``: $\|W_\text{head}\|$.
@@ -205,7 +214,7 @@ class TransformerBound:
     head: float
 
 
-def transformer_lipschitz_bound(weights: Mapping) -> TransformerBound:
+def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None = None) -> TransformerBound:
     r"""Lipschitz bound of the seed-003 Lipschitz transformer from its weights.
 
     ``weights`` (what ``pretrain.model.GPT.lipschitz_weights()`` returns):
@@ -227,6 +236,13 @@ def transformer_lipschitz_bound(weights: Mapping) -> TransformerBound:
 
     $$L = \|W_\text{head}\|\prod_{\text{sub-layers } i}\bigl((1-a) + aL_i\bigr).$$
 
+    ``sequence_length`` $T$ switches to the whole-sequence norm :func:`sequence_rms`
+    ($\ell_2$ over tokens of per-token RMS) on input and output. Per-token maps keep their
+    constants; each attention constant is multiplied by $\sqrt T$, because every output
+    token moves by at most $L_\text{att}\max_s\|\delta x_s\| \le L_\text{att}\|\delta X\|$ and
+    there are $T$ of them (causal attention really does spread one token's perturbation
+    over all later tokens). Sequences up to $T$ tokens are covered.
+
     Returns:
         :class:`TransformerBound`; norms and spaces as in the module docstring.
     """
@@ -246,6 +262,9 @@ def transformer_lipschitz_bound(weights: Mapping) -> TransformerBound:
     gelu_scale = float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR))
     radius = float(weights.get("input_radius", 1.0))
 
+    if sequence_length is not None and int(sequence_length) < 1:
+        raise ValueError(f"transformer_lipschitz_bound: sequence_length must be >= 1, got {sequence_length}")
+    spread = 1.0 if sequence_length is None else math.sqrt(int(sequence_length))
     sublayers, residuals, radii = [], [], []
     bound = 1.0
     for index, block in enumerate(blocks):
@@ -258,7 +277,7 @@ def transformer_lipschitz_bound(weights: Mapping) -> TransformerBound:
         )
         mlp_gain = rms_operator_norm(block["mlp_out"]) * gelu_scale * rms_operator_norm(block["mlp_in"])
         mlp = mlp_lipschitz(block["mlp_in"], block["mlp_out"], gelu_scale)
-        for lipschitz, output_radius in ((attention.lipschitz, attention.output_radius), (mlp, None)):
+        for lipschitz, output_radius in ((spread * attention.lipschitz, attention.output_radius), (mlp, None)):
             radii.append(radius)
             sublayers.append(lipschitz)
             residuals.append(residual_lipschitz(a, lipschitz))

@@ -8,8 +8,8 @@ unit-RMS embedding, RoPE) trained with
   (:class:`optimizers.regulate.SoftCap`, the ``lipschitz`` strategy) over a sweep of
   the RMS→RMS cap $w_{\max}$;
 * ``muon``: unconstrained Muon with decoupled weight decay (the ``unconstrained`` strategy);
-* ``adamw+wd …``: AdamW with decoupled weight decay on every matrix (the ``adamw``
-  strategy), at two decay strengths.
+* ``adamw+wd 0.1``: AdamW with decoupled weight decay on every matrix (the ``adamw``
+  strategy).
 
 Each run reports its validation accuracy, the certified Lipschitz bound of the trained
 network (:func:`theory.lipschitz.transformer_lipschitz_bound`: exact SVD norms, the
@@ -31,13 +31,20 @@ NAME = "lipschitz"
 TITLE = "Enforced Lipschitz bounds (seed 003) at CPU scale"
 
 SIZES = {
-    "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=150, batch_size=8, eval_every=50,
-                 eval_batches=2, final_eval_batches=16, lr=0.02, adamw_lr=3e-3, warmup_steps=10),
+    "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=120, batch_size=8, eval_every=40,
+                 eval_batches=2, final_eval_batches=16, lr=0.08, adamw_lr=1e-2, warmup_steps=10),
     "tiny": Size(model="shakespeare-lipschitz", model_overrides=dict(n_layer=1, n_head=2, n_embd=16, block_size=16),
                  steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=1, warmup_steps=1),
 }
 W_MAX = (1.0, 2.0, 4.0)
-ADAMW_DECAY = (0.1, 1.0)
+#: How the full size's learning rates were chosen (quoted on the page).
+RATE_CHOICE = (
+    "The rates come from a 60-step probe (seed 0, two validation batches) of Muon lr ∈ {0.02, 0.08} "
+    "with `muon+softcap w_max=2` and AdamW lr ∈ {3e-3, 1e-2} with `adamw+wd 0.1`: the larger rate "
+    "gave the lower validation loss for both (2.43 vs 2.88 and 2.36 vs 2.52). No wider sweep was "
+    "affordable; the seed paper sweeps the learning rate per method."
+)
+ADAMW_DECAY = (0.1,)
 
 
 def variants(size: Size) -> list[Variant]:
@@ -137,9 +144,9 @@ def report(results, size, meta, figure_dir) -> str:
         "This page measures the same trade-off at CPU scale.",
         "## Variants\n\n" + "\n".join(f"* `{v.name}`: {v.label}." for v in variants(SIZES["tiny"]))
         + "\n\nAll variants train the same model from the same initialisation for a given seed, "
-        "with Muon lr 0.02 and AdamW lr 3e-3 (embeddings, and every matrix in the AdamW variants), "
-        "warmup then cosine decay. The soft cap's coupling uses Muon's update-norm bound at the "
-        "current learning rate.",
+        f"with Muon lr {size.lr:g} and AdamW lr {size.adamw_lr:g} (embeddings, and every matrix in the "
+        "AdamW variants), warmup then cosine decay. The soft cap's coupling uses Muon's update-norm "
+        "bound at the current learning rate. " + RATE_CHOICE,
         "## Results\n\nMean ± sample standard deviation over seeds, at the last step, on the same "
         "validation windows for every run.\n\n" + common.table(header, rows),
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "

@@ -8,6 +8,9 @@ Markers in the Markdown sources are replaced before conversion:
 * ``<!-- geomuon:symmetry-table -->`` becomes the declared (update x group) table read
   from ``optimizers.symmetry.declarations()`` -- the rows the equivariance suite runs --
   so the page cannot disagree with the code or the tests.
+* ``<!-- geomuon:results-pages -->`` becomes the list of the results pages the studies
+  have written under ``docs/results/`` (``geomuon study NAME``), which are also added to
+  the navigation under *Results* -- a study's page appears without editing the docs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ log = logging.getLogger("mkdocs.hooks.geomuon_pages")
 ROOT = Path(__file__).resolve().parents[2]
 _API_MARKER = re.compile(r"^<!-- geomuon:api (?P<package>[\w.]+) -->$", re.MULTILINE)
 _SYMMETRY_MARKER = "<!-- geomuon:symmetry-table -->"
+_RESULTS_MARKER = "<!-- geomuon:results-pages -->"
+_RESULTS_LANDING = "results/index.md"
 
 
 def public_modules(package: str) -> list[tuple[str, bool]]:
@@ -88,8 +93,42 @@ def declared_table(symmetry) -> str:
     )
 
 
+def results_pages(docs_dir: Path) -> list[tuple[str, str]]:
+    """``(title, path relative to docs/)`` of every results page but the landing page,
+    sorted by path; the title is the page's first ``# `` heading."""
+    pages = []
+    for path in sorted((docs_dir / "results").glob("*.md")):
+        relative = path.relative_to(docs_dir).as_posix()
+        if relative == _RESULTS_LANDING:
+            continue
+        heading = re.search(r"^# (.+)$", path.read_text(), re.MULTILINE)
+        pages.append((heading.group(1).strip() if heading else path.stem, relative))
+    return pages
+
+
+def on_config(config):
+    # Turn the nav entry of the results landing page into a section holding the landing
+    # page and every study page found on disk.
+    studies = [{title: relative} for title, relative in results_pages(Path(config.docs_dir))]
+    for index, entry in enumerate(config.nav or []):
+        if isinstance(entry, dict) and list(entry.values()) == [_RESULTS_LANDING]:
+            title = next(iter(entry))
+            config.nav[index] = {title: [{"Overview": _RESULTS_LANDING}, *studies]} if studies else entry
+    return config
+
+
+def _results_list(docs_dir: Path) -> str:
+    pages = results_pages(docs_dir)
+    if not pages:
+        return "*No study has written its page yet.*\n"
+    # Links are relative to results/index.md, which holds the marker.
+    return "".join(f"* [{title}]({Path(relative).name})\n" for title, relative in pages)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = _API_MARKER.sub(_api_section, markdown)
+    if _RESULTS_MARKER in markdown:
+        markdown = markdown.replace(_RESULTS_MARKER, _results_list(Path(config.docs_dir)))
     if _SYMMETRY_MARKER in markdown:
         import optimizers.symmetry
 
