@@ -27,6 +27,15 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	@echo "site built: open site/index.html in a browser (it needs no network)"
 
+# The five seed-000 strategies on the embedded corpus (Python's own docs): CPU, offline;
+# prints the results table and the paths of the figures (runs/demo/*.png).
+DEMO_STEPS ?= 300
+demo: $(STAMP)
+	$(VENV)/bin/geomuon compare --config demo --data embedded --device cpu \
+	  --strategies unconstrained,all_stiefel,all_dgram,hetero,hetero_inv --seeds 0 \
+	  --steps $(DEMO_STEPS) --batch-size 16 --warmup-steps 20 --eval-every 50 --adamw-lr 3e-3 \
+	  --out-dir runs/demo
+
 # Headless Chromium for the docs' browser test (tests/test_docs.py). Installed with apt-get
 # only where that needs no question (root, or CI with passwordless sudo); elsewhere the
 # test skips and says what to install. A failed install does not stop `make test`: under

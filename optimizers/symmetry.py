@@ -5,8 +5,9 @@ This is the one place that names concrete updates next to :mod:`theory.groups` g
 The equivariance suite (``tests/test_declared_table.py``) runs every row with hypothesis:
 a ``holds`` row must stay within the round-off bound
 :func:`theory.equivariance.roundoff_tolerance` on every example (float64, inputs with
-$\kappa_2 \le 100$), a ``fails`` row must show a relative residual
-$\ge 10^{-2}$ on a counterexample hypothesis finds. The docs render :func:`table_rows`.
+$\kappa_2 \le 100$, or $\le 10$ for maps computed through a Gram matrix), a ``fails``
+row must show a relative residual $\ge 10^{-2}$ on a counterexample hypothesis finds.
+The docs render :func:`table_rows`.
 
 Three kinds of update appear:
 
@@ -49,7 +50,7 @@ from .muon import Muon
 from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
 from .steepest import steepest_direction
 
-__all__ = ["Declaration", "declarations", "table_rows", "EXACT_SOLVER"]
+__all__ = ["Declaration", "declarations", "table_rows", "EXACT_SOLVER", "PE_MAX_SLOPE"]
 
 #: Engine settings of the ``direction`` rows: a fixed number of dual steps (no tolerance
 #: test, no best-iterate selection) so the computation is one fixed composition of
@@ -73,6 +74,7 @@ FAST_RESCALE_SOLVER = dict(EXACT_SOLVER, exact_norm=False)
 #: eigenvalue's factor by 1.5 per step, and round-off leaking into that direction is
 #: amplified by up to $1.5^{25} \approx 2.5\cdot10^4$ before the output is re-centered.
 SINGULAR_GRAM_GROWTH = 1.5**25
+
 
 def _max_slope(schedule, samples: int = 200001) -> float:
     """Largest $|p'|$ of a Newton–Schulz schedule's composed polynomial on normalized

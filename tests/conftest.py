@@ -7,8 +7,13 @@ reproducible and fast) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``, or
 
 import os
 
-import torch
-from hypothesis import HealthCheck, settings
+# Spinning OpenMP workers steal the other core from concurrent processes (DDP tests,
+# subprocess CLI tests); passive waiting costs nothing measurable here. Must be set
+# before torch initializes OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",

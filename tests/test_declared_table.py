@@ -7,8 +7,9 @@ for pure maps that bound itself is at most 1e-9. Every ``fails`` row: hypothesis
 counterexample with residual >= 1e-2, shrinks it and the test re-measures it.
 """
 
+import math
+
 import pytest
-import torch
 from hypothesis import settings
 
 from optimizers.symmetry import declarations, table_rows
@@ -73,5 +74,16 @@ def test_must_fail(declaration):
     )
     residual = subject.residual(case.element, case.example)
     print(f"{declaration.id}: residual {residual:.3f} on the shrunk counterexample\n{case!r}")
-    assert residual >= MUST_FAIL_RESIDUAL
-    assert torch.isfinite(torch.tensor(residual))
+    assert math.isfinite(residual) and residual >= MUST_FAIL_RESIDUAL
+
+
+def test_msign_slope_bound_is_attained_at_zero():
+    # PE_MAX_SLOPE bounds msign's round-off amplification in the tolerances above; the
+    # composed Polar Express polynomial is steepest at 0, where its slope is the product
+    # of the linear coefficients divided by the input scale.
+    from manifolds import POLAR_EXPRESS
+    from optimizers.symmetry import PE_MAX_SLOPE
+
+    at_zero = math.prod(a for a, _, _ in POLAR_EXPRESS.step_coefficients(POLAR_EXPRESS.default_steps))
+    assert PE_MAX_SLOPE == pytest.approx(at_zero / POLAR_EXPRESS.input_scale, rel=1e-12)
+    assert 1e4 < PE_MAX_SLOPE < 1e5

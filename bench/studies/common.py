@@ -488,11 +488,13 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
     ``<out_dir>/<NAME>/results.json`` (every run's record)."""
     figure_dir = out_dir / study.NAME
     figure_dir.mkdir(parents=True, exist_ok=True)
+    identities = {v.name: v.identity() for v in study.variants(size)}
+    # the per-parameter assignment table is the same for every seed: stored once per variant
+    variants = {name: {**identities[name], "assignment": records[0]["assignment"]} for name, records in results.items()}
+    runs = {name: [{k: v for k, v in r.items() if k != "assignment"} for r in records] for name, records in results.items()}
     payload = {"study": study.NAME, "size": size_name, "config": dataclasses.asdict(size), **meta,
-               "variants": {name: [v.identity() for v in study.variants(size) if v.name == name][0]
-                            for name in results},
-               "runs": results}
-    (figure_dir / "results.json").write_text(json.dumps(payload, indent=1, default=str))
+               "variants": variants, "runs": runs}
+    (figure_dir / "results.json").write_text(json.dumps(payload, default=str))
     if size_name == "full":
         status = (f"Measured at the study's full default size (`--size full`): "
                   f"{len(results)} variants × {len(size.seeds)} seeds, {size.steps} steps each.")
@@ -507,7 +509,7 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
         ["date (UTC)", meta["date"]],
         ["wall time", f"{meta['wall_time']:.0f} s ({meta['wall_time'] / 60:.1f} min) for the runs trained now; "
                       f"{meta['cached']} run(s) came from the cache"],
-        ["summed run time", f"{meta['run_time']:.0f} s over {meta['runs']} runs"],
+        ["summed run time", f"{meta['run_time']:.0f} s over {meta['n_runs']} runs"],
         ["machine", meta["machine"]],
         ["processes × threads", f"{meta['jobs']} × {meta['threads']}"],
     ])
@@ -556,7 +558,7 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     meta = {
         "command": command.strip(), "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "runs": len(runs),
+        "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "n_runs": len(runs),
         "cached": cached, "jobs": args.jobs, "threads": args.threads,
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s), "
                    f"torch {_torch_version()}, Python {platform.python_version()}",

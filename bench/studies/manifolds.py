@@ -23,7 +23,6 @@ Frobenius norm on the fixed validation windows.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
