@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 import torch
 
+from manifolds import retraction_dtype
+
 from .base import MatrixOptimizer
 from .steepest import NORMS, steepest_direction
 
@@ -86,7 +88,7 @@ def polish_retraction(manifold, W: torch.Tensor, V: torch.Tensor, *, max_steps: 
 
     if not isinstance(manifold, (Stiefel, DGram)):
         return manifold.retr(W, V)
-    dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
+    dtype = retraction_dtype(W.dtype)
     Y = W.to(dtype) + V.to(dtype)
     wide = Y.size(-2) < Y.size(-1)
     Y = Y.mT if wide else Y
@@ -230,13 +232,9 @@ class ManifoldMuon(MatrixOptimizer):
             self._checked = True
         return super().step(closure)
 
-    @staticmethod
-    def _retraction_dtype(p: torch.Tensor) -> torch.dtype:
-        return torch.float64 if p.dtype == torch.float64 else torch.float32
-
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         shape = self._matrix_shape(group, params[0])
-        dtype = self._retraction_dtype(params[0])
+        dtype = retraction_dtype(params[0].dtype)
         return torch.stack([p.reshape(shape).to(dtype) for p in params])
 
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

@@ -68,6 +68,7 @@ def test_every_role_known_to_every_strategy_is_a_role():
 def test_seed000_strategies_put_weights_on_their_manifold(strategy):
     torch.manual_seed(0)
     model = GPT(get_config("cpu-tiny"))
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     assignment = assign(model, strategy, Hyper())
     expected = {
         "all_stiefel": ("stiefel", "stiefel"),
@@ -88,11 +89,24 @@ def test_seed000_strategies_put_weights_on_their_manifold(strategy):
         assert row.rule.manifold == kind
         ok, reason = manifold_of[kind]._check_point_on_manifold(params[row.name].detach(), atol=1e-5, rtol=1e-5)
         assert ok, f"{row.name} not on {kind}: {reason}"
-    # the DGram points keep distinct column norms (not all 1: it is not Stiefel)
-    if strategy == "all_dgram":
-        W = params["h.0.mlp.c_fc.weight"].detach()
-        assert not Stiefel()._check_point_on_manifold(W, atol=1e-3, rtol=1e-3)[0]
+    # the Gaussian init was off every manifold: the weights were moved (control)
+    assert not torch.equal(params["h.0.mlp.c_fc.weight"], initial["h.0.mlp.c_fc.weight"])
     assert strategy in assignment.table() and "h.0.attn.c_attn.weight" in assignment.table()
+
+
+def test_weights_already_on_their_manifold_are_kept():
+    # A DGram point with distinct column norms (e.g. a trained model) is on DGram: kept.
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny"))
+    assign(model, "all_dgram")
+    with torch.no_grad():
+        for block in model.h:
+            block.mlp.c_fc.weight.mul_(torch.linspace(0.5, 3.0, block.mlp.c_fc.weight.shape[1]))
+    trained = model.h[1].mlp.c_fc.weight.detach().clone()
+    assign(model, "all_dgram")
+    assert torch.equal(model.h[1].mlp.c_fc.weight, trained)
+    assign(model, "all_stiefel")  # not on Stiefel: moved
+    assert not torch.equal(model.h[1].mlp.c_fc.weight, trained)
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))

@@ -24,8 +24,11 @@ def config(out_dir, **overrides):
 def test_killed_run_resumes_with_identical_losses(tmp_path):
     cfg = config(tmp_path / "killed")
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    script = "import sys, torch; torch.set_num_threads(1); from pretrain.train import *; train(TrainConfig(**eval(sys.argv[1])))"
-    proc = subprocess.Popen([sys.executable, "-c", script, repr(fields)], stdout=subprocess.DEVNULL,
+    # same thread count as this process: CPU reductions are bit-reproducible only then
+    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); from pretrain.train import *; "
+              "train(TrainConfig(**eval(sys.argv[1])))")
+    proc = subprocess.Popen([sys.executable, "-c", script, repr(fields), str(torch.get_num_threads())],
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
     ckpt = tmp_path / "killed" / "ckpt.pt"
     deadline = time.time() + 120

@@ -34,7 +34,7 @@ SIZES = {
     "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=120, batch_size=8, eval_every=40,
                  eval_batches=2, final_eval_batches=16, lr=0.08, adamw_lr=1e-2, warmup_steps=10),
     "tiny": Size(model="shakespeare-lipschitz", model_overrides=dict(n_layer=1, n_head=2, n_embd=16, block_size=16),
-                 steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=1, warmup_steps=1),
+                 steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=2, warmup_steps=1),
 }
 W_MAX = (1.0, 2.0, 4.0)
 #: How the full size's learning rates were chosen (quoted on the page).

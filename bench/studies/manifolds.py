@@ -42,7 +42,7 @@ SIZES = {
     "full": Size(model="cpu-small", model_overrides=_MODEL, steps=300, batch_size=16, eval_every=50,
                  eval_batches=2, final_eval_batches=16, lr=0.02, adamw_lr=3e-3, warmup_steps=20),
     "tiny": Size(model="cpu-tiny", model_overrides=dict(n_layer=1, n_head=2, n_embd=16, block_size=16), steps=3,
-                 batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=1, warmup_steps=1),
+                 batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=2, warmup_steps=1),
 }
 #: Column-norm cap of question (a), in raw units: 1 is the norm of a Stiefel column, so a
 #: capped DGram weight has $\sigma_{\max} \le 1$, the spectral bound of Stiefel attention.

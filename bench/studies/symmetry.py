@@ -40,7 +40,7 @@ SIZES = {
                  steps=300, batch_size=16, eval_every=50, eval_batches=2, final_eval_batches=16, lr=0.05,
                  adamw_lr=3e-3, warmup_steps=20),
     "tiny": Size(model="cpu-moe", model_overrides=dict(_MOE, n_layer=1, n_head=2, n_embd=16, block_size=16),
-                 steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=1, warmup_steps=1),
+                 steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=2, warmup_steps=1),
 }
 
 _ADAMW = Rule("adamw")
@@ -107,7 +107,13 @@ def extra_metrics(model, data, eval_cfg, memory) -> dict:
         share = torch.bincount(top.flatten(), minlength=experts).float() / top.numel()
         imbalance[name] = float(experts * share.max())
         members = torch.zeros(top.size(0), experts, dtype=torch.bool).scatter_(1, top, True)
-        churn[name] = float((members != previous[name]).any(-1).float().mean()) if name in previous else math.nan
+        if name in previous:
+            # windows i = 0, 1, ... are the same at every evaluation (VAL_SEED): compare the
+            # tokens both evaluations routed (the final one reads more windows)
+            n = min(len(members), len(previous[name]))
+            churn[name] = float((members[:n] != previous[name][:n]).any(-1).float().mean())
+        else:
+            churn[name] = math.nan
         previous[name] = members
         shift[name] = float(moe.router.weight.detach().mean(0).norm())
     return {"expert_imbalance": imbalance, "routing_churn": churn, "router_shift": shift}
