@@ -1,6 +1,8 @@
 r"""One training loop for one CPU, one GPU and many processes (``torchrun``).
 
-``geomuon pretrain --config demo --strategy hetero --steps 200`` (see ``--help``).
+``geomuon pretrain --config demo --strategy hetero --steps 200`` (see ``--help``);
+on many processes ``torchrun --nproc_per_node 2 -m pretrain.train --config … --strategy …``
+(or ``torchrun --no-python … geomuon pretrain …``).
 
 * **Devices.** CPU runs in fp32. CUDA runs the forward under bf16 autocast (parameters,
   optimizer state and retractions stay fp32) and optionally ``torch.compile``.
@@ -394,7 +396,19 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainR
     progress = _progress(range(start, end), ddp.main and cfg.progress, cfg.strategy)
     t0 = time.perf_counter()
     log = open(log_path, "a") if ddp.main else None
+
+    def run_eval(step: int) -> None:
+        if ddp.main:
+            record = {"kind": "eval", "step": step, "time": time.perf_counter() - t0,
+                      **evaluate(model, data, cfg, block_size, device, autocast),
+                      **weight_metrics(assignment, model)}
+            result.evals.append(record)
+            _write(log, record)
+            result.diverged |= not math.isfinite(record["val_loss"])
+
     try:
+        if start == 0:  # the starting point of every curve
+            run_eval(0)
         for step in progress:
             factor = lr_factor(step, cfg)
             for group in assignment.param_groups:
@@ -428,15 +442,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainR
                 progress.set_postfix(loss=f"{loss_value:.3f}")
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                record = None
-                if ddp.main:
-                    record = {"kind": "eval", "step": done, "time": time.perf_counter() - t0,
-                              **evaluate(model, data, cfg, block_size, device, autocast),
-                              **weight_metrics(assignment, model)}
-                    result.evals.append(record)
-                    _write(log, record)
-                    if not math.isfinite(record["val_loss"]):
-                        result.diverged = True
+                run_eval(done)
             if done % ckpt_every == 0 or done == end:
                 _checkpoint(ckpt_path, model, assignment, cfg, done, result, ddp)
             if result.diverged:

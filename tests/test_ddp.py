@@ -60,5 +60,4 @@ def test_two_processes_match_each_other_bitwise_and_one_process(tmp_path):
         # which differs from the full-batch mean by a few ulps and is carried through 20
         # steps: 1e-5 relative (to the tensor's largest entry) is the fp32 budget.
         scale = reference.abs().max().clamp_min(1e-12)
-        print(name, float((rank0[name] - reference).abs().max() / scale))
         assert ((rank0[name] - reference).abs().max() / scale) < 1e-5, name

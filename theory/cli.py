@@ -25,6 +25,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Declare the verb's arguments on ``parser`` and set :func:`run` as its action."""
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("target", metavar="module:function", help="the update map to check")
     parser.add_argument("--group", required=True, help=f"one of {', '.join(sorted(GROUPS))}")
@@ -65,6 +66,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check ``args.target`` against ``args.group``; return the exit code (0, 1 or 2)."""
     try:
         update = _load(args.target)
         group = get_group(args.group)
