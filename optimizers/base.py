@@ -117,6 +117,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._rebuild_derived_state()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Optimizer.__getstate__ (pickle, copy.deepcopy) keeps only defaults, state and
+        # param_groups; everything else is derived from them and rebuilt here.
+        super().__setstate__(state)
+        self._rebuild_derived_state()
+
+    def _rebuild_derived_state(self) -> None:
+        """Recompute attributes derived from the param groups (subclasses extend it)."""
         self._regulators = [_make_regulator(g.get("regulate"), i) for i, g in enumerate(self.param_groups)]
 
     # ------------------------------------------------------------------ step

@@ -213,9 +213,11 @@ class ManifoldMuon(MatrixOptimizer):
                     f"but its group says {type(group['manifold']).__name__}"
                 )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def _rebuild_derived_state(self) -> None:
+        super()._rebuild_derived_state()
+        # Loaded or copied weights may have left their manifold: check again.
         self._checked = False
+        self.certificates = getattr(self, "certificates", {})
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
         return group["manifold"] if group["manifold"] is not None else p.manifold

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from manifolds.linalg import msign, power_iteration
+from manifolds.linalg import msign
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -74,10 +74,22 @@ class _Settings:
 def _spectral_value(A: torch.Tensor, exact: bool) -> torch.Tensor:
     if exact:
         return torch.linalg.matrix_norm(A, ord=2)
-    # Power iteration from a fixed start: a lower bound, within a few percent after three
-    # steps because a dualized direction has its top singular values clustered near 1
-    # (matrix-vector products are memory-bound: more steps cost as much as a matmul).
-    return power_iteration(A, steps=3)[0]
+    # sigma_max from the eigenvalues of the small Gram matrix (k x k, k = min(m, n)):
+    # as cheap as one Newton-Schulz product, and invariant under O_m x O_n, so the
+    # rescaled direction stays equivariant (a power iteration from a fixed start vector
+    # is not: the start does not rotate with the problem). Computed in at least float32.
+    compute = torch.float64 if A.dtype == torch.float64 else torch.float32
+    Ac = A.to(compute)
+    gram = Ac.mT @ Ac if A.size(-2) >= A.size(-1) else Ac @ Ac.mT
+    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt().to(A.dtype)
+
+
+def _normal_only(tangent: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    r"""Per matrix: $\|P_WG\|_F \le 8\sqrt{\max(m, n)}\,\varepsilon\,\|G\|_F$, i.e. the tangent
+    part of ``G`` is at the round-off level of the projection in ``G``'s dtype."""
+    eps = torch.finfo(G.dtype).eps
+    level = 8.0 * max(G.shape[-2:]) ** 0.5 * eps
+    return tangent.norm(dim=(-2, -1)) <= level * G.norm(dim=(-2, -1))
 
 
 def _nuclear(X: torch.Tensor) -> torch.Tensor:
@@ -398,6 +410,12 @@ def steepest_direction(
         direction = feasible(A)
         primal = primal_value(direction) if certify_ is not None else None
         dual = dual_value(X, A) if certify_ is not None else None
+    if init_ == "projection":
+        # A gradient normal to the manifold up to round-off has no meaningful tangent
+        # part: dualizing the round-off would take a unit step in a noise direction (and
+        # break equivariance). Such matrices get the zero direction instead.
+        normal = _per_matrix(_normal_only(B, G), direction, batch)
+        direction = torch.where(normal, torch.zeros_like(direction), direction)
     ratio = None
     if primal is not None:
         tiny = torch.finfo(out_dtype).tiny

@@ -64,8 +64,8 @@ EXACT_SOLVER = dict(
     exact_norm=True,
 )
 
-#: The same with the engine's cheap feasibility rescaling (3 power-iteration steps from a
-#: fixed start vector), as ``ManifoldMuon`` calls it.
+#: The same with the engine's cheap feasibility rescaling ($\sigma_{\max}$ from the
+#: eigenvalues of the small Gram matrix), as ``ManifoldMuon`` calls it.
 FAST_RESCALE_SOLVER = dict(EXACT_SOLVER, exact_norm=False)
 
 #: Round-off growth of a centered Gram-based map. $\Pi^\perp D$ has the exact null vector
@@ -262,12 +262,10 @@ def declarations() -> list[Declaration]:
                     "Rows of fixed norm are permuted by S_m and rotated by O_n.", _direction(LPRO(radius=1.0)), "tall"),
         Declaration("steepest[LPRO(radius=1)]", "direction", BO, F,
                     "Left rotations change row norms.", _direction(LPRO(radius=1.0)), "tall"),
-        Declaration("steepest[Stiefel], power-iteration rescale", "direction", BO, F,
-                    "Known defect of the cheap setting: the final rescale divides by a 3-step power "
-                    "iteration from a fixed start vector, which is not rotated with the problem "
-                    "(residual = the estimate's error, ~1e-2..1e-1). Use exact_norm=True for "
-                    "equivariance.", _direction(Stiefel(), FAST_RESCALE_SOLVER,
-                                                 "steepest[Stiefel], power-iteration rescale"), "tall"),
+        Declaration("steepest[Stiefel], cheap rescale", "direction", BO, H,
+                    "The cheap feasibility rescale divides by sigma_max from the small Gram matrix's "
+                    "eigenvalues, an O_m × O_n invariant.", _direction(Stiefel(), FAST_RESCALE_SOLVER,
+                                                 "steepest[Stiefel], cheap rescale"), "tall"),
         # --- optimizer steps --------------------------------------------------------
         Declaration("Muon", "step", BO, H,
                     "Nesterov momentum and decoupled weight decay are linear; Newton–Schulz is a matrix "
@@ -303,10 +301,9 @@ def declarations() -> list[Declaration]:
                           "LeftPolarGradM(centered, weight_decay)"), "wide"),
         Declaration("LeftPolarGradM", "step", SHIFT, F, "Uncentered: gradient shifts leak into the update.",
                     _step(lambda p: LeftPolarGradM(p, lr=0.1), "LeftPolarGradM"), "wide"),
-        Declaration("ManifoldMuon[Stiefel]", "step", BO, F,
-                    "Known defect (same cause as the power-iteration rescale row): ManifoldMuon calls the "
-                    "engine with exact_norm=False, whose fixed power-iteration start vector breaks "
-                    "rotation equivariance by ~1e-1. Flip to holds once the rescale is equivariant.",
+        Declaration("ManifoldMuon[Stiefel]", "step", BO, H,
+                    "Momentum is linear, the engine's dual steps, safeguard and Gram-eigenvalue rescale "
+                    "are O_m × O_n-equivariant, and the polar retraction commutes with both rotations.",
                     _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=Stiefel(), compute_dtype=None),
                           "ManifoldMuon[Stiefel]", Stiefel()), "tall"),
     ]

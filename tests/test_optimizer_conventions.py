@@ -234,3 +234,21 @@ def test_group_validation_messages():
         ManifoldMuon([p], manifold=object())
     with pytest.raises(ValueError, match="unknown norm"):
         ManifoldMuon([p], manifold="stiefel", norm="frobenius")
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_deepcopy_keeps_regulators_and_steps_identically(name):
+    # Optimizer.__getstate__ drops subclass attributes; without MatrixOptimizer's
+    # __setstate__ the copy has no regulators and its first step raises. The cap is far
+    # above the weights' norms so that manifold points stay on their manifold.
+    model = _model(name)
+    groups = [{"params": model.matrices(), "regulate": {"name": "hard_cap", "w_max": 100.0}},
+              {"params": [model.bias], "update": "adamw", "lr": 1e-2}]
+    opt = FACTORIES[name](groups)
+    _step(model, opt, seed=0)
+    twin_model, twin_opt = copy.deepcopy((model, opt))
+    for seed in (1, 2):
+        _step(model, opt, seed)
+        _step(twin_model, twin_opt, seed)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
