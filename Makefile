@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.geomuon-installed
 export PIP_CONSTRAINT = $(CURDIR)/constraints.txt
 
-.PHONY: setup test test-thorough docs demo clean browser
+.PHONY: setup test test-slow test-thorough docs demo clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ setup: $(STAMP)
 
 test: $(STAMP) browser
 	$(PY) -m pytest
+
+# GPT-2 small (124M) one step per strategy: ~1 min per strategy on 2 cores.
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest

@@ -191,6 +191,7 @@ class Hyper:
 
 @dataclass
 class Row:
+    """One line of the assignment table: a parameter, its shape, role and the rule it got."""
     name: str
     shape: tuple[int, ...]
     role: str

@@ -116,9 +116,13 @@ def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
     return D / (D.norm(dim=-2, keepdim=True) + eps)
 
 
-def _polar_scaled(D: torch.Tensor, *, right: bool, alpha: float, eps: float | None) -> torch.Tensor:
+def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
     compute = torch.float64 if D.dtype == torch.float64 else torch.float32
     X = D.to(compute)
+    # D f(D^T D) = f(D D^T) D exactly (the eps shift included), so both one-sided maps go
+    # through the smaller Gram matrix: min(m, n)^3 work instead of max(m, n)^3, and no
+    # singular Gram matrix whose round-off the inverse square root would amplify.
+    right = X.size(-2) >= X.size(-1)
     gram = X.mT @ X if right else X @ X.mT
     Z = inv_sqrt_psd(gram, eps=eps)
     polar = X @ Z if right else Z @ X
@@ -136,9 +140,9 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
     Newton–Schulz (:func:`manifolds.linalg.inv_sqrt_psd`), and
     $\|D\|_* = \operatorname{tr}(D^\top D)^{1/2} = \langle D, D(D^\top D)^{-1/2}\rangle$ is read
     off the same product. $\alpha = 0$ gives Muon's direction $\operatorname{msign}(D)$;
-    the reference PolarGrad uses $\alpha = 1$. For full-rank $D$ this equals
-    :func:`left_polar` ($D f(D^\top D) = f(DD^\top) D$); pick the side whose Gram matrix
-    is small (``right`` for tall $D$).
+    the reference PolarGrad uses $\alpha = 1$. Since $D f(D^\top D) = f(DD^\top) D$, this is
+    the same map as :func:`left_polar`; both are computed through the *smaller* Gram
+    matrix ($DD^\top$ for wide $D$).
 
     **Equivariant under** $O_m \times O_n$.
 
@@ -152,14 +156,14 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
         ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
     """
     _check(D, "right_polar")
-    return _polar_scaled(D, right=True, alpha=alpha, eps=eps)
+    return _polar_scaled(D, alpha=alpha, eps=eps)
 
 
 def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None) -> torch.Tensor:
     r"""Left polar update (LeftPolarGradM): $U(D) = \|D\|_*^{\alpha}\,(DD^\top)^{-1/2}D$.
 
-    Same map as :func:`right_polar` for full-rank $D$, computed through the $m\times m$
-    Gram matrix (the small one for wide blocks such as routers ``[experts, features]``).
+    The same map as :func:`right_polar` (the seed-004 name for routers
+    ``[experts, features]``), computed through the smaller Gram matrix.
 
     **Equivariant under** $O_m \times O_n$.
 
@@ -172,7 +176,7 @@ def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None)
         ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
     """
     _check(D, "left_polar")
-    return _polar_scaled(D, right=False, alpha=alpha, eps=eps)
+    return _polar_scaled(D, alpha=alpha, eps=eps)
 
 
 def hybrid(

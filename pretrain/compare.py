@@ -33,6 +33,7 @@ SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "heter
 
 @dataclasses.dataclass
 class RunSummary:
+    """What one (strategy, seed) run of a comparison produced: losses, verdict, wall time."""
     strategy: str
     seed: int
     final_val_loss: float
@@ -77,6 +78,7 @@ def compare(
 
 
 def results_table(summaries: list[RunSummary]) -> str:
+    """Format the comparison as a fixed-width text table, one row per run."""
     header = ("strategy", "seed", "final val loss", "best val loss", "diverged", "wall time")
     rows = [
         (s.strategy, str(s.seed), f"{s.final_val_loss:.4f}", f"{s.best_val_loss:.4f}",
@@ -158,6 +160,7 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``geomuon compare`` parser: the pretrain options plus strategies and seeds."""
     add_train_parser(parser)
     parser.description = "Train several strategies on the same data and schedule; print a table, write plots."
     parser.add_argument("--strategies", default=",".join(SEED_STRATEGIES),
@@ -179,6 +182,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run every (strategy, seed) on the same data and schedule; print the table, write the plots."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     base = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     try:

@@ -99,6 +99,7 @@ def embedded_corpus() -> str:
 
 
 def read_text(path: str, expected_sha256: str | None = None) -> str:
+    """Read a UTF-8 text corpus, checking its sha256 when given; errors name the file."""
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist")
     raw = open(path, "rb").read()

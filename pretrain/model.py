@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """Shape and variant of a GPT: sizes, MLP kind (GELU/SwiGLU/MoE), LayerNorm or Lipschitz, head tying."""
     block_size: int = 1024  # context length
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
     n_layer: int = 12
@@ -106,6 +107,7 @@ def get_config(name: str, **overrides) -> GPTConfig:
 
 
 def config_to_dict(config: GPTConfig) -> dict:
+    """The config as a plain dict (for logs and checkpoints)."""
     return asdict(config)
 
 
@@ -152,6 +154,7 @@ def softmax_jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused QKV projection ``c_attn`` and output ``c_proj``."""
     def __init__(self, config: GPTConfig):
         super().__init__()
         d = config.n_embd
@@ -240,6 +243,7 @@ class SwiGLU(nn.Module):
 
 
 def dense_mlp(config: GPTConfig) -> nn.Module:
+    """The dense MLP the config asks for: SwiGLU or GELU."""
     return SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
 
@@ -280,6 +284,7 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    """One transformer block: attention then MLP, pre-LayerNorm or Lipschitz residuals."""
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.lipschitz = config.lipschitz
@@ -302,6 +307,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The GPT language model (nanoGPT layout): embeddings, blocks, LM head; ``forward(idx, targets)``."""
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

@@ -46,6 +46,7 @@ def load_study(name: str):
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Fill the ``geomuon study`` parser: the study name, then the study's own options."""
     parser.description = ("Rerun one seed study at CPU scale (several seeds) and write its results page: "
                           + ", ".join(STUDY_NAMES))
     parser.add_argument("name", choices=STUDY_NAMES, help="which study")
@@ -56,6 +57,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the named study; returns its exit code (2 when there is no source checkout)."""
     try:
         study = load_study(args.name)
     except ValueError as err:

@@ -53,6 +53,7 @@ from pretrain.model import CONFIGS, GPT, get_config
 
 @dataclass
 class TrainConfig:
+    """Everything a training run depends on; one CLI option per field (``geomuon pretrain --help``)."""
     model: str = "demo"  # a name in pretrain.model.CONFIGS
     strategy: str = "adamw"  # a name in optimizers.assign.STRATEGIES
     data: str = "embedded"  # see pretrain.data.load_data
@@ -115,6 +116,7 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """What a run returns: train losses by step, eval metrics, divergence verdict, wall time, the model."""
     out_dir: str
     losses: dict[int, float] = field(default_factory=dict)  # step → train loss
     evals: list[dict] = field(default_factory=list)
@@ -215,6 +217,7 @@ def save_checkpoint(path: str, payload: dict) -> None:
 
 
 def previous_checkpoint(path: str) -> str:
+    """Path of the checkpoint kept before ``path`` was last overwritten (``ckpt.prev.pt``)."""
     return path[: -len(".pt")] + ".prev.pt" if path.endswith(".pt") else path + ".prev"
 
 
@@ -259,6 +262,7 @@ def weight_metrics(assignment: Assignment, model: torch.nn.Module) -> dict[str, 
 
 @torch.no_grad()
 def evaluate(model: GPT, data: TokenData, cfg: TrainConfig, block_size: int, device, autocast) -> dict:
+    """Validation metrics: loss, accuracy, max activation, attention logits and softmax Jacobian, weight spectra."""
     from pretrain import monitoring
 
     model.eval()
@@ -540,6 +544,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``geomuon pretrain`` with parsed arguments; returns the exit code."""
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     try:
         result = train(cfg)

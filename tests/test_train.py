@@ -92,11 +92,12 @@ def gpt2_small():
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_gpt2_small_one_step_per_strategy(gpt2_small, strategy):
     # The GPU entry point's model on CPU: batch 1, 8 tokens, one forward/backward/step;
-    # dual_steps=0 (the projected direction) keeps Manifold Muon to one msign per matrix.
+    # dual_steps=0 (the projected direction) keeps Manifold Muon to one msign per matrix;
+    # bf16 directions (fp32 retractions) as a GPU run would use them.
     model, initial = gpt2_small
     model.load_state_dict(initial)
     model.zero_grad(set_to_none=True)
-    assignment = assign(model, strategy, Hyper(dual_steps=0))
+    assignment = assign(model, strategy, Hyper(dual_steps=0, compute_dtype=torch.bfloat16))
     idx = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(0))
     _, loss = model(idx, idx)
     loss.backward()

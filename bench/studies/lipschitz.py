@@ -31,8 +31,8 @@ NAME = "lipschitz"
 TITLE = "Enforced Lipschitz bounds (seed 003) at CPU scale"
 
 SIZES = {
-    "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=120, batch_size=8, eval_every=40,
-                 eval_batches=2, final_eval_batches=16, lr=0.08, adamw_lr=1e-2, warmup_steps=10),
+    "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=100, batch_size=8, eval_every=25,
+                 eval_batches=2, final_eval_batches=8, lr=0.08, adamw_lr=1e-2, warmup_steps=10),
     "tiny": Size(model="shakespeare-lipschitz", model_overrides=dict(n_layer=1, n_head=2, n_embd=16, block_size=16),
                  steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=2, warmup_steps=1),
 }
