@@ -71,9 +71,10 @@ def _difference(a, b):
 
 
 def _relative(actual, expected, reference) -> float:
-    """$\\|actual - expected\\| / \\|reference\\|$ over tuples; 0/0 counts as 0."""
+    """$\\|actual - expected\\| / \\|reference\\|$ over tuples (``reference`` may be a norm
+    already); 0/0 counts as 0."""
     diff = _norm(_difference(actual, expected))
-    ref = _norm(reference)
+    ref = reference if isinstance(reference, float) else _norm(reference)
     if diff == 0.0:
         return 0.0
     return diff / ref if ref > 0 else math.inf
@@ -118,7 +119,8 @@ def _clone_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def step_residual(
     optimizer: torch.optim.Optimizer, element: GroupElement, gradients: Sequence
 ) -> float:
-    r"""Largest $\|W'_t - g\cdot W_t\| / \|W_t - W_0\|$ over the steps $t$.
+    r"""Largest $\|W'_t - g\cdot W_t\| / \sum_{s\le t}\|W_s - W_{s-1}\|$ over the steps $t$
+    (the residual relative to the path travelled so far).
 
     ``optimizer`` is left untouched: two deep copies (parameters, state and attributes
     together) are stepped, one from its current parameters $W_0$ with gradients $G_t$, one from
@@ -136,15 +138,20 @@ def step_residual(
     with torch.no_grad():
         for p, q in zip(twin_params, _members(element.act_point(pack(params)))):
             p.copy_(q)
-    start = [p.detach().clone() for p in params]
-    worst = 0.0
+    previous = pack([p.detach().clone() for p in params])
+    travelled, worst = 0.0, 0.0
     for G in gradients:
         for p, q, g, g_twin in zip(params, twin_params, _members(G), _members(element.act(G))):
             p.grad, q.grad = g.clone(), g_twin.clone()
         plain.step()
         twin.step()
-        travelled = _difference(pack([p.detach() for p in params]), pack(start))
-        expected = element.act_point(pack([p.detach() for p in params]))
+        current = pack([p.detach().clone() for p in params])
+        # Path length, not distance from the start: a trajectory can come back to W_0
+        # (a 2x2 rotation and its reverse), where the distance vanishes but the round-off
+        # of the steps taken does not.
+        travelled += _norm(_difference(current, previous))
+        previous = current
+        expected = element.act_point(current)
         worst = max(worst, _relative(pack([q.detach() for q in twin_params]), expected, travelled))
     return worst
 
