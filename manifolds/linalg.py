@@ -30,6 +30,7 @@ __all__ = [
     "nuclear_norm",
     "spectral_norm",
     "sym",
+    "check_matrix",
 ]
 
 
@@ -109,13 +110,15 @@ _SCHEDULES = {s.name: s for s in (KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5
 MSIGN_METHODS = tuple(_SCHEDULES) + ("svd",)
 
 
-def _check_matrix(X: torch.Tensor, what: str) -> None:
+def check_matrix(X, what: str, vector_hint: str = "1-D tensors (biases, gains) have no polar factor") -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``what`` unless ``X`` is a floating
+    ``[..., m, n]`` tensor; ``vector_hint`` tells the caller what to do with a 1-D one."""
     if not isinstance(X, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(X).__name__}")
     if X.dim() < 2:
         raise ValueError(
             f"{what}: expected a matrix or a batch of matrices [..., m, n], got shape "
-            f"{tuple(X.shape)}; 1-D tensors (biases, gains) have no polar factor"
+            f"{tuple(X.shape)}; {vector_hint}"
         )
     if not X.is_floating_point():
         raise TypeError(f"{what}: expected a floating-point tensor, got {X.dtype}")
@@ -165,7 +168,7 @@ def msign(
     Returns:
         ``[..., m, n]`` tensor of ``X.dtype``.
     """
-    _check_matrix(X, "msign")
+    check_matrix(X, "msign")
     out_dtype = X.dtype
     work = X.to(compute_dtype) if compute_dtype is not None else X
     if coefficients is None and method == "svd":
@@ -224,7 +227,7 @@ def inv_sqrt_psd(
     Returns:
         ``[..., k, k]`` in ``A.dtype``; computed in float32, or float64 for float64 input.
     """
-    _check_matrix(A, "inv_sqrt_psd")
+    check_matrix(A, "inv_sqrt_psd")
     if A.size(-1) != A.size(-2):
         raise ValueError(f"inv_sqrt_psd: expected square matrices, got {tuple(A.shape)}")
     out_dtype = A.dtype
@@ -271,7 +274,7 @@ def power_iteration(
     Returns:
         ``(sigma [...], v [..., n])`` in ``X.dtype``; computed in ``X.dtype``.
     """
-    _check_matrix(X, "power_iteration")
+    check_matrix(X, "power_iteration")
     v = _default_start(X) if v0 is None else v0.to(X.dtype)
     tiny = torch.finfo(X.dtype).tiny
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
@@ -284,7 +287,7 @@ def power_iteration(
 
 def spectral_norm(X: torch.Tensor) -> torch.Tensor:
     r"""Exact $\sigma_{\max}(X)$ of each matrix (SVD-based reference), ``[...]``."""
-    _check_matrix(X, "spectral_norm")
+    check_matrix(X, "spectral_norm")
     return torch.linalg.matrix_norm(X, ord=2)
 
 
@@ -297,5 +300,5 @@ def nuclear_norm(X: torch.Tensor, method: str = "polar_express") -> torch.Tensor
     Returns:
         ``[...]`` in ``X.dtype``.
     """
-    _check_matrix(X, "nuclear_norm")
+    check_matrix(X, "nuclear_norm")
     return (X * msign(X, method=method)).sum(dim=(-2, -1))

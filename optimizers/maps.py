@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from manifolds.linalg import inv_sqrt_psd, msign
+from manifolds.linalg import check_matrix, inv_sqrt_psd, msign
 
 __all__ = [
     "UpdateMap",
@@ -40,15 +40,7 @@ ROW_EPS = 1e-8
 
 
 def _check(D: torch.Tensor, what: str) -> None:
-    if not isinstance(D, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(D).__name__}")
-    if D.dim() < 2:
-        raise ValueError(
-            f"{what}: expected [..., m, n], got shape {tuple(D.shape)}; vectors (biases, "
-            "gains) have no matrix update — send them to the AdamW path"
-        )
-    if not D.is_floating_point():
-        raise TypeError(f"{what}: expected a floating-point tensor, got {D.dtype}")
+    check_matrix(D, what, "vectors (biases, gains) have no matrix update — send them to the AdamW path")
 
 
 def spectral(

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
-from manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, power_iteration
+from manifolds.linalg import KELLER_QUINTIC, NSSchedule, check_matrix, msign, power_iteration
 
 __all__ = [
     "Regulator",
@@ -82,15 +82,7 @@ __all__ = [
 
 
 def _check_weight(W: Any, who: str) -> None:
-    if not isinstance(W, torch.Tensor):
-        raise TypeError(f"{who}: expected a torch.Tensor weight, got {type(W).__name__}")
-    if W.dim() < 2:
-        raise ValueError(
-            f"{who}: expected a weight [..., fan_out, fan_in], got shape {tuple(W.shape)}; "
-            "1-D tensors (biases, gains) have no spectral norm: leave them unregulated"
-        )
-    if not W.is_floating_point():
-        raise TypeError(f"{who}: expected a floating-point weight, got {W.dtype}")
+    check_matrix(W, who, "1-D tensors (biases, gains) have no spectral norm: leave them unregulated")
 
 
 def _compute_dtype(W: torch.Tensor) -> torch.dtype:
