@@ -158,3 +158,14 @@ def test_cli_exit_codes_and_table(capsys):
     assert geomuon_cli.main(["check-equivariance", "optimizers.maps:sign", "--group", "bi-orthogonal",
                              "--shape", "5by3"]) == 2
     assert "--shape must look like" in capsys.readouterr().err
+
+
+def test_step_residual_is_relative_to_the_path_not_the_distance_from_the_start():
+    # SGD with gradients G then -G comes back to W_0 up to round-off: measured against the
+    # distance from the start (~1e-17) that round-off looked like an O(1) residual.
+    gen = torch.Generator().manual_seed(3)
+    W = torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=torch.float64))
+    G = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    optimizer = torch.optim.SGD([W], lr=0.1)
+    element = BiOrthogonal().sample((5, 3), gen)
+    assert step_residual(optimizer, element, [G, -G]) < 1e-13

@@ -5,6 +5,8 @@ own kernels run in that dtype). A *certified* ratio is primal / dual with the du
 value an upper bound on the optimum, so a ratio >= 0.97 is a proof of 97% optimality.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -165,3 +167,19 @@ def test_bad_input():
         steepest_direction(Stiefel(), W, G, preset="fastest")
     with pytest.raises(ValueError, match="init"):
         steepest_direction(Stiefel(), W, G, init="random")
+
+
+def test_gradient_normal_to_the_manifold_gives_no_step():
+    # On O(2), a reflection W and a rotation G make W^T G symmetric: P_W G = 0 exactly, and
+    # computed P_W G is round-off. Dualizing that noise would return a unit step in an
+    # arbitrary direction (seen as an equivariance failure of ManifoldMuon); the engine
+    # must return the zero direction instead. A generic G still gets a unit step.
+    a, b = 0.7, 1.9  # angles whose P_W G comes out as round-off (~1e-16), not exact 0
+    W = torch.tensor([[math.cos(a), math.sin(a)], [math.sin(a), -math.cos(a)]], dtype=torch.float64)
+    G = torch.tensor([[math.cos(b), -math.sin(b)], [math.sin(b), math.cos(b)]], dtype=torch.float64)
+    tangent = Stiefel().proju(W, G)
+    assert 0 < tangent.abs().max() < 1e-15
+    assert steepest_direction(Stiefel(), W, G).direction.abs().max() == 0
+    G_generic = torch.tensor([[0.3, -0.9], [0.5, 0.2]], dtype=torch.float64)
+    direction = steepest_direction(Stiefel(), W, G_generic).direction
+    assert torch.linalg.matrix_norm(direction, ord=2) > 0.99
