@@ -183,16 +183,20 @@ def msign(
     if n_steps < 0:
         raise ValueError(f"msign: steps must be >= 0, got {steps}")
 
-    wide = work.size(-2) <= work.size(-1)
-    Y = work if wide else work.mT
+    shape = work.shape
+    wide = shape[-2] <= shape[-1]
+    Y = work.reshape(-1, *shape[-2:])
+    Y = Y if wide else Y.mT
     floor = torch.finfo(Y.dtype).tiny ** 0.5 if eps is None else eps
     norm = Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor)
     Y = Y / (norm * schedule.input_scale)
     for a, b, c in schedule.step_coefficients(n_steps):
+        # Fused products, one kernel each for the whole stack: bS + cS^2, then aY + (.)Y.
+        # This is torch.optim.Muon's form, so a bf16 Muon step rounds exactly as torch's.
         S = Y @ Y.mT
-        Y = a * Y + (b * S + c * (S @ S)) @ Y
+        Y = torch.baddbmm(Y, torch.baddbmm(S, S, S, beta=b, alpha=c), Y, beta=a)
     Y = Y if wide else Y.mT
-    return Y.to(out_dtype)
+    return Y.reshape(shape).to(out_dtype)
 
 
 def _msign_svd(X: torch.Tensor) -> torch.Tensor:
