@@ -186,10 +186,10 @@ def msign(
     shape = work.shape
     wide = shape[-2] <= shape[-1]
     Y = work.reshape(-1, *shape[-2:])
-    Y = Y if wide else Y.mT
     floor = torch.finfo(Y.dtype).tiny ** 0.5 if eps is None else eps
-    norm = Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor)
-    Y = Y / (norm * schedule.input_scale)
+    # Normalize before transposing: elementwise passes over a transposed view are ~10x slower.
+    Y = Y / (Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor) * schedule.input_scale)
+    Y = Y if wide else Y.mT
     for a, b, c in schedule.step_coefficients(n_steps):
         # Fused products, one kernel each for the whole stack: bS + cS^2, then aY + (.)Y.
         # This is torch.optim.Muon's form, so a bf16 Muon step rounds exactly as torch's.

@@ -138,6 +138,18 @@ def test_nonfinite_gradient_skips_that_parameter_and_names_it(name):
         strict.step()
 
 
+def test_gradient_whose_norm_overflows_is_skipped_not_turned_into_a_silent_zero_step():
+    # Finite entries of 1e30: the Frobenius norm that normalizes every update overflows
+    # fp32, so the direction would be G / inf = 0. The step must be refused by name.
+    p = torch.nn.Parameter(torch.eye(4, 3))
+    p.grad = torch.full((4, 3), 1e30)
+    assert torch.isfinite(p.grad).all()
+    opt = Muon([{"params": [("w", p)]}], lr=0.1, compute_dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="overflows.*'w'"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.eye(4, 3)) and p not in opt.state
+
+
 @pytest.mark.parametrize("name", FACTORIES)
 def test_zero_gradient_gives_no_nan(name):
     model = _model(name)
