@@ -9,21 +9,25 @@ Two steps, kept apart so each can be checked on its own:
    ``c_fc``, …, read together with the parent's name) covers foreign models. A weight
    that none of these places is an error, never a silent default; ``roles={name: role}``
    overrides.
-2. :func:`assign` applies a *strategy* — a map from role to :class:`Rule` — and builds
-   the optimizers, one per update family, with one param group per (rule, manifold).
-   Weights assigned a manifold start on it (a random semi-orthogonal point).
+2. :func:`assign` applies a *strategy* — a map from role to :class:`Rule`, given by its
+   name in :data:`STRATEGIES` or as the mapping itself — and builds the optimizers, one
+   per update family, with one param group per (rule, manifold). Weights assigned a
+   manifold start on it (a random semi-orthogonal point).
 
 Strategies (DESIGN §3.6): ``adamw`` (baseline), ``unconstrained`` (Muon on hidden
 matrices), the seed-000 family ``all_stiefel``, ``all_dgram``, ``hetero`` (Stiefel
 attention, DGram MLP), ``hetero_inv``; ``symmetry`` (seed 004: spectral attention,
 hybrid row-aware MLP input, right-polar MLP output, row-norm embedding, centered hybrid
 head, centered left-polar router) and ``lipschitz`` (seed 003: Muon plus the spectral
-soft cap after every step). Everything a strategy does not name goes to AdamW.
+soft cap after every step). Everything a strategy does not name goes to AdamW. A
+strategy of one's own is a ``{role: Rule}`` mapping passed to :func:`assign` directly
+(or registered in :data:`STRATEGIES` to be named on the command line).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -241,10 +245,11 @@ class Assignment:
             opt.load_state_dict(state[name])
 
 
+_MANIFOLD_CLASSES = {"stiefel": "Stiefel", "dgram": "DGram", "centered_router": "CenteredRouterSpace"}
+
+
 def _manifold(name: str):
-    manifolds = importlib.import_module("manifolds")
-    classes = {"stiefel": "Stiefel", "dgram": "DGram", "centered_router": "CenteredRouterSpace"}
-    return getattr(manifolds, classes[name])()
+    return getattr(importlib.import_module("manifolds"), _MANIFOLD_CLASSES[name])()
 
 
 _UPDATE_CLASSES = {
@@ -290,22 +295,76 @@ def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) ->
     return group
 
 
+def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, Rule]]:
+    """``(label, {role: rule})`` of a strategy given by name or as a mapping.
+
+    A mapping is checked (every key a role of :data:`ROLES` other than ``"vector"``, which
+    is always AdamW; every value a :class:`Rule` with a known update and manifold) and
+    labelled by the registered name whose table it equals, else by its rules, e.g.
+    ``custom (attention manifold_muon[stiefel]; mlp_in/mlp_out hybrid)``.
+
+    Raises:
+        ValueError: an unknown strategy name, role, update or manifold.
+        TypeError: ``strategy`` is neither a string nor a mapping, or a value is not a ``Rule``.
+    """
+    if isinstance(strategy, str):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+        return strategy, dict(STRATEGIES[strategy])
+    if not isinstance(strategy, Mapping):
+        raise TypeError("strategy must be a name in STRATEGIES or a {role: Rule} mapping, "
+                        f"got {type(strategy).__name__}")
+    table = dict(strategy)
+    for role, rule in table.items():
+        if role not in ROLES or role == "vector":
+            raise ValueError(f"strategy names role {role!r}; a strategy maps roles of {ROLES[:-1]} "
+                             "(vectors always use AdamW)")
+        if not isinstance(rule, Rule):
+            raise TypeError(f"strategy[{role!r}] is a {type(rule).__name__}; use optimizers.assign.Rule(...)")
+        if rule.update not in ("adamw", *_UPDATE_CLASSES):
+            raise ValueError(f"strategy[{role!r}] has update {rule.update!r}; choose one of "
+                             f"{('adamw', *_UPDATE_CLASSES)}")
+        if rule.manifold is not None and rule.manifold not in _MANIFOLD_CLASSES:
+            raise ValueError(f"strategy[{role!r}] has manifold {rule.manifold!r}; choose one of "
+                             f"{tuple(_MANIFOLD_CLASSES)} or None")
+    return _label(table), table
+
+
+def _label(table: dict[str, Rule]) -> str:
+    explicit = {role: rule for role, rule in table.items() if rule != ADAMW}  # omitted roles are AdamW too
+    for name, known in STRATEGIES.items():
+        if explicit == {role: rule for role, rule in known.items() if rule != ADAMW}:
+            return name
+    roles_of: dict[Rule, list[str]] = {}
+    for role in ROLES:
+        if role in explicit:
+            roles_of.setdefault(explicit[role], []).append(role)
+    families = {"attention": ATTENTION_ROLES, "mlp": MLP_ROLES}
+    parts = []
+    for rule, roles in roles_of.items():
+        for family, members in families.items():
+            if set(members) <= set(roles):
+                roles = [family] + [r for r in roles if r not in members]
+        parts.append(f"{'/'.join(roles)} {rule.describe()}")
+    return f"custom ({'; '.join(parts) or 'adamw'})"
+
+
 def assign(
     model: nn.Module,
-    strategy: str,
+    strategy: str | Mapping[str, Rule],
     hyper: Hyper | None = None,
     roles: dict[str, str] | None = None,
 ) -> Assignment:
     """Classify ``model``'s parameters, apply ``strategy`` and build its optimizers.
 
+    ``strategy`` is a name in :data:`STRATEGIES` or a ``{role: Rule}`` mapping (checked
+    and labelled by :func:`strategy_table`); roles it omits, and vectors, use AdamW.
     Weights given a manifold are re-initialised on it in place (see :func:`_move_onto`;
-    this draws from the global torch RNG). Unknown strategy or role → ``ValueError``
-    naming the valid ones.
+    this draws from the global torch RNG). Unknown strategy, role, update or manifold →
+    ``ValueError`` naming the valid ones.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    label, table = strategy_table(strategy)
     hyper = hyper or Hyper()
-    table = STRATEGIES[strategy]
     role_of = classify(model, roles)
     params = dict(model.named_parameters())
     tied = _tied_names(model)
@@ -324,7 +383,7 @@ def assign(
             _move_onto(group["manifold"], ps)
         by_update.setdefault(rule.update, []).append(group)
     optimizers = {update: _build(update, groups, hyper) for update, groups in by_update.items()}
-    return Assignment(strategy, rows, optimizers)
+    return Assignment(label, rows, optimizers)
 
 
 def _tied_names(model: nn.Module) -> dict[str, str]:

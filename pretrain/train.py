@@ -25,7 +25,13 @@ on many processes ``torchrun --nproc_per_node 2 -m pretrain.train --config … -
 * **Metrics** at each eval (rank 0, unwrapped model, fixed val batches): val loss and
   accuracy, max |activation| per block, max attention logit and mean softmax-Jacobian
   norm per layer, σ_max and column-norm spread per matrix, the Lipschitz bound for the
-  Lipschitz variant. Everything goes to ``<out_dir>/log.jsonl``.
+  Lipschitz variant. Everything goes to ``<out_dir>/log.jsonl``; with ``out_dir=None``
+  the run stays in memory (no log, no checkpoint) and returns everything in
+  :class:`TrainResult`.
+* **Hooks** (:func:`train`'s keywords, for code that calls it): ``build_assignment``
+  builds the optimizers for a strategy of one's own (a ``{role: Rule}`` mapping, an
+  optimizer subclass, an extra regulator…), ``extra_metrics`` adds observables to every
+  evaluation.
 
 A run stops early, flagged ``diverged``, when the training loss or the gradient norm is
 not finite; it never writes a non-finite checkpoint.
@@ -34,12 +40,14 @@ not finite; it never writes a non-finite checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -48,16 +56,19 @@ import torch.distributed as dist
 from manifolds.linalg import power_iteration
 from optimizers.assign import ATTENTION_ROLES, MLP_ROLES, STRATEGIES, Assignment, Hyper, assign
 from pretrain.data import TokenData, load_data
-from pretrain.model import CONFIGS, GPT, get_config
+from pretrain.model import CONFIGS, GPT, GPTConfig, get_config
+
+#: TrainConfig fields that set a GPTConfig field through their own option.
+_MODEL_OPTIONS = ("block_size", "n_layer", "n_head", "n_embd")
 
 
 @dataclass
 class TrainConfig:
     """Everything a training run depends on; one CLI option per field (``geomuon pretrain --help``)."""
     model: str = "demo"  # a name in pretrain.model.CONFIGS
-    strategy: str = "adamw"  # a name in optimizers.assign.STRATEGIES
+    strategy: str = "adamw"  # a name in optimizers.assign.STRATEGIES (with a build_assignment hook: the run's label)
     data: str = "embedded"  # see pretrain.data.load_data
-    out_dir: str = "runs/pretrain"
+    out_dir: str | None = "runs/pretrain"  # None: in memory only (no log, no checkpoints)
     steps: int = 200  # length of the schedule
     stop_after: int | None = None  # stop at this step (resume later) without changing the schedule
     batch_size: int = 16  # global batch, in sequences
@@ -65,6 +76,7 @@ class TrainConfig:
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
+    model_overrides: dict = field(default_factory=dict)  # other GPTConfig fields, e.g. {"tie_weights": false} (JSON)
     lr: float = 0.02  # matrix updates
     adamw_lr: float = 6e-4
     weight_decay: float = 0.1
@@ -76,6 +88,8 @@ class TrainConfig:
     w_max: float = 2.0
     eval_every: int = 50
     eval_batches: int = 4
+    final_eval_batches: int | None = None  # batches of the evaluation at the last step (None: eval_batches)
+    val_seed: int | None = None  # seed of the validation windows (None: the run's seed)
     log_every: int = 1
     ckpt_every: int = 0  # 0: checkpoint at each eval and at the end
     seed: int = 0
@@ -83,18 +97,34 @@ class TrainConfig:
     compile: bool = False
     resume: bool = False
     progress: bool = True
-    print_table: bool = True
+    print_table: bool = True  # print the model summary and the assignment table before training
 
-    def validate(self) -> None:
-        """Everything that can be checked without touching data: fail before training."""
+    def validate(self, named_strategy: bool = True) -> None:
+        """Everything that can be checked without touching data: fail before training.
+        ``named_strategy=False`` (a run whose optimizers a ``build_assignment`` hook
+        builds) accepts any ``strategy`` label."""
         problems = []
         if self.model not in CONFIGS:
             problems.append(f"--config {self.model!r} is unknown; choose one of {sorted(CONFIGS)}")
-        if self.strategy not in STRATEGIES:
+        if named_strategy and self.strategy not in STRATEGIES:
             problems.append(f"--strategy {self.strategy!r} is unknown; choose one of {sorted(STRATEGIES)}")
         for name in ("steps", "batch_size", "eval_batches", "log_every"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be ≥ 1 (got {getattr(self, name)})")
+        if self.final_eval_batches is not None and self.final_eval_batches < 1:
+            problems.append(f"--final-eval-batches must be ≥ 1 (got {self.final_eval_batches})")
+        if not isinstance(self.model_overrides, dict):
+            problems.append(f"--model-overrides must be a JSON object (got {self.model_overrides!r})")
+        else:
+            known = {f.name for f in fields(GPTConfig)}
+            for key in self.model_overrides:
+                if key not in known:
+                    problems.append(f"--model-overrides names {key!r}, not a GPTConfig field; "
+                                    f"choose from {sorted(known)}")
+                elif key in _MODEL_OPTIONS and getattr(self, key) is not None:
+                    problems.append(f"{key} is set by both --{key.replace('_', '-')} and --model-overrides; keep one")
+        if self.out_dir is None and self.resume:
+            problems.append("--resume needs an --out-dir holding the checkpoint (out_dir is None)")
         if not 0 <= self.warmup_steps < self.steps:
             problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps})")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -116,14 +146,16 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What a run returns: train losses by step, eval metrics, divergence verdict, wall time, the model."""
-    out_dir: str
+    """What a run returns: train losses by step, eval metrics, divergence verdict, wall time,
+    the model and its optimizers."""
+    out_dir: str | None
     losses: dict[int, float] = field(default_factory=dict)  # step → train loss
     evals: list[dict] = field(default_factory=list)
     diverged: bool = False
     wall_time: float = 0.0
     last_step: int = 0
     model: GPT | None = None  # the trained model (unwrapped), on its device
+    assignment: Assignment | None = None  # its optimizers (per-parameter table: .table())
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -260,9 +292,32 @@ def weight_metrics(assignment: Assignment, model: torch.nn.Module) -> dict[str, 
     return {"sigma_max": sigma, "column_spread": spread}
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation's validation windows: batches ``0 … batches-1`` of
+    :meth:`pretrain.data.TokenData.batch` on the ``"val"`` split with ``seed`` (the same
+    windows at every evaluation of a run). :func:`evaluate` scores them; the
+    ``extra_metrics`` hook of :func:`train` receives this object to read them too."""
+
+    step: int
+    data: TokenData
+    batches: int
+    batch_size: int
+    block_size: int
+    seed: int
+    device: torch.device
+
+    def windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(x, y)`` token batches ``[batch_size, block_size]`` (int64) on ``device``."""
+        for i in range(self.batches):
+            x, y = self.data.batch("val", self.batch_size, self.block_size, self.seed, i)
+            yield x.to(self.device), y.to(self.device)
+
+
 @torch.no_grad()
-def evaluate(model: GPT, data: TokenData, cfg: TrainConfig, block_size: int, device, autocast) -> dict:
-    """Validation metrics: loss, accuracy, max activation, attention logits and softmax Jacobian, weight spectra."""
+def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext) -> dict:
+    """Validation metrics on ``evaluation``'s windows: loss, accuracy, max activation,
+    attention logits and softmax Jacobian (and the certified bound of a Lipschitz model)."""
     from pretrain import monitoring
 
     model.eval()
@@ -270,9 +325,7 @@ def evaluate(model: GPT, data: TokenData, cfg: TrainConfig, block_size: int, dev
     activation: dict[str, float] = {}
     blocks = {f"h.{i}": block for i, block in enumerate(model.h)}
     with model.observe() as attention, monitoring.ActivationMonitor(model, blocks) as monitor:
-        for i in range(cfg.eval_batches):
-            x, y = data.batch("val", cfg.batch_size, block_size, cfg.seed, i)
-            x, y = x.to(device), y.to(device)
+        for x, y in evaluation.windows():
             with autocast():
                 logits, loss = model(x, y)
             total_loss += loss.item() * y.numel()
@@ -307,16 +360,20 @@ def _device(cfg: TrainConfig, ddp: Distributed) -> torch.device:
     return torch.device("cuda", ddp.local_rank)
 
 
-def build(cfg: TrainConfig, data: TokenData, device: torch.device) -> tuple[GPT, Assignment]:
-    """The model (seeded init, same on every rank) and its optimizers."""
+AssignmentFactory = Callable[[GPT, Hyper], Assignment]
+ExtraMetrics = Callable[[GPT, Evaluation], dict]
+
+
+def build(cfg: TrainConfig, data: TokenData, device: torch.device,
+          build_assignment: AssignmentFactory | None = None) -> tuple[GPT, Assignment]:
+    """The model (seeded init, same on every rank) and its optimizers:
+    ``build_assignment(model, hyper)`` when given, else ``assign(model, cfg.strategy, hyper)``."""
     char_level = data.itos is not None
+    options = {name: getattr(cfg, name) for name in _MODEL_OPTIONS}
     model_cfg = get_config(
         cfg.model,
-        vocab_size=data.vocab_size if char_level else None,
-        block_size=cfg.block_size,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
+        **{**cfg.model_overrides, **{k: v for k, v in options.items() if v is not None}},
+        **({"vocab_size": data.vocab_size} if char_level else {}),
     )
     if data.vocab_size > model_cfg.vocab_size:
         raise ValueError(
@@ -335,35 +392,64 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device) -> tuple[GPT,
         compute_dtype=direction,
         w_max=cfg.w_max,
     )
-    return model, assign(model, cfg.strategy, hyper)
+    if build_assignment is None:
+        return model, assign(model, cfg.strategy, hyper)
+    assignment = build_assignment(model, hyper)
+    if not isinstance(assignment, Assignment):
+        raise TypeError(f"build_assignment returned a {type(assignment).__name__}; it must return an "
+                        "optimizers.assign.Assignment (e.g. from optimizers.assign.assign)")
+    return model, assignment
 
 
-def train(cfg: TrainConfig, data: TokenData | None = None) -> TrainResult:
-    """Run (or resume) one training run; returns the losses, evals and verdict."""
-    cfg.validate()
+def train(cfg: TrainConfig, data: TokenData | None = None, *,
+          build_assignment: AssignmentFactory | None = None,
+          extra_metrics: ExtraMetrics | None = None) -> TrainResult:
+    """Run (or resume) one training run; returns the losses, evals and verdict.
+
+    Args:
+        cfg: the run (``cfg.validate()`` is called first).
+        data: the token data (default: ``load_data(cfg.data)``).
+        build_assignment: ``f(model, hyper) -> Assignment`` building the optimizers of the
+            freshly initialised ``model`` from the :class:`optimizers.assign.Hyper` made of
+            ``cfg`` — e.g. ``lambda model, hyper: assign(model, {role: Rule(...)}, hyper)``
+            for a strategy of one's own, or a function that then swaps an optimizer or adds
+            a regulator to a group. Default ``assign(model, cfg.strategy, hyper)``; with a
+            hook ``cfg.strategy`` is only the run's label (progress bar, checkpoint). It
+            runs on every rank and must build the same assignment each time (a resumed
+            run loads its optimizer state into it).
+        extra_metrics: ``f(model, evaluation) -> dict`` called at every evaluation (rank
+            0, the unwrapped model, in training mode) after the built-in metrics; its
+            keys are added to the evaluation's record (and log line: keep the values
+            JSON-able). ``evaluation`` is the :class:`Evaluation` being scored
+            (``evaluation.windows()`` yields its batches).
+    """
+    cfg.validate(named_strategy=build_assignment is None)
     ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     try:
-        return _train(cfg, data, ddp)
+        return _train(cfg, data, ddp, build_assignment, extra_metrics)
     finally:
         ddp.close()
 
 
-def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainResult:
+def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed,
+           build_assignment: AssignmentFactory | None, extra_metrics: ExtraMetrics | None) -> TrainResult:
     if cfg.batch_size % ddp.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the {ddp.world} processes")
     device = _device(cfg, ddp)
     data = data or load_data(cfg.data)
-    model, assignment = build(cfg, data, device)
+    model, assignment = build(cfg, data, device, build_assignment)
     block_size = model.config.block_size
     say = print if ddp.main else (lambda *a, **k: None)
-    say(f"model {cfg.model}: {model.num_params():,} parameters; data {data.source}: "
-        f"{len(data.train):,} train / {len(data.val):,} val tokens, vocab {data.vocab_size}")
     if cfg.print_table:
+        say(f"model {cfg.model}: {model.num_params():,} parameters; data {data.source}: "
+            f"{len(data.train):,} train / {len(data.val):,} val tokens, vocab {data.vocab_size}")
         say(assignment.table())
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    log_path = os.path.join(cfg.out_dir, "log.jsonl")
+    on_disk = cfg.out_dir is not None
+    if on_disk:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+        log_path = os.path.join(cfg.out_dir, "log.jsonl")
     result = TrainResult(cfg.out_dir)
     start = 0
     if cfg.resume:
@@ -375,7 +461,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainR
         result.losses = {int(k): v for k, v in payload["losses"].items()}
         result.evals = payload["evals"]
         say(f"resumed from {ckpt_path} at step {start}")
-    if ddp.main:
+    if ddp.main and on_disk:
         _rewrite_log(log_path, start, result)
 
     params = [p for group in assignment.param_groups for p in group["params"]]
@@ -399,13 +485,18 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainR
     local = slice(ddp.rank * cfg.batch_size // ddp.world, (ddp.rank + 1) * cfg.batch_size // ddp.world)
     progress = _progress(range(start, end), ddp.main and cfg.progress, cfg.strategy)
     t0 = time.perf_counter()
-    log = open(log_path, "a") if ddp.main else None
+    log = open(log_path, "a") if ddp.main and on_disk else None
+    val_seed = cfg.seed if cfg.val_seed is None else cfg.val_seed
 
     def run_eval(step: int) -> None:
         if ddp.main:
+            final = step == cfg.steps and cfg.final_eval_batches is not None
+            batches = cfg.final_eval_batches if final else cfg.eval_batches
+            evaluation = Evaluation(step, data, batches, cfg.batch_size, block_size, val_seed, device)
             record = {"kind": "eval", "step": step, "time": time.perf_counter() - t0,
-                      **evaluate(model, data, cfg, block_size, device, autocast),
-                      **weight_metrics(assignment, model)}
+                      **evaluate(model, evaluation, autocast), **weight_metrics(assignment, model)}
+            if extra_metrics is not None:
+                record.update(extra_metrics(model, evaluation))
             result.evals.append(record)
             _write(log, record)
             result.diverged |= not math.isfinite(record["val_loss"])
@@ -447,7 +538,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainR
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 run_eval(done)
-            if done % ckpt_every == 0 or done == end:
+            if on_disk and (done % ckpt_every == 0 or done == end):
                 _checkpoint(ckpt_path, model, assignment, cfg, done, result, ddp)
             if result.diverged:
                 break
@@ -456,6 +547,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TrainR
             log.close()
     result.wall_time = time.perf_counter() - t0
     result.model = model
+    result.assignment = assignment
     return result
 
 
@@ -494,11 +586,14 @@ def _rewrite_log(path: str, start: int, result: TrainResult) -> None:
 
 
 _RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "block_size", "n_layer", "n_head",
-                 "n_embd", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio", "seed")
+                 "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio",
+                 "seed")
 
 
 def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
-    changed = [f"{k}: {saved.get(k)!r} → {getattr(cfg, k)!r}" for k in _RUN_IDENTITY if saved.get(k) != getattr(cfg, k)]
+    # a checkpoint written before a field existed ran with that field's default
+    saved = {**asdict(TrainConfig()), **saved}
+    changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in _RUN_IDENTITY if saved[k] != getattr(cfg, k)]
     if changed:
         raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
                          + "); use the original settings or a new --out-dir")
@@ -538,9 +633,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]] if isinstance(f.type, str) else f.type
+            kind = {"int": int, "float": float, "str": str, "dict": json_object}[f.type.split(" ")[0]]
             parser.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default: {default}")
     parser.set_defaults(func=run)
+
+
+def json_object(text: str) -> dict:
+    """A command-line JSON object (``--model-overrides '{"tie_weights": false}'``)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

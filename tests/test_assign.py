@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from manifolds import DGram, Stiefel
-from optimizers.assign import ROLES, STRATEGIES, Hyper, assign, classify
+from optimizers.assign import ATTENTION_ROLES, ROLES, STRATEGIES, Hyper, Rule, assign, classify
 from pretrain.model import GPT, get_config
 
 
@@ -57,6 +57,47 @@ def test_foreign_model_needs_overrides_for_unknown_matrices():
 def test_unknown_strategy_is_rejected():
     with pytest.raises(ValueError, match="unknown strategy 'stiefel'.*all_stiefel"):
         assign(GPT(get_config("cpu-tiny")), "stiefel")
+
+
+def test_mapping_strategy_is_applied_like_a_named_one():
+    """A ``{role: Rule}`` mapping builds exactly what the same table does under its name
+    (same rows, same starting points), is labelled by that name, and registers nothing."""
+    registered = dict(STRATEGIES)
+    built = {}
+    for strategy in ("hetero", dict(STRATEGIES["hetero"])):
+        torch.manual_seed(0)
+        model = GPT(get_config("cpu-tiny"))
+        assignment = assign(model, strategy)
+        built[isinstance(strategy, dict)] = (assignment, {n: p.detach().clone() for n, p in model.named_parameters()})
+    (named, named_params), (mapped, mapped_params) = built[False], built[True]
+    assert mapped.strategy == "hetero" and mapped.table() == named.table()
+    assert all(torch.equal(named_params[n], mapped_params[n]) for n in named_params)
+    assert STRATEGIES == registered  # assign never writes into the registry
+
+
+def test_mapping_strategy_leaves_omitted_roles_to_adamw_and_gets_a_readable_label():
+    stiefel = Rule("manifold_muon", "stiefel")
+    strategy = {**{role: stiefel for role in ATTENTION_ROLES}, "mlp_in": Rule("hybrid")}
+    assignment = assign(GPT(get_config("cpu-tiny")), strategy)
+    assert assignment.strategy == "custom (attention manifold_muon[stiefel]; mlp_in hybrid)"
+    updates = {row.role: row.rule for row in assignment.rows}
+    assert updates["attn_qkv"] == stiefel and updates["mlp_in"] == Rule("hybrid")
+    assert updates["mlp_out"].update == "adamw" and updates["embedding"].update == "adamw"
+    assert set(assignment.optimizers) == {"manifold_muon", "hybrid", "adamw"}
+    assert assignment.table().startswith("strategy: custom (attention")
+
+
+@pytest.mark.parametrize("strategy, error, match", [
+    ({"attention": Rule("muon")}, ValueError, r"role 'attention'"),
+    ({"vector": Rule("muon")}, ValueError, r"role 'vector'.*vectors always use AdamW"),
+    ({"attn_q": "muon"}, TypeError, r"strategy\['attn_q'\] is a str; use optimizers.assign.Rule"),
+    ({"attn_q": Rule("sgd")}, ValueError, r"update 'sgd'; choose one of .*'muon'"),
+    ({"attn_q": Rule("manifold_muon", "sphere")}, ValueError, r"manifold 'sphere'; choose one of .*'stiefel'"),
+    (["attn_q"], TypeError, r"strategy must be a name in STRATEGIES or a \{role: Rule\} mapping, got list"),
+])
+def test_bad_mapping_strategies_are_rejected(strategy, error, match):
+    with pytest.raises(error, match=match):
+        assign(GPT(get_config("cpu-tiny")), strategy)
 
 
 def test_every_role_known_to_every_strategy_is_a_role():

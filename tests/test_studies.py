@@ -10,6 +10,7 @@ the studies' numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -22,7 +23,10 @@ from bench.studies import common
 from bench.studies import lipschitz as lipschitz_study
 from bench.studies import manifolds as manifolds_study
 from bench.studies import symmetry as symmetry_study
+from optimizers.assign import STRATEGIES, Hyper
+from pretrain.model import GPT, get_config
 
+REGISTERED_STRATEGIES = frozenset(STRATEGIES)
 DATA = common.DEFAULT_DATA
 needs_data = pytest.mark.skipif(not DATA.is_file(), reason=f"tiny Shakespeare not at {DATA}")
 
@@ -113,6 +117,44 @@ def test_cli_dispatch_reuses_cached_runs(run_once, tmp_path, capsys):
     runs = len(study.variants(study.SIZES["tiny"])) * len(SEEDS)
     assert f"{runs} cached, 0 to train" in capsys.readouterr().out
     assert (tmp_path / f"{study.NAME}.md").read_text().count("| `") >= len(study.variants(study.SIZES["tiny"]))
+
+
+@needs_data
+def test_mapping_variants_register_nothing_and_keep_their_table(run_once):
+    """Variants with a ``{role: Rule}`` strategy go to ``assign`` as mappings: the registry is
+    left as it was, and the stored assignment table shows the variant's own rules."""
+    study, tmp_path, code = run_once(symmetry_study)
+    assert code == 0
+    assert frozenset(STRATEGIES) == REGISTERED_STRATEGIES
+    variants = json.loads((tmp_path / "results" / study.NAME / "results.json").read_text())["variants"]
+    table = variants["router AdamW"]["assignment"]
+    assert table.startswith("strategy: custom (") and "router" not in table.splitlines()[0]
+    assert re.search(r"h\.0\.mlp\.router\.weight .* router +adamw$", table, re.MULTILINE)
+    assert re.search(r"h\.0\.mlp\.router\.weight .* router +centered left_polar$",
+                     variants["symmetry"]["assignment"], re.MULTILINE)
+
+
+def test_variant_hooks_build_what_the_variant_says():
+    """The ``build_assignment`` hook of a variant applies its hyperparameter overrides and its
+    ``customize``; the run config scores the fixed validation windows, in memory."""
+    tiny = lipschitz_study.SIZES["tiny"]
+    capped = {v.name: v for v in lipschitz_study.variants(tiny)}["muon+softcap w_max=1"]
+    model = GPT(get_config("cpu-lipschitz"))
+    assignment = common.assignment_factory(capped)(model, Hyper(w_max=2.0))
+    caps = {group["regulate"].w_max for group in assignment.param_groups if group.get("regulate")}
+    assert caps == {1.0}  # the variant's w_max, not the size's 2.0
+
+    reference = {v.name: v for v in manifolds_study.variants(tiny)}["hetero_inv+reference"]
+    built = common.assignment_factory(reference)(GPT(get_config("cpu-tiny")), Hyper())
+    assert isinstance(built.optimizers["manifold_muon_reference"], manifolds_study.ReferenceManifoldMuon)
+    plain = common.assignment_factory(dataclasses.replace(reference, customize=None))(GPT(get_config("cpu-tiny")),
+                                                                                     Hyper())
+    assert "manifold_muon_reference" not in plain.optimizers  # control: the customize made the difference
+
+    cfg = common.train_config(tiny, capped, seed=3)
+    assert (cfg.val_seed, cfg.seed, cfg.out_dir) == (common.VAL_SEED, 3, None)
+    assert (cfg.eval_batches, cfg.final_eval_batches, cfg.eval_every) == (
+        tiny.eval_batches, tiny.final_eval_batches, tiny.eval_every)
 
 
 def test_bad_arguments_are_reported(tmp_path, capsys):

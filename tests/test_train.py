@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from geomuon_cli import main as cli
-from optimizers.assign import STRATEGIES, Hyper, assign
+from optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, assign
+from pretrain.data import load_data
 from pretrain.model import GPT, get_config
-from pretrain.train import TrainConfig, lr_factor, owners, train
+from pretrain.train import TrainConfig, _check_same_run, lr_factor, owners, train
 
 
 def tiny(tmp_path, **overrides):
@@ -76,6 +77,88 @@ def test_cli_reports_bad_config_and_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0 and "done: 4 steps" in printed and "parameter" in printed  # the assignment table
     assert os.path.isfile(os.path.join(out, "ckpt.pt"))
+
+
+def test_build_assignment_hook_builds_the_optimizers_in_memory(tmp_path, monkeypatch):
+    """A mapping strategy through the hook: it gets the Hyper made of the config, its
+    assignment is the one trained (Stiefel attention keeps σ_max = 1; AdamW attention,
+    the control, does not), and ``out_dir=None`` writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def stiefel_attention(model, hyper):
+        seen.append(hyper)
+        return assign(model, {role: Rule("manifold_muon", "stiefel") for role in ATTENTION_ROLES}, hyper)
+
+    cfg = tiny(tmp_path, strategy="my stiefel attention", out_dir=None, lr=0.03, w_max=3.0)
+    result = train(cfg, build_assignment=stiefel_attention)
+    assert [(h.lr, h.adamw_lr, h.w_max) for h in seen] == [(0.03, 3e-3, 3.0)]
+    assert result.assignment.strategy == "custom (attention manifold_muon[stiefel])"
+    assert result.last_step == 12 and not result.diverged
+    sigma = result.evals[-1]["sigma_max"]["h.0.attn.c_attn.weight"]
+    assert sigma == pytest.approx(1.0, abs=1e-4)  # fp32 retraction, 30 power steps on σ = 1 exactly
+    control = train(tiny(tmp_path, strategy="adamw", out_dir=None))
+    assert control.evals[-1]["sigma_max"]["h.0.attn.c_attn.weight"] != pytest.approx(1.0, abs=1e-2)
+    assert list(tmp_path.iterdir()) == []  # no run directory, log or checkpoint
+    with pytest.raises(TypeError, match="build_assignment returned a dict"):
+        train(cfg, build_assignment=lambda model, hyper: {})
+
+
+def test_extra_metrics_hook_sees_the_evaluated_windows(tmp_path):
+    """The hook runs at every evaluation on the windows ``evaluate`` scores: its own loss on
+    ``evaluation.windows()`` equals the recorded val loss; ``val_seed`` picks the windows
+    and ``final_eval_batches`` enlarges the last evaluation."""
+    data = load_data("embedded")
+    calls = []
+
+    def own_loss(model, evaluation):
+        losses = [model(x, y)[1].item() for x, y in evaluation.windows()]
+        calls.append((evaluation.step, evaluation.batches, evaluation.seed))
+        return {"own_val_loss": sum(losses) / len(losses)}
+
+    cfg = tiny(tmp_path, out_dir=None, val_seed=7, final_eval_batches=3)
+    result = train(cfg, data, extra_metrics=own_loss)
+    assert calls == [(0, 1, 7), (6, 1, 7), (12, 3, 7)]
+    for record in result.evals:  # same fp32 forward on the same windows; only the sum order differs
+        assert record["own_val_loss"] == pytest.approx(record["val_loss"], rel=1e-6)
+    # the validation seed decides the windows: the same initial model scores differently
+    other = train(tiny(tmp_path, out_dir=None, steps=2, warmup_steps=1, eval_every=2), data)
+    assert other.evals[0]["val_loss"] != pytest.approx(result.evals[0]["val_loss"], rel=1e-4)
+
+
+def test_model_overrides_reach_the_model_and_are_checked(tmp_path):
+    result = train(tiny(tmp_path, out_dir=None, steps=2, warmup_steps=1, eval_every=2,
+                        model_overrides={"tie_weights": False, "mlp": "swiglu"}))
+    assert result.model.config.tie_weights is False and result.model.config.mlp == "swiglu"
+    assert "lm_head.weight" in dict(result.model.named_parameters())  # untied: its own matrix
+    with pytest.raises(ValueError, match=r"--model-overrides names 'depth', not a GPTConfig field"):
+        train(tiny(tmp_path, model_overrides={"depth": 3}))
+    with pytest.raises(ValueError, match=r"block_size is set by both --block-size and --model-overrides"):
+        train(tiny(tmp_path, model_overrides={"block_size": 16}))
+    with pytest.raises(ValueError, match=r"--resume needs an --out-dir"):
+        train(tiny(tmp_path, out_dir=None, resume=True))
+    with pytest.raises(ValueError, match=r"--final-eval-batches must be ≥ 1"):
+        train(tiny(tmp_path, final_eval_batches=0))
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_reads_model_overrides_as_json(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    args = ["pretrain", "--config", "cpu-tiny", "--steps", "2", "--batch-size", "2", "--block-size", "16",
+            "--eval-every", "2", "--eval-batches", "1", "--warmup-steps", "1", "--out-dir", out, "--no-progress"]
+    assert cli([*args, "--model-overrides", '{"tie_weights": false}']) == 0
+    assert "lm_head.weight" in capsys.readouterr().out  # the untied head in the assignment table
+    with pytest.raises(SystemExit):
+        cli([*args, "--model-overrides", "[1, 2]"])
+    assert "--model-overrides" in capsys.readouterr().err
+
+
+def test_resume_identity_includes_model_overrides(tmp_path):
+    cfg = tiny(tmp_path)
+    saved = {k: v for k, v in vars(cfg).items() if k != "model_overrides"}
+    _check_same_run(saved, cfg)  # a checkpoint from before the field: its default, the same run
+    with pytest.raises(ValueError, match=r"model_overrides: \{'mlp': 'swiglu'\} → \{\}"):
+        _check_same_run({**saved, "model_overrides": {"mlp": "swiglu"}}, cfg)
 
 
 @pytest.fixture(scope="module")

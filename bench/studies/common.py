@@ -5,18 +5,15 @@ A study module (``bench/studies/<name>.py``) defines
 
 * ``NAME``, ``TITLE`` and ``SIZES = {"full": {...}, "tiny": {...}}`` (see :class:`Size`);
 * ``variants(size) -> list[Variant]`` — what is compared, each trained for every seed;
-* ``extra_metrics(model, data, eval_cfg, memory) -> dict`` — study-specific observables
-  added to every evaluation (``memory`` is a per-run dict kept across evaluations);
+* ``extra_metrics(model, evaluation, memory) -> dict`` — study-specific observables
+  added to every evaluation (``evaluation`` is the :class:`pretrain.train.Evaluation`
+  being scored, ``memory`` a per-run dict kept across evaluations);
 * ``report(results, size, meta, figure_dir) -> str`` — the page body from the measured runs.
 
-Why a training loop here instead of :func:`pretrain.train.train`: ``train`` builds its
-optimizers from a strategy *name*, while the studies also need optimizers built by
-composition (a :class:`optimizers.ManifoldMuon` subclass with the seed code's solver, a
-regulator added to one param group). So each run builds its assignment with
-:func:`optimizers.assign.assign` and then lets the variant adjust it; the loop itself uses
-the training stack's own pieces (:func:`pretrain.train.lr_factor`,
-:func:`pretrain.train.evaluate`, :func:`pretrain.train.weight_metrics`,
-:func:`pretrain.compare.verdict`), and every variant of a study goes through the same loop.
+Every run is one :func:`pretrain.train.train` call, in memory (no log, no checkpoint):
+the variant's strategy and ``customize`` go through its ``build_assignment`` hook, the
+study's observables through its ``extra_metrics`` hook, and every evaluation scores the
+same validation windows (:data:`VAL_SEED`), the last one on more of them.
 
 Runs are independent processes (``--jobs``, one torch thread each by default: these
 models are too small for two threads to beat two processes), and each run's record is
@@ -27,7 +24,6 @@ interrupted study resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -53,7 +49,7 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 #: Seed of the validation windows: every run of a study is scored on the same text.
 VAL_SEED = 1234
 #: Bump when the loop or a metric changes meaning, so cached runs are not reused.
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- data
@@ -93,9 +89,9 @@ class Variant:
     Attributes:
         name: short identifier (file names, table rows).
         label: what it is, for the page.
-        strategy: a name in :data:`optimizers.assign.STRATEGIES`, or a ``{role: Rule}``
-            table, registered there under ``"study:" + name`` (roles it omits use AdamW,
-            as for every strategy).
+        strategy: a name in :data:`optimizers.assign.STRATEGIES` or a ``{role: Rule}``
+            mapping, as :func:`optimizers.assign.assign` takes it (roles it omits use
+            AdamW, as for every strategy).
         customize: ``f(model, assignment, hyper) -> assignment`` applied after
             :func:`optimizers.assign.assign` (a module-level function, so runs can be
             sent to worker processes).
@@ -109,15 +105,6 @@ class Variant:
     customize: Callable | None = None
     hyper: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
-
-    def strategy_name(self) -> str:
-        if isinstance(self.strategy, str):
-            return self.strategy
-        from optimizers.assign import STRATEGIES
-
-        name = "study:" + self.name
-        STRATEGIES[name] = dict(self.strategy)
-        return name
 
     def identity(self) -> dict:
         """Everything that defines the variant, as JSON-able data (for the cache key)."""
@@ -159,100 +146,54 @@ def size_from(study, name: str, seeds: list[int] | None = None) -> Size:
 # ----------------------------------------------------------------------------- one run
 
 
-def _train_config(size: Size, seed: int):
+def train_config(size: Size, variant: Variant, seed: int):
+    """The :class:`pretrain.train.TrainConfig` of one (variant, seed): in memory, quiet,
+    validation windows drawn with :data:`VAL_SEED`."""
     from pretrain.train import TrainConfig
 
     return TrainConfig(
-        model=size.model, strategy="adamw", data="study", steps=size.steps, batch_size=size.batch_size,
-        lr=size.lr, adamw_lr=size.adamw_lr, weight_decay=size.weight_decay, warmup_steps=size.warmup_steps,
+        model=size.model, model_overrides={**size.model_overrides, **variant.model}, strategy=variant.name,
+        data="study", out_dir=None, steps=size.steps, batch_size=size.batch_size, lr=size.lr,
+        adamw_lr=size.adamw_lr, weight_decay=size.weight_decay, warmup_steps=size.warmup_steps,
         min_lr_ratio=size.min_lr_ratio, grad_clip=size.grad_clip, w_max=size.w_max,
-        eval_batches=size.eval_batches, seed=seed, progress=False, print_table=False,
+        eval_every=size.eval_every, eval_batches=size.eval_batches, final_eval_batches=size.final_eval_batches,
+        val_seed=VAL_SEED, seed=seed, device="cpu", progress=False, print_table=False,
     )
 
 
-def build_run(study, variant: Variant, size: Size, seed: int, data):
-    """The seeded model and its optimizers for one (variant, seed)."""
-    import torch
+def assignment_factory(variant: Variant):
+    """``build_assignment`` hook of a variant: its hyperparameter overrides, its strategy
+    (name or mapping), then its ``customize``."""
 
-    from optimizers.assign import Hyper, assign
-    from pretrain.model import GPT, get_config
+    def build_assignment(model, hyper):
+        from optimizers.assign import assign
 
-    config = get_config(size.model, vocab_size=data.vocab_size, **{**size.model_overrides, **variant.model})
-    data.check_context(config.block_size)
-    torch.manual_seed(seed)
-    model = GPT(config)
-    hyper_fields = dict(lr=size.lr, adamw_lr=size.adamw_lr, weight_decay=size.weight_decay, w_max=size.w_max)
-    hyper = Hyper(**{**hyper_fields, **variant.hyper})
-    assignment = assign(model, variant.strategy_name(), hyper)
-    if variant.customize is not None:
-        assignment = variant.customize(model, assignment, hyper)
-    return model, assignment
+        hyper = dataclasses.replace(hyper, **variant.hyper)
+        assignment = assign(model, variant.strategy, hyper)
+        return assignment if variant.customize is None else variant.customize(model, assignment, hyper)
+
+    return build_assignment
 
 
 def train_run(study, variant: Variant, size: Size, seed: int, data) -> dict:
-    """Train one (variant, seed) and return its JSON-able record.
-
-    Same loop as ``geomuon pretrain`` on one CPU: warmup + cosine on every group's base
-    learning rate, gradient clipping, stop on a non-finite loss or gradient norm
-    (``diverged``). Evaluations every ``eval_every`` steps score the fixed validation
-    windows (:data:`VAL_SEED`) and add the study's ``extra_metrics``.
-    """
-    import torch
-
+    """Train one (variant, seed) with :func:`pretrain.train.train` and return its
+    JSON-able record: ``train_loss`` of the steps taken (a step whose loss or gradient
+    norm is not finite stops the run untaken and unrecorded), ``steps_done`` their count,
+    every evaluation, and ``diverged`` as :func:`pretrain.compare.verdict` judges it (a
+    non-finite loss, or a final val loss 0.5 nat above the run's best)."""
     from pretrain.compare import verdict
-    from pretrain.train import TrainResult, evaluate, lr_factor, weight_metrics
+    from pretrain.train import train
 
-    cfg = _train_config(size, seed)
-    model, assignment = build_run(study, variant, size, seed, data)
-    block = model.config.block_size
-    for group in assignment.param_groups:
-        group["base_lr"] = group["lr"]
     memory: dict = {}
-
-    def evaluation(step: int, batches: int) -> dict:
-        eval_cfg = dataclasses.replace(cfg, seed=VAL_SEED, eval_batches=batches)
-        record = {"step": step, **evaluate(model, data, eval_cfg, block, torch.device("cpu"), contextlib.nullcontext)}
-        record.update(weight_metrics(assignment, model))
-        record.update(study.extra_metrics(model, data, eval_cfg, memory))
-        return record
-
-    losses: dict[int, float] = {}
-    evals = [evaluation(0, size.eval_batches)]
-    diverged = False
-    start = time.perf_counter()
-    for step in range(size.steps):
-        factor = lr_factor(step, cfg)
-        for group in assignment.param_groups:
-            group["lr"] = group["base_lr"] * factor
-        x, y = data.batch("train", size.batch_size, block, seed, step)
-        _, loss = model(x, y)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), size.grad_clip or float("inf")))
-        loss_value = float(loss.detach())
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            diverged = True
-            losses[step] = loss_value
-            break
-        assignment.step()
-        assignment.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        losses[step] = loss_value
-        done = step + 1
-        if done == size.steps:
-            evals.append(evaluation(done, size.final_eval_batches))
-        elif done % size.eval_every == 0:
-            evals.append(evaluation(done, size.eval_batches))
-        if not math.isfinite(evals[-1]["val_loss"]):
-            break
-    wall = time.perf_counter() - start
-    result = TrainResult(out_dir="", losses=losses, evals=evals, diverged=diverged)
+    result = train(train_config(size, variant, seed), data, build_assignment=assignment_factory(variant),
+                   extra_metrics=lambda model, evaluation: study.extra_metrics(model, evaluation, memory))
     final, best, diverged = verdict(result, divergence_margin=0.5)
     return {
-        "variant": variant.name, "seed": seed, "steps": size.steps, "steps_done": len(losses),
+        "variant": variant.name, "seed": seed, "steps": size.steps, "steps_done": result.last_step,
         "diverged": diverged, "final_val_loss": final, "best_val_loss": best,
-        "completed": len(losses) == size.steps and evals[-1]["step"] == size.steps,
-        "train_loss": [losses[k] for k in sorted(losses)], "evals": evals, "wall_time": wall,
-        "assignment": assignment.table(),
+        "completed": result.last_step == size.steps and result.evals[-1]["step"] == size.steps,
+        "train_loss": [result.losses[k] for k in sorted(result.losses)], "evals": result.evals,
+        "wall_time": result.wall_time, "assignment": result.assignment.table(),
     }
 
 

@@ -8,8 +8,8 @@ unit-RMS embedding, RoPE) trained with
   (:class:`optimizers.regulate.SoftCap`, the ``lipschitz`` strategy) over a sweep of
   the RMS→RMS cap $w_{\max}$;
 * ``muon``: unconstrained Muon with decoupled weight decay (the ``unconstrained`` strategy);
-* ``adamw+wd 0.1``: AdamW with decoupled weight decay on every matrix (the ``adamw``
-  strategy).
+* ``adamw+wd …``: AdamW with decoupled weight decay on every matrix (the ``adamw``
+  strategy), at two decay strengths.
 
 Each run reports its validation accuracy, the certified Lipschitz bound of the trained
 network (:func:`theory.lipschitz.transformer_lipschitz_bound`: exact SVD norms, the
@@ -31,7 +31,7 @@ NAME = "lipschitz"
 TITLE = "Enforced Lipschitz bounds (seed 003) at CPU scale"
 
 SIZES = {
-    "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=100, batch_size=8, eval_every=25,
+    "full": Size(model="shakespeare-lipschitz", model_overrides={}, steps=150, batch_size=8, eval_every=25,
                  eval_batches=2, final_eval_batches=8, lr=0.08, adamw_lr=1e-2, warmup_steps=10),
     "tiny": Size(model="shakespeare-lipschitz", model_overrides=dict(n_layer=1, n_head=2, n_embd=16, block_size=16),
                  steps=3, batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=2, warmup_steps=1),
@@ -44,7 +44,7 @@ RATE_CHOICE = (
     "gave the lower validation loss for both (2.43 vs 2.88 and 2.36 vs 2.52). No wider sweep was "
     "affordable; the seed paper sweeps the learning rate per method."
 )
-ADAMW_DECAY = (0.1,)
+ADAMW_DECAY = (0.1, 1.0)
 
 
 def variants(size: Size) -> list[Variant]:
@@ -56,7 +56,7 @@ def variants(size: Size) -> list[Variant]:
 
 
 @torch.no_grad()
-def extra_metrics(model, data, eval_cfg, memory) -> dict:
+def extra_metrics(model, evaluation, memory) -> dict:
     """The largest RMS→RMS norm over the hidden matrices and the head (exact SVD)."""
     from theory.lipschitz import rms_operator_norm
 

@@ -39,7 +39,7 @@ TITLE = "Different layers, different manifolds (seed 000) at CPU scale"
 
 _MODEL = dict(n_layer=3, n_head=4, n_embd=128, block_size=64)
 SIZES = {
-    "full": Size(model="cpu-small", model_overrides=_MODEL, steps=240, batch_size=16, eval_every=40,
+    "full": Size(model="cpu-small", model_overrides=_MODEL, steps=400, batch_size=16, eval_every=40,
                  eval_batches=2, final_eval_batches=16, lr=0.02, adamw_lr=3e-3, warmup_steps=20),
     "tiny": Size(model="cpu-tiny", model_overrides=dict(n_layer=1, n_head=2, n_embd=16, block_size=16), steps=3,
                  batch_size=2, eval_every=2, eval_batches=1, final_eval_batches=2, warmup_steps=1),
@@ -177,7 +177,7 @@ def variants(size: Size) -> list[Variant]:
 
 
 @torch.no_grad()
-def extra_metrics(model, data, eval_cfg, memory) -> dict:
+def extra_metrics(model, evaluation, memory) -> dict:
     r"""Per layer: $\sigma_{\max}(W_Q)\,\sigma_{\max}(W_K)$ (exact, float64 SVD of the row
     blocks of the fused ``c_attn``) and the largest attention column norm (``c_attn`` and
     ``c_proj``; 1 for Stiefel), which shows whether the question-(a) cap was reached."""

@@ -80,10 +80,8 @@ def variants(size: Size) -> list[Variant]:
 
 
 @torch.no_grad()
-def extra_metrics(model, data, eval_cfg, memory) -> dict:
+def extra_metrics(model, evaluation, memory) -> dict:
     """Expert load, routing churn and router shift per MoE layer, on the validation windows."""
-    from bench.studies.common import VAL_SEED
-
     routers = {f"h.{i}": block.mlp for i, block in enumerate(model.h)}
     chosen: dict[str, list[torch.Tensor]] = {name: [] for name in routers}
     hooks = [moe.router.register_forward_hook(
@@ -92,8 +90,7 @@ def extra_metrics(model, data, eval_cfg, memory) -> dict:
         for name, moe in routers.items()]
     model.eval()
     try:
-        for i in range(eval_cfg.eval_batches):
-            x, _ = data.batch("val", eval_cfg.batch_size, model.config.block_size, VAL_SEED, i)
+        for x, _ in evaluation.windows():
             model(x)
     finally:
         for hook in hooks:
@@ -108,8 +105,8 @@ def extra_metrics(model, data, eval_cfg, memory) -> dict:
         imbalance[name] = float(experts * share.max())
         members = torch.zeros(top.size(0), experts, dtype=torch.bool).scatter_(1, top, True)
         if name in previous:
-            # windows i = 0, 1, ... are the same at every evaluation (VAL_SEED): compare the
-            # tokens both evaluations routed (the final one reads more windows)
+            # windows i = 0, 1, ... are the same at every evaluation (common.VAL_SEED): compare
+            # the tokens both evaluations routed (the final one reads more windows)
             n = min(len(members), len(previous[name]))
             churn[name] = float((members[:n] != previous[name][:n]).any(-1).float().mean())
         else:
