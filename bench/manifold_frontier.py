@@ -48,6 +48,10 @@ Usage::
 
     python bench/manifold_frontier.py --set 384x128 --manifold stiefel --steps 40
     python bench/manifold_frontier.py --set gpt --manifold dgram --steps 12 --dual 0 1 2 3
+    python bench/manifold_frontier.py --quick      # seconds: a smoke test
+
+Timing uses :func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes the
+table with its provenance (see :mod:`bench.timing`).
 """
 
 from __future__ import annotations
@@ -60,13 +64,19 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as `python bench/manifold_frontier.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians  # noqa: E402
+
+#: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
+QUICK = {"steps": 3, "dual": [0, 1], "repeats": 2}
+
 
 def problem_shapes(name: str) -> list[tuple[int, int]]:
     if name == "384x128":
         return [(384, 128)]
     if name == "gpt":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from optimizer_step import gpt_shapes
+        from bench.optimizer_step import gpt_shapes
 
         return gpt_shapes(2, 384)
     raise ValueError(f"unknown set {name!r}: choose 384x128 or gpt")
@@ -120,17 +130,15 @@ def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, see
     mm = ManifoldMuon([{"params": mm_params, "manifold": manifold}], lr=0.02, dual_steps=dual_steps,
                       warm_start=warm, dual_alpha=alpha, **solver)
     mu = Muon(mu_params, lr=0.02)
-    t_mm, t_mu = [], []
-    for round_ in range(repeats + 1):
+
+    def fresh_grads():
         task.grads(mm_params)
         for p, q in zip(mu_params, mm_params):
             p.grad = q.grad.clone()
-        for opt, ts in ((mu, t_mu), (mm, t_mm)):
-            start = clock()
-            opt.step()
-            if round_:
-                ts.append(clock() - start)
-    return statistics.median(t_mm) / statistics.median(t_mu)
+
+    medians = interleaved_medians({"Muon": mu.step, "ManifoldMuon": mm.step}, repeats, clock,
+                                  before_round=fresh_grads)
+    return medians["ManifoldMuon"] / medians["Muon"]
 
 
 def main(argv=None) -> int:
@@ -143,15 +151,15 @@ def main(argv=None) -> int:
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
     parser.add_argument("--msign-steps", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (0: no timing)")
-    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
-                        help="process: CPU time of this process, robust to other load on a shared "
-                             "machine when --threads 1 (with more threads it counts spin-waits)")
-    parser.add_argument("--threads", type=int, default=2)
+    add_arguments(parser, repeats=3, threads=2, repeats_help="timed rounds per configuration (0: no timing)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
-    clock = time.process_time if args.clock == "process" else time.perf_counter
+    clock = CLOCKS[args.clock]
     from optimizers.manifold_muon import resolve_manifold
 
     manifold = resolve_manifold(args.manifold, "--manifold")
@@ -161,11 +169,15 @@ def main(argv=None) -> int:
         solver["msign_method"] = args.msign
     if args.msign_steps is not None:
         solver["msign_steps"] = args.msign_steps
-    print(f"set {args.set} ({len(shapes)} matrices) on {args.manifold}, {args.steps} steps, "
-          f"alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer {solver or 'default'}, "
-          f"{args.threads} thread(s), {args.clock} clock")
-    print("| dual steps | start | mean certified ratio | min | step cost / Muon |")
-    print("|---|---|---|---|---|")
+    lines = [
+        f"set {args.set} ({len(shapes)} matrices) on {args.manifold}, {args.steps} steps, "
+        f"alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer {solver or 'default'}, "
+        f"{args.threads} thread(s), {args.clock} clock, step cost: median of {args.repeats} interleaved rounds",
+        "",
+        "| dual steps | start | mean certified ratio | min | step cost / Muon |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
     for dual_steps in args.dual:
         for warm in [start == "warm" for start in args.starts]:
             if dual_steps == 0 and not warm and "warm" in args.starts:
@@ -177,7 +189,11 @@ def main(argv=None) -> int:
                                     clock, **solver)
                 cost = f"{ratio:.2f}"
             label = "warm" if warm else "cold"
-            print(f"| {dual_steps} | {label} | {mean:.4f} | {low:.4f} | {cost} |", flush=True)
+            lines.append(f"| {dual_steps} | {label} | {mean:.4f} | {low:.4f} | {cost} |")
+            print(lines[-1], flush=True)
+    if args.markdown:
+        text = "\n".join(lines)
+        print(f"written: {provenance.write(args.markdown, text)}")
     return 0
 
 

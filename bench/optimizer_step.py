@@ -5,7 +5,9 @@ The hidden matrices of a GPT-2-style model scaled to a CPU (default 6 layers × 
 ``[d, 4d]``, PyTorch ``[out, in]`` layout) get fixed random gradients, and each
 optimizer's ``step()`` is timed. Repeats are **interleaved** (one step of every
 optimizer per round, so a change in machine load hits all of them alike) and the table
-reports medians as ratios to a baseline, plus the optimizer state in MiB.
+reports medians as ratios to a baseline, plus the optimizer state in MiB
+(:func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes the table with its
+provenance, see :mod:`bench.timing`).
 
 Rows: ``torch.optim.Muon`` and our :class:`optimizers.Muon` (same settings, bf16
 Newton–Schulz); :class:`optimizers.ManifoldMuon` on Stiefel and on DGram with its
@@ -16,15 +18,24 @@ Usage::
 
     python bench/optimizer_step.py                 # 6 x 384, 7 rounds
     python bench/optimizer_step.py --repeats 3 --layers 2 --width 256 --threads 1
+    python bench/optimizer_step.py --quick         # 1 x 64, seconds: a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians  # noqa: E402
+
+#: ``--quick``: one block of width 64 (seconds; checks the script, not a result).
+QUICK = {"layers": 1, "width": 64, "repeats": 3}
 
 
 def gpt_shapes(layers: int, width: int) -> list[tuple[int, int]]:
@@ -72,36 +83,33 @@ def build(shapes, seed: int):
 
 def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=time.perf_counter,
             warmup: int = 1) -> dict:
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for round_ in range(warmup + repeats):
-        for name, opt in optimizers.items():
+    """Median ``step()`` seconds of each optimizer, interleaved, every step on the same gradients."""
+
+    def set_grads():
+        for opt in optimizers.values():
             params = [p for g in opt.param_groups for p in g["params"]]
             for p, g in zip(params, grads):
                 p.grad = g.clone()
-            start = clock()
-            opt.step()
-            elapsed = clock() - start
-            if round_ >= warmup:
-                times[name].append(elapsed)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+
+    steps = {name: opt.step for name, opt in optimizers.items()}
+    return interleaved_medians(steps, repeats, clock, warmup, before_round=set_grads)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
-                        help="process: CPU time of this process, robust to other load on a shared "
-                             "machine when --threads 1 (with more threads it counts spin-waits)")
-    parser.add_argument("--threads", type=int, default=2)
+    add_arguments(parser, repeats=7, threads=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes(args.layers, args.width)
     optimizers, grads = build(shapes, args.seed)
-    clock = time.process_time if args.clock == "process" else time.perf_counter
-    medians = measure(optimizers, grads, args.repeats, clock)
+    medians = measure(optimizers, grads, args.repeats, CLOCKS[args.clock])
     params_mib = sum(s[0] * s[1] for s in shapes) * 4 / 2**20
     baselines = {
         "torch.optim.Muon": "torch.optim.Muon",
@@ -110,14 +118,21 @@ def main(argv=None) -> int:
         "ManifoldMuon DGram": "Muon (ours)",
         "RiemannianAdam Stiefel": "Muon (ours)",
     }
-    print(f"{len(shapes)} matrices ({args.layers} layers x {args.width}), {params_mib:.1f} MiB of fp32 "
-          f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds")
-    print(f"| optimizer | step (ms) | ratio | vs | state (MiB) |")
-    print("|---|---|---|---|---|")
+    lines = [
+        f"{len(shapes)} matrices ({args.layers} layers x {args.width}), {params_mib:.1f} MiB of fp32 "
+        f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds",
+        "",
+        "| optimizer | step (ms) | ratio | vs | state (MiB) |",
+        "|---|---|---|---|---|",
+    ]
     for name, median in medians.items():
         base = baselines[name]
-        print(f"| {name} | {1e3 * median:.1f} | {median / medians[base]:.2f} | {base} | "
-              f"{state_mib(optimizers[name]):.1f} |")
+        lines.append(f"| {name} | {1e3 * median:.1f} | {median / medians[base]:.2f} | {base} | "
+                     f"{state_mib(optimizers[name]):.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        print(f"written: {provenance.write(args.markdown, text)}")
     return 0
 
 

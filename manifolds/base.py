@@ -293,7 +293,8 @@ class MatrixManifold(geoopt.Manifold):
 
         Args:
             size: ``(..., m, n)``.
-            dtype, device: of the result (default dtype: ``torch.get_default_dtype()``).
+            dtype: of the result (default ``torch.get_default_dtype()``).
+            device: of the result (default: the default device).
             generator: a ``torch.Generator`` on ``device`` for reproducible draws.
 
         Returns:

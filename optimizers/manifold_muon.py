@@ -122,7 +122,8 @@ class ManifoldMuon(MatrixOptimizer):
             (key ``manifold``: an instance or a name) or, if it is a
             ``geoopt.ManifoldParameter``, from itself.
         lr: $\eta$ (default ``0.02``, the seed paper's).
-        momentum: $\mu$ (default ``0.95``). nesterov: default ``True``.
+        momentum: $\mu$ (default ``0.95``).
+        nesterov: Nesterov momentum (default ``True``).
         weight_decay: $W \leftarrow (1-\eta\lambda)W$ before the retraction (default 0: a
             constrained weight's scale is the manifold's business).
         manifold: default manifold of the groups that set none.
@@ -131,9 +132,11 @@ class ManifoldMuon(MatrixOptimizer):
             :data:`DEFAULT_DUAL_STEPS`; 0 is the projection direction $\Phi(P_W\tilde B)$).
         dual_alpha: constant Jacobi-preconditioned dual step size (default 1).
         warm_start: start each step's dual from the previous correction (default True).
-        msign_method, msign_steps: the spectral dualizer's kernel (default: the first 6
-            steps of the Polar Express table, singular values within $[0.9935, 1.0012]$;
-            the 5-step table's $[0.85, 1.14]$ caps the certified ratio near 0.89).
+        msign_method: the spectral dualizer's kernel, a method of
+            :func:`manifolds.linalg.msign` (default ``"polar_express"``).
+        msign_steps: its iterations (default 6: the first 6 steps of the Polar Express
+            table, singular values within $[0.9935, 1.0012]$; the 5-step table's
+            $[0.85, 1.14]$ caps the certified ratio near 0.89).
         compute_dtype: dtype of the dual iterations (default ``torch.bfloat16``).
         retraction: ``"polish"`` (default: :func:`polish_retraction`, a few fp32 cubic
             Newton–Schulz steps for Stiefel/DGram, the manifold's own elsewhere) or
@@ -141,7 +144,10 @@ class ManifoldMuon(MatrixOptimizer):
         certify_every: every this many steps, compute the exact duality certificate
             of each matrix's direction into :attr:`certificates` (0: never; it costs an
             SVD per matrix).
-        nonfinite, regulate, matrix_view: group keys of :mod:`optimizers.base`.
+        nonfinite: group key of :mod:`optimizers.base`: ``"skip"`` or ``"raise"``.
+        regulate: group key of :mod:`optimizers.base`: a regulator spec or ``None``.
+        matrix_view: group key of :mod:`optimizers.base`: ``"strict"``, ``"batch"`` or
+            ``"flatten"``.
 
     Attributes:
         certificates: ``{parameter name: certified ratio}`` of the last certified step.

@@ -60,7 +60,9 @@ def spectral(
 
     Args:
         D: ``[..., m, n]``.
-        method, steps, compute_dtype: passed to :func:`manifolds.linalg.msign`.
+        method: passed to :func:`manifolds.linalg.msign`.
+        steps: passed to :func:`manifolds.linalg.msign`.
+        compute_dtype: passed to :func:`manifolds.linalg.msign`.
         eps: floor of $\|D\|_F$ in the normalization ($10^{-7}$); zero $D$ gives zero.
 
     Returns:
@@ -192,7 +194,9 @@ def hybrid(
         D: ``[..., m, n]``.
         alpha: exponent of the nuclear-norm scale ($1$ in the reference code).
         eps: row-norm floor ($10^{-8}$).
-        method, steps, compute_dtype: passed to :func:`manifolds.linalg.msign`.
+        method: passed to :func:`manifolds.linalg.msign`.
+        steps: passed to :func:`manifolds.linalg.msign`.
+        compute_dtype: passed to :func:`manifolds.linalg.msign`.
 
     Returns:
         ``[..., m, n]`` in ``D.dtype``; matmuls in ``compute_dtype`` (default ``D.dtype``).

@@ -49,8 +49,9 @@ class Muon(MatrixOptimizer):
         compute_dtype: dtype of the Newton–Schulz matmuls (default ``torch.bfloat16``,
             as ``torch.optim.Muon``; ``None`` uses the parameter's dtype). The update is
             added to the parameter in its own dtype.
-        nonfinite, regulate, matrix_view: group keys of :mod:`optimizers.base`
-            (defaults ``"skip"``, ``None``, ``"strict"``).
+        nonfinite: group key of :mod:`optimizers.base` (default ``"skip"``).
+        regulate: group key of :mod:`optimizers.base` (default ``None``).
+        matrix_view: group key of :mod:`optimizers.base` (default ``"strict"``).
 
     Raises:
         ValueError: negative ``lr``/``momentum``/``weight_decay``, a multi-element

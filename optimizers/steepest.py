@@ -260,7 +260,8 @@ def steepest_direction(
             ($-\tfrac14 L_WG$) or ``"zero"``.
         precondition: divide the dual gradient by $\operatorname{diag}(L_WL_W^*)$.
         warm_start: correction added to $\Lambda_0$ (a previous result's ``correction``).
-        msign_method, msign_steps: the spectral dualizer's kernel settings.
+        msign_method: the spectral dualizer's ``method`` in :func:`manifolds.linalg.msign`.
+        msign_steps: its ``steps``.
         compute_dtype: dtype of the dual iterations (e.g. ``torch.bfloat16``); the final
             projection and rescaling run in ``W.dtype``.
         certify: ``"exact"`` (SVD-based dual norm and spectral norm), ``"fast"``

@@ -404,3 +404,40 @@ def test_results_pages_written_by_studies_join_the_navigation(tmp_path):
                                          {"Enforced Lipschitz bounds": "results/lipschitz.md"}]}
     listing = geomuon_pages.on_page_markdown("<!-- geomuon:results-pages -->", None, config, None)
     assert listing == "* [Enforced Lipschitz bounds](lipschitz.md)\n"
+
+
+BENCHMARKS = ("polar_kernels", "optimizer_step", "manifold_frontier")
+
+
+def test_benchmark_tables_are_included_as_their_scripts_wrote_them(site):
+    # docs/results/benchmarks/NAME.md is written by `bench/NAME.py --markdown` and included
+    # in the results page by the hook; a missing one shows the command that writes it.
+    page = html.unescape((site / "results" / "index.html").read_text())
+    quick_runs = 0
+    for name in BENCHMARKS:
+        written = ROOT / "docs" / "results" / "benchmarks" / f"{name}.md"
+        if not written.is_file():
+            assert f"python bench/{name}.py --markdown docs/results/benchmarks/{name}.md" in page
+            continue
+        text = written.read_text()
+        command = re.search(r"^\| command \| `(.*)` \|$", text, re.MULTILINE).group(1)
+        assert command.startswith(f"python bench/{name}.py") and f"--markdown docs/results/benchmarks/{name}.md" in command
+        assert command in page, f"{name}: its table is not on the results page"
+        is_quick = "--quick" in command.split()
+        assert text.startswith('!!! warning "Quick run: not a result"') == is_quick, f"{name}: quick-run mark"
+        quick_runs += is_quick
+    assert page.count("Quick run: not a result") == quick_runs
+
+
+def test_benchmark_marker_includes_the_file_or_says_not_yet_measured(tmp_path, caplog):
+    config = types.SimpleNamespace(docs_dir=str(tmp_path), nav=[])
+    marker = "## Kernels\n\n<!-- geomuon:benchmark polar_kernels -->\n"
+    missing = geomuon_pages.on_page_markdown(marker, None, config, None)
+    assert "*Not yet measured:* `python bench/polar_kernels.py --markdown docs/results/benchmarks/polar_kernels.md`" in missing
+    (tmp_path / "results" / "benchmarks").mkdir(parents=True)
+    (tmp_path / "results" / "benchmarks" / "polar_kernels.md").write_text("| a |\n|---|\n| 1 |\n")
+    assert geomuon_pages.on_page_markdown(marker, None, config, None) == "## Kernels\n\n| a |\n|---|\n| 1 |\n\n"
+    # A marker naming no bench script is a warning (a failure under mkdocs --strict).
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.geomuon_pages"):
+        geomuon_pages.on_page_markdown("<!-- geomuon:benchmark no_such_script -->", None, config, None)
+    assert "no bench/no_such_script.py" in caplog.text

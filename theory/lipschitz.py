@@ -176,7 +176,10 @@ def attention_lipschitz(
     combination of values, so the output radius is $c\|W_o\|\sqrt{\sum_h\sigma_{vh}^2}\;r$.
 
     Args:
-        q, k, v: ``[n_head·d_head, d]``; o: ``[d, n_head·d_head]``.
+        q: ``[n_head·d_head, d]``.
+        k: ``[n_head·d_head, d]``.
+        v: ``[n_head·d_head, d]``.
+        o: ``[d, n_head·d_head]``.
 
     Returns:
         :class:`AttentionBound` (``head_terms`` = the per-head square-root terms).
@@ -355,7 +358,8 @@ def empirical_lipschitz(
     Args:
         f: the map (e.g. the blocks and head of a model, from embedded sequences to logits).
         x0: ``[...]`` one input (no batch dimension), e.g. ``[T, d]``.
-        in_norm, out_norm: ``[R, ...] -> [R]`` norms (default: max per-token RMS).
+        in_norm: ``[R, ...] -> [R]`` norm of the inputs (default: max per-token RMS).
+        out_norm: ``[R, ...] -> [R]`` norm of the outputs (default: max per-token RMS).
         generator: for the random starts (default: a fixed seed, for reproducibility).
 
     Returns:

@@ -52,7 +52,8 @@ def matrix_shapes(
     """Shapes ``(*batch, m, n)``: tall ($m > n$), square or wide ($m < n$), optionally batched.
 
     Args:
-        min_side, max_side: bounds of $m$ and $n$ (tall/wide need ``max_side > min_side``).
+        min_side: smallest $m$ and $n$.
+        max_side: largest $m$ and $n$ (tall/wide need ``max_side > min_side``).
         orientations: which of ``"tall"``, ``"square"``, ``"wide"`` to draw.
         max_batch_dims: most leading batch dimensions (0 for plain matrices).
         max_batch: largest size of a batch dimension.
@@ -97,7 +98,8 @@ def matrices(
         shape: a fixed shape, a strategy of shapes, or ``None`` for :func:`matrix_shapes`.
         dtype: of the result (synthesized in float64, then cast).
         kinds: subset of :data:`MATRIX_KINDS`.
-        min_scale, max_scale: range of the RMS entry (log-uniform).
+        min_scale: smallest RMS entry (the RMS is drawn log-uniform).
+        max_scale: largest RMS entry.
         max_condition: largest $\kappa$ of the ill-conditioned and column-scaled kinds.
     """
     unknown = set(kinds) - set(MATRIX_KINDS)

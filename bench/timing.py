@@ -1,0 +1,135 @@
+r"""What the benchmark scripts share: the timing loop, its command-line options, and the
+Markdown file that records a table together with how it was produced.
+
+Timing: every script times its candidates **interleaved** — one call of each candidate per
+round, rounds repeated — and reports medians, so a change in machine load during the run
+hits every candidate alike and cancels in the ratios. ``--clock process`` counts the CPU
+time of this process only (robust to other processes on a shared machine with
+``--threads 1``; with more threads it also counts OpenMP spin-waits).
+
+Provenance: ``--markdown PATH`` writes the script's table under a header stating the
+command line, the commit (and whether the checkout had uncommitted changes), the torch
+version, threads, clock, the machine's load average at the start and at the end of the
+run, and the date; a ``--quick`` run is marked as a smoke test, not a result. The docs
+include these files from ``docs/results/benchmarks/`` (see ``docs/results/index.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+#: Where the docs site looks for the benchmark tables (``docs/results/index.md``).
+RESULTS_DIR = REPO / "docs" / "results" / "benchmarks"
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, repeats: int, threads: int = 2,
+                  repeats_help: str = "timed rounds") -> None:
+    """The options every benchmark script takes: ``--repeats``, ``--clock``, ``--threads``,
+    ``--quick`` and ``--markdown``."""
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} (default {repeats})")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="process: CPU time of this process, robust to other load on a shared "
+                             "machine when --threads 1 (with more threads it counts spin-waits)")
+    parser.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds-long smoke sizes (what the tests run): checks the script, not a result")
+    parser.add_argument("--markdown", metavar="PATH", default=None,
+                        help=f"also write the table with its provenance to PATH (the docs include "
+                             f"{RESULTS_DIR.relative_to(REPO)}/<script>.md)")
+
+
+def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int, clock=time.perf_counter,
+                        warmup: int = 1, before_round: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds of each call in ``runs``, timed in rounds of one call each.
+
+    ``warmup`` untimed rounds come first (first-call allocations, lazy initialization);
+    ``before_round`` (untimed) runs at the start of every round, e.g. to set fresh
+    gradients for every optimizer under test.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(warmup + repeats):
+        if before_round is not None:
+            before_round()
+        for name, run in runs.items():
+            start = clock()
+            run()
+            elapsed = clock() - start
+            if round_ >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def short_commit() -> str:
+    """``git rev-parse --short HEAD`` of the checkout, with ``-dirty`` when tracked files
+    have uncommitted changes (the measured code is then not exactly that commit)."""
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "unknown (not a git checkout)"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+
+
+class Provenance:
+    """How one benchmark run was produced. Create it before measuring (it reads the load
+    average then); :meth:`write` reads it again at the end."""
+
+    def __init__(self, script: str, args: argparse.Namespace, argv: list[str] | None = None) -> None:
+        self.args = args
+        argv = sys.argv[1:] if argv is None else argv
+        self.command = " ".join(["python", f"bench/{Path(script).name}", *map(shlex.quote, argv)])
+        self.load_start = os.getloadavg()
+        self.started = datetime.datetime.now(datetime.timezone.utc)
+
+    def header(self) -> str:
+        import torch
+
+        load_end = os.getloadavg()
+        args = self.args
+        rows = [
+            ("command", f"`{self.command}`"),
+            ("commit", f"`{short_commit()}`"),
+            ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
+            ("machine", f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"),
+            ("load average (1, 5, 15 min)", f"{_load(self.load_start)} at the start, {_load(load_end)} at the end"),
+            ("date (UTC), duration", f"{self.started:%Y-%m-%d %H:%M}, {time.time() - self.started.timestamp():.1f} s"),
+        ]
+        lines = ["| run | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows)]
+        text = "\n".join(lines)
+        if args.quick:
+            text = ('!!! warning "Quick run: not a result"\n    Written by a `--quick` run (smoke sizes, few '
+                    "repeats): it shows the table's form and that the script runs; its numbers are not "
+                    "results. Rerun without `--quick` on a quiet machine.\n\n" + text)
+        return text
+
+    def write(self, path: str | os.PathLike, table: str) -> Path:
+        """Write the provenance header and ``table`` (Markdown) to ``path``; returns it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.header() + "\n\n" + table.strip() + "\n")
+        return path
+
+
+def _load(averages: tuple[float, float, float]) -> str:
+    return ", ".join(f"{a:.2f}" for a in averages)
+

@@ -1,0 +1,209 @@
+"""The benchmark scripts of ``bench/``: each runs at its ``--quick`` size as a user runs it
+(a subprocess, one thread), prints a table whose numbers make sense, and writes that table
+with its provenance header through ``--markdown``.
+
+The polar-kernel table is checked against what its numbers must be: the singular values of
+an iterative ``msign`` are the scalar polynomial of its schedule applied to the normalized
+input spectrum, which the test computes independently in float64; the SVD's error is at
+fp32 round-off; a Polar Express output in bf16 has its singular values at 1 up to bf16
+round-off.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import polar_kernels  # noqa: E402
+from manifolds.linalg import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5  # noqa: E402
+
+SCHEDULES = {s.name: s for s in (KELLER_QUINTIC, POLAR_EXPRESS_5, POLAR_EXPRESS)}
+EPS32 = torch.finfo(torch.float32).eps
+U_BF16 = torch.finfo(torch.bfloat16).eps / 2  # unit round-off 2^-8
+SIGMA_RESOLUTION = 0.5e-5  # singular values are printed with 5 decimals
+
+
+def run_script(name: str, markdown: Path, *options: str) -> str:
+    """stdout of ``python bench/<name>.py --quick --threads 1 --markdown PATH [options]``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, f"bench/{name}.py", "--quick", "--threads", "1", "--markdown", str(markdown), *options],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def parse_table(text: str) -> list[dict[str, str]]:
+    """The rows of the last Markdown table in ``text`` (the script's; a ``--markdown`` file
+    has the provenance table above it), keyed by the header cells."""
+    blocks = re.findall(r"(?:^\|.*\|$\n?)+", text, re.MULTILINE)
+    assert blocks, text
+    header, separator, *rows = [[cell.strip() for cell in line[1:-1].split("|")] for line in blocks[-1].splitlines()]
+    assert set("".join(separator)) == {"-"} and rows and all(len(row) == len(header) for row in rows), text
+    return [dict(zip(header, row)) for row in rows]
+
+
+def sigma_range(cell: str) -> tuple[float, float]:
+    low, high = re.fullmatch(r"\[(\S+), (\S+)\]", cell).groups()
+    return float(low), float(high)
+
+
+def printed_resolution(cell: str) -> float:
+    """Half a unit of the last printed digit of ``cell`` (``7.57e-01`` -> 5e-3)."""
+    mantissa, _, exponent = cell.partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return 0.5 * 10.0 ** (int(exponent or 0) - decimals)
+
+
+def check_provenance(markdown: Path, name: str, stdout: str) -> None:
+    text = markdown.read_text()
+    assert text.startswith('!!! warning "Quick run: not a result"'), text[:200]
+    command = re.search(r"^\| command \| `(.*)` \|$", text, re.MULTILINE).group(1)
+    assert command.startswith(f"python bench/{name}.py --quick") and str(markdown) in command
+    assert re.search(r"^\| commit \| `([0-9a-f]{4,}(-dirty)?|unknown \(.*\))` \|$", text, re.MULTILINE), text
+    assert f"| torch | {torch.__version__}, 1 thread(s), " in text
+    assert re.search(r"^\| load average \(1, 5, 15 min\) \| [\d.]+, [\d.]+, [\d.]+ at the start, "
+                     r"[\d.]+, [\d.]+, [\d.]+ at the end \|$", text, re.MULTILINE)
+    # The file holds the very table the script printed.
+    assert parse_table(text) == parse_table(stdout)
+
+
+def predicted_sigmas(method: str, k: int) -> torch.Tensor:
+    """Singular values of ``msign(X, method)`` in exact arithmetic for the bench's
+    ``κ=1e3`` input with ``k`` singular values: the schedule's odd polynomial applied to
+    the spectrum divided by ``input_scale * ||X||_F`` (float64)."""
+    schedule = SCHEDULES[method]
+    spectrum = polar_kernels.log_spectrum(k)
+    x = spectrum / (spectrum.norm() * schedule.input_scale)
+    for a, b, c in schedule.step_coefficients(schedule.default_steps):
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+@pytest.fixture(scope="module")
+def polar_run(tmp_path_factory):
+    markdown = tmp_path_factory.mktemp("bench") / "polar_kernels.md"
+    # Process clock: with one thread it counts this process only, not the other tests.
+    stdout = run_script("polar_kernels", markdown, "--clock", "process")
+    return stdout, markdown
+
+
+def test_polar_kernels_table_has_every_kernel_and_consistent_ratios(polar_run):
+    stdout, markdown = polar_run
+    rows = parse_table(stdout)
+    shapes = [polar_kernels.shape_label(s) for s in polar_kernels.SHAPES["quick"]]
+    assert [(r["shape"], r["kernel"], r["dtype"]) for r in rows] == [
+        (shape, method, dtype) for shape in shapes for method, dtype in polar_kernels.KERNELS
+    ]
+    for shape in shapes:
+        group = {(r["kernel"], r["dtype"]): r for r in rows if r["shape"] == shape}
+        base = float(group[polar_kernels.BASELINE]["time (ms)"])
+        assert group[polar_kernels.BASELINE]["ratio"] == "1.00"
+        for row in group.values():
+            seconds, ratio = float(row["time (ms)"]), float(row["ratio"])
+            # times are printed to 3 significant digits (0.5% each), ratios to 2 decimals
+            assert seconds > 0 and abs(ratio - seconds / base) <= 0.01 * ratio + 0.005, row
+        # 12 Polar Express steps are 2.4x the 5 Newton-Schulz steps' matmuls on the same shapes
+        assert float(group[("polar_express", "fp32")]["time (ms)"]) > float(group[("newton_schulz", "fp32")]["time (ms)"])
+    check_provenance(markdown, "polar_kernels", stdout)
+
+
+def test_polar_kernels_accuracy_matches_the_schedules_and_round_off(polar_run):
+    rows = parse_table(polar_run[0])
+    checked = set()
+    for row in rows:
+        k = min(int(side) for side in row["shape"].split(" × ")[-1].split("×"))
+        spectrum = polar_kernels.log_spectrum(k)
+        kappa_f = (spectrum.norm() / spectrum.min()).item()  # ||X||_F / sigma_min
+        error, (low, high) = float(row["error κ=1e3"]), sigma_range(row["σ range κ=1e3"])
+        method, dtype = row["kernel"], row["dtype"]
+        if method == "svd":
+            # Backward-stable SVD: the computed UV^T is the polar factor of X + E with
+            # ||E||_2 <~ eps ||X||_F, which moves the polar factor by <= 2||E||_2 / sigma_min
+            # (perturbation bound of the polar factor): 2 eps kappa_F (4.7e-4 here).
+            assert error <= 2 * EPS32 * kappa_f, row
+            for name in polar_kernels.INPUTS:
+                low, high = sigma_range(row[f"σ range {name}"])
+                # orthonormal columns to fp32 round-off (~sqrt(k) eps = 1e-6, below the printed 5e-6)
+                assert 1 - 2 * SIGMA_RESOLUTION <= low <= high <= 1 + 2 * SIGMA_RESOLUTION, row
+            checked.add(method)
+        elif dtype == "fp32":
+            # In exact arithmetic the output's singular values are p(sigma_i). Each step's
+            # fp32 round-off is ~eps ||Y||_F = eps in absolute terms (Y is normalized), i.e.
+            # eps kappa_F relative to the smallest singular value, and the odd polynomial
+            # carries a relative perturbation of small singular values through unchanged:
+            # at most steps * eps * kappa_F (2.8e-3 for 12 steps) in the worst alignment.
+            predicted = predicted_sigmas(method, k)
+            steps = SCHEDULES[method].default_steps
+            tol = steps * EPS32 * kappa_f
+            assert abs(low - predicted.min().item()) <= tol + SIGMA_RESOLUTION, row
+            assert abs(high - predicted.max().item()) <= tol + SIGMA_RESOLUTION, row
+            predicted_error = (predicted - 1).abs().max().item()
+            assert abs(error - predicted_error) <= tol + printed_resolution(row["error κ=1e3"]), row
+            checked.add(method)
+        elif method == "polar_express":
+            # bf16: the last steps are the fixed-point quintic (15/8, -5/4, 3/8), flat at 1,
+            # so the output's singular values sit at 1 up to one step's bf16 round-off,
+            # (|a| + |b| + |c|) u = 3.5 * 2^-8 = 0.014. (Small singular values below bf16's
+            # resolution of the input are noise mapped to 1: the error is large, the range not.)
+            bound = sum(abs(coefficient) for coefficient in POLAR_EXPRESS.coefficients[-1]) * U_BF16
+            assert 1 - bound <= low <= high <= 1 + bound, row
+    assert checked == {"svd", "newton_schulz", "polar_express_5", "polar_express"}
+    by_kernel = {(r["shape"], r["kernel"], r["dtype"]): r for r in rows}
+    for shape in {r["shape"] for r in rows}:
+        # What the table is for: Polar Express (12 steps) is accurate in fp32, Keller Jordan's
+        # quintic is not an exact polar factor (its singular values overshoot to ~1.2).
+        assert float(by_kernel[(shape, "polar_express", "fp32")]["error κ=1e3"]) < 1e-2
+        assert sigma_range(by_kernel[(shape, "newton_schulz", "fp32")]["σ range κ=1e3"])[1] > 1.15
+
+
+def test_predicted_singular_values_tell_the_kernels_apart():
+    # Negative control of the accuracy check: the kernels' predicted smallest singular
+    # values differ by more than twice the largest tolerance (12 steps), so a row measured
+    # on one kernel cannot pass as another's.
+    k = 48
+    spectrum = polar_kernels.log_spectrum(k)
+    tol = 12 * EPS32 * (spectrum.norm() / spectrum.min()).item()
+    minima = sorted(predicted_sigmas(method, k).min().item() for method in SCHEDULES)
+    assert all(b - a > 2 * tol for a, b in zip(minima, minima[1:])), minima
+
+
+def test_optimizer_step_writes_its_table(tmp_path):
+    markdown = tmp_path / "optimizer_step.md"
+    stdout = run_script("optimizer_step", markdown, "--clock", "process")
+    rows = parse_table(stdout)
+    assert [r["optimizer"] for r in rows] == [
+        "torch.optim.Muon", "Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram", "RiemannianAdam Stiefel",
+    ]
+    steps = {r["optimizer"]: float(r["step (ms)"]) for r in rows}
+    for row in rows:
+        # The ratio is to the row named in "vs". Step times are printed to 0.1 ms (+-0.05
+        # each), which moves t / v by up to 0.05 (1 + t / v) / v; the ratio has 2 decimals.
+        expected = steps[row["optimizer"]] / steps[row["vs"]]
+        assert abs(float(row["ratio"]) - expected) <= 0.005 + 0.05 * (1 + expected) / steps[row["vs"]], row
+    state = {r["optimizer"]: float(r["state (MiB)"]) for r in rows}
+    # Muon keeps one momentum buffer per matrix; Adam two moments.
+    assert state["Muon (ours)"] == state["torch.optim.Muon"] > 0
+    assert state["RiemannianAdam Stiefel"] == pytest.approx(2 * state["Muon (ours)"], abs=0.1)
+    check_provenance(markdown, "optimizer_step", stdout)
+
+
+def test_manifold_frontier_writes_its_table(tmp_path):
+    markdown = tmp_path / "manifold_frontier.md"
+    stdout = run_script("manifold_frontier", markdown, "--clock", "process")
+    rows = parse_table(stdout)
+    assert [(r["dual steps"], r["start"]) for r in rows] == [("0", "warm"), ("1", "warm"), ("1", "cold")]
+    for row in rows:
+        # a certified ratio is primal / dual of a feasible direction: in (0, 1]
+        assert 0 < float(row["min"]) <= float(row["mean certified ratio"]) <= 1, row
+        assert float(row["step cost / Muon"]) > 0, row
+    check_provenance(markdown, "manifold_frontier", stdout)
