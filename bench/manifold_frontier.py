@@ -11,43 +11,15 @@ the certificate) as a ratio to our Muon on the same matrices, timed interleaved.
 Sets: ``384x128`` (one 384×128 matrix) and ``gpt`` (2 layers × width 384 of the
 GPT-2 block shapes of ``bench/optimizer_step.py``).
 
-Measured on the shared 2-core CPU of the build machine (1 thread, process clock, so other
-load does not count; lr 0.02, bf16 dual iterations, Polar Express 6-step dualizer,
-constant dual step 1.0 scaled by the iterate's mean singular value, safeguard on):
-
-| set, manifold | dual steps | start | mean certified ratio | step cost / Muon |
-|---|---|---|---|---|
-| 384×128 Stiefel, 30 steps | 0 | – | 0.923 | 2.5 |
-| | 1 | warm / cold | **0.977** / 0.961 | **4.3** / 4.5 |
-| | 2 | warm / cold | 0.979 / 0.978 | 5.6 / 5.8 |
-| | 4 | warm / cold | 0.981 / 0.986 | 8.7 / 8.6 |
-| | 8 | warm / cold | 0.982 / 0.986 | 16.5 / 15.1 |
-| 384×128 DGram, 30 steps | 0 | – | 0.912 | 1.8 |
-| | 1 | warm / cold | **0.965** / 0.945 | **3.2** / 3.4 |
-| | 2 | warm / cold | 0.976 / 0.962 | 4.3 / 4.9 |
-| | 4 | warm / cold | 0.983 / 0.978 | 9.0 / 7.0 |
-| | 8 | warm / cold | 0.984 / 0.984 | 15.4 / 17.3 |
-| GPT 2×384 Stiefel, 8 steps | 0 | – | 0.950 | 3.0 |
-| | 1 | warm / cold | **0.984** / 0.978 | **4.7** / 4.5 |
-| | 2 | warm / cold | 0.989 / 0.988 | 6.8 / 6.2 |
-| | 4 | warm / cold | 0.990 / 0.991 | 9.0 / 9.0 |
-| GPT 2×384 DGram, 8 steps | 0 | – | 0.889 | 3.0 |
-| | 1 | warm / cold | 0.942 / 0.930 | 5.3 / 4.9 |
-| | 2 | warm / cold | 0.958 / 0.952 | 6.1 / 6.5 |
-| | 4 | warm | 0.969 | 10.0 |
-| GPT 2×384 DGram, 20 steps | 1 | warm | **0.955** | **4.7** |
-
-(The 384×128 DGram timings were taken on the wall clock.) The default, one warm-started
-dual step, is the cheapest setting at or above 0.95 on every set; on GPT-shaped DGram it
-needs a run of more than a few steps (the first step is necessarily cold: 0.88). Each
-dual step costs about 1.5 Muon steps (a 6-step Polar Express ``msign`` plus two
-constraint products); the fixed part (fp32 tangent projection of $G$ and of the result,
-polish retraction) about 2.5.
+The measured table, with how it was produced, is on the docs' Results page
+(``--markdown docs/results/benchmarks/manifold_frontier.md`` writes it); the row of
+ManifoldMuon's default (:data:`optimizers.manifold_muon.DEFAULT_DUAL_STEPS`, warm) is
+marked there.
 
 Usage::
 
     python bench/manifold_frontier.py --set 384x128 --manifold stiefel --steps 40
-    python bench/manifold_frontier.py --set gpt --manifold dgram --steps 12 --dual 0 1 2 3
+    python bench/manifold_frontier.py --set 384x128 gpt --manifold stiefel dgram --dual 0 1 2 4
     python bench/manifold_frontier.py --quick      # seconds: a smoke test
 
 Timing uses :func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes the
@@ -143,8 +115,8 @@ def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, see
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="384x128", choices=["384x128", "gpt"])
-    parser.add_argument("--manifold", default="stiefel", choices=["stiefel", "dgram"])
+    parser.add_argument("--set", nargs="+", default=["384x128"], choices=["384x128", "gpt"])
+    parser.add_argument("--manifold", nargs="+", default=["stiefel"], choices=["stiefel", "dgram"])
     parser.add_argument("--steps", type=int, default=40, help="training steps per configuration")
     parser.add_argument("--dual", type=int, nargs="+", default=list(range(9)))
     parser.add_argument("--starts", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])
@@ -160,37 +132,44 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
-    from optimizers.manifold_muon import resolve_manifold
+    from optimizers.manifold_muon import DEFAULT_DUAL_STEPS, resolve_manifold
 
-    manifold = resolve_manifold(args.manifold, "--manifold")
-    shapes = problem_shapes(args.set)
     solver = {}
     if args.msign:
         solver["msign_method"] = args.msign
     if args.msign_steps is not None:
         solver["msign_steps"] = args.msign_steps
     lines = [
-        f"set {args.set} ({len(shapes)} matrices) on {args.manifold}, {args.steps} steps, "
-        f"alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer {solver or 'default'}, "
-        f"{args.threads} thread(s), {args.clock} clock, step cost: median of {args.repeats} interleaved rounds",
+        f"{args.steps} steps per configuration, alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
+        f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
+        f"{args.repeats} interleaved rounds; start \"(default)\": ManifoldMuon's default solver",
         "",
-        "| dual steps | start | mean certified ratio | min | step cost / Muon |",
-        "|---|---|---|---|---|",
+        "| set | manifold | dual steps | start | mean certified ratio | min | step cost / Muon |",
+        "|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
-    for dual_steps in args.dual:
-        for warm in [start == "warm" for start in args.starts]:
-            if dual_steps == 0 and not warm and "warm" in args.starts:
-                continue  # no dual step: warm and cold are the same computation
-            mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **solver)
-            cost = "-"
-            if args.repeats:
-                ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha,
-                                    clock, **solver)
-                cost = f"{ratio:.2f}"
-            label = "warm" if warm else "cold"
-            lines.append(f"| {dual_steps} | {label} | {mean:.4f} | {low:.4f} | {cost} |")
-            print(lines[-1], flush=True)
+    for set_name in args.set:
+        shapes = problem_shapes(set_name)
+        for manifold_name in args.manifold:
+            manifold = resolve_manifold(manifold_name, "--manifold")
+            for dual_steps in args.dual:
+                for warm in [start == "warm" for start in args.starts]:
+                    if dual_steps == 0 and not warm and "warm" in args.starts:
+                        continue  # no dual step: warm and cold are the same computation
+                    mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha,
+                                           **solver)
+                    cost = "-"
+                    if args.repeats:
+                        ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed,
+                                            args.alpha, clock, **solver)
+                        cost = f"{ratio:.2f}"
+                    start = "warm" if warm else "cold"
+                    if dual_steps == DEFAULT_DUAL_STEPS and warm and not solver:
+                        start += " (default)"
+                    cells = [str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]
+                    where = f"{set_name} ({len(shapes)} matrices)"
+                    lines.append("| " + " | ".join([where, manifold_name, *cells]) + " |")
+                    print(lines[-1], flush=True)
     if args.markdown:
         text = "\n".join(lines)
         print(f"written: {provenance.write(args.markdown, text)}")

@@ -73,15 +73,15 @@ def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int, clo
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def short_commit() -> str:
-    """``git rev-parse --short HEAD`` of the checkout, with ``-dirty`` when tracked files
+def git_commit(short: bool = True) -> str:
+    """``git rev-parse [--short] HEAD`` of the checkout, with ``-dirty`` when tracked files
     have uncommitted changes (the measured code is then not exactly that commit)."""
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
 
     try:
-        head = git("rev-parse", "--short", "HEAD")
+        head = git("rev-parse", *(["--short"] if short else []), "HEAD")
         if head.returncode != 0:
             return "unknown (not a git checkout)"
         dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
@@ -108,7 +108,7 @@ class Provenance:
         args = self.args
         rows = [
             ("command", f"`{self.command}`"),
-            ("commit", f"`{short_commit()}`"),
+            ("commit", f"`{git_commit()}`"),
             ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
             ("machine", f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"),
             ("load average (1, 5, 15 min)", f"{_load(self.load_start)} at the start, {_load(load_end)} at the end"),

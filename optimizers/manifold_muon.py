@@ -31,7 +31,7 @@ from .steepest import NORMS, steepest_direction
 __all__ = ["ManifoldMuon", "resolve_manifold", "polish_retraction", "DEFAULT_DUAL_STEPS"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
-#: (``bench/manifold_frontier.py``; see that script's docstring for the table).
+#: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
 DEFAULT_DUAL_STEPS = 1
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
              "check_point_on_manifold")

@@ -201,7 +201,7 @@ def test_manifold_frontier_writes_its_table(tmp_path):
     markdown = tmp_path / "manifold_frontier.md"
     stdout = run_script("manifold_frontier", markdown, "--clock", "process")
     rows = parse_table(stdout)
-    assert [(r["dual steps"], r["start"]) for r in rows] == [("0", "warm"), ("1", "warm"), ("1", "cold")]
+    assert [(r["dual steps"], r["start"]) for r in rows] == [("0", "warm"), ("1", "warm (default)"), ("1", "cold")]
     for row in rows:
         # a certified ratio is primal / dual of a feasible direction: in (0, 1]
         assert 0 < float(row["min"]) <= float(row["mean certified ratio"]) <= 1, row

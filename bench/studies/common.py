@@ -37,12 +37,13 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from bench.timing import git_commit
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -403,20 +404,6 @@ def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict
 # ----------------------------------------------------------------------------- page
 
 
-def git_commit() -> str:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
-
-    try:
-        head = git("rev-parse", "HEAD")
-        if head.returncode != 0:
-            return "unknown (not a git checkout)"
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head.stdout.strip() + (" with uncommitted changes to tracked files" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (git not available)"
-
-
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -497,7 +484,7 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     runs = [r for records in results.values() for r in records]
     command = "geomuon study " + study.NAME + " " + " ".join(shlex.quote(a) for a in (argv_for_page or []))
     meta = {
-        "command": command.strip(), "commit": git_commit(),
+        "command": command.strip(), "commit": git_commit(short=False),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "n_runs": len(runs),
         "cached": cached, "jobs": args.jobs, "threads": args.threads,
