@@ -75,7 +75,8 @@ def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int, clo
 
 def git_commit(short: bool = True) -> str:
     """``git rev-parse [--short] HEAD`` of the checkout, with ``-dirty`` when tracked files
-    have uncommitted changes (the measured code is then not exactly that commit)."""
+    outside ``docs/results/`` have uncommitted changes (the measured code is then not
+    exactly that commit)."""
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
@@ -84,7 +85,9 @@ def git_commit(short: bool = True) -> str:
         head = git("rev-parse", *(["--short"] if short else []), "HEAD")
         if head.returncode != 0:
             return "unknown (not a git checkout)"
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        # Results pages are what these runs write: a page written earlier in the same
+        # session does not make the measured code differ from the commit.
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results").stdout.strip()
         return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown (git not available)"
