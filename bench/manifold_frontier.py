@@ -170,10 +170,7 @@ def main(argv=None) -> int:
                     where = f"{set_name} ({len(shapes)} matrices)"
                     lines.append("| " + " | ".join([where, manifold_name, *cells]) + " |")
                     print(lines[-1], flush=True)
-    if args.markdown:
-        text = "\n".join(lines)
-        print(f"written: {provenance.write(args.markdown, text)}")
-    return 0
+    return provenance.finish("\n".join(lines), printed=True)
 
 
 if __name__ == "__main__":

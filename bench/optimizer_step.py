@@ -130,10 +130,7 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {1e3 * median:.1f} | {median / medians[base]:.2f} | {base} | "
                      f"{state_mib(optimizers[name]):.1f} |")
     text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        print(f"written: {provenance.write(args.markdown, text)}")
-    return 0
+    return provenance.finish(text)
 
 
 if __name__ == "__main__":

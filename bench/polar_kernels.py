@@ -152,10 +152,7 @@ def main(argv=None) -> int:
         f"clock), and its ratio to {' '.join(BASELINE)} on the same shape. Steps: {steps}.\n\n"
         + table(shapes, accuracies, medians)
     )
-    print(text)
-    if args.markdown:
-        print(f"written: {provenance.write(args.markdown, text)}")
-    return 0
+    return provenance.finish(text)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,15 @@ class Provenance:
         path.write_text(self.header() + "\n\n" + table.strip() + "\n")
         return path
 
+    def finish(self, table: str, *, printed: bool = False) -> int:
+        """End of a script: print ``table`` (unless it was ``printed`` row by row), write it
+        to ``--markdown`` when given, and return the exit status 0."""
+        if not printed:
+            print(table)
+        if self.args.markdown:
+            print(f"written: {self.write(self.args.markdown, table)}")
+        return 0
+
 
 def _load(averages: tuple[float, float, float]) -> str:
     return ", ".join(f"{a:.2f}" for a in averages)
