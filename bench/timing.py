@@ -114,6 +114,10 @@ class Provenance:
             ("commit", f"`{git_commit()}`"),
             ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
             ("machine", f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"),
+            # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
+            # parallel ops: ManifoldMuon/Muon on 2 threads measured 7.0 instead of 5.1.
+            ("environment", ", ".join(f"{k}={os.environ[k]}" for k in _ENVIRONMENT if k in os.environ)
+             or "no OMP_*/MKL_* thread settings (library defaults)"),
             ("load average (1, 5, 15 min)", f"{_load(self.load_start)} at the start, {_load(load_end)} at the end"),
             ("date (UTC), duration", f"{self.started:%Y-%m-%d %H:%M}, {time.time() - self.started.timestamp():.1f} s"),
         ]
@@ -140,6 +144,10 @@ class Provenance:
         if self.args.markdown:
             print(f"written: {self.write(self.args.markdown, table)}")
         return 0
+
+
+#: Environment variables that change how kernels use threads, recorded with every run.
+_ENVIRONMENT = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
 
 
 def _load(averages: tuple[float, float, float]) -> str:

@@ -73,6 +73,11 @@ def check_provenance(markdown: Path, name: str, stdout: str) -> None:
     assert f"| torch | {torch.__version__}, 1 thread(s), " in text
     assert re.search(r"^\| load average \(1, 5, 15 min\) \| [\d.]+, [\d.]+, [\d.]+ at the start, "
                      r"[\d.]+, [\d.]+, [\d.]+ at the end \|$", text, re.MULTILINE)
+    # The thread settings the script ran under (run_script sets OMP_NUM_THREADS=1; the
+    # wait policy is whatever conftest or the caller set) are recorded.
+    environment = re.search(r"^\| environment \| (.*) \|$", text, re.MULTILINE).group(1)
+    assert "OMP_NUM_THREADS=1" in environment
+    assert f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" in environment
     # The file holds the very table the script printed.
     assert parse_table(text) == parse_table(stdout)
 

@@ -134,6 +134,21 @@ def _late_churn(record: dict) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+#: Relative change of the router shift below which a run counts as having kept it: fp32
+#: round-off of a centered step (~1e-7 relative) accumulated over a few hundred steps.
+SHIFT_KEPT = 1e-4
+
+
+def _shift_drift(record: dict) -> float:
+    """Largest relative change over MoE layers of ‖router mean row‖ from step 0 to the end."""
+    first, last = record["evals"][0]["router_shift"], common.final_eval(record)["router_shift"]
+    return max(abs(last[k] - first[k]) / max(first[k], 1e-30) for k in first)
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names) or "no variant"
+
+
 def report(results, size, meta, figure_dir) -> str:
     names = list(results)
     final = {n: [r["final_val_loss"] for r in results[n]] for n in names}
@@ -156,6 +171,17 @@ def report(results, size, meta, figure_dir) -> str:
         common.plot_panels(results, lambda e: e["routing_churn"], "routing churn per layer between evaluations",
                            "fraction of tokens", figure_dir, "routing_churn.png"),
     ]
+    drift = {n: max(_shift_drift(r) for r in results[n]) for n in names}
+    kept = [n for n in names if drift[n] <= SHIFT_KEPT]
+    moved = [n for n in names if n not in kept]
+    shift_note = (
+        "The router shift is the norm of the router's mean row: adding one vector to every expert's "
+        "row moves all logits together, which the softmax ignores, and a centered update has no "
+        f"component along it. Measured: {_listing(kept)} end within {SHIFT_KEPT:g} (relative) of the "
+        f"shift they started from (largest change {max((drift[n] for n in kept), default=math.nan):.1e}); "
+        f"{_listing(moved)} moved it (largest relative change "
+        f"{max((drift[n] for n in moved), default=math.nan):.2g})."
+    )
     findings = [
         common.compare_sentence("symmetry", final["symmetry"], "all AdamW", final["all AdamW"], "Final val loss"),
         common.compare_sentence("symmetry", final["symmetry"], "emb/head AdamW", final["emb/head AdamW"],
@@ -185,7 +211,7 @@ def report(results, size, meta, figure_dir) -> str:
         "## Results\n\nMean ± sample standard deviation over seeds; losses and expert load at the last "
         "step on the same validation windows for every run; churn averaged over the second half of the "
         "evaluations; the loss spike is the largest rise of the train loss above the median of the "
-        "previous 20 steps.\n\n" + common.table(header, rows),
+        "previous 20 steps.\n\n" + common.table(header, rows) + "\n\n" + shift_note,
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
         "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
         + "\n".join(f"* {f}" for f in findings),
