@@ -101,6 +101,7 @@ class Provenance:
         self.args = args
         argv = sys.argv[1:] if argv is None else argv
         self.command = " ".join(["python", f"bench/{Path(script).name}", *map(shlex.quote, argv)])
+        self.commit = git_commit()  # the code that is about to be measured
         self.load_start = os.getloadavg()
         self.started = datetime.datetime.now(datetime.timezone.utc)
 
@@ -111,7 +112,7 @@ class Provenance:
         args = self.args
         rows = [
             ("command", f"`{self.command}`"),
-            ("commit", f"`{git_commit()}`"),
+            ("commit", f"`{self.commit}`"),
             ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
             ("machine", f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"),
             # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
