@@ -478,13 +478,14 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         raise ValueError("--seeds must name at least one seed; --jobs and --threads must be >= 1")
     data_path = resolve_data(args.data)
     work_dir = Path(args.work_dir) if args.work_dir else REPO / "runs" / "studies" / study.NAME
+    commit = git_commit(short=False)  # the code the runs are about to use
     start = time.perf_counter()
     results, cached = run_all(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
     wall = time.perf_counter() - start
     runs = [r for records in results.values() for r in records]
     command = "geomuon study " + study.NAME + " " + " ".join(shlex.quote(a) for a in (argv_for_page or []))
     meta = {
-        "command": command.strip(), "commit": git_commit(short=False),
+        "command": command.strip(), "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "n_runs": len(runs),
         "cached": cached, "jobs": args.jobs, "threads": args.threads,
