@@ -206,6 +206,21 @@ def _growth(record, key):
     return max(last[key].values()) / max(first[key].values())
 
 
+def _saturation_verdict(dgram: list[float], stiefel: list[float]) -> str:
+    """Whether DGram attention shows the consequence the paper proposes for its logit
+    growth: a saturated softmax, whose Jacobian norm vanishes."""
+    verdict = common.separated(dgram, stiefel)
+    if not verdict:
+        return "Whether DGram attention's softmax saturates more is therefore not resolved at this size."
+    if common.mean_std(dgram)[0] < common.mean_std(stiefel)[0]:
+        return ("DGram attention's softmax is closer to saturation (a saturated softmax has a vanishing "
+                "Jacobian): the mechanism the paper proposes is visible here, growth and consequence.")
+    return ("The Jacobian is larger under DGram attention, not smaller: its softmax has not saturated more "
+            "than Stiefel attention's (a saturated softmax has a vanishing Jacobian), so at this size the "
+            "mechanism the paper proposes shows only its first half, the growth of σ(W_Q)σ(W_K) and of "
+            "the logits.")
+
+
 def report(results, size, meta, figure_dir) -> str:
     names = list(results)
     rows = []
@@ -241,6 +256,7 @@ def report(results, size, meta, figure_dir) -> str:
     product = {n: [_last(r, "qk_sigma_product") for r in results[n]] for n in names}
     logit = {n: [_last(r, "attn_logit") for r in results[n]] for n in names}
     growth = {n: [_growth(r, "qk_sigma_product") for r in results[n]] for n in names}
+    jacobian = {n: [min(common.final_eval(r)["softmax_jacobian"].values()) for r in results[n]] for n in names}
     findings = [
         common.compare_sentence("hetero", final["hetero"], "all_stiefel", final["all_stiefel"], "Final val loss"),
         common.compare_sentence("hetero", final["hetero"], "unconstrained", final["unconstrained"], "Final val loss"),
@@ -255,6 +271,9 @@ def report(results, size, meta, figure_dir) -> str:
         + ", ".join(f"`{n}` ×{common.fmt(growth[n], 2)}" for n in ("hetero", "hetero_inv", "all_dgram")) + ".",
         common.compare_sentence("hetero_inv", logit["hetero_inv"], "hetero", logit["hetero"],
                                 "Final max attention logit", lower_is_better=None, digits=2),
+        common.compare_sentence("hetero_inv", jacobian["hetero_inv"], "hetero", jacobian["hetero"],
+                                "Final min softmax-Jacobian norm", lower_is_better=None)
+        + " " + _saturation_verdict(jacobian["hetero_inv"], jacobian["hetero"]),
         "(a) " + common.compare_sentence("hetero_inv+colcap", final["hetero_inv+colcap"], "hetero_inv",
                                          final["hetero_inv"], "Final val loss"),
         "(a) " + common.compare_sentence("hetero_inv+colcap", product["hetero_inv+colcap"], "hetero_inv",
