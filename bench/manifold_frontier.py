@@ -29,6 +29,7 @@ table with its provenance (see :mod:`bench.timing`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -38,7 +39,9 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/manifold_frontier.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians  # noqa: E402
+from bench.timing import (  # noqa: E402
+    CLOCKS, Provenance, add_arguments, interleaved_medians, markdown_row, markdown_table,
+)
 
 #: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
 QUICK = {"steps": 3, "dual": [0, 1], "repeats": 2}
@@ -139,37 +142,33 @@ def main(argv=None) -> int:
         solver["msign_method"] = args.msign
     if args.msign_steps is not None:
         solver["msign_steps"] = args.msign_steps
+    header = ["set", "manifold", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
     lines = [
         f"{args.steps} steps per configuration, alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
         f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
         f"{args.repeats} interleaved rounds; start \"(default)\": ManifoldMuon's default solver",
         "",
-        "| set | manifold | dual steps | start | mean certified ratio | min | step cost / Muon |",
-        "|---|---|---|---|---|---|---|",
+        markdown_table(header, []),
     ]
     print("\n".join(lines))
-    for set_name in args.set:
+    starts = [start == "warm" for start in args.starts]
+    for set_name, manifold_name, dual_steps, warm in itertools.product(args.set, args.manifold, args.dual, starts):
+        if dual_steps == 0 and not warm and "warm" in args.starts:
+            continue  # no dual step: warm and cold are the same computation
         shapes = problem_shapes(set_name)
-        for manifold_name in args.manifold:
-            manifold = resolve_manifold(manifold_name, "--manifold")
-            for dual_steps in args.dual:
-                for warm in [start == "warm" for start in args.starts]:
-                    if dual_steps == 0 and not warm and "warm" in args.starts:
-                        continue  # no dual step: warm and cold are the same computation
-                    mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha,
-                                           **solver)
-                    cost = "-"
-                    if args.repeats:
-                        ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed,
-                                            args.alpha, clock, **solver)
-                        cost = f"{ratio:.2f}"
-                    start = "warm" if warm else "cold"
-                    if dual_steps == DEFAULT_DUAL_STEPS and warm and not solver:
-                        start += " (default)"
-                    cells = [str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]
-                    where = f"{set_name} ({len(shapes)} matrices)"
-                    lines.append("| " + " | ".join([where, manifold_name, *cells]) + " |")
-                    print(lines[-1], flush=True)
+        manifold = resolve_manifold(manifold_name, "--manifold")
+        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **solver)
+        cost = "-"
+        if args.repeats:
+            ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha, clock,
+                                **solver)
+            cost = f"{ratio:.2f}"
+        start = "warm" if warm else "cold"
+        if dual_steps == DEFAULT_DUAL_STEPS and warm and not solver:
+            start += " (default)"
+        where = f"{set_name} ({len(shapes)} matrices)"
+        lines.append(markdown_row([where, manifold_name, str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]))
+        print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)
 
 

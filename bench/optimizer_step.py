@@ -38,7 +38,7 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians  # noqa: E402
+from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians, markdown_table  # noqa: E402
 
 #: ``--quick``: one block of width 64 (seconds; checks the script, not a result).
 QUICK = {"layers": 1, "width": 64, "repeats": 3}
@@ -124,18 +124,13 @@ def main(argv=None) -> int:
         "ManifoldMuon DGram": "Muon (ours)",
         "RiemannianAdam Stiefel": "Muon (ours)",
     }
-    lines = [
+    rows = [[name, f"{1e3 * median:.1f}", f"{median / medians[baselines[name]]:.2f}", baselines[name],
+             f"{state_mib(optimizers[name]):.1f}"] for name, median in medians.items()]
+    text = (
         f"{len(shapes)} matrices ({args.layers} layers x {args.width}), {params_mib:.1f} MiB of fp32 "
-        f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds",
-        "",
-        "| optimizer | step (ms) | ratio | vs | state (MiB) |",
-        "|---|---|---|---|---|",
-    ]
-    for name, median in medians.items():
-        base = baselines[name]
-        lines.append(f"| {name} | {1e3 * median:.1f} | {median / medians[base]:.2f} | {base} | "
-                     f"{state_mib(optimizers[name]):.1f} |")
-    text = "\n".join(lines)
+        f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds\n\n"
+        + markdown_table(["optimizer", "step (ms)", "ratio", "vs", "state (MiB)"], rows)
+    )
     return provenance.finish(text)
 
 

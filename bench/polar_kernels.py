@@ -40,7 +40,8 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/polar_kernels.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians  # noqa: E402
+from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians, markdown_table  # noqa: E402
+from manifolds import Stiefel  # noqa: E402
 from manifolds.linalg import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5, msign  # noqa: E402
 
 #: (method, dtype name) of every kernel measured; svd only in fp32 (torch has no bf16 SVD).
@@ -62,20 +63,14 @@ def log_spectrum(k: int, condition: float = CONDITION) -> torch.Tensor:
     return torch.logspace(0.0, -torch.log10(torch.tensor(condition)).item(), k, dtype=torch.float64)
 
 
-def haar_orthonormal(rows: int, cols: int, batch: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """``[*batch, rows, cols]`` with orthonormal columns, Haar-distributed (QR of a Gaussian
-    with the signs of R's diagonal folded into Q)."""
-    Q, R = torch.linalg.qr(torch.randn(*batch, rows, cols, dtype=torch.float64, generator=generator))
-    return Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)
-
-
 def make_inputs(shape: tuple[int, ...], seed: int) -> dict[str, torch.Tensor]:
     """The fp64 inputs of one shape: ``κ=1e3`` (log-spaced spectrum) and ``Gaussian``."""
     generator = torch.Generator().manual_seed(seed)
     *batch, m, n = shape
     k = min(m, n)
-    U = haar_orthonormal(m, k, tuple(batch), generator)
-    V = haar_orthonormal(n, k, tuple(batch), generator)
+    # Haar-distributed frames: the polar factor of a Gaussian matrix (Stiefel.random).
+    U = Stiefel().random(*batch, m, k, dtype=torch.float64, generator=generator)
+    V = Stiefel().random(*batch, n, k, dtype=torch.float64, generator=generator)
     controlled = (U * log_spectrum(k)) @ V.mT
     gaussian = torch.randn(shape, dtype=torch.float64, generator=generator)
     return {"κ=1e3": controlled, "Gaussian": gaussian}
@@ -121,7 +116,7 @@ def table(shapes, accuracies, medians) -> str:
     header = ["shape", "kernel", "dtype", "time (ms)", "ratio"]
     for name in INPUTS:
         header += [f"error {name}", f"σ range {name}"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for shape in shapes:
         base = medians[(shape, *BASELINE)]
         for method, dtype in KERNELS:
@@ -130,8 +125,8 @@ def table(shapes, accuracies, medians) -> str:
             for name in INPUTS:
                 acc = accuracies[(shape, method, dtype, name)]
                 cells += [f"{acc.error:.2e}", f"[{acc.sigma_min:.5f}, {acc.sigma_max:.5f}]"]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append(cells)
+    return markdown_table(header, rows)
 
 
 def main(argv=None) -> int:

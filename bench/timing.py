@@ -114,7 +114,7 @@ class Provenance:
             ("command", f"`{self.command}`"),
             ("commit", f"`{self.commit}`"),
             ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
-            ("machine", f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"),
+            ("machine", machine()),
             # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
             # parallel ops: ManifoldMuon/Muon on 2 threads measured 7.0 instead of 5.1.
             ("environment", ", ".join(f"{k}={os.environ[k]}" for k in _ENVIRONMENT if k in os.environ)
@@ -122,8 +122,7 @@ class Provenance:
             ("load average (1, 5, 15 min)", f"{_load(self.load_start)} at the start, {_load(load_end)} at the end"),
             ("date (UTC), duration", f"{self.started:%Y-%m-%d %H:%M}, {time.time() - self.started.timestamp():.1f} s"),
         ]
-        lines = ["| run | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows)]
-        text = "\n".join(lines)
+        text = markdown_table(["run", ""], [list(row) for row in rows])
         if args.quick:
             text = ('!!! warning "Quick run: not a result"\n    Written by a `--quick` run (smoke sizes, few '
                     "repeats): it shows the table's form and that the script runs; its numbers are not "
@@ -149,6 +148,20 @@ class Provenance:
 
 #: Environment variables that change how kernels use threads, recorded with every run.
 _ENVIRONMENT = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+
+
+def machine() -> str:
+    """``"x86_64 Linux, 2 CPU(s)"``: what every table and study page says it ran on."""
+    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"
+
+
+def markdown_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (what the scripts print and the docs include)."""
+    return "\n".join([markdown_row(header), "|" + "---|" * len(header), *map(markdown_row, rows)])
 
 
 def _load(averages: tuple[float, float, float]) -> str:

@@ -117,8 +117,9 @@ def test_polar_kernels_table_has_every_kernel_and_consistent_ratios(polar_run):
             seconds, ratio = float(row["time (ms)"]), float(row["ratio"])
             # times are printed to 3 significant digits (0.5% each), ratios to 2 decimals
             assert seconds > 0 and abs(ratio - seconds / base) <= 0.01 * ratio + 0.005, row
-        # 12 Polar Express steps are 2.4x the 5 Newton-Schulz steps' matmuls on the same shapes
-        assert float(group[("polar_express", "fp32")]["time (ms)"]) > float(group[("newton_schulz", "fp32")]["time (ms)"])
+    # Which iteration counts were timed is stated, not inferred from the times (a timing
+    # comparison in a test would flake on a shared machine; benchmarks report, tests check).
+    assert "Steps: newton_schulz 5, polar_express_5 5, polar_express 12." in stdout
     check_provenance(markdown, "polar_kernels", stdout)
 
 

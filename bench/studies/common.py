@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.timing import git_commit
+from bench.timing import git_commit, machine, markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -404,12 +404,6 @@ def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict
 # ----------------------------------------------------------------------------- page
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir: Path,
                results: dict[str, list[dict]]) -> Path:
     """``<out_dir>/<NAME>.md`` (title, status, the study's body, config, provenance) and
@@ -431,7 +425,7 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
                   f"({size.steps} steps): a smoke test of the study's machinery. Its numbers say "
                   "nothing about the question; run the study at `--size full`.")
     config = json.dumps({"size": size_name, **dataclasses.asdict(size)}, indent=1, default=str)
-    provenance = table(["", ""], [
+    provenance = markdown_table(["", ""], [
         ["command", f"`{meta['command']}`"],
         ["commit", f"`{meta['commit']}`"],
         ["date (UTC)", meta["date"]],
@@ -489,8 +483,7 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "n_runs": len(runs),
         "cached": cached, "jobs": args.jobs, "threads": args.threads,
-        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s), "
-                   f"torch {_torch_version()}, Python {platform.python_version()}",
+        "machine": f"{machine()}, torch {_torch_version()}, Python {platform.python_version()}",
     }
     out_dir = Path(args.out)
     body = study.report(results, size, meta, out_dir / study.NAME)

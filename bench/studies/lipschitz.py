@@ -26,6 +26,7 @@ import torch
 
 from bench.studies import common
 from bench.studies.common import Size, Variant
+from bench.timing import markdown_table
 
 NAME = "lipschitz"
 TITLE = "Enforced Lipschitz bounds (seed 003) at CPU scale"
@@ -149,7 +150,7 @@ def report(results, size, meta, figure_dir) -> str:
         "AdamW variants), warmup then cosine decay. The soft cap's coupling uses Muon's update-norm "
         "bound at the current learning rate. " + RATE_CHOICE,
         "## Results\n\nMean ± sample standard deviation over seeds, at the last step, on the same "
-        "validation windows for every run.\n\n" + common.table(header, rows),
+        "validation windows for every run.\n\n" + markdown_table(header, rows),
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
         "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
         + "\n".join(f"* {f}" for f in findings) + "\n\n" + why,

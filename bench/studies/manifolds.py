@@ -29,6 +29,7 @@ import torch
 
 from bench.studies import common
 from bench.studies.common import Size, Variant
+from bench.timing import markdown_table
 from manifolds import DGram
 from manifolds.base import matrix_method
 from manifolds.linalg import msign
@@ -300,7 +301,7 @@ def report(results, size, meta, figure_dir) -> str:
         "## Variants\n\n" + labels + "\n\n" + init,
         "## Results\n\nMean ± sample standard deviation over seeds, at the last step, on the same "
         "validation windows for every run. The mechanism columns are the largest value over layers.\n\n"
-        + common.table(header, rows),
+        + markdown_table(header, rows),
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
         "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
         + "\n".join(f"* {f}" for f in findings)

@@ -29,6 +29,7 @@ import torch
 
 from bench.studies import common
 from bench.studies.common import Size, Variant
+from bench.timing import markdown_table
 from optimizers.assign import STRATEGIES, Rule
 
 NAME = "symmetry"
@@ -211,7 +212,7 @@ def report(results, size, meta, figure_dir) -> str:
         "## Results\n\nMean ± sample standard deviation over seeds; losses and expert load at the last "
         "step on the same validation windows for every run; churn averaged over the second half of the "
         "evaluations; the loss spike is the largest rise of the train loss above the median of the "
-        "previous 20 steps.\n\n" + common.table(header, rows) + "\n\n" + shift_note,
+        "previous 20 steps.\n\n" + markdown_table(header, rows) + "\n\n" + shift_note,
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
         "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
         + "\n".join(f"* {f}" for f in findings),
