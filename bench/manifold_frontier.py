@@ -13,7 +13,7 @@ GPT-2 block shapes of ``bench/optimizer_step.py``).
 
 The measured table, with how it was produced, is on the docs' Results page
 (``--markdown docs/results/benchmarks/manifold_frontier.md`` writes it); the row of
-ManifoldMuon's default (:data:`optimizers.manifold_muon.DEFAULT_DUAL_STEPS`, warm) is
+ManifoldMuon's default (:data:`geomuon.optimizers.manifold_muon.DEFAULT_DUAL_STEPS`, warm) is
 marked there.
 
 Usage::
@@ -80,7 +80,7 @@ class Regression:
 
 
 def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: int, alpha: float, **solver):
-    from optimizers import ManifoldMuon
+    from geomuon.optimizers import ManifoldMuon
 
     task = Regression(shapes, manifold, seed=seed)
     params = [torch.nn.Parameter(w.clone()) for w in task.start]
@@ -97,7 +97,7 @@ def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: 
 def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, seed: int, alpha: float,
                 clock=time.perf_counter, **solver):
     """Median step time of ManifoldMuon (no certificate) and of our Muon, interleaved."""
-    from optimizers import ManifoldMuon, Muon
+    from geomuon.optimizers import ManifoldMuon, Muon
 
     task = Regression(shapes, manifold, seed=seed)
     mm_params = [torch.nn.Parameter(w.clone()) for w in task.start]
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
-    from optimizers.manifold_muon import DEFAULT_DUAL_STEPS, resolve_manifold
+    from geomuon.optimizers.manifold_muon import DEFAULT_DUAL_STEPS, resolve_manifold
 
     solver = {}
     if args.msign:

@@ -9,9 +9,9 @@ reports medians as ratios to a baseline, plus the optimizer state in MiB
 (:func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes the table with its
 provenance, see :mod:`bench.timing`).
 
-Rows: ``torch.optim.Muon`` and our :class:`optimizers.Muon` (same settings, bf16
-Newton–Schulz); :class:`optimizers.ManifoldMuon` on Stiefel and on DGram with its
-default solver; ``geoopt.optim.RiemannianAdam`` on Stiefel (our ``manifolds.Stiefel``
+Rows: ``torch.optim.Muon`` and our :class:`geomuon.optimizers.Muon` (same settings, bf16
+Newton–Schulz); :class:`geomuon.optimizers.ManifoldMuon` on Stiefel and on DGram with its
+default solver; ``geoopt.optim.RiemannianAdam`` on Stiefel (our ``geomuon.manifolds.Stiefel``
 through geoopt's ``ManifoldParameter``).
 
 Run it with OpenMP's default thread settings (the header records any ``OMP_*``): with
@@ -61,8 +61,8 @@ def build(shapes, seed: int):
     """Every optimizer under test, each on its own copy of the parameters."""
     import geoopt
 
-    from manifolds import DGram, Stiefel
-    from optimizers import ManifoldMuon, Muon
+    from geomuon.manifolds import DGram, Stiefel
+    from geomuon.optimizers import ManifoldMuon, Muon
 
     gen = torch.Generator().manual_seed(seed)
     base = [torch.randn(s, generator=gen) / s[1] ** 0.5 for s in shapes]

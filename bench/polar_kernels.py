@@ -1,4 +1,4 @@
-r"""Accuracy and time of the polar-factor kernels of :func:`manifolds.linalg.msign`.
+r"""Accuracy and time of the polar-factor kernels of :func:`geomuon.manifolds.linalg.msign`.
 
 Kernels: ``newton_schulz`` (Keller Jordan's quintic, 5 steps), ``polar_express_5``
 (5 steps), ``polar_express`` (12 steps) in bf16 and fp32, and ``svd`` in fp32 (torch
@@ -41,8 +41,8 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/polar_kernels.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians, markdown_table  # noqa: E402
-from manifolds import Stiefel  # noqa: E402
-from manifolds.linalg import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5, msign  # noqa: E402
+from geomuon.manifolds import Stiefel  # noqa: E402
+from geomuon.manifolds.linalg import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5, msign  # noqa: E402
 
 #: (method, dtype name) of every kernel measured; svd only in fp32 (torch has no bf16 SVD).
 KERNELS = [(method, dtype) for method in ("newton_schulz", "polar_express_5", "polar_express")
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     accuracies, medians = measure(shapes, args.repeats, CLOCKS[args.clock], args.seed)
     steps = ", ".join(f"{s.name} {s.default_steps}" for s in (KELLER_QUINTIC, POLAR_EXPRESS_5, POLAR_EXPRESS))
     text = (
-        f"Polar-factor kernels of `manifolds.linalg.msign`: spectral-norm error against the exact polar "
+        f"Polar-factor kernels of `geomuon.manifolds.linalg.msign`: spectral-norm error against the exact polar "
         f"factor of the kernel's (rounded) input and the range of the output's singular values, on a "
         f"log-spaced spectrum of condition {CONDITION:g} (κ=1e3) and on a Gaussian matrix; time on the "
         f"Gaussian input, median of {args.repeats} interleaved rounds ({args.threads} thread(s), {args.clock} "

@@ -3,7 +3,7 @@ r"""Matrix manifolds (geoopt-compatible) and the linear-algebra kernels under th
 Every manifold subclasses :class:`MatrixManifold` (a ``geoopt.Manifold`` acting on
 ``[..., m, n]``) and exposes its tangent constraint (``constraint``,
 ``constraint_adjoint``, ``constraint_gram_diag``) for the steepest-descent engine.
-The kernels stay importable as ``manifolds.linalg``.
+The kernels stay importable as ``geomuon.manifolds.linalg``.
 """
 
 from . import linalg

@@ -24,7 +24,7 @@ class LPRO(Euclidean):
     vocabulary items for every shape.
 
     Without ``radius`` the set is all of $\mathbb{R}^{m\times n}$ (the geometry of
-    :class:`~manifolds.Euclidean`, multiplier ``[..., 0]``). With a radius $r$ every row
+    :class:`~geomuon.manifolds.Euclidean`, multiplier ``[..., 0]``). With a radius $r$ every row
     has norm $r$, $\|w_i\| = r$:
 
     | map | formula |

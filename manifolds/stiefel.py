@@ -27,7 +27,7 @@ class Stiefel(MatrixManifold):
     | retraction | $R_W(V) = \operatorname{msign}(W + V)$ |
     | ``projx`` | $UV^\top$ from the SVD $X = U\Sigma V^\top$ (the nearest frame) |
 
-    The retraction runs Polar Express (:func:`manifolds.linalg.msign`) in float32 (float64
+    The retraction runs Polar Express (:func:`geomuon.manifolds.linalg.msign`) in float32 (float64
     for float64 points): $W + V$ has singular values $\sqrt{1 + \sigma_i(V)^2} \ge 1$, so
     the iteration is well conditioned. ``projx`` takes the thin SVD in float64 (a float32
     SVD returns frames orthonormal only to about $n\varepsilon$) and rounds once; its $U$

@@ -1,9 +1,9 @@
 """Update maps, the steepest-descent engine and the matrix optimizers (see DESIGN §3).
 
-``msign`` is re-exported from :mod:`manifolds.linalg`, where the kernel lives.
+``msign`` is re-exported from :mod:`geomuon.manifolds.linalg`, where the kernel lives.
 """
 
-from manifolds.linalg import msign
+from geomuon.manifolds.linalg import msign
 
 from . import maps
 from .base import MatrixOptimizer

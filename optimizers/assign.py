@@ -4,7 +4,7 @@ Two steps, kept apart so each can be checked on its own:
 
 1. :func:`classify` reads the *role* of every parameter from the module tree. A module
    declares its weights' roles in a ``ROLES = {child attribute: role}`` mapping (as
-   ``pretrain.model`` does); undeclared ``nn.Embedding`` are embeddings, 1-D tensors are
+   ``geomuon.pretrain.model`` does); undeclared ``nn.Embedding`` are embeddings, 1-D tensors are
    vectors, and a short table of conventional child names (``q_proj``, ``gate_proj``,
    ``c_fc``, …, read together with the parent's name) covers foreign models. A weight
    that none of these places is an error, never a silent default; ``roles={name: role}``
@@ -249,7 +249,7 @@ _MANIFOLD_CLASSES = {"stiefel": "Stiefel", "dgram": "DGram", "centered_router": 
 
 
 def _manifold(name: str):
-    return getattr(importlib.import_module("manifolds"), _MANIFOLD_CLASSES[name])()
+    return getattr(importlib.import_module("geomuon.manifolds"), _MANIFOLD_CLASSES[name])()
 
 
 _UPDATE_CLASSES = {
@@ -265,7 +265,7 @@ _UPDATE_CLASSES = {
 def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
     if update == "adamw":
         return torch.optim.AdamW(groups, lr=hyper.adamw_lr, betas=hyper.adamw_betas, weight_decay=0.0)
-    cls = getattr(importlib.import_module("optimizers"), _UPDATE_CLASSES[update])
+    cls = getattr(importlib.import_module("geomuon.optimizers"), _UPDATE_CLASSES[update])
     kwargs = dict(lr=hyper.lr, momentum=hyper.momentum, **hyper.extra)
     if update in ("muon", "manifold_muon"):
         kwargs["nesterov"] = hyper.nesterov
@@ -290,7 +290,7 @@ def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) ->
     if rule.centered:
         group["centered"] = True
     if rule.regulate:
-        regulate = importlib.import_module("optimizers.regulate")
+        regulate = importlib.import_module("geomuon.optimizers.regulate")
         group["regulate"] = regulate.make_regulator({"kind": rule.regulate, "w_max": hyper.w_max})
     return group
 
@@ -320,7 +320,7 @@ def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, R
             raise ValueError(f"strategy names role {role!r}; a strategy maps roles of {ROLES[:-1]} "
                              "(vectors always use AdamW)")
         if not isinstance(rule, Rule):
-            raise TypeError(f"strategy[{role!r}] is a {type(rule).__name__}; use optimizers.assign.Rule(...)")
+            raise TypeError(f"strategy[{role!r}] is a {type(rule).__name__}; use geomuon.optimizers.assign.Rule(...)")
         if rule.update not in ("adamw", *_UPDATE_CLASSES):
             raise ValueError(f"strategy[{role!r}] has update {rule.update!r}; choose one of "
                              f"{('adamw', *_UPDATE_CLASSES)}")

@@ -24,7 +24,7 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   ``ValueError``. A gradient whose Frobenius norm overflows its dtype (fp32 entries
   beyond $\sim10^{19}$) counts as non-finite (one fused norm per group decides).
 * **Regulation** (group key ``regulate``): a spec for
-  :func:`optimizers.regulate.make_regulator`, applied after the step as
+  :func:`geomuon.optimizers.regulate.make_regulator`, applied after the step as
   ``p.copy_(reg(p, lr=lr, state=self.state[p]))``.
 * ``p.grad is None`` skipped; closures; LR schedulers (``lr`` is read from the group at
   every step, float or 1-element tensor); ``state_dict``/``load_state_dict`` (all state
@@ -328,7 +328,7 @@ def _make_regulator(spec, index: int):
         from .regulate import make_regulator
     except ImportError as error:  # pragma: no cover - only while the module is missing
         raise ValueError(
-            f"param group {index}: regulate={spec!r} needs optimizers.regulate, which failed to "
+            f"param group {index}: regulate={spec!r} needs geomuon.optimizers.regulate, which failed to "
             f"import ({error}); use regulate=None"
         ) from error
     return make_regulator(spec)

@@ -6,8 +6,8 @@ $$B \leftarrow \mu B + (1-\mu)G,\qquad \hat A = \arg\max_{A\in T_W\mathcal M,\ \
 \langle \tilde B, A\rangle\ \text{(the engine, warm-started)},\qquad
 W \leftarrow R_W(-\eta\,\hat A),$$
 
-with $\tilde B$ the (Nesterov) momentum of :mod:`optimizers.base`, the direction from
-:func:`optimizers.steepest.steepest_direction` (dual iterations in ``compute_dtype``,
+with $\tilde B$ the (Nesterov) momentum of :mod:`geomuon.optimizers.base`, the direction from
+:func:`geomuon.optimizers.steepest.steepest_direction` (dual iterations in ``compute_dtype``,
 final tangent projection and rescaling in the parameter's dtype) and the manifold's own
 retraction in float32 (float64 for float64 parameters; bf16 parameters are upcast).
 
@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
-from manifolds import retraction_dtype
+from geomuon.manifolds import retraction_dtype
 
 from .base import MatrixOptimizer
 from .steepest import NORMS, steepest_direction
@@ -49,7 +49,7 @@ def resolve_manifold(spec, where: str):
     """A manifold instance from an instance or a name in ``stiefel, dgram, oblique,
     centered_router, euclidean, lpro``; ``ValueError`` naming ``where`` otherwise."""
     if isinstance(spec, str):
-        module = importlib.import_module("manifolds")
+        module = importlib.import_module("geomuon.manifolds")
         cls = getattr(module, _BY_NAME.get(spec.lower(), spec), None)
         if cls is None:
             raise ValueError(f"{where}: unknown manifold {spec!r}; choose one of {sorted(_BY_NAME)}")
@@ -84,7 +84,7 @@ def polish_retraction(manifold, W: torch.Tensor, V: torch.Tensor, *, max_steps: 
     iteration's basin ($\|X_0^\top X_0\|_\infty \ge 2.9$, i.e. a step of norm $\gtrsim 1.4$),
     or when ``max_steps`` do not converge. Computed in float32 (float64 for float64 ``W``).
     """
-    from manifolds import DGram, Stiefel
+    from geomuon.manifolds import DGram, Stiefel
 
     if not isinstance(manifold, (Stiefel, DGram)):
         return manifold.retr(W, V)
@@ -133,7 +133,7 @@ class ManifoldMuon(MatrixOptimizer):
         dual_alpha: constant Jacobi-preconditioned dual step size (default 1).
         warm_start: start each step's dual from the previous correction (default True).
         msign_method: the spectral dualizer's kernel, a method of
-            :func:`manifolds.linalg.msign` (default ``"polar_express"``).
+            :func:`geomuon.manifolds.linalg.msign` (default ``"polar_express"``).
         msign_steps: its iterations (default 6: the first 6 steps of the Polar Express
             table, singular values within $[0.9935, 1.0012]$; the 5-step table's
             $[0.85, 1.14]$ caps the certified ratio near 0.89).
@@ -144,9 +144,9 @@ class ManifoldMuon(MatrixOptimizer):
         certify_every: every this many steps, compute the exact duality certificate
             of each matrix's direction into :attr:`certificates` (0: never; it costs an
             SVD per matrix).
-        nonfinite: group key of :mod:`optimizers.base`: ``"skip"`` or ``"raise"``.
-        regulate: group key of :mod:`optimizers.base`: a regulator spec or ``None``.
-        matrix_view: group key of :mod:`optimizers.base`: ``"strict"``, ``"batch"`` or
+        nonfinite: group key of :mod:`geomuon.optimizers.base`: ``"skip"`` or ``"raise"``.
+        regulate: group key of :mod:`geomuon.optimizers.base`: a regulator spec or ``None``.
+        matrix_view: group key of :mod:`geomuon.optimizers.base`: ``"strict"``, ``"batch"`` or
             ``"flatten"``.
 
     Attributes:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from manifolds.linalg import check_matrix, inv_sqrt_psd, msign
+from geomuon.manifolds.linalg import check_matrix, inv_sqrt_psd, msign
 
 __all__ = [
     "UpdateMap",
@@ -60,9 +60,9 @@ def spectral(
 
     Args:
         D: ``[..., m, n]``.
-        method: passed to :func:`manifolds.linalg.msign`.
-        steps: passed to :func:`manifolds.linalg.msign`.
-        compute_dtype: passed to :func:`manifolds.linalg.msign`.
+        method: passed to :func:`geomuon.manifolds.linalg.msign`.
+        steps: passed to :func:`geomuon.manifolds.linalg.msign`.
+        compute_dtype: passed to :func:`geomuon.manifolds.linalg.msign`.
         eps: floor of $\|D\|_F$ in the normalization ($10^{-7}$); zero $D$ gives zero.
 
     Returns:
@@ -131,7 +131,7 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
     r"""Right polar update (RightPolarGradM): $U(D) = \|D\|_*^{\alpha}\,D\,(D^\top D)^{-1/2}$.
 
     The inverse square root of the $n\times n$ Gram matrix comes from coupled
-    Newton–Schulz (:func:`manifolds.linalg.inv_sqrt_psd`), and
+    Newton–Schulz (:func:`geomuon.manifolds.linalg.inv_sqrt_psd`), and
     $\|D\|_* = \operatorname{tr}(D^\top D)^{1/2} = \langle D, D(D^\top D)^{-1/2}\rangle$ is read
     off the same product. $\alpha = 0$ gives Muon's direction $\operatorname{msign}(D)$;
     the reference PolarGrad uses $\alpha = 1$. Since $D f(D^\top D) = f(DD^\top) D$, this is
@@ -144,7 +144,7 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
         D: ``[..., m, n]``.
         alpha: exponent of the nuclear-norm scale.
         eps: diagonal shift of the Gram matrix (default: $n\,\varepsilon\,\|D^\top D\|_F$,
-            see :func:`~manifolds.linalg.inv_sqrt_psd`); a zero $D$ gives zero.
+            see :func:`~geomuon.manifolds.linalg.inv_sqrt_psd`); a zero $D$ gives zero.
 
     Returns:
         ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
@@ -194,9 +194,9 @@ def hybrid(
         D: ``[..., m, n]``.
         alpha: exponent of the nuclear-norm scale ($1$ in the reference code).
         eps: row-norm floor ($10^{-8}$).
-        method: passed to :func:`manifolds.linalg.msign`.
-        steps: passed to :func:`manifolds.linalg.msign`.
-        compute_dtype: passed to :func:`manifolds.linalg.msign`.
+        method: passed to :func:`geomuon.manifolds.linalg.msign`.
+        steps: passed to :func:`geomuon.manifolds.linalg.msign`.
+        compute_dtype: passed to :func:`geomuon.manifolds.linalg.msign`.
 
     Returns:
         ``[..., m, n]`` in ``D.dtype``; matmuls in ``compute_dtype`` (default ``D.dtype``).

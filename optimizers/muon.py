@@ -2,7 +2,7 @@ r"""Muon: momentum, then the Newton–Schulz polar factor, batched over same-sha
 
 A drop-in for ``torch.optim.Muon`` (same arguments, same meaning, same refusals), with
 the package's conventions on top (AdamW groups, batching, non-finite handling,
-regulation; see :mod:`optimizers.base`). One step, for every matrix $W$ with gradient $G$:
+regulation; see :mod:`geomuon.optimizers.base`). One step, for every matrix $W$ with gradient $G$:
 
 $$B \leftarrow \mu B + (1-\mu)G,\qquad \tilde B = \begin{cases}(1-\mu)G + \mu B & \text{Nesterov}\\ B\end{cases},$$
 $$O = \mathrm{NS}^{(a,b,c)}_k\big(\tilde B / \max(\|\tilde B\|_F, \epsilon)\big),\qquad
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign
+from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign
 
 from .base import MatrixOptimizer
 
@@ -35,7 +35,7 @@ class Muon(MatrixOptimizer):
     Args:
         params: parameters or param groups. Matrix groups take 2-D parameters
             (``matrix_view="batch"`` or ``"flatten"`` in a group admits 3-D+ ones, see
-            :mod:`optimizers.base`); ``update="adamw"`` groups take anything.
+            :mod:`geomuon.optimizers.base`); ``update="adamw"`` groups take anything.
         lr: learning rate $\eta$, float or 1-element tensor (default ``1e-3``).
         weight_decay: decoupled decay $\lambda$, multiplied by the unadjusted ``lr``
             (default ``0.1``).
@@ -49,9 +49,9 @@ class Muon(MatrixOptimizer):
         compute_dtype: dtype of the Newton–Schulz matmuls (default ``torch.bfloat16``,
             as ``torch.optim.Muon``; ``None`` uses the parameter's dtype). The update is
             added to the parameter in its own dtype.
-        nonfinite: group key of :mod:`optimizers.base` (default ``"skip"``).
-        regulate: group key of :mod:`optimizers.base` (default ``None``).
-        matrix_view: group key of :mod:`optimizers.base` (default ``"strict"``).
+        nonfinite: group key of :mod:`geomuon.optimizers.base` (default ``"skip"``).
+        regulate: group key of :mod:`geomuon.optimizers.base` (default ``None``).
+        matrix_view: group key of :mod:`geomuon.optimizers.base` (default ``"strict"``).
 
     Raises:
         ValueError: negative ``lr``/``momentum``/``weight_decay``, a multi-element

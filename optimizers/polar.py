@@ -2,7 +2,7 @@ r"""The symmetry-compatible family of seed 004: RowNormM and the PolarGrad optim
 
 One skeleton (Lau & Su): momentum $M \leftarrow \beta M + (1-\beta)G$ ($\beta = 0.95$, no
 Nesterov by default), decoupled weight decay $W \leftarrow (1 - \eta\lambda)W$, then
-$W \leftarrow W - \eta\,U(M)$ with the update map $U$ of :mod:`optimizers.maps`:
+$W \leftarrow W - \eta\,U(M)$ with the update map $U$ of :mod:`geomuon.optimizers.maps`:
 
 | optimizer | $U$ | equivariant under |
 |---|---|---|
@@ -30,7 +30,7 @@ __all__ = ["RowNormM", "RightPolarGradM", "LeftPolarGradM", "HybridPolarGradM"]
 
 
 class _MapOptimizer(MatrixOptimizer):
-    """The seed-004 skeleton around one update map of :mod:`optimizers.maps`.
+    """The seed-004 skeleton around one update map of :mod:`geomuon.optimizers.maps`.
 
     Args:
         params: parameters or param groups (matrices; ``update="adamw"`` groups for the rest).
@@ -43,7 +43,7 @@ class _MapOptimizer(MatrixOptimizer):
         eps: the map's epsilon (row-norm floor, or the Gram shift of the polar maps;
             ``None``: the map's default).
         compute_dtype: dtype the map computes in (default: the parameter's).
-        nonfinite, regulate, matrix_view: group keys of :mod:`optimizers.base`.
+        nonfinite, regulate, matrix_view: group keys of :mod:`geomuon.optimizers.base`.
     """
 
     map_name = ""

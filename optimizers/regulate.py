@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
-from manifolds.linalg import KELLER_QUINTIC, NSSchedule, check_matrix, msign, power_iteration
+from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, check_matrix, msign, power_iteration
 
 __all__ = [
     "Regulator",
@@ -453,7 +453,7 @@ def muon_update_norm(
     $$\eta = \text{lr}\cdot \text{ns\_max}\cdot\text{margin}\cdot
       \sqrt{\text{fan\_in}/\text{fan\_out}}\; c(\text{shape}),$$
 
-    with $c$ the shape factor of ``torch.optim.Muon`` (and ``optimizers.Muon``):
+    with $c$ the shape factor of ``torch.optim.Muon`` (and ``geomuon.optimizers.Muon``):
     ``"original"`` $\sqrt{\max(1, \text{fan\_out}/\text{fan\_in})}$ (so the product is
     $\max(1, \sqrt{\text{fan\_in}/\text{fan\_out}})$), ``"match_rms_adamw"``
     $0.2\sqrt{\max(\text{fan\_out}, \text{fan\_in})}$, or ``None`` for an update already

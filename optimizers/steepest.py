@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from manifolds.linalg import msign
+from geomuon.manifolds.linalg import msign
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -133,7 +133,7 @@ NORMS: dict[str, Norm] = {
 
 #: Named solver settings. ``accurate``: the certified-quality setting of the checks
 #: (exact certificate, best iterate kept). ``fast``: the shape of what
-#: :class:`~optimizers.ManifoldMuon` runs per step (one constant-size dual step, to be
+#: :class:`~geomuon.optimizers.ManifoldMuon` runs per step (one constant-size dual step, to be
 #: warm-started, no certificate). ``reference``: the unpreconditioned
 #: setting of the reference code ($\Lambda_0 = -\tfrac14 L_W G$, $\alpha = 0.1$, 20 steps),
 #: kept to show what the preconditioning buys.
@@ -196,7 +196,7 @@ def _rms(H: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _closed_form(manifold, W: torch.Tensor, norm: Norm) -> bool:
-    from manifolds import CenteredRouterSpace, Stiefel
+    from geomuon.manifolds import CenteredRouterSpace, Stiefel
 
     if isinstance(manifold, CenteredRouterSpace):
         # Column scaling and msign keep 1^T A = 0 when 1^T X = 0.
@@ -260,7 +260,7 @@ def steepest_direction(
             ($-\tfrac14 L_WG$) or ``"zero"``.
         precondition: divide the dual gradient by $\operatorname{diag}(L_WL_W^*)$.
         warm_start: correction added to $\Lambda_0$ (a previous result's ``correction``).
-        msign_method: the spectral dualizer's ``method`` in :func:`manifolds.linalg.msign`.
+        msign_method: the spectral dualizer's ``method`` in :func:`geomuon.manifolds.linalg.msign`.
         msign_steps: its ``steps``.
         compute_dtype: dtype of the dual iterations (e.g. ``torch.bfloat16``); the final
             projection and rescaling run in ``W.dtype``.

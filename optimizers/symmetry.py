@@ -1,17 +1,17 @@
 r"""The declared symmetry table: for every update of the library and every group, whether
 equivariance **must hold** or **must fail**.
 
-This is the one place that names concrete updates next to :mod:`theory.groups` groups.
+This is the one place that names concrete updates next to :mod:`geomuon.theory.groups` groups.
 The equivariance suite (``tests/test_declared_table.py``) runs every row with hypothesis:
 a ``holds`` row must stay within the round-off bound
-:func:`theory.equivariance.roundoff_tolerance` on every example (float64, inputs with
+:func:`geomuon.theory.equivariance.roundoff_tolerance` on every example (float64, inputs with
 $\kappa_2 \le 100$, or $\le 10$ for maps computed through a Gram matrix), a ``fails``
 row must show a relative residual $\ge 10^{-2}$ on a counterexample hypothesis finds.
 The docs render :func:`table_rows`.
 
 Three kinds of update appear:
 
-* ``map``: a pure map of :mod:`optimizers.maps`, $U(g\cdot D)$ vs $g\cdot U(D)$;
+* ``map``: a pure map of :mod:`geomuon.optimizers.maps`, $U(g\cdot D)$ vs $g\cdot U(D)$;
 * ``direction``: the engine's steepest direction on a manifold,
   $A(gW, gG)$ vs $g\,A(W, G)$ (fixed 5 dual steps, exact feasibility rescaling);
 * ``step``: three optimizer steps from $gW_0$ with gradients $gG_t$ vs $g\cdot$(the steps
@@ -30,9 +30,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from manifolds import LPRO, POLAR_EXPRESS, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
-from theory.equivariance import DirectionUpdate, MapUpdate, OptimizerUpdate
-from theory.groups import (
+from geomuon.manifolds import LPRO, POLAR_EXPRESS, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
+from geomuon.theory.equivariance import DirectionUpdate, MapUpdate, OptimizerUpdate
+from geomuon.theory.groups import (
     BiOrthogonal,
     Group,
     LeftPermRightOrth,
@@ -70,7 +70,7 @@ FAST_RESCALE_SOLVER = dict(EXACT_SOLVER, exact_norm=False)
 
 #: Round-off growth of a centered Gram-based map. $\Pi^\perp D$ has the exact null vector
 #: $\mathbf 1$, so its Gram matrix is singular: the coupled Newton–Schulz inverse square
-#: root (:func:`manifolds.linalg.inv_sqrt_psd`, 25 steps) grows the regularized null
+#: root (:func:`geomuon.manifolds.linalg.inv_sqrt_psd`, 25 steps) grows the regularized null
 #: eigenvalue's factor by 1.5 per step, and round-off leaking into that direction is
 #: amplified by up to $1.5^{25} \approx 2.5\cdot10^4$ before the output is re-centered.
 SINGULAR_GRAM_GROWTH = 1.5**25
@@ -102,7 +102,7 @@ NP, SHIFT = NeuronPermutation(), RouterShift()
 class Declaration:
     """One row: ``update`` (display name) under ``group`` is ``expected`` (``"holds"`` or
     ``"fails"``), because ``rationale``. ``build()`` returns the
-    :mod:`theory.equivariance` subject; ``orientation`` (``"any"``, ``"tall"`` $m \\ge n$,
+    :mod:`geomuon.theory.equivariance` subject; ``orientation`` (``"any"``, ``"tall"`` $m \\ge n$,
     ``"wide"`` $m < n$) restricts the shapes the row is declared on."""
 
     update: str

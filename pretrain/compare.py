@@ -2,7 +2,7 @@ r"""Compare strategies on the same data and schedule: a results table and PNG fi
 
 ``geomuon compare --strategies unconstrained,hetero --seeds 0,1 --steps 200``
 
-Every (strategy, seed) run uses the same :class:`pretrain.train.TrainConfig` except
+Every (strategy, seed) run uses the same :class:`geomuon.pretrain.train.TrainConfig` except
 ``strategy``, ``seed`` and ``out_dir`` (``<out_dir>/<strategy>-s<seed>``), so the runs see
 the same batches for a given seed and the same schedule. A run is **diverged** when it
 stopped on a non-finite loss, or when its final val loss exceeds its best val loss by
@@ -25,8 +25,8 @@ import math
 import os
 import sys
 
-from pretrain.data import load_data
-from pretrain.train import TrainConfig, TrainResult, add_parser as add_train_parser, train
+from geomuon.pretrain.data import load_data
+from geomuon.pretrain.train import TrainConfig, TrainResult, add_parser as add_train_parser, train
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 

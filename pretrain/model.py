@@ -7,12 +7,12 @@ r"""A GPT in one file (nanoGPT-shaped), with the switches the geometry studies n
   $a = 1/(2N)$ for $N$ blocks, attention scores $\times 1/d_\text{head}$, attention output
   $\times 1/3$, $\text{GELU}/1.1289$, unit-RMS token embeddings, RoPE, no biases, zero-init
   output projections and head. :meth:`GPT.lipschitz_weights` hands the weights to
-  ``theory.lipschitz.transformer_lipschitz_bound``.
+  ``geomuon.theory.lipschitz.transformer_lipschitz_bound``.
 * Attention q/k/v fused in one ``c_attn`` (GPT-2 layout, $[3d, d]$) or separate
   ``q``/``k``/``v``; tied or untied head.
 
 Every module declares the *role* of each of its weights in ``ROLES`` (name → role);
-``optimizers.assign`` reads these declarations from the module tree instead of guessing
+``geomuon.optimizers.assign`` reads these declarations from the module tree instead of guessing
 from parameter names.
 
 Observables for the saturation mechanism of seed 000 (softmax Jacobian vanishing as the

@@ -3,7 +3,7 @@ results page under ``docs/results/``.
 
 The studies are not library code: they live with the other benchmark scripts in
 ``bench/`` and write into the documentation of a source checkout, so this verb is a thin
-dispatcher. It locates the checkout as the directory holding ``geomuon_cli.py`` (an
+dispatcher. It locates the checkout as the directory holding ``geomuon/cli.py`` (an
 editable install, ``make setup``, keeps it there), puts that directory on ``sys.path``
 and imports ``bench.studies.<NAME>``; from a plain wheel install, which has neither
 ``bench/`` nor ``docs/``, it says so instead of failing on an import.
@@ -24,12 +24,12 @@ STUDY_NAMES = ("manifolds", "lipschitz", "symmetry")
 
 def checkout_root() -> Path:
     """The source checkout this package runs from (``ValueError`` if there is none)."""
-    import geomuon_cli
+    from geomuon import cli as geomuon_cli
 
-    root = Path(geomuon_cli.__file__).resolve().parent
+    root = Path(geomuon_cli.__file__).resolve().parents[1]
     if not (root / "bench" / "studies" / "common.py").is_file():
         raise ValueError(
-            f"geomuon study needs a source checkout (bench/studies/ next to {root / 'geomuon_cli.py'} "
+            f"geomuon study needs a source checkout (bench/studies/ under {root} "
             "is missing): clone the repository and run `make setup` there"
         )
     return root

@@ -1,14 +1,14 @@
 r"""One training loop for one CPU, one GPU and many processes (``torchrun``).
 
 ``geomuon pretrain --config demo --strategy hetero --steps 200`` (see ``--help``);
-on many processes ``torchrun --nproc_per_node 2 -m pretrain.train --config … --strategy …``
+on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --config … --strategy …``
 (or ``torchrun --no-python … geomuon pretrain …``).
 
 * **Devices.** CPU runs in fp32. CUDA runs the forward under bf16 autocast (parameters,
   optimizer state and retractions stay fp32) and optionally ``torch.compile``.
 * **Many processes.** Under ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in DDP
   (gloo on CPU, NCCL on GPU), which averages the gradients. Every rank draws the same
-  global batch (:meth:`pretrain.data.TokenData.batch`) and keeps its slice, so the run
+  global batch (:meth:`geomuon.pretrain.data.TokenData.batch`) and keeps its slice, so the run
   sees exactly the batches of a single-process run. The optimizer work — the
   orthogonalisations and dual ascents — is **sharded by parameter**: each parameter has
   one owner rank (greedy balance of the matrix work), every rank steps only the
@@ -53,10 +53,10 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from manifolds.linalg import power_iteration
-from optimizers.assign import ATTENTION_ROLES, MLP_ROLES, STRATEGIES, Assignment, Hyper, assign
-from pretrain.data import TokenData, load_data
-from pretrain.model import CONFIGS, GPT, GPTConfig, get_config
+from geomuon.manifolds.linalg import power_iteration
+from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, STRATEGIES, Assignment, Hyper, assign
+from geomuon.pretrain.data import TokenData, load_data
+from geomuon.pretrain.model import CONFIGS, GPT, GPTConfig, get_config
 
 #: TrainConfig fields that set a GPTConfig field through their own option.
 _MODEL_OPTIONS = ("block_size", "n_layer", "n_head", "n_embd")
@@ -65,9 +65,9 @@ _MODEL_OPTIONS = ("block_size", "n_layer", "n_head", "n_embd")
 @dataclass
 class TrainConfig:
     """Everything a training run depends on; one CLI option per field (``geomuon pretrain --help``)."""
-    model: str = "demo"  # a name in pretrain.model.CONFIGS
-    strategy: str = "adamw"  # a name in optimizers.assign.STRATEGIES (with a build_assignment hook: the run's label)
-    data: str = "embedded"  # see pretrain.data.load_data
+    model: str = "demo"  # a name in geomuon.pretrain.model.CONFIGS
+    strategy: str = "adamw"  # a name in geomuon.optimizers.assign.STRATEGIES (with a build_assignment hook: the run's label)
+    data: str = "embedded"  # see geomuon.pretrain.data.load_data
     out_dir: str | None = "runs/pretrain"  # None: in memory only (no log, no checkpoints)
     steps: int = 200  # length of the schedule
     stop_after: int | None = None  # stop at this step (resume later) without changing the schedule
@@ -295,7 +295,7 @@ def weight_metrics(assignment: Assignment, model: torch.nn.Module) -> dict[str, 
 @dataclass(frozen=True)
 class Evaluation:
     """One evaluation's validation windows: batches ``0 … batches-1`` of
-    :meth:`pretrain.data.TokenData.batch` on the ``"val"`` split with ``seed`` (the same
+    :meth:`geomuon.pretrain.data.TokenData.batch` on the ``"val"`` split with ``seed`` (the same
     windows at every evaluation of a run). :func:`evaluate` scores them; the
     ``extra_metrics`` hook of :func:`train` receives this object to read them too."""
 
@@ -318,7 +318,7 @@ class Evaluation:
 def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext) -> dict:
     """Validation metrics on ``evaluation``'s windows: loss, accuracy, max activation,
     attention logits and softmax Jacobian (and the certified bound of a Lipschitz model)."""
-    from pretrain import monitoring
+    from geomuon.pretrain import monitoring
 
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
@@ -344,7 +344,7 @@ def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext
         "softmax_jacobian": {k: r.mean_jacobian_norm for k, r in attention.items()},
     }
     if model.config.lipschitz:
-        from theory.lipschitz import transformer_lipschitz_bound
+        from geomuon.theory.lipschitz import transformer_lipschitz_bound
 
         metrics["lipschitz_bound"] = transformer_lipschitz_bound(model.lipschitz_weights()).bound
     return metrics
@@ -397,7 +397,7 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     assignment = build_assignment(model, hyper)
     if not isinstance(assignment, Assignment):
         raise TypeError(f"build_assignment returned a {type(assignment).__name__}; it must return an "
-                        "optimizers.assign.Assignment (e.g. from optimizers.assign.assign)")
+                        "geomuon.optimizers.assign.Assignment (e.g. from geomuon.optimizers.assign.assign)")
     return model, assignment
 
 
@@ -410,7 +410,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         cfg: the run (``cfg.validate()`` is called first).
         data: the token data (default: ``load_data(cfg.data)``).
         build_assignment: ``f(model, hyper) -> Assignment`` building the optimizers of the
-            freshly initialised ``model`` from the :class:`optimizers.assign.Hyper` made of
+            freshly initialised ``model`` from the :class:`geomuon.optimizers.assign.Hyper` made of
             ``cfg`` — e.g. ``lambda model, hyper: assign(model, {role: Rule(...)}, hyper)``
             for a strategy of one's own, or a function that then swaps an optimizer or adds
             a regulator to a group. Default ``assign(model, cfg.strategy, hyper)``; with a
@@ -662,6 +662,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m pretrain.train")
+    parser = argparse.ArgumentParser(prog="python -m geomuon.pretrain.train")
     add_parser(parser)
     sys.exit(run(parser.parse_args()))

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from manifolds import DGram, Stiefel
-from optimizers.assign import ATTENTION_ROLES, ROLES, STRATEGIES, Hyper, Rule, assign, classify
-from pretrain.model import GPT, get_config
+from geomuon.manifolds import DGram, Stiefel
+from geomuon.optimizers.assign import ATTENTION_ROLES, ROLES, STRATEGIES, Hyper, Rule, assign, classify
+from geomuon.pretrain.model import GPT, get_config
 
 
 def test_classify_gpt2_layout_with_fused_qkv_and_tied_head():
@@ -90,7 +90,7 @@ def test_mapping_strategy_leaves_omitted_roles_to_adamw_and_gets_a_readable_labe
 @pytest.mark.parametrize("strategy, error, match", [
     ({"attention": Rule("muon")}, ValueError, r"role 'attention'"),
     ({"vector": Rule("muon")}, ValueError, r"role 'vector'.*vectors always use AdamW"),
-    ({"attn_q": "muon"}, TypeError, r"strategy\['attn_q'\] is a str; use optimizers.assign.Rule"),
+    ({"attn_q": "muon"}, TypeError, r"strategy\['attn_q'\] is a str; use geomuon.optimizers.assign.Rule"),
     ({"attn_q": Rule("sgd")}, ValueError, r"update 'sgd'; choose one of .*'muon'"),
     ({"attn_q": Rule("manifold_muon", "sphere")}, ValueError, r"manifold 'sphere'; choose one of .*'stiefel'"),
     (["attn_q"], TypeError, r"strategy must be a name in STRATEGIES or a \{role: Rule\} mapping, got list"),

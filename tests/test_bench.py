@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import polar_kernels  # noqa: E402
-from manifolds.linalg import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5  # noqa: E402
+from geomuon.manifolds.linalg import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5  # noqa: E402
 
 SCHEDULES = {s.name: s for s in (KELLER_QUINTIC, POLAR_EXPRESS_5, POLAR_EXPRESS)}
 EPS32 = torch.finfo(torch.float32).eps

@@ -5,9 +5,9 @@ import math
 import matplotlib.image
 import pytest
 
-from geomuon_cli import main as cli
-from pretrain.compare import results_table, verdict
-from pretrain.train import TrainResult
+from geomuon.cli import main as cli
+from geomuon.pretrain.compare import results_table, verdict
+from geomuon.pretrain.train import TrainResult
 
 
 def result(val_losses, diverged=False):
@@ -46,7 +46,7 @@ def test_compare_rejects_unknown_strategy_before_running(tmp_path, capsys):
 
 
 def test_results_table_columns():
-    from pretrain.compare import RunSummary
+    from geomuon.pretrain.compare import RunSummary
 
     table = results_table([RunSummary("hetero", 0, 3.25, 3.2, False, 12.3, result([3.25]))])
     assert table.splitlines()[0].split() == ["strategy", "seed", "final", "val", "loss", "best", "val", "loss",

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from manifolds import MatrixManifold, Oblique
-from theory.contracts import check_manifold_contract, manifold_residual
+from geomuon.manifolds import MatrixManifold, Oblique
+from geomuon.theory.contracts import check_manifold_contract, manifold_residual
 
 
 @pytest.fixture(autouse=True)

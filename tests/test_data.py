@@ -1,4 +1,4 @@
-"""Data sources of ``pretrain.data``: embedded corpus, Shakespeare, GPT-2 token shards."""
+"""Data sources of ``geomuon.pretrain.data``: embedded corpus, Shakespeare, GPT-2 token shards."""
 
 import os
 import shutil
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.data import (
+from geomuon.pretrain.data import (
     SHAKESPEARE_SHA256,
     load_data,
     read_shard,

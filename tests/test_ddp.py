@@ -8,7 +8,7 @@ import textwrap
 
 import torch
 
-from pretrain.train import TrainConfig, train
+from geomuon.pretrain.train import TrainConfig, train
 
 STEPS = 20
 
@@ -23,7 +23,7 @@ def config(out_dir, strategy):
 WORKER = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
-    from pretrain.train import TrainConfig, train
+    from geomuon.pretrain.train import TrainConfig, train
     cfg = TrainConfig(**eval(sys.argv[1]))
     result = train(cfg)
     torch.save({k: v.clone() for k, v in result.model.state_dict().items()}, sys.argv[2])

@@ -1,7 +1,7 @@
 """The declared symmetry table, run whole with hypothesis.
 
 Every ``holds`` row: the relative residual stays within the round-off bound
-:func:`theory.equivariance.roundoff_tolerance` (float64; inputs with condition number up
+:func:`geomuon.theory.equivariance.roundoff_tolerance` (float64; inputs with condition number up
 to 100, or 10 for maps computed through a Gram matrix, whose conditioning is kappa^2), and
 for pure maps that bound itself is at most 1e-9. Every ``fails`` row: hypothesis finds a
 counterexample with residual >= 1e-2, shrinks it and the test re-measures it.
@@ -12,8 +12,8 @@ import math
 import pytest
 from hypothesis import settings
 
-from optimizers.symmetry import declarations, table_rows
-from theory.equivariance import MUST_FAIL_RESIDUAL, verify_declaration
+from geomuon.optimizers.symmetry import declarations, table_rows
+from geomuon.theory.equivariance import MUST_FAIL_RESIDUAL, verify_declaration
 
 DECLARATIONS = declarations()
 HOLDS = [d for d in DECLARATIONS if d.expected == "holds"]
@@ -81,8 +81,8 @@ def test_msign_slope_bound_is_attained_at_zero():
     # PE_MAX_SLOPE bounds msign's round-off amplification in the tolerances above; the
     # composed Polar Express polynomial is steepest at 0, where its slope is the product
     # of the linear coefficients divided by the input scale.
-    from manifolds import POLAR_EXPRESS
-    from optimizers.symmetry import PE_MAX_SLOPE
+    from geomuon.manifolds import POLAR_EXPRESS
+    from geomuon.optimizers.symmetry import PE_MAX_SLOPE
 
     at_zero = math.prod(a for a, _, _ in POLAR_EXPRESS.step_coefficients(POLAR_EXPRESS.default_steps))
     assert PE_MAX_SLOPE == pytest.approx(at_zero / POLAR_EXPRESS.input_scale, rel=1e-12)

@@ -30,7 +30,12 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("manifolds", "optimizers", "theory", "pretrain")
+PACKAGES = ("geomuon.manifolds", "geomuon.optimizers", "geomuon.theory", "geomuon.pretrain")
+
+
+def _page(package: str) -> str:
+    """The API page of a subpackage: docs/api/manifolds.md documents geomuon.manifolds."""
+    return package.rsplit(".", 1)[-1]
 CONCEPT_PAGES = ("manifolds", "steepest-descent", "symmetry", "lipschitz")
 
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
@@ -109,10 +114,10 @@ def test_every_page_renders_its_math(site):
 
 
 def test_docstring_math_renders_in_api_reference(site):
-    # manifolds.linalg.NSSchedule's docstring carries a display formula ($$ ... $$).
+    # geomuon.manifolds.linalg.NSSchedule's docstring carries a display formula ($$ ... $$).
     page = (site / "api" / "manifolds.html").read_text()
-    start = page.index('id="manifolds.linalg.NSSchedule"')
-    docstring = page[start : page.index('id="manifolds.linalg.NSSchedule.name"')]
+    start = page.index('id="geomuon.manifolds.linalg.NSSchedule"')
+    docstring = page[start : page.index('id="geomuon.manifolds.linalg.NSSchedule.name"')]
     assert re.search(r'<math [^>]*display="block"', docstring)
 
 
@@ -199,7 +204,7 @@ def test_api_reference_documents_every_public_class_and_function(site):
     for package in PACKAGES:
         modules = geomuon_pages.public_modules(package)
         assert modules, f"package {package} not found"
-        page = (site / "api" / f"{package}.html").read_text()
+        page = (site / "api" / f"{_page(package)}.html").read_text()
         for module_name, _ in modules:
             for name, obj in _public_objects(module_name):
                 checked += 1
@@ -214,7 +219,7 @@ def test_api_reference_documents_every_public_class_and_function(site):
 
 
 def test_package_exports_are_documented_where_they_are_defined(site):
-    pages = {p: (site / "api" / f"{p}.html").read_text() for p in PACKAGES}
+    pages = {p: (site / "api" / f"{_page(p)}.html").read_text() for p in PACKAGES}
     absent = []
     for package in PACKAGES:
         exported = importlib.import_module(package)
@@ -223,17 +228,17 @@ def test_package_exports_are_documented_where_they_are_defined(site):
             home = getattr(obj, "__module__", None)
             if not (inspect.isclass(obj) or inspect.isfunction(obj)) or home is None:
                 continue
-            top = home.split(".")[0]
+            top = ".".join(home.split(".")[:2])
             if top not in pages or f'id="{home}.{obj.__name__}"' not in pages[top]:
                 absent.append(f"{package}.{name} (defined in {home})")
     assert not absent, f"re-exported but documented nowhere: {absent}"
 
 
 def test_symmetry_table_is_generated_from_the_code(site):
-    import optimizers.symmetry
+    import geomuon.optimizers.symmetry
 
-    rows = geomuon_pages.symmetry_rows(optimizers.symmetry)
-    assert len(rows) == len(optimizers.symmetry.declarations()) >= 5
+    rows = geomuon_pages.symmetry_rows(geomuon.optimizers.symmetry)
+    assert len(rows) == len(geomuon.optimizers.symmetry.declarations()) >= 5
     page = (site / "concepts" / "symmetry.html").read_text()
     table = page[page.index('<div class="geomuon-declared">') :]
     table = table[: table.index("</table>")]
@@ -394,12 +399,12 @@ def test_results_pages_written_by_studies_join_the_navigation(tmp_path):
     (tmp_path / "results" / "index.md").write_text("# Results\n\n<!-- geomuon:results-pages -->\n")
     nav = [{"Home": "index.md"}, {"Results": "results/index.md"}]
     config = types.SimpleNamespace(docs_dir=str(tmp_path), nav=nav)
-    assert geomuon_pages.on_config(config).nav[1] == {"Results": "results/index.md"}
+    assert geomuon_pages.add_results_to_nav(config).nav[1] == {"Results": "results/index.md"}
     listing = geomuon_pages.on_page_markdown("<!-- geomuon:results-pages -->", None, config, None)
     assert "No study has written its page yet" in listing
 
     (tmp_path / "results" / "lipschitz.md").write_text("# Enforced Lipschitz bounds\n\nbody\n")
-    geomuon_pages.on_config(config)
+    geomuon_pages.add_results_to_nav(config)
     assert config.nav[1] == {"Results": [{"Overview": "results/index.md"},
                                          {"Enforced Lipschitz bounds": "results/lipschitz.md"}]}
     listing = geomuon_pages.on_page_markdown("<!-- geomuon:results-pages -->", None, config, None)

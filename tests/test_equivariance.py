@@ -4,9 +4,9 @@ checker's own negative controls: a wrong declaration must be reported."""
 import pytest
 import torch
 
-import geomuon_cli
-from optimizers import maps
-from theory.equivariance import (
+from geomuon import cli as geomuon_cli
+from geomuon.optimizers import maps
+from geomuon.theory.equivariance import (
     MUST_FAIL_RESIDUAL,
     MapUpdate,
     OptimizerUpdate,
@@ -19,7 +19,7 @@ from theory.equivariance import (
     step_residual,
     verify_declaration,
 )
-from theory.groups import BiOrthogonal, RouterShift, SignedPermutation
+from geomuon.theory.groups import BiOrthogonal, RouterShift, SignedPermutation
 
 
 def cubic(D):
@@ -144,18 +144,18 @@ def test_shrunk_counterexample_is_small_and_printed_as_matrices(capsys):
 
 
 def test_cli_exit_codes_and_table(capsys):
-    assert geomuon_cli.main(["check-equivariance", "optimizers.maps:spectral", "--group", "bi-orthogonal",
+    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:spectral", "--group", "bi-orthogonal",
                              "--shape", "5x3", "--trials", "2"]) == 0
     out = capsys.readouterr().out
     assert "spectral under bi-orthogonal" in out and "PASS" in out
-    assert geomuon_cli.main(["check-equivariance", "optimizers.maps:row_norm", "--group", "BiOrthogonal",
+    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:row_norm", "--group", "BiOrthogonal",
                              "--shape", "5x3", "--trials", "2"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "NOT equivariant" in out
-    assert geomuon_cli.main(["check-equivariance", "optimizers.maps:row_norm", "--group", "bi-orthogonal",
+    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:row_norm", "--group", "bi-orthogonal",
                              "--expect", "fails", "--trials", "2"]) == 0
-    assert geomuon_cli.main(["check-equivariance", "optimizers.maps:nope", "--group", "bi-orthogonal"]) == 2
-    assert geomuon_cli.main(["check-equivariance", "optimizers.maps:sign", "--group", "bi-orthogonal",
+    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:nope", "--group", "bi-orthogonal"]) == 2
+    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:sign", "--group", "bi-orthogonal",
                              "--shape", "5by3"]) == 2
     assert "--shape must look like" in capsys.readouterr().err
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from manifolds import LPRO, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
-from theory.contracts import default_tolerance, manifold_residual
+from geomuon.manifolds import LPRO, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
+from geomuon.theory.contracts import default_tolerance, manifold_residual
 
 import geoopt  # noqa: E402  (after manifolds, which imports it with the jit warnings filtered)
 
@@ -54,7 +54,7 @@ def test_geoopt_optimizers_stay_on_the_manifold(name, shape, optimizer):
         loss().backward()
         opt.step()
     # Every step ends in a retraction computed in fp32, so the residual stays at fp32
-    # round-off (1e-5 relative bound, theory.contracts.default_tolerance) after 200 steps.
+    # round-off (1e-5 relative bound, geomuon.theory.contracts.default_tolerance) after 200 steps.
     assert manifold_residual(manifold, param.detach()) <= default_tolerance(torch.float32)
     assert manifold.check_point_on_manifold(param.detach())
     assert loss().item() < initial  # the optimizer really moved along the manifold

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from theory.groups import (
+from geomuon.theory.groups import (
     GROUPS,
     BiOrthogonal,
     LeftPermRightOrth,

@@ -1,4 +1,4 @@
-"""Kernels of manifolds.linalg against SVD/eigendecomposition references.
+"""Kernels of geomuon.manifolds.linalg against SVD/eigendecomposition references.
 
 Kernel tests run in the kernel's real dtype (float32 for msign); references in float64.
 """
@@ -6,7 +6,7 @@ Kernel tests run in the kernel's real dtype (float32 for msign); references in f
 import pytest
 import torch
 
-from manifolds.linalg import inv_sqrt_psd, msign, nuclear_norm, power_iteration, spectral_norm
+from geomuon.manifolds.linalg import inv_sqrt_psd, msign, nuclear_norm, power_iteration, spectral_norm
 
 
 def synthesized(shape, singular_values, seed=0):

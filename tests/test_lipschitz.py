@@ -1,4 +1,4 @@
-"""Lipschitz bounds of the seed-003 transformer (theory.lipschitz): the bound is never below
+"""Lipschitz bounds of the seed-003 transformer (geomuon.theory.lipschitz): the bound is never below
 the empirical estimate (random and trained models), equals the hand formula for unit-norm
 weights, and the two corrections to the reference formula (per-head norms, GELU counted
 once) are necessary: the estimator beats the uncorrected formulas."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimizers import Muon
-from optimizers.regulate import HardCap
-from pretrain.model import GPT, GPTConfig, CausalSelfAttention
-from theory.lipschitz import (
+from geomuon.optimizers import Muon
+from geomuon.optimizers.regulate import HardCap
+from geomuon.pretrain.model import GPT, GPTConfig, CausalSelfAttention
+from geomuon.theory.lipschitz import (
     GELU_LIPSCHITZ,
     REFERENCE_GELU_DIVISOR,
     attention_lipschitz,

@@ -4,9 +4,9 @@ import geoopt
 import pytest
 import torch
 
-from manifolds import DGram, Euclidean, Stiefel
-from optimizers import ManifoldMuon, msign
-from optimizers.manifold_muon import polish_retraction
+from geomuon.manifolds import DGram, Euclidean, Stiefel
+from geomuon.optimizers import ManifoldMuon, msign
+from geomuon.optimizers.manifold_muon import polish_retraction
 
 
 def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold():

@@ -2,7 +2,7 @@
 facts of DESIGN §2 (with negative controls), dtype handling and bad input.
 
 Math runs in float64 (tolerance 1e-10), the real retraction dtype in float32 (1e-5); both
-come from theory.contracts.default_tolerance, whose docstring says why.
+come from geomuon.theory.contracts.default_tolerance, whose docstring says why.
 """
 
 import math
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from manifolds import (
+from geomuon.manifolds import (
     LPRO,
     CenteredRouterSpace,
     DGram,
@@ -22,13 +22,13 @@ from manifolds import (
     Stiefel,
     msign,
 )
-from theory.contracts import (
+from geomuon.theory.contracts import (
     check_manifold_contract,
     default_tolerance,
     manifold_residual,
     normal_component,
 )
-from theory.strategies import matrix_shapes, points_and_tangents
+from geomuon.theory.strategies import matrix_shapes, points_and_tangents
 
 @pytest.fixture(autouse=True)
 def _deterministic_global_rng():

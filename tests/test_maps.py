@@ -8,8 +8,8 @@ is paired with a negative control the docstring says fails.
 import pytest
 import torch
 
-from optimizers import maps
-from optimizers.maps import centered, col_norm, hybrid, left_polar, right_polar, row_norm, sign, spectral
+from geomuon.optimizers import maps
+from geomuon.optimizers.maps import centered, col_norm, hybrid, left_polar, right_polar, row_norm, sign, spectral
 
 M, N = 12, 7
 # float64 maps are accurate to ~1e-13 relative (Polar Express reaches the fp64 fixed point,

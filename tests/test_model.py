@@ -1,11 +1,11 @@
-"""The GPT of ``pretrain.model``: sizes, variants, observables, bad configs."""
+"""The GPT of ``geomuon.pretrain.model``: sizes, variants, observables, bad configs."""
 
 import math
 
 import pytest
 import torch
 
-from pretrain.model import CONFIGS, GPT, GPTConfig, MoE, get_config, rotary, softmax_jacobian_frobenius
+from geomuon.pretrain.model import CONFIGS, GPT, GPTConfig, MoE, get_config, rotary, softmax_jacobian_frobenius
 
 
 def test_gpt2_small_has_124m_parameters():

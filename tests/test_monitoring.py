@@ -1,4 +1,4 @@
-"""Activation monitoring with forward hooks (pretrain.monitoring)."""
+"""Activation monitoring with forward hooks (geomuon.pretrain.monitoring)."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pretrain.model import GPT, GPTConfig
-from pretrain.monitoring import ActivationMonitor, default_blocks
+from geomuon.pretrain.model import GPT, GPTConfig
+from geomuon.pretrain.monitoring import ActivationMonitor, default_blocks
 
 
 class Scale(nn.Module):

@@ -8,8 +8,8 @@ from torch.testing._internal.common_optimizers import (
     optim_inputs_func_muon,
 )
 
-import optimizers.muon as muon_module
-from optimizers import Muon
+import geomuon.optimizers.muon as muon_module
+from geomuon.optimizers import Muon
 
 SHAPES = [(64, 32), (32, 64), (48, 48), (64, 32), (96, 16)]
 

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from manifolds import DGram, Stiefel
-from optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
+from geomuon.manifolds import DGram, Stiefel
+from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 
 FACTORIES = {
     "Muon": lambda groups, **kw: Muon(groups, lr=0.02, **kw),
@@ -184,7 +184,7 @@ def test_regulator_runs_after_the_step(name):
 
 
 def test_regulate_spec_goes_through_make_regulator():
-    from optimizers.regulate import make_regulator
+    from geomuon.optimizers.regulate import make_regulator
 
     p = torch.nn.Parameter(torch.randn(8, 8) * 10)
     opt = Muon([{"params": [p], "regulate": {"name": "spectral_normalize", "w_max": 1.0}}], lr=0.0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optimizers import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM, maps
+from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM, maps
 
 CASES = [
     (RowNormM, "row_norm", {}),

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from optimizers import Muon
-from optimizers.regulate import (
+from geomuon.optimizers import Muon
+from geomuon.optimizers.regulate import (
     REGULATORS,
     ColumnCap,
     HardCap,
@@ -29,7 +29,7 @@ from optimizers.regulate import (
     soft_cap_alpha,
     soft_cap_polynomial,
 )
-from theory.symbolic import soft_cap_coupling_roots
+from geomuon.theory.symbolic import soft_cap_coupling_roots
 
 F64_EPS = torch.finfo(torch.float64).eps
 F32_EPS = torch.finfo(torch.float32).eps
@@ -96,7 +96,7 @@ def test_soft_cap_alpha_solves_the_coupling(w_max, wd, eta):
 
 @pytest.mark.parametrize("w_max, wd, eta", COUPLING_POINTS)
 def test_soft_cap_alpha_agrees_with_the_symbolic_certificate(w_max, wd, eta):
-    # theory.symbolic isolates the real roots exactly (sympy) and rounds at the end
+    # geomuon.theory.symbolic isolates the real roots exactly (sympy) and rounds at the end
     assert soft_cap_alpha(w_max, wd, eta) == pytest.approx(soft_cap_coupling_roots(w_max, wd, eta)[0], rel=1e-10)
 
 
@@ -438,7 +438,7 @@ def test_regulator_base_class_is_the_extension_point():
 
 
 def muon_run(w_max, regulate, *, steps=500, lr=0.05, seed=0):
-    """Muon (optimizers.Muon, bf16 Newton–Schulz as torch.optim.Muon) on a random linear
+    """Muon (geomuon.optimizers.Muon, bf16 Newton–Schulz as torch.optim.Muon) on a random linear
     regression whose solution has RMS norm 2 w_max, so the cap binds for most of the run.
     Yields the RMS→RMS norm of every weight / w_max after every step (SVD, float64)."""
     gen = torch.Generator().manual_seed(seed)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pretrain.train import TrainConfig, load_checkpoint, previous_checkpoint, save_checkpoint, train
+from geomuon.pretrain.train import TrainConfig, load_checkpoint, previous_checkpoint, save_checkpoint, train
 
 STEPS = 400  # the schedule; the runs below stop long before its end
 
@@ -25,7 +25,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     cfg = config(tmp_path / "killed")
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     # same thread count as this process: CPU reductions are bit-reproducible only then
-    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); from pretrain.train import *; "
+    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); from geomuon.pretrain.train import *; "
               "train(TrainConfig(**eval(sys.argv[1])))")
     proc = subprocess.Popen([sys.executable, "-c", script, repr(fields), str(torch.get_num_threads())],
                             stdout=subprocess.DEVNULL,

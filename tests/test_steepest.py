@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from manifolds import CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
-from optimizers import NORMS, msign, steepest_direction
+from geomuon.manifolds import CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
+from geomuon.optimizers import NORMS, msign, steepest_direction
 
 SHAPES = [(96, 32), (384, 128)]
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from theory.strategies import matrices, matrix_shapes
+from geomuon.theory.strategies import matrices, matrix_shapes
 
 
 @given(orientation=st.sampled_from(["tall", "square", "wide"]), data=st.data())

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import geomuon_cli
+from geomuon import cli as geomuon_cli
 from bench.studies import common
 from bench.studies import lipschitz as lipschitz_study
 from bench.studies import manifolds as manifolds_study
 from bench.studies import symmetry as symmetry_study
-from optimizers.assign import STRATEGIES, Hyper
-from pretrain.model import GPT, get_config
+from geomuon.optimizers.assign import STRATEGIES, Hyper
+from geomuon.pretrain.model import GPT, get_config
 
 REGISTERED_STRATEGIES = frozenset(STRATEGIES)
 DATA = common.DEFAULT_DATA
@@ -179,7 +179,7 @@ def test_claims_need_separated_bands():
 def test_sorted_sigma_map_is_not_a_retraction():
     """The seed code's DGram map moves a point whose column norms are unsorted (negative
     control), while the library's retraction fixes it; both land on DGram."""
-    from manifolds import DGram
+    from geomuon.manifolds import DGram
 
     gen = torch.Generator().manual_seed(0)
     Q, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen, dtype=torch.float64))
@@ -195,7 +195,7 @@ def test_sorted_sigma_map_is_not_a_retraction():
 
 
 def test_reference_optimizer_steps_on_dgram():
-    from manifolds import DGram
+    from geomuon.manifolds import DGram
 
     gen = torch.Generator().manual_seed(1)
     W = torch.nn.Parameter(DGram().projx(torch.randn(24, 8, generator=gen)))

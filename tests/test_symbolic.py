@@ -6,8 +6,8 @@ import pytest
 import sympy as sp
 import torch
 
-from manifolds import LPRO, POLAR_EXPRESS, POLAR_EXPRESS_5, KELLER_QUINTIC, CenteredRouterSpace, DGram, Oblique, Stiefel
-from theory.symbolic import (
+from geomuon.manifolds import LPRO, POLAR_EXPRESS, POLAR_EXPRESS_5, KELLER_QUINTIC, CenteredRouterSpace, DGram, Oblique, Stiefel
+from geomuon.theory.symbolic import (
     cayley,
     certify_dgram_retraction,
     certify_newton_schulz_equivariance,

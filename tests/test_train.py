@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from geomuon_cli import main as cli
-from optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, assign
-from pretrain.data import load_data
-from pretrain.model import GPT, get_config
-from pretrain.train import TrainConfig, _check_same_run, lr_factor, owners, train
+from geomuon.cli import main as cli
+from geomuon.optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, assign
+from geomuon.pretrain.data import load_data
+from geomuon.pretrain.model import GPT, get_config
+from geomuon.pretrain.train import TrainConfig, _check_same_run, lr_factor, owners, train
 
 
 def tiny(tmp_path, **overrides):

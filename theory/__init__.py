@@ -1,8 +1,8 @@
 """Generic checkers: symmetry groups, equivariance, the manifold contract and its
 hypothesis strategies, sympy certificates and Lipschitz bounds.
 
-Import the submodule you need (``from theory.contracts import check_manifold_contract``);
+Import the submodule you need (``from geomuon.theory.contracts import check_manifold_contract``);
 this package imports nothing on its own, so ``import theory`` stays cheap. Symmetry checks:
-``from theory.equivariance import assert_equivariant`` with a group of
-:mod:`theory.groups`; exact certificates: :mod:`theory.symbolic`.
+``from geomuon.theory.equivariance import assert_equivariant`` with a group of
+:mod:`geomuon.theory.groups`; exact certificates: :mod:`geomuon.theory.symbolic`.
 """

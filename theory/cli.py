@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from theory.equivariance import MUST_FAIL_RESIDUAL, check_equivariance
-from theory.groups import GROUPS, get_group
+from geomuon.theory.equivariance import MUST_FAIL_RESIDUAL, check_equivariance
+from geomuon.theory.groups import GROUPS, get_group
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 

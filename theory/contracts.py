@@ -1,7 +1,7 @@
 r"""The contract every matrix manifold must satisfy, runnable on a user's manifold in one call.
 
 ```python
-from theory.contracts import check_manifold_contract
+from geomuon.theory.contracts import check_manifold_contract
 report = check_manifold_contract(MyManifold(), (64, 32))   # raises AssertionError on failure
 print(report)
 ```
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from manifolds.base import MatrixManifold
+from geomuon.manifolds.base import MatrixManifold
 
 __all__ = [
     "ContractCheck",
@@ -190,7 +190,7 @@ def check_manifold_contract(
     """
     if not isinstance(manifold, MatrixManifold):
         raise TypeError(
-            "check_manifold_contract: expected a manifolds.MatrixManifold, got "
+            "check_manifold_contract: expected a geomuon.manifolds.MatrixManifold, got "
             f"{type(manifold).__name__}"
         )
     tol = default_tolerance(dtype) if tol is None else tol
@@ -284,7 +284,7 @@ def check_manifold_contract(
 
 def _geoopt_steps(manifold: MatrixManifold, x: torch.Tensor, target: torch.Tensor, steps: int = 5):
     """A few ``RiemannianSGD`` steps (momentum 0.9) on $\\|W - T\\|^2$ from ``x``."""
-    import geoopt  # first imported by manifolds.base, which filters its torch.jit warnings
+    import geoopt  # first imported by geomuon.manifolds.base, which filters its torch.jit warnings
 
     param = geoopt.ManifoldParameter(x.detach().clone(), manifold=manifold)
     optimizer = geoopt.optim.RiemannianSGD([param], lr=1e-2, momentum=0.9)

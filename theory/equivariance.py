@@ -7,7 +7,7 @@ $$r(U, g; x) = \frac{\|U(g\cdot x) - g\cdot U(x)\|_F}{\|U(x)\|_F},$$
 zero exactly when $U$ commutes with $g$ at $x$. Three kinds of update share it, each
 wrapped in a *subject* that builds examples and measures residuals:
 
-* :class:`MapUpdate` — a pure map $D \mapsto U(D)$ (``optimizers.maps``);
+* :class:`MapUpdate` — a pure map $D \mapsto U(D)$ (``geomuon.optimizers.maps``);
 * :class:`DirectionUpdate` — the steepest direction $A(W, G)$ of an engine on a
   manifold: $r = \|A(gW, gG) - g\,A(W, G)\| / \|A(W, G)\|$;
 * :class:`OptimizerUpdate` — whole optimizer steps, momentum and other state included:
@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from theory.groups import Group, GroupElement, get_group, sample_shapes
+from geomuon.theory.groups import Group, GroupElement, get_group, sample_shapes
 
 __all__ = [
     "MapUpdate",
@@ -210,7 +210,7 @@ def random_matrix(
     r"""$U\operatorname{diag}(s)V^\top$ with Haar $U, V$ and $s$ geometric from 1 to
     $1/\text{condition}$ (shuffled), so $\kappa_2$ is exactly ``condition``. Computed in
     float64, returned in ``dtype``."""
-    from theory.groups import haar_orthogonal
+    from geomuon.theory.groups import haar_orthogonal
 
     m, n = shape
     r = min(m, n)
@@ -473,7 +473,7 @@ def check_equivariance(
     Args:
         update: a map ``D -> U`` or a :class:`MapUpdate` / :class:`DirectionUpdate` /
             :class:`OptimizerUpdate`.
-        group: a :class:`~theory.groups.Group` or its name.
+        group: a :class:`~geomuon.theory.groups.Group` or its name.
         shape: ``(m, n)``; for ``NeuronPermutation`` the SwiGLU triple with ``h = m, d = n``.
         trials: number of (example, element) draws.
         expect: ``"holds"`` or ``"fails"``.
@@ -504,7 +504,7 @@ def assert_equivariant(update, group: Group | str, shape: tuple[int, int] = (6, 
     expected under ``group`` (equivariant by default; ``expect="fails"`` asserts a
     counterexample). Arguments as in :func:`check_equivariance`; usable in pytest::
 
-        from theory.equivariance import assert_equivariant
+        from geomuon.theory.equivariance import assert_equivariant
         assert_equivariant(my_map, "bi-orthogonal", shape=(8, 5))
     """
     report = check_equivariance(update, group, shape, **kwargs)

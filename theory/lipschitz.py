@@ -11,7 +11,7 @@ $$\|X\| = \max_t \|x_t\|_{\mathrm{RMS}},\qquad \|x\|_{\mathrm{RMS}} = \|x\|_2/\s
 on every layer (embedding width $d$, MLP width, vocabulary). A weight $W$
 (``[fan_out, fan_in]``) acting on each token then has the RMS→RMS operator norm
 $\|W\| = \sqrt{\text{fan\_in}/\text{fan\_out}}\,\sigma_{\max}(W)$ — the norm the
-regulators of :mod:`optimizers.regulate` cap. The max over tokens is what makes the
+regulators of :mod:`geomuon.optimizers.regulate` cap. The max over tokens is what makes the
 bound independent of the sequence length (in the Frobenius norm over the sequence,
 causal attention's first token can feed all $T$ outputs and the constant grows like
 $\sqrt T$).
@@ -220,7 +220,7 @@ class TransformerBound:
 def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None = None) -> TransformerBound:
     r"""Lipschitz bound of the seed-003 Lipschitz transformer from its weights.
 
-    ``weights`` (what ``pretrain.model.GPT.lipschitz_weights()`` returns):
+    ``weights`` (what ``geomuon.pretrain.model.GPT.lipschitz_weights()`` returns):
 
     * ``"blocks"``: a list, one dict per block with ``"q", "k", "v"`` (``[d, d]``), ``"o"``
       (``[d, d]``), ``"mlp_in"`` (``[hidden, d]``), ``"mlp_out"`` (``[d, hidden]``), all in

@@ -1,5 +1,5 @@
 r"""Hypothesis strategies: matrix shapes, matrices of controlled conditioning, manifold
-points and tangent vectors (generic over any :class:`manifolds.MatrixManifold`).
+points and tangent vectors (generic over any :class:`geomuon.manifolds.MatrixManifold`).
 
 Matrices are synthesized from a drawn seed and a drawn *kind*, so hypothesis explores the
 structure (shape, kind, scale, condition number, rank) while the entries come from a

@@ -6,11 +6,11 @@ A study module (``bench/studies/<name>.py``) defines
 * ``NAME``, ``TITLE`` and ``SIZES = {"full": {...}, "tiny": {...}}`` (see :class:`Size`);
 * ``variants(size) -> list[Variant]`` — what is compared, each trained for every seed;
 * ``extra_metrics(model, evaluation, memory) -> dict`` — study-specific observables
-  added to every evaluation (``evaluation`` is the :class:`pretrain.train.Evaluation`
+  added to every evaluation (``evaluation`` is the :class:`geomuon.pretrain.train.Evaluation`
   being scored, ``memory`` a per-run dict kept across evaluations);
 * ``report(results, size, meta, figure_dir) -> str`` — the page body from the measured runs.
 
-Every run is one :func:`pretrain.train.train` call, in memory (no log, no checkpoint):
+Every run is one :func:`geomuon.pretrain.train.train` call, in memory (no log, no checkpoint):
 the variant's strategy and ``customize`` go through its ``build_assignment`` hook, the
 study's observables through its ``extra_metrics`` hook, and every evaluation scores the
 same validation windows (:data:`VAL_SEED`), the last one on more of them.
@@ -75,7 +75,7 @@ def resolve_data(path: str | None) -> str:
 def load_text(path: str):
     """The character-level data of ``path`` (checked against its sha256), cached per
     process: a worker trains many runs on the same text."""
-    from pretrain.data import load_data
+    from geomuon.pretrain.data import load_data
 
     return load_data(f"shakespeare:{path}")
 
@@ -90,13 +90,13 @@ class Variant:
     Attributes:
         name: short identifier (file names, table rows).
         label: what it is, for the page.
-        strategy: a name in :data:`optimizers.assign.STRATEGIES` or a ``{role: Rule}``
-            mapping, as :func:`optimizers.assign.assign` takes it (roles it omits use
+        strategy: a name in :data:`geomuon.optimizers.assign.STRATEGIES` or a ``{role: Rule}``
+            mapping, as :func:`geomuon.optimizers.assign.assign` takes it (roles it omits use
             AdamW, as for every strategy).
         customize: ``f(model, assignment, hyper) -> assignment`` applied after
-            :func:`optimizers.assign.assign` (a module-level function, so runs can be
+            :func:`geomuon.optimizers.assign.assign` (a module-level function, so runs can be
             sent to worker processes).
-        hyper: overrides of :class:`optimizers.assign.Hyper` fields.
+        hyper: overrides of :class:`geomuon.optimizers.assign.Hyper` fields.
         model: overrides of the model config.
     """
 
@@ -120,7 +120,7 @@ class Variant:
 class Size:
     """A study's training size and shared hyperparameters (every variant uses them)."""
 
-    model: str  # a name in pretrain.model.CONFIGS
+    model: str  # a name in geomuon.pretrain.model.CONFIGS
     model_overrides: dict
     steps: int
     batch_size: int
@@ -148,9 +148,9 @@ def size_from(study, name: str, seeds: list[int] | None = None) -> Size:
 
 
 def train_config(size: Size, variant: Variant, seed: int):
-    """The :class:`pretrain.train.TrainConfig` of one (variant, seed): in memory, quiet,
+    """The :class:`geomuon.pretrain.train.TrainConfig` of one (variant, seed): in memory, quiet,
     validation windows drawn with :data:`VAL_SEED`."""
-    from pretrain.train import TrainConfig
+    from geomuon.pretrain.train import TrainConfig
 
     return TrainConfig(
         model=size.model, model_overrides={**size.model_overrides, **variant.model}, strategy=variant.name,
@@ -167,7 +167,7 @@ def assignment_factory(variant: Variant):
     (name or mapping), then its ``customize``."""
 
     def build_assignment(model, hyper):
-        from optimizers.assign import assign
+        from geomuon.optimizers.assign import assign
 
         hyper = dataclasses.replace(hyper, **variant.hyper)
         assignment = assign(model, variant.strategy, hyper)
@@ -177,13 +177,13 @@ def assignment_factory(variant: Variant):
 
 
 def train_run(study, variant: Variant, size: Size, seed: int, data) -> dict:
-    """Train one (variant, seed) with :func:`pretrain.train.train` and return its
+    """Train one (variant, seed) with :func:`geomuon.pretrain.train.train` and return its
     JSON-able record: ``train_loss`` of the steps taken (a step whose loss or gradient
     norm is not finite stops the run untaken and unrecorded), ``steps_done`` their count,
-    every evaluation, and ``diverged`` as :func:`pretrain.compare.verdict` judges it (a
+    every evaluation, and ``diverged`` as :func:`geomuon.pretrain.compare.verdict` judges it (a
     non-finite loss, or a final val loss 0.5 nat above the run's best)."""
-    from pretrain.compare import verdict
-    from pretrain.train import train
+    from geomuon.pretrain.compare import verdict
+    from geomuon.pretrain.train import train
 
     memory: dict = {}
     result = train(train_config(size, variant, seed), data, build_assignment=assignment_factory(variant),

@@ -5,14 +5,14 @@ character level, no LayerNorm: residual $(1-a)x + a f(x)$, scores $\times 1/d_\t
 unit-RMS embedding, RoPE) trained with
 
 * ``muon+softcap w_max=…``: Muon plus the spectral soft cap after every step
-  (:class:`optimizers.regulate.SoftCap`, the ``lipschitz`` strategy) over a sweep of
+  (:class:`geomuon.optimizers.regulate.SoftCap`, the ``lipschitz`` strategy) over a sweep of
   the RMS→RMS cap $w_{\max}$;
 * ``muon``: unconstrained Muon with decoupled weight decay (the ``unconstrained`` strategy);
 * ``adamw+wd …``: AdamW with decoupled weight decay on every matrix (the ``adamw``
   strategy), at two decay strengths.
 
 Each run reports its validation accuracy, the certified Lipschitz bound of the trained
-network (:func:`theory.lipschitz.transformer_lipschitz_bound`: exact SVD norms, the
+network (:func:`geomuon.theory.lipschitz.transformer_lipschitz_bound`: exact SVD norms, the
 multi-head attention rule and GELU counted once) and the largest activation any block
 outputs on the validation windows.
 """
@@ -59,7 +59,7 @@ def variants(size: Size) -> list[Variant]:
 @torch.no_grad()
 def extra_metrics(model, evaluation, memory) -> dict:
     """The largest RMS→RMS norm over the hidden matrices and the head (exact SVD)."""
-    from theory.lipschitz import rms_operator_norm
+    from geomuon.theory.lipschitz import rms_operator_norm
 
     weights = model.lipschitz_weights()
     matrices = [W for block in weights["blocks"] for W in block.values()] + [weights["head"]]
@@ -112,7 +112,7 @@ def report(results, size, meta, figure_dir) -> str:
     capped = [n for n in names if n.startswith("muon+softcap")]
     best = max(capped, key=lambda n: common.mean_std(acc[n])[0])
     tight = min(capped, key=lambda n: common.mean_std(bound[n])[0])
-    from pretrain.model import get_config
+    from geomuon.pretrain.model import get_config
 
     tokens = size.steps * size.batch_size * get_config(size.model, **size.model_overrides).block_size
     findings = [
@@ -135,7 +135,7 @@ def report(results, size, meta, figure_dir) -> str:
         "accuracies here are those of an early-training model "
         "and are not comparable in level. Our certified bound is also not the paper's formula: it "
         "counts the multi-head attention rule and GELU's Lipschitz constant once "
-        "(`theory.lipschitz`), so for the same weights it is never smaller than the reference code's bound. "
+        "(`geomuon.theory.lipschitz`), so for the same weights it is never smaller than the reference code's bound. "
         "What the runs do show is the ordering at equal compute: the accuracy each method reaches "
         "and the bound and activation scale it pays for it."
     )

@@ -6,15 +6,15 @@ trained with the five assignments of the seed paper at the same hyperparameters
 DGram MLP, ``hetero_inv``), plus the two open questions:
 
 (a) ``hetero_inv+colcap``: DGram attention with a column-norm cap after every step
-    (:class:`optimizers.regulate.ColumnCap`: a DGram weight's singular values are its
+    (:class:`geomuon.optimizers.regulate.ColumnCap`: a DGram weight's singular values are its
     column norms, so this bounds $\sigma_{\max}(W_Q)\sigma_{\max}(W_K)$);
 (b) ``hetero_inv+reference``: DGram attention with the seed code's implementation choices
     instead of ours — the sorted-σ map $\operatorname{polar}(X)\operatorname{diag}(\text{sorted }\sigma(X))$
     in place of the retraction, unpreconditioned dual ascent from $\Lambda_0 = -\tfrac14L_W(G)$
     (20 steps, $\alpha = 0.1(1 - k/K)$, no final tangent projection) and bf16 polar
     factors. Both pieces are written here by composition, on the library's public
-    interfaces: :class:`SortedSigmaDGram` subclasses :class:`manifolds.DGram`,
-    :class:`ReferenceManifoldMuon` subclasses :class:`optimizers.ManifoldMuon`.
+    interfaces: :class:`SortedSigmaDGram` subclasses :class:`geomuon.manifolds.DGram`,
+    :class:`ReferenceManifoldMuon` subclasses :class:`geomuon.optimizers.ManifoldMuon`.
 
 Mechanism tracked at every evaluation, per layer: $\sigma_{\max}(W_Q)\,\sigma_{\max}(W_K)$
 (row blocks of ``c_attn``), the max attention logit and the mean softmax-Jacobian
@@ -30,10 +30,10 @@ import torch
 from bench.studies import common
 from bench.studies.common import Size, Variant
 from bench.timing import markdown_table
-from manifolds import DGram
-from manifolds.base import matrix_method
-from manifolds.linalg import msign
-from optimizers import ManifoldMuon
+from geomuon.manifolds import DGram
+from geomuon.manifolds.base import matrix_method
+from geomuon.manifolds.linalg import msign
+from geomuon.optimizers import ManifoldMuon
 
 NAME = "manifolds"
 TITLE = "Different layers, different manifolds (seed 000) at CPU scale"
@@ -118,10 +118,10 @@ def _rebuild_manifold_muon(assignment, cls, adjust_group):
 
 def column_cap(W: torch.Tensor, *, lr: float) -> torch.Tensor:
     r"""Scale every column of the DGram side (rows of a wide ``W``) longer than
-    :data:`COLUMN_CAP` back to it: :class:`~optimizers.regulate.ColumnCap` with its
+    :data:`COLUMN_CAP` back to it: :class:`~geomuon.optimizers.regulate.ColumnCap` with its
     RMS→RMS threshold set per shape to the raw norm ($w_{\max} = $ ``COLUMN_CAP``
     $\cdot\sqrt{\text{fan\_in}/\text{fan\_out}}$). Keeps DGram points on DGram."""
-    from optimizers.regulate import ColumnCap, rms_scale
+    from geomuon.optimizers.regulate import ColumnCap, rms_scale
 
     return ColumnCap(w_max=COLUMN_CAP * rms_scale(W.shape))(W, lr=lr)
 
@@ -140,7 +140,7 @@ def column_cap_on_dgram(model, assignment, hyper):
 def reference_choices_on_dgram(model, assignment, hyper):
     """Question (b): the DGram groups get the seed code's choices (sorted-σ map, reference
     dual ascent, bf16 polar factors); the Stiefel groups keep ours."""
-    from optimizers.assign import Assignment
+    from geomuon.optimizers.assign import Assignment
 
     optimizer = assignment.optimizers.pop("manifold_muon")
     ours, reference = [], []
@@ -286,7 +286,7 @@ def report(results, size, meta, figure_dir) -> str:
     ]
     steps = size.steps
     start = {n: [max(r["evals"][0]["attn_column_norm"].values()) for r in results[n]] for n in names}
-    init = (f"Constrained weights start where `optimizers.assign.assign` puts them; measured at step 0, the "
+    init = (f"Constrained weights start where `geomuon.optimizers.assign.assign` puts them; measured at step 0, the "
             f"largest attention column norm is {common.fmt(start['hetero_inv'], 3)} under DGram attention "
             f"(`hetero_inv`) and {common.fmt(start['hetero'], 3)} under Stiefel attention (`hetero`).")
     return "\n\n".join([

@@ -30,7 +30,7 @@ import torch
 from bench.studies import common
 from bench.studies.common import Size, Variant
 from bench.timing import markdown_table
-from optimizers.assign import STRATEGIES, Rule
+from geomuon.optimizers.assign import STRATEGIES, Rule
 
 NAME = "symmetry"
 TITLE = "Symmetry-compatible updates (seed 004) at CPU scale"

@@ -6,7 +6,7 @@ Markers in the Markdown sources are replaced before conversion:
   package and one per public module under it (found on disk, recursively), so a module
   added to a package appears in the API reference without editing the docs.
 * ``<!-- geomuon:symmetry-table -->`` becomes the declared (update x group) table read
-  from ``optimizers.symmetry.declarations()`` -- the rows the equivariance suite runs --
+  from ``geomuon.optimizers.symmetry.declarations()`` -- the rows the equivariance suite runs --
   so the page cannot disagree with the code or the tests.
 * ``<!-- geomuon:results-pages -->`` becomes the list of the results pages the studies
   have written under ``docs/results/`` (``geomuon study NAME``), which are also added to
@@ -24,7 +24,13 @@ import html
 import logging
 import pkgutil
 import re
+import tempfile
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 log = logging.getLogger("mkdocs.hooks.geomuon_pages")
 
@@ -40,7 +46,9 @@ BENCHMARKS = Path("results") / "benchmarks"  # relative to docs/
 def public_modules(package: str) -> list[tuple[str, bool]]:
     """``(dotted name, is_package)`` of the package and its public modules, found on disk
     (nothing is imported), each package before its modules."""
-    directory = ROOT.joinpath(*package.split("."))
+    # geomuon.X lives in the repository's top-level X/ (pyproject.toml's package-dir)
+    parts = package.split(".")
+    directory = ROOT.joinpath(*(parts[1:] if parts[0] == "geomuon" else parts))
     if not (directory / "__init__.py").is_file():
         return []
     found = [(package, True)]
@@ -73,7 +81,7 @@ _ORIENTATION = {"any": "", "tall": ", tall m ≥ n", "wide": ", wide m ≤ n"}
 
 def symmetry_rows(symmetry) -> list[tuple[str, str, str, str]]:
     """``(update (kind), group, expected, rationale)`` as displayed, one per declaration of
-    the ``optimizers.symmetry`` module given."""
+    the ``geomuon.optimizers.symmetry`` module given."""
     return [
         (
             f"{declaration.update} ({declaration.kind}){_ORIENTATION[declaration.orientation]}",
@@ -113,7 +121,28 @@ def results_pages(docs_dir: Path) -> list[tuple[str, str]]:
     return pages
 
 
+def package_view(target: Path) -> Path:
+    """A folder under ``target`` laid out as the installed ``geomuon`` package, with a
+    symlink per entry of ``pyproject.toml``'s ``[tool.setuptools.package-dir]``, so griffe
+    (which finds modules by their files) reads ``geomuon.manifolds`` from ``manifolds/``."""
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        mapping = tomllib.load(handle)["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(mapping.items()):  # parents before their subpackages
+        link = target.joinpath(*package.split("."))
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(ROOT / folder, target_is_directory=True)
+    return target
+
+
 def on_config(config):
+    view = package_view(Path(tempfile.mkdtemp(prefix="geomuon-docs-")))
+    config.plugins["mkdocstrings"].config.handlers["python"]["paths"] = [str(view)]
+    return add_results_to_nav(config)
+
+
+def add_results_to_nav(config):
+    """Turn the nav entry of the results landing page into a section (returns ``config``)."""
     # Turn the nav entry of the results landing page into a section holding the landing
     # page and every study page found on disk.
     studies = [{title: relative} for title, relative in results_pages(Path(config.docs_dir))]
@@ -152,7 +181,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if _RESULTS_MARKER in markdown:
         markdown = markdown.replace(_RESULTS_MARKER, _results_list(docs_dir))
     if _SYMMETRY_MARKER in markdown:
-        import optimizers.symmetry
+        import geomuon.optimizers.symmetry
 
-        markdown = markdown.replace(_SYMMETRY_MARKER, declared_table(optimizers.symmetry))
+        markdown = markdown.replace(_SYMMETRY_MARKER, declared_table(geomuon.optimizers.symmetry))
     return markdown

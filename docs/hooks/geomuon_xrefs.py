@@ -1,7 +1,7 @@
 """MkDocs hook: turn the Sphinx roles of the docstrings into links of the API reference.
 
 The code's docstrings use Sphinx cross-reference roles (``:func:`msign```,
-``:class:`~manifolds.base.MatrixManifold```), which Markdown renders as the literal role
+``:class:`~geomuon.manifolds.base.MatrixManifold```), which Markdown renders as the literal role
 followed by inline code. This hook records the anchor of every documented object
 (mkdocstrings gives each one the id of its dotted path) while pages are converted, then,
 once all pages are known, replaces each role by a link to the object. A name is resolved

@@ -13,11 +13,11 @@ import importlib
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
-    "info": ("geomuon_cli:add_info_parser", "print versions, manifolds and optimizers"),
-    "check-equivariance": ("theory.cli:add_parser", "check an update map against a symmetry group"),
-    "pretrain": ("pretrain.train:add_parser", "pretrain a GPT with a per-module strategy"),
-    "compare": ("pretrain.compare:add_parser", "compare strategies: results table and plots"),
-    "study": ("pretrain.studies:add_parser", "rerun a seed study and write its results page"),
+    "info": ("geomuon.cli:add_info_parser", "print versions, manifolds and optimizers"),
+    "check-equivariance": ("geomuon.theory.cli:add_parser", "check an update map against a symmetry group"),
+    "pretrain": ("geomuon.pretrain.train:add_parser", "pretrain a GPT with a per-module strategy"),
+    "compare": ("geomuon.pretrain.compare:add_parser", "compare strategies: results table and plots"),
+    "study": ("geomuon.pretrain.studies:add_parser", "rerun a seed study and write its results page"),
 }
 
 
@@ -53,8 +53,8 @@ def run_info(args: argparse.Namespace) -> int:
         except PackageNotFoundError:
             print(f"{dist:10s} (not installed)")
     print(f"{'cuda':10s} {'available' if torch.cuda.is_available() else 'not available'}")
-    print("manifolds: " + ", ".join(_public_subclasses("manifolds", geoopt.Manifold)))
-    print("optimizers: " + ", ".join(_public_subclasses("optimizers", torch.optim.Optimizer)))
+    print("manifolds: " + ", ".join(_public_subclasses("geomuon.manifolds", geoopt.Manifold)))
+    print("optimizers: " + ", ".join(_public_subclasses("geomuon.optimizers", torch.optim.Optimizer)))
     return 0
 
 
