@@ -235,10 +235,10 @@ def test_package_exports_are_documented_where_they_are_defined(site):
 
 
 def test_symmetry_table_is_generated_from_the_code(site):
-    import geomuon.optimizers.symmetry
+    import geomuon.theory.declared
 
-    rows = geomuon_pages.symmetry_rows(geomuon.optimizers.symmetry)
-    assert len(rows) == len(geomuon.optimizers.symmetry.declarations()) >= 5
+    rows = geomuon_pages.symmetry_rows(geomuon.theory.declared)
+    assert len(rows) == len(geomuon.theory.declared.declarations()) >= 5
     page = (site / "concepts" / "symmetry.html").read_text()
     table = page[page.index('<div class="geomuon-declared">') :]
     table = table[: table.index("</table>")]

@@ -6,7 +6,7 @@ Markers in the Markdown sources are replaced before conversion:
   package and one per public module under it (found on disk, recursively), so a module
   added to a package appears in the API reference without editing the docs.
 * ``<!-- geomuon:symmetry-table -->`` becomes the declared (update x group) table read
-  from ``geomuon.optimizers.symmetry.declarations()`` -- the rows the equivariance suite runs --
+  from ``geomuon.theory.declared.declarations()`` -- the rows the equivariance suite runs --
   so the page cannot disagree with the code or the tests.
 * ``<!-- geomuon:results-pages -->`` becomes the list of the results pages the studies
   have written under ``docs/results/`` (``geomuon study NAME``), which are also added to
@@ -81,7 +81,7 @@ _ORIENTATION = {"any": "", "tall": ", tall m ≥ n", "wide": ", wide m ≤ n"}
 
 def symmetry_rows(symmetry) -> list[tuple[str, str, str, str]]:
     """``(update (kind), group, expected, rationale)`` as displayed, one per declaration of
-    the ``geomuon.optimizers.symmetry`` module given."""
+    the ``geomuon.theory.declared`` module given."""
     return [
         (
             f"{declaration.update} ({declaration.kind}){_ORIENTATION[declaration.orientation]}",
@@ -181,7 +181,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if _RESULTS_MARKER in markdown:
         markdown = markdown.replace(_RESULTS_MARKER, _results_list(docs_dir))
     if _SYMMETRY_MARKER in markdown:
-        import geomuon.optimizers.symmetry
+        import geomuon.theory.declared
 
-        markdown = markdown.replace(_SYMMETRY_MARKER, declared_table(geomuon.optimizers.symmetry))
+        markdown = markdown.replace(_SYMMETRY_MARKER, declared_table(geomuon.theory.declared))
     return markdown
