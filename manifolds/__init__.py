@@ -3,11 +3,14 @@ r"""Matrix manifolds (geoopt-compatible) and the linear-algebra kernels under th
 Every manifold subclasses :class:`MatrixManifold` (a ``geoopt.Manifold`` acting on
 ``[..., m, n]``) and exposes its tangent constraint (``constraint``,
 ``constraint_adjoint``, ``constraint_gram_diag``) for the steepest-descent engine.
+Every subclass registers itself by name (``MatrixManifold.by_name("stiefel")``,
+``MatrixManifold.registered()``) and round-trips through plain data
+(``manifold.spec()``, ``MatrixManifold.from_spec(spec)``).
 The kernels stay importable as ``geomuon.manifolds.linalg``.
 """
 
 from . import linalg
-from .base import MatrixManifold, matrix_method, retraction_dtype
+from .base import ManifoldSpec, MatrixManifold, matrix_method, retraction_dtype
 from .dgram import DGram
 from .euclidean import Euclidean
 from .linalg import (
@@ -28,13 +31,9 @@ from .oblique import Oblique
 from .router import CenteredRouterSpace
 from .stiefel import Stiefel
 
-#: Every built-in manifold class, by name.
-MANIFOLDS = {
-    cls.__name__: cls for cls in (Euclidean, Stiefel, DGram, Oblique, CenteredRouterSpace, LPRO)
-}
-
 __all__ = [
     "MatrixManifold",
+    "ManifoldSpec",
     "matrix_method",
     "retraction_dtype",
     "Euclidean",
@@ -43,7 +42,6 @@ __all__ = [
     "Oblique",
     "CenteredRouterSpace",
     "LPRO",
-    "MANIFOLDS",
     "linalg",
     "NSSchedule",
     "KELLER_QUINTIC",

@@ -23,7 +23,10 @@ $\mathbb{R}^{m\times n}$, so ``egrad2rgrad`` is the tangent projection.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +41,7 @@ from geoopt.utils import size2shape
 
 __all__ = [
     "MatrixManifold",
+    "ManifoldSpec",
     "matrix_method",
     "retraction_dtype",
     "conjugate_gradients",
@@ -93,6 +97,12 @@ def matrix_method(*matrix_args: str, result: str = "matrix"):
     return decorate
 
 
+#: A manifold as plain data: ``{"name": registry name, "args": {constructor argument: value}}``
+#: (values are ``None``, bools, numbers, strings, tensors, ``torch.dtype`` and lists/dicts of
+#: these), what ``torch.load(..., weights_only=True)`` can read back.
+ManifoldSpec = dict
+
+
 class MatrixManifold(geoopt.Manifold):
     r"""A manifold of matrices $M \subset \mathbb{R}^{m\times n}$, batched over ``[..., m, n]``.
 
@@ -115,7 +125,31 @@ class MatrixManifold(geoopt.Manifold):
     ``expmap`` is the retraction (no geodesics are used); ``transp`` projects the vector
     onto the new tangent space.
 
+    **Registry, spec and identity.** Defining a subclass registers it under its
+    :attr:`name` (the class attribute when the class body sets one, else the class name),
+    wherever it is defined, a user's module included; a second class claiming a registered
+    name is a ``TypeError`` (re-running the same class definition, e.g. a reloaded module,
+    replaces it). Every instance remembers its constructor arguments, so
+
+    * :meth:`spec` is the instance as plain data, ``{"name": ..., "args": {...}}`` (defaults
+      filled in; tensors allowed), which ``torch.save`` writes and
+      ``torch.load(weights_only=True)`` reads;
+    * :meth:`from_spec` rebuilds an equal instance from it, :meth:`by_name` returns a
+      registered class, and :meth:`resolve` accepts an instance, a name or a spec (what a
+      param group's ``manifold`` key may hold);
+    * :attr:`identity` is hashable and equal for two instances exactly when they are
+      interchangeable: same class and same constructor arguments (tensors compared by
+      dtype, shape and value). Optimizers batch matrices by it.
+
+    A subclass whose constructor takes arguments stores whatever it likes; the spec is
+    read from the arguments as passed, not from attributes, so nothing else is needed.
+    Loading a spec whose class lives in a user's module needs that module imported first
+    (a checkpoint never imports code).
+
     Attributes:
+        name: the registry name (and the prefix of error messages).
+        aliases: further names :meth:`by_name` accepts (lowercase, e.g. ``"stiefel"``
+            works for every class by its lowercased name anyway).
         transposes_wide: when ``True`` a wide point ($m < n$) uses the transposed
             geometry (the manifold's docstring says which side is then constrained).
         newton_steps: most Gauss–Newton iterations of the generic projection.
@@ -123,9 +157,149 @@ class MatrixManifold(geoopt.Manifold):
 
     ndim = 2
     name = "MatrixManifold"
+    aliases: tuple[str, ...] = ()
     reversible = False
     transposes_wide = False
     newton_steps = 30
+
+    #: name → class of every subclass defined so far (see :meth:`by_name`).
+    _registry: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
+        for key in (cls.name, *cls.__dict__.get("aliases", ())):
+            key = key.lower()
+            known = MatrixManifold._registry.get(key)
+            if known is not None and _class_path(known) != _class_path(cls):
+                raise TypeError(
+                    f"manifold name {key!r} of {_class_path(cls)} is already registered by "
+                    f"{_class_path(known)}; give the new class its own `name = \"...\"` class attribute"
+                )
+            MatrixManifold._registry[key] = cls
+
+    def __init__(self) -> None:
+        # geoopt.Manifold.__init__ swallows any keyword; a misspelt argument is an error here.
+        super().__init__()
+
+    def __new__(cls, *args, **kwargs):
+        # Remember the constructor arguments (bound by name, defaults filled in) for spec().
+        self = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{cls.__name__}(): {error}") from None
+        bound.apply_defaults()
+        arguments = {}
+        for parameter, (key, value) in zip(bound.signature.parameters.values(), bound.arguments.items()):
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)  # **kwargs are stored by their own names
+            elif parameter.kind is not inspect.Parameter.VAR_POSITIONAL or value:
+                arguments[key] = value
+        arguments.pop(next(iter(bound.arguments)))  # self
+        object.__setattr__(self, "_spec_args", arguments)
+        return self
+
+    # ---------------------------------------------------------------- spec and identity
+    @classmethod
+    def by_name(cls, name: str) -> type:
+        """The registered manifold class called ``name`` (case-insensitive, or an alias).
+
+        Raises:
+            ValueError: naming the known manifolds when ``name`` is not registered.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"manifold name must be a string, got {type(name).__name__}")
+        found = MatrixManifold._registry.get(name.lower())
+        if found is None:
+            raise ValueError(
+                f"unknown manifold {name!r}; registered: {sorted(MatrixManifold.registered())}. "
+                "A manifold defined in your own module registers itself when that module is imported"
+            )
+        return found
+
+    @classmethod
+    def registered(cls) -> dict[str, type]:
+        """``{name: class}`` of every registered manifold (aliases left out)."""
+        return {c.name: c for c in MatrixManifold._registry.values()}
+
+    def spec(self) -> ManifoldSpec:
+        """This manifold as plain data: ``{"name": self.name, "args": {argument: value}}``.
+
+        ``args`` holds every constructor argument (defaults included), tensors detached.
+        """
+        args = getattr(self, "_spec_args", {})
+        return {"name": self.name, "args": {key: _plain(value, f"{self.name}({key}=...)")
+                                            for key, value in args.items()}}
+
+    @classmethod
+    def from_spec(cls, spec: Mapping) -> MatrixManifold:
+        """The manifold a :meth:`spec` describes (a new instance, equal in :attr:`identity`).
+
+        Raises:
+            ValueError: the spec is not ``{"name": str, "args": dict}`` or names an
+                unregistered manifold.
+        """
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            raise ValueError(f"a manifold spec is {{'name': str, 'args': dict}}, got {spec!r}")
+        unknown = set(spec) - {"name", "args"}
+        if unknown:
+            raise ValueError(f"manifold spec {spec['name']!r}: unknown keys {sorted(unknown)}")
+        manifold_cls = MatrixManifold.by_name(spec["name"])
+        args = dict(spec.get("args") or {})
+        positional, keywords = [], {}
+        parameters = list(inspect.signature(manifold_cls.__init__).parameters.values())[1:]
+        for parameter in parameters:
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                keywords.update(args)  # the remaining names go to **kwargs
+                args = {}
+            if parameter.name not in args:
+                continue
+            value = args.pop(parameter.name)
+            if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            else:
+                keywords[parameter.name] = value
+        if args:
+            raise ValueError(
+                f"manifold spec {spec['name']!r}: {manifold_cls.__name__}() takes no argument(s) "
+                f"{sorted(args)}"
+            )
+        return manifold_cls(*positional, **keywords)
+
+    @classmethod
+    def resolve(cls, manifold: Any, where: str = "manifold") -> MatrixManifold:
+        """A manifold instance from an instance, a registered name or a spec dict.
+
+        Raises:
+            ValueError: naming ``where`` and what was given.
+        """
+        if isinstance(manifold, MatrixManifold):
+            return manifold
+        try:
+            if isinstance(manifold, str):
+                return MatrixManifold.by_name(manifold)()
+            if isinstance(manifold, Mapping):
+                return MatrixManifold.from_spec(manifold)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from None
+        raise ValueError(
+            f"{where}: expected a MatrixManifold, a registered name or a spec dict, got "
+            f"{type(manifold).__name__}"
+        )
+
+    @property
+    def identity(self) -> tuple:
+        """Hashable; equal exactly when two manifolds are interchangeable (same class, same
+        constructor arguments, tensors compared by value). Computed once per instance."""
+        cached = self.__dict__.get("_identity")
+        if cached is None:
+            cached = (type(self), _frozen(self.spec()["args"]))
+            object.__setattr__(self, "_identity", cached)
+        return cached
 
     # ---------------------------------------------------------------- validation
     def shape_problem(self, m: int, n: int) -> str | None:
@@ -359,6 +533,39 @@ class MatrixManifold(geoopt.Manifold):
                 stacklevel=3,
             )
         return y
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as plain data for a spec (tensors detached and copied), or ``TypeError``."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, where) for item in value]
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return {key: _plain(item, where) for key, item in value.items()}
+    raise TypeError(
+        f"{where}: a constructor argument of type {type(value).__name__} cannot go into a "
+        "manifold spec (plain data: None, bool, int, float, str, torch.dtype, tensors, "
+        "lists and str-keyed dicts of these)"
+    )
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable image of plain spec data; tensors by dtype, shape and values."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().reshape(-1)
+        return ("tensor", str(value.dtype), tuple(value.shape), tuple(flat.tolist()))
+    if isinstance(value, list):
+        return ("list", tuple(_frozen(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((key, _frozen(item)) for key, item in value.items())))
+    return value  # Python equality: 2 == 2.0, as a constructor taking a float sees them
 
 
 def conjugate_gradients(apply, b: torch.Tensor, diag: torch.Tensor) -> torch.Tensor:

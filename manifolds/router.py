@@ -34,6 +34,7 @@ class CenteredRouterSpace(MatrixManifold):
     """
 
     name = "CenteredRouterSpace"
+    aliases = ("centered_router",)
 
     def shape_problem(self, m, n):
         if m < 2:

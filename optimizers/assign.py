@@ -26,12 +26,18 @@ strategy of one's own is a ``{role: Rule}`` mapping passed to :func:`assign` dir
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+from geomuon.manifolds import MatrixManifold
+
+from .manifold_muon import ManifoldMuon
+from .muon import Muon
+from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
+from .regulate import make_regulator
 
 ATTENTION_ROLES = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o")
 MLP_ROLES = ("mlp_in", "mlp_out", "mlp_gate", "mlp_up", "mlp_down")
@@ -120,7 +126,7 @@ class Rule:
     """How one role is optimised: an update family, an optional manifold, a regulator."""
 
     update: str  # "adamw", "muon", "manifold_muon", "row_norm", "right_polar", "left_polar", "hybrid"
-    manifold: str | None = None  # "stiefel", "dgram", "centered_router" (ManifoldMuon only)
+    manifold: str | None = None  # a registered manifold name, e.g. "stiefel" (ManifoldMuon only)
     centered: bool = False
     regulate: str | None = None
 
@@ -245,27 +251,20 @@ class Assignment:
             opt.load_state_dict(state[name])
 
 
-_MANIFOLD_CLASSES = {"stiefel": "Stiefel", "dgram": "DGram", "centered_router": "CenteredRouterSpace"}
-
-
-def _manifold(name: str):
-    return getattr(importlib.import_module("geomuon.manifolds"), _MANIFOLD_CLASSES[name])()
-
-
 _UPDATE_CLASSES = {
-    "muon": "Muon",
-    "manifold_muon": "ManifoldMuon",
-    "row_norm": "RowNormM",
-    "right_polar": "RightPolarGradM",
-    "left_polar": "LeftPolarGradM",
-    "hybrid": "HybridPolarGradM",
+    "muon": Muon,
+    "manifold_muon": ManifoldMuon,
+    "row_norm": RowNormM,
+    "right_polar": RightPolarGradM,
+    "left_polar": LeftPolarGradM,
+    "hybrid": HybridPolarGradM,
 }
 
 
 def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
     if update == "adamw":
         return torch.optim.AdamW(groups, lr=hyper.adamw_lr, betas=hyper.adamw_betas, weight_decay=0.0)
-    cls = getattr(importlib.import_module("geomuon.optimizers"), _UPDATE_CLASSES[update])
+    cls = _UPDATE_CLASSES[update]
     kwargs = dict(lr=hyper.lr, momentum=hyper.momentum, **hyper.extra)
     if update in ("muon", "manifold_muon"):
         kwargs["nesterov"] = hyper.nesterov
@@ -286,12 +285,11 @@ def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) ->
         # the seed-000 baseline: decoupled weight decay; the Lipschitz strategy caps instead
         group["weight_decay"] = 0.0 if rule.regulate else hyper.weight_decay
     if rule.manifold:
-        group["manifold"] = _manifold(rule.manifold)
+        group["manifold"] = MatrixManifold.by_name(rule.manifold)()
     if rule.centered:
         group["centered"] = True
     if rule.regulate:
-        regulate = importlib.import_module("geomuon.optimizers.regulate")
-        group["regulate"] = regulate.make_regulator({"kind": rule.regulate, "w_max": hyper.w_max})
+        group["regulate"] = make_regulator({"kind": rule.regulate, "w_max": hyper.w_max})
     return group
 
 
@@ -324,9 +322,11 @@ def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, R
         if rule.update not in ("adamw", *_UPDATE_CLASSES):
             raise ValueError(f"strategy[{role!r}] has update {rule.update!r}; choose one of "
                              f"{('adamw', *_UPDATE_CLASSES)}")
-        if rule.manifold is not None and rule.manifold not in _MANIFOLD_CLASSES:
-            raise ValueError(f"strategy[{role!r}] has manifold {rule.manifold!r}; choose one of "
-                             f"{tuple(_MANIFOLD_CLASSES)} or None")
+        if rule.manifold is not None:
+            try:
+                MatrixManifold.by_name(rule.manifold)
+            except ValueError as error:
+                raise ValueError(f"strategy[{role!r}]: {error}") from None
     return _label(table), table
 
 

@@ -18,12 +18,12 @@ $n\times n$ for Stiefel/DGram, $n$ for Oblique, nothing for unconstrained manifo
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import torch
 
-from geomuon.manifolds import retraction_dtype
+from geomuon.manifolds import MatrixManifold, retraction_dtype
 
 from .base import MatrixOptimizer
 from .steepest import NORMS, steepest_direction
@@ -35,25 +35,13 @@ __all__ = ["ManifoldMuon", "resolve_manifold", "polish_retraction", "DEFAULT_DUA
 DEFAULT_DUAL_STEPS = 1
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
              "check_point_on_manifold")
-_BY_NAME = {
-    "stiefel": "Stiefel",
-    "dgram": "DGram",
-    "oblique": "Oblique",
-    "centered_router": "CenteredRouterSpace",
-    "euclidean": "Euclidean",
-    "lpro": "LPRO",
-}
 
 
 def resolve_manifold(spec, where: str):
-    """A manifold instance from an instance or a name in ``stiefel, dgram, oblique,
-    centered_router, euclidean, lpro``; ``ValueError`` naming ``where`` otherwise."""
-    if isinstance(spec, str):
-        module = importlib.import_module("geomuon.manifolds")
-        cls = getattr(module, _BY_NAME.get(spec.lower(), spec), None)
-        if cls is None:
-            raise ValueError(f"{where}: unknown manifold {spec!r}; choose one of {sorted(_BY_NAME)}")
-        spec = cls()
+    """A manifold instance from an instance, a registered name (``MatrixManifold.by_name``:
+    ``"stiefel"``, ``"dgram"``, ...) or a spec dict; ``ValueError`` naming ``where`` otherwise."""
+    if isinstance(spec, (str, Mapping)):
+        spec = MatrixManifold.resolve(spec, where)
     missing = [name for name in _REQUIRED if not hasattr(spec, name)]
     if missing:
         raise ValueError(

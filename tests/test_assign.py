@@ -92,7 +92,7 @@ def test_mapping_strategy_leaves_omitted_roles_to_adamw_and_gets_a_readable_labe
     ({"vector": Rule("muon")}, ValueError, r"role 'vector'.*vectors always use AdamW"),
     ({"attn_q": "muon"}, TypeError, r"strategy\['attn_q'\] is a str; use geomuon.optimizers.assign.Rule"),
     ({"attn_q": Rule("sgd")}, ValueError, r"update 'sgd'; choose one of .*'muon'"),
-    ({"attn_q": Rule("manifold_muon", "sphere")}, ValueError, r"manifold 'sphere'; choose one of .*'stiefel'"),
+    ({"attn_q": Rule("manifold_muon", "sphere")}, ValueError, r"strategy\['attn_q'\]: unknown manifold 'sphere'; registered: .*'Stiefel'"),
     (["attn_q"], TypeError, r"strategy must be a name in STRATEGIES or a \{role: Rule\} mapping, got list"),
 ])
 def test_bad_mapping_strategies_are_rejected(strategy, error, match):
