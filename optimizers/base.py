@@ -41,6 +41,8 @@ from typing import Any, Iterable
 
 import torch
 
+from . import distributed as _distributed
+
 __all__ = ["MatrixOptimizer", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
 
 #: Defaults of an ``update="adamw"`` group for the keys it does not set (torch's AdamW).
@@ -151,7 +153,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             regulator = self._regulators[index]
             if regulator is not None:
                 for p in params:
-                    p.copy_(regulator(p, lr=lr, state=self.state[p]))
+                    if _distributed.is_sharded(p) and group["update"] != "adamw":
+                        continue  # a sharded matrix was regulated whole, on the rank that mapped it
+                    _distributed.write_whole(p, regulator(_distributed.whole(p), lr=lr, state=self.state[p]))
         return loss
 
     def _params_with_finite_grad(self, group: dict, index: int) -> list[torch.Tensor]:
@@ -170,7 +174,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # One fused Frobenius-norm pass (the L2 kernel is ~5x faster than L1 on CPU). A norm
         # that overflows is refused as well: every update here normalizes by it, so a
         # finite gradient beyond the dtype's range would otherwise give a silent zero step.
-        finite = torch.stack(torch._foreach_norm([p.grad for p in params])).isfinite().tolist()
+        # (a DTensor's norms are partial sums: whole() all-reduces them, so ranks agree)
+        norms = torch.stack(torch._foreach_norm([p.grad for p in params]))
+        finite = _distributed.whole(norms).isfinite().tolist()
         if all(finite):
             return params
         bad = [self._name(group, i, index) for i, ok in zip(positions, finite) if not ok]
@@ -204,6 +210,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return p.dtype
 
     def _matrix_step(self, group: dict, params: list[torch.Tensor], lr: float) -> None:
+        if _distributed.is_sharded(params[0]):  # FSDP2 / DTensor: whole matrices, sharded by matrix
+            return _distributed.sharded_matrix_step(self, group, params, lr)
         momentum = group["momentum"]
         grads = [p.grad for p in params]
         bufs = []
@@ -225,6 +233,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
         """Map the stacked momentum ``M: [B, *matrix_shape]`` to the update ``[B, ...]``."""
         raise NotImplementedError
+
+    def _rowwise_direction(self, group: dict) -> bool:
+        """Whether :meth:`_direction` maps every row (and batch entry) on its own, so a
+        shard of rows can be mapped where it lives (default ``False``)."""
+        return False
 
     def _lr_scale(self, group: dict, shape: tuple[int, ...]) -> float:
         """Shape-dependent factor on ``lr`` for the update (1 unless a subclass says)."""
@@ -292,7 +305,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 manifold = self._manifold_of(group, p)
                 if manifold is None:
                     continue
-                x = p.detach() if p.dtype == torch.float64 else p.detach().float()
+                x = _distributed.whole(p.detach())
+                x = x if p.dtype == torch.float64 else x.float()
                 tol = max(atol, 16 * torch.finfo(p.dtype).eps)
                 for matrix in [x.reshape(x.shape[0], -1)] if group["matrix_view"] == "flatten" else [x]:
                     ok, reason = manifold.check_point_on_manifold(matrix, explain=True, atol=tol, rtol=rtol)
@@ -315,9 +329,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 manifold = self._manifold_of(group, p)
                 if manifold is not None:
-                    x = p.detach() if p.dtype == torch.float64 else p.detach().float()
+                    x = _distributed.whole(p.detach())
+                    x = x if p.dtype == torch.float64 else x.float()
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
-                    p.copy_(manifold.projx(view).reshape(p.shape).to(p.dtype))
+                    _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
 
 
 def _make_regulator(spec, index: int):

@@ -94,6 +94,10 @@ class RowNormM(_MapOptimizer):
     map_name = "row_norm"
     uses_alpha = False
 
+    def _rowwise_direction(self, group: dict) -> bool:
+        # the centered map mixes rows (it subtracts their mean); the plain one does not
+        return not group["centered"]
+
 
 class RightPolarGradM(_MapOptimizer):
     __doc__ = "RightPolarGradM: $U(M) = \\|M\\|_*^\\alpha M(M^\\top M)^{-1/2}$.\n\n" + _MapOptimizer.__doc__
