@@ -25,10 +25,14 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   beyond $\sim10^{19}$) counts as non-finite (one fused norm per group decides).
 * **Regulation** (group key ``regulate``): a spec for
   :func:`geomuon.optimizers.regulate.make_regulator`, applied after the step as
-  ``p.copy_(reg(p, lr=lr, state=self.state[p]))``.
+  ``p.copy_(reg(p, lr=lr, state=self.state[p]))``. A
+  :class:`~geomuon.optimizers.regulate.Regulator` given here is stored as its spec.
+* **Plain-data param groups**: a group's ``manifold`` and ``regulate`` are stored as
+  specs (``MatrixManifold.spec()``, ``Regulator.spec()``) and the live objects derived
+  from them, so ``torch.load(path, weights_only=True)`` reads ``state_dict()``.
 * ``p.grad is None`` skipped; closures; LR schedulers (``lr`` is read from the group at
   every step, float or 1-element tensor); ``state_dict``/``load_state_dict`` (all state
-  is tensors, so a resumed run is bit-identical on CPU).
+  is tensors and the groups plain data, so a resumed run is bit-identical on CPU).
 * :meth:`MatrixOptimizer.check_on_manifold`: reports (and by default raises for)
   parameters that are not on their group's manifold.
 """
@@ -41,6 +45,9 @@ from typing import Any, Iterable
 
 import torch
 
+from geomuon.manifolds import MatrixManifold
+
+from .regulate import make_regulator, regulator_spec
 from . import distributed as _distributed
 
 __all__ = ["MatrixOptimizer", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
@@ -69,6 +76,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.setdefault("matrix_view", "batch")
         defaults.setdefault("update", self.matrix_update)
         self._regulators: list = []
+        self._manifolds: dict[int, tuple] = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ construction
@@ -79,8 +87,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
+        # Param groups hold plain data (specs), so state_dict() loads with weights_only=True;
+        # the live regulator is derived from the spec and kept beside the groups.
+        group["regulate"] = regulator_spec(group.get("regulate"))
         self._validate_group(group, index)
-        self._regulators.append(_make_regulator(group.get("regulate"), index))
+        self._regulators.append(make_regulator(group["regulate"]))
 
     def _validate_group(self, group: dict, index: int) -> None:
         for key in ("lr", "weight_decay"):
@@ -129,7 +140,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _rebuild_derived_state(self) -> None:
         """Recompute attributes derived from the param groups (subclasses extend it)."""
-        self._regulators = [_make_regulator(g.get("regulate"), i) for i, g in enumerate(self.param_groups)]
+        self._regulators = [make_regulator(g.get("regulate")) for g in self.param_groups]
+        self._manifolds = {}
+        for group in self.param_groups:  # resolved now, not in a step
+            if group.get("manifold") is not None:
+                self._group_manifold(group).identity  # noqa: B018
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -281,6 +296,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """The manifold a parameter lives on (``None``: unconstrained)."""
         return None
 
+    def _group_manifold(self, group: dict) -> MatrixManifold | None:
+        """The live manifold of a group whose ``"manifold"`` key holds a spec (plain data,
+        see :meth:`geomuon.manifolds.MatrixManifold.spec`), built once per spec object: a
+        new spec assigned to the group is picked up, and nothing is hashed in a step."""
+        spec = group.get("manifold")
+        if spec is None:
+            return None
+        key = id(group)
+        cached = self._manifolds.get(key)
+        if cached is None or cached[0] is not spec:
+            cached = (spec, MatrixManifold.resolve(spec, f"param group {self.param_groups.index(group)}"))
+            self._manifolds[key] = cached
+        return cached[1]
+
     @torch.no_grad()
     def check_on_manifold(self, *, atol: float = 1e-5, rtol: float = 1e-5, raise_error: bool = True):
         """Check that every constrained parameter lies on its manifold.
@@ -333,17 +362,3 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     x = x if p.dtype == torch.float64 else x.float()
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
-
-
-def _make_regulator(spec, index: int):
-    """Build a group's regulator; the regulation module is imported only when needed."""
-    if spec is None:
-        return None
-    try:
-        from .regulate import make_regulator
-    except ImportError as error:  # pragma: no cover - only while the module is missing
-        raise ValueError(
-            f"param group {index}: regulate={spec!r} needs geomuon.optimizers.regulate, which failed to "
-            f"import ({error}); use regulate=None"
-        ) from error
-    return make_regulator(spec)

@@ -189,8 +189,13 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"group {index}: retraction must be 'polish' or 'manifold', got {group['retraction']!r}")
         if int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
+        manifold = None
         if group["manifold"] is not None:
-            group["manifold"] = resolve_manifold(group["manifold"], f"param group {index}")
+            # the group keeps the spec (plain data for state_dict); the live one is derived
+            manifold = resolve_manifold(group["manifold"], f"param group {index}")
+            group["manifold"] = manifold.spec()
+            self._manifolds[id(group)] = (group["manifold"], manifold)
+            manifold.identity  # computed here, not in a step  # noqa: B018
         for i, p in enumerate(group["params"]):
             own = getattr(p, "manifold", None)
             name = self._name(group, i, index)
@@ -200,11 +205,11 @@ class ManifoldMuon(MatrixOptimizer):
                     "(e.g. 'stiefel') or pass a geoopt.ManifoldParameter"
                 )
             if own is not None and group["manifold"] is None:
-                resolve_manifold(own, f"parameter {name}")
-            elif own is not None and hasattr(own, "constraint") and type(own) is not type(group["manifold"]):
+                resolve_manifold(own, f"parameter {name}").identity  # noqa: B018
+            elif own is not None and hasattr(own, "constraint") and type(own) is not type(manifold):
                 raise ValueError(
                     f"ManifoldMuon: parameter {name} is a ManifoldParameter on {type(own).__name__} "
-                    f"but its group says {type(group['manifold']).__name__}"
+                    f"but its group says {type(manifold).__name__}"
                 )
 
     def _rebuild_derived_state(self) -> None:
@@ -214,11 +219,11 @@ class ManifoldMuon(MatrixOptimizer):
         self.certificates = getattr(self, "certificates", {})
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
-        return group["manifold"] if group["manifold"] is not None else p.manifold
+        return self._group_manifold(group) if group["manifold"] is not None else p.manifold
 
     def _batch_key(self, group: dict, p: torch.Tensor) -> tuple:
         m = self._manifold_of(group, p)
-        return super()._batch_key(group, p) + (type(m), m.extra_repr() if hasattr(m, "extra_repr") else id(m))
+        return super()._batch_key(group, p) + (m.identity,)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Union
@@ -67,6 +68,7 @@ __all__ = [
     "HardCap",
     "ColumnCap",
     "make_regulator",
+    "regulator_spec",
     "soft_cap_alpha",
     "soft_cap_polynomial",
     "ns_output_max",
@@ -166,6 +168,10 @@ def _top_singular_triplet(
     return (sigma, v, u) if wide else (sigma, u, v)
 
 
+#: name → regulator class; every :class:`Regulator` subclass with a ``name`` adds itself.
+REGULATORS: dict[str, type[Regulator]] = {}
+
+
 class Regulator:
     r"""Base class: subclasses implement :meth:`regulate` on the RMS-scaled matrix
     $M = \sqrt{\text{fan\_in}/\text{fan\_out}}\,W$ in the compute dtype.
@@ -174,8 +180,44 @@ class Regulator:
     scales back and returns ``W.dtype``.
     """
 
-    #: key under which :func:`make_regulator` finds this class
+    #: key under which :func:`make_regulator` finds this class; a subclass that sets it
+    #: registers itself in :data:`REGULATORS` (a name already taken is a ``TypeError``)
     name: str = ""
+
+    def __init_subclass__(cls, register: bool = True, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if not register or not name:
+            return
+        known = REGULATORS.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(
+                f"regulator name {name!r} of {cls.__module__}.{cls.__qualname__} is already taken by "
+                f"{known.__module__}.{known.__qualname__}; give the new class its own `name`"
+            )
+        REGULATORS[name] = cls
+
+    def spec(self) -> dict:
+        """This regulator as plain data, ``{"name": ..., field: value}``, the ``dict`` form
+        :func:`make_regulator` accepts (what a param group stores, so a checkpoint loads with
+        ``torch.load(weights_only=True)``). Fields are the dataclass fields.
+
+        Raises:
+            TypeError: a field is not plain data (e.g. a callable ``eta``).
+        """
+        if not self.name or REGULATORS.get(self.name) is not type(self):
+            raise TypeError(f"{type(self).__name__} has no registered name; set `name = \"...\"` on the class")
+        spec = {"name": self.name}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not (value is None or isinstance(value, (bool, int, float, str))):
+                raise TypeError(
+                    f"{type(self).__name__}.{field.name} = {value!r} is not plain data, so the "
+                    "regulator cannot be stored in a checkpoint; use a number (or a Regulator "
+                    "subclass computing it)"
+                )
+            spec[field.name] = value
+        return spec
 
     def __call__(self, W: torch.Tensor, *, lr: float, state: dict | None = None) -> torch.Tensor:
         _check_weight(W, type(self).__name__)
@@ -672,7 +714,7 @@ class ColumnCap(Regulator):
 # composition and construction
 
 
-class Chain(Regulator):
+class Chain(Regulator, register=False):
     """Several regulators applied in order (what a list spec builds); each sees the
     previous one's output and the same ``lr`` and ``state``."""
 
@@ -681,24 +723,30 @@ class Chain(Regulator):
     def __init__(self, regulators: Iterable[Callable]):
         self.regulators = list(regulators)
 
+    def spec(self) -> list:
+        """The list spec of the chained regulators (see :meth:`Regulator.spec`)."""
+        return [regulator_spec(regulator) for regulator in self.regulators]
+
     def __call__(self, W, *, lr, state=None):
         for regulator in self.regulators:
             W = regulator(W, lr=lr, state=state)
         return W
 
 
-REGULATORS: dict[str, type[Regulator]] = {
-    cls.name: cls
-    for cls in (
-        WeightDecay,
-        SpectralNormalize,
-        SpectralHammer,
-        SpectralWeightDecay,
-        SoftCap,
-        HardCap,
-        ColumnCap,
-    )
-}
+def regulator_spec(spec: Any) -> Any:
+    """``regulate=`` as plain data for a param group: a :class:`Regulator` (instance or
+    class) becomes its spec or name, lists are converted item by item, ``None``/names/dicts
+    stay. A bare callable stays as it is (it has no plain form: such a group's optimizer
+    state loads only with ``weights_only=False``)."""
+    if isinstance(spec, Regulator):
+        return spec.spec()
+    if isinstance(spec, type) and issubclass(spec, Regulator):
+        return spec().spec()
+    if isinstance(spec, (list, tuple)):
+        return [regulator_spec(item) for item in spec]
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    return spec
 
 
 def make_regulator(spec: Any) -> Callable | None:

@@ -141,7 +141,7 @@ def test_variant_hooks_build_what_the_variant_says():
     capped = {v.name: v for v in lipschitz_study.variants(tiny)}["muon+softcap w_max=1"]
     model = GPT(get_config("cpu-lipschitz"))
     assignment = common.assignment_factory(capped)(model, Hyper(w_max=2.0))
-    caps = {group["regulate"].w_max for group in assignment.param_groups if group.get("regulate")}
+    caps = {group["regulate"]["w_max"] for group in assignment.param_groups if group.get("regulate")}
     assert caps == {1.0}  # the variant's w_max, not the size's 2.0
 
     reference = {v.name: v for v in manifolds_study.variants(tiny)}["hetero_inv+reference"]

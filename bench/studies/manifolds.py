@@ -30,7 +30,7 @@ import torch
 from bench.studies import common
 from bench.studies.common import Size, Variant
 from bench.timing import markdown_table
-from geomuon.manifolds import DGram
+from geomuon.manifolds import DGram, MatrixManifold
 from geomuon.manifolds.base import matrix_method
 from geomuon.manifolds.linalg import msign
 from geomuon.optimizers import ManifoldMuon
@@ -116,6 +116,12 @@ def _rebuild_manifold_muon(assignment, cls, adjust_group):
     return assignment
 
 
+def _on_dgram(group: dict) -> bool:
+    """Whether a param group's manifold (a spec, see ``MatrixManifold.spec``) is DGram."""
+    spec = group.get("manifold")
+    return spec is not None and isinstance(MatrixManifold.resolve(spec), DGram)
+
+
 def column_cap(W: torch.Tensor, *, lr: float) -> torch.Tensor:
     r"""Scale every column of the DGram side (rows of a wide ``W``) longer than
     :data:`COLUMN_CAP` back to it: :class:`~geomuon.optimizers.regulate.ColumnCap` with its
@@ -130,7 +136,7 @@ def column_cap_on_dgram(model, assignment, hyper):
     """Question (a): :func:`column_cap` after every step of the DGram groups."""
 
     def adjust(group):
-        if isinstance(group.get("manifold"), DGram):
+        if _on_dgram(group):
             group["regulate"] = column_cap
         return group
 
@@ -146,7 +152,7 @@ def reference_choices_on_dgram(model, assignment, hyper):
     ours, reference = [], []
     for group in optimizer.param_groups:
         group = dict(group)
-        if isinstance(group.get("manifold"), DGram):
+        if _on_dgram(group):
             group["manifold"] = SortedSigmaDGram()
             reference.append(group)
         else:

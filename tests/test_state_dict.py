@@ -1,0 +1,245 @@
+"""Every optimizer's checkpoint is plain data and resumes bit for bit.
+
+For each optimizer (Muon, ManifoldMuon on every manifold, including a manifold with
+constructor arguments defined here as a user would, the PolarGrad family, RowNormM), with
+regulators and warm starts: N steps, ``state_dict()`` through ``torch.save`` and
+``torch.load(weights_only=True)`` into a fresh optimizer on fresh parameters, M more
+steps; the weights and the whole optimizer state must equal those of N + M uninterrupted
+steps exactly (same kernels, same inputs, one CPU process: no tolerance is needed).
+"""
+
+from __future__ import annotations
+
+import io
+
+import geoopt
+import pytest
+import torch
+
+from geomuon.manifolds import LPRO, CenteredRouterSpace, DGram, Euclidean, MatrixManifold, Oblique, Stiefel
+from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
+from geomuon.optimizers.regulate import SoftCap, SpectralNormalize
+
+N_STEPS, M_STEPS = 3, 2
+
+
+class ScaledColumns(MatrixManifold):
+    r"""A user's manifold with constructor arguments: column $j$ has norm
+    ``radius * scales[j]``, $\{W : \|w_j\| = r s_j\}$. Only the constraint, its adjoint,
+    the Gram diagonal and the defining map: projection and retraction are the base class's
+    generic ones."""
+
+    def __init__(self, radius: float, scales: torch.Tensor):
+        super().__init__()
+        self.radius = float(radius)
+        self.register_buffer("scales", scales)
+
+    def shape_problem(self, m, n):
+        if n != self.scales.numel():
+            return f"needs {self.scales.numel()} columns, got {n}"
+        return super().shape_problem(m, n)
+
+    def constraint(self, x, u):
+        return (x * u).sum(-2)
+
+    def constraint_adjoint(self, x, lam):
+        return x * lam.unsqueeze(-2)
+
+    def constraint_gram_diag(self, x):
+        return x.square().sum(-2)
+
+    def defining_map(self, x):
+        target = (self.radius * self.scales.to(x.dtype)) ** 2
+        return 0.5 * (x.square().sum(-2) - target)
+
+
+SCALES = torch.tensor([1.0, 0.5, 2.0, 1.5])
+
+# (label, manifold factory, shapes): two same-shape matrices per manifold exercise batching.
+MANIFOLDS = [
+    ("stiefel", Stiefel, [(8, 4), (8, 4), (4, 8)]),
+    ("dgram", DGram, [(8, 4), (8, 4)]),
+    ("oblique", Oblique, [(8, 4), (8, 4)]),
+    ("euclidean", Euclidean, [(8, 4), (6, 4)]),
+    ("centered_router", CenteredRouterSpace, [(4, 6), (4, 6)]),
+    ("lpro_radius", lambda: LPRO(radius=1.5), [(10, 4), (10, 4)]),
+    ("user_scaled_columns", lambda: ScaledColumns(1.0, SCALES), [(8, 4), (8, 4)]),
+]
+
+
+def _params(manifold, shapes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        point = torch.randn(shape, generator=generator)
+        if manifold is not None:
+            point = manifold.projx(point)
+        params.append(torch.nn.Parameter(point))
+    return params
+
+
+def _vector(seed):
+    return torch.nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(seed)))
+
+
+def _gradients(params, step):
+    # Deterministic gradients that depend on the weights and on the step.
+    for index, p in enumerate(params):
+        noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + index))
+        p.grad = 0.3 * p.detach() + noise
+
+
+def _clone(params):
+    return [geoopt.ManifoldParameter(p.detach().clone(), manifold=p.manifold)
+            if isinstance(p, geoopt.ManifoldParameter) else torch.nn.Parameter(p.detach().clone())
+            for p in params]
+
+
+def _run(make, params, steps, start=0, state=None):
+    optimizer = make(params)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    for step in range(start, start + steps):
+        _gradients(params, step)
+        optimizer.step()
+    return optimizer
+
+
+def _through_disk(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _assert_same_state(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def _check_resume(make, params):
+    """N + M uninterrupted steps == N steps, save, weights-only load into a fresh
+    optimizer on a copy of the weights, M more steps."""
+    straight = _clone(params)
+    straight_optimizer = _run(make, straight, N_STEPS + M_STEPS)
+
+    first = _clone(params)
+    first_optimizer = _run(make, first, N_STEPS)
+    loaded = _through_disk(first_optimizer.state_dict())
+    resumed = _clone(first)
+    resumed_optimizer = _run(make, resumed, M_STEPS, start=N_STEPS, state=loaded)
+
+    for p, q in zip(straight, resumed):
+        assert torch.equal(p, q)
+    straight_state = straight_optimizer.state_dict()["state"]
+    resumed_state = resumed_optimizer.state_dict()["state"]
+    assert straight_state.keys() == resumed_state.keys()
+    for key in straight_state:
+        _assert_same_state(straight_state[key], resumed_state[key])
+    return straight_optimizer
+
+
+@pytest.mark.parametrize("label, factory, shapes", MANIFOLDS, ids=[m[0] for m in MANIFOLDS])
+def test_manifold_muon_resumes_bit_for_bit(label, factory, shapes):
+    manifold = factory()
+    params = _params(manifold, shapes, seed=1)
+    vector = _vector(2)
+    regulate = SpectralNormalize(w_max=3.0) if label in ("euclidean", "lpro_radius") else None
+
+    def make(ps):
+        *matrices, v = ps
+        return ManifoldMuon(
+            [{"params": matrices, "manifold": factory(), "regulate": regulate},
+             {"params": [v], "update": "adamw"}],
+            lr=0.05, warm_start=True, dual_steps=2,
+        )
+
+    optimizer = _check_resume(make, [*params, vector])
+    states = [optimizer.state[p] for p in optimizer.param_groups[0]["params"]]
+    if label in ("stiefel", "user_scaled_columns"):  # no closed form: the dual warm start is resumed
+        assert all("dual_correction" in s for s in states)
+    if regulate is not None:  # the power-iteration regulator keeps its warm-start block
+        assert all(len(s) > 2 for s in states)
+
+
+def test_two_instances_of_a_user_manifold_in_one_optimizer_resume():
+    # Two instances with different constructor arguments: two groups, and also one group of
+    # ManifoldParameters carrying them (batched apart by identity).
+    narrow, wide = ScaledColumns(1.0, SCALES), ScaledColumns(2.0, SCALES)
+    a = _params(narrow, [(8, 4), (8, 4)], seed=3)
+    b = _params(wide, [(8, 4)], seed=4)
+
+    def make(ps):
+        return ManifoldMuon([{"params": ps[:2], "manifold": ScaledColumns(1.0, SCALES)},
+                             {"params": ps[2:], "manifold": ScaledColumns(2.0, SCALES)}], lr=0.05)
+
+    optimizer = _check_resume(make, a + b)
+    specs = [g["manifold"] for g in optimizer.state_dict()["param_groups"]]
+    assert [s["args"]["radius"] for s in specs] == [1.0, 2.0]
+    for p, radius in zip(optimizer.param_groups[1]["params"], [2.0]):
+        assert torch.allclose(p.norm(dim=0), radius * SCALES, rtol=1e-5)
+
+    # The same instances as ManifoldParameters in one group: the state dict carries no
+    # manifold at all (each weight brings its own), and same-identity matrices share a batch.
+    mixed = [geoopt.ManifoldParameter(p.detach().clone(), manifold=m)
+             for p, m in zip(a + b, [narrow, ScaledColumns(1.0, SCALES.clone()), wide])]
+    optimizer = _check_resume(lambda ps: ManifoldMuon(ps, lr=0.05), mixed)
+    group = optimizer.param_groups[0]
+    assert sorted(len(batch) for batch in optimizer._batches(group, group["params"])) == [1, 2]
+
+
+@pytest.mark.parametrize("regulate", [SoftCap(w_max=2.0), "soft_cap", None], ids=["instance", "name", "none"])
+def test_muon_resumes_bit_for_bit(regulate):
+    params = _params(None, [(8, 4), (8, 4), (4, 8)], seed=5)
+
+    def make(ps):
+        return Muon([{"params": ps, "regulate": regulate, "weight_decay": 0.0 if regulate else 0.1}], lr=0.02)
+
+    _check_resume(make, params)
+
+
+@pytest.mark.parametrize("cls", [RowNormM, RightPolarGradM, LeftPolarGradM, HybridPolarGradM])
+def test_polar_family_resumes_bit_for_bit(cls):
+    params = _params(None, [(8, 4), (8, 4), (4, 6)], seed=6)
+    vector = _vector(7)
+
+    def make(ps):
+        *matrices, v = ps
+        return cls([{"params": matrices, "regulate": [{"name": "weight_decay", "weight_decay": 0.1},
+                                                      {"name": "spectral_hammer", "w_max": 2.0}]},
+                    {"params": [v], "update": "adamw"}], lr=0.02, centered=cls is LeftPolarGradM)
+
+    _check_resume(make, [*params, vector])
+
+
+def test_param_groups_hold_specs_not_live_objects():
+    manifold = LPRO(radius=2.0)
+    optimizer = ManifoldMuon([{"params": _params(manifold, [(6, 3)], 8), "manifold": manifold,
+                               "regulate": SoftCap(w_max=2.0)}])
+    group = optimizer.state_dict()["param_groups"][0]
+    assert group["manifold"] == {"name": "LPRO", "args": {"radius": 2.0}}
+    assert group["regulate"]["name"] == "soft_cap" and group["regulate"]["w_max"] == 2.0
+    assert optimizer._manifold_of(optimizer.param_groups[0], None).identity == manifold.identity
+
+
+def _identity_regulator(W, *, lr):
+    return W
+
+
+def test_a_bare_callable_regulator_is_the_one_thing_that_needs_weights_only_false():
+    # Negative control of the weights-only round trip: a live object in a group is refused.
+    optimizer = Muon([{"params": _params(None, [(4, 4)], 9), "regulate": _identity_regulator}])
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    with pytest.raises(Exception, match="weights_only"):
+        torch.load(buffer, weights_only=True)
+
+
+def test_a_regulator_with_a_callable_field_refuses_a_spec_naming_the_field():
+    with pytest.raises(TypeError, match=r"SoftCap\.eta = .* is not plain data"):
+        SoftCap(eta=lambda lr, shape: 0.1).spec()
