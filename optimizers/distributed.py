@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +64,12 @@ import torch.distributed as dist
 __all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "sharded_matrix_step", "shard_rows",
            "sharding_stats"]
 
-try:  # DTensor ships with every torch this package supports; guarded for minimal builds
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Shard = None
+
+
+def _dtensor_module():
+    # torch.distributed.tensor costs seconds to import; a tensor can only be a DTensor once
+    # something has imported it, so asking sys.modules keeps that cost off plain runs
+    return sys.modules.get("torch.distributed.tensor")
 
 
 @dataclass
@@ -92,7 +95,8 @@ def sharding_stats(optimizer) -> ShardingStats:
 
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a ``DTensor`` (an FSDP2 / DTensor parameter or gradient)."""
-    return DTensor is not None and isinstance(p, DTensor)
+    module = _dtensor_module()
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def whole(p: torch.Tensor) -> torch.Tensor:
@@ -119,7 +123,7 @@ def shard_rows(size: int, world: int) -> list[int]:
 def _layout(p: torch.Tensor, where: str) -> tuple[list[int], int]:
     """(rows per rank, this rank's index) of a ``Shard(0)`` DTensor on a 1-D mesh."""
     mesh = p.device_mesh
-    if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+    if mesh.ndim != 1 or tuple(p.placements) != (_dtensor_module().Shard(0),):
         raise ValueError(
             f"{where}: a parameter of shape {tuple(p.shape)} is placed {tuple(p.placements)} on a "
             f"{mesh.ndim}-D mesh; the sharded matrix step supports FSDP2's Shard(0) on a 1-D mesh "
@@ -282,7 +286,7 @@ def _apply_shards(optimizer, group: dict, params: list[torch.Tensor], local_upda
     """``_apply`` on the parameters with the update rows wrapped as ``DTensor`` shards
     (so shape-dependent factors see the global matrix shape)."""
     updates = [
-        DTensor.from_local(u.to(p.dtype), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+        _dtensor_module().DTensor.from_local(u.to(p.dtype), p.device_mesh, p.placements, run_check=False, shape=p.shape,
                            stride=p.stride())
         for u, p in zip(local_updates, params)
     ]

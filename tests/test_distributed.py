@@ -1,10 +1,11 @@
-"""FSDP2 (DTensor) parameters: two gloo processes against one, for every matrix optimizer.
+"""FSDP2 (DTensor) and DDP owner-gather steps: two gloo processes against one, every matrix optimizer.
 
-One spawn of two CPU processes runs every optimizer configuration below for ``STEPS``
-steps on a small model whose matrices are ``fully_shard``-ed (uneven row splits, a
-same-shape batch of 3 over 2 ranks, AdamW biases), plus a negative control whose rank 0
-drops rank 1's rows on the way to the owner. The test process runs the same
-configurations on one process and compares.
+The model has one tower per optimizer configuration (each tower: a same-shape batch of
+three [5, 8] matrices, which 2 ranks split unevenly both by matrix and by row, a
+[12, 5] and a [3, 12] matrix, AdamW biases); each configuration steps its own tower, so
+one training run covers every optimizer. One spawn of two CPU processes runs it
+``fully_shard``-ed (FSDP2) and DDP-wrapped, plus negative controls; the test process
+runs the same model on one process and compares.
 
 Run as a script (``python tests/test_distributed.py OUT``) it is the worker.
 """
@@ -17,16 +18,18 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 
 STEPS = 20
 WORLD = 2
-IN, HIDDEN, OUT = 8, 5, 12  # 5 and 3 hidden rows do not split evenly over 2 ranks
+IN, HIDDEN, OUT = 8, 5, 12  # 5 and 3 rows do not split evenly over 2 ranks
+MATRIX_BATCHES = (3, 1, 1)  # same-shape batches of a tower's matrices
 
 
-class Net(torch.nn.Module):
+class Tower(torch.nn.Module):
     """Three same-shape [5, 8] matrices (one batch), a [12, 5] and a [3, 12] one."""
 
     def __init__(self):
@@ -40,29 +43,56 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.up(h)))
 
 
-def _groups(model, **matrix):
-    matrices = [p for p in model.parameters() if p.dim() == 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
+def _groups(tower, **matrix):
+    matrices = [p for p in tower.parameters() if p.dim() == 2]
+    vectors = [p for p in tower.parameters() if p.dim() < 2]
     return [dict(params=matrices, **matrix), dict(params=vectors, update="adamw", lr=1e-2)]
 
 
-# fp32 kernels everywhere (compute_dtype=None): the tolerance below is the fp32 one
+# float64 and compute_dtype=None everywhere: a test of the math (the tolerance is float64's)
 CONFIGS = {
-    "muon": lambda m: Muon(_groups(m), lr=0.02, compute_dtype=None),
-    "muon+spectral_normalize": lambda m: Muon(_groups(m, regulate={"name": "spectral_normalize", "w_max": 1.0}),
+    "muon": lambda t: Muon(_groups(t), lr=0.02, compute_dtype=None),
+    "muon+spectral_normalize": lambda t: Muon(_groups(t, regulate={"name": "spectral_normalize", "w_max": 1.0}),
                                               lr=0.02, compute_dtype=None),
-    "row_norm": lambda m: RowNormM(_groups(m), lr=0.02),
-    "centered_row_norm": lambda m: RowNormM(_groups(m), lr=0.02, centered=True),
-    "right_polar": lambda m: RightPolarGradM(_groups(m), lr=0.002),
-    "left_polar": lambda m: LeftPolarGradM(_groups(m), lr=0.002),
-    "hybrid": lambda m: HybridPolarGradM(_groups(m, weight_decay=0.1), lr=0.002),
+    "row_norm": lambda t: RowNormM(_groups(t), lr=0.02),
+    "centered_row_norm": lambda t: RowNormM(_groups(t), lr=0.02, centered=True),
+    "right_polar": lambda t: RightPolarGradM(_groups(t), lr=0.002),
+    "left_polar": lambda t: LeftPolarGradM(_groups(t), lr=0.002),
+    "hybrid+decay": lambda t: HybridPolarGradM(_groups(t, weight_decay=0.1), lr=0.002),
     **{
-        f"manifold_muon[{name}]": (lambda name: lambda m: ManifoldMuon(
-            _groups(m), lr=0.02, manifold=name, compute_dtype=None))(name)
+        f"manifold_muon[{name}]": (lambda name: lambda t: ManifoldMuon(
+            _groups(t), lr=0.02, manifold=name, compute_dtype=None))(name)
         for name in ("stiefel", "dgram", "oblique", "euclidean", "centered_router", "lpro")
     },
 }
-NEGATIVE = "muon"  # the configuration the negative control reruns with a dropped shard
+#: one configuration with an elementwise apply, one with a whole-matrix retraction
+DDP_CONFIGS = ("muon", "manifold_muon[stiefel]")
+
+
+class Towers(torch.nn.Module):
+    def __init__(self, names):
+        super().__init__()
+        self.towers = torch.nn.ModuleDict({_key(n): Tower() for n in names})
+
+    def forward(self, x):
+        return torch.stack([t(x) for t in self.towers.values()])
+
+
+def _key(name: str) -> str:
+    return name.replace("[", "_").replace("]", "").replace("+", "_")
+
+
+def fresh_model(names=tuple(CONFIGS)) -> Towers:
+    torch.manual_seed(0)
+    return Towers(names).double()
+
+
+def optimizers(model: Towers, names) -> dict:
+    opts = {name: CONFIGS[name](model.towers[_key(name)]) for name in names}
+    for name, opt in opts.items():
+        if name.startswith("manifold_muon"):
+            opt.project_to_manifolds()
+    return opts
 
 
 def batches(rank: int = 0, world: int = 1):
@@ -75,20 +105,19 @@ def batches(rank: int = 0, world: int = 1):
         yield x[rank * size:(rank + 1) * size], y[rank * size:(rank + 1) * size]
 
 
-def fresh_model() -> Net:
-    torch.manual_seed(0)
-    return Net().double()
-
-
-def run(name: str, model, rank: int = 0, world: int = 1):
-    opt = CONFIGS[name](model)
-    if name.startswith("manifold_muon"):
-        opt.project_to_manifolds()
+def train(model, module, opts: dict, rank: int = 0, world: int = 1, before=None, after=None) -> None:
+    """``STEPS`` steps; each tower's loss is the mean squared error of its outputs (the
+    towers' gradients do not mix: the sum's derivative is exact)."""
     for x, y in batches(rank, world):
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return opt
+        out = module(x)
+        torch.nn.functional.mse_loss(out, y.expand_as(out), reduction="sum").div(y.numel()).backward()
+        if before:
+            before()
+        for opt in opts.values():
+            opt.step()
+        if after:
+            after()
+        model.zero_grad(set_to_none=True)
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
@@ -97,27 +126,58 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return {k: whole(v.detach()).clone() for k, v in model.named_parameters()}
 
 
+def _fsdp(names):
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(fresh_model(names))  # one FSDP unit: one all-gather per pass
+
+
+def _ddp(names, rank, world, drop_from=None):
+    """A DDP run of ``names``; ``drop_from``: rank 0 ignores what that rank hands out."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from geomuon.pretrain.parallel import OwnerGather
+    from geomuon.pretrain.train import owners
+
+    model = fresh_model(names)
+    opts = optimizers(model, names)
+    params = [p for opt in opts.values() for g in opt.param_groups for p in g["params"]]
+    owner = owners(params, world)
+    handout = OwnerGather(params, owner, rank, world)
+    others = handout.others()
+    stale = [p for p, r in zip(params, owner) if r == drop_from] if rank == 0 else []
+    kept = []
+
+    def before():
+        for p in others:
+            p.grad = None
+
+    def after():
+        kept[:] = [p.detach().clone() for p in stale]
+        handout.gather()
+        for p, old in zip(stale, kept):
+            p.detach().copy_(old)
+
+    train(model, DistributedDataParallel(model), opts, rank, world, before, after)
+    return {"params": full_state(model), "bytes_received": handout.bytes_received,
+            "collectives": handout.collectives}
+
+
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from geomuon.optimizers import distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    def sharded_model():
-        model = fresh_model()
-        for module in [*model.branches, model.up, model.head]:
-            fully_shard(module)
-        return fully_shard(model)
-
     results = {}
-    for name in CONFIGS:
-        model = sharded_model()
-        stats = distributed.sharding_stats(run(name, model, rank, world))
-        results[name] = {"params": full_state(model), "stats": vars(stats).copy()}
+
+    model = _fsdp(CONFIGS)
+    opts = optimizers(model, CONFIGS)
+    train(model, model, opts, rank, world)
+    results["fsdp"] = {"params": full_state(model),
+                       "stats": {n: vars(distributed.sharding_stats(o)).copy() for n, o in opts.items()}}
 
     # negative control: rank 0 drops rank 1's rows of every matrix it owns
     real = distributed._all_to_all
@@ -129,9 +189,13 @@ def worker(out_dir: str) -> None:
         return received
 
     distributed._all_to_all = dropping
-    model = sharded_model()
-    run(NEGATIVE, model, rank, world)
-    results["dropped_shard"] = {"params": full_state(model)}
+    model = _fsdp(["muon"])
+    train(model, model, optimizers(model, ["muon"]), rank, world)
+    results["fsdp:dropped_shard"] = full_state(model)
+    distributed._all_to_all = real
+
+    results["ddp"] = _ddp(DDP_CONFIGS, rank, world)
+    results["ddp:dropped_copy"] = _ddp(["muon"], rank, world, drop_from=1)["params"]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -142,25 +206,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _relative_difference(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)) for k in b)
-
-
-# Tolerance. Float64 throughout (math test). Each rank's gradient is the mean over its half
-# of the batch and FSDP2 averages the halves, so the gradient differs from the
-# one-process full-batch mean by reduction-order round-off, |dg| <= c u |g| with
-# u = 2^-53 and c ~ 4 (a sum of 8 rows in another order, plus the halving). The maps
-# amplify a relative input error by at most their condition number: msign and the
-# polar maps by ~ sigma_max/sigma_min of the momentum (~1e2 for these 5x8 random
-# matrices), the manifold directions and retractions by the same order. Twenty steps
-# add (do not compound beyond) such errors, and the 8 random-data rows keep the
-# trajectory well-conditioned: 20 * 4 * 1e2 * u ~ 1e-12 of the weights' scale. 1e-10
-# leaves two orders of margin for the iteration counts (polishing, Newton-Schulz stops)
-# that read batch-wide maxima; the negative control moves weights by O(lr) = 1e-2.
-TOLERANCE = 1e-10
-
-
-def test_fsdp2_matches_one_process_for_every_optimizer(tmp_path):
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory):
+    """The workers' results: one spawn of ``WORLD`` processes for every test here."""
+    tmp_path = tmp_path_factory.mktemp("distributed")
     env = dict(os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1")
     procs = [
@@ -171,27 +220,71 @@ def test_fsdp2_matches_one_process_for_every_optimizer(tmp_path):
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
-    matrix_batches = [3, 1, 1]  # same-shape batches of Net's matrices
+
+def one_process(names) -> dict[str, torch.Tensor]:
+    model = fresh_model(names)
+    train(model, model, optimizers(model, names))
+    return full_state(model)
+
+
+def _relative_difference(a: dict, b: dict, prefix: str = "") -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300))
+               for k in b if k.startswith(prefix))
+
+
+# Tolerance. Float64 throughout (a test of the math). Each rank's gradient is the mean over
+# its half of the batch and FSDP2 (DDP) averages the halves, so the gradient differs from
+# the one-process full-batch mean by reduction-order round-off, |dg| <= c u |g| with
+# u = 2^-53 and c ~ 4 (8 rows summed in another order, plus the halving). The maps
+# amplify a relative input error by at most their condition number: msign and the polar
+# maps by ~ sigma_max/sigma_min of the momentum (~1e2 for these random 5x8 matrices), the
+# manifold directions and retractions by the same order. Twenty steps add such errors
+# (the random data keep the trajectory well-conditioned, nothing compounds
+# exponentially): 20 * 4 * 1e2 * u ~ 1e-12 of each weight's scale. 1e-10 leaves two
+# orders for iteration counts that read batch-wide maxima (the retraction's polishing
+# stop). The negative controls move weights by O(lr) = 1e-2 of their scale.
+TOLERANCE = 1e-10
+
+
+def test_fsdp2_matches_one_process_for_every_optimizer(distributed_runs):
+    ranks = distributed_runs
+    reference = one_process(CONFIGS)
     for name in CONFIGS:
-        model = fresh_model()
-        run(name, model)
-        reference = full_state(model)
-        difference = _relative_difference(ranks[0][name]["params"], reference)
+        tower = f"towers.{_key(name)}."
+        difference = _relative_difference(ranks[0]["fsdp"]["params"], reference, tower)
         assert difference < TOLERANCE, f"{name}: FSDP2 differs from one process by {difference:.3g}"
-        for r in range(1, WORLD):
-            assert _relative_difference(ranks[r][name]["params"], ranks[0][name]["params"]) == 0, name
-        mapped = [ranks[r][name]["stats"]["matrices_mapped"] for r in range(WORLD)]
+        mapped = [ranks[r]["fsdp"]["stats"][name]["matrices_mapped"] for r in range(WORLD)]
         # no matrix mapped twice, none skipped (a row-wise map counts its fraction of rows)
-        assert math.isclose(sum(mapped), STEPS * sum(matrix_batches)), (name, mapped)
+        assert math.isclose(sum(mapped), STEPS * sum(MATRIX_BATCHES)), (name, mapped)
         # and each rank maps at most ceil(B / w) of every batch of B
-        assert max(mapped) <= STEPS * sum(math.ceil(b / WORLD) for b in matrix_batches), (name, mapped)
+        assert max(mapped) <= STEPS * sum(math.ceil(b / WORLD) for b in MATRIX_BATCHES), (name, mapped)
+    for r in range(1, WORLD):
+        assert _relative_difference(ranks[r]["fsdp"]["params"], ranks[0]["fsdp"]["params"]) == 0
 
-    # the negative control is caught by the same comparison
-    model = fresh_model()
-    run(NEGATIVE, model)
-    dropped = _relative_difference(ranks[0]["dropped_shard"]["params"], full_state(model))
+    # the row-wise map moves no bytes; Muon's moves its momentum out and the update back
+    stats = ranks[0]["fsdp"]["stats"]
+    assert stats["row_norm"]["bytes_sent"] == 0 and stats["row_norm"]["collectives"] == 0
+    assert stats["muon"]["collectives"] == STEPS * 2 * len(MATRIX_BATCHES)
+
+    # negative control: the same comparison catches a dropped shard
+    dropped = _relative_difference(ranks[0]["fsdp:dropped_shard"], one_process(["muon"]))
+    assert dropped > 1e3 * TOLERANCE, dropped
+
+
+def test_ddp_owner_gather_matches_one_process(distributed_runs):
+    ranks = distributed_runs
+    reference = one_process(DDP_CONFIGS)
+    parameter_bytes = sum(v.numel() * v.element_size() for v in reference.values())
+    for r in range(WORLD):
+        record = ranks[r]["ddp"]
+        difference = _relative_difference(record["params"], reference)
+        assert difference < TOLERANCE, f"DDP rank {r}: differs from one process by {difference:.3g}"
+        assert record["collectives"] == STEPS  # one float64 bucket: one gather per step
+        # one gather: at most the parameter bytes reach a rank per step
+        assert record["bytes_received"] <= STEPS * parameter_bytes, record["bytes_received"]
+    dropped = _relative_difference(ranks[0]["ddp:dropped_copy"], one_process(["muon"]))
     assert dropped > 1e3 * TOLERANCE, dropped
 
 
