@@ -9,6 +9,12 @@ stopped on a non-finite loss, or when its final val loss exceeds its best val lo
 more than ``divergence_margin`` nats (the "explosive growth that does not recover" of
 seed 000).
 
+A comparison gets a fresh folder (``runs/compare-<UTC time>``) unless ``--out-dir`` names
+one; a folder holding an earlier comparison is refused unless ``--resume`` (finished runs
+are read back from their checkpoints, the interrupted one continues) or ``--overwrite``.
+Ctrl-C checkpoints the running run and prints the command that resumes the comparison. A
+progress bar counts the runs, and each run shows its steps below it.
+
 Figures (matplotlib, Agg backend, written to ``<out_dir>``):
 
 * ``loss.png`` — train loss (smoothed) and val loss against step, one colour per strategy;
@@ -24,11 +30,29 @@ import dataclasses
 import math
 import os
 import sys
+import time
 
+from geomuon.optimizers.assign import STRATEGIES
+from geomuon.pretrain.config import TrainConfig, add_options, field_problems, from_args, option
 from geomuon.pretrain.data import load_data
-from geomuon.pretrain.train import TrainConfig, TrainResult, add_parser as add_train_parser, train
+from geomuon.pretrain.train import TrainingInterrupted, TrainResult, resolve_out_dir, resume_command, run_files, train
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
+FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
+#: ``geomuon compare``'s own defaults for options it shares with ``geomuon pretrain``.
+COMPARE_DEFAULTS = {"out_dir": "runs/compare-{time}", "print_table": False}
+
+
+@dataclasses.dataclass
+class CompareConfig:
+    """The options of ``geomuon compare`` besides the training options (each run's
+    ``strategy`` and ``seed`` come from here)."""
+
+    strategies: list[str] = option(list(SEED_STRATEGIES), "strategies to train, comma-separated",
+                                   choices=lambda: sorted(STRATEGIES))
+    seeds: list[int] = option([0], "seeds of every strategy, comma-separated", at_least=0)
+    divergence_margin: float = option(0.5, "a final val loss this far above the run's best counts as diverged",
+                                      unit="nats", at_least=0)
 
 
 @dataclasses.dataclass
@@ -53,28 +77,90 @@ def verdict(result: TrainResult, divergence_margin: float) -> tuple[float, float
     return final, best, diverged
 
 
+def comparison_runs(base: TrainConfig, strategies: list[str],
+                    seeds: list[int]) -> tuple[str | None, list[TrainConfig]]:
+    """The folder of a comparison and the configuration of each of its runs
+    (``<folder>/<strategy>-s<seed>``), all checked before the first one trains: a folder
+    holding an earlier comparison is refused unless ``--resume`` (finished runs are read
+    back, the interrupted one continues, the others start) or ``--overwrite``."""
+    base.validate(named_strategy=False)  # the strategy is each run's
+    root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
+    if base.resume and not os.path.isdir(root):
+        raise ValueError(f"--resume: there is no comparison in {root!r} to continue")
+    if root is not None and os.path.isdir(root) and not (base.resume or base.overwrite):
+        held = [name for name in FIGURES if os.path.exists(os.path.join(root, name))]
+        held += [f"{entry}/{name}" for entry in sorted(os.listdir(root)) for name in run_files(os.path.join(root, entry))]
+        if held:
+            raise ValueError(f"--out-dir {root!r} already holds a comparison ({', '.join(held[:4])}"
+                             f"{', …' if len(held) > 4 else ''}); continue it with --resume, replace it with "
+                             f"--overwrite, or leave --out-dir out for a fresh folder")
+    runs = []
+    for strategy in strategies:
+        for seed in seeds:
+            out_dir = None if root is None else os.path.join(root, f"{strategy}-s{seed}")
+            resume = base.resume and out_dir is not None and os.path.isfile(os.path.join(out_dir, "ckpt.pt"))
+            runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, out_dir=out_dir, resume=resume,
+                                            overwrite=(base.overwrite or base.resume) and not resume))
+    for cfg in runs:  # fail before the first run, not after the third
+        cfg.validate()
+        resolve_out_dir(cfg)
+    return root, runs
+
+
 def compare(
     base: TrainConfig,
     strategies: list[str],
     seeds: list[int],
     divergence_margin: float = 0.5,
 ) -> list[RunSummary]:
-    """Run every (strategy, seed) pair on ``base`` and return their summaries."""
-    if not strategies or not seeds:
-        raise ValueError("compare needs at least one strategy (--strategies) and one seed (--seeds)")
-    for strategy in strategies:  # fail before the first run, not after the third
-        dataclasses.replace(base, strategy=strategy).validate()
+    """Run every (strategy, seed) pair on ``base`` (in ``base.out_dir``, see
+    :func:`comparison_runs`) and return their summaries; a progress bar counts the runs
+    (``base.progress``), each run shows its own below it. An interrupted run raises
+    :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint."""
+    check(CompareConfig(strategies, seeds, divergence_margin))
+    _, runs = comparison_runs(base, strategies, seeds)
     data = load_data(base.data)
+    overall = _runs_bar(len(runs), base.progress)
     summaries = []
-    for strategy in strategies:
-        for seed in seeds:
-            cfg = dataclasses.replace(
-                base, strategy=strategy, seed=seed, out_dir=os.path.join(base.out_dir, f"{strategy}-s{seed}")
-            )
+    try:
+        for cfg in runs:
             result = train(cfg, data)
             final, best, diverged = verdict(result, divergence_margin)
-            summaries.append(RunSummary(strategy, seed, final, best, diverged, result.wall_time, result))
+            summaries.append(RunSummary(cfg.strategy, cfg.seed, final, best, diverged, result.wall_time, result))
+            if overall is not None:
+                overall.set_postfix_str(f"{cfg.strategy} s{cfg.seed}: val {final:.3f}", refresh=False)
+                overall.update(1)
+    finally:
+        if overall is not None:
+            overall.close()
     return summaries
+
+
+def check(options: CompareConfig) -> None:
+    """Refuse bad comparison options (``ValueError`` naming each)."""
+    problems = field_problems(options)
+    if problems:
+        raise ValueError("bad comparison:\n  " + "\n  ".join(problems))
+
+
+def _runs_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="compare", unit="run", dynamic_ncols=True, file=sys.stderr)
+
+
+def summary_line(summaries: list[RunSummary], wall_time: float, out_dir: str | None) -> str:
+    """The last line of ``geomuon compare``: runs, divergences, time, the best run."""
+    diverged = sum(s.diverged for s in summaries)
+    line = f"compare: {len(summaries)} runs, {diverged} diverged, {wall_time:.0f}s"
+    finite = [s for s in summaries if math.isfinite(s.final_val_loss)]
+    if finite:
+        best = min(finite, key=lambda s: s.final_val_loss)
+        step = best.result.evals[-1]["step"]
+        line += f"; best final val loss {best.final_val_loss:.4f} ({best.strategy} s{best.seed}, step {step})"
+    return line + (f"; runs and figures in {out_dir}" if out_dir else "")
 
 
 def results_table(summaries: list[RunSummary]) -> str:
@@ -160,39 +246,37 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Fill the ``geomuon compare`` parser: the pretrain options plus strategies and seeds."""
-    add_train_parser(parser)
-    parser.description = "Train several strategies on the same data and schedule; print a table, write plots."
-    parser.add_argument("--strategies", default=",".join(SEED_STRATEGIES),
-                        help="comma-separated strategies (default: the five of seed 000)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
-    parser.add_argument("--divergence-margin", type=float, default=0.5,
-                        help="nats above the best val loss that count as diverged")
-    parser.set_defaults(func=run, out_dir="runs/compare", progress=False, print_table=False)
-
-
-def _parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds {text!r} must be comma-separated integers, e.g. --seeds 0,1,2") from None
-    if not seeds:
-        raise ValueError("--seeds is empty; give at least one seed, e.g. --seeds 0")
-    return seeds
+    """Fill the ``geomuon compare`` parser: the training options (each run's strategy and
+    seed excepted) and :class:`CompareConfig`'s, all from their declarations."""
+    parser.description = ("Train several strategies on the same data and schedule; print a table, write plots. "
+                          "Ctrl-C saves the running run and prints the command that resumes the comparison.")
+    add_options(parser, TrainConfig, exclude=("strategy", "seed"), defaults=COMPARE_DEFAULTS)
+    add_options(parser, CompareConfig)
+    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run every (strategy, seed) on the same data and schedule; print the table, write the plots."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    base = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    """Run every (strategy, seed) on the same data and schedule; print the table, write the
+    plots, end with a summary line."""
+    base = from_args(TrainConfig, args)
+    options = from_args(CompareConfig, args)
+    started = time.perf_counter()
     try:
-        strategies = [s for s in args.strategies.split(",") if s]
-        seeds = _parse_seeds(args.seeds)
-        summaries = compare(base, strategies, seeds, args.divergence_margin)
+        check(options)
+        root, _ = comparison_runs(base, options.strategies, options.seeds)
+        base = dataclasses.replace(base, out_dir=root)
+        summaries = compare(base, options.strategies, options.seeds, options.divergence_margin)
     except ValueError as err:
         print(f"geomuon compare: {err}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as stop:
+        again = resume_command("compare", dataclasses.replace(base, resume=True, overwrite=False), options,
+                               defaults=COMPARE_DEFAULTS)
+        print(f"interrupted at step {stop.step} of {stop.out_dir}; resume with: {again}", file=sys.stderr)
+        return stop.exit_code
     print(results_table(summaries))
-    for path in plot(summaries, base.out_dir):
-        print(f"figure: {path}")
+    if root is not None:
+        for path in plot(summaries, root):
+            print(f"figure: {path}")
+    print(summary_line(summaries, time.perf_counter() - started, root))
     return 0

@@ -125,8 +125,10 @@ def read_shard(path: str, vocab_size: int = 50304) -> np.ndarray:
     The format is recognised from the first int32: ``20240520`` is an llm.c header
     (checked: version 1, token count consistent with the file size); anything else is a
     headerless nanoGPT file (its first two uint16 would form 20240520 only with token
-    54216 ≥ any GPT-2 vocabulary, so the two formats cannot be confused). Tokens must be
-    below ``vocab_size``."""
+    54216 ≥ any GPT-2 vocabulary, so the two formats cannot be confused) — unless its
+    first 1024 bytes look like an llm.c header with another magic number (see
+    :func:`looks_like_llmc_header`), which is refused rather than read as 512 tokens.
+    Tokens must be below ``vocab_size``."""
     if not os.path.isfile(path):
         raise ValueError(f"token shard {path!r} does not exist")
     size = os.path.getsize(path)
@@ -149,6 +151,14 @@ def read_shard(path: str, vocab_size: int = 50304) -> np.ndarray:
             )
         tokens = np.memmap(path, dtype="<u2", mode="r", offset=header_bytes, shape=(n_tokens,))
     else:
+        header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
+        if looks_like_llmc_header(header, size):
+            raise ValueError(
+                f"token shard {path!r} starts like an llm.c header (magic {int(header[0])}, version "
+                f"{int(header[1])}, {int(header[2])} tokens) but its magic is not {LLMC_MAGIC} "
+                f"(llm.c GPT-2 uint16 shards, version {LLMC_VERSION}); other llm.c formats are not "
+                f"supported — re-export the shard as GPT-2 uint16 tokens"
+            )
         if size % 2:
             raise ValueError(
                 f"token shard {path!r}: {size} bytes is not a whole number of uint16 tokens; "
@@ -165,6 +175,17 @@ def read_shard(path: str, vocab_size: int = 50304) -> np.ndarray:
             f"or the header is wrong"
         )
     return tokens
+
+
+def looks_like_llmc_header(header: np.ndarray, size: int) -> bool:
+    """Whether the first 256 int32 of a file of ``size`` bytes are an llm.c header,
+    whatever its magic: the token count ``header[2]`` matches the file size exactly, or the
+    253 padding ints ``header[3:]`` are all zero. Read as GPT-2 tokens, the latter would
+    be 506 consecutive ``!`` tokens in positions 6–511 — not text."""
+    if len(header) < LLMC_HEADER_INTS:
+        return False
+    count_fits = 0 <= int(header[2]) and LLMC_HEADER_INTS * 4 + 2 * int(header[2]) == size
+    return count_fits or not header[3:].any()
 
 
 def shard_data(directory: str, vocab_size: int = 50304) -> TokenData:
@@ -188,6 +209,9 @@ def shard_data(directory: str, vocab_size: int = 50304) -> TokenData:
 
 def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
     """Resolve a data spec (see the module docstring) into a :class:`TokenData`."""
+    problem = spec_problem(spec)
+    if problem:
+        raise ValueError(problem)
     kind, _, rest = spec.partition(":")
     if kind == "embedded":
         return char_data(embedded_corpus(), "embedded:pydoc_data.topics")
@@ -199,11 +223,22 @@ def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
         return char_data(read_text(path, sha), f"shakespeare:{path}")
     if kind == "text":
         return char_data(read_text(rest), f"text:{rest}")
-    if kind == "tokens":
-        return shard_data(rest, vocab_size)
-    raise ValueError(
-        f"unknown data spec {spec!r}; use 'embedded', 'shakespeare:PATH', 'text:PATH' or 'tokens:DIR'"
-    )
+    return shard_data(rest, vocab_size)
+
+
+#: The forms of a data spec, as ``--data`` accepts them (see the module docstring).
+DATA_SYNTAX = ("embedded", "shakespeare:PATH[:nocheck]", "text:PATH", "tokens:DIR")
+
+
+def spec_problem(spec: str) -> str | None:
+    """What is wrong with the form of a data spec (``None`` when it has one of
+    :data:`DATA_SYNTAX`'s forms); the files it names are checked when it is loaded."""
+    kind, colon, rest = spec.partition(":")
+    if kind == "embedded" and not colon:
+        return None
+    if kind in ("shakespeare", "text", "tokens") and rest:
+        return None
+    return f"unknown data spec {spec!r}; use one of: " + ", ".join(DATA_SYNTAX)
 
 
 def write_llmc_shard(path: str, tokens, *, magic: int = LLMC_MAGIC, version: int = LLMC_VERSION) -> None:

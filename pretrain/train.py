@@ -1,40 +1,58 @@
 r"""One training loop for one CPU, one GPU and many processes (``torchrun``).
 
 ``geomuon pretrain --config demo --strategy hetero --steps 200`` (see ``--help``);
-on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --config … --strategy …``
+on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --parallel ddp …``
 (or ``torchrun --no-python … geomuon pretrain …``).
 
+* **Options** are declared once, in :class:`geomuon.pretrain.config.TrainConfig`: every
+  value is checked against its range or choices before any data is read, and ``--help``
+  is generated from the same table.
+* **Run folders are never overwritten.** By default each run writes to a fresh
+  ``runs/<strategy>-<UTC time>``; a named ``--out-dir`` that already holds a run is
+  refused unless ``--resume`` (continue it) or ``--overwrite`` (replace it).
 * **Devices.** CPU runs in fp32. CUDA runs the forward under bf16 autocast (parameters,
   optimizer state and retractions stay fp32) and optionally ``torch.compile``.
-* **Many processes.** Under ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in DDP
-  (gloo on CPU, NCCL on GPU), which averages the gradients. Every rank draws the same
-  global batch (:meth:`geomuon.pretrain.data.TokenData.batch`) and keeps its slice, so the run
+* **Batches.** Each optimizer step sums ``grad_accum`` forward/backward passes of
+  ``batch_size`` sequences (:func:`accumulate_gradients`): the windows are those of one
+  batch of ``grad_accum × batch_size`` sequences drawn for the step, so the step equals
+  that larger batch's up to round-off. The training loss stays on the device and is
+  brought to the host every ``log_every`` steps (one synchronisation for the steps in
+  between, which all keep their loss in :class:`TrainResult`).
+* **Many processes.** ``--parallel`` under ``torchrun`` (``WORLD_SIZE > 1``);
+  :func:`parallelize` is its one call point. ``ddp`` wraps the model in DDP (gloo on
+  CPU, NCCL on GPU), which averages the gradients. Every rank draws the same global
+  batch (:meth:`geomuon.pretrain.data.TokenData.batch`) and keeps its slice, so the run
   sees exactly the batches of a single-process run. The optimizer work — the
   orthogonalisations and dual ascents — is **sharded by parameter**: each parameter has
   one owner rank (greedy balance of the matrix work), every rank steps only the
   parameters it owns (the others have ``grad = None`` during the step, which every
-  optimizer skips), and each updated parameter is then broadcast from its owner. Ranks
-  therefore hold bit-identical parameters and each does ≈ 1/world of the optimizer work.
+  optimizer skips), and the owners' updates are then handed out with one all-gather
+  per dtype (:class:`geomuon.pretrain.parallel.OwnerGather`).
   Optimizer state lives only on the owner; checkpoints gather it on rank 0.
 * **Schedules.** Linear warmup then cosine decay to ``min_lr_ratio`` of every group's
-  base learning rate (the matrix and AdamW rates share the schedule, as in seed 000).
+  base learning rate (the matrix and AdamW rates share the schedule).
 * **Checkpoints** are written atomically (temp file, fsync, ``os.replace``) and the
   previous one is kept as ``ckpt.prev.pt``. Resuming restores parameters, optimizer
-  state, the step and the log; batches are a function of (seed, step), so the remaining
-  losses are bit-identical to an uninterrupted run on CPU.
+  state, the step and the log records; batches are a function of (seed, step), so the
+  remaining losses and the log are bit-identical to an uninterrupted run on CPU.
+* **Interrupts.** SIGINT (Ctrl-C) or SIGTERM lets the current step finish, writes a
+  checkpoint and raises :class:`TrainingInterrupted`; the command line prints
+  ``interrupted at step N; resume with: …`` and exits with 128 + the signal number
+  (130, 143). A second signal stops at once (the last checkpoint stays intact).
 * **Metrics** at each eval (rank 0, unwrapped model, fixed val batches): val loss and
   accuracy, max |activation| per block, max attention logit and mean softmax-Jacobian
   norm per layer, σ_max and column-norm spread per matrix, the Lipschitz bound for the
   Lipschitz variant. Everything goes to ``<out_dir>/log.jsonl``; with ``out_dir=None``
-  the run stays in memory (no log, no checkpoint) and returns everything in
-  :class:`TrainResult`.
+  the run stays in memory (no log, no checkpoint, no signal handling) and returns
+  everything in :class:`TrainResult`.
 * **Hooks** (:func:`train`'s keywords, for code that calls it): ``build_assignment``
   builds the optimizers for a strategy of one's own (a ``{role: Rule}`` mapping, an
   optimizer subclass, an extra regulator…), ``extra_metrics`` adds observables to every
   evaluation.
 
 A run stops early, flagged ``diverged``, when the training loss or the gradient norm is
-not finite; it never writes a non-finite checkpoint.
+not finite (seen when the losses reach the host: at the next log step, evaluation or
+checkpoint); it never writes a non-finite checkpoint.
 """
 
 from __future__ import annotations
@@ -44,104 +62,26 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from geomuon.manifolds.linalg import power_iteration
-from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, STRATEGIES, Assignment, Hyper, assign
+from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
+from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
 from geomuon.pretrain.data import TokenData, load_data
-from geomuon.pretrain.model import CONFIGS, GPT, GPTConfig, get_config
+from geomuon.pretrain.model import GPT, get_config
 
-#: TrainConfig fields that set a GPTConfig field through their own option.
-_MODEL_OPTIONS = ("block_size", "n_layer", "n_head", "n_embd")
-
-
-@dataclass
-class TrainConfig:
-    """Everything a training run depends on; one CLI option per field (``geomuon pretrain --help``)."""
-    model: str = "demo"  # a name in geomuon.pretrain.model.CONFIGS
-    strategy: str = "adamw"  # a name in geomuon.optimizers.assign.STRATEGIES (with a build_assignment hook: the run's label)
-    data: str = "embedded"  # see geomuon.pretrain.data.load_data
-    out_dir: str | None = "runs/pretrain"  # None: in memory only (no log, no checkpoints)
-    steps: int = 200  # length of the schedule
-    stop_after: int | None = None  # stop at this step (resume later) without changing the schedule
-    batch_size: int = 16  # global batch, in sequences
-    block_size: int | None = None  # context (default: the model config's)
-    n_layer: int | None = None
-    n_head: int | None = None
-    n_embd: int | None = None
-    model_overrides: dict = field(default_factory=dict)  # other GPTConfig fields, e.g. {"tie_weights": false} (JSON)
-    lr: float = 0.02  # matrix updates
-    adamw_lr: float = 6e-4
-    weight_decay: float = 0.1
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # 0 disables
-    dual_steps: int | None = None
-    direction_dtype: str = "default"  # "default" | "fp32" | "bf16": optimizer direction compute dtype
-    w_max: float = 2.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    final_eval_batches: int | None = None  # batches of the evaluation at the last step (None: eval_batches)
-    val_seed: int | None = None  # seed of the validation windows (None: the run's seed)
-    log_every: int = 1
-    ckpt_every: int = 0  # 0: checkpoint at each eval and at the end
-    seed: int = 0
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    compile: bool = False
-    resume: bool = False
-    progress: bool = True
-    print_table: bool = True  # print the model summary and the assignment table before training
-
-    def validate(self, named_strategy: bool = True) -> None:
-        """Everything that can be checked without touching data: fail before training.
-        ``named_strategy=False`` (a run whose optimizers a ``build_assignment`` hook
-        builds) accepts any ``strategy`` label."""
-        problems = []
-        if self.model not in CONFIGS:
-            problems.append(f"--config {self.model!r} is unknown; choose one of {sorted(CONFIGS)}")
-        if named_strategy and self.strategy not in STRATEGIES:
-            problems.append(f"--strategy {self.strategy!r} is unknown; choose one of {sorted(STRATEGIES)}")
-        for name in ("steps", "batch_size", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be ≥ 1 (got {getattr(self, name)})")
-        if self.final_eval_batches is not None and self.final_eval_batches < 1:
-            problems.append(f"--final-eval-batches must be ≥ 1 (got {self.final_eval_batches})")
-        if not isinstance(self.model_overrides, dict):
-            problems.append(f"--model-overrides must be a JSON object (got {self.model_overrides!r})")
-        else:
-            known = {f.name for f in fields(GPTConfig)}
-            for key in self.model_overrides:
-                if key not in known:
-                    problems.append(f"--model-overrides names {key!r}, not a GPTConfig field; "
-                                    f"choose from {sorted(known)}")
-                elif key in _MODEL_OPTIONS and getattr(self, key) is not None:
-                    problems.append(f"{key} is set by both --{key.replace('_', '-')} and --model-overrides; keep one")
-        if self.out_dir is None and self.resume:
-            problems.append("--resume needs an --out-dir holding the checkpoint (out_dir is None)")
-        if not 0 <= self.warmup_steps < self.steps:
-            problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps})")
-        if not 0 <= self.min_lr_ratio <= 1:
-            problems.append(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
-        if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
-            problems.append(f"--stop-after must be in (0, steps={self.steps}] (got {self.stop_after})")
-        if self.direction_dtype not in ("default", "fp32", "bf16"):
-            problems.append(f"--direction-dtype must be default, fp32 or bf16 (got {self.direction_dtype!r})")
-        if self.device not in ("auto", "cpu", "cuda"):
-            problems.append(f"--device must be auto, cpu or cuda (got {self.device!r})")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            problems.append("--device cuda was asked for but CUDA is not available; use --device cpu")
-        for name in ("lr", "adamw_lr"):
-            if not getattr(self, name) > 0:
-                problems.append(f"--{name.replace('_', '-')} must be > 0")
-        if problems:
-            raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+__all__ = ["TrainConfig", "TrainResult", "TrainingInterrupted", "train", "resolve_out_dir",
+           "accumulate_gradients", "parallelize", "load_checkpoint", "save_checkpoint"]
 
 
 @dataclass
@@ -152,10 +92,20 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step → train loss
     evals: list[dict] = field(default_factory=list)
     diverged: bool = False
-    wall_time: float = 0.0
+    wall_time: float = 0.0  # seconds, summed over the sessions of a resumed run
     last_step: int = 0
     model: GPT | None = None  # the trained model (unwrapped), on its device
     assignment: Assignment | None = None  # its optimizers (per-parameter table: .table())
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT/SIGTERM stopped a run after ``step`` steps; its checkpoint in ``out_dir``
+    holds them (resume with ``resume=True``). ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, step: int, signum: int, out_dir: str):
+        self.step, self.signum, self.out_dir = step, signum, out_dir
+        self.exit_code = 128 + signum
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; checkpoint in {out_dir!r}")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -202,9 +152,70 @@ class Distributed:
         if self.enabled:
             dist.barrier()
 
+    def from_main(self, value):
+        """Rank 0's ``value`` on every rank (a picklable object)."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def largest(self, value: int) -> int:
+        """The largest ``value`` over the ranks (an all-reduce of one integer)."""
+        if not self.enabled:
+            return value
+        tensor = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
     def close(self):
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- run folders
+
+#: The files that make a folder hold a run (refused as a fresh run's --out-dir).
+RUN_FILES = ("ckpt.pt", "ckpt.prev.pt", "log.jsonl")
+
+
+def run_files(path: str) -> list[str]:
+    """The run files (:data:`RUN_FILES`) present in ``path``."""
+    return [name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+
+
+def resolve_out_dir(cfg: TrainConfig) -> str | None:
+    """The folder a run writes to: ``cfg.out_dir`` with ``{strategy}`` and ``{time}`` (UTC,
+    ``YYYYmmdd-HHMMSS``) filled in — a templated name that exists already gets ``-2``,
+    ``-3``, … — checked: a folder holding a run is refused unless ``cfg.resume`` or
+    ``cfg.overwrite``. Creates nothing."""
+    if cfg.out_dir is None:
+        return None
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.strategy)
+    path = cfg.out_dir.format(strategy=label, time=time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    if path != cfg.out_dir:  # a template: every run gets its own folder
+        base, n = path, 1
+        while os.path.exists(path):
+            n += 1
+            path = f"{base}-{n}"
+        return path
+    found = run_files(path)
+    if found and not (cfg.resume or cfg.overwrite):
+        raise ValueError(
+            f"--out-dir {path!r} already holds a run ({', '.join(found)}); continue it with --resume, "
+            f"replace it with --overwrite, or leave --out-dir out for a fresh folder"
+        )
+    return path
+
+
+def _prepare_out_dir(path: str, overwrite: bool) -> None:
+    """Create the run folder; with ``overwrite`` remove the run files of the run it held."""
+    os.makedirs(path, exist_ok=True)
+    if overwrite:
+        for name in RUN_FILES:
+            for leftover in (name, name + ".tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(path, leftover))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -253,24 +264,33 @@ def previous_checkpoint(path: str) -> str:
     return path[: -len(".pt")] + ".prev.pt" if path.endswith(".pt") else path + ".prev"
 
 
+def _read_checkpoint(path: str) -> dict:
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(payload, dict) or "model" not in payload:
+        raise ValueError("not a geomuon checkpoint")
+    return payload
+
+
 def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint; an unreadable one raises ``ValueError`` naming the file and the
-    previous checkpoint to fall back on."""
+    """Read a checkpoint; an unreadable one raises ``ValueError`` naming the file and what
+    to do: move the previous checkpoint over it when that one loads (it is read to be
+    sure), or start again when neither does."""
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path!r} does not exist; start without --resume")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        if not isinstance(payload, dict) or "model" not in payload:
-            raise ValueError("not a geomuon checkpoint")
+        return _read_checkpoint(path)
     except Exception as err:  # torch raises several types for a damaged zip archive
-        prev = previous_checkpoint(path)
-        hint = (
-            f"the previous checkpoint {prev!r} is intact: move it over {path!r} to resume from it"
-            if os.path.isfile(prev)
-            else "no previous checkpoint exists; restart without --resume"
-        )
-        raise ValueError(f"checkpoint {path!r} is truncated or corrupt ({err}); {hint}") from None
-    return payload
+        problem = f"checkpoint {path!r} is truncated or corrupt ({err})"
+    prev = previous_checkpoint(path)
+    if not os.path.isfile(prev):
+        raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
+    try:
+        step = _read_checkpoint(prev).get("step", "?")
+    except Exception as err:
+        raise ValueError(f"{problem}; the previous checkpoint {prev!r} is corrupt too ({err}): no checkpoint "
+                         "of this run can be resumed, start again with --overwrite") from None
+    raise ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over "
+                     f"{path!r} to resume from it")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -369,7 +389,7 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     """The model (seeded init, same on every rank) and its optimizers:
     ``build_assignment(model, hyper)`` when given, else ``assign(model, cfg.strategy, hyper)``."""
     char_level = data.itos is not None
-    options = {name: getattr(cfg, name) for name in _MODEL_OPTIONS}
+    options = {name: getattr(cfg, name) for name in MODEL_OPTIONS}
     model_cfg = get_config(
         cfg.model,
         **{**cfg.model_overrides, **{k: v for k, v in options.items() if v is not None}},
@@ -401,13 +421,71 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     return model, assignment
 
 
+@dataclass
+class Parallel:
+    """How the training step is spread over processes: ``module`` runs the forward and
+    backward passes; ``before_step`` and ``after_step`` run around the optimizer step."""
+    module: torch.nn.Module
+    before_step: Callable[[], None]
+    after_step: Callable[[], None]
+
+
+def parallelize(model: GPT, assignment: Assignment, cfg: TrainConfig, ddp: Distributed) -> Parallel:
+    """The one call point of ``--parallel``: the model as one process trains it (``none``,
+    or a single process), DDP with the optimizer work sharded by parameter owner
+    (``ddp``), or ``geomuon.pretrain.parallel``'s FSDP2 (``fsdp``)."""
+    if not ddp.enabled:
+        return Parallel(model, _nothing, _nothing)
+    from geomuon.pretrain import parallel
+
+    return (parallel.fsdp if cfg.parallel == "fsdp" else parallel.ddp)(model, assignment, cfg, ddp)
+
+
+def _nothing() -> None:
+    pass
+
+
+def accumulate_gradients(module: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         autocast=contextlib.nullcontext) -> torch.Tensor:
+    r"""Forward and backward of each of the $K$ micro-batches with its loss scaled by $1/K$,
+    so the parameters' ``.grad`` holds $\nabla \tfrac1K \sum_k L_k$ — with every $L_k$ the
+    mean over the same number of tokens, the gradient of the mean loss of one $K$-times
+    larger batch, up to the order of the sums. Returns that mean loss, detached, on the
+    device (no host synchronisation). A DDP module averages across processes only at
+    the last backward (``no_sync`` before it).
+
+    Shapes: each ``(x, y)`` int64 ``[batch, block_size]``; the loss is fp32 (a scalar)."""
+    count = len(micro_batches)
+    total = None
+    for k, (x, y) in enumerate(micro_batches):
+        last = k == count - 1
+        with contextlib.nullcontext() if last or not hasattr(module, "no_sync") else module.no_sync():
+            with autocast():
+                _, loss = module(x, y)
+            (loss / count).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total / count
+
+
+def _micro_batches(data: TokenData, cfg: TrainConfig, step: int, block_size: int, ddp: Distributed,
+                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slices of the step's ``grad_accum`` micro-batches: the rows ``k·B + r·B/w``
+    to ``k·B + (r+1)·B/w`` of the ``grad_accum × B`` windows drawn for the step."""
+    x, y = data.batch("train", cfg.batch_size * cfg.grad_accum, block_size, cfg.seed, step)
+    share = cfg.batch_size // ddp.world
+    starts = (k * cfg.batch_size + ddp.rank * share for k in range(cfg.grad_accum))
+    return [(x[s : s + share].to(device), y[s : s + share].to(device)) for s in starts]
+
+
 def train(cfg: TrainConfig, data: TokenData | None = None, *,
           build_assignment: AssignmentFactory | None = None,
           extra_metrics: ExtraMetrics | None = None) -> TrainResult:
     """Run (or resume) one training run; returns the losses, evals and verdict.
 
     Args:
-        cfg: the run (``cfg.validate()`` is called first).
+        cfg: the run (``cfg.validate()`` is called first, then its folder is resolved
+            and checked by :func:`resolve_out_dir`: nothing is trained into a folder
+            holding another run).
         data: the token data (default: ``load_data(cfg.data)``).
         build_assignment: ``f(model, hyper) -> Assignment`` building the optimizers of the
             freshly initialised ``model`` from the :class:`geomuon.optimizers.assign.Hyper` made of
@@ -422,19 +500,97 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
             keys are added to the evaluation's record (and log line: keep the values
             JSON-able). ``evaluation`` is the :class:`Evaluation` being scored
             (``evaluation.windows()`` yields its batches).
+
+    Raises:
+        ValueError: a bad configuration, data or checkpoint, before any training step.
+        TrainingInterrupted: SIGINT or SIGTERM (runs on disk only), after the checkpoint.
     """
     cfg.validate(named_strategy=build_assignment is None)
     ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     try:
-        return _train(cfg, data, ddp, build_assignment, extra_metrics)
+        outcome = ddp.from_main(_outcome(resolve_out_dir, cfg) if ddp.main else None)
+        if isinstance(outcome, ValueError):
+            raise outcome
+        cfg = replace(cfg, out_dir=outcome)
+        stop = _StopRequest() if cfg.out_dir is not None else contextlib.nullcontext(_StopRequest())
+        with stop as request:
+            return _train(cfg, data, ddp, build_assignment, extra_metrics, request)
     finally:
         ddp.close()
 
 
-def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed,
-           build_assignment: AssignmentFactory | None, extra_metrics: ExtraMetrics | None) -> TrainResult:
-    if cfg.batch_size % ddp.world:
-        raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the {ddp.world} processes")
+def _outcome(function, *args):
+    """``function(*args)``, or the ``ValueError`` it raised (sent to the other ranks)."""
+    try:
+        return function(*args)
+    except ValueError as err:
+        return err
+
+
+class _StopRequest:
+    """While entered (in the main thread), SIGINT and SIGTERM only record the signal in
+    ``signum``; the loop stops at the end of its step. The first signal restores the
+    previous handlers, so a second one acts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict = {}
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS}
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.signum = signum
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+
+class RunLog:
+    """The records of a run in order — kept for the checkpoint, so a resumed run's
+    ``log.jsonl`` is the uninterrupted one's — and, on disk, appended to ``log.jsonl``."""
+
+    def __init__(self, path: str | None, records: list[dict]):
+        self.records = list(records)
+        self.file = None
+        if path is not None:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(record) + "\n" for record in self.records)
+            os.replace(tmp, path)
+            self.file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _records_before(payload: dict) -> list[dict]:
+    """The log records of a checkpoint written before checkpoints kept them: its train
+    losses and evaluations in step order."""
+    start = payload["step"]
+    records = [{"kind": "train", "step": s, "loss": v} for s, v in sorted(payload["losses"].items()) if s < start]
+    return sorted(records + [e for e in payload["evals"] if e["step"] <= start], key=lambda r: r["step"])
+
+
+def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_assignment: AssignmentFactory | None,
+           extra_metrics: ExtraMetrics | None, request: _StopRequest) -> TrainResult:
     device = _device(cfg, ddp)
     data = data or load_data(cfg.data)
     model, assignment = build(cfg, data, device, build_assignment)
@@ -446,35 +602,30 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed,
         say(assignment.table())
 
     on_disk = cfg.out_dir is not None
-    if on_disk:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-        log_path = os.path.join(cfg.out_dir, "log.jsonl")
     result = TrainResult(cfg.out_dir)
-    start = 0
-    if cfg.resume:
-        payload = load_checkpoint(ckpt_path)
-        _check_same_run(payload["config"], cfg)
-        model.load_state_dict(payload["model"])
-        _load_portable_state(assignment, payload["optimizer"])
-        start = payload["step"]
-        result.losses = {int(k): v for k, v in payload["losses"].items()}
-        result.evals = payload["evals"]
-        say(f"resumed from {ckpt_path} at step {start}")
-    if ddp.main and on_disk:
-        _rewrite_log(log_path, start, result)
+    start, records, elapsed_before = 0, [], 0.0
+    if on_disk:
+        ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+        if cfg.resume:
+            payload = load_checkpoint(ckpt_path)
+            _check_same_run(payload["config"], cfg)
+            model.load_state_dict(payload["model"])
+            _load_portable_state(assignment, payload["optimizer"])
+            start = result.last_step = payload["step"]
+            result.losses = {int(k): v for k, v in payload["losses"].items()}
+            result.evals = payload["evals"]
+            records = payload["log"] if "log" in payload else _records_before(payload)
+            elapsed_before = payload.get("wall_time", 0.0)
+            say(f"resumed from {ckpt_path} at step {start}")
+        elif ddp.main:
+            _prepare_out_dir(cfg.out_dir, cfg.overwrite)
+        if cfg.print_table:
+            say(f"run folder: {cfg.out_dir}")
+        ddp.barrier()
+    log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)
 
-    params = [p for group in assignment.param_groups for p in group["params"]]
-    owner = owners(params, ddp.world)
-    mine = [p for p, r in zip(params, owner) if r == ddp.rank]
-    others = [p for p, r in zip(params, owner) if r != ddp.rank]
-    train_model = model
-    if ddp.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(model, find_unused_parameters=bool(model.config.n_experts))
-    if cfg.compile:
-        train_model = torch.compile(train_model)
+    parallel = parallelize(model, assignment, cfg, ddp)
+    train_model = torch.compile(parallel.module) if cfg.compile else parallel.module
     use_bf16 = device.type == "cuda"
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
     for group in assignment.param_groups:
@@ -482,11 +633,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed,
 
     end = cfg.stop_after or cfg.steps
     ckpt_every = cfg.ckpt_every or cfg.eval_every
-    local = slice(ddp.rank * cfg.batch_size // ddp.world, (ddp.rank + 1) * cfg.batch_size // ddp.world)
-    progress = _progress(range(start, end), ddp.main and cfg.progress, cfg.strategy)
-    t0 = time.perf_counter()
-    log = open(log_path, "a") if ddp.main and on_disk else None
+    t0 = time.perf_counter() - elapsed_before
     val_seed = cfg.seed if cfg.val_seed is None else cfg.val_seed
+    pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # steps whose loss is on the device
 
     def run_eval(step: int) -> None:
         if ddp.main:
@@ -498,96 +647,98 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed,
             if extra_metrics is not None:
                 record.update(extra_metrics(model, evaluation))
             result.evals.append(record)
-            _write(log, record)
+            log.write(record)
             result.diverged |= not math.isfinite(record["val_loss"])
 
+    def flush() -> bool:
+        """Bring the pending losses to the host (one synchronisation) and log them; False
+        (and the run flagged diverged) at the first non-finite loss or gradient norm."""
+        if not pending:
+            return True
+        values = torch.stack([torch.stack((loss.float(), norm.float())) for _, _, loss, norm in pending]).tolist()
+        for (step, factor, _, _), (loss, norm) in zip(pending, values):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                result.diverged = True
+                log.write({"kind": "diverged", "step": step, "loss": loss, "grad_norm": norm})
+                say(f"step {step}: non-finite loss {loss} or gradient norm {norm}; stopping")
+                pending.clear()
+                return False
+            result.losses[step] = loss
+            result.last_step = step + 1
+            if step % cfg.log_every == 0:
+                log.write({"kind": "train", "step": step, "loss": loss, "lr_factor": factor, "grad_norm": norm})
+        if progress is not None:
+            progress.set_postfix(loss=f"{values[-1][0]:.3f}", refresh=False)
+        pending.clear()
+        return True
+
+    progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")
     try:
-        if start == 0:  # the starting point of every curve
+        if not result.evals:  # the starting point of every curve
             run_eval(0)
-        for step in progress:
+        for step in range(start, end):
+            signum = ddp.largest(request.signum)
+            if signum:
+                if on_disk:
+                    _checkpoint(ckpt_path, model, assignment, cfg, step, result, log, t0, ddp)
+                raise TrainingInterrupted(step, signum, cfg.out_dir)
             factor = lr_factor(step, cfg)
             for group in assignment.param_groups:
                 group["lr"] = group["base_lr"] * factor
-            x, y = data.batch("train", cfg.batch_size, block_size, cfg.seed, step)
-            x, y = x[local].to(device), y[local].to(device)
-            with autocast():
-                _, loss = train_model(x, y)
-            loss.backward()
-            loss_value = _global_mean(loss.detach(), ddp)
+            loss = accumulate_gradients(train_model, _micro_batches(data, cfg, step, block_size, ddp, device),
+                                        autocast)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
-                result.diverged = True
-                _write(log, {"kind": "diverged", "step": step, "loss": loss_value, "grad_norm": float(grad_norm)})
-                say(f"step {step}: non-finite loss {loss_value} or gradient norm {float(grad_norm)}; stopping")
-                break
-            for p in others:  # sharded step: only the owner updates a parameter
-                p.grad = None
+            parallel.before_step()
             assignment.step()
-            if ddp.enabled:
-                for p, r in zip(params, owner):
-                    dist.broadcast(p.data, src=r)
+            parallel.after_step()
             assignment.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
-            result.losses[step] = loss_value
-            result.last_step = step + 1
-            if step % cfg.log_every == 0:
-                _write(log, {"kind": "train", "step": step, "loss": loss_value, "lr_factor": factor,
-                             "grad_norm": float(grad_norm)})
-            if hasattr(progress, "set_postfix"):
-                progress.set_postfix(loss=f"{loss_value:.3f}")
+            pending.append((step, factor, _global_mean(loss, ddp), grad_norm))
             done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
+            evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
+            save_now = on_disk and (done % ckpt_every == 0 or done == end)
+            if (step % cfg.log_every == 0 or evaluate_now or save_now or done == end) and not flush():
+                break
+            if progress is not None:
+                progress.update(1)
+            if evaluate_now:
                 run_eval(done)
-            if on_disk and (done % ckpt_every == 0 or done == end):
-                _checkpoint(ckpt_path, model, assignment, cfg, done, result, ddp)
+            if save_now and not result.diverged:
+                _checkpoint(ckpt_path, model, assignment, cfg, done, result, log, t0, ddp)
             if result.diverged:
                 break
     finally:
-        if log is not None:
-            log.close()
+        log.close()
+        if progress is not None:
+            progress.close()
     result.wall_time = time.perf_counter() - t0
     result.model = model
     result.assignment = assignment
     return result
 
 
-def _progress(iterable, enabled: bool, desc: str):
+def _progress(start: int, end: int, enabled: bool, desc: str):
+    """A tqdm bar over the steps (``None`` when disabled); under another bar (``compare``'s)
+    it is placed below it and cleared when done."""
     if not enabled:
-        return iterable
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=end, initial=start, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr, leave=None)
 
 
-def _global_mean(loss: torch.Tensor, ddp: Distributed) -> float:
+def _global_mean(loss: torch.Tensor, ddp: Distributed) -> torch.Tensor:
+    """The mean of ``loss`` over the ranks, on the device (no host synchronisation)."""
     if ddp.enabled:
         loss = loss.clone()
         dist.all_reduce(loss)
         loss /= ddp.world
-    return float(loss)
+    return loss
 
 
-def _write(log, record: dict) -> None:
-    if log is not None:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
-
-def _rewrite_log(path: str, start: int, result: TrainResult) -> None:
-    """A fresh run starts an empty log; a resumed one keeps the records before its step."""
-    records = [{"kind": "train", "step": s, "loss": v} for s, v in sorted(result.losses.items()) if s < start]
-    records += [e for e in result.evals if e["step"] <= start]
-    records.sort(key=lambda r: r["step"])
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-
-
-_RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "block_size", "n_layer", "n_head",
-                 "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio",
-                 "seed")
+_RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "grad_accum", "block_size", "n_layer",
+                 "n_head", "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps",
+                 "min_lr_ratio", "seed")
 
 
 def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
@@ -599,7 +750,7 @@ def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
                          + "); use the original settings or a new --out-dir")
 
 
-def _checkpoint(path, model, assignment, cfg, step, result, ddp: Distributed):
+def _checkpoint(path, model, assignment, cfg, step, result, log: RunLog, t0: float, ddp: Distributed):
     state = _portable_state(assignment)
     if ddp.enabled:  # each rank holds the state of the parameters it owns: merge them
         gathered = [None] * ddp.world
@@ -616,6 +767,8 @@ def _checkpoint(path, model, assignment, cfg, step, result, ddp: Distributed):
             "model_config": asdict(model.config),
             "losses": result.losses,
             "evals": result.evals,
+            "log": log.records,
+            "wall_time": time.perf_counter() - t0,
         })
     ddp.barrier()
 
@@ -625,39 +778,39 @@ def _checkpoint(path, model, assignment, cfg, step, result, ddp: Distributed):
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Fill the ``geomuon pretrain`` parser: one option per :class:`TrainConfig` field."""
-    parser.description = "Pretrain a GPT with a per-module optimizer strategy (CPU, GPU, torchrun)."
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        flag = "--config" if f.name == "model" else "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = {"int": int, "float": float, "str": str, "dict": json_object}[f.type.split(" ")[0]]
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default: {default}")
+    parser.description = ("Pretrain a GPT with a per-module optimizer strategy (CPU, GPU, torchrun). "
+                          "Ctrl-C saves a checkpoint and prints the command that resumes the run.")
+    add_options(parser, TrainConfig)
     parser.set_defaults(func=run)
 
 
-def json_object(text: str) -> dict:
-    """A command-line JSON object (``--model-overrides '{"tie_weights": false}'``)."""
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
-    return value
+def resume_command(verb: str, *configs, defaults: dict | None = None) -> str:
+    """The command that continues an interrupted run (``verb``: ``pretrain`` or
+    ``compare``) with the options of ``configs`` (which say ``resume=True``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"geomuon {verb}" if world == 1 else f"torchrun --nproc_per_node {world} --no-python geomuon {verb}"
+    return command_line(prefix, *configs, exclude=("overwrite",), defaults=defaults)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``geomuon pretrain`` with parsed arguments; returns the exit code."""
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    cfg = from_args(TrainConfig, args)
     try:
         result = train(cfg)
     except ValueError as err:
         print(f"geomuon pretrain: {err}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            again = replace(cfg, out_dir=stop.out_dir, resume=True, overwrite=False)
+            print(f"interrupted at step {stop.step}; resume with: {resume_command('pretrain', again)}",
+                  file=sys.stderr)
+        return stop.exit_code
     if int(os.environ.get("RANK", "0")) == 0:
-        last = result.evals[-1] if result.evals else {}
+        last = result.evals[-1] if result.evals else None
+        measured = f"val_loss={last['val_loss']:.4f} at step {last['step']}" if last else "no evaluation"
         print(f"done: {result.last_step} steps in {result.wall_time:.1f}s, diverged={result.diverged}, "
-              f"val_loss={last.get('val_loss', float('nan')):.4f}, log {os.path.join(cfg.out_dir, 'log.jsonl')}")
+              f"{measured}, log {os.path.join(result.out_dir, 'log.jsonl')}")
     return 1 if result.diverged else 0
 
 

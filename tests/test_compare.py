@@ -41,7 +41,7 @@ def test_compare_cli_prints_table_and_writes_figures(tmp_path, capsys):
 
 def test_compare_rejects_unknown_strategy_before_running(tmp_path, capsys):
     assert cli(["compare", "--strategies", "hetero,nope", "--out-dir", str(tmp_path / "c")]) == 2
-    assert "--strategy 'nope' is unknown" in capsys.readouterr().err
+    assert "--strategies 'nope' is unknown" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
 
@@ -54,7 +54,12 @@ def test_results_table_columns():
     assert "3.2500" in table and "12.3s" in table and "no" in table
 
 
-@pytest.mark.parametrize("seeds", ["a", ""])
-def test_compare_rejects_bad_seeds(tmp_path, capsys, seeds):
-    assert cli(["compare", "--seeds", seeds, "--out-dir", str(tmp_path / "c")]) == 2
+@pytest.mark.parametrize("option, value", [("--seeds", ""), ("--seeds", "-1"), ("--strategies", ""),
+                                           ("--divergence-margin", "-0.5"), ("--divergence-margin", "nan")])
+def test_compare_rejects_bad_options_before_running(tmp_path, capsys, option, value):
+    assert cli(["compare", option, value, "--out-dir", str(tmp_path / "c")]) == 2
+    assert option in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(SystemExit):  # not an integer: argparse refuses it, naming the option
+        cli(["compare", "--seeds", "a", "--out-dir", str(tmp_path / "c")])
     assert "--seeds" in capsys.readouterr().err

@@ -56,9 +56,16 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
     assert load_checkpoint(prev)["step"] == 1 and load_checkpoint(path)["step"] == 2
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.raises(ValueError, match=rf"checkpoint '{path}' is truncated or corrupt.*'{prev}' is intact"):
+    with pytest.raises(ValueError, match=rf"checkpoint '{path}' is truncated or corrupt.*'{prev}' \(step 1\) loads"):
         load_checkpoint(path)
     assert load_checkpoint(prev)["step"] == 1
+    with open(prev, "r+b") as f:  # both damaged: the hint must not call the previous one intact
+        f.truncate(os.path.getsize(prev) // 2)
+    with pytest.raises(ValueError, match=rf"'{prev}' is corrupt too .*no checkpoint of this run can be resumed"):
+        load_checkpoint(path)
+    os.remove(prev)
+    with pytest.raises(ValueError, match="no previous checkpoint exists: start again with --overwrite"):
+        load_checkpoint(path)
     train(config(tmp_path / "a", steps=8, stop_after=3))  # writes a checkpoint at step 3
     with pytest.raises(ValueError, match=r"--resume with a different run configuration \(strategy"):
         train(config(tmp_path / "a", steps=8, strategy="all_stiefel", resume=True))

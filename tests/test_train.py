@@ -11,12 +11,13 @@ from geomuon.cli import main as cli
 from geomuon.optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, assign
 from geomuon.pretrain.data import load_data
 from geomuon.pretrain.model import GPT, get_config
-from geomuon.pretrain.train import TrainConfig, _check_same_run, lr_factor, owners, train
+from geomuon.pretrain.config import TrainConfig
+from geomuon.pretrain.train import _check_same_run, accumulate_gradients, lr_factor, owners, train
 
 
 def tiny(tmp_path, **overrides):
     base = dict(model="cpu-tiny", strategy="adamw", steps=12, batch_size=4, block_size=32, eval_every=6,
-                eval_batches=1, warmup_steps=2, adamw_lr=3e-3, out_dir=str(tmp_path / "run"), progress=False,
+                eval_batches=1, warmup_steps=2, adamw_lr=3e-3, log_every=1, out_dir=str(tmp_path / "run"), progress=False,
                 print_table=False)
     return TrainConfig(**{**base, **overrides})
 
@@ -135,7 +136,7 @@ def test_model_overrides_reach_the_model_and_are_checked(tmp_path):
         train(tiny(tmp_path, model_overrides={"depth": 3}))
     with pytest.raises(ValueError, match=r"block_size is set by both --block-size and --model-overrides"):
         train(tiny(tmp_path, model_overrides={"block_size": 16}))
-    with pytest.raises(ValueError, match=r"--resume needs an --out-dir"):
+    with pytest.raises(ValueError, match=r"--resume/--overwrite need an --out-dir"):
         train(tiny(tmp_path, out_dir=None, resume=True))
     with pytest.raises(ValueError, match=r"--final-eval-batches must be ≥ 1"):
         train(tiny(tmp_path, final_eval_batches=0))
@@ -189,3 +190,179 @@ def test_gpt2_small_one_step_per_strategy(gpt2_small, strategy):
     assert math.isfinite(loss.item())
     assert not torch.equal(model.h[0].mlp.c_fc.weight, before)
     assert torch.isfinite(model.h[0].mlp.c_fc.weight).all()
+
+
+# ----------------------------------------------------------------------------- options
+
+
+PRETRAIN = ["pretrain", "--config", "cpu-tiny", "--strategy", "adamw", "--steps", "4", "--batch-size", "2",
+            "--block-size", "16", "--eval-every", "4", "--eval-batches", "1", "--warmup-steps", "1", "--no-progress",
+            "--no-print-table"]
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--grad-clip", "-1", "--grad-clip must be ≥ 0"),  # was: gradient ascent, exit 0
+    ("--eval-every", "0", "--eval-every must be ≥ 1"),  # was: ZeroDivisionError after training started
+    ("--weight-decay", "-5", "--weight-decay must be ≥ 0"),
+    ("--ckpt-every", "-1", "--ckpt-every must be ≥ 0"),
+    ("--w-max", "-1", "--w-max must be > 0"),
+    ("--lr", "inf", "--lr must be a finite number > 0"),  # was: one step, then divergence
+    ("--lr", "nan", "--lr must be a finite number > 0"),
+    ("--lr", "-1", "--lr must be > 0"),
+    ("--adamw-lr", "0", "--adamw-lr must be > 0"),
+    ("--grad-accum", "0", "--grad-accum must be ≥ 1"),
+    ("--log-every", "0", "--log-every must be ≥ 1"),
+    ("--min-lr-ratio", "1.5", r"--min-lr-ratio must be in \[0, 1\]"),
+    ("--stop-after", "0", "--stop-after must be ≥ 1"),
+    ("--parallel", "mpi", "--parallel 'mpi' is unknown; choose one of: none, ddp, fsdp"),
+    ("--direction-dtype", "fp16", "--direction-dtype 'fp16' is unknown"),
+    ("--data", "webtext", "--data: unknown data spec 'webtext'; use one of: embedded, shakespeare:PATH"),
+    ("--config", "gpt3", "--config 'gpt3' is unknown; choose one of: .*cpu-tiny"),
+])
+def test_every_bad_option_is_refused_before_training(tmp_path, capsys, option, value, message):
+    out = tmp_path / "run"
+    assert cli([*PRETRAIN, "--out-dir", str(out), option, value]) == 2
+    import re
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()  # refused before the folder, the data and the first step
+
+
+def test_the_option_table_refuses_a_value_just_outside_each_bound():
+    """Every numeric option declared with a bound refuses the nearest value outside it,
+    with a message naming its flag: the table, not a hand-written list, does the checking."""
+    from dataclasses import fields, replace
+
+    checked = 0
+    for f in fields(TrainConfig):
+        opt = f.metadata["option"]
+        flag = opt.flag or "--" + f.name.replace("_", "-")
+        for outside in ([opt.at_least - 1] if opt.at_least is not None else []) + (
+                [opt.above] if opt.above is not None else []) + ([opt.at_most + 1] if opt.at_most is not None else []):
+            cfg = replace(TrainConfig(), **{f.name: type(f.default or 1)(outside)})
+            with pytest.raises(ValueError, match=re.escape(flag)):
+                cfg.validate()
+            checked += 1
+    assert checked >= 20  # every bounded option of the table was probed
+
+
+import re  # noqa: E402
+
+
+def test_help_lists_the_valid_values(capsys):
+    with pytest.raises(SystemExit):
+        cli(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ("one of: cpu-lipschitz, cpu-moe", "all_stiefel, hetero", "shakespeare:PATH[:nocheck]",
+                     "tokens:DIR", "[optimizer steps]", "--parallel", "none, ddp, fsdp", "--grad-accum",
+                     "default: runs/{strategy}-{time}", "--overwrite"):
+        assert expected in text, expected
+    with pytest.raises(SystemExit):
+        cli(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: runs/compare-{time}" in text and "--strategies" in text and "[nats]" in text
+    for dropped in ("--strategy ", "--seed "):  # each run's: set by --strategies and --seeds
+        assert dropped not in text
+
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def test_a_second_run_never_overwrites_the_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli(PRETRAIN) == 0 and cli(PRETRAIN) == 0  # the default folder: fresh each time
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 2 and all((f / "ckpt.pt").is_file() for f in folders)
+    assert all(f.name.startswith("adamw-") for f in folders)
+    named = str(tmp_path / "mine")
+    assert cli([*PRETRAIN, "--out-dir", named]) == 0
+    before = {name: open(os.path.join(named, name), "rb").read() for name in os.listdir(named)}
+    capsys.readouterr()
+    assert cli([*PRETRAIN, "--out-dir", named, "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert {name: open(os.path.join(named, name), "rb").read() for name in os.listdir(named)} == before
+    assert cli([*PRETRAIN, "--out-dir", named, "--steps", "8", "--overwrite"]) == 0
+    assert torch.load(os.path.join(named, "ckpt.pt"), weights_only=False)["step"] == 8
+    prev = torch.load(os.path.join(named, "ckpt.prev.pt"), weights_only=False)
+    assert prev["config"]["steps"] == 8  # the new run's (step 4), not the replaced run's
+
+
+def test_done_line_says_where_its_val_loss_was_measured(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert cli([*PRETRAIN, "--out-dir", out, "--steps", "10", "--eval-every", "4", "--stop-after", "6"]) == 0
+    done = capsys.readouterr().out.strip().splitlines()[-1]
+    assert done.startswith("done: 6 steps") and "at step 4," in done  # the last evaluation, not step 6
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _gradient(model, micro_batches):
+    model.zero_grad(set_to_none=True)
+    loss = accumulate_gradients(model, micro_batches)
+    return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_gradient_accumulation_equals_the_larger_batch():
+    """K micro-batches of B windows give the gradient of one K·B batch, in fp32, up to the
+    order of the sums. Each gradient entry sums N = K·B·T per-token terms; recursive fp32
+    summation errs by at most ≈ N·u relative (u = 2⁻²⁴, Higham's γ_N) for terms without
+    cancellation, so ‖Δg‖/‖g‖ ≤ N·u (N·u ≈ 2.3e-5 here; measured ≈ 2.5e-7). The controls —
+    the summed instead of averaged losses, and K copies of the first micro-batch — miss
+    by orders of magnitude more."""
+    torch.manual_seed(0)
+    data = load_data("embedded")
+    model = GPT(get_config("cpu-tiny", vocab_size=data.vocab_size, block_size=32))
+    K, B, T = 4, 3, 32
+    x, y = data.batch("train", K * B, T, 0, 0)
+    micro = [(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]) for k in range(K)]
+    loss_big, g_big = _gradient(model, [(x, y)])
+    loss_acc, g_acc = _gradient(model, micro)
+    tol = K * B * T * 2.0**-24
+    assert float((g_acc - g_big).norm() / g_big.norm()) <= tol
+    assert abs(float(loss_acc - loss_big)) <= tol * float(loss_big)
+    model.zero_grad(set_to_none=True)
+    for batch in micro:  # control: losses summed, not averaged (no 1/K)
+        accumulate_gradients(model, [batch])
+    g_sum = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((g_sum - g_big).norm() / g_big.norm()) > 1000 * tol
+    _, g_same = _gradient(model, [micro[0]] * K)  # control: the wrong windows
+    assert float((g_same - g_big).norm() / g_big.norm()) > 1000 * tol
+
+
+def test_grad_accum_trains_on_the_windows_of_the_larger_batch(tmp_path):
+    """The first logged loss of ``--grad-accum 2 --batch-size 2`` is the loss of
+    ``--batch-size 4`` on the same windows (N = 4·32 summed token losses: tolerance N·u,
+    see above); without accumulation (batch 2) it differs — the control."""
+    data = load_data("embedded")
+    run = lambda **kw: train(tiny(tmp_path, out_dir=None, steps=2, warmup_steps=1, eval_every=2, **kw), data)  # noqa: E731
+    accumulated, larger, smaller = run(batch_size=2, grad_accum=2), run(batch_size=4), run(batch_size=2)
+    tol = 4 * 32 * 2.0**-24
+    assert abs(accumulated.losses[0] - larger.losses[0]) <= tol * larger.losses[0]
+    assert abs(smaller.losses[0] - larger.losses[0]) > 100 * tol * larger.losses[0]
+
+
+def test_the_loop_brings_the_loss_to_the_host_only_every_log_every_steps(tmp_path, monkeypatch):
+    """The loop itself (not the evaluation, not the optimizers) synchronises with the
+    device once per log step, at the evaluations and at the end — never per step; every
+    step's loss still reaches the result. The control: with ``log_every=1``, once a step."""
+    import sys
+
+    calls = []
+    for name in ("item", "tolist", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.endswith(os.path.join("pretrain", "train.py")) and caller.co_name in (
+                    "_train", "flush", "_global_mean", "accumulate_gradients"):
+                calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    result = train(tiny(tmp_path, out_dir=None, steps=20, eval_every=20, log_every=5))
+    assert sorted(result.losses) == list(range(20))
+    assert calls == ["tolist"] * 5  # after steps 0, 5, 10, 15 and the last (19, before its evaluation)
+    calls.clear()
+    train(tiny(tmp_path, out_dir=None, steps=20, eval_every=20, log_every=1))
+    assert len(calls) == 20

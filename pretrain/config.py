@@ -1,0 +1,333 @@
+r"""The configuration of a training run, described once.
+
+Every field of :class:`TrainConfig` carries an :class:`Option` (its ``dataclasses``
+metadata): the help text, the unit, the range or the choices. That one table is read
+three times:
+
+* :func:`field_problems` checks each value against its option — type, finiteness, range,
+  choices — and :meth:`TrainConfig.validate` adds the relations between fields (warmup
+  shorter than the schedule, …), so a bad value is refused with a message naming the
+  option before any data is read or any step is taken;
+* :func:`add_options` builds the ``argparse`` options of ``geomuon pretrain`` (and
+  ``geomuon compare``) from it, so ``--help`` lists the valid values, the units and the
+  defaults;
+* :func:`command_line` writes the command that reproduces a configuration (the
+  "resume with:" line of an interrupted run).
+
+A dataclass of one's own gets the same treatment by declaring its fields with
+:func:`option` (``geomuon compare``'s options do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import shlex
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields
+
+import torch
+
+from geomuon.optimizers.assign import STRATEGIES
+from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
+from geomuon.pretrain.model import CONFIGS, GPTConfig
+
+#: TrainConfig fields that set a GPTConfig field through their own option.
+MODEL_OPTIONS = ("block_size", "n_layer", "n_head", "n_embd")
+
+#: Placeholders of ``--out-dir``: ``{strategy}`` and ``{time}`` (UTC, to the second).
+FRESH_RUN_DIR = "runs/{strategy}-{time}"
+
+#: How a run can be spread over processes (``--parallel``).
+PARALLEL_MODES = ("none", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one configuration field accepts and how ``--help`` describes it.
+
+    ``at_least`` / ``above`` / ``at_most`` bound a number (inclusive, exclusive,
+    inclusive); ``choices`` returns the valid names (called when needed, so a registry
+    filled later is seen); ``flag`` replaces the default ``--field-name``; ``syntax``
+    describes the form of a string (shown in ``--help``). Floats must be finite."""
+
+    help: str
+    unit: str = ""
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    choices: Callable[[], Iterable[str]] | None = None
+    flag: str | None = None
+    syntax: str = ""
+
+    def valid_values(self) -> str:
+        """The valid values in words: ``≥ 1``, ``> 0``, ``in [0, 1]``, ``one of …``."""
+        if self.choices is not None:
+            return "one of: " + ", ".join(self.choices())
+        if self.at_least is not None and self.at_most is not None:
+            return f"in [{self.at_least:g}, {self.at_most:g}]"
+        if self.above is not None:
+            return f"> {self.above:g}"
+        if self.at_least is not None:
+            return f"≥ {self.at_least:g}"
+        return self.syntax
+
+    def problem(self, flag: str, kind: type, value) -> str | None:
+        """Why ``value`` is not valid for this option (``None`` if it is)."""
+        if kind is bool and not isinstance(value, bool):
+            return f"{flag} must be true or false (got {value!r})"
+        if kind in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    kind is int and not isinstance(value, int)):
+                return f"{flag} must be {'an integer' if kind is int else 'a number'} (got {value!r})"
+            if not math.isfinite(value):
+                return f"{flag} must be a finite number {self.valid_values()} (got {value!r})".replace("  ", " ")
+            if ((self.at_least is not None and value < self.at_least)
+                    or (self.above is not None and value <= self.above)
+                    or (self.at_most is not None and value > self.at_most)):
+                return f"{flag} must be {self.valid_values()} (got {value!r})"
+        if kind is str and not isinstance(value, str):
+            return f"{flag} must be a string (got {value!r})"
+        if kind is dict and not isinstance(value, dict):
+            return f"{flag} must be a JSON object (got {value!r})"
+        if self.choices is not None and value not in set(self.choices()):
+            return f"{flag} {value!r} is unknown; choose {self.valid_values()}"
+        return None
+
+
+def option(default, help: str, **described) -> dataclasses.Field:
+    """A dataclass field whose :class:`Option` is built from ``help`` and ``described``
+    (a mutable default is copied for each instance)."""
+    metadata = {"option": Option(help, **described)}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _choices(table: dict) -> Callable[[], list[str]]:
+    return lambda: sorted(table)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on; one command-line option per field
+    (``geomuon pretrain --help`` lists them with their valid values)."""
+
+    model: str = option("demo", "model configuration", choices=_choices(CONFIGS), flag="--config")
+    strategy: str = option("adamw", "optimizer per module (with a build_assignment hook: the run's label)",
+                           choices=_choices(STRATEGIES))
+    data: str = option("embedded", "training text or tokens", syntax=" | ".join(DATA_SYNTAX))
+    out_dir: str | None = option(
+        FRESH_RUN_DIR, "folder of the run's log.jsonl and checkpoints; {strategy} and {time} (UTC) are "
+        "filled in, so every run gets a fresh folder; a folder that holds a run is refused unless "
+        "--resume or --overwrite (None from Python: in memory only)", syntax="PATH")
+    steps: int = option(200, "length of the schedule", unit="optimizer steps", at_least=1)
+    stop_after: int | None = option(None, "stop at this step (resume later) without changing the schedule",
+                                    unit="steps", at_least=1)
+    batch_size: int = option(16, "sequences per forward pass, all processes together", unit="sequences",
+                             at_least=1)
+    grad_accum: int = option(1, "forward/backward passes summed into each optimizer step (each step sees "
+                             "grad_accum × batch_size sequences)", unit="passes", at_least=1)
+    block_size: int | None = option(None, "context length (default: the model configuration's)",
+                                    unit="tokens", at_least=1)
+    n_layer: int | None = option(None, "transformer blocks (default: the model configuration's)", at_least=1)
+    n_head: int | None = option(None, "attention heads (default: the model configuration's)", at_least=1)
+    n_embd: int | None = option(None, "model width (default: the model configuration's)", at_least=1)
+    model_overrides: dict = option({}, "other GPTConfig fields, e.g. '{\"tie_weights\": false}'",
+                                   syntax="JSON object")
+    lr: float = option(0.02, "learning rate of the matrix optimizers", above=0)
+    adamw_lr: float = option(6e-4, "learning rate of AdamW (embeddings, gains, AdamW-assigned matrices)",
+                             above=0)
+    weight_decay: float = option(0.1, "AdamW weight decay", at_least=0)
+    warmup_steps: int = option(10, "linear warmup before the cosine decay (< --steps)", unit="steps",
+                               at_least=0)
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak", at_least=0, at_most=1)
+    grad_clip: float = option(1.0, "largest global gradient norm, 0 disables clipping", at_least=0)
+    dual_steps: int | None = option(None, "dual-ascent steps of Manifold Muon (default: the optimizer's)",
+                                    at_least=0)
+    direction_dtype: str = option("default", "compute dtype of the optimizer directions",
+                                  choices=lambda: ("default", "fp32", "bf16"))
+    w_max: float = option(2.0, "largest column norm of DGram matrices", above=0)
+    eval_every: int = option(50, "evaluate every this many steps (and at the end)", unit="steps", at_least=1)
+    eval_batches: int = option(4, "validation batches per evaluation", unit="batches", at_least=1)
+    final_eval_batches: int | None = option(None, "validation batches of the last evaluation "
+                                            "(default: --eval-batches)", unit="batches", at_least=1)
+    val_seed: int | None = option(None, "seed of the validation windows (default: --seed)", at_least=0)
+    log_every: int = option(10, "write the training loss every this many steps; the loss stays on the "
+                            "device in between (no host sync per step)", unit="steps", at_least=1)
+    ckpt_every: int = option(0, "checkpoint every this many steps, 0: at each evaluation (always at the "
+                             "end and on SIGINT/SIGTERM)", unit="steps", at_least=0)
+    seed: int = option(0, "seed of the initialisation and the training batches", at_least=0)
+    device: str = option("auto", "where to train (auto: CUDA when available)",
+                         choices=lambda: ("auto", "cpu", "cuda"))
+    parallel: str = option("none", "how to spread the run over torchrun processes",
+                           choices=lambda: PARALLEL_MODES)
+    compile: bool = option(False, "torch.compile the model")
+    resume: bool = option(False, "continue the run in --out-dir from its checkpoint")
+    overwrite: bool = option(False, "replace the run in --out-dir (its log and checkpoints)")
+    progress: bool = option(True, "show a progress bar")
+    print_table: bool = option(True, "print the model summary and the assignment table before training")
+
+    def validate(self, named_strategy: bool = True) -> None:
+        """Everything that can be checked without touching data: fail before training.
+        ``named_strategy=False`` (a run whose optimizers a ``build_assignment`` hook
+        builds) accepts any ``strategy`` label."""
+        problems = field_problems(self, skip=() if named_strategy else ("strategy",))
+        if isinstance(self.data, str) and (problem := spec_problem(self.data)):
+            problems.append(f"--data: {problem}")
+        if isinstance(self.model_overrides, dict):
+            known = {f.name for f in fields(GPTConfig)}
+            for key in self.model_overrides:
+                if key not in known:
+                    problems.append(f"--model-overrides names {key!r}, not a GPTConfig field; "
+                                    f"choose from {sorted(known)}")
+                elif key in MODEL_OPTIONS and getattr(self, key) is not None:
+                    problems.append(f"{key} is set by both --{key.replace('_', '-')} and --model-overrides; keep one")
+        if self.out_dir is None and (self.resume or self.overwrite):
+            problems.append("--resume/--overwrite need an --out-dir holding the run (out_dir is None)")
+        if self.resume and self.overwrite:
+            problems.append("--resume continues the run in --out-dir, --overwrite replaces it; choose one")
+        if self.resume and self.out_dir is not None and "{" in self.out_dir:
+            problems.append(f"--resume needs the --out-dir of the run to continue (got the template "
+                            f"{self.out_dir!r})")
+        if _numbers(self.warmup_steps, self.steps) and not 0 <= self.warmup_steps < self.steps:
+            problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps})")
+        if self.stop_after is not None and _numbers(self.stop_after, self.steps) and self.stop_after > self.steps:
+            problems.append(f"--stop-after must be in [1, steps={self.steps}] (got {self.stop_after})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            problems.append("--device cuda was asked for but CUDA is not available; use --device cpu")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and self.parallel == "none":
+            problems.append(f"{world} processes (WORLD_SIZE) but --parallel none; choose --parallel ddp or fsdp")
+        if self.parallel == "fsdp" and importlib.util.find_spec("geomuon.pretrain.parallel") is None:
+            problems.append("--parallel fsdp needs geomuon.pretrain.parallel, which this version does not "
+                            "have; use --parallel ddp")
+        if _numbers(self.batch_size) and self.batch_size % world:
+            problems.append(f"--batch-size {self.batch_size} must be a multiple of the {world} processes")
+        if problems:
+            raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+
+
+def _numbers(*values) -> bool:
+    """Whether every value is a number (a relation is checked only between valid fields)."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+# ----------------------------------------------------------------------------- reading the table
+
+
+def _options(cls) -> Iterable[tuple[dataclasses.Field, Option, type, bool]]:
+    """``(field, option, item type, is a list)`` of every declared field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        opt = f.metadata.get("option")
+        if opt is None:
+            continue
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        many = typing.get_origin(kind) is list
+        yield f, opt, (typing.get_args(kind)[0] if many else typing.get_origin(kind) or kind), many
+
+
+def _flag(f, opt: Option) -> str:
+    return opt.flag or "--" + f.name.replace("_", "-")
+
+
+def _optional(cls, name: str) -> bool:
+    kind = typing.get_type_hints(cls)[name]
+    return type(None) in typing.get_args(kind)
+
+
+def field_problems(config, skip: Iterable[str] = ()) -> list[str]:
+    """What is wrong with each declared field of ``config`` on its own (type, range,
+    choices), in declaration order; fields named in ``skip`` are not checked."""
+    problems = []
+    for f, opt, kind, many in _options(type(config)):
+        value = getattr(config, f.name)
+        if f.name in skip or (value is None and _optional(type(config), f.name)):
+            continue
+        flag = _flag(f, opt)
+        if many:
+            if not isinstance(value, (list, tuple)) or not value:
+                problems.append(f"{flag} must name at least one value (got {value!r})")
+                continue
+            problems += [p for item in value if (p := opt.problem(flag, kind, item))]
+        elif problem := opt.problem(flag, kind, value):
+            problems.append(problem)
+    return problems
+
+
+def json_object(text: str) -> dict:
+    """A command-line JSON object (``--model-overrides '{"tie_weights": false}'``)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _comma_list(kind: type) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        return [kind(item.strip()) for item in text.split(",") if item.strip()]
+
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names it in its error message
+    return parse
+
+
+def add_options(parser: argparse.ArgumentParser, cls, *, exclude: Iterable[str] = (),
+                defaults: dict | None = None) -> None:
+    """One ``argparse`` option per declared field of ``cls`` (but those in ``exclude``);
+    ``defaults`` replaces some defaults (shown as such in ``--help``)."""
+    exclude, defaults = set(exclude), defaults or {}
+    for f, opt, kind, many in _options(cls):
+        if f.name in exclude:
+            continue
+        default = defaults.get(f.name, f.default if f.default is not MISSING else f.default_factory())
+        flag = _flag(f, opt)
+        unit = f" [{opt.unit}]" if opt.unit else ""
+        valid = opt.valid_values()
+        shown = json.dumps(default) if isinstance(default, dict) else (
+            ",".join(map(str, default)) if many else default)
+        parts = [opt.help + unit, valid, "" if default is None else f"default: {shown}"]
+        text = "; ".join(p for p in parts if p).replace("%", "%%")
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=text)
+            continue
+        parse = {int: int, float: float, str: str, dict: json_object}[kind]
+        parser.add_argument(flag, dest=f.name, type=_comma_list(parse) if many else parse, default=default,
+                            metavar=f.name.upper(), help=text)
+
+
+def from_args(cls, args: argparse.Namespace, **fixed):
+    """An instance of ``cls`` from the parsed options (``fixed`` sets the others)."""
+    given = {f.name: getattr(args, f.name) for f, *_ in _options(cls) if hasattr(args, f.name)}
+    return cls(**{**given, **fixed})
+
+
+def command_line(prefix: str, *configs, exclude: Iterable[str] = (), defaults: dict | None = None) -> str:
+    """The shell command ``prefix`` followed by every option of ``configs`` that differs
+    from its default (``defaults`` replaces some, as in :func:`add_options`; ``exclude``
+    leaves some out), quoted for a POSIX shell."""
+    words = shlex.split(prefix)
+    exclude, defaults = set(exclude), defaults or {}
+    for config in configs:
+        for f, opt, kind, many in _options(type(config)):
+            value = getattr(config, f.name)
+            default = defaults.get(f.name, f.default if f.default is not MISSING else f.default_factory())
+            if f.name in exclude or value == default or value is None:
+                continue
+            flag = _flag(f, opt)
+            if kind is bool:
+                words.append(flag if value else "--no-" + flag[2:])
+            else:
+                words += [flag, json.dumps(value) if kind is dict else (
+                    ",".join(map(str, value)) if many else str(value))]
+    return shlex.join(words)
