@@ -64,6 +64,15 @@ class GPTConfig:
             problems.append("rope needs an even head dimension n_embd/n_head")
         if self.lipschitz and (self.tie_weights or self.bias):
             problems.append("the Lipschitz variant needs tie_weights=False and bias=False")
+        if self.lipschitz and not self.rope:
+            problems.append("the Lipschitz variant needs rope=True: a learned position table (rope=False) "
+                            "moves the embedded tokens off unit RMS, outside the certified bound's domain")
+        if self.lipschitz and self.fused_qkv:
+            problems.append("the Lipschitz variant needs fused_qkv=False (separate q, k, v: the bound reads "
+                            "each head's slices)")
+        if self.lipschitz and (self.mlp != "gelu" or self.n_experts):
+            problems.append("the Lipschitz variant needs mlp='gelu' and n_experts=0 (the certified bound "
+                            "covers the dense GELU MLP only, not SwiGLU or a mixture of experts)")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
@@ -397,12 +406,31 @@ class GPT(nn.Module):
 
         Returns ``{"blocks": [{"q", "k", "v", "o", "mlp_in", "mlp_out"}: [out, in]
         tensors], "head": [V, d], "residual_weight": a, "attention_scale": 1/3,
-        "score_scale": 1/d_head, "n_embd": d}``; tensors are the live parameters
-        (detach before modifying)."""
-        if not self.config.lipschitz:
-            raise ValueError("lipschitz_weights() needs the Lipschitz variant (GPTConfig(lipschitz=True))")
-        if self.config.n_experts or self.config.mlp != "gelu":
-            raise ValueError("the Lipschitz bound is implemented for the dense GELU MLP only")
+        "score_scale": 1/d_head, "n_embd": d, "n_head": H, "input_radius": 1}``
+        (:meth:`embed` gives every token RMS exactly 1); tensors are the live parameters
+        (detach before modifying).
+
+        Raises ``ValueError`` naming every option the bound does not cover: LayerNorm
+        blocks, a learned position table, fused QKV, biases, SwiGLU, a mixture of experts,
+        a tied head."""
+        c = self.config
+        uncovered = {
+            "lipschitz=False (LayerNorm blocks)": not c.lipschitz,
+            "rope=False (a learned position table)": not c.rope or self.wpe is not None,
+            "fused_qkv=True": c.fused_qkv,
+            "bias=True": c.bias,
+            f"mlp={c.mlp!r} (only 'gelu')": c.mlp != "gelu",
+            f"n_experts={c.n_experts} (mixture of experts)": bool(c.n_experts),
+            "tie_weights=True": c.tie_weights,
+        }
+        refused = [option for option, present in uncovered.items() if present]
+        if refused:
+            raise ValueError(
+                "lipschitz_weights() needs the Lipschitz variant as certified; the bound does not cover "
+                + ", ".join(refused)
+                + "; build the model with get_config('cpu-lipschitz') or GPTConfig(lipschitz=True, "
+                "rope=True, fused_qkv=False, bias=False, tie_weights=False, mlp='gelu', n_experts=0)"
+            )
         blocks = [
             {
                 "q": b.attn.q.weight,
@@ -421,4 +449,6 @@ class GPT(nn.Module):
             "attention_scale": 1.0 / 3.0,
             "score_scale": 1.0 / (self.config.n_embd // self.config.n_head),
             "n_embd": self.config.n_embd,
+            "n_head": self.config.n_head,
+            "input_radius": 1.0,
         }

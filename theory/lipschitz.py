@@ -61,10 +61,16 @@ __all__ = [
     "mlp_lipschitz",
     "attention_lipschitz",
     "AttentionBound",
+    "ResidualMLPBound",
+    "residual_mlp_bound",
+    "METHODS",
     "TransformerBound",
     "transformer_lipschitz_bound",
     "EmpiricalLipschitz",
+    "SEARCHES",
+    "certify_domain",
     "empirical_lipschitz",
+    "rounding_error_bound",
 ]
 
 #: $\max_x |\text{GELU}'(x)| = \text{GELU}'(\sqrt 2) = \tfrac12(1 + \operatorname{erf} 1) +
@@ -124,7 +130,9 @@ def mlp_lipschitz(
 
 @dataclass
 class AttentionBound:
-    """Constants of one attention sub-layer for inputs of token RMS $\\le$ ``radius``."""
+    """Constants of one attention sub-layer for inputs of token RMS $\\le$ ``radius``:
+    ``lipschitz`` (the tight bound unless ``method="simple"``), ``output_radius``, and the
+    per-head terms of the simple bound."""
 
     lipschitz: float
     output_radius: float
@@ -148,6 +156,7 @@ def attention_lipschitz(
     score_scale: float,
     attention_scale: float = 1.0 / 3.0,
     radius: float = 1.0,
+    method: str = "tight",
 ) -> AttentionBound:
     r"""Lipschitz bound of multi-head causal attention (RoPE allowed) on inputs with token RMS
     $\le r$ (``radius``).
@@ -156,23 +165,51 @@ def attention_lipschitz(
     $hd_h..(h+1)d_h$), scores $s_{ts} = \varsigma\langle q_t, k_s\rangle$ ($\varsigma$ =
     ``score_scale``, $1/d_h$ in the Lipschitz model), $y^h_t = \sum_s p_{ts} v^h_s$, and the
     output is $c\,W_o[y^1; \dots; y^H]$ ($c$ = ``attention_scale``). Write
-    $\sigma_{xh} = \sigma_{\max}(W_x^h)$ and $\|x\|_2 \le \sqrt d\,r$.
+    $\sigma_{xh} = \sigma_{\max}(W_x^h)$, $\sigma_x = \sigma_{\max}(W_x)$ for the whole
+    matrix, and $\|x\|_2 \le \sqrt d\,r$.
 
-    *Proof.* $\delta y^h_t = \sum_s p_{ts}\,\delta v^h_s + \sum_s \delta p_{ts}\,v^h_s$. The first
-    term has $\ell_2$ norm $\le \max_s \|\delta v^h_s\|_2 \le \sigma_{vh}\sqrt d\,\|\delta X\|$. With
-    $\delta p_t = (\operatorname{diag}p_t - p_tp_t^\top)\delta s_t$ the second is
-    $\sum_s p_{ts}(\delta s_{ts} - \bar{\delta s_t})(v^h_s - \bar v^h)$, of norm
-    $\le \sqrt{\operatorname{Var}_p \delta s}\sqrt{\operatorname{Var}_p v} \le \max_s|\delta s_{ts}|
-    \max_s\|v^h_s\|_2$ (Cauchy–Schwarz), with $\max_s\|v^h_s\|_2 \le \sigma_{vh}\sqrt d\,r$ and
-    $|\delta s_{ts}| \le \varsigma(\|\delta q_t\|\|k_s\| + \|q_t\|\|\delta k_s\|) \le
-    2\varsigma d\,r\,\sigma_{qh}\sigma_{kh}\|\delta X\|$ (RoPE rotates each token: norms unchanged).
-    So $\|\delta y^h_t\|_2 \le \sqrt d\,\sigma_{vh}(1 + 2\varsigma d r^2\sigma_{qh}\sigma_{kh})\|\delta X\|$,
-    and concatenating, $\|\delta Y_t\|_{\mathrm{RMS}} = \sqrt{\sum_h\|\delta y^h_t\|_2^2/d}$:
+    *Proof.* $\delta y^h_t = \sum_s p_{ts}\,\delta v^h_s + \sum_s p_{ts}\,\delta s_{ts}(v^h_s - \bar v^h)$
+    (value path, then score path: $\delta p_t = (\operatorname{diag}p_t - p_tp_t^\top)\delta s_t$,
+    $\bar v^h = \sum_s p_{ts}v^h_s$). The value path is a convex combination of
+    $W_v^h\delta x_s$, of norm $\le \sigma_{vh}\sqrt d\,\|\delta X\|$. Split
+    $\delta s_{ts} = \varsigma\langle \delta q_t, k_s\rangle + \varsigma\langle q_t, \delta k_s\rangle$
+    (RoPE rotates each token: norms unchanged).
 
-    $$L_\text{att} = c\,\|W_o\|\sqrt{\textstyle\sum_h \sigma_{vh}^2\bigl(1 + 2\varsigma d\,r^2\sigma_{qh}\sigma_{kh}\bigr)^2}.$$
+    * *Query path:* $\varsigma\sum_s p_{ts}(v_s - \bar v)k_s^\top\delta q_t = \varsigma\,C^h\delta q^h_t$
+      with the cross-covariance $C^h = \operatorname{Cov}_p(v^h, k^h)$,
+      $\|C^h\| \le \sqrt{\lambda_{\max}\operatorname{Cov}_p v\;\lambda_{\max}\operatorname{Cov}_p k}
+      \le \sigma_{vh}\sigma_{kh}\,d r^2$.
+    * *Key path:* by Cauchy–Schwarz in $L^2(p)$,
+      $\|\sum_s p_{ts}(v_s - \bar v)\langle q_t, \delta k_s\rangle\| \le
+      \sqrt{\mathbb E_p\|v - \bar v\|^2}\,\max_s|\langle q_t,\delta k_s\rangle| \le
+      \sigma_{vh}\sqrt d\, r\cdot\|q^h_t\|\,\sigma_{kh}\sqrt d\,\|\delta X\|$.
 
-    With one head ($\varsigma d = 1$, $\sigma_{xh} = \|W_x\|$) this is
-    $c\|W_o\|(\|W_v\| + 2\|W_v\|r^2\|W_q\|\|W_k\|)$, DESIGN §5. Every $y^h_t$ is a convex
+    **Simple bound** (``method="simple"``): bound each head alone,
+    $\|\delta q^h_t\|, \|q^h_t\| \le \sigma_{qh}\sqrt d\,(\|\delta X\|, r)$, so
+    $\|\delta y^h_t\|_2 \le \sqrt d\,\sigma_{vh}(1 + 2\varsigma d r^2\sigma_{qh}\sigma_{kh})\|\delta X\|$
+    and, concatenating ($\|\delta Y_t\|_{\mathrm{RMS}} = \sqrt{\sum_h\|\delta y^h_t\|_2^2/d}$),
+
+    $$L^\text{simple}_\text{att} = c\,\|W_o\|\sqrt{\textstyle\sum_h \sigma_{vh}^2\bigl(1 + 2\varsigma d\,r^2\sigma_{qh}\sigma_{kh}\bigr)^2}.$$
+
+    **Tight bound** (default): the heads share one query. Stacked over heads, the query
+    path is $\varsigma\operatorname{blockdiag}_h(C^h)\,W_q\delta x_t$, of norm
+    $\le \varsigma\,\mu\, d r^2\,\sigma_q\sqrt d\,\|\delta X\|$ with
+    $\mu = \max_h\sigma_{vh}\sigma_{kh}$; the key path is, head by head,
+    $\le \varsigma\sigma_{vh}\sigma_{kh}\,d\,r\,\|\delta X\|\,\|q^h_t\|$, and
+    $\sqrt{\sum_h\|q^h_t\|^2} = \|W_q x_t\| \le \sigma_q\sqrt d\,r$. The value paths stack to
+    $\le\sqrt{\sum_h\sigma_{vh}^2}\sqrt d\,\|\delta X\|$ (each head's is a point of
+    $W_v^h$ of the ball). Each path also keeps its head-by-head bound, so with
+    $\kappa = \min\bigl(\mu\,\sigma_q,\ \sqrt{\sum_h(\sigma_{vh}\sigma_{kh}\sigma_{qh})^2}\bigr)$
+
+    $$L_\text{att} = c\,\|W_o\|\Bigl(\sqrt{\textstyle\sum_h\sigma_{vh}^2} + 2\varsigma d\,r^2\kappa\Bigr)
+    \le L^\text{simple}_\text{att},$$
+
+    which gains up to $\sqrt H$ when the slices have similar norms (a head slice of a
+    near-isometric $W_q$ has $\sigma_{qh} \approx \sigma_q$).
+
+    With one head ($\varsigma d = 1$, $\sigma_{xh} = \|W_x\|$) both are the formula of
+    Kim, Papamakarios & Mnih's successor work used by the seed paper,
+    $c\|W_o\|(\|W_v\| + 2\|W_v\|r^2\|W_q\|\|W_k\|)$. Every $y^h_t$ is a convex
     combination of values, so the output radius is $c\|W_o\|\sqrt{\sum_h\sigma_{vh}^2}\;r$.
 
     Args:
@@ -180,22 +217,100 @@ def attention_lipschitz(
         k: ``[n_head·d_head, d]``.
         v: ``[n_head·d_head, d]``.
         o: ``[d, n_head·d_head]``.
+        method: ``"tight"`` or ``"simple"``.
 
     Returns:
-        :class:`AttentionBound` (``head_terms`` = the per-head square-root terms).
+        :class:`AttentionBound` (``head_terms`` = the per-head square-root terms of the
+        simple bound).
     """
     if n_head < 1:
         raise ValueError(f"attention_lipschitz: n_head must be >= 1, got {n_head}")
+    _check_method(method, "attention_lipschitz")
     d = q.size(1)
     sigma = {
         name: torch.linalg.matrix_norm(_head_slices(W, n_head, name), ord=2)
         for name, W in (("q", q), ("k", k), ("v", v))
     }
-    head_terms = sigma["v"] * (1.0 + 2.0 * score_scale * d * radius**2 * sigma["q"] * sigma["k"])
+    score = 2.0 * score_scale * d * radius**2
+    head_terms = sigma["v"] * (1.0 + score * sigma["q"] * sigma["k"])
     outer = attention_scale * rms_operator_norm(o)
-    lipschitz = outer * head_terms.pow(2).sum().sqrt().item()
-    output_radius = outer * sigma["v"].pow(2).sum().sqrt().item() * radius
-    return AttentionBound(lipschitz, output_radius, head_terms.tolist())
+    values = sigma["v"].pow(2).sum().sqrt().item()
+    if method == "simple":
+        lipschitz = outer * head_terms.pow(2).sum().sqrt().item()
+    else:
+        shared_query = (sigma["v"] * sigma["k"]).max().item() * rms_operator_norm(q)
+        per_head = (sigma["v"] * sigma["k"] * sigma["q"]).pow(2).sum().sqrt().item()
+        lipschitz = outer * (values + score * min(shared_query, per_head))
+    return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist())
+
+
+METHODS = ("tight", "simple")
+
+
+def _check_method(method: str, where: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"{where}: method must be one of {METHODS}, got {method!r}")
+
+
+def _sigma(W: torch.Tensor) -> float:
+    return torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
+
+
+@dataclass
+class ResidualMLPBound:
+    r"""Constants of the residual MLP sub-layer $x \mapsto (1-a)x + a\,W_\text{out}\,s\,\text{GELU}(W_\text{in}x)$:
+    ``lipschitz`` (the whole residual map) and ``output_radius`` (for inputs of token
+    RMS $\le$ ``radius``)."""
+
+    lipschitz: float
+    output_radius: float
+
+
+def residual_mlp_bound(
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    *,
+    residual_weight: float,
+    gelu_scale: float = 1.0 / REFERENCE_GELU_DIVISOR,
+    radius: float = 1.0,
+    method: str = "tight",
+) -> ResidualMLPBound:
+    r"""Lipschitz constant and output radius of the residual MLP sub-layer, per token.
+
+    Write $a$ = ``residual_weight``, $s$ = ``gelu_scale``, $z = W_\text{in}x$,
+    $P = W_\text{out}W_\text{in}$ ($d\times d$: its RMS→RMS norm is $\sigma_{\max}$) and
+    $g_\pm$ the extremes of $\text{GELU}'$: $g_+ = $ :data:`GELU_LIPSCHITZ`, $g_- = 1 - g_+$
+    ($\text{GELU}'(-x) = 1 - \text{GELU}'(x)$).
+
+    **Simple** (``method="simple"``): $(1-a) + a\,s\,g_+\|W_\text{out}\|\|W_\text{in}\|$ and
+    radius $(1-a)r + a\,s\|W_\text{out}\|\|W_\text{in}\|r$ ($|\text{GELU}(z)| \le |z|$).
+
+    **Tight** (default). *Lipschitz:* the Jacobian is $(1-a)I + a s W_\text{out}DW_\text{in}$
+    with $D = \operatorname{diag}\text{GELU}'(z)$, $g_- \le D \le g_+$. With the midpoint
+    $m = (g_+ + g_-)/2 = 1/2$ and $\rho = (g_+ - g_-)/2 = g_+ - 1/2$, $\|D - mI\| \le \rho$, so
+
+    $$L = \sigma_{\max}\bigl((1-a)I + a s m P\bigr) + a s\rho\,\|W_\text{out}\|\|W_\text{in}\|.$$
+
+    *Radius:* $\text{GELU}(z) = z\,\Phi(z)$ with $\Phi \in [0, 1]$, so the output is
+    $((1-a)I + \tfrac{as}2P)x + a s W_\text{out}((\Phi - \tfrac12)\odot z)$ with
+    $|\Phi - \tfrac12| \le \tfrac12$:
+
+    $$r' = \Bigl(\sigma_{\max}\bigl((1-a)I + \tfrac{as}{2}P\bigr) + \tfrac{as}{2}\|W_\text{out}\|\|W_\text{in}\|\Bigr)r.$$
+
+    Both are at most the simple constants (triangle inequality on the first term), and
+    gain when $P$ is not aligned with the identity.
+    """
+    _check_method(method, "residual_mlp_bound")
+    a = residual_weight
+    gain = rms_operator_norm(w_out) * rms_operator_norm(w_in) * gelu_scale
+    if method == "simple":
+        return ResidualMLPBound(residual_lipschitz(a, gain * GELU_LIPSCHITZ), ((1 - a) + a * gain) * radius)
+    P = w_out.detach().double() @ w_in.detach().double()
+    eye = torch.eye(P.size(0), dtype=P.dtype)
+    half = 0.5
+    lipschitz = _sigma((1 - a) * eye + a * gelu_scale * half * P) + a * (GELU_LIPSCHITZ - half) * gain
+    radius_out = (_sigma((1 - a) * eye + a * gelu_scale * half * P) + a * half * gain) * radius
+    return ResidualMLPBound(lipschitz, radius_out)
 
 
 @dataclass
@@ -206,8 +321,9 @@ class TransformerBound:
     per-token RMS norm on both sides (multiply by $\sqrt{V/d}$ for per-token $\ell_2$ norms),
     or in :func:`sequence_rms` when a ``sequence_length`` was given.
     ``sublayers``: the constants $L_f$ of each attention and MLP map, in order;
-    ``residuals``: $(1-a) + aL_f$ for each; ``radii``: the token-RMS bound of the
-    activations entering each sub-layer and, last, entering the head; ``head``: $\|W_\text{head}\|$.
+    ``residuals``: the constant of each residual sub-layer ($(1-a) + aL_f$ for attention);
+    ``radii``: the token-RMS bound of the activations entering each sub-layer and, last,
+    entering the head; ``head``: $\|W_\text{head}\|$; ``method``: ``"tight"`` or ``"simple"``.
     """
 
     bound: float
@@ -215,10 +331,13 @@ class TransformerBound:
     residuals: list[float]
     radii: list[float]
     head: float
+    method: str = "tight"
 
 
-def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None = None) -> TransformerBound:
-    r"""Lipschitz bound of the seed-003 Lipschitz transformer from its weights.
+def transformer_lipschitz_bound(
+    weights: Mapping, *, sequence_length: int | None = None, method: str = "tight"
+) -> TransformerBound:
+    r"""Certified Lipschitz bound of the seed-003 Lipschitz transformer from its weights.
 
     ``weights`` (what ``geomuon.pretrain.model.GPT.lipschitz_weights()`` returns):
 
@@ -233,18 +352,31 @@ def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None
       ``"input_radius"`` $r_0$ (default 1).
 
     Forward of each block: $x \leftarrow (1-a)x + a\,\text{attn}(x)$, then
-    $x \leftarrow (1-a)x + a\,\text{mlp}(x)$; the logits are $W_\text{head}x$. The radius
-    of the activations is propagated with the same rule ($|\text{GELU}(z)| \le |z|$ bounds
-    the MLP output by $\|W_\text{out}\|s\|W_\text{in}\|r$) and feeds each attention's bound.
+    $x \leftarrow (1-a)x + a\,\text{mlp}(x)$; the logits are $W_\text{head}x$. Composition
+    multiplies the residual sub-layers' constants:
 
-    $$L = \|W_\text{head}\|\prod_{\text{sub-layers } i}\bigl((1-a) + aL_i\bigr).$$
+    $$L = \|W_\text{head}\|\prod_{\text{sub-layers } i} L^\text{res}_i,$$
+
+    with $L^\text{res} = (1-a) + aL_\text{att}$ (:func:`attention_lipschitz`) and the MLP's
+    residual constant from :func:`residual_mlp_bound`. The radius of the activations
+    entering each sub-layer is propagated with the sub-layers' output radii and feeds each
+    attention's bound. ``method="tight"`` (default) uses the tight attention and MLP
+    bounds; ``method="simple"`` the per-head, triangle-inequality ones (kept to compare).
+
+    **Exact arithmetic.** The certificate is a statement about the real-valued network.
+    A float32 or bf16 evaluation adds rounding error that is not proportional to
+    $\|x - y\|$ (one rounding of one input can produce a ratio far above $L$); bound the
+    implemented network with :func:`rounding_error_bound`:
+    $\|\hat f(x) - \hat f(y)\| \le L\|x - y\| + 2E$.
 
     ``sequence_length`` $T$ switches to the whole-sequence norm :func:`sequence_rms`
-    ($\ell_2$ over tokens of per-token RMS) on input and output. Per-token maps keep their
-    constants; each attention constant is multiplied by $\sqrt T$, because every output
-    token moves by at most $L_\text{att}\max_s\|\delta x_s\| \le L_\text{att}\|\delta X\|$ and
-    there are $T$ of them (causal attention really does spread one token's perturbation
-    over all later tokens). Sequences up to $T$ tokens are covered.
+    ($\ell_2$ over tokens of per-token RMS) on input and output, for sequences up to $T$
+    tokens. Two bounds hold and the smaller is returned: (i) per-token maps keep their
+    constants and each attention constant is multiplied by $\sqrt T$ (every output token
+    moves by at most $L_\text{att}\max_s\|\delta x_s\| \le L_\text{att}\|\delta X\|$ and there
+    are $T$ of them); (ii) $\|\delta Y\|_\text{seq} \le \sqrt T\,\|\delta Y\|_{\max} \le
+    \sqrt T\,L\,\|\delta X\|_{\max} \le \sqrt T\,L\,\|\delta X\|_\text{seq}$ with the per-token
+    bound $L$.
 
     Returns:
         :class:`TransformerBound`; norms and spaces as in the module docstring.
@@ -254,9 +386,24 @@ def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None
             "transformer_lipschitz_bound: weights must be a dict with 'blocks' (list of "
             "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (see the docstring)"
         )
+    _check_method(method, "transformer_lipschitz_bound")
     blocks = list(weights["blocks"])
     if not blocks:
         raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
+    if sequence_length is not None and int(sequence_length) < 1:
+        raise ValueError(f"transformer_lipschitz_bound: sequence_length must be >= 1, got {sequence_length}")
+    if sequence_length is not None:
+        spread = math.sqrt(int(sequence_length))
+        through_sequence = _propagate(weights, blocks, spread, method)
+        per_token = _propagate(weights, blocks, 1.0, method)
+        if method == "tight" and spread * per_token.bound < through_sequence.bound:
+            per_token.bound *= spread
+            return per_token
+        return through_sequence
+    return _propagate(weights, blocks, 1.0, method)
+
+
+def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> TransformerBound:
     d = blocks[0]["q"].size(1)
     n_head = _n_head(weights, d)
     a = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
@@ -264,10 +411,8 @@ def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None
     attention_scale = float(weights.get("attention_scale", 1.0 / 3.0))
     gelu_scale = float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR))
     radius = float(weights.get("input_radius", 1.0))
-
-    if sequence_length is not None and int(sequence_length) < 1:
-        raise ValueError(f"transformer_lipschitz_bound: sequence_length must be >= 1, got {sequence_length}")
-    spread = 1.0 if sequence_length is None else math.sqrt(int(sequence_length))
+    if not radius > 0:
+        raise ValueError(f"transformer_lipschitz_bound: input_radius must be positive, got {radius}")
     sublayers, residuals, radii = [], [], []
     bound = 1.0
     for index, block in enumerate(blocks):
@@ -276,20 +421,22 @@ def transformer_lipschitz_bound(weights: Mapping, *, sequence_length: int | None
             raise ValueError(f"transformer_lipschitz_bound: block {index} lacks {sorted(missing)}")
         attention = attention_lipschitz(
             block["q"], block["k"], block["v"], block["o"], n_head=n_head,
-            score_scale=score_scale, attention_scale=attention_scale, radius=radius,
+            score_scale=score_scale, attention_scale=attention_scale, radius=radius, method=method,
         )
-        mlp_gain = rms_operator_norm(block["mlp_out"]) * gelu_scale * rms_operator_norm(block["mlp_in"])
-        mlp = mlp_lipschitz(block["mlp_in"], block["mlp_out"], gelu_scale)
-        for lipschitz, output_radius in ((spread * attention.lipschitz, attention.output_radius), (mlp, None)):
-            radii.append(radius)
-            sublayers.append(lipschitz)
-            residuals.append(residual_lipschitz(a, lipschitz))
-            bound *= residuals[-1]
-            sublayer_out = output_radius if output_radius is not None else mlp_gain * radius
-            radius = (1.0 - a) * radius + a * sublayer_out
+        radii.append(radius)
+        sublayers.append(spread * attention.lipschitz)
+        residuals.append(residual_lipschitz(a, sublayers[-1]))
+        radius = (1.0 - a) * radius + a * attention.output_radius
+        mlp = residual_mlp_bound(block["mlp_in"], block["mlp_out"], residual_weight=a, gelu_scale=gelu_scale,
+                                 radius=radius, method=method)
+        radii.append(radius)
+        sublayers.append(mlp_lipschitz(block["mlp_in"], block["mlp_out"], gelu_scale))
+        residuals.append(mlp.lipschitz)
+        radius = mlp.output_radius
+        bound *= residuals[-2] * residuals[-1]
     radii.append(radius)
     head = rms_operator_norm(weights["head"])
-    return TransformerBound(bound * head, sublayers, residuals, radii, head)
+    return TransformerBound(bound * head, sublayers, residuals, radii, head, method)
 
 
 def _n_head(weights: Mapping, d: int) -> int:
@@ -317,12 +464,14 @@ def _n_head(weights: Mapping, d: int) -> int:
 @dataclass
 class EmpiricalLipschitz:
     """Best ratio $\\|f(x) - f(y)\\|/\\|x - y\\|$ found, a lower bound on the Lipschitz
-    constant, with the pair that reaches it and every restart's best ratio."""
+    constant, with the pair that reaches it, every restart's best ratio, and the best
+    ratio of each search (``"near"``, ``"far"``, ``"token"``, ``"jacobian"``)."""
 
     estimate: float
     x: torch.Tensor
     y: torch.Tensor
     per_restart: list[float]
+    by_search: dict[str, float] = field(default_factory=dict)
 
 
 def _project_to_radius(X: torch.Tensor, radius: float | None) -> torch.Tensor:
@@ -330,6 +479,47 @@ def _project_to_radius(X: torch.Tensor, radius: float | None) -> torch.Tensor:
         return X
     rms = X.pow(2).mean(-1, keepdim=True).sqrt()
     return X / (rms / radius).clamp_min(1.0)
+
+
+def _unit_token_rms(G: torch.Tensor) -> torch.Tensor:
+    return G / G.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(G.dtype).tiny)
+
+
+def _unit_sequence_rms(G: torch.Tensor) -> torch.Tensor:
+    norm = sequence_rms(G).reshape((-1,) + (1,) * (G.dim() - 1))
+    return G / norm.clamp_min(torch.finfo(G.dtype).tiny)
+
+
+def _dual_token_rms_max(D: torch.Tensor) -> torch.Tensor:
+    """A linear functional at which $\\langle u, D\\rangle$ is $D$'s max-token norm (up to scale):
+    $D$ restricted to its largest token."""
+    rms = D.pow(2).mean(-1)
+    flat = rms.reshape(rms.size(0), -1)
+    mask = torch.zeros_like(flat)
+    mask[torch.arange(flat.size(0)), flat.argmax(-1)] = 1.0
+    return D * mask.reshape(rms.shape).unsqueeze(-1)
+
+
+#: For the norms of this module: (the input unit vector maximizing a linear functional,
+#: the output functional dual to a vector), what the Jacobian power iteration needs.
+_POWER_STEPS = {
+    token_rms_max: (_unit_token_rms, _dual_token_rms_max),
+    sequence_rms: (_unit_sequence_rms, lambda D: D),
+}
+
+#: The pair searches of :func:`empirical_lipschitz`.
+SEARCHES = ("near", "far", "token")
+
+
+def certify_domain(X: torch.Tensor, radius: float = 1.0) -> None:
+    """Raise ``ValueError`` unless every token (last dimension) of ``X`` has RMS at most
+    ``radius`` (relative slack of 4 float64 ulps): the domain of every bound here."""
+    largest = X.detach().double().pow(2).mean(-1).sqrt().max().item()
+    if largest > radius * (1 + 4 * torch.finfo(torch.float64).eps):
+        raise ValueError(
+            f"input outside the certified domain: a token has RMS {largest:.6g} > input_radius={radius:g}; "
+            "the bound holds only for token RMS <= input_radius (the Lipschitz model's embedding gives 1)"
+        )
 
 
 def empirical_lipschitz(
@@ -341,52 +531,95 @@ def empirical_lipschitz(
     lr: float = 0.02,
     radius: float | None = 1.0,
     perturbation: float = 0.1,
+    searches: tuple[str, ...] = SEARCHES,
+    power_steps: int = 20,
+    near: float = 1e-4,
     in_norm: Callable[[torch.Tensor], torch.Tensor] = token_rms_max,
     out_norm: Callable[[torch.Tensor], torch.Tensor] = token_rms_max,
     generator: torch.Generator | None = None,
 ) -> EmpiricalLipschitz:
-    r"""Lower-bound the Lipschitz constant of ``f`` by gradient ascent over input pairs.
+    r"""Lower-bound the Lipschitz constant of ``f`` by adversarial search over input pairs
+    and power iteration on its Jacobian; run it in float64.
 
-    Each of ``restarts`` pairs $(x, y = x + \delta)$ starts from ``x0`` plus noise (restart 0
-    from ``x0`` itself) with a random $\delta$ of relative size ``perturbation``; Adam
-    maximizes $\log\|f(x) - f(y)\| - \log\|x - y\|$ in both $x$ and $\delta$, and after each
-    step both points are projected back into the domain (token RMS $\le$ ``radius``; ``None``
-    = unconstrained). The restarts run as one batch, so ``f`` must map ``[R, ...]`` to
-    ``[R, ...]`` row by row. Every evaluated pair is admissible, so the best ratio is a true
-    lower bound on the constant over the domain.
+    *Pair searches* (``searches``, ``restarts`` pairs each, one batch): each pair
+    $(x, y)$ starts from ``x0`` plus noise (the first of each search from ``x0`` itself)
+    and Adam maximizes $\log\|f(y) - f(x)\| - \log\|y - x\|$ in $x$ and the offset, both
+    points projected back into the domain (token RMS $\le$ ``radius``; ``None`` =
+    unconstrained) after each step:
+
+    * ``"near"``: $y = x + \epsilon\,u/\|u\|$ with $\epsilon$ = ``near`` times the input
+      scale: the local slope in direction $u$;
+    * ``"far"``: a free offset, starting at relative size ``perturbation``;
+    * ``"token"``: a free offset on one token (token $j \bmod T$ for restart $j$; in causal
+      attention the first token feeds every output).
+
+    *Jacobian power iteration* (``power_steps``, for this module's norms): from the point of
+    each restart's best pair where the slope along it is largest (17 points of the
+    segment), iterate $u \leftarrow$ the output functional dual to $J\delta$,
+    $\delta \leftarrow$ the unit input maximizing $\langle J^\top u, \delta\rangle$ (a
+    generalized power method for mixed norms, monotone in $\|J\delta\|$), with $J\delta$
+    measured by the symmetric pair $x \pm \epsilon\delta$ and $J^\top u$ by one backward pass.
+
+    Every reported ratio is that of an evaluated pair of admissible inputs, so the result
+    is a true lower bound on the constant over the domain (no finite-difference
+    approximation enters it).
 
     Args:
-        f: the map (e.g. the blocks and head of a model, from embedded sequences to logits).
+        f: the map (e.g. the blocks and head of a model, from embedded sequences to logits);
+            it must map ``[B, ...]`` to ``[B, ...]`` row by row.
         x0: ``[...]`` one input (no batch dimension), e.g. ``[T, d]``.
-        in_norm: ``[R, ...] -> [R]`` norm of the inputs (default: max per-token RMS).
-        out_norm: ``[R, ...] -> [R]`` norm of the outputs (default: max per-token RMS).
+        searches: a non-empty subset of :data:`SEARCHES`.
+        in_norm: ``[B, ...] -> [B]`` norm of the inputs (default: max per-token RMS).
+        out_norm: ``[B, ...] -> [B]`` norm of the outputs (default: max per-token RMS).
+            The power iteration runs when both are :func:`token_rms_max` or
+            :func:`sequence_rms`.
         generator: for the random starts (default: a fixed seed, for reproducibility).
 
     Returns:
-        :class:`EmpiricalLipschitz`; computed in ``x0.dtype``.
+        :class:`EmpiricalLipschitz`; computed in ``x0.dtype`` (use float64: in float32 the
+        rounding error of $f$ dominates near pairs, see :func:`rounding_error_bound`).
     """
-    if restarts < 1 or steps < 0:
-        raise ValueError(f"empirical_lipschitz: need restarts >= 1 and steps >= 0, got {restarts}, {steps}")
+    unknown = set(searches) - set(SEARCHES)
+    if restarts < 1 or steps < 0 or power_steps < 0:
+        raise ValueError(f"empirical_lipschitz: need restarts >= 1, steps >= 0, power_steps >= 0, got "
+                         f"{restarts}, {steps}, {power_steps}")
+    if unknown or not searches:
+        raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
     generator = generator or torch.Generator(device="cpu").manual_seed(0)
     base = x0.detach()
-    scale = base.pow(2).mean().sqrt().clamp_min(torch.finfo(base.dtype).tiny).item()
+    tiny = torch.finfo(base.dtype).tiny
+    scale = base.pow(2).mean().sqrt().clamp_min(tiny).item()
+    column = (-1,) + (1,) * base.dim()
 
     def noise(size):
         return torch.randn(size, generator=generator, dtype=base.dtype).to(base.device)
 
-    shape = (restarts,) + tuple(base.shape)
+    kinds = [search for search in searches for _ in range(restarts)]
+    shape = (len(kinds),) + tuple(base.shape)
     x = base.expand(shape).clone()
-    x[1:] += 0.5 * scale * noise((restarts - 1,) + tuple(base.shape))
+    moved = torch.tensor([j % restarts != 0 for j in range(len(kinds))], device=base.device)
+    x[moved] += 0.5 * scale * noise(shape)[moved]
     x = _project_to_radius(x, radius).requires_grad_(True)
-    delta = (perturbation * scale * noise(shape)).requires_grad_(True)
-    optimizer = torch.optim.Adam([x, delta], lr=lr * scale)
+    offset = (perturbation * scale * noise(shape)).requires_grad_(True)
+    # which entries each pair may move: all, or one token
+    positions = max(1, base[..., 0].numel())
+    mask = torch.ones(shape[:-1] + (1,), dtype=base.dtype, device=base.device)
+    for j, kind in enumerate(kinds):
+        if kind == "token":
+            one = torch.zeros(positions, dtype=base.dtype, device=base.device)
+            one[(j % restarts) % positions] = 1.0
+            mask[j] = one.reshape(tuple(base.shape[:-1]) + (1,))
+    is_near = torch.tensor([kind == "near" for kind in kinds], device=base.device).reshape(column)
+    optimizer = torch.optim.Adam([x, offset], lr=lr * scale)
 
-    best = torch.full((restarts,), -math.inf, dtype=torch.float64)
+    best = torch.full((len(kinds),), -math.inf, dtype=torch.float64)
     best_x, best_y = x.detach().clone(), x.detach().clone()
     for step in range(steps + 1):
-        y = _project_to_radius(x + delta, radius)
+        moved_by = offset * mask
+        unit = near * scale * moved_by / in_norm(moved_by).clamp_min(tiny).reshape(column)
+        y = _project_to_radius(x + torch.where(is_near, unit, moved_by), radius)
         gap = in_norm(y - x)
-        ratio = out_norm(f(y) - f(x)) / gap.clamp_min(torch.finfo(base.dtype).tiny)
+        ratio = out_norm(f(y) - f(x)) / gap.clamp_min(tiny)
         with torch.no_grad():
             improved = (ratio.double() > best) & (gap > 0)
             best = torch.where(improved, ratio.double(), best)
@@ -395,9 +628,151 @@ def empirical_lipschitz(
         if step == steps:
             break
         optimizer.zero_grad()
-        (-ratio.clamp_min(torch.finfo(base.dtype).tiny).log().sum()).backward()
+        (-ratio.clamp_min(tiny).log().sum()).backward()
         optimizer.step()
         with torch.no_grad():
             x.copy_(_project_to_radius(x, radius))
+    by_search = {s: max(best[j].item() for j, kind in enumerate(kinds) if kind == s) for s in searches}
+
+    if power_steps and in_norm in _POWER_STEPS and out_norm in _POWER_STEPS:
+        power = _jacobian_power_iteration(f, best_x, best_y, power_steps, near * scale, radius,
+                                          in_norm, out_norm)
+        by_search["jacobian"] = power[0].max().item()
+        take = power[0] > best
+        best = torch.where(take, power[0], best)
+        best_x[take], best_y[take] = power[1][take], power[2][take]
     winner = int(best.argmax())
-    return EmpiricalLipschitz(best[winner].item(), best_x[winner], best_y[winner], best.tolist())
+    return EmpiricalLipschitz(best[winner].item(), best_x[winner], best_y[winner], best.tolist(), by_search)
+
+
+def _jacobian_power_iteration(f, x, y, steps, step_size, radius, in_norm, out_norm):
+    """Best symmetric-pair slope per row, and its pairs (see :func:`empirical_lipschitz`)."""
+    unit_in, _ = _POWER_STEPS[in_norm]
+    _, dual_out = _POWER_STEPS[out_norm]
+    tiny = torch.finfo(x.dtype).tiny
+    column = (-1,) + (1,) * (x.dim() - 1)
+    direction = unit_in(y - x)
+
+    def slope(centre, direction):
+        plus = _project_to_radius(centre + step_size * direction, radius)
+        minus = _project_to_radius(centre - step_size * direction, radius)
+        change = f(plus) - f(minus)
+        gap = in_norm(plus - minus)
+        return out_norm(change).double() / gap.clamp_min(tiny), gap, change, minus, plus
+
+    with torch.no_grad():
+        along = torch.linspace(0, 1, 17, dtype=x.dtype, device=x.device)
+        slopes = torch.stack([slope(x + tau * (y - x), direction)[0] for tau in along])
+        centre = x + along[slopes.argmax(0)].reshape(column) * (y - x)
+    best = torch.full((x.size(0),), -math.inf, dtype=torch.float64)
+    best_x, best_y = x.clone(), y.clone()
+    for _ in range(steps + 1):
+        with torch.no_grad():
+            ratio, gap, change, minus, plus = slope(centre, direction)
+            improved = (ratio > best) & (gap > 0)
+            best = torch.where(improved, ratio, best)
+            best_x[improved], best_y[improved] = minus[improved], plus[improved]
+        point = centre.clone().requires_grad_(True)
+        (pullback,) = torch.autograd.grad((f(point) * dual_out(change)).sum(), point)
+        direction = unit_in(pullback)
+    return best, best_x, best_y
+
+
+# --------------------------------------------------------------------------------------
+# rounding
+
+
+def _gamma(n: int, unit_roundoff: float) -> float:
+    if n * unit_roundoff >= 1:
+        raise ValueError(f"rounding_error_bound: n·u = {n * unit_roundoff:g} >= 1, no bound")
+    return n * unit_roundoff / (1 - n * unit_roundoff)
+
+
+def _abs_rms_norm(W: torch.Tensor) -> float:
+    return rms_operator_norm(W.detach().double().abs())
+
+
+def rounding_error_bound(
+    weights: Mapping, *, dtype: torch.dtype = torch.float32, sequence_length: int, elementwise_ulps: float = 4.0
+) -> float:
+    r"""First-order bound $E$ on $\max_t\|\hat f(X)_t - f(X)_t\|_{\mathrm{RMS}}$: the implemented
+    network $\hat f$ (every operation in ``dtype``) against the exact one, for inputs of
+    token RMS $\le r_0$ and sequences of at most ``sequence_length`` tokens. With it the
+    implemented network satisfies
+
+    $$\|\hat f(x) - \hat f(y)\| \le L\|x - y\| + 2E,$$
+
+    which no bound of the form $L\|x-y\|$ can give: one rounding of one input entry moves
+    $\hat f$ by rounding noise of order $uL$ times the activations, whatever $\|x - y\|$ is.
+
+    *Model* (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1, §3.5): unit
+    round-off $u$ ($2^{-24}$ float32, $2^{-8}$ bf16); an inner product of length $n$ has
+    error $\le \gamma_n\sum_i|a_ib_i|$, $\gamma_n = nu/(1 - nu)$, so a matmul on a token
+    of RMS $r$ errs by $\le \gamma_{n+1}\||W|\|r$ (RMS→RMS norm of the entrywise absolute
+    value); ``elementwise_ulps`` bounds $\exp$, erf-GELU, scalings and the residual
+    combination ($\le$ that many $u$ of their output); the softmax over $\le T$ scores has
+    relative error $\le (T + $ ``elementwise_ulps``$)u$ per probability. Errors of the
+    inputs of a sub-layer propagate through its exact constant $L_i$ (first order: second
+    order terms in $u$ are dropped, i.e. $u\,L \ll 1$), so with $\varepsilon_i$ the error a
+    sub-layer makes on exact inputs and $L^\text{res}_j$ the residual constants of
+    :func:`transformer_lipschitz_bound`,
+
+    $$E = \|W_\text{head}\|\sum_i \varepsilon_i\prod_{j > i}L^\text{res}_j + \gamma_{d+1}\||W_\text{head}|\|\,r_\text{final}.$$
+
+    Attention's $\varepsilon$: the $q, k, v$ errors (scores move by $\le \varsigma(\|\delta q\|\|k\| +
+    \|q\|\|\delta k\|) + \gamma_{d_h}\varsigma\|q\|\|k\|$, which moves $y$ by at most that times
+    $\max\|v\|$, as in :func:`attention_lipschitz`), the softmax and $PV$ errors, and
+    $W_o$'s. The MLP's: $W_\text{in}$'s error through $s\,g_+\|W_\text{out}\|$, GELU's, and
+    $W_\text{out}$'s. Autocast (bf16 matmuls, float32 softmax) is covered by the bf16 bound.
+
+    This is a procedure under a stated model (correctly rounded elementary operations up to
+    ``elementwise_ulps``), not a certificate of a particular kernel library; the test
+    suite checks it against a float64 evaluation and against the one-ulp counterexample.
+
+    Returns:
+        $E$ in the max per-token RMS norm of the logits (float).
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"rounding_error_bound: dtype must be a float dtype, got {dtype}")
+    if int(sequence_length) < 1:
+        raise ValueError(f"rounding_error_bound: sequence_length must be >= 1, got {sequence_length}")
+    u = torch.finfo(dtype).eps / 2
+    T = int(sequence_length)
+    exact = transformer_lipschitz_bound(weights)
+    blocks = list(weights["blocks"])
+    d = blocks[0]["q"].size(1)
+    n_head = _n_head(weights, d)
+    d_head = blocks[0]["q"].size(0) // n_head
+    a = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
+    score_scale = float(weights.get("score_scale", 1.0 / d_head))
+    c = float(weights.get("attention_scale", 1.0 / 3.0))
+    s = float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR))
+    elementwise = elementwise_ulps * u
+    local = []
+    for index, block in enumerate(blocks):
+        r = exact.radii[2 * index]
+        norms = {name: rms_operator_norm(block[name]) for name in block}
+        # q, k, v: per-token l2 errors (sqrt(d) r scale) and magnitudes
+        scale = math.sqrt(d) * r
+        err = {name: _gamma(d + 1, u) * _abs_rms_norm(block[name]) * scale for name in ("q", "k", "v")}
+        size = {name: norms[name] * scale for name in ("q", "k", "v")}
+        score_error = score_scale * (err["q"] * size["k"] + size["q"] * err["k"]
+                                     + _gamma(d_head + 1, u) * size["q"] * size["k"])
+        softmax_error = (T + elementwise_ulps) * u
+        y_error = err["v"] + (score_error + softmax_error + _gamma(T + 1, u)) * size["v"]
+        y_size = size["v"]
+        attention = c * (norms["o"] * y_error + _gamma(d + 1, u) * _abs_rms_norm(block["o"]) * y_size) / math.sqrt(d)
+        attention += elementwise * c * norms["o"] * y_size / math.sqrt(d)
+        r_mlp = exact.radii[2 * index + 1]
+        hidden_size = norms["mlp_in"] * r_mlp
+        hidden_error = _gamma(d + 1, u) * _abs_rms_norm(block["mlp_in"]) * r_mlp
+        gelu_error = s * (GELU_LIPSCHITZ * hidden_error + 2 * elementwise * hidden_size)
+        mlp = norms["mlp_out"] * gelu_error + _gamma(block["mlp_out"].size(1) + 1, u) * _abs_rms_norm(
+            block["mlp_out"]) * s * hidden_size
+        # residual (1-a)x + a f: the products and the sum, a few ulps of the result
+        local.append(a * attention + elementwise * exact.radii[2 * index + 1])
+        local.append(a * mlp + elementwise * exact.radii[2 * index + 2])
+    total = 0.0
+    for i, epsilon in enumerate(local):
+        total += epsilon * math.prod(exact.residuals[i + 1:])
+    return exact.head * total + _gamma(d + 1, u) * _abs_rms_norm(weights["head"]) * exact.radii[-1]
