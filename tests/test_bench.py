@@ -213,3 +213,22 @@ def test_manifold_frontier_writes_its_table(tmp_path):
         assert 0 < float(row["min"]) <= float(row["mean certified ratio"]) <= 1, row
         assert float(row["step cost / Muon"]) > 0, row
     check_provenance(markdown, "manifold_frontier", stdout)
+
+
+def test_lipschitz_tightness_table_never_shows_a_violation(tmp_path):
+    markdown = tmp_path / "lipschitz_tightness.md"
+    stdout = run_script("lipschitz_tightness", markdown)
+    rows = parse_table(stdout)
+    assert [(r["model"], r["norm"]) for r in rows] == [
+        ("2 layers, 2 heads", "per token"), ("2 layers, 2 heads", "whole sequence (T = 4)")]
+    for row in rows:
+        simple, tight, estimate = (float(row[key]) for key in ("simple bound", "tight bound", "best estimate"))
+        # the estimate is a lower bound on the constant, each bound an upper bound, and the
+        # tight bound is never above the simple one (4 significant digits printed: 5e-4 relative)
+        assert 0 < estimate <= tight * (1 + 5e-4) and tight <= simple * (1 + 5e-4), row
+        # ratios printed with one decimal
+        assert abs(float(row["tight / estimate"]) - tight / estimate) <= 0.05 + 1e-3 * tight / estimate, row
+    # the a-priori bound at the cap for the Shakespeare shape is stated, and is far from "below 2"
+    cap = re.search(r"A-priori bound at the cap .*?: simple (\S+), tight (\S+)\.", markdown.read_text())
+    assert cap and float(cap.group(2)) > 2 and float(cap.group(1)) >= float(cap.group(2))
+    check_provenance(markdown, "lipschitz_tightness", stdout)
