@@ -154,6 +154,8 @@ def report(results, size, meta, figure_dir) -> str:
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
         "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
         + "\n".join(f"* {f}" for f in findings) + "\n\n" + why,
+        # the tightness table (bench/lipschitz_tightness.py), expanded by the docs hook
+        "## How tight the certified bound is\n\n<!-- geomuon:benchmark lipschitz_tightness -->",
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
 
