@@ -13,9 +13,10 @@ from geomuon.pretrain.train import TrainConfig, train
 STEPS = 20
 
 
-def config(out_dir, strategy):
+def config(out_dir, strategy, parallel="none"):
     # fp32 directions: the tolerance below is the fp32 one
-    return TrainConfig(model="cpu-tiny", strategy=strategy, steps=STEPS, batch_size=4, block_size=32,
+    return TrainConfig(model="cpu-tiny", strategy=strategy, parallel=parallel, steps=STEPS, batch_size=4,
+                       block_size=32,
                        eval_every=STEPS, eval_batches=1, warmup_steps=2, direction_dtype="fp32",
                        out_dir=str(out_dir), progress=False, print_table=False)
 
@@ -38,7 +39,7 @@ def free_port() -> int:
 
 def test_two_processes_match_each_other_bitwise_and_one_process(tmp_path):
     strategy = "hetero"  # Manifold Muon on every hidden matrix: the sharded work is real
-    cfg = config(tmp_path / "ddp", strategy)
+    cfg = config(tmp_path / "ddp", strategy, parallel="ddp")
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                OMP_NUM_THREADS="1")
