@@ -32,14 +32,16 @@ docs: $(STAMP)
 	@echo "site built: open site/index.html in a browser (it needs no network)"
 
 # The five seed-000 strategies on the embedded corpus (Python's own docs): CPU, offline;
-# prints the results table and the paths of the figures (runs/demo/*.png). One thread:
-# the demo's matrices are so small that a second thread costs more than it saves.
+# shows a progress bar per run and overall, then prints the results table, the paths of
+# the figures and a summary line; each demo writes a fresh runs/demo-<UTC time>/ (runs
+# and *.png), so an earlier demo is never overwritten. One thread: the demo's matrices
+# are so small that a second thread costs more than it saves.
 DEMO_STEPS ?= 500
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/geomuon compare --config demo --data embedded --device cpu \
 	  --strategies unconstrained,all_stiefel,all_dgram,hetero,hetero_inv --seeds 0 \
 	  --steps $(DEMO_STEPS) --batch-size 16 --warmup-steps 20 --eval-every 50 --adamw-lr 3e-3 \
-	  --out-dir runs/demo
+	  --out-dir 'runs/demo-{time}'
 
 # Headless Chromium for the docs' browser test (tests/test_docs.py). Installed with apt-get
 # only where that needs no question (root, or CI with passwordless sudo); elsewhere the

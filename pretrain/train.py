@@ -80,10 +80,6 @@ from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, com
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
 
-__all__ = ["TrainConfig", "TrainResult", "TrainingInterrupted", "train", "resolve_out_dir",
-           "accumulate_gradients", "parallelize", "load_checkpoint", "save_checkpoint"]
-
-
 @dataclass
 class TrainResult:
     """What a run returns: train losses by step, eval metrics, divergence verdict, wall time,

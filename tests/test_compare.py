@@ -63,3 +63,71 @@ def test_compare_rejects_bad_options_before_running(tmp_path, capsys, option, va
     with pytest.raises(SystemExit):  # not an integer: argparse refuses it, naming the option
         cli(["compare", "--seeds", "a", "--out-dir", str(tmp_path / "c")])
     assert "--seeds" in capsys.readouterr().err
+
+
+SMALL = ["--config", "cpu-tiny", "--steps", "6", "--batch-size", "2", "--block-size", "16", "--eval-every", "3",
+         "--eval-batches", "1", "--warmup-steps", "1", "--no-progress"]
+
+
+def test_a_second_comparison_in_the_same_folder_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["compare", "--strategies", "adamw", *SMALL]) == 0 and cli(["compare", "--strategies", "adamw", *SMALL]) == 0
+    first, second = sorted((tmp_path / "runs").iterdir())  # the default folder is fresh each time
+    log = (first / "adamw-s0" / "log.jsonl").read_bytes()
+    capsys.readouterr()
+    assert cli(["compare", "--strategies", "unconstrained", *SMALL, "--out-dir", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a comparison" in err and "--resume" in err and "--overwrite" in err
+    assert (first / "adamw-s0" / "log.jsonl").read_bytes() == log
+    assert not (first / "unconstrained-s0").exists()
+
+
+def test_an_interrupted_comparison_resumes_with_the_printed_command(tmp_path, monkeypatch, capsys):
+    """SIGINT (a real one, sent at the second run's step-3 evaluation) stops ``compare``
+    with exit 130 and a command; that command reads the finished run back without
+    retraining it, finishes the second from its checkpoint, and prints the table."""
+    import re
+    import shlex
+    import signal
+
+    from geomuon.pretrain import compare as compare_module
+
+    real_train, calls = compare_module.train, []
+
+    def train_interrupting_the_second_run(cfg, data):
+        calls.append(cfg.strategy)
+        def hook(model, evaluation):
+            if calls == ["adamw", "unconstrained"] and evaluation.step == 3:
+                signal.raise_signal(signal.SIGINT)
+            return {}
+        return real_train(cfg, data, extra_metrics=hook)
+
+    monkeypatch.setattr(compare_module, "train", train_interrupting_the_second_run)
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw,unconstrained", *SMALL, "--out-dir", str(out)]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(rf"interrupted at step 3 of {out / 'unconstrained-s0'}; resume with: geomuon compare ", line)
+    finished = (out / "adamw-s0" / "ckpt.pt").read_bytes()
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert cli(command[1:]) == 0
+    printed = capsys.readouterr().out
+    assert f"resumed from {out / 'adamw-s0' / 'ckpt.pt'} at step 6" in printed
+    assert f"resumed from {out / 'unconstrained-s0' / 'ckpt.pt'} at step 3" in printed
+    assert re.search(r"^unconstrained +0 +\d\.\d{4}", printed, re.MULTILINE)  # its row of the table
+    assert (out / "adamw-s0" / "ckpt.pt").read_bytes() == finished  # read back, not trained again
+    assert printed.strip().splitlines()[-1].startswith("compare: 2 runs, ")
+
+
+def test_compare_shows_progress_per_run_and_overall_and_ends_with_a_summary(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    args = [a for a in SMALL if a != "--no-progress"]
+    assert cli(["compare", "--strategies", "adamw,unconstrained", *args, "--out-dir", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "compare: 100%" in captured.err and "2/2" in captured.err  # the overall bar, in runs
+    assert "adamw s0" in captured.err and "unconstrained s0" in captured.err  # each run's bar
+    last = captured.out.strip().splitlines()[-1]
+    assert re.match(r"compare: 2 runs, 0 diverged, \d+s; best final val loss \d\.\d{4} \(\w+ s0, step 6\); "
+                    rf"runs and figures in {re.escape(str(out))}$", last)
+
+
+import re  # noqa: E402

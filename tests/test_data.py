@@ -104,3 +104,28 @@ def test_batches_depend_only_on_seed_and_step():
     assert not torch.equal(x1, data.batch("train", 4, 16, seed=0, step=6)[0])
     assert not torch.equal(x1, data.batch("train", 4, 16, seed=1, step=5)[0])
     assert x1.dtype == torch.int64 and x1.shape == (4, 16)
+
+
+@pytest.mark.parametrize("magic, version", [(1234, 1), (20240801, 7), (20240520 + 1, 1)])
+def test_an_llmc_header_with_another_magic_is_refused_not_read_as_tokens(tmp_path, magic, version):
+    """Before: a header starting with 1234 was taken for a headerless nanoGPT file and its
+    512 header "tokens" were trained on."""
+    path = tmp_path / "fineweb_train_000001.bin"
+    write_llmc_shard(path, np.arange(300, dtype=np.uint16), magic=magic, version=version)
+    with pytest.raises(ValueError, match=rf"fineweb_train_000001\.bin.*starts like an llm\.c header \(magic {magic}"
+                                         rf".*not 20240520"):
+        read_shard(str(path))
+    with open(path, "r+b") as f:  # truncated as well: the zero padding still gives the header away
+        f.truncate(1024 + 2 * 100)
+    with pytest.raises(ValueError, match="starts like an llm.c header"):
+        read_shard(str(path))
+
+
+def test_headerless_shards_whose_start_is_not_a_header_still_load(tmp_path):
+    """The control: nanoGPT files (random GPT-2 tokens, and a 1024-byte-long run of one token
+    that is not 0) are read as tokens, even when their size matches a "token count"."""
+    rng = np.random.default_rng(1)
+    for tokens in (rng.integers(0, 50257, size=2000).astype(np.uint16), np.full(1200, 11, dtype=np.uint16)):
+        path = tmp_path / "train.bin"
+        tokens.tofile(path)
+        assert np.array_equal(read_shard(str(path)), tokens)

@@ -1,6 +1,9 @@
 """Checkpoints: a killed run resumes to the uninterrupted losses; damage is reported."""
 
+import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -9,7 +12,8 @@ import time
 import pytest
 import torch
 
-from geomuon.pretrain.train import TrainConfig, load_checkpoint, previous_checkpoint, save_checkpoint, train
+from geomuon.cli import main as cli
+from geomuon.pretrain.train import TrainConfig, TrainingInterrupted, load_checkpoint, previous_checkpoint, save_checkpoint, train
 
 STEPS = 400  # the schedule; the runs below stop long before its end
 
@@ -69,3 +73,98 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
     train(config(tmp_path / "a", steps=8, stop_after=3))  # writes a checkpoint at step 3
     with pytest.raises(ValueError, match=r"--resume with a different run configuration \(strategy"):
         train(config(tmp_path / "a", steps=8, strategy="all_stiefel", resume=True))
+
+
+# ----------------------------------------------------------------------------- interrupts
+
+GEOMUON = [sys.executable, "-m", "geomuon.cli"]
+# AdamW state (moments, step counts) is resumed too; 20 steps of the tiny model take < 1 s
+SMALL = ["--config", "cpu-tiny", "--strategy", "adamw", "--steps", "20", "--batch-size", "4", "--block-size", "32",
+         "--eval-every", "8", "--eval-batches", "1", "--warmup-steps", "3", "--log-every", "1", "--adamw-lr", "3e-3",
+         "--no-progress", "--no-print-table"]
+# the subprocess uses this process's thread count: CPU reductions are bit-reproducible only then
+SAME_THREADS = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+
+
+def _start(args):
+    return subprocess.Popen([*GEOMUON, "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=SAME_THREADS)
+
+
+def _signal_after_step(proc, log_path, step, signum):
+    """Send ``signum`` once ``log.jsonl`` shows a train record at ``step`` or later."""
+    deadline = time.time() + 60
+    while proc.poll() is None and time.time() < deadline:
+        if os.path.exists(log_path):
+            with open(log_path) as f:
+                if any('"kind": "train"' in line and json.loads(line)["step"] >= step for line in f):
+                    break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signum)
+    return proc.communicate(timeout=60)
+
+
+def _records(path):
+    """The log's records with their wall-clock times blanked (the only values that differ)."""
+    records = [json.loads(line) for line in open(path)]
+    return [{k: (None if k == "time" else v) for k, v in r.items()} for r in records]
+
+
+def test_sigint_saves_and_the_printed_command_resumes_bit_identically(tmp_path, capsys):
+    """A real SIGINT to a running ``geomuon pretrain``: exit 130, a checkpoint at the
+    interrupted step (between evaluations and checkpoints: ``--ckpt-every 0`` would not
+    have written one), one line with the command; that command finishes the run, whose
+    weights and log equal an uninterrupted run's bit for bit (times aside)."""
+    out = tmp_path / "interrupted"
+    proc = _start([*SMALL, "--out-dir", str(out)])
+    _, err = _signal_after_step(proc, out / "log.jsonl", 3, signal.SIGINT)
+    assert proc.returncode == 130, err
+    line = err.strip().splitlines()[-1]
+    step = int(re.match(r"interrupted at step (\d+); resume with: (.*)$", line).group(1))
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[:2] == ["geomuon", "pretrain"] and "--resume" in command
+    saved = load_checkpoint(str(out / "ckpt.pt"))
+    assert saved["step"] == step and 3 < step < 20 and step % 8  # not a scheduled checkpoint
+    # the printed command, through the same command line, in this process
+    assert cli(command[1:]) == 0
+    assert f"resumed from {out / 'ckpt.pt'} at step {step}" in capsys.readouterr().out
+    whole = tmp_path / "whole"
+    assert cli(["pretrain", *SMALL, "--out-dir", str(whole)]) == 0
+    final, expected = (load_checkpoint(str(d / "ckpt.pt")) for d in (out, whole))
+    assert final["step"] == expected["step"] == 20
+    for name, value in expected["model"].items():
+        assert torch.equal(final["model"][name], value), name
+    assert _records(out / "log.jsonl") == _records(whole / "log.jsonl")
+
+
+def _signal_at_evaluation(step, signum):
+    """An ``extra_metrics`` hook that sends this process ``signum`` at the evaluation of
+    ``step`` — a real signal, delivered while :func:`train`'s handler is installed."""
+    def hook(model, evaluation):
+        if evaluation.step == step:
+            signal.raise_signal(signum)
+        return {}
+    return hook
+
+
+def test_sigterm_before_the_first_checkpoint_still_leaves_one(tmp_path):
+    cfg = config(tmp_path / "run", strategy="adamw", eval_every=3, ckpt_every=100)
+    with pytest.raises(TrainingInterrupted) as stop:
+        train(cfg, extra_metrics=_signal_at_evaluation(3, signal.SIGTERM))
+    assert (stop.value.step, stop.value.exit_code) == (3, 143)
+    assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["step"] == 3  # the scheduled one was at 100
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone with the run
+
+
+def test_resumed_log_has_the_fields_and_order_of_an_uninterrupted_one(tmp_path):
+    """Stopped between evaluations with the loss logged every 3 steps, then resumed: the
+    records, every field and their order, are those of one uninterrupted run (the old
+    rebuild dropped lr_factor/grad_norm and put each evaluation before its step's loss)."""
+    kw = dict(strategy="adamw", steps=20, eval_every=4, ckpt_every=0, log_every=3)
+    train(config(tmp_path / "split", **kw, stop_after=10))
+    train(config(tmp_path / "split", **kw, resume=True))
+    train(config(tmp_path / "whole", **kw))
+    split, whole = _records(tmp_path / "split" / "log.jsonl"), _records(tmp_path / "whole" / "log.jsonl")
+    assert [list(r) for r in split] == [list(r) for r in whole] and split == whole
+    assert [r["step"] for r in whole if r["kind"] == "train"] == [0, 3, 6, 9, 12, 15, 18]
