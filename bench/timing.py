@@ -19,14 +19,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from geomuon.pretrain.provenance import git_commit, machine, markdown_row, markdown_table
+
+__all__ = ["add_arguments", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
+           "git_commit", "machine", "markdown_row", "markdown_table"]
 
 REPO = Path(__file__).resolve().parents[1]
 #: Where the docs site looks for the benchmark tables (``docs/results/index.md``).
@@ -71,26 +74,6 @@ def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int, clo
             if round_ >= warmup:
                 times[name].append(elapsed)
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def git_commit(short: bool = True) -> str:
-    """``git rev-parse [--short] HEAD`` of the checkout, with ``-dirty`` when tracked files
-    outside ``docs/results/`` have uncommitted changes (the measured code is then not
-    exactly that commit)."""
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
-
-    try:
-        head = git("rev-parse", *(["--short"] if short else []), "HEAD")
-        if head.returncode != 0:
-            return "unknown (not a git checkout)"
-        # Results pages are what these runs write: a page written earlier in the same
-        # session does not make the measured code differ from the commit.
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results").stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (git not available)"
 
 
 class Provenance:
@@ -148,20 +131,6 @@ class Provenance:
 
 #: Environment variables that change how kernels use threads, recorded with every run.
 _ENVIRONMENT = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
-
-
-def machine() -> str:
-    """``"x86_64 Linux, 2 CPU(s)"``: what every table and study page says it ran on."""
-    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"
-
-
-def markdown_row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table (what the scripts print and the docs include)."""
-    return "\n".join([markdown_row(header), "|" + "---|" * len(header), *map(markdown_row, rows)])
 
 
 def _load(averages: tuple[float, float, float]) -> str:

@@ -19,15 +19,16 @@ import pytest
 import torch
 
 from geomuon import cli as geomuon_cli
-from bench.studies import common
-from bench.studies import lipschitz as lipschitz_study
-from bench.studies import manifolds as manifolds_study
-from bench.studies import symmetry as symmetry_study
 from geomuon.optimizers.assign import STRATEGIES, Hyper
 from geomuon.pretrain.model import GPT, get_config
+from geomuon.pretrain.studies import common
+from geomuon.pretrain.studies import lipschitz as lipschitz_study
+from geomuon.pretrain.studies import manifolds as manifolds_study
+from geomuon.pretrain.studies import symmetry as symmetry_study
 
 REGISTERED_STRATEGIES = frozenset(STRATEGIES)
-DATA = common.DEFAULT_DATA
+# CI copies the shared data beside the clone (../shared); the studies take it by --data.
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 needs_data = pytest.mark.skipif(not DATA.is_file(), reason=f"tiny Shakespeare not at {DATA}")
 
 # study → an observable its extra_metrics must add to every evaluation
@@ -151,7 +152,7 @@ def test_variant_hooks_build_what_the_variant_says():
                                                                                      Hyper())
     assert "manifold_muon_reference" not in plain.optimizers  # control: the customize made the difference
 
-    cfg = common.train_config(tiny, capped, seed=3)
+    cfg = common.train_config(tiny, capped, seed=3, data_path=str(DATA))
     assert (cfg.val_seed, cfg.seed, cfg.out_dir) == (common.VAL_SEED, 3, None)
     assert (cfg.eval_batches, cfg.final_eval_batches, cfg.eval_every) == (
         tiny.eval_batches, tiny.final_eval_batches, tiny.eval_every)
@@ -163,6 +164,42 @@ def test_bad_arguments_are_reported(tmp_path, capsys):
     assert not (tmp_path / "results").exists()
     with pytest.raises(SystemExit):
         common.main(lipschitz_study, ["--size", "huge"])
+
+
+def test_data_is_required_and_names_what_to_pass(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert common.main(lipschitz_study, ["--size", "tiny"]) == 2
+    assert "--data PATH is required" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # refused before any work
+
+
+@needs_data
+def test_results_never_overwrite_a_page(tmp_path, capsys, monkeypatch):
+    """Without --out a study writes a new run folder under the current directory; --out
+    refuses a directory that holds the study's page; --publish refuses a tiny run. All
+    three are decided before training (nothing is written)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--size", "tiny", "--data", str(DATA), "--jobs", "1", "--seeds", "0"]
+    first, second = (common.output_dir(lipschitz_study, common_args(argv)) for _ in range(2))
+    assert first.parent == Path("runs") / "studies" and first.name.startswith("lipschitz-")
+    first.mkdir(parents=True)
+    assert common.output_dir(lipschitz_study, common_args(argv)) != first  # taken: a fresh one
+
+    (tmp_path / "published").mkdir()
+    (tmp_path / "published" / "lipschitz.md").write_text("# committed page\n")
+    assert common.main(lipschitz_study, [*argv, "--out", str(tmp_path / "published")]) == 2
+    assert "already holds lipschitz.md" in capsys.readouterr().err
+    assert (tmp_path / "published" / "lipschitz.md").read_text() == "# committed page\n"
+
+    assert common.main(lipschitz_study, [*argv, "--publish"]) == 2
+    assert "only a --size full run may replace" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "studies" / "cache").exists()
+
+
+def common_args(argv):
+    parser = __import__("argparse").ArgumentParser()
+    common.add_arguments(parser, lipschitz_study)
+    return parser.parse_args(argv)
 
 
 def test_claims_need_separated_bands():

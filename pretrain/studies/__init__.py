@@ -1,48 +1,33 @@
-r"""``geomuon study NAME``: run one of the seed studies of ``bench/studies/`` and write its
-results page under ``docs/results/``.
+r"""The seed studies, and the ``geomuon study NAME`` verb that runs them.
 
-The studies are not library code: they live with the other benchmark scripts in
-``bench/`` and write into the documentation of a source checkout, so this verb is a thin
-dispatcher. It locates the checkout as the directory holding ``geomuon/cli.py`` (an
-editable install, ``make setup``, keeps it there), puts that directory on ``sys.path``
-and imports ``bench.studies.<NAME>``; from a plain wheel install, which has neither
-``bench/`` nor ``docs/``, it says so instead of failing on an import.
+Each study reruns one published experiment at CPU scale, with several seeds, and writes
+a results page (Markdown, figures, a JSON record of every run):
 
-Equivalent without the console script, from the repository root:
-``python -m bench.studies.NAME [options]``.
+| study | question | module |
+|---|---|---|
+| ``manifolds`` | different layers, different manifolds (Stiefel vs DGram attention and MLP) | :mod:`geomuon.pretrain.studies.manifolds` |
+| ``lipschitz`` | enforced Lipschitz bounds: the spectral soft cap with Muon | :mod:`geomuon.pretrain.studies.lipschitz` |
+| ``symmetry`` | symmetry-compatible updates per module | :mod:`geomuon.pretrain.studies.symmetry` |
+
+``geomuon study NAME --data PATH`` works from an installed wheel: ``--data`` is the tiny
+Shakespeare text (required), the page goes to a new run folder
+``runs/studies/NAME-<UTC time>/`` under the current directory (or ``--out DIR``), and
+only ``--publish`` writes ``docs/results/`` of a source checkout, for a ``--size full``
+run. ``--size tiny`` is the seconds-long smoke size the tests use. The shared machinery
+(variants, runner, cache, statistics, page) is :mod:`geomuon.pretrain.studies.common`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
-from pathlib import Path
 
-STUDY_NAMES = ("manifolds", "lipschitz", "symmetry")
+from . import common, lipschitz, manifolds, symmetry
 
+#: study name → module.
+STUDIES = {study.NAME: study for study in (manifolds, lipschitz, symmetry)}
+STUDY_NAMES = tuple(STUDIES)
 
-def checkout_root() -> Path:
-    """The source checkout this package runs from (``ValueError`` if there is none)."""
-    from geomuon import cli as geomuon_cli
-
-    root = Path(geomuon_cli.__file__).resolve().parents[1]
-    if not (root / "bench" / "studies" / "common.py").is_file():
-        raise ValueError(
-            f"geomuon study needs a source checkout (bench/studies/ under {root} "
-            "is missing): clone the repository and run `make setup` there"
-        )
-    return root
-
-
-def load_study(name: str):
-    """The study module ``bench.studies.<name>`` of the checkout."""
-    if name not in STUDY_NAMES:
-        raise ValueError(f"unknown study {name!r}; choose one of {', '.join(STUDY_NAMES)}")
-    root = str(checkout_root())
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module(f"bench.studies.{name}")
+__all__ = ["STUDIES", "STUDY_NAMES", "add_parser", "run"]
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -51,18 +36,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                           + ", ".join(STUDY_NAMES))
     parser.add_argument("name", choices=STUDY_NAMES, help="which study")
     parser.add_argument("options", nargs=argparse.REMAINDER,
-                        help="the study's own options (--size, --data, --out, --jobs, ...; see "
+                        help="the study's own options (--data, --size, --out, --publish, --jobs, ...; see "
                              "`geomuon study NAME --help`)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the named study; returns its exit code (2 when there is no source checkout)."""
-    try:
-        study = load_study(args.name)
-    except ValueError as err:
-        print(f"geomuon study: {err}", file=sys.stderr)
-        return 2
-    from bench.studies import common
-
-    return common.main(study, list(args.options))
+    """Run the named study; returns its exit code (2 for bad options)."""
+    return common.main(STUDIES[args.name], list(args.options))

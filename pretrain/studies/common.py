@@ -1,7 +1,8 @@
 r"""What every seed study shares: variants, the training run, the parallel runner with
 its cache, mean ± std aggregation, figures and the results page.
 
-A study module (``bench/studies/<name>.py``) defines
+A study module (``geomuon.pretrain.studies.<name>``, listed in
+:data:`geomuon.pretrain.studies.STUDIES`) defines
 
 * ``NAME``, ``TITLE`` and ``SIZES = {"full": {...}, "tiny": {...}}`` (see :class:`Size`);
 * ``variants(size) -> list[Variant]`` — what is compared, each trained for every seed;
@@ -28,7 +29,6 @@ import dataclasses
 import datetime
 import functools
 import hashlib
-import importlib
 import json
 import math
 import multiprocessing
@@ -43,10 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.timing import git_commit, machine, markdown_table
+from geomuon.pretrain.provenance import CHECKOUT, git_commit, machine, markdown_table
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 #: Seed of the validation windows: every run of a study is scored on the same text.
 VAL_SEED = 1234
 #: Bump when the loop or a metric changes meaning, so cached runs are not reused.
@@ -56,19 +54,19 @@ RECORD_VERSION = 2
 # ----------------------------------------------------------------------------- data
 
 
+_GET_DATA = ("tinyshakespeare.txt (1,115,394 bytes, sha256 86c4e6aa…565ed, e.g. karpathy/char-rnn's "
+             "data/tinyshakespeare/input.txt)")
+
+
 def resolve_data(path: str | None) -> str:
-    """The tiny-Shakespeare file to use: ``path``, else the test machines' copy at
-    ``../shared/data/tinyshakespeare.txt`` next to the repository; ``ValueError`` saying
-    what to pass when neither exists."""
-    candidate = Path(path) if path else DEFAULT_DATA
-    if not candidate.is_file():
-        where = f"--data {path}" if path else f"the default {DEFAULT_DATA}"
-        raise ValueError(
-            f"tiny Shakespeare not found at {where}; pass --data PATH to a copy of "
-            "tinyshakespeare.txt (1,115,394 bytes, sha256 86c4e6aa…565ed, e.g. from "
-            "karpathy/char-rnn's data/tinyshakespeare/input.txt)"
-        )
-    return str(candidate)
+    """The tiny-Shakespeare file given by ``--data`` (required: the studies' numbers are
+    on that text, and nothing outside the package is assumed); ``ValueError`` saying what
+    to pass otherwise."""
+    if not path:
+        raise ValueError(f"--data PATH is required: the path of a copy of {_GET_DATA}")
+    if not Path(path).is_file():
+        raise ValueError(f"--data {path}: no such file; pass the path of a copy of {_GET_DATA}")
+    return str(path)
 
 
 @functools.lru_cache(maxsize=2)
@@ -147,14 +145,14 @@ def size_from(study, name: str, seeds: list[int] | None = None) -> Size:
 # ----------------------------------------------------------------------------- one run
 
 
-def train_config(size: Size, variant: Variant, seed: int):
-    """The :class:`geomuon.pretrain.train.TrainConfig` of one (variant, seed): in memory, quiet,
-    validation windows drawn with :data:`VAL_SEED`."""
+def train_config(size: Size, variant: Variant, seed: int, data_path: str):
+    """The :class:`geomuon.pretrain.train.TrainConfig` of one (variant, seed) on the text at
+    ``data_path``: in memory, quiet, validation windows drawn with :data:`VAL_SEED`."""
     from geomuon.pretrain.train import TrainConfig
 
     return TrainConfig(
         model=size.model, model_overrides={**size.model_overrides, **variant.model}, strategy=variant.name,
-        data="study", out_dir=None, steps=size.steps, batch_size=size.batch_size, lr=size.lr,
+        data=f"shakespeare:{data_path}", out_dir=None, steps=size.steps, batch_size=size.batch_size, lr=size.lr,
         adamw_lr=size.adamw_lr, weight_decay=size.weight_decay, warmup_steps=size.warmup_steps,
         min_lr_ratio=size.min_lr_ratio, grad_clip=size.grad_clip, w_max=size.w_max,
         eval_every=size.eval_every, eval_batches=size.eval_batches, final_eval_batches=size.final_eval_batches,
@@ -176,7 +174,7 @@ def assignment_factory(variant: Variant):
     return build_assignment
 
 
-def train_run(study, variant: Variant, size: Size, seed: int, data) -> dict:
+def train_run(study, variant: Variant, size: Size, seed: int, data_path: str) -> dict:
     """Train one (variant, seed) with :func:`geomuon.pretrain.train.train` and return its
     JSON-able record: ``train_loss`` of the steps taken (a step whose loss or gradient
     norm is not finite stops the run untaken and unrecorded), ``steps_done`` their count,
@@ -186,7 +184,8 @@ def train_run(study, variant: Variant, size: Size, seed: int, data) -> dict:
     from geomuon.pretrain.train import train
 
     memory: dict = {}
-    result = train(train_config(size, variant, seed), data, build_assignment=assignment_factory(variant),
+    data = load_text(data_path)
+    result = train(train_config(size, variant, seed, data_path), data, build_assignment=assignment_factory(variant),
                    extra_metrics=lambda model, evaluation: study.extra_metrics(model, evaluation, memory))
     final, best, diverged = verdict(result, divergence_margin=0.5)
     return {
@@ -203,7 +202,7 @@ def train_run(study, variant: Variant, size: Size, seed: int, data) -> dict:
 
 @dataclass(frozen=True)
 class Job:
-    study: str  # module name
+    study: str  # name in geomuon.pretrain.studies.STUDIES
     variant: str
     seed: int
     size: Size
@@ -221,11 +220,12 @@ def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) ->
 def _run_job(job: Job) -> dict:
     import torch
 
+    from geomuon.pretrain.studies import STUDIES
+
     torch.set_num_threads(job.threads)
-    study = importlib.import_module(job.study)
+    study = STUDIES[job.study]
     variant = {v.name: v for v in study.variants(job.size)}[job.variant]
-    data = load_text(job.data)
-    record = train_run(study, variant, job.size, job.seed, data)
+    record = train_run(study, variant, job.size, job.seed, job.data)
     tmp = job.path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)
@@ -247,7 +247,7 @@ def run_all(study, size: Size, data_path: str, work_dir: Path, jobs: int, thread
             if path.is_file() and not fresh:
                 records[(variant.name, seed)] = json.loads(path.read_text())
             else:
-                todo.append(Job(f"bench.studies.{study.NAME}", variant.name, seed, size, data_path, str(path), threads))
+                todo.append(Job(study.NAME, variant.name, seed, size, data_path, str(path), threads))
     say(f"study {study.NAME}: {len(variants)} variants × {len(size.seeds)} seeds; "
         f"{len(records)} cached, {len(todo)} to train with {jobs} process(es) × {threads} thread(s)")
     if todo:
@@ -372,6 +372,17 @@ def plot_curves(results: dict[str, list[dict]], series: Callable[[dict], tuple[l
     return save(fig, figure_dir, name)
 
 
+def loss_figures(results: dict[str, list[dict]], figure_dir: Path,
+                 train_ylabel: str = "cross-entropy (nats)") -> list[str]:
+    """The train-loss (per step) and validation-loss (per evaluation) figures of a page."""
+    return [
+        plot_curves(results, lambda r: (list(range(len(r["train_loss"]))), r["train_loss"]),
+                    "train loss", train_ylabel, figure_dir, "train_loss.png"),
+        plot_curves(results, lambda r: ([e["step"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]]),
+                    "validation loss", "cross-entropy (nats)", figure_dir, "val_loss.png"),
+    ]
+
+
 def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict[str, float]], title: str,
                 ylabel: str, figure_dir: Path, name: str, logy: bool = False) -> str:
     """One panel per variant, one colour per layer, every seed drawn."""
@@ -453,12 +464,18 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser, study) -> None:
+    """The options every study takes."""
     parser.add_argument("--size", default="full", choices=list(study.SIZES),
                         help="full (default: the published size) or tiny (seconds: a smoke test, not a result)")
-    parser.add_argument("--data", default=None, help=f"tiny Shakespeare text file (default {DEFAULT_DATA})")
-    parser.add_argument("--out", default=str(REPO / "docs" / "results"),
-                        help="directory of the results page (default: docs/results of the checkout)")
-    parser.add_argument("--work-dir", default=None, help="run cache (default: runs/studies/<study>)")
+    parser.add_argument("--data", default=None, metavar="PATH", help=f"required: {_GET_DATA}")
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--out", default=None, metavar="DIR",
+                     help="directory of the results page, which must not hold one yet (default: a new "
+                          "run folder runs/studies/<study>-<UTC time>/ under the current directory)")
+    out.add_argument("--publish", action="store_true",
+                     help="write the page into docs/results/ of the source checkout (a --size full run only)")
+    parser.add_argument("--work-dir", default=None,
+                        help="run cache, reused by later runs (default: runs/studies/cache/<study>/)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel runs (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the size's, 3 seeds)")
@@ -471,7 +488,8 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     if len(size.seeds) < 1 or args.jobs < 1 or args.threads < 1:
         raise ValueError("--seeds must name at least one seed; --jobs and --threads must be >= 1")
     data_path = resolve_data(args.data)
-    work_dir = Path(args.work_dir) if args.work_dir else REPO / "runs" / "studies" / study.NAME
+    out_dir = output_dir(study, args)
+    work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
     commit = git_commit(short=False)  # the code the runs are about to use
     start = time.perf_counter()
     results, cached = run_all(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
@@ -485,9 +503,37 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         "cached": cached, "jobs": args.jobs, "threads": args.threads,
         "machine": f"{machine()}, torch {_torch_version()}, Python {platform.python_version()}",
     }
-    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     body = study.report(results, size, meta, out_dir / study.NAME)
     return write_page(study, args.size, size, body, meta, out_dir, results)
+
+
+def output_dir(study, args: argparse.Namespace) -> Path:
+    """Where the page goes, decided (and refused) before any training: ``--publish`` →
+    ``docs/results/`` of the checkout, for a ``--size full`` run only; ``--out DIR`` → DIR,
+    unless it already holds this study's page; else a new run folder
+    ``runs/studies/<study>-<UTC time>/`` under the current directory."""
+    if args.publish:
+        if CHECKOUT is None:
+            raise ValueError("--publish writes docs/results/ of a source checkout, and this geomuon is an "
+                             "installed package; use --out DIR, or run from a clone (`make setup`)")
+        if args.size != "full":
+            raise ValueError(f"--publish with --size {args.size}: only a --size full run may replace the "
+                             "committed results page; drop --publish (the page then goes to a new run folder)")
+        return CHECKOUT / "docs" / "results"
+    if args.out is not None:
+        out = Path(args.out)
+        if (out / f"{study.NAME}.md").exists():
+            raise ValueError(f"--out {out}: it already holds {study.NAME}.md; choose a new directory "
+                             "(results are never overwritten; --publish replaces the committed page)")
+        return out
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / "studies" / f"{study.NAME}-{stamp}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def _torch_version() -> str:

@@ -20,13 +20,14 @@ outputs on the validation windows.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
-from bench.studies import common
-from bench.studies.common import Size, Variant
-from bench.timing import markdown_table
+from geomuon.pretrain.provenance import markdown_table
+
+from . import common
+from .common import Size, Variant
+
 
 NAME = "lipschitz"
 TITLE = "Enforced Lipschitz bounds (seed 003) at CPU scale"
@@ -158,7 +159,3 @@ def report(results, size, meta, figure_dir) -> str:
         "## How tight the certified bound is\n\n<!-- geomuon:benchmark lipschitz_tightness -->",
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
-
-
-if __name__ == "__main__":
-    sys.exit(common.main(sys.modules[__name__]))

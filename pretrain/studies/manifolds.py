@@ -23,17 +23,16 @@ Frobenius norm on the fixed validation windows.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from bench.studies import common
-from bench.studies.common import Size, Variant
-from bench.timing import markdown_table
 from geomuon.manifolds import DGram, MatrixManifold
 from geomuon.manifolds.base import matrix_method
 from geomuon.manifolds.linalg import msign
 from geomuon.optimizers import ManifoldMuon
+from geomuon.pretrain.provenance import markdown_table
+
+from . import common
+from .common import Size, Variant
 
 NAME = "manifolds"
 TITLE = "Different layers, different manifolds (seed 000) at CPU scale"
@@ -248,10 +247,7 @@ def report(results, size, meta, figure_dir) -> str:
               "max attention column norm"]
     labels = "\n".join(f"* `{v.name}`: {v.label}." for v in variants(SIZES["tiny"]))
     figures = [
-        common.plot_curves(results, lambda r: (list(range(len(r["train_loss"]))), r["train_loss"]),
-                           "train loss", "cross-entropy (nats)", figure_dir, "train_loss.png"),
-        common.plot_curves(results, lambda r: ([e["step"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]]),
-                           "validation loss", "cross-entropy (nats)", figure_dir, "val_loss.png"),
+        *common.loss_figures(results, figure_dir),
         common.plot_panels(results, lambda e: e["qk_sigma_product"], "σ_max(W_Q)·σ_max(W_K) per layer",
                            "σ(W_Q)σ(W_K)", figure_dir, "qk_sigma_product.png", logy=True),
         common.plot_panels(results, lambda e: e["attn_logit"], "max attention logit per layer", "max logit",
@@ -317,7 +313,3 @@ def report(results, size, meta, figure_dir) -> str:
         "DGram attention, and whether the softmax Jacobian shrinks), which the figures below track.",
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
-
-
-if __name__ == "__main__":
-    sys.exit(common.main(sys.modules[__name__]))

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 
 import torch
 
-from bench.studies import common
-from bench.studies.common import Size, Variant
-from bench.timing import markdown_table
 from geomuon.optimizers.assign import STRATEGIES, Rule
+from geomuon.pretrain.provenance import markdown_table
+
+from . import common
+from .common import Size, Variant
 
 NAME = "symmetry"
 TITLE = "Symmetry-compatible updates (seed 004) at CPU scale"
@@ -163,10 +163,7 @@ def report(results, size, meta, figure_dir) -> str:
     header = ["variant", "final val loss", "expert imbalance (E·max share)", "routing churn (late)",
               "largest train-loss spike (nats)", "router shift ‖mean row‖", "diverged"]
     figures = [
-        common.plot_curves(results, lambda r: (list(range(len(r["train_loss"]))), r["train_loss"]),
-                           "train loss", "cross-entropy + aux (nats)", figure_dir, "train_loss.png"),
-        common.plot_curves(results, lambda r: ([e["step"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]]),
-                           "validation loss", "cross-entropy (nats)", figure_dir, "val_loss.png"),
+        *common.loss_figures(results, figure_dir, "cross-entropy + aux (nats)"),
         common.plot_panels(results, lambda e: e["expert_imbalance"], "expert imbalance per layer (1 = balanced)",
                            "E·max share", figure_dir, "expert_imbalance.png"),
         common.plot_panels(results, lambda e: e["routing_churn"], "routing churn per layer between evaluations",
@@ -218,7 +215,3 @@ def report(results, size, meta, figure_dir) -> str:
         + "\n".join(f"* {f}" for f in findings),
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
-
-
-if __name__ == "__main__":
-    sys.exit(common.main(sys.modules[__name__]))

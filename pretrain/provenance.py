@@ -1,0 +1,68 @@
+r"""How a measurement was produced: the commit of the code, the machine, Markdown tables.
+
+Shared by the studies (:mod:`geomuon.pretrain.studies`) and the benchmark scripts of a
+source checkout (``bench/``), so a results page and a benchmark table state their
+provenance the same way. Nothing here needs a checkout: installed from a wheel,
+:func:`git_commit` says the code is not a git checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+__all__ = ["CHECKOUT", "git_commit", "machine", "markdown_row", "markdown_table"]
+
+
+def _checkout() -> Path | None:
+    # pretrain/ sits at the top of the repository (pyproject's package-dir); an installed
+    # copy lives in site-packages/geomuon/pretrain/, whose parent is no checkout of ours
+    # even when the virtual environment happens to sit inside one.
+    root = Path(__file__).resolve().parents[1]
+    if (root / ".git").exists() and (root / "pyproject.toml").is_file() and (root / "pretrain").is_dir():
+        return root
+    return None
+
+
+#: The source checkout this code runs from (``None`` when installed from a wheel).
+CHECKOUT: Path | None = _checkout()
+
+
+def git_commit(short: bool = True, repo: Path | None = None) -> str:
+    """``git rev-parse [--short] HEAD`` of the checkout (default :data:`CHECKOUT`), with
+    ``-dirty`` when tracked files outside ``docs/results/`` have uncommitted changes (the
+    measured code is then not exactly that commit)."""
+    repo = CHECKOUT if repo is None else repo
+    if repo is None:
+        return "unknown (installed package, not a git checkout)"
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", *(["--short"] if short else []), "HEAD")
+        if head.returncode != 0:
+            return "unknown (not a git checkout)"
+        # Results pages are what these runs write: a page written earlier in the same
+        # session does not make the measured code differ from the commit.
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results").stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+
+
+def machine() -> str:
+    """``"x86_64 Linux, 2 CPU(s)"``: what every table and study page says it ran on."""
+    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"
+
+
+def markdown_row(cells: list[str]) -> str:
+    """One ``| a | b |`` row."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (what the scripts print and the docs include)."""
+    return "\n".join([markdown_row(header), "|" + "---|" * len(header), *map(markdown_row, rows)])
