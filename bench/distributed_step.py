@@ -1,0 +1,259 @@
+r"""The optimizer step on 1, 2 and 4 gloo processes (CPU): per-rank time, work, bytes, and the difference.
+
+A GPT-shaped set of matrices (per layer: attention ``[3C, C]`` and ``[C, C]``, MLP
+``[4C, C]`` and ``[C, 4C]``; $L$ layers, so same-shape batches of $L$ matrices) is
+stepped by each optimizer with the same seeded gradients on every world size:
+
+* ``fsdp``: the parameters are ``Shard(0)`` ``DTensor``\ s (FSDP2's layout) and the step is
+  :mod:`geomuon.optimizers.distributed`'s (whole matrices mapped on owner ranks, two
+  all-to-alls per same-shape batch; row-wise maps on their shards);
+* ``ddp``: replicated parameters, each stepped by its owner rank
+  (:func:`geomuon.pretrain.train.owners`), handed out by
+  :class:`geomuon.pretrain.parallel.OwnerGather` (one all-gather per dtype);
+* world 1: the plain single-process step, the reference.
+
+Per world size and mode, the table reports the median step time of the slowest rank,
+the ``_direction`` time (the orthogonalisations / dual solves, timed inside the step) of
+the busiest rank as a fraction of the single-process one (target: $\le 1/w + 10\%$),
+the whole matrices that rank mapped per step out of all, the bytes a rank receives per
+step relative to the parameter bytes it holds (FSDP: its shards, target $\le 2$; DDP:
+the whole model, target $\le 1$), the bytes all ranks send per step relative to the
+parameters updated, and the largest difference of the final weights from the
+single-process ones (relative to each matrix's largest entry).
+
+Usage::
+
+    python bench/distributed_step.py --threads 1 --clock process
+    python bench/distributed_step.py --quick              # seconds: a smoke test
+    python bench/distributed_step.py --threads 1 --clock process --markdown docs/results/benchmarks/distributed_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as `python bench/distributed_step.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import CLOCKS, Provenance, add_arguments, markdown_table  # noqa: E402
+
+SIZES = {"full": (256, 4), "quick": (32, 2)}  # (C, layers)
+OPTIMIZERS = ("muon", "manifold_muon[stiefel]", "row_norm")
+
+
+def shapes(width: int, layers: int) -> list[tuple[int, int]]:
+    return [s for _ in range(layers) for s in ((3 * width, width), (width, width), (4 * width, width),
+                                                (width, 4 * width))]
+
+
+def make_optimizer(name: str, params):
+    from geomuon.optimizers import ManifoldMuon, Muon, RowNormM
+
+    if name == "muon":
+        return Muon(params, lr=0.02)  # bf16 Newton–Schulz, torch.optim.Muon's default
+    if name == "row_norm":
+        return RowNormM(params, lr=0.02)
+    return ManifoldMuon(params, lr=0.02, manifold="stiefel")
+
+
+def initial(shape_list) -> list[torch.Tensor]:
+    """Seeded Stiefel points (every optimizer starts on the manifold Manifold Muon needs)."""
+    from geomuon.manifolds import Stiefel
+
+    generator = torch.Generator().manual_seed(0)
+    return [Stiefel().random(*s, generator=generator) for s in shape_list]
+
+
+def gradient(step: int, shape_list) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(*s, generator=generator) for s in shape_list]
+
+
+def _timed_direction(optimizer, clock, spent: list[float]) -> None:
+    inner = optimizer._direction
+
+    def direction(group, M, params):
+        start = clock()
+        out = inner(group, M, params)
+        spent[-1] += clock() - start
+        return out
+
+    optimizer._direction = direction
+
+
+def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_name: str) -> dict:
+    """One optimizer and mode on this process (its rank of the world, or alone)."""
+    import torch.distributed as dist
+
+    from geomuon.optimizers.distributed import shard_rows, sharding_stats, whole
+
+    clock = CLOCKS[clock_name]
+    shape_list = shapes(width, layers)
+    start_points = initial(shape_list)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    handout = None
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in start_points]
+    else:
+        params = [torch.nn.Parameter(w.clone()) for w in start_points]
+    optimizer = make_optimizer(name, params)
+    if mode == "ddp":
+        from geomuon.pretrain.parallel import OwnerGather
+        from geomuon.pretrain.train import owners
+
+        handout = OwnerGather(params, owners(params, world), rank, world)
+    owned = [r == rank for r in handout.owner] if handout else [True] * len(params)
+    spent: list[float] = []
+    _timed_direction(optimizer, clock, spent)
+    step_times = []
+    for step in range(steps):
+        for p, g, mine in zip(params, gradient(step, shape_list), owned):
+            if mode == "fsdp":  # this rank's rows of the gradient, as FSDP2's reduce-scatter leaves them
+                first = sum(shard_rows(p.shape[0], world)[:rank])
+                rows = p.to_local().shape[0]
+                p.grad = DTensor.from_local(g[first:first + rows], p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+            else:
+                p.grad = g if mine else None
+        spent.append(0.0)
+        if world > 1:
+            dist.barrier()
+        begin = clock()
+        optimizer.step()
+        if handout is not None:
+            handout.gather()
+        step_times.append(clock() - begin)
+    stats = sharding_stats(optimizer)
+    final = [whole(p.detach()) for p in params]
+    held = sum(p.to_local().numel() * p.element_size() if mode == "fsdp" else p.numel() * p.element_size()
+               for p in params)
+    matrices = stats.matrices_mapped if mode == "fsdp" else (
+        steps * sum(owned) if mode == "ddp" else steps * len(params))
+    if mode == "fsdp":
+        sent, received = stats.bytes_sent, stats.bytes_received
+    elif mode == "ddp":  # a rank's (padded) block of each gather reaches the w - 1 others
+        received = handout.bytes_received
+        sent = received  # every block has the bucket's padded length: sent = received per rank
+    else:
+        sent = received = 0
+    return {
+        "step": statistics.median(step_times[1:] or step_times),
+        "direction": statistics.median(spent[1:] or spent),
+        "matrices_per_step": matrices / steps,
+        "received_per_step": received / steps,
+        "sent_per_step": sent / steps,
+        "held_bytes": held,
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "matrices": len(params),
+        "final": final if rank == 0 else None,
+    }
+
+
+def worker(out: str, args_json: str) -> None:
+    import torch.distributed as dist
+
+    args = json.loads(args_json)
+    torch.set_num_threads(args["threads"])
+    dist.init_process_group("gloo")
+    results = {}
+    for name in OPTIMIZERS:
+        for mode in ("fsdp", "ddp"):
+            results[f"{name}|{mode}"] = measure(name, mode, args["steps"], args["width"], args["layers"],
+                                                args["clock"])
+    torch.save(results, os.path.join(out, f"rank{dist.get_rank()}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, out: Path, worker_args: dict) -> list[dict]:
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS=str(worker_args["threads"]))
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(out), json.dumps(worker_args)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"world {world}: a rank failed:\n" + "\n".join(outputs))
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser, repeats=5, threads=1, repeats_help="timed steps after one warm-up step")
+    parser.add_argument("--worlds", default="1,2,4", help="process counts (default 1,2,4; 1 is the reference)")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if worlds[0] != 1:
+        raise SystemExit("--worlds must start with 1 (the single-process reference)")
+    provenance = Provenance(__file__, args, argv)
+    torch.set_num_threads(args.threads)
+    width, layers = SIZES["quick" if args.quick else "full"]
+    steps = 1 + (2 if args.quick else args.repeats)
+    reference = {}
+    for name in OPTIMIZERS:
+        reference[name] = measure(name, "single", steps, width, layers, args.clock)
+    import tempfile
+
+    rows = []
+    for name in OPTIMIZERS:
+        ref = reference[name]
+        rows.append([name, "1", "single", f"{ref['step'] * 1e3:.1f}", "1.00", f"{ref['matrices']}/{ref['matrices']}",
+                     "0", "0", "0"])
+    for world in worlds[1:]:
+        with tempfile.TemporaryDirectory() as out:
+            ranks = launch(world, Path(out), {"threads": args.threads, "steps": steps, "width": width,
+                                              "layers": layers, "clock": args.clock})
+        for name in OPTIMIZERS:
+            ref = reference[name]
+            for mode in ("fsdp", "ddp"):
+                per = [r[f"{name}|{mode}"] for r in ranks]
+                received = max(p["received_per_step"] / p["held_bytes"] for p in per)
+                total_sent = sum(p["sent_per_step"] for p in per) / ref["parameter_bytes"]
+                rows.append([
+                    name, str(world), mode,
+                    f"{max(p['step'] for p in per) * 1e3:.1f}",
+                    f"{max(p['direction'] for p in per) / ref['direction']:.2f} (≤ {1 / world + 0.1:.2f})",
+                    f"{max(p['matrices_per_step'] for p in per):g}/{ref['matrices']}",
+                    f"{received:.2f}",
+                    f"{total_sent:.2f}",
+                    f"{difference(per[0]['final'], ref['final']):.1e}",
+                ])
+    header = ["optimizer", "processes", "mode", "step ms (slowest rank)", "direction time, busiest rank / 1 process",
+              "matrices mapped per step by busiest rank (row-wise: its rows' share)", "bytes received per rank / bytes it holds",
+              "bytes sent, all ranks / parameter bytes", "max rel. difference from 1 process"]
+    text = (f"GPT-shaped set: C = {width}, {layers} layers, {4 * layers} fp32 matrices "
+            f"({sum(a * b for a, b in shapes(width, layers)) * 4 / 2**20:.1f} MiB); {steps} steps "
+            f"(the first untimed), the same gradients on every world size.\n\n"
+            + markdown_table(header, rows))
+    return provenance.finish(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
