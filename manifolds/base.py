@@ -310,7 +310,9 @@ class MatrixManifold(geoopt.Manifold):
 
     def validate_point(self, x: torch.Tensor, name: str = "x") -> None:
         """Raise ``TypeError``/``ValueError`` naming what is wrong with a point ``x``."""
-        if not isinstance(x, torch.Tensor):
+        # Tensor-like objects (``__torch_function__``) pass: the exact certificates of
+        # geomuon.theory.symbolic run these very methods on sympy-valued tensors.
+        if not torch.overrides.is_tensor_like(x):
             raise TypeError(f"{self.name}: {name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
             raise ValueError(
@@ -326,7 +328,7 @@ class MatrixManifold(geoopt.Manifold):
 
     def validate_vector(self, x: torch.Tensor, u: torch.Tensor, name: str = "u") -> None:
         """Raise if ``u`` is not a matrix of ``x``'s shape ``[..., m, n]`` (batches broadcast)."""
-        if not isinstance(u, torch.Tensor):
+        if not torch.overrides.is_tensor_like(u):
             raise TypeError(f"{self.name}: {name} must be a torch.Tensor, got {type(u).__name__}")
         if u.dim() < 2 or u.shape[-2:] != x.shape[-2:]:
             raise ValueError(

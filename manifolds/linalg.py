@@ -25,7 +25,9 @@ __all__ = [
     "POLAR_EXPRESS",
     "POLAR_EXPRESS_5",
     "msign",
+    "newton_schulz_step",
     "inv_sqrt_psd",
+    "coupled_newton_schulz_step",
     "power_iteration",
     "nuclear_norm",
     "spectral_norm",
@@ -113,7 +115,9 @@ MSIGN_METHODS = tuple(_SCHEDULES) + ("svd",)
 def check_matrix(X, what: str, vector_hint: str = "1-D tensors (biases, gains) have no polar factor") -> None:
     """Raise ``TypeError``/``ValueError`` naming ``what`` unless ``X`` is a floating
     ``[..., m, n]`` tensor; ``vector_hint`` tells the caller what to do with a 1-D one."""
-    if not isinstance(X, torch.Tensor):
+    # Tensor-like objects (``__torch_function__``) pass: geomuon.theory.symbolic runs the
+    # library's maps on sympy-valued tensors to certify them exactly.
+    if not torch.overrides.is_tensor_like(X):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(X).__name__}")
     if X.dim() < 2:
         raise ValueError(
@@ -127,6 +131,20 @@ def check_matrix(X, what: str, vector_hint: str = "1-D tensors (biases, gains) h
 def sym(X: torch.Tensor) -> torch.Tensor:
     r"""Symmetric part $\operatorname{sym}(X) = \tfrac12(X + X^\top)$ of square matrices."""
     return 0.5 * (X + X.mT)
+
+
+def newton_schulz_step(Y: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+    r"""One quintic Newton–Schulz step on wide ``[B, m, n]`` matrices ($m \le n$):
+    $S = YY^\top$, $Y \leftarrow aY + (bS + cS^2)Y$.
+
+    Fused products, one kernel each for the whole stack ($bS + cS^2$, then
+    $aY + (\cdot)Y$): torch.optim.Muon's form, so a bf16 Muon step rounds exactly as
+    torch's. Computed in ``Y.dtype``. The symbolic certificates
+    (:mod:`geomuon.theory.symbolic`) evaluate this very function on non-commuting
+    matrix symbols.
+    """
+    S = Y @ Y.mT
+    return torch.baddbmm(Y, torch.baddbmm(S, S, S, beta=b, alpha=c), Y, beta=a)
 
 
 def msign(
@@ -191,10 +209,7 @@ def msign(
     Y = Y / (Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor) * schedule.input_scale)
     Y = Y if wide else Y.mT
     for a, b, c in schedule.step_coefficients(n_steps):
-        # Fused products, one kernel each for the whole stack: bS + cS^2, then aY + (.)Y.
-        # This is torch.optim.Muon's form, so a bf16 Muon step rounds exactly as torch's.
-        S = Y @ Y.mT
-        Y = torch.baddbmm(Y, torch.baddbmm(S, S, S, beta=b, alpha=c), Y, beta=a)
+        Y = newton_schulz_step(Y, a, b, c)
     Y = Y if wide else Y.mT
     return Y.reshape(shape).to(out_dtype)
 
@@ -246,9 +261,16 @@ def inv_sqrt_psd(
     Y = A / scale
     Z = eye.expand_as(A).clone()
     for _ in range(steps):
-        T = 0.5 * (3.0 * eye - Z @ Y)
-        Y, Z = Y @ T, T @ Z
+        Y, Z = coupled_newton_schulz_step(Y, Z, eye)
     return (Z / scale.sqrt()).to(out_dtype)
+
+
+def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tensor):
+    r"""One coupled Newton–Schulz step of :func:`inv_sqrt_psd`:
+    $T = \tfrac12(3I - ZY)$, $(Y, Z) \leftarrow (YT, TZ)$, in the inputs' dtype (the
+    symbolic certificates run this very function on non-commuting matrix symbols)."""
+    T = 0.5 * (3.0 * eye - Z @ Y)
+    return Y @ T, T @ Z
 
 
 def _default_start(X: torch.Tensor) -> torch.Tensor:

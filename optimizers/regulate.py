@@ -72,6 +72,7 @@ __all__ = [
     "soft_cap_alpha",
     "soft_cap_polynomial",
     "ns_output_max",
+    "ns_output_bound",
     "muon_update_norm",
     "rms_scale",
     "rms_spectral_norm",
@@ -478,6 +479,21 @@ def _ns_output_max(coefficients, input_scale: float, steps: int) -> float:
     return float(x.max())
 
 
+@lru_cache(maxsize=32)
+def ns_output_bound(schedule: NSSchedule = KELLER_QUINTIC, steps: int | None = None) -> float:
+    r"""A rigorous upper bound on every singular value a Newton–Schulz schedule can
+    output, $\sup_{x \in [0, 1/s]} p_K \circ \dots \circ p_1(x)$: the upper end of the exact
+    enclosure :func:`geomuon.theory.symbolic.ns_output_range` (exact critical points of
+    each step, rounded outward to 50 decimals), rounded up to the next float64.
+    Keller's quintic, 5 steps: $1.2023705$. Computed once per schedule (sympy, cached).
+    """
+    from geomuon.theory.symbolic import ns_output_range
+
+    n_steps = schedule.default_steps if steps is None else int(steps)
+    _, high = ns_output_range(schedule.coefficients, n_steps, lo=0, hi=1, input_scale=schedule.input_scale)
+    return math.nextafter(float(high), math.inf)
+
+
 def muon_update_norm(
     lr: float,
     shape: tuple[int, ...] | torch.Size,
@@ -490,7 +506,8 @@ def muon_update_norm(
     of one Muon update of a ``[..., fan_out, fan_in]`` weight.
 
     A Muon update is $\text{lr}\cdot c(\text{shape})\cdot O$ with $\sigma(O) \le$
-    :func:`ns_output_max` (Keller's quintic: $1.20237$), so
+    :func:`ns_output_bound` (Keller's quintic: $1.20237$; a rigorous bound, where the
+    grid maximum :func:`ns_output_max` can only underestimate), so
 
     $$\eta = \text{lr}\cdot \text{ns\_max}\cdot\text{margin}\cdot
       \sqrt{\text{fan\_in}/\text{fan\_out}}\; c(\text{shape}),$$
@@ -519,7 +536,7 @@ def muon_update_norm(
             f"muon_update_norm: adjust_lr must be 'original', 'match_rms_adamw' or None, "
             f"got {adjust_lr!r}"
         )
-    return float(lr) * ns_output_max(schedule) * margin * rms_scale(shape) * shape_factor
+    return float(lr) * ns_output_bound(schedule) * margin * rms_scale(shape) * shape_factor
 
 
 EtaSpec = Union[float, Callable[[float, tuple], float], None]

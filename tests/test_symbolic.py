@@ -1,161 +1,352 @@
-"""Symbolic certificates: each exact claim holds, its witness is what it says, and the
-closed forms it certifies are the ones the library's manifolds compute."""
+"""Symbolic certificates of the library's own code: every identity is evaluated on the
+library's methods/maps (run on exact sympy-valued tensors or free-algebra letters), and
+each certificate family has a negative control asserted to be rejected."""
+
+import math
 
 import numpy as np
 import pytest
 import sympy as sp
 import torch
 
-from geomuon.manifolds import LPRO, POLAR_EXPRESS, POLAR_EXPRESS_5, KELLER_QUINTIC, CenteredRouterSpace, DGram, Oblique, Stiefel
+from geomuon.manifolds import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5, DGram, Stiefel, sym
+from geomuon.optimizers import maps
+from geomuon.optimizers.regulate import SOFT_CAP_MIN_RATIO, muon_update_norm, ns_output_bound, soft_cap_alpha
+from geomuon.theory import declared
+from geomuon.theory.groups import BiOrthogonal, LeftPermRightOrth, RouterShift
+from geomuon.theory.lipschitz import GELU_LIPSCHITZ
 from geomuon.theory.symbolic import (
+    ExactTensor,
     cayley,
-    certify_dgram_retraction,
+    certify_gelu_lipschitz,
+    certify_gram_form,
+    certify_gram_space_identity,
+    certify_manifold,
+    certify_map_row,
+    certify_equivariance,
     certify_newton_schulz_equivariance,
+    certify_newton_schulz_retraction,
+    certify_newton_schulz_step_expansion,
+    certify_projection,
     certify_residual_lipschitz,
+    certify_retraction,
     certify_soft_cap_coupling,
     certify_soft_cap_monotone,
+    certify_soft_cap_root_unique,
     certify_sorted_sigma_map_fails,
-    certify_tangent_projection,
+    certify_stiefel_every_size,
     exact,
+    manifold_points,
+    newton_schulz_error,
     ns_fixed_points,
     ns_output_range,
     skew,
+    soft_cap_beta,
     soft_cap_coupling_roots,
     soft_cap_polynomial,
-    symbolic_manifolds,
 )
 
-SYMBOLIC = symbolic_manifolds()
+# Exact points: fully symbolic (rotation parameters, unit-vector parameters, column norms)
+# at 2x2; rational rotations with symbolic column norms / router entries at tall and wide
+# sizes (a fully symbolic 3x3 Cayley frame costs ~7 s per manifold).
+_POINTS = {
+    (2, 2): manifold_points(2, 2, generic=True),
+    (3, 2): manifold_points(3, 2, generic=False),
+    (2, 3): manifold_points(2, 3, generic=False),
+}
+_CASES = [(shape, name) for shape, points in _POINTS.items() for name in points]
 
 
 def test_cayley_gives_exact_rational_orthogonal_matrices():
-    S = skew(3)
-    Q = cayley(S)
+    Q = cayley(skew(3))
     assert (Q.T * Q - sp.eye(3)).applyfunc(sp.simplify).is_zero_matrix
     numeric = cayley(sp.Matrix([[0, sp.Rational(1, 2), 2], [-sp.Rational(1, 2), 0, 3], [-2, -3, 0]]))
     assert all(entry.is_rational for entry in numeric)
     assert numeric.T * numeric == sp.eye(3)
 
 
-@pytest.mark.parametrize("name", sorted(SYMBOLIC))
-def test_tangent_projection_certificate(name):
-    certificate = certify_tangent_projection(SYMBOLIC[name])
+# ----------------------------------------------------------------------- manifolds
+
+
+def test_stiefel_every_size():
+    certificate = certify_stiefel_every_size()
     assert certificate.holds, certificate.witness
-    assert all(residual.is_zero_matrix for residual in certificate.witness.values())
+    assert certificate.witness["gram_diag"] == 4
 
 
-def test_tangent_projection_certificate_catches_a_wrong_projection():
-    stiefel = SYMBOLIC["Stiefel"]
-    wrong = type(stiefel)(
-        "Stiefel with a skew instead of symmetric part",
-        stiefel.point,
-        stiefel.on_manifold,
-        stiefel.constraint,
-        lambda W, X: X - W * (W.T * X - X.T * W) / 2,
-    )
-    assert not certify_tangent_projection(wrong).holds
+def test_stiefel_every_size_rejects_a_dropped_sym():
+    class DroppedSym(Stiefel):
+        def proju(self, x, u):
+            return u - x @ (x.mT @ u)
+
+    certificate = certify_stiefel_every_size(DroppedSym.__new__(DroppedSym))
+    assert not certificate.holds
+    # X - W W^T X is tangent (so tangency alone misses it) but does not fix tangent vectors.
+    assert not certificate.witness["L(P(X)) = 0"]
+    assert certificate.witness["P = I - L*(LL*)^-1 L"] and certificate.witness["P(V) = V for tangent V"]
 
 
-# The library's manifolds at a rational point, compared with the certified closed forms.
-_LIBRARY = {
-    "Stiefel": Stiefel(),
-    "DGram": DGram(),
-    "Oblique": Oblique(),
-    "LPRO": LPRO(radius=1.5),
-    "CenteredRouterSpace": CenteredRouterSpace(),
-}
+@pytest.mark.parametrize("shape, name", _CASES, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _CASES])
+def test_manifold_certificate(shape, name):
+    manifold, W = _POINTS[shape][name]
+    certificate = certify_manifold(manifold, W, name)
+    assert certificate.holds, certificate.witness
+    assert certificate.witness["gram_diag_positive"]
 
 
-@pytest.mark.parametrize("name", sorted(_LIBRARY))
-def test_library_projection_matches_the_certified_formula(name):
-    manifold = SYMBOLIC[name]
-    values = {s: sp.Rational(k + 2, 7) for k, s in enumerate(sorted(manifold.point.free_symbols, key=str))}
-    values.update({s: sp.Rational(3, 2) for s in manifold.point.free_symbols if s.name == "r"})
-    point = manifold.point.subs(values)
-    X = sp.Matrix(point.rows, point.cols, lambda i, j: sp.Rational((3 * i + 5 * j) % 7 - 3, 4))
-    # The formulas may mention the point's parameters (LPRO's radius r) directly.
-    expected = np.array(manifold.project(point, X).subs(values).evalf(30).tolist(), dtype=np.float64)
-    W = torch.tensor(np.array(point.evalf(30).tolist(), dtype=np.float64))
-    assert manifold.on_manifold(point).subs(values).applyfunc(sp.simplify).is_zero_matrix
-    U = torch.tensor(np.array(X.evalf(30).tolist(), dtype=np.float64))
-    got = _LIBRARY[name].proju(W, U).numpy()
-    # Both are float64 evaluations of the same rational function of O(1) entries.
-    assert np.abs(got - expected).max() < 1e-12
+def _dgram_projection_keeping_the_diagonal(W, X):
+    d2 = W.square().sum(-2)
+    S = W.mT @ X + X.mT @ W
+    return X - W @ (S / (d2.unsqueeze(-1) + d2.unsqueeze(-2)))
 
 
-def test_dgram_retraction_fixes_points_and_sorted_sigma_map_does_not():
-    certificate = certify_dgram_retraction()
-    assert certificate.holds and certificate.witness.is_zero_matrix
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2)])
+def test_projection_certificate_accepts_the_library_and_rejects_wrong_projections(shape):
+    stiefel, W = _POINTS[shape]["Stiefel"]
+    dgram, Wd = _POINTS[shape]["DGram"]
+    assert certify_projection(stiefel.proju, stiefel, W).holds
+    assert certify_projection(dgram.proju, dgram, Wd).holds
+    # P = 0, the Stiefel formula with sym dropped, DGram keeping Sigma's diagonal.
+    assert not certify_projection(lambda W, X: X * 0, stiefel, W).holds
+    assert not certify_projection(lambda W, X: X - W @ (W.mT @ X), stiefel, W).holds
+    assert not certify_projection(_dgram_projection_keeping_the_diagonal, dgram, Wd).holds
+
+
+def test_manifold_certificate_rejects_a_wrong_adjoint_and_gram_diagonal():
+    class HalfAdjoint(Stiefel):
+        def constraint_adjoint(self, x, lam):
+            return super().constraint_adjoint(x, lam) / 2
+
+    class DiagonalKept(DGram):
+        def constraint_adjoint(self, x, lam):
+            return 2 * x @ sym(lam)
+
+    _, W = _POINTS[(3, 2)]["Stiefel"]
+    _, Wd = _POINTS[(3, 2)]["DGram"]
+    half = certify_manifold(HalfAdjoint.__new__(HalfAdjoint), W)
+    assert not half.holds and not _zero(half.witness["<L(A), lam> = <A, L*(lam)>"])
+    kept = certify_manifold(DiagonalKept.__new__(DiagonalKept), Wd)
+    assert not kept.holds and not _zero(kept.witness["<L(A), lam> = <A, L*(lam)>"])
+
+
+def _zero(residual) -> bool:
+    return sp.Matrix(residual).is_zero_matrix if not isinstance(residual, sp.Expr) else residual == 0
+
+
+# ----------------------------------------------------------------------- retractions
+
+_EXACT_RETRACTIONS = [(s, n) for s in [(3, 2), (2, 3)] for n in ("Oblique", "LPRO", "CenteredRouterSpace", "Euclidean")]
+
+
+@pytest.mark.parametrize("shape, name", _EXACT_RETRACTIONS, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _EXACT_RETRACTIONS])
+def test_retraction_series(shape, name):
+    manifold, W = _POINTS[shape][name]
+    certificate = certify_retraction(manifold, W, name)
+    assert certificate.holds, certificate.witness
+
+
+def test_retraction_series_rejects_a_step_along_minus_u():
+    manifold, W = _POINTS[(3, 2)]["Oblique"]
+    backwards = certify_retraction(manifold, W, retraction=lambda W, U: manifold.retr(W, -U))
+    assert not backwards.holds and not any(backwards.witness["R(W, 0) = W"].flat)
+    assert any(backwards.witness["dR_W(0)[V] = V"].flat)
+
+
+def test_newton_schulz_step_expansion_every_size():
+    certificate = certify_newton_schulz_step_expansion()
+    assert certificate.holds, certificate.witness
+
+
+def _frames(shape, manifold, seed):
+    generator = torch.Generator().manual_seed(seed)
+    W = manifold.random(*shape, dtype=torch.float64, generator=generator)
+    if isinstance(manifold, DGram):  # column norms in [1, 2], unsorted
+        norms = 1 + torch.rand(min(shape), generator=generator, dtype=torch.float64)
+        W = W * (norms.unsqueeze(-2) if shape[0] >= shape[1] else norms.unsqueeze(-1)) / W.norm(dim=-2 if shape[0] >= shape[1] else -1, keepdim=True)
+    V = manifold.proju(W, torch.randn(*shape, generator=generator, dtype=torch.float64))
+    return W, V / V.norm()
+
+
+def _pe_error(W, columns):
+    """Exact scalar error e = P_12(1.01^{-1} ||W||_F^{-1} d_j) of Polar Express at each
+    normalized singular value (40-digit arithmetic on the library's step polynomial)."""
+    scale = 1 / (sp.Rational("1.01") * sp.sqrt(exact(float(W.square().sum()))))
+    return torch.tensor([float(newton_schulz_error(POLAR_EXPRESS, None, sp.N(scale * exact(float(d)), 40))) for d in columns], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (3, 3), (3, 5)])
+def test_stiefel_retraction_matches_its_certified_expansion(shape):
+    stiefel = Stiefel()
+    W, V = _frames(shape, stiefel, 0)
+    e = float(_pe_error(W, [1.0])[0])
+    certificate = certify_newton_schulz_retraction(stiefel.retr, W, V, lambda W, V: (e * W, e * V))
+    assert certificate.holds, certificate.witness
+    backwards = certify_newton_schulz_retraction(lambda W, U: stiefel.retr(W, -U), W, V, lambda W, V: (e * W, e * V))
+    assert not backwards.holds and backwards.witness["derivative_error"] > 1.9
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5)])
+def test_dgram_retraction_at_zero_and_first_order(shape):
+    # R(W, 0) = W diag(e_j) exactly (msign of Q diag(d) is Q diag(P(c d_j))); dR_W(0) = id
+    # holds for the exact polar factor, and Polar Express is at round-off on these
+    # normalized singular values (c d_j >= 0.2), so the derivative is V to the 1e-6
+    # difference-quotient budget.
+    dgram = DGram()
+    W, V = _frames(shape, dgram, 1)
+    tall = shape[0] >= shape[1]
+    norms = W.norm(dim=-2 if tall else -1)
+    e = _pe_error(W, norms.tolist())
+
+    def expected(W, V):
+        return (W * (e.unsqueeze(-2) if tall else e.unsqueeze(-1)), V)
+
+    assert certify_newton_schulz_retraction(dgram.retr, W, V, expected).holds
+    assert not certify_newton_schulz_retraction(lambda W, U: dgram.retr(W, -U), W, V, expected).holds
+
+
+_GRAM_FORMS = [(s, n) for s in [(3, 2)] for n, (m, _) in _POINTS[s].items() if getattr(m, "gram_form", None) is not None]
+
+
+@pytest.mark.parametrize("shape, name", _GRAM_FORMS, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _GRAM_FORMS])
+def test_gram_form_agrees_with_the_manifold_and_retracts(shape, name):
+    manifold, W = _POINTS[shape][name]
+    certificate = certify_gram_form(manifold, W, name)
+    assert certificate.holds, certificate.witness
+
+
+def test_dgram_sorted_sigma_map_does_not_fix_points():
     moved = certify_sorted_sigma_map_fails((1, 2))
     assert moved.holds and not moved.witness.is_zero_matrix
     # With column norms already descending the sorted map happens to agree.
     assert not certify_sorted_sigma_map_fails((2, 1)).holds
 
 
-def test_newton_schulz_step_is_bi_orthogonally_equivariant():
+# ----------------------------------------------------------------------- update maps
+
+_MAP_ROWS = [d for d in declared.declarations() if d.kind == "map"]
+
+
+@pytest.mark.parametrize("declaration", _MAP_ROWS, ids=[d.id for d in _MAP_ROWS])
+def test_declared_map_row_is_certified(declaration):
+    certificate = certify_map_row(declaration)
+    assert certificate.holds, (certificate.claim, certificate.witness)
+
+
+def test_equivariance_certificate_rejects_maps_declared_equivariant_wrongly():
+    # row_norm and sign are not O_m x O_n-equivariant; row_norm is not shift-invariant.
+    assert not certify_equivariance(maps.row_norm, BiOrthogonal(), (2, 2)).holds
+    assert not certify_equivariance(maps.sign, BiOrthogonal(), (2, 2)).holds
+    assert not certify_equivariance(maps.row_norm, RouterShift(), (2, 2)).holds
+    # col_norm under S_m x O_n: the right rotation mixes columns.
+    assert not certify_equivariance(maps.col_norm, LeftPermRightOrth(), (2, 2)).holds
+
+
+def test_newton_schulz_equivariance_is_of_the_library_step():
     certificate = certify_newton_schulz_equivariance()
-    assert certificate.holds and certificate.witness == {}
-    # The same identity on an exact rational instance, and its failure when L is not
-    # orthogonal (so the identity really uses L^T L = I).
+    assert certificate.holds and certificate.witness == {"step": {}, "normalization": {}}
+    # Exact rational instance of the same identity, and its failure for a non-orthogonal L.
+    from geomuon.manifolds.linalg import newton_schulz_step
+
     L = cayley(sp.Matrix([[0, sp.Rational(1, 3)], [-sp.Rational(1, 3), 0]]))
     R = cayley(sp.Matrix([[0, 1, 2], [-1, 0, sp.Rational(1, 2)], [-2, -sp.Rational(1, 2), 0]]))
     X = sp.Matrix([[1, 2, -1], [0, 3, 1]]) / 5
-    a, b, c = (exact(v) for v in KELLER_QUINTIC.coefficients[0])
+    a, b, c = KELLER_QUINTIC.coefficients[0]
 
     def step(Y):
-        S = Y * Y.T
-        return a * Y + (b * S + c * S * S) * Y
+        return newton_schulz_step(ExactTensor(Y), a, b, c).matrix()
 
     assert step(L * X * R.T) == L * step(X) * R.T
     not_orthogonal = sp.Matrix([[1, 1], [0, 1]])
     assert step(not_orthogonal * X * R.T) != not_orthogonal * step(X) * R.T
 
 
+# ----------------------------------------------------------------------- constants
+
+
+def test_gelu_lipschitz_constant_is_proved_and_is_the_library_constant():
+    certificate = certify_gelu_lipschitz()
+    assert certificate.holds, certificate.witness
+    value = float(sp.N(certificate.witness["value"], 40))
+    # The library's float is the correctly rounded value up to one unit in the last place.
+    assert abs(GELU_LIPSCHITZ - value) <= math.ulp(value)
+
+
+def test_soft_cap_root_is_unique_and_the_threshold_is_62_81():
+    certificate = certify_soft_cap_root_unique()
+    assert certificate.holds, certificate.witness
+    assert SOFT_CAP_MIN_RATIO == float(certificate.witness["h(1/3)"])
+
+
+@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 0.05), (2.0, 0.01, 0.0240454), (1.0, 0.0, 0.3), (6.0, 0.0, 0.5)])
+def test_library_soft_cap_alpha_is_the_certified_root(w_max, wd, eta):
+    k = w_max * (1 - wd) + eta
+    beta = soft_cap_beta(exact(w_max) / (exact(w_max) * (1 - exact(wd)) + exact(eta)))
+    exact_alpha = float(sp.N(beta / (exact(w_max) * (1 - exact(wd)) + exact(eta)) ** 2, 30))
+    # Bisection to float64 round-off in beta, one rounding of k^2 and the division:
+    # a few ulps of alpha; 1e-12 relative leaves a wide margin.
+    assert soft_cap_alpha(w_max, wd, eta) == pytest.approx(exact_alpha, rel=1e-12)
+    assert k > w_max
+
+
+def test_library_soft_cap_threshold_is_the_certified_one():
+    w_max = 1.0
+    largest_eta = w_max * 81 / 62 - w_max
+    soft_cap_alpha(w_max, 0.0, largest_eta * (1 - 1e-9))
+    with pytest.raises(ValueError, match="too large"):
+        soft_cap_alpha(w_max, 0.0, largest_eta * (1 + 1e-9))
+
+
+def test_muon_update_norm_uses_the_rigorous_enclosure():
+    for schedule in (KELLER_QUINTIC, POLAR_EXPRESS_5):
+        _, high = ns_output_range(schedule.coefficients, schedule.default_steps, lo=0, hi=1, input_scale=schedule.input_scale)
+        bound = ns_output_bound(schedule)
+        assert float(high) <= bound <= math.nextafter(float(high), math.inf) + 1e-15
+        # adjust_lr=None, square weight: eta = lr * bound * margin exactly.
+        assert muon_update_norm(1.0, (8, 8), schedule=schedule, adjust_lr=None, margin=1.0) == bound
+    keller = ns_output_bound(KELLER_QUINTIC)
+    assert keller == pytest.approx(1.2023686, abs=1e-7)
+
+
+def test_gram_space_identity():
+    certificate = certify_gram_space_identity()
+    assert certificate.holds and certificate.witness == {}
+
+
 def test_newton_schulz_fixed_points():
     keller = [float(v) for v in ns_fixed_points(KELLER_QUINTIC.coefficients[0])]
     assert keller[0] == 0.0
     assert keller[1:] == pytest.approx([0.8680257976555313, 1.263729067298377], abs=1e-15)
-    # Polar Express's last tuple (15/8, -5/4, 3/8) fixes 1 with zero slope (quadratic
-    # convergence to 1), and also sqrt(21)/3 (repelling, outside the normalized range).
     last = POLAR_EXPRESS.coefficients[-1]
     assert ns_fixed_points(last) == [0, 1, sp.sqrt(21) / 3]
-    sigma = sp.Symbol("sigma")
-    a, b, c = (exact(v) for v in last)
-    assert sp.diff(a * sigma + b * sigma**3 + c * sigma**5, sigma).subs(sigma, 1) == 0
 
 
 @pytest.mark.parametrize(
     "schedule, steps, scale, lo, expected",
     [
-        # REFERENCES.md, "Scalar maps of normalized singular values".
+        # The 4-decimal reference table of scalar maps of normalized singular values.
         (KELLER_QUINTIC, 5, 1, "0.001", (0.4705, 1.2024)),
         (KELLER_QUINTIC, 5, 1, "0.01", (0.6818, 1.1344)),
         (POLAR_EXPRESS_5, 5, "1.02", "0.001", (0.8467, 1.1411)),
-        (POLAR_EXPRESS_5, 5, "1.02", "0.01", (0.8589, 1.1411)),
-        (POLAR_EXPRESS, 6, "1.01", "0.001", (0.9935, 1.0012)),
         (POLAR_EXPRESS, 6, "1.01", "0.01", (0.9974, 1.0012)),
-        (POLAR_EXPRESS, 8, "1.01", "0.001", (1.0000, 1.0000)),
     ],
 )
 def test_newton_schulz_output_range_matches_the_reference_table(schedule, steps, scale, lo, expected):
     low, high = ns_output_range(schedule.coefficients, steps, lo=lo, input_scale=scale)
-    # The table is rounded to 4 decimals from sampled values: its PE-5 minimum 0.8467 is
-    # the rigorous 0.846647 rounded from a sample; allow one unit in the last place.
+    # The table is rounded to 4 decimals from sampled values: one unit in the last place.
     assert (float(low), float(high)) == pytest.approx(expected, abs=1e-4)
 
 
-def test_newton_schulz_output_range_on_the_issue_interval_encloses_samples():
-    for schedule, steps, scale in [(KELLER_QUINTIC, 5, 1), (POLAR_EXPRESS_5, 5, 1.02), (POLAR_EXPRESS, 8, 1.01)]:
+def test_newton_schulz_output_range_encloses_samples_of_the_library_iteration():
+    from geomuon.manifolds.linalg import newton_schulz_step
+
+    for schedule, steps, scale in [(KELLER_QUINTIC, 5, 1), (POLAR_EXPRESS_5, 5, 1.02)]:
         low, high = ns_output_range(schedule.coefficients, steps, lo="0.003", input_scale=scale)
-        x = np.geomspace(0.003, 1.0, 20001) / scale
+        x = torch.tensor(np.geomspace(0.003, 1.0, 4001) / scale).reshape(-1, 1, 1)
         for a, b, c in schedule.step_coefficients(steps):
-            x = a * x + b * x**3 + c * x**5
-        # A rigorous enclosure contains every sample, and is tight: the sampled extremes
-        # come within 1e-6 of it.
+            x = newton_schulz_step(x, a, b, c)
+        # Rigorous: contains every sample; tight: the sampled extremes come within 1e-4.
         assert float(low) <= x.min() + 1e-15 and x.max() <= float(high) + 1e-15
-        assert x.min() - float(low) < 1e-6 and float(high) - x.max() < 1e-6
-    keller = ns_output_range(KELLER_QUINTIC.coefficients, 5, lo="0.003")
-    assert (float(keller[0]), float(keller[1])) == pytest.approx((0.68183, 1.20237), abs=1e-5)
+        assert x.min() - float(low) < 1e-4 and float(high) - x.max() < 1e-4
 
 
 def test_soft_cap_coupling_quartic():
@@ -163,26 +354,19 @@ def test_soft_cap_coupling_quartic():
     assert certificate.holds and certificate.witness == 0
 
 
-@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 1.0), (2.0, 0.01, 0.0240454), (6.0, 0.0, 0.5), (1.0, 0.0, 0.02)])
+@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 1.0), (2.0, 0.01, 0.0240454)])
 def test_soft_cap_coupling_roots_solve_the_coupling(w_max, wd, eta):
     roots = soft_cap_coupling_roots(w_max, wd, eta)
     assert roots and roots == tuple(sorted(roots)) and roots[0] >= 0
     k = w_max * (1 - wd) + eta
-    numeric = np.roots([-(k**9), 3 * k**7, -3 * k**5, 0.0, k - w_max])
-    real = sorted(r.real for r in numeric if abs(r.imag) < 1e-9 and r.real >= 0)
-    assert roots == pytest.approx(real, rel=1e-8)
     value = soft_cap_polynomial(sp.Float(roots[0], 30), sp.Float(k, 30))
     assert abs(float(value) - w_max) < 1e-12 * w_max
-
-
-def test_soft_cap_coupling_roots_empty_when_no_cap_is_needed_and_bad_input():
     assert soft_cap_coupling_roots(1.0, 0.5, 0.1) == ()
     with pytest.raises(ValueError, match="w_max"):
         soft_cap_coupling_roots(-1.0, 0.0, 0.1)
 
 
 def test_soft_cap_monotonicity():
-    # DESIGN 3.5: w_max = 1, eta = 1 is not monotone on [0, k] and peaks at 1.19.
     large = certify_soft_cap_monotone(1.0, 0.0, 1.0)
     assert not large.holds and large.witness["derivative_residual"] == 0
     assert float(large.witness["peak"]) == pytest.approx(1.19, abs=5e-3)
@@ -196,6 +380,4 @@ def test_residual_lipschitz_rule():
     a, L, t = sp.symbols("a L t", real=True)
     gap = ((1 - a) + a * L) ** 2 - ((1 - a) + a * t) ** 2
     assert sp.expand(certificate.witness["gap"] - gap) == 0
-    # The rule needs a <= 1: at a = 2 the factor 2(1 - a) + a(L + t) is negative for small L + t.
-    assert certificate.witness["gap"].subs({a: 2, L: 0, t: 0}) == 0
     assert certificate.witness["gap"].subs({a: 2, L: sp.Rational(1, 2), t: 0}) < 0
