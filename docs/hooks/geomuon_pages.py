@@ -24,8 +24,11 @@ import html
 import logging
 import pkgutil
 import re
+import shutil
 import tempfile
 from pathlib import Path
+
+from mkdocs.plugins import event_priority
 
 try:
     import tomllib
@@ -122,19 +125,29 @@ def results_pages(docs_dir: Path) -> list[tuple[str, str]]:
 
 
 def package_view(target: Path) -> Path:
-    """A folder under ``target`` laid out as the installed ``geomuon`` package, with a
-    symlink per entry of ``pyproject.toml``'s ``[tool.setuptools.package-dir]``, so griffe
-    (which finds modules by their files) reads ``geomuon.manifolds`` from ``manifolds/``."""
+    """A folder under ``target`` laid out as the installed ``geomuon`` package, so griffe
+    (which finds modules by their files) reads ``geomuon.manifolds`` from ``manifolds/``.
+
+    From ``pyproject.toml``'s ``[tool.setuptools.package-dir]``: a package that holds other
+    mapped packages (``geomuon``) becomes a real folder with copies of its own modules, so
+    nothing is ever written into the checkout (griffe resolves symlinked files to their
+    folder, so they cannot be links); every other package is a symlink to its folder.
+    """
     with open(ROOT / "pyproject.toml", "rb") as handle:
         mapping = tomllib.load(handle)["tool"]["setuptools"]["package-dir"]
+    parents = {package.rpartition(".")[0] for package in mapping}
     for package, folder in sorted(mapping.items()):  # parents before their subpackages
-        link = target.joinpath(*package.split("."))
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.is_symlink():
-            link.symlink_to(ROOT / folder, target_is_directory=True)
+        view = target.joinpath(*package.split("."))
+        if package in parents:
+            view.mkdir(parents=True, exist_ok=True)
+            for module in (ROOT / folder).glob("*.py"):
+                shutil.copy2(module, view / module.name)
+        elif not view.exists():
+            view.symlink_to(ROOT / folder, target_is_directory=True)
     return target
 
 
+@event_priority(100)  # before mkdocstrings reads its handler options
 def on_config(config):
     view = package_view(Path(tempfile.mkdtemp(prefix="geomuon-docs-")))
     config.plugins["mkdocstrings"].config.handlers["python"]["paths"] = [str(view)]
