@@ -941,9 +941,9 @@ def newton_schulz_error(schedule, steps: int | None, s) -> sp.Expr:
 
 def certify_newton_schulz_retraction(retraction, W: torch.Tensor, V: torch.Tensor, scale, h: float = 1e-4) -> Certificate:
     r"""The library's Newton–Schulz retraction against its certified expansion
-    (:func:`certify_newton_schulz_step_expansion`): $R_W(0) = W\operatorname{diag}(e)$ and
-    $dR_W(0)[V] = $ ``scale``$(V)$ — for Stiefel ``scale`` is $e\,V$ with the exact
-    scalar $e = P_K(1/(1.01\sqrt n))$ — checked in float64 by a central difference
+    (:func:`certify_newton_schulz_step_expansion`): ``scale(W, V)`` returns the expected
+    $R_W(0)$ and $dR_W(0)[V]$ (for Stiefel $eW$ and $eV$ with the exact scalar
+    $e = P_K(1/(1.01\sqrt n))$), checked in float64 by a central difference
     $(R_W(hV) - R_W(-hV))/2h$. Error budget (relative to $\|V\|$): the difference
     quotient's truncation $h^2\|R'''\|/6 \lesssim 10^{-7}$ for $h = 10^{-4}$ and
     $\|V\| \le 1$, plus round-off $\varepsilon_{64}\|R\|/h \approx 10^{-12}$ amplified by
@@ -1529,8 +1529,8 @@ def certify_soft_cap_root_unique() -> Certificate:
 
 
 def soft_cap_beta(ratio) -> sp.Expr:
-    r"""The exact root $\beta \in [0, 1/3]$ of $h(\beta) = $ ``ratio`` (for
-    $62/81 \le$ ``ratio`` $\le 1$), as a sympy algebraic number."""
+    r"""The exact root $\beta \in [0, 1/3]$ of $h(\beta) = r$ for ``ratio`` $r$ with
+    $62/81 \le r \le 1$, as a sympy algebraic number."""
     beta = sp.Symbol("beta")
     quartic = sp.Poly(1 - 3 * beta**2 + 3 * beta**3 - beta**4 - exact(ratio), beta)
     roots = [r for r in sp.real_roots(quartic) if 0 <= r <= sp.Rational(1, 3)]
