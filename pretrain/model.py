@@ -402,7 +402,7 @@ class GPT(nn.Module):
                 layer.record = None
 
     def lipschitz_weights(self) -> dict:
-        """The weights the Lipschitz bound of DESIGN §5 needs (Lipschitz variant only).
+        """The weights the certified Lipschitz bound needs (Lipschitz variant only).
 
         Returns ``{"blocks": [{"q", "k", "v", "o", "mlp_in", "mlp_out"}: [out, in]
         tensors], "head": [V, d], "residual_weight": a, "attention_scale": 1/3,

@@ -1,5 +1,6 @@
-r"""Lipschitz bounds of the seed-003 Lipschitz transformer, and an empirical estimator
-to hold them against.
+r"""Certified Lipschitz bounds of the Lipschitz transformer of Newhouse et al., *Training
+Transformers with Enforced Lipschitz Constants* (2025), and an empirical estimator to hold
+them against.
 
 Norms and spaces
 ----------------
@@ -32,15 +33,25 @@ Composition rules (each proved in its function's docstring):
 * MLP: $\|W_\text{out}\|\,(\max|\text{GELU}'|\cdot s_\text{gelu})\,\|W_\text{in}\|$ with
   $s_\text{gelu} = 1/1.1289$ the forward's scale, counted **once** (the reference code
   divides by 1.1289 a second time in the bound, understating it);
-* attention with heads: :func:`attention_lipschitz`. With one head it is DESIGN §5's
+* attention with heads: :func:`attention_lipschitz`. With one head it is Newhouse et al.'s
   $\tfrac13\|W_o\|(\|W_v\| + 2\|W_v\|r^2\|W_q\|\|W_k\|)$; with $H$ heads the per-head
   slices enter, and a head slice of an orthonormal $W_q$ has RMS→RMS norm $\sqrt H$, so
   the multi-head constant is up to $\sqrt H\,(1 + 2Hr^2)/3$ where the one-head formula
   applied to full matrices would claim $(1 + 2r^2)/3$ (which the empirical estimator
   beats: see the tests).
 
+Every constant above is the **simple** bound (``method="simple"``). The default
+``method="tight"`` shares the query between heads in attention's score path (up to
+$\sqrt H$ smaller), centres the MLP's Jacobian at $\text{GELU}' = 1/2$, and bounds the
+whole-sequence norm by $\sqrt T$ times the per-token bound; see
+:func:`attention_lipschitz`, :func:`residual_mlp_bound`, :func:`transformer_lipschitz_bound`.
+
+**Exact arithmetic.** Every bound is about the real-valued network on the domain
+(:func:`certify_domain`); for the float32/bf16 network add the rounding term of
+:func:`rounding_error_bound`.
+
 Dtypes: norms are computed in float64 by SVD (a certificate must not rely on a
-power-iteration lower bound); the estimator runs in the model's dtype.
+power-iteration lower bound); the estimator runs in the input's dtype (use float64).
 """
 
 from __future__ import annotations
@@ -78,7 +89,7 @@ __all__ = [
 #: $\pm\sqrt2$, and $\text{GELU}'(-\sqrt2) = 1 - \text{GELU}'(\sqrt2) > -1$.
 GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi)
 
-#: The divisor the Lipschitz model applies to GELU (seed 003's rounded constant).
+#: The divisor the Lipschitz model applies to GELU (the reference code's rounded constant).
 REFERENCE_GELU_DIVISOR = 1.1289
 
 
@@ -207,8 +218,8 @@ def attention_lipschitz(
     which gains up to $\sqrt H$ when the slices have similar norms (a head slice of a
     near-isometric $W_q$ has $\sigma_{qh} \approx \sigma_q$).
 
-    With one head ($\varsigma d = 1$, $\sigma_{xh} = \|W_x\|$) both are the formula of
-    Kim, Papamakarios & Mnih's successor work used by the seed paper,
+    With one head ($\varsigma d = 1$, $\sigma_{xh} = \|W_x\|$) both are the one-head formula
+    of Newhouse et al., *Training Transformers with Enforced Lipschitz Constants* (2025),
     $c\|W_o\|(\|W_v\| + 2\|W_v\|r^2\|W_q\|\|W_k\|)$. Every $y^h_t$ is a convex
     combination of values, so the output radius is $c\|W_o\|\sqrt{\sum_h\sigma_{vh}^2}\;r$.
 
@@ -337,7 +348,7 @@ class TransformerBound:
 def transformer_lipschitz_bound(
     weights: Mapping, *, sequence_length: int | None = None, method: str = "tight"
 ) -> TransformerBound:
-    r"""Certified Lipschitz bound of the seed-003 Lipschitz transformer from its weights.
+    r"""Certified Lipschitz bound of the Lipschitz transformer from its weights.
 
     ``weights`` (what ``geomuon.pretrain.model.GPT.lipschitz_weights()`` returns):
 
@@ -585,6 +596,8 @@ def empirical_lipschitz(
                          f"{restarts}, {steps}, {power_steps}")
     if unknown or not searches:
         raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
+    if radius is not None:
+        certify_domain(x0, radius)
     generator = generator or torch.Generator(device="cpu").manual_seed(0)
     base = x0.detach()
     tiny = torch.finfo(base.dtype).tiny
