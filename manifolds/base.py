@@ -39,6 +39,8 @@ with warnings.catch_warnings():
     import geoopt
 from geoopt.utils import size2shape
 
+from .linalg import fp32_or_fp64
+
 __all__ = [
     "MatrixManifold",
     "ManifoldSpec",
@@ -49,13 +51,9 @@ __all__ = [
 ]
 
 
-def retraction_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Compute dtype of retractions: float64 for float64 tensors, float32 otherwise.
-
-    A bf16 retraction adds noise comparable to the step itself, so retractions never run
-    in half precision (DESIGN §2).
-    """
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: The dtype retractions compute in: :func:`geomuon.manifolds.linalg.fp32_or_fp64` (the
+#: name optimizers/manifold_muon.py imports; new code calls ``fp32_or_fp64``).
+retraction_dtype = fp32_or_fp64
 
 
 def matrix_method(*matrix_args: str, result: str = "matrix"):
@@ -515,7 +513,7 @@ class MatrixManifold(geoopt.Manifold):
                 f"{type(self).__name__}: the generic projx/retr need defining_map(x) "
                 "(F with M = {F = 0}); define it, or override projx and retr"
             )
-        y = y.to(retraction_dtype(y.dtype))
+        y = y.to(fp32_or_fp64(y.dtype))
         # Stop once a step is below sqrt(eps)/100 relative: quadratic convergence then puts
         # the next error under the dtype's round-off.
         small = 1e-2 * torch.finfo(y.dtype).eps ** 0.5

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import MatrixManifold, matrix_method, retraction_dtype
-from .linalg import msign, sym
+from .base import MatrixManifold, matrix_method
+from .linalg import fp32_or_fp64, msign, sym
 
 __all__ = ["DGram"]
 
@@ -96,7 +96,7 @@ class DGram(MatrixManifold):
 
     @matrix_method("u")
     def retr(self, x, u):
-        compute = retraction_dtype(x.dtype)
+        compute = fp32_or_fp64(x.dtype)
         y = x.to(compute) + u.to(compute)
         d2 = self._squared_column_norms(y, "the retraction target x + u")
         # sqrt(tiny) as msign's norm floor: the default 1e-7 would mis-scale tiny columns.

@@ -15,6 +15,7 @@ at least float32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ __all__ = [
     "spectral_norm",
     "sym",
     "check_matrix",
+    "fp32_or_fp64",
+    "rms_scale",
 ]
 
 
@@ -126,6 +129,24 @@ def check_matrix(X, what: str, vector_hint: str = "1-D tensors (biases, gains) h
         )
     if not X.is_floating_point():
         raise TypeError(f"{what}: expected a floating-point tensor, got {X.dtype}")
+
+
+def fp32_or_fp64(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the accurate computations (retractions, inverse square roots, polar
+    maps, regulators, manifold checks): float64 for float64 input, float32 otherwise.
+
+    Half precision is upcast: a bf16 retraction or inverse root adds round-off comparable
+    to the optimizer step itself (bf16 has an 8-bit significand, $\varepsilon = 2^{-7}$).
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
+    r"""$\sqrt{\text{fan\_in}/\text{fan\_out}}$ for a ``[..., fan_out, fan_in]`` shape: the
+    factor from the spectral norm to the RMS→RMS operator norm (Bernstein & Newhouse 2024,
+    "Modular duality in deep learning", arXiv:2410.21265)."""
+    fan_out, fan_in = shape[-2], shape[-1]
+    return math.sqrt(fan_in / fan_out)
 
 
 def sym(X: torch.Tensor) -> torch.Tensor:
@@ -250,7 +271,7 @@ def inv_sqrt_psd(
     if A.size(-1) != A.size(-2):
         raise ValueError(f"inv_sqrt_psd: expected square matrices, got {tuple(A.shape)}")
     out_dtype = A.dtype
-    compute = torch.float64 if A.dtype == torch.float64 else torch.float32
+    compute = fp32_or_fp64(A.dtype)
     A = sym(A.to(compute))
     k = A.size(-1)
     eye = torch.eye(k, dtype=compute, device=A.device)

@@ -2,7 +2,8 @@ r"""The oblique manifold (unit columns), and the sphere-product maps it shares w
 
 from __future__ import annotations
 
-from .base import MatrixManifold, matrix_method, retraction_dtype
+from .base import MatrixManifold, matrix_method
+from .linalg import fp32_or_fp64
 
 __all__ = ["Oblique"]
 
@@ -40,7 +41,7 @@ def sphere_normalize(x, radius, dim, who, step=None):
 
     A zero slice has no nearest point on the sphere: ``ValueError``.
     """
-    y = x.to(retraction_dtype(x.dtype))
+    y = x.to(fp32_or_fp64(x.dtype))
     if step is not None:
         y = y + step.to(y.dtype)
     norms = y.norm(dim=dim, keepdim=True)

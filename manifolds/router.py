@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import MatrixManifold, broadcast_pair, matrix_method, retraction_dtype
+from .base import MatrixManifold, broadcast_pair, matrix_method
+from .linalg import fp32_or_fp64
 
 __all__ = ["CenteredRouterSpace"]
 
@@ -68,5 +69,5 @@ class CenteredRouterSpace(MatrixManifold):
 
     @matrix_method("u")
     def retr(self, x, u):
-        compute = retraction_dtype(x.dtype)
+        compute = fp32_or_fp64(x.dtype)
         return _centered(x.to(compute) + u.to(compute)).to(x.dtype)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import MatrixManifold, matrix_method, retraction_dtype
-from .linalg import msign, sym
+from .base import MatrixManifold, matrix_method
+from .linalg import fp32_or_fp64, msign, sym
 
 __all__ = ["Stiefel"]
 
@@ -67,7 +67,7 @@ class Stiefel(MatrixManifold):
 
     @matrix_method("u")
     def retr(self, x, u):
-        compute = retraction_dtype(x.dtype)
+        compute = fp32_or_fp64(x.dtype)
         # msign's default norm floor (1e-7) would leave a point of tiny scale outside the
         # Polar Express range; sqrt(tiny) only guards exact zeros.
         floor = torch.finfo(compute).tiny ** 0.5

@@ -46,6 +46,7 @@ from typing import Any, Iterable
 import torch
 
 from geomuon.manifolds import MatrixManifold
+from geomuon.manifolds.linalg import fp32_or_fp64
 
 from .regulate import make_regulator, regulator_spec
 from . import distributed as _distributed
@@ -334,8 +335,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 manifold = self._manifold_of(group, p)
                 if manifold is None:
                     continue
-                x = _distributed.whole(p.detach())
-                x = x if p.dtype == torch.float64 else x.float()
+                x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
                 tol = max(atol, 16 * torch.finfo(p.dtype).eps)
                 for matrix in [x.reshape(x.shape[0], -1)] if group["matrix_view"] == "flatten" else [x]:
                     ok, reason = manifold.check_point_on_manifold(matrix, explain=True, atol=tol, rtol=rtol)
@@ -358,7 +358,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 manifold = self._manifold_of(group, p)
                 if manifold is not None:
-                    x = _distributed.whole(p.detach())
-                    x = x if p.dtype == torch.float64 else x.float()
+                    x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import check_matrix, inv_sqrt_psd, msign
+from geomuon.manifolds.linalg import check_matrix, fp32_or_fp64, inv_sqrt_psd, msign
 
 __all__ = [
     "UpdateMap",
@@ -111,7 +111,7 @@ def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
 
 
 def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
-    compute = torch.float64 if D.dtype == torch.float64 else torch.float32
+    compute = fp32_or_fp64(D.dtype)
     X = D.to(compute)
     # D f(D^T D) = f(D D^T) D exactly (the eps shift included), so both one-sided maps go
     # through the smaller Gram matrix: min(m, n)^3 work instead of max(m, n)^3, and no

@@ -23,10 +23,20 @@ from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign
 
 from .base import MatrixOptimizer
 
-__all__ = ["Muon"]
+__all__ = ["Muon", "muon_shape_factor"]
 
 DEFAULT_NS_COEFFICIENTS = KELLER_QUINTIC.coefficients[0]
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def muon_shape_factor(rows: int, cols: int, adjust_lr_fn: str | None = None) -> float:
+    r"""The factor $s(m, n)$ on ``lr`` of a Muon update of an $m\times n$ matrix, as
+    ``torch.optim.Muon`` defines it: $\sqrt{\max(1, m/n)}$ for ``None`` or ``"original"``,
+    $0.2\sqrt{\max(m, n)}$ for ``"match_rms_adamw"`` (the update's RMS then matches
+    AdamW's, Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982)."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
 
 
 class Muon(MatrixOptimizer):
@@ -116,7 +126,4 @@ class Muon(MatrixOptimizer):
         return msign(M, coefficients=quintic, eps=group["eps"])
 
     def _lr_scale(self, group: dict, shape: tuple[int, ...]) -> float:
-        rows, cols = shape
-        if group["adjust_lr_fn"] == "match_rms_adamw":
-            return 0.2 * math.sqrt(max(rows, cols))
-        return math.sqrt(max(1.0, rows / cols))
+        return muon_shape_factor(*shape, group["adjust_lr_fn"])

@@ -55,7 +55,15 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
-from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, check_matrix, msign, power_iteration
+from geomuon.manifolds.linalg import (
+    KELLER_QUINTIC,
+    NSSchedule,
+    check_matrix,
+    fp32_or_fp64,
+    msign,
+    power_iteration,
+    rms_scale,
+)
 
 __all__ = [
     "Regulator",
@@ -88,10 +96,6 @@ def _check_weight(W: Any, who: str) -> None:
     check_matrix(W, who, "1-D tensors (biases, gains) have no spectral norm: leave them unregulated")
 
 
-def _compute_dtype(W: torch.Tensor) -> torch.dtype:
-    return torch.float64 if W.dtype == torch.float64 else torch.float32
-
-
 def _positive(value: Any, name: str, who: str) -> float:
     value = float(value)
     if not math.isfinite(value) or value <= 0:
@@ -104,12 +108,6 @@ def _fraction(value: Any, name: str, who: str) -> float:
     if not (0.0 <= value < 1.0):
         raise ValueError(f"{who}: {name} must lie in [0, 1), got {value}")
     return value
-
-
-def rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
-    r"""$\sqrt{\text{fan\_in}/\text{fan\_out}}$ for a ``[..., fan_out, fan_in]`` shape."""
-    fan_out, fan_in = shape[-2], shape[-1]
-    return math.sqrt(fan_in / fan_out)
 
 
 def rms_spectral_norm(W: torch.Tensor) -> torch.Tensor:
@@ -231,7 +229,7 @@ class Regulator:
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {lr}")
         scale = rms_scale(W.shape)
-        M = W.detach().to(_compute_dtype(W)) * scale
+        M = W.detach().to(fp32_or_fp64(W.dtype)) * scale
         out = self.regulate(M, lr=lr, state=state)
         return (out / scale).to(W.dtype)
 
@@ -524,11 +522,11 @@ def muon_update_norm(
     and $1.14502\times1.05 = 1.2023$ leaves no margin at all, so use this function (or
     $1.20237\times$ margin) rather than the reference's constant.
     """
+    from .muon import muon_shape_factor  # at call time: muon imports base, which imports this module
+
     fan_out, fan_in = shape[-2], shape[-1]
-    if adjust_lr == "original":
-        shape_factor = math.sqrt(max(1.0, fan_out / fan_in))
-    elif adjust_lr == "match_rms_adamw":
-        shape_factor = 0.2 * math.sqrt(max(fan_out, fan_in))
+    if adjust_lr in ("original", "match_rms_adamw"):
+        shape_factor = muon_shape_factor(fan_out, fan_in, adjust_lr)
     elif adjust_lr is None:
         shape_factor = math.sqrt(fan_out / fan_in)
     else:

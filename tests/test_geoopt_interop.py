@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from geomuon.manifolds import LPRO, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
+from geomuon.manifolds import LPRO, CenteredRouterSpace, MatrixManifold, Stiefel
 from geomuon.theory.contracts import default_tolerance, manifold_residual
 
 import geoopt  # noqa: E402  (after manifolds, which imports it with the jit warnings filtered)
@@ -19,13 +19,11 @@ def _deterministic_global_rng():
     torch.manual_seed(0)
 
 
+# Every built-in manifold, from the registry (a new one is tested without editing a
+# table), plus LPRO with a radius (a constructor argument that changes the geometry).
 MANIFOLDS = {
-    "euclidean": Euclidean,
-    "stiefel": Stiefel,
-    "dgram": DGram,
-    "oblique": Oblique,
-    "router": CenteredRouterSpace,
-    "lpro": LPRO,
+    **{cls.name.lower(): cls for cls in MatrixManifold.registered().values()
+       if cls.__module__.startswith("geomuon.manifolds.")},
     "lpro_radius": lambda: LPRO(radius=2.0),
 }
 OPTIMIZERS = {

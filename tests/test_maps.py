@@ -10,6 +10,7 @@ import torch
 
 from geomuon.optimizers import maps
 from geomuon.optimizers.maps import centered, col_norm, hybrid, left_polar, right_polar, row_norm, sign, spectral
+from geomuon.theory.groups import haar_orthogonal
 
 M, N = 12, 7
 # float64 maps are accurate to ~1e-13 relative (Polar Express reaches the fp64 fixed point,
@@ -19,11 +20,6 @@ HOLDS = 1e-8
 # A map that is not equivariant under a group moves by O(1) relative; 1e-2 is far above
 # round-off and far below what a violation gives.
 FAILS = 1e-2
-
-
-def _orthogonal(k, gen):
-    q, r = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))
 
 
 def _signed_permutation(k, gen):
@@ -36,7 +32,7 @@ def _permutation(k, gen):
     return torch.eye(k, dtype=torch.float64)[torch.randperm(k, generator=gen)]
 
 
-GROUPS = {"O": _orthogonal, "S+-": _signed_permutation, "S": _permutation}
+GROUPS = {"O": haar_orthogonal, "S+-": _signed_permutation, "S": _permutation}
 
 
 def _residual(update, left, right, seed=0):

@@ -29,6 +29,7 @@ from geomuon.optimizers.regulate import (
     soft_cap_alpha,
     soft_cap_polynomial,
 )
+from geomuon.theory.groups import haar_orthogonal
 from geomuon.theory.symbolic import soft_cap_coupling_roots
 
 F64_EPS = torch.finfo(torch.float64).eps
@@ -36,16 +37,11 @@ F32_EPS = torch.finfo(torch.float32).eps
 SHAPES = [(24, 16), (16, 24), (20, 20)]
 
 
-def haar(n, generator, dtype=torch.float64):
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=dtype))
-    return q * torch.sign(torch.diagonal(r))
-
-
 def with_rms_spectrum(shape, spectrum, generator, dtype=torch.float64):
     """A [fan_out, fan_in] matrix whose RMS-scaled singular values are `spectrum`."""
     m, n = shape
     k = min(m, n)
-    U, V = haar(m, generator)[:, :k], haar(n, generator)[:, :k]
+    U, V = haar_orthogonal(m, generator)[:, :k], haar_orthogonal(n, generator)[:, :k]
     s = torch.as_tensor(spectrum, dtype=torch.float64)
     return ((U * s) @ V.T / rms_scale(shape)).to(dtype)
 
@@ -321,7 +317,7 @@ def test_column_cap_is_the_exact_cap_on_dgram_points(shape):
     gen = torch.Generator().manual_seed(12)
     m, n = shape
     k = min(m, n)
-    Q = haar(max(m, n), gen)[:, :k]  # orthonormal columns
+    Q = haar_orthogonal(max(m, n), gen)[:, :k]  # orthonormal columns
     norms = torch.logspace(-1, 1, k, dtype=torch.float64)  # [0.1, 10]
     point = Q * norms if m >= n else (Q * norms).T  # DGram: orthogonal columns (rows when wide)
     out = ColumnCap(w_max=2.0)(point, lr=0.0)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from .groups import haar_orthogonal
+
 __all__ = [
     "MATRIX_KINDS",
     "float_dtypes",
@@ -69,12 +71,6 @@ def matrix_shapes(
     return (*batch, m, n)
 
 
-def _haar_frames(shape, k, generator, dtype):
-    """Orthonormal ``[..., rows, k]`` frames from the QR of a Gaussian, signs fixed (Haar)."""
-    q, r = torch.linalg.qr(torch.randn(*shape, k, generator=generator, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).to(dtype)
-
-
 def _shuffled_logspace(count, condition, generator):
     exponent = -torch.log10(torch.tensor(condition)).item()
     values = torch.logspace(0.0, exponent, count, dtype=torch.float64)
@@ -119,8 +115,8 @@ def matrices(
         if kind == "rank_deficient":
             rank = draw(st.integers(1, k - 1))
             sigma = torch.where(torch.arange(k) < rank, sigma.sort(descending=True).values, 0.0)
-        left = _haar_frames((*batch, m), k, generator, torch.float64)
-        right = _haar_frames((*batch, n), k, generator, torch.float64)
+        left = haar_orthogonal(m, generator, tuple(batch))[..., :k]  # Haar frames [..., m, k]
+        right = haar_orthogonal(n, generator, tuple(batch))[..., :k]
         x = (left * sigma) @ right.mT
     else:
         x = torch.randn(*batch, m, n, generator=generator, dtype=torch.float64)
