@@ -1,4 +1,4 @@
-"""Update maps, the steepest-descent engine and the matrix optimizers (see DESIGN §3).
+"""Update maps, the steepest-descent engine and the matrix optimizers (docs: concepts/steepest-descent).
 
 ``msign`` is re-exported from :mod:`geomuon.manifolds.linalg`, where the kernel lives.
 """

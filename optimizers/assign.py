@@ -14,11 +14,13 @@ Two steps, kept apart so each can be checked on its own:
    per update family, with one param group per (rule, manifold). Weights assigned a
    manifold start on it (a random semi-orthogonal point).
 
-Strategies (DESIGN §3.6): ``adamw`` (baseline), ``unconstrained`` (Muon on hidden
-matrices), the seed-000 family ``all_stiefel``, ``all_dgram``, ``hetero`` (Stiefel
-attention, DGram MLP), ``hetero_inv``; ``symmetry`` (seed 004: spectral attention,
-hybrid row-aware MLP input, right-polar MLP output, row-norm embedding, centered hybrid
-head, centered left-polar router) and ``lipschitz`` (seed 003: Muon plus the spectral
+Strategies (the docs' concept pages on manifolds and symmetry explain them):
+``adamw`` (baseline), ``unconstrained`` (Muon on hidden matrices); the family of the
+module-wise Manifold Muon study (github.com/kiratoyoshihara/module-wise-manifold-muon)
+``all_stiefel``, ``all_dgram``, ``hetero`` (Stiefel attention, DGram MLP), ``hetero_inv``;
+``symmetry`` (Lau & Su, arXiv:2605.18106: spectral attention, hybrid row-aware MLP input,
+right-polar MLP output, row-norm embedding, centered hybrid head, centered left-polar
+router) and ``lipschitz`` (Newhouse et al. 2025, arXiv:2507.13338: Muon plus the spectral
 soft cap after every step). Everything a strategy does not name goes to AdamW. A
 strategy of one's own is a ``{role: Rule}`` mapping passed to :func:`assign` directly
 (or registered in :data:`STRATEGIES` to be named on the command line).
@@ -182,9 +184,9 @@ STRATEGIES: dict[str, dict[str, Rule]] = {
 
 @dataclass
 class Hyper:
-    """Hyperparameters shared by the strategies (seed-000 defaults)."""
+    """Hyperparameters shared by the strategies (the module-wise Manifold Muon study's defaults)."""
 
-    lr: float = 0.02  # matrix updates (Muon, Manifold Muon, seed-004 maps)
+    lr: float = 0.02  # matrix updates (Muon, Manifold Muon, the PolarGrad maps)
     adamw_lr: float = 6e-4
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1  # AdamW matrices and the unconstrained Muon baseline
@@ -268,7 +270,7 @@ def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimiz
     kwargs = dict(lr=hyper.lr, momentum=hyper.momentum, **hyper.extra)
     if update in ("muon", "manifold_muon"):
         kwargs["nesterov"] = hyper.nesterov
-    else:  # the seed-004 skeleton: plain momentum, nuclear-norm exponent alpha
+    else:  # the PolarGrad skeleton (Lau & Su): plain momentum, nuclear-norm exponent alpha
         kwargs["alpha"] = hyper.polar_alpha
     if update == "manifold_muon" and hyper.dual_steps is not None:
         kwargs["dual_steps"] = hyper.dual_steps
@@ -282,7 +284,7 @@ def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) ->
     if rule.update == "adamw":
         group["weight_decay"] = hyper.weight_decay if decay else 0.0
     elif rule.update == "muon":
-        # the seed-000 baseline: decoupled weight decay; the Lipschitz strategy caps instead
+        # the unconstrained baseline of the module-wise study: decoupled weight decay; the Lipschitz strategy caps instead
         group["weight_decay"] = 0.0 if rule.regulate else hyper.weight_decay
     if rule.manifold:
         group["manifold"] = MatrixManifold.by_name(rule.manifold)()
@@ -401,7 +403,7 @@ def _move_onto(manifold, params: list[torch.Tensor]) -> None:
     """Put every constrained weight on its manifold. A weight already there (a model
     trained with this geometry) is kept. Others restart at a random semi-orthogonal point
     (``orthogonal_``: fp32 QR, the distribution of the polar factor of a Gaussian matrix),
-    which lies on Stiefel and DGram alike, so the seed-000 strategies all start from the
+    which lies on Stiefel and DGram alike, so the Stiefel/DGram strategies all start from the
     same kind of point; other manifolds project it with ``projx``. (A float64 SVD
     ``projx`` of every GPT-2 matrix costs minutes on a CPU; the QR costs seconds.)"""
     for p in params:

@@ -156,7 +156,7 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
 def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None) -> torch.Tensor:
     r"""Left polar update (LeftPolarGradM): $U(D) = \|D\|_*^{\alpha}\,(DD^\top)^{-1/2}D$.
 
-    The same map as :func:`right_polar` (the seed-004 name for routers
+    The same map as :func:`right_polar` (Lau & Su's name for routers
     ``[experts, features]``), computed through the smaller Gram matrix.
 
     **Equivariant under** $O_m \times O_n$.

@@ -1,4 +1,4 @@
-r"""The symmetry-compatible family of seed 004: RowNormM and the PolarGrad optimizers.
+r"""The symmetry-compatible family of Lau & Su, arXiv:2605.18106: RowNormM and the PolarGrad optimizers.
 
 One skeleton (Lau & Su): momentum $M \leftarrow \beta M + (1-\beta)G$ ($\beta = 0.95$, no
 Nesterov by default), decoupled weight decay $W \leftarrow (1 - \eta\lambda)W$, then
@@ -30,7 +30,7 @@ __all__ = ["RowNormM", "RightPolarGradM", "LeftPolarGradM", "HybridPolarGradM"]
 
 
 class _MapOptimizer(MatrixOptimizer):
-    """The seed-004 skeleton around one update map of :mod:`geomuon.optimizers.maps`.
+    """The PolarGrad skeleton (Lau & Su) around one update map of :mod:`geomuon.optimizers.maps`.
 
     Args:
         params: parameters or param groups (matrices; ``update="adamw"`` groups for the rest).

@@ -1,4 +1,6 @@
-r"""Weight regulation applied after each optimizer step (seed 003: enforced Lipschitz bounds).
+r"""Weight regulation applied after each optimizer step: enforced Lipschitz bounds
+(Newhouse et al. 2025, "Training Transformers with Enforced Lipschitz Constants",
+arXiv:2507.13338).
 
 Every regulator here is a map $W \mapsto W'$ on ``[..., fan_out, fan_in]`` weights
 (PyTorch ``nn.Linear`` layout, batched over leading dimensions) that controls the
@@ -542,7 +544,7 @@ EtaSpec = Union[float, Callable[[float, tuple], float], None]
 
 @dataclass(repr=False)
 class SoftCap(Regulator):
-    r"""Spectral soft cap (seed 003), co-designed with Muon's fixed update norm.
+    r"""Spectral soft cap (Newhouse et al. 2025), co-designed with Muon's fixed update norm.
 
     Two odd polynomial steps on the RMS-scaled weight,
 

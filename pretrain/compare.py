@@ -6,8 +6,8 @@ Every (strategy, seed) run uses the same :class:`geomuon.pretrain.train.TrainCon
 ``strategy``, ``seed`` and ``out_dir`` (``<out_dir>/<strategy>-s<seed>``), so the runs see
 the same batches for a given seed and the same schedule. A run is **diverged** when it
 stopped on a non-finite loss, or when its final val loss exceeds its best val loss by
-more than ``divergence_margin`` nats (the "explosive growth that does not recover" of
-seed 000).
+more than ``divergence_margin`` nats (the "explosive growth that does not recover" reported by
+the module-wise Manifold Muon study, github.com/kiratoyoshihara/module-wise-manifold-muon).
 
 A comparison gets a fresh folder (``runs/compare-<UTC time>``) unless ``--out-dir`` names
 one; a folder holding an earlier comparison is refused unless ``--resume`` (finished runs
@@ -20,7 +20,8 @@ Figures (matplotlib, Agg backend, written to ``<out_dir>``):
 * ``loss.png`` — train loss (smoothed) and val loss against step, one colour per strategy;
 * ``sigma_max.png`` — σ_max of every hidden matrix against step, one panel per strategy;
 * ``attention_logits.png`` — max attention logit per layer against step, one panel per
-  strategy (the seed-000 saturation mechanism: the logits of DGram attention grow).
+  strategy (the saturation mechanism the module-wise study proposes: the logits of DGram
+  attention grow).
 """
 
 from __future__ import annotations

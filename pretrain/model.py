@@ -3,7 +3,7 @@ r"""A GPT in one file (nanoGPT-shaped), with the switches the geometry studies n
 * MLP: GELU (``c_fc``/``c_proj``) or SwiGLU (``w_gate``/``w_up``/``w_down``), optionally a
   mixture of experts with a linear router (top-$k$, Switch-style load-balancing loss).
 * Normalisation: pre-LayerNorm residual blocks (GPT-2), or the **Lipschitz variant**
-  (seed 003, DESIGN §5): no LayerNorm, residual $x \leftarrow (1-a)x + a\,f(x)$ with
+  (Newhouse et al. 2025, arXiv:2507.13338; docs: concepts/lipschitz): no LayerNorm, residual $x \leftarrow (1-a)x + a\,f(x)$ with
   $a = 1/(2N)$ for $N$ blocks, attention scores $\times 1/d_\text{head}$, attention output
   $\times 1/3$, $\text{GELU}/1.1289$, unit-RMS token embeddings, RoPE, no biases, zero-init
   output projections and head. :meth:`GPT.lipschitz_weights` hands the weights to
@@ -15,7 +15,7 @@ Every module declares the *role* of each of its weights in ``ROLES`` (name → r
 ``geomuon.optimizers.assign`` reads these declarations from the module tree instead of guessing
 from parameter names.
 
-Observables for the saturation mechanism of seed 000 (softmax Jacobian vanishing as the
+Observables for the saturation mechanism proposed by the module-wise Manifold Muon study (softmax Jacobian vanishing as the
 attention logits grow) are recorded only inside :meth:`GPT.observe`, on eval batches:
 the attention path then materialises the score matrix (fp32) instead of calling the fused
 kernel. Everything computes in the parameters' dtype (fp32), or bf16 under autocast.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,7 @@ class GPTConfig:
     n_experts: int = 0  # 0: dense MLP; >0: mixture of experts with a linear router
     moe_top_k: int = 2
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss
-    lipschitz: bool = False  # the seed-003 Lipschitz variant instead of pre-LayerNorm
+    lipschitz: bool = False  # the Lipschitz variant (Newhouse et al. 2025) instead of pre-LayerNorm
     fused_qkv: bool = True  # one c_attn [3d, d] (GPT-2) or separate q, k, v
     rope: bool = False  # rotary positions instead of a learned position table
     tie_weights: bool = True
@@ -115,11 +115,6 @@ def get_config(name: str, **overrides) -> GPTConfig:
     return replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
-def config_to_dict(config: GPTConfig) -> dict:
-    """The config as a plain dict (for logs and checkpoints)."""
-    return asdict(config)
-
-
 # --------------------------------------------------------------------------------------
 # Attention
 
@@ -152,7 +147,7 @@ def softmax_jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
     r"""$\|\operatorname{diag}(p) - pp^\top\|_F$ for each probability row of ``p``.
 
     $\|J\|_F^2 = \sum_i p_i^2 - 2\sum_i p_i^3 + (\sum_i p_i^2)^2$; it tends to 0 as the
-    softmax saturates to a one-hot row (the vanishing-gradient regime of seed 000) and is
+    softmax saturates to a one-hot row (the vanishing-gradient regime the module-wise study proposes) and is
     at most $1/\sqrt{2}$. The three terms cancel near saturation (fp32 loses 5 digits at
     $\|J\|_F \approx 0.05$), so this computes in float64; returns float64 of shape
     ``p.shape[:-1]``.
@@ -182,7 +177,7 @@ class CausalSelfAttention(nn.Module):
         self.rope = config.rope
         self.lipschitz = config.lipschitz
         # Lipschitz variant: 1/d_head instead of 1/sqrt(d_head) keeps the score map
-        # Lipschitz with a dimension-free constant (seed 003).
+        # Lipschitz with a dimension-free constant (Newhouse et al. 2025).
         self.scale = 1.0 / self.head_dim if config.lipschitz else 1.0 / math.sqrt(self.head_dim)
         self.record: AttentionRecord | None = None
 
@@ -301,7 +296,7 @@ class Block(nn.Module):
             self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         # a = 1/(2N): the residual is a convex combination, so the block's Lipschitz
-        # constant is (1 - a) + a·L_f (DESIGN §5).
+        # constant is (1 - a) + a·L_f (docs: concepts/lipschitz).
         self.residual_weight = 1.0 / (2 * config.n_layer)
         self.attn = CausalSelfAttention(config)
         self.mlp = MoE(config) if config.n_experts else dense_mlp(config)

@@ -1,5 +1,5 @@
 r"""Activation monitoring: the largest $|$activation$|$ each block outputs, collected with
-forward hooks (seed 003 reports max activations $\approx 100$ for Lipschitz transformers
+forward hooks (Newhouse et al. 2025, arXiv:2507.13338 reports max activations $\approx 100$ for Lipschitz transformers
 against very large ones for unconstrained baselines; small maxima are what makes fp8
 inference possible).
 
