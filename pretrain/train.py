@@ -80,6 +80,7 @@ from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, com
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
 
+
 @dataclass
 class TrainResult:
     """What a run returns: train losses by step, eval metrics, divergence verdict, wall time,
@@ -217,27 +218,6 @@ def _prepare_out_dir(path: str, overwrite: bool) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _portable_state(assignment: Assignment) -> dict:
-    """Optimizer states without the live objects of the groups (manifolds, regulators):
-    those are rebuilt by the strategy and re-attached on load."""
-    state = assignment.state_dict()
-    for opt_state in state.values():
-        for group in opt_state["param_groups"]:
-            group.pop("manifold", None)
-            group.pop("regulate", None)
-    return state
-
-
-def _load_portable_state(assignment: Assignment, state: dict) -> None:
-    for name, opt in assignment.optimizers.items():
-        if name in state:
-            for saved, live in zip(state[name]["param_groups"], opt.param_groups):
-                for key in ("manifold", "regulate"):
-                    if key in live:
-                        saved[key] = live[key]
-    assignment.load_state_dict(state)
-
-
 def save_checkpoint(path: str, payload: dict) -> None:
     """Write ``payload`` atomically to ``path``; the previous file becomes ``*.prev.pt``."""
     tmp = path + ".tmp"
@@ -261,10 +241,15 @@ def previous_checkpoint(path: str) -> str:
 
 
 def _read_checkpoint(path: str) -> dict:
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or "model" not in payload:
         raise ValueError("not a geomuon checkpoint")
     return payload
+
+
+def _first_sentence(err: Exception) -> str:
+    """The first sentence of an error (torch's zip errors go on with generic advice)."""
+    return str(err).split(". ")[0].strip() or type(err).__name__
 
 
 def load_checkpoint(path: str) -> dict:
@@ -276,15 +261,15 @@ def load_checkpoint(path: str) -> dict:
     try:
         return _read_checkpoint(path)
     except Exception as err:  # torch raises several types for a damaged zip archive
-        problem = f"checkpoint {path!r} is truncated or corrupt ({err})"
+        problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})"
     prev = previous_checkpoint(path)
     if not os.path.isfile(prev):
         raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
     try:
         step = _read_checkpoint(prev).get("step", "?")
     except Exception as err:
-        raise ValueError(f"{problem}; the previous checkpoint {prev!r} is corrupt too ({err}): no checkpoint "
-                         "of this run can be resumed, start again with --overwrite") from None
+        raise ValueError(f"{problem}; the previous checkpoint {prev!r} is corrupt too ({_first_sentence(err)}): "
+                         "no checkpoint of this run can be resumed, start again with --overwrite") from None
     raise ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over "
                      f"{path!r} to resume from it")
 
@@ -606,7 +591,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             payload = load_checkpoint(ckpt_path)
             _check_same_run(payload["config"], cfg)
             model.load_state_dict(payload["model"])
-            _load_portable_state(assignment, payload["optimizer"])
+            assignment.load_state_dict(payload["optimizer"])
             start = result.last_step = payload["step"]
             result.losses = {int(k): v for k, v in payload["losses"].items()}
             result.evals = payload["evals"]
@@ -668,16 +653,21 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         pending.clear()
         return True
 
+    def stop_if_asked(step: int) -> None:
+        """After a signal (on any rank): checkpoint the ``step`` steps done, then stop."""
+        signum = ddp.largest(request.signum)
+        if signum:
+            if on_disk:
+                _checkpoint(ckpt_path, model, assignment, cfg, step, result, log, t0, ddp)
+            raise TrainingInterrupted(step, signum, cfg.out_dir)
+
     progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")
     try:
         if not result.evals:  # the starting point of every curve
+            stop_if_asked(start)  # a signal during the set-up
             run_eval(0)
         for step in range(start, end):
-            signum = ddp.largest(request.signum)
-            if signum:
-                if on_disk:
-                    _checkpoint(ckpt_path, model, assignment, cfg, step, result, log, t0, ddp)
-                raise TrainingInterrupted(step, signum, cfg.out_dir)
+            stop_if_asked(step)
             factor = lr_factor(step, cfg)
             for group in assignment.param_groups:
                 group["lr"] = group["base_lr"] * factor
@@ -747,7 +737,7 @@ def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
 
 
 def _checkpoint(path, model, assignment, cfg, step, result, log: RunLog, t0: float, ddp: Distributed):
-    state = _portable_state(assignment)
+    state = assignment.state_dict()  # plain data: the groups hold manifold and regulator specs
     if ddp.enabled:  # each rank holds the state of the parameters it owns: merge them
         gathered = [None] * ddp.world
         dist.all_gather_object(gathered, state)
