@@ -1,7 +1,10 @@
 # One-command set-up: every target creates .venv on first use and installs the package
-# with its extras. torch is pinned through constraints.txt so a fresh machine takes the
-# CPU build instead of a multi-GB CUDA one.
+# with its extras. torch is pinned (constraints.txt, torch==2.13.0) and comes from pip's
+# configured sources: a machine with a local CPU wheel on pip's find-links (as CI's) takes
+# it; from PyPI alone, Linux gets the multi-GB CUDA build. TORCH_INDEX=URL installs torch
+# from that index first (PyTorch's CPU-only index: see the README).
 VENV   ?= .venv
+TORCH_INDEX ?=
 PYTHON ?= python3
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.geomuon-installed
@@ -12,6 +15,7 @@ export PIP_CONSTRAINT = $(CURDIR)/constraints.txt
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q torch --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test,docs]'
 	touch $(STAMP)
 
@@ -44,13 +48,14 @@ demo: $(STAMP)
 	  --out-dir 'runs/demo-{time}'
 
 # Headless Chromium for the docs' browser test (tests/test_docs.py). Installed with apt-get
-# only where that needs no question (root, or CI with passwordless sudo); elsewhere the
-# test skips and says what to install. A failed install does not stop `make test`: under
-# CI=true the browser test then fails with the reason.
+# only under CI=true (as root, or with passwordless sudo): a developer's `make test` never
+# installs system packages; there the test skips and says what to run. A failed install
+# does not stop `make test`: under CI=true the browser test then fails with the reason.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif [ "$$CI" = true ] && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
-	  else echo "note: chromium not found, the docs browser test will skip (install it: sudo apt-get install chromium)"; exit 0; fi; \
+	  if [ "$$CI" != true ]; then echo "note: chromium not found, the docs browser test will skip (to run it: sudo apt-get install chromium)"; exit 0; fi; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "warning: CI=true but no root or passwordless sudo to install chromium"; exit 0; fi; \
 	  echo "installing chromium for the docs browser test (log: $(VENV)/chromium-install.log)"; \
 	  mkdir -p $(VENV); \
 	  { $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; } \

@@ -275,7 +275,7 @@ def chromium() -> str:
             return shutil.which(candidate)
     message = (
         "headless Chromium not found: install Debian's `chromium` package "
-        "(sudo apt-get install chromium; `make test` does it when run as root or with CI=true), "
+        "(run: sudo apt-get install chromium; `make test` installs it only under CI=true), "
         "or point CHROMIUM at a Chrome/Chromium binary"
     )
     if os.environ.get("CI") == "true":
