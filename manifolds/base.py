@@ -366,6 +366,19 @@ class MatrixManifold(geoopt.Manifold):
         """Diagonal of $L_xL_x^*$ where it is diagonal, else ``None`` (the default)."""
         return None
 
+    # ---------------------------------------------------------------- capabilities (optional)
+    #: The $n\times n$ (Gram-space) form of the tangent constraint and of a retraction, a
+    #: :class:`~geomuon.manifolds.capabilities.GramForm`, or ``None`` (the default: the
+    #: steepest-descent engine then takes its general path). Declared by Stiefel, DGram and
+    #: Oblique; see :mod:`geomuon.manifolds.capabilities`.
+    gram_form: ClassVar[Any] = None
+
+    def dualizer_keeps_tangent(self, x: torch.Tensor, norm: str) -> bool:
+        """Whether the dualizer of ``norm`` (a name of :data:`geomuon.optimizers.NORMS`) maps
+        tangent vectors at ``x`` to tangent vectors, so that $\\Phi(P_xG)$ is the steepest
+        direction with no dual step (a closed form; default ``False``)."""
+        return False
+
     def defining_map(self, x: torch.Tensor) -> torch.Tensor:
         """$F(x)$ with $M = \\{F = 0\\}$ and $dF_x = L_x$ (optional)."""
         raise NotImplementedError(f"{type(self).__name__} defines no defining_map(x)")

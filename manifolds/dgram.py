@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import MatrixManifold, matrix_method
+from .capabilities import OrthogonalColumnsGram
 from .linalg import fp32_or_fp64, msign, sym
 
 __all__ = ["DGram"]
@@ -51,6 +52,7 @@ class DGram(MatrixManifold):
 
     name = "DGram"
     transposes_wide = True
+    gram_form = OrthogonalColumnsGram()
 
     def _squared_column_norms(self, x: torch.Tensor, what: str) -> torch.Tensor:
         d2 = x.square().sum(-2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import MatrixManifold, matrix_method
 from .linalg import fp32_or_fp64
+from .capabilities import UnitColumnsGram
 
 __all__ = ["Oblique"]
 
@@ -73,6 +74,7 @@ class Oblique(MatrixManifold):
     """
 
     name = "Oblique"
+    gram_form = UnitColumnsGram()
 
     @matrix_method("u", result="multiplier")
     def constraint(self, x, u):

@@ -37,6 +37,10 @@ class CenteredRouterSpace(MatrixManifold):
     name = "CenteredRouterSpace"
     aliases = ("centered_router",)
 
+    def dualizer_keeps_tangent(self, x, norm):
+        # Column scaling and msign keep 1^T A = 0 when 1^T X = 0.
+        return norm in ("spectral", "column")
+
     def shape_problem(self, m, n):
         if m < 2:
             return f"a router needs at least 2 experts (rows), got {m}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import MatrixManifold, matrix_method
+from .capabilities import OrthonormalGram
 from .linalg import fp32_or_fp64, msign, sym
 
 __all__ = ["Stiefel"]
@@ -37,6 +38,11 @@ class Stiefel(MatrixManifold):
 
     name = "Stiefel"
     transposes_wide = True
+    gram_form = OrthonormalGram()
+
+    def dualizer_keeps_tangent(self, x, norm):
+        # Square W: P_W G = W skew(W^T G), and msign(W S) = W msign(S) stays skew-tangent.
+        return norm == "spectral" and x.size(-1) == x.size(-2)
 
     @matrix_method("u", result="multiplier")
     def constraint(self, x, u):

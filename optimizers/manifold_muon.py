@@ -6,14 +6,26 @@ $$B \leftarrow \mu B + (1-\mu)G,\qquad \hat A = \arg\max_{A\in T_W\mathcal M,\ \
 \langle \tilde B, A\rangle\ \text{(the engine, warm-started)},\qquad
 W \leftarrow R_W(-\eta\,\hat A),$$
 
-with $\tilde B$ the (Nesterov) momentum of :mod:`geomuon.optimizers.base`, the direction from
-:func:`geomuon.optimizers.steepest.steepest_direction` (dual iterations in ``compute_dtype``,
-final tangent projection and rescaling in the parameter's dtype) and the manifold's own
-retraction in float32 (float64 for float64 parameters; bf16 parameters are upcast).
+with $\tilde B$ the (Nesterov) momentum of :mod:`geomuon.optimizers.base`.
+
+Two paths, one engine (the same dual ascent from the projection start, the same final
+tangent projection):
+
+* **Gram space** (:func:`geomuon.optimizers.gram.gram_step`), for a manifold that declares
+  a :attr:`~geomuon.manifolds.MatrixManifold.gram_form` (Stiefel, DGram, Oblique) under the
+  spectral norm: dual iterations on $n\times n$ matrices, the manifold's Gram-form
+  retraction folded into one $m\times n$ assembly, the dtype of every product stated there.
+* **General** (:func:`geomuon.optimizers.steepest.steepest_direction`), for every other
+  manifold × norm: dual iterations on $m\times n$ iterates in ``compute_dtype``, then the
+  manifold's ``retr`` in float32 (float64 for float64 parameters).
 
 Per-matrix state: the momentum buffer ($m\times n$) and the dual correction
 $\Lambda - \Lambda_0$ used as the next step's warm start (the multiplier's shape:
 $n\times n$ for Stiefel/DGram, $n$ for Oblique, nothing for unconstrained manifolds).
+
+Per-batch contract: :meth:`ManifoldMuon._direction` maps the stacked momentum of a
+same-shape batch to the stacked **new points** $R_W(-\eta\hat A)$ (the retraction is part of
+the assembly), and :meth:`ManifoldMuon._apply` writes them.
 """
 
 from __future__ import annotations
@@ -24,15 +36,18 @@ from typing import Any, Iterable
 import torch
 
 from geomuon.manifolds import MatrixManifold, retraction_dtype
+from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 from .base import MatrixOptimizer
-from .steepest import NORMS, steepest_direction
+from .gram import GramSettings, gram_step
+from .steepest import NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "polish_retraction", "DEFAULT_DUAL_STEPS"]
+__all__ = ["ManifoldMuon", "resolve_manifold", "DEFAULT_DUAL_STEPS"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
 #: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
 DEFAULT_DUAL_STEPS = 1
+_RETRACTIONS = ("fused", "manifold")
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
              "check_point_on_manifold")
 
@@ -49,57 +64,6 @@ def resolve_manifold(spec, where: str):
             "with the tangent-constraint interface of CONTRIBUTING.md (a manifolds.* class)"
         )
     return spec
-
-
-def polish_retraction(manifold, W: torch.Tensor, V: torch.Tensor, *, max_steps: int = 8) -> torch.Tensor:
-    r"""Retraction by a few cubic Newton–Schulz polishing steps, for Stiefel and DGram.
-
-    With $Y = W + V$ (transposed when wide) and $D = I$ (Stiefel) or
-    $D = \operatorname{diag}(\|y_j\|)$ (DGram), $X_0 = YD^{-1}$ is within $O(\|V\|)$ of
-    an orthonormal frame, so the cubic iteration
-    $X \leftarrow X - \tfrac12 X(X^\top X - I)$ (error $e \mapsto \tfrac34e^2$) reaches
-    round-off in one or two steps, where the manifold's 12-step Polar Express retraction
-    pays for a cold start. The result is $\operatorname{msign}(X_0)\,D$:
-
-    * Stiefel: exactly the manifold's retraction $\operatorname{msign}(W + V)$;
-    * DGram: $\operatorname{msign}(YD^{-1})D$, a retraction as well ($R(W, 0) = W$, and for
-      tangent $V$ the normalized direction's symmetric part $\operatorname{sym}(Q^\top\dot
-      X)$ vanishes, so $dR_W = \mathrm{id}$); it keeps column norms like ``DGram.retr``.
-
-    It stops when $\|X^\top X - I\|_F \le 32\,\varepsilon$ (predicting the last step's
-    error from the quadratic rate, without another Gram product). Falls back to
-    ``manifold.retr`` for other manifolds, when $\sigma_{\max}(X_0)$ may exceed the
-    iteration's basin ($\|X_0^\top X_0\|_\infty \ge 2.9$, i.e. a step of norm $\gtrsim 1.4$),
-    or when ``max_steps`` do not converge. Computed in float32 (float64 for float64 ``W``).
-    """
-    from geomuon.manifolds import DGram, Stiefel
-
-    if not isinstance(manifold, (Stiefel, DGram)):
-        return manifold.retr(W, V)
-    dtype = retraction_dtype(W.dtype)
-    Y = W.to(dtype) + V.to(dtype)
-    wide = Y.size(-2) < Y.size(-1)
-    Y = Y.mT if wide else Y
-    scale = Y.norm(dim=-2, keepdim=True) if isinstance(manifold, DGram) else None
-    if scale is not None and bool((scale == 0).any()):
-        return manifold.retr(W, V)  # raises the manifold's own error for a zero column
-    X = Y / scale if scale is not None else Y
-    eye = torch.eye(X.size(-1), dtype=dtype, device=X.device)
-    tol = 32 * torch.finfo(dtype).eps
-    for k in range(max_steps):
-        E = X.mT @ X - eye
-        err = float(E.norm(dim=(-2, -1)).amax())
-        if err <= tol:
-            break
-        if k == 0 and float((E + eye).abs().sum(-1).amax()) >= 2.9:
-            return manifold.retr(W, V)
-        X = X - 0.5 * (X @ E)
-        if 0.75 * err * err <= tol:
-            break
-    else:
-        return manifold.retr(W, V)
-    X = X * scale if scale is not None else X
-    return (X.mT if wide else X).to(W.dtype)
 
 
 class ManifoldMuon(MatrixOptimizer):
@@ -126,9 +90,12 @@ class ManifoldMuon(MatrixOptimizer):
             table, singular values within $[0.9935, 1.0012]$; the 5-step table's
             $[0.85, 1.14]$ caps the certified ratio near 0.89).
         compute_dtype: dtype of the dual iterations (default ``torch.bfloat16``).
-        retraction: ``"polish"`` (default: :func:`polish_retraction`, a few fp32 cubic
-            Newton–Schulz steps for Stiefel/DGram, the manifold's own elsewhere) or
-            ``"manifold"`` (always ``manifold.retr``).
+        dual_carry: take one more dual step after the last iterate into the warm start
+            (Gram path; default True: the dual ascent advances every optimizer step even
+            with ``dual_steps=0``, for the price of two $n\times n$ products).
+        retraction: ``"fused"`` (default: a manifold with a Gram form retracts inside the
+            Gram-space assembly with the form's retraction; any other manifold with its
+            ``retr``) or ``"manifold"`` (always the general path and ``manifold.retr``).
         certify_every: every this many steps, compute the exact duality certificate
             of each matrix's direction into :attr:`certificates` (0: never; it costs an
             SVD per matrix).
@@ -163,7 +130,8 @@ class ManifoldMuon(MatrixOptimizer):
         msign_method: str = "polar_express",
         msign_steps: int | None = 6,
         compute_dtype: torch.dtype | None = torch.bfloat16,
-        retraction: str = "polish",
+        dual_carry: bool = True,
+        retraction: str = "fused",
         certify_every: int = 0,
         nonfinite: str = "skip",
         regulate=None,
@@ -173,11 +141,18 @@ class ManifoldMuon(MatrixOptimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, manifold=manifold,
             norm=norm, dual_steps=dual_steps, dual_alpha=dual_alpha, warm_start=warm_start,
             msign_method=msign_method, msign_steps=msign_steps, compute_dtype=compute_dtype,
-            retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
+            dual_carry=dual_carry, retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
         )
-        self.certificates: dict[str, float] = {}
+        self._certified: dict[str, torch.Tensor] = {}
         self._checked = False
+        self._step_count = 0
         super().__init__(params, defaults)
+
+    @property
+    def certificates(self) -> dict[str, float]:
+        """``{parameter name: certified ratio}`` of the last certified step (read back from
+        the device here, never inside a step)."""
+        return {name: float(ratio) for name, ratio in self._certified.items()}
 
     def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
@@ -185,8 +160,8 @@ class ManifoldMuon(MatrixOptimizer):
             return
         if group["norm"] not in NORMS:
             raise ValueError(f"group {index}: unknown norm {group['norm']!r}; choose one of {list(NORMS)}")
-        if group["retraction"] not in ("polish", "manifold"):
-            raise ValueError(f"group {index}: retraction must be 'polish' or 'manifold', got {group['retraction']!r}")
+        if group["retraction"] not in _RETRACTIONS:
+            raise ValueError(f"group {index}: retraction must be one of {_RETRACTIONS}, got {group['retraction']!r}")
         if int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
         manifold = None
@@ -216,7 +191,8 @@ class ManifoldMuon(MatrixOptimizer):
         super()._rebuild_derived_state()
         # Loaded or copied weights may have left their manifold: check again.
         self._checked = False
-        self.certificates = getattr(self, "certificates", {})
+        self._certified = getattr(self, "_certified", {})
+        self._step_count = getattr(self, "_step_count", 0)
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
         return self._group_manifold(group) if group["manifold"] is not None else p.manifold
@@ -231,6 +207,7 @@ class ManifoldMuon(MatrixOptimizer):
         if not self._checked:
             self.check_on_manifold()
             self._checked = True
+        self._step_count += 1
         return super().step(closure)
 
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
@@ -238,40 +215,84 @@ class ManifoldMuon(MatrixOptimizer):
         dtype = retraction_dtype(params[0].dtype)
         return torch.stack([p.reshape(shape).to(dtype) for p in params])
 
+    def _gram_form(self, group: dict, manifold, shape: tuple[int, ...]):
+        """The manifold's Gram form when the Gram path serves this batch, else ``None``: the
+        spectral norm with the Polar Express dualizer and the fused retraction, on a shape
+        whose Gram side is the short one (a manifold that does not transpose wide points
+        would work on the long side)."""
+        form = getattr(manifold, "gram_form", None)
+        if form is None or group["norm"] != "spectral" or group["msign_method"] != "polar_express":
+            return None
+        if group["retraction"] != "fused" or (shape[-2] < shape[-1] and not manifold.transposes_wide):
+            return None
+        return form
+
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """The stacked new points $R_{cW}(-\\eta\\hat A)$ of a same-shape batch (see the module
+        docstring), in the retraction dtype; ``M`` is the stacked momentum ``[B, *shape]``."""
         manifold = self._manifold_of(group, params[0])
         states = [self.state[p] for p in params]
-        for p, state in zip(params, states):
+        for state in states:
             state["step"] = state.get("step", torch.tensor(0.0)) + 1
         W = self._points(group, params)
+        G = M.to(W.dtype)
+        lr = float(group["lr"])
+        shrink = 1.0 - lr * float(group["weight_decay"])
         warm = None
         if group["warm_start"] and all("dual_correction" in s for s in states):
             warm = torch.stack([s["dual_correction"] for s in states])
         every = int(group["certify_every"])
-        certify = "exact" if every and int(states[0]["step"].item()) % every == 0 else None
+        certify = bool(every) and self._step_count % every == 0
+        form = self._gram_form(group, manifold, W.shape)
+        if form is not None:
+            point, correction, ratio = self._gram_path(group, form, W, G, lr, shrink, warm, certify)
+        else:
+            point, correction, ratio = self._general_path(group, manifold, W, G, lr, shrink, warm, certify)
+        if group["warm_start"] and correction is not None:
+            for state, value in zip(states, correction):
+                state["dual_correction"] = value.clone()
+        if ratio is not None:
+            index = self.param_groups.index(group)
+            for p, value in zip(params, ratio.reshape(len(params), -1).mean(dim=-1)):
+                position = next(i for i, q in enumerate(group["params"]) if q is p)
+                self._certified[self._name(group, position, index)] = value
+        return point
+
+    def _gram_path(self, group, form, W, G, lr, shrink, warm, certify):
+        flip = W.size(-2) < W.size(-1)  # transposed geometry for wide points
+        Wt, Gt = (W.mT, G.mT) if flip else (W, G)
+        shape = Wt.shape
+        settings = GramSettings(
+            dual_steps=int(group["dual_steps"]), carry=bool(group["dual_carry"]), alpha=float(group["dual_alpha"]),
+            msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
+            compute_dtype=group["compute_dtype"],
+        )
+        flat = (-1, *shape[-2:])
+        if warm is not None:
+            warm = warm.reshape(-1, *warm.shape[W.dim() - 2:])
+        out = gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, settings, shrink)
+        point = out.point.reshape(shape)
+        correction = out.correction.reshape(*shape[:-2], *out.correction.shape[1:])
+        ratio = None
+        if certify:
+            T1, T2, Z0, S = out.direction_factors
+            Wf = shrink * Wt.reshape(flat)
+            ratio = certified_ratio(Gt.reshape(flat), Wf @ T1 + Z0 @ T2, Z0 + Wf @ S).reshape(shape[:-2])
+        return (point.mT if flip else point), correction, ratio
+
+    def _general_path(self, group, manifold, W, G, lr, shrink, warm, certify):
+        W = W * shrink if shrink != 1.0 else W
         result = steepest_direction(
-            manifold, W, M.to(W.dtype), group["norm"], preset=None, steps=int(group["dual_steps"]),
+            manifold, W, G, group["norm"], preset=None, steps=int(group["dual_steps"]),
             alpha=float(group["dual_alpha"]), decay=False, tol=0.0, init="projection",
             warm_start=warm, msign_method=group["msign_method"], msign_steps=group["msign_steps"],
-            compute_dtype=group["compute_dtype"], certify=certify, track_best=False, exact_norm=False,
-            safeguard=True,
+            compute_dtype=group["compute_dtype"], certify="exact" if certify else None, track_best=False,
+            exact_norm=False, safeguard=True,
         )
-        if group["warm_start"] and result.correction is not None:
-            for state, correction in zip(states, result.correction):
-                state["dual_correction"] = correction.clone()
-        if result.ratio is not None:
-            index = self.param_groups.index(group)
-            for p, ratio in zip(params, result.ratio.reshape(len(params), -1).mean(dim=-1).tolist()):
-                position = next(i for i, q in enumerate(group["params"]) if q is p)
-                self.certificates[self._name(group, position, index)] = ratio
-        return result.direction
+        point = manifold.retr(W, -lr * result.direction.to(W.dtype))
+        return point, result.correction, result.ratio
 
     def _apply(self, group: dict, params: list[torch.Tensor], update: torch.Tensor, lr: float) -> None:
-        manifold = self._manifold_of(group, params[0])
-        W = self._points(group, params)
-        if group["weight_decay"] != 0:
-            W = W * (1 - lr * group["weight_decay"])
-        retract = polish_retraction if group["retraction"] == "polish" else type(manifold).retr
-        W = retract(manifold, W, -lr * update.to(W.dtype))
-        for p, w in zip(params, W):
+        """Write the new points :meth:`_direction` returned (decay and retraction are in them)."""
+        for p, w in zip(params, update):
             p.copy_(w.reshape(p.shape))

@@ -43,7 +43,7 @@ from geomuon.manifolds.linalg import msign
 
 from .maps import col_norm, hybrid, row_norm
 
-__all__ = ["Norm", "NORMS", "SOLVER_PRESETS", "SteepestResult", "steepest_direction"]
+__all__ = ["Norm", "NORMS", "SOLVER_PRESETS", "SteepestResult", "steepest_direction", "certified_ratio"]
 
 
 @dataclass(frozen=True)
@@ -195,16 +195,19 @@ def _rms(H: torch.Tensor, batch: int) -> torch.Tensor:
     return H.pow(2).mean(dim=tuple(range(batch, H.dim()))).sqrt()
 
 
-def _closed_form(manifold, W: torch.Tensor, norm: Norm) -> bool:
-    from geomuon.manifolds import CenteredRouterSpace, Stiefel
+def certified_ratio(G: torch.Tensor, direction: torch.Tensor, iterate: torch.Tensor) -> torch.Tensor:
+    r"""The exact spectral-norm certificate of a tangent ``direction``: primal over dual,
 
-    if isinstance(manifold, CenteredRouterSpace):
-        # Column scaling and msign keep 1^T A = 0 when 1^T X = 0.
-        return norm.name in ("spectral", "column")
-    if isinstance(manifold, Stiefel):
-        # Square W: P_W G = W skew(W^T G), and msign(W S) = W msign(S) stays skew-tangent.
-        return norm.name == "spectral" and W.size(-1) == W.size(-2)
-    return False
+    $$\frac{\langle G, \hat A\rangle / \max(1, \|\hat A\|_2)}{\|Z\|_*},$$
+
+    where ``iterate`` $Z = G + L_W^*(\Lambda)$ is any dual iterate (so $\|Z\|_*$ bounds the
+    optimum from above). A zero optimum (zero $G$) reports 1. SVD-based, in the inputs'
+    dtype; ``[...]``.
+    """
+    primal = _inner(G, direction) / _spectral_value(direction, True).clamp_min(1.0)
+    dual = _nuclear(iterate)
+    tiny = torch.finfo(dual.dtype).tiny
+    return torch.where(dual > tiny, primal / dual.clamp_min(tiny), torch.ones_like(dual))
 
 
 def _gram_solve(manifold, W, rhs, gram_diag):
@@ -331,7 +334,8 @@ def steepest_direction(
         lam0 = -0.25 * LG if init_ == "reference" else torch.zeros_like(LG)
         B = G + manifold.constraint_adjoint(W, lam0)
     gram = manifold.constraint_gram_diag(W) if precond else None
-    if init_ == "projection" and warm_start is None and _closed_form(manifold, W, nrm):
+    keeps_tangent = getattr(manifold, "dualizer_keeps_tangent", None)
+    if init_ == "projection" and warm_start is None and keeps_tangent is not None and keeps_tangent(W, nrm.name):
         K = 0
     diagnose = certify_ is not None or tol_ > 0
 

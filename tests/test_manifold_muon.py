@@ -4,9 +4,9 @@ import geoopt
 import pytest
 import torch
 
-from geomuon.manifolds import DGram, Euclidean, Stiefel
+from geomuon.manifolds import DGram, Euclidean, Oblique, Stiefel
+from geomuon.manifolds.capabilities import gram_retraction
 from geomuon.optimizers import ManifoldMuon, msign
-from geomuon.optimizers.manifold_muon import polish_retraction
 
 
 def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold():
@@ -102,26 +102,35 @@ def test_euclidean_manifold_gives_a_unit_spectral_step():
     assert torch.allclose(step, msign(G.double(), method="svd").float(), atol=1e-4)
 
 
-def test_polish_retraction():
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram(), Oblique()], ids=["stiefel", "dgram", "oblique"])
+def test_gram_form_retraction_is_a_retraction_of_the_stated_order(manifold):
     gen = torch.Generator().manual_seed(4)
-    for manifold in (Stiefel(), DGram()):
-        W = manifold.random(20, 6, generator=gen)
-        V = manifold.proju(W, torch.randn(20, 6, generator=gen))
-        V = 0.05 * V / torch.linalg.matrix_norm(V, ord=2)
-        R = polish_retraction(manifold, W, V)
-        assert manifold.check_point_on_manifold(R)
-        assert torch.allclose(polish_retraction(manifold, W, torch.zeros_like(V)), W, atol=1e-6)
-        # a retraction agrees with W + tV to second order: halving t quarters the gap
-        gaps = [(polish_retraction(manifold, W.double(), t * V.double()) - (W.double() + t * V.double())).norm()
-                for t in (1.0, 0.5)]
-        assert 3.0 < (gaps[0] / gaps[1]).item() < 5.0
-    # Stiefel: the same map as the manifold's own retraction (fp32 round-off)
-    W = Stiefel().random(20, 6, generator=gen)
-    V = 0.05 * Stiefel().proju(W, torch.randn(20, 6, generator=gen))
-    assert torch.allclose(polish_retraction(Stiefel(), W, V), Stiefel().retr(W, V), atol=1e-5)
-    # a step outside the cubic iteration's basin falls back to the manifold's retraction
-    big = 10 * V / torch.linalg.matrix_norm(V, ord=2)
-    assert torch.allclose(polish_retraction(Stiefel(), W, big), Stiefel().retr(W, big), atol=1e-5)
+    W = manifold.random(20, 6, generator=gen, dtype=torch.float64)
+    if isinstance(manifold, DGram):
+        W = W * torch.logspace(-1, 1, 6, dtype=torch.float64)  # column norms over [0.1, 10]
+    V = manifold.proju(W, torch.randn(20, 6, generator=gen, dtype=torch.float64))
+    V = 0.05 * V / torch.linalg.matrix_norm(V, ord=2)
+    form = manifold.gram_form
+    R = gram_retraction(form, W, V, terms=6)
+    assert manifold.check_point_on_manifold(R, atol=1e-12)
+    assert torch.allclose(gram_retraction(form, W, torch.zeros_like(V)), W, atol=1e-14)
+    # order 1: R(tV) = W + tV + O(t^2), so halving t quarters the gap; order 2 also makes the
+    # gap's normal part the whole of it, i.e. the gap's tangent part is O(t^3).
+    gaps = [gram_retraction(form, W, t * V, terms=6) - (W + t * V) for t in (1.0, 0.5)]
+    assert 3.5 < (gaps[0].norm() / gaps[1].norm()).item() < 4.5
+    if form.retraction_order >= 2:
+        tangent = [manifold.proju(W, g).norm() for g in gaps]
+        assert 7.0 < (tangent[0] / tangent[1]).item() < 9.0
+    # negative control: the plain step W + V is off the manifold
+    assert not manifold.check_point_on_manifold(W + V, atol=1e-6)
+
+
+def test_gram_form_retraction_is_the_manifold_retraction_on_stiefel_and_oblique():
+    gen = torch.Generator().manual_seed(5)
+    for manifold in (Stiefel(), Oblique()):
+        W = manifold.random(20, 6, generator=gen, dtype=torch.float64)
+        V = 0.05 * manifold.proju(W, torch.randn(20, 6, generator=gen, dtype=torch.float64))
+        assert torch.allclose(gram_retraction(manifold.gram_form, W, V, terms=6), manifold.retr(W, V), atol=1e-12)
 
 
 def test_state_is_small():

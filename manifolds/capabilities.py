@@ -1,0 +1,212 @@
+r"""Optional capabilities a manifold declares so the steepest-descent engine can go fast.
+
+The engine asks, the manifold declares (geoopt's pattern); a manifold that declares
+nothing gets the general path of :func:`geomuon.optimizers.steepest.steepest_direction`.
+
+**Gram-space form** (:class:`GramForm`, the attribute ``MatrixManifold.gram_form``). For
+constraints of the form $L_W(A) = \mathcal C(W^\top A)$ with adjoint
+$L_W^*(\Lambda) = W\,S(\Lambda)$ (Stiefel, DGram, Oblique), every quantity of the dual
+iterations is an $n\times n$ matrix ($n$ the short side): with $Z = G + WS$,
+
+$$Z^\top Z = G^\top G + B^\top S + S^\top B + S^\top D S,\qquad B = W^\top G,\ D = W^\top W,$$
+
+$\operatorname{msign}(Z) = Z\,(Z^\top Z)^{-1/2}$, $W^\top\operatorname{msign}(Z) = (B + DS)(Z^\top Z)^{-1/2}$,
+so the $m\times n$ work of a step is $G^\top G$, $W^\top G$, $W^\top W$ and one assembly
+$W T_1 + G T_2$ (Polar Express, arXiv 2505.16932, appendix F; Dao-AILab's Gram
+Newton–Schulz). A form also carries the manifold's retraction as a right factor of its
+Gram matrix: $R_W(V) = Y\,\rho(Y^\top Y)$ with $Y = W + V$, so the retraction folds into the
+same assembly. Every map takes and returns tensors of the tall orientation ($m \ge n$;
+a manifold with ``transposes_wide`` hands wide points to the engine transposed).
+
+**Dualizer closed form** (``MatrixManifold.dualizer_keeps_tangent(x, norm)``): whether
+the norm's dualizer maps a tangent vector at ``x`` to a tangent vector, so that
+$\Phi(P_xG)$ is the steepest direction without dual steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GramForm", "inv_sqrt_near_identity", "gram_retraction"]
+
+#: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
+_INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)
+
+
+def inv_sqrt_near_identity(E: torch.Tensor, terms: int = 3, *, low_dtype: torch.dtype | None = None) -> torch.Tensor:
+    r"""$(I + E)^{-1/2} \approx \sum_{k=0}^{\text{terms}} \binom{-1/2}{k} E^k$ for symmetric ``E`` ``[..., n, n]``.
+
+    Truncation error $\le |c_{K+1}|\,\|E\|_2^{K+1}/(1 - \|E\|_2)$ ($K$ = ``terms``;
+    $c_4 = 35/128$): $4\cdot10^{-8}$ at $\|E\|_2 = 0.02$ with the default 3 terms. A
+    polynomial in $E$, so it commutes with every orthogonal change of basis.
+
+    Dtypes: $E$ and $E^2$ in ``E.dtype``; the powers $E^k$, $k\ge3$, in ``low_dtype``
+    (default: bf16 for float32 ``E``, whose relative error $2^{-8}$ on a term of size
+    $\|E\|^k$ stays below float32's round-off while $\|E\| \le 0.02$; ``E.dtype`` otherwise).
+    Returns ``E.dtype``.
+    """
+    if low_dtype is None:
+        low_dtype = torch.bfloat16 if E.dtype == torch.float32 else E.dtype
+    if not 0 <= terms < len(_INV_SQRT_SERIES):
+        raise ValueError(f"inv_sqrt_near_identity: terms must be in [0, {len(_INV_SQRT_SERIES) - 1}], got {terms}")
+    eye = torch.eye(E.size(-1), dtype=E.dtype, device=E.device)
+    out = eye + _INV_SQRT_SERIES[1] * E if terms >= 1 else eye.expand_as(E).clone()
+    power = E
+    for k in range(2, terms + 1):
+        power = E @ E if k == 2 else (power.to(low_dtype) @ E.to(low_dtype)).to(E.dtype)
+        out = out + _INV_SQRT_SERIES[k] * power
+    return out
+
+
+def _diag(M: torch.Tensor) -> torch.Tensor:
+    return torch.diagonal(M, dim1=-2, dim2=-1)
+
+
+class GramForm:
+    r"""The $n\times n$ form of a manifold's tangent constraint and retraction.
+
+    Subclasses define, for a tall point $W$ with $D = W^\top W$ (all ``[..., n, n]``
+    unless said otherwise; the multiplier has the manifold's multiplier shape):
+
+    * :meth:`project`: $\Sigma$ with $P_W(X) = X - W\Sigma$, from $M = W^\top X$;
+    * :meth:`constraint`: $L_W(A)$ from $M = W^\top A$;
+    * :meth:`adjoint`: $S$ with $L_W^*(\Lambda) = WS$;
+    * :meth:`gram_diag`: the diagonal of $L_WL_W^*$ (the Jacobi preconditioner);
+    * :meth:`retraction_factor`: $\rho$ with $R_W(V) = (W + V)\,\rho\big((W+V)^\top(W+V)\big)$.
+
+    Attributes:
+        retraction_order: the order of the retraction $Y\rho(Y^\top Y)$ (1: a retraction,
+            $R_W(tV) = W + tV + O(t^2)$; 2: second order, the curve's acceleration at 0
+            is normal).
+
+    Every map must be equivariant under the manifold's symmetry group acting on $n\times n$
+    quantities by conjugation, and computes in its inputs' dtype.
+    """
+
+    retraction_order = 1
+
+    def project(self, D: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+        """$\\Sigma$ with $P_W(X) = X - W\\Sigma$, from $D = W^\\top W$ and $M = W^\\top X$."""
+        raise NotImplementedError
+
+    def constraint(self, M: torch.Tensor) -> torch.Tensor:
+        """$L_W(A)$ from $M = W^\\top A$ (multiplier-shaped)."""
+        raise NotImplementedError
+
+    def adjoint(self, lam: torch.Tensor) -> torch.Tensor:
+        r"""$S$ with $L_W^*(\Lambda) = WS$, ``[..., n, n]``."""
+        raise NotImplementedError
+
+    def gram_diag(self, D: torch.Tensor) -> torch.Tensor:
+        """Diagonal of $L_WL_W^*$ from $D$ (multiplier-shaped, positive)."""
+        raise NotImplementedError
+
+    def retraction_factor(self, YtY: torch.Tensor, terms: int = 3) -> torch.Tensor:
+        r"""$\rho(Y^\top Y)$, so that $R_W(V) = Y\rho(Y^\top Y)$; ``terms`` of the series of
+        :func:`inv_sqrt_near_identity` where the form uses one."""
+        raise NotImplementedError
+
+
+def gram_retraction(form: GramForm, x: torch.Tensor, u: torch.Tensor, terms: int = 3) -> torch.Tensor:
+    r"""The form's retraction materialized: $Y\rho(Y^\top Y)$, $Y = x + u$ (tall ``[..., m, n]``).
+
+    What the engine folds into its assembly, for tests and for callers that hold a
+    direction; computed in ``x.dtype`` (the Gram product in that dtype).
+    """
+    Y = x + u
+    return Y @ form.retraction_factor(Y.mT @ Y, terms)
+
+
+class OrthonormalGram(GramForm):
+    r"""Stiefel: $\mathcal C(M) = M + M^\top$, $S(\Lambda) = 2\operatorname{sym}\Lambda$,
+    $\Sigma = \operatorname{sym}(M)$, $\operatorname{diag}(LL^*) = 4$, and the polar retraction
+    $\rho(Y^\top Y) = (Y^\top Y)^{-1/2}$ (second order; by the series of
+    :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a step of
+    length $\eta$ from a point on the manifold)."""
+
+    retraction_order = 2
+
+    def project(self, D, M):
+        return 0.5 * (M + M.mT)
+
+    def constraint(self, M):
+        return M + M.mT
+
+    def adjoint(self, lam):
+        return lam + lam.mT
+
+    def gram_diag(self, D):
+        return torch.full_like(D, 4.0)
+
+    def retraction_factor(self, YtY, terms=3):
+        eye = torch.eye(YtY.size(-1), dtype=YtY.dtype, device=YtY.device)
+        return inv_sqrt_near_identity(YtY - eye, terms)
+
+
+def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
+    return S - torch.diag_embed(_diag(S))
+
+
+class OrthogonalColumnsGram(GramForm):
+    r"""DGram: $\mathcal C(M) = \operatorname{Off}(M + M^\top)$,
+    $S(\Lambda) = 2\operatorname{Off}(\operatorname{sym}\Lambda)$,
+    $\Sigma_{ij} = (M + M^\top)_{ij}/(d_i^2 + d_j^2)$ off the diagonal, $\operatorname{diag}(LL^*)
+    = 2(d_i^2 + d_j^2)$ with $d_i^2 = D_{ii}$; and the column-norm-keeping polar retraction
+    of the normalized columns, $R_W(V) = \operatorname{msign}(Y\Delta^{-1/2})\,\Delta^{1/2}$,
+    $\Delta = \operatorname{diag}(Y^\top Y)$:
+
+    $$\rho(Y^\top Y) = \Delta^{-1/2}\,N^{-1/2}\,\Delta^{1/2},\qquad N = \Delta^{-1/2}\,Y^\top Y\,\Delta^{-1/2}$$
+
+    ($N$ has a unit diagonal; its off-diagonal part is $O(\eta^2/d_{\min}^2)$ for a tangent
+    step of length $\eta$, so the series of :func:`inv_sqrt_near_identity` is well
+    conditioned whatever the spread of the column norms). A retraction of order 1; it
+    keeps every column norm of $Y$ and is equivariant under signed column permutations.
+    ``DGram.retr`` is the other retraction $\operatorname{msign}(Y)\Delta^{1/2}$ (the same map
+    when the columns of $Y$ have equal norms).
+    """
+
+    retraction_order = 1
+
+    def project(self, D, M):
+        d2 = _diag(D)
+        return _off_diagonal(M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+
+    def constraint(self, M):
+        return _off_diagonal(M + M.mT)
+
+    def adjoint(self, lam):
+        return _off_diagonal(lam + lam.mT)
+
+    def gram_diag(self, D):
+        d2 = _diag(D)
+        return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+
+    def retraction_factor(self, YtY, terms=3):
+        root = _diag(YtY).sqrt()
+        N = YtY / (root.unsqueeze(-1) * root.unsqueeze(-2))
+        eye = torch.eye(YtY.size(-1), dtype=YtY.dtype, device=YtY.device)
+        return inv_sqrt_near_identity(N - eye, terms) * (root.unsqueeze(-2) / root.unsqueeze(-1))
+
+
+class UnitColumnsGram(GramForm):
+    r"""Oblique: $\mathcal C(M) = \operatorname{diag}(M)$ (multiplier ``[..., n]``),
+    $S(\lambda) = \operatorname{diag}(\lambda)$, $\Sigma = \operatorname{diag}(M_{jj}/D_{jj})$,
+    $\operatorname{diag}(LL^*) = D_{jj}$, and the normalization retraction
+    $\rho = \operatorname{diag}(Y^\top Y)^{-1/2}$ (exact; second order: the metric projection)."""
+
+    retraction_order = 2
+
+    def project(self, D, M):
+        return torch.diag_embed(_diag(M) / _diag(D))
+
+    def constraint(self, M):
+        return _diag(M)
+
+    def adjoint(self, lam):
+        return torch.diag_embed(lam)
+
+    def gram_diag(self, D):
+        return _diag(D)
+
+    def retraction_factor(self, YtY, terms=3):
+        return torch.diag_embed(_diag(YtY).rsqrt())
