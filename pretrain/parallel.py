@@ -20,12 +20,16 @@ all-to-alls per same-shape batch.
 
 from __future__ import annotations
 
+import collections
+import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["OwnerGather", "ddp"]
+from geomuon.optimizers.distributed import is_sharded, shard_rows, whole
+
+__all__ = ["OwnerGather", "ddp", "fsdp", "full_state"]
 
 
 @dataclass
@@ -106,3 +110,64 @@ def ddp(model, assignment, cfg, ddp):
 
     module = DistributedDataParallel(model, find_unused_parameters=bool(model.config.n_experts))
     return Parallel(module, before_step, handout.gather)
+
+
+def fsdp(model, assignment, cfg, ddp):
+    """``--parallel fsdp``: ``fully_shard`` every block and the root (in place, so the
+    model's parameters become ``Shard(0)`` DTensors), the optimizers moved onto the
+    sharded parameters (their state too: entries of a parameter's shape are split into
+    its row shards, the others kept), and a full replica for evaluation and checkpoints,
+    refreshed by ``Parallel.full_model`` (an all-gather per parameter, on every rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from geomuon.pretrain.train import Parallel
+
+    replica = copy.deepcopy(model)
+    before = dict(model.named_parameters())
+    for block in model.h:
+        fully_shard(block)
+    fully_shard(model)
+    after = dict(model.named_parameters())
+    moved = {id(before[name]): after[name] for name in before}
+    for opt in assignment.optimizers.values():
+        for group in opt.param_groups:
+            group["params"] = [moved[id(p)] for p in group["params"]]
+        opt.state = collections.defaultdict(
+            dict, {moved[id(p)]: {k: _shard_like(v, moved[id(p)]) for k, v in s.items()} for p, s in opt.state.items()})
+    mirror = [(p, after[name]) for name, p in replica.named_parameters()]
+
+    @torch.no_grad()
+    def full_model():
+        for full, sharded in mirror:
+            full.copy_(whole(sharded.detach()))
+        return replica
+
+    return Parallel(model, _nothing, _nothing, full_model)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _shard_like(value, param):
+    """``value`` split like ``param`` when it is a full tensor of ``param``'s shape."""
+    if not (isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == param.shape):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    rows = shard_rows(param.shape[0], param.device_mesh.size())
+    rank = param.device_mesh.get_local_rank()
+    first = sum(rows[:rank])
+    local = value[first:first + rows[rank]].clone()
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def full_state(state):
+    """``state`` (nested dicts/lists of tensors) with every ``DTensor`` replaced by its full
+    tensor: a collective, so every rank calls it in the same order."""
+    if isinstance(state, dict):
+        return {k: full_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(full_state(v) for v in state)
+    return whole(state) if isinstance(state, torch.Tensor) else state

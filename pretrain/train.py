@@ -76,9 +76,11 @@ import torch.distributed as dist
 
 from geomuon.manifolds.linalg import power_iteration
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
+from geomuon.optimizers.distributed import whole
 from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
+from geomuon.pretrain.parallel import full_state
 
 
 @dataclass
@@ -409,6 +411,9 @@ class Parallel:
     module: torch.nn.Module
     before_step: Callable[[], None]
     after_step: Callable[[], None]
+    #: the whole model for evaluation and checkpoints, called on every rank (FSDP gathers
+    #: the shards into a replica); ``None``: the model itself
+    full_model: Callable[[], torch.nn.Module] | None = None
 
 
 def parallelize(model: GPT, assignment: Assignment, cfg: TrainConfig, ddp: Distributed) -> Parallel:
@@ -606,6 +611,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)
 
     parallel = parallelize(model, assignment, cfg, ddp)
+    whole_model = parallel.full_model or (lambda: model)
     train_model = torch.compile(parallel.module) if cfg.compile else parallel.module
     use_bf16 = device.type == "cuda"
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
@@ -619,14 +625,15 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # steps whose loss is on the device
 
     def run_eval(step: int) -> None:
+        evaluated = whole_model()  # every rank: FSDP gathers the shards
         if ddp.main:
             final = step == cfg.steps and cfg.final_eval_batches is not None
             batches = cfg.final_eval_batches if final else cfg.eval_batches
             evaluation = Evaluation(step, data, batches, cfg.batch_size, block_size, val_seed, device)
             record = {"kind": "eval", "step": step, "time": time.perf_counter() - t0,
-                      **evaluate(model, evaluation, autocast), **weight_metrics(assignment, model)}
+                      **evaluate(evaluated, evaluation, autocast), **weight_metrics(assignment, evaluated)}
             if extra_metrics is not None:
-                record.update(extra_metrics(model, evaluation))
+                record.update(extra_metrics(evaluated, evaluation))
             result.evals.append(record)
             log.write(record)
             result.diverged |= not math.isfinite(record["val_loss"])
@@ -658,7 +665,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         signum = ddp.largest(request.signum)
         if signum:
             if on_disk:
-                _checkpoint(ckpt_path, model, assignment, cfg, step, result, log, t0, ddp)
+                _checkpoint(ckpt_path, whole_model(), assignment, cfg, step, result, log, t0, ddp)
             raise TrainingInterrupted(step, signum, cfg.out_dir)
 
     progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")
@@ -673,7 +680,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
                 group["lr"] = group["base_lr"] * factor
             loss = accumulate_gradients(train_model, _micro_batches(data, cfg, step, block_size, ddp, device),
                                         autocast)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+            grad_norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")))
             parallel.before_step()
             assignment.step()
             parallel.after_step()
@@ -690,7 +697,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             if evaluate_now:
                 run_eval(done)
             if save_now and not result.diverged:
-                _checkpoint(ckpt_path, model, assignment, cfg, done, result, log, t0, ddp)
+                _checkpoint(ckpt_path, whole_model(), assignment, cfg, done, result, log, t0, ddp)
             if result.diverged:
                 break
     finally:
@@ -737,13 +744,15 @@ def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
 
 
 def _checkpoint(path, model, assignment, cfg, step, result, log: RunLog, t0: float, ddp: Distributed):
-    state = assignment.state_dict()  # plain data: the groups hold manifold and regulator specs
+    # plain data (the groups hold manifold and regulator specs); FSDP's shards gathered (every rank)
+    state = full_state(assignment.state_dict())
     if ddp.enabled:  # each rank holds the state of the parameters it owns: merge them
         gathered = [None] * ddp.world
         dist.all_gather_object(gathered, state)
         for other in gathered:
             for name, opt_state in other.items():
-                state[name]["state"].update(opt_state["state"])
+                for index, entry in opt_state["state"].items():
+                    state[name]["state"].setdefault(index, {}).update(entry)
     if ddp.main:
         save_checkpoint(path, {
             "model": model.state_dict(),
