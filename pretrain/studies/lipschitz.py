@@ -134,9 +134,10 @@ def report(results, size, meta, figure_dir) -> str:
         + f"these runs see {tokens / 1e6:.2f}M characters ({tokens / (2000 * 64 * 256):.1%} of that) "
         "at one learning rate per optimizer chosen by a two-point probe (quoted above), so the "
         "accuracies here are those of an early-training model "
-        "and are not comparable in level. Our certified bound is also not the paper's formula: it "
-        "counts the multi-head attention rule and GELU's Lipschitz constant once "
-        "(`geomuon.theory.lipschitz`), so for the same weights it is never smaller than the reference code's bound. "
+        "and are not comparable in level. Our certified bound is also not the paper's formula: it is "
+        "proved for multi-head attention, where the paper's one-head formula applied to the full "
+        "matrices can understate the constant, and counts GELU's Lipschitz constant once "
+        "(`geomuon.theory.lipschitz`, the tight bound). "
         "What the runs do show is the ordering at equal compute: the accuracy each method reaches "
         "and the bound and activation scale it pays for it."
     )
