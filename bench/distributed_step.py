@@ -94,7 +94,7 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
     """One optimizer and mode on this process (its rank of the world, or alone)."""
     import torch.distributed as dist
 
-    from geomuon.optimizers.distributed import shard_rows, sharding_stats, whole
+    from geomuon.optimizers.distributed import as_shard, local_rows, sharding_stats, whole
 
     clock = CLOCKS[clock_name]
     shape_list = shapes(width, layers)
@@ -104,7 +104,7 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
     handout = None
     if mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+        from torch.distributed.tensor import Shard, distribute_tensor
 
         mesh = init_device_mesh("cpu", (world,))
         params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in start_points]
@@ -123,10 +123,7 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
     for step in range(steps):
         for p, g, mine in zip(params, gradient(step, shape_list), owned):
             if mode == "fsdp":  # this rank's rows of the gradient, as FSDP2's reduce-scatter leaves them
-                first = sum(shard_rows(p.shape[0], world)[:rank])
-                rows = p.to_local().shape[0]
-                p.grad = DTensor.from_local(g[first:first + rows], p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
+                p.grad = as_shard(local_rows(g, p), p)
             else:
                 p.grad = g if mine else None
         spent.append(0.0)

@@ -61,8 +61,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "sharded_matrix_step", "shard_rows",
-           "sharding_stats"]
+__all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "local_rows", "as_shard", "shard_rows",
+           "sharded_matrix_step", "sharding_stats"]
 
 
 
@@ -106,12 +106,23 @@ def whole(p: torch.Tensor) -> torch.Tensor:
 
 def write_whole(p: torch.Tensor, value: torch.Tensor) -> None:
     """``p.copy_(value)`` for a full ``value``; a ``DTensor`` keeps its own rows of it."""
-    if not is_sharded(p):
+    if is_sharded(p):
+        p.to_local().copy_(local_rows(value, p))
+    else:
         p.copy_(value)
-        return
-    rows, rank = _layout(p, "write_whole")
+
+
+def local_rows(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the full tensor ``value``, split like the ``DTensor`` ``like``."""
+    rows, rank = _layout(like, "local_rows")
     start = sum(rows[:rank])
-    p.to_local().copy_(value[start:start + rows[rank]])
+    return value[start:start + rows[rank]]
+
+
+def as_shard(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The ``DTensor`` whose shard on this rank is ``local``, placed and shaped like ``like``."""
+    return _dtensor_module().DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                                shape=like.shape, stride=like.stride())
 
 
 def shard_rows(size: int, world: int) -> list[int]:
@@ -260,14 +271,10 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     # 4. back: the owner's rows for every rank
     starts = [sum(rows[:r]) for r in range(world)]
     outgoing = [[r[starts[d]:starts[d] + rows[d]] for r in results] for d in range(world)]
-    # the update map returns its input's dtype (the per-batch contract), so every rank,
-    # owner or not, knows what comes back without another message
+    # updates travel in the stack's dtype (what the maps return), new weights in the
+    # parameters': every rank, owner or not, knows what comes back without another message
     back_dtype = dtype if elementwise else params[0].dtype
-    if results and results[0].dtype != back_dtype:
-        raise TypeError(
-            f"{where}: _direction returned {results[0].dtype} for a {dtype} stack; the sharded step "
-            "needs the per-batch contract (the update in the stack's dtype)"
-        )
+    results = [r.to(back_dtype) for r in results]
     incoming = [[((rows[rank], *tail), back_dtype) for i in range(len(params)) if owner[i] == s] for s in range(world)]
     back = _all_to_all(outgoing, incoming, group_handle, rank, stats)
     local = [None] * len(params)
@@ -285,9 +292,4 @@ def _apply_shards(optimizer, group: dict, params: list[torch.Tensor], local_upda
                   lr: float) -> None:
     """``_apply`` on the parameters with the update rows wrapped as ``DTensor`` shards
     (so shape-dependent factors see the global matrix shape)."""
-    updates = [
-        _dtensor_module().DTensor.from_local(u.to(p.dtype), p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                           stride=p.stride())
-        for u, p in zip(local_updates, params)
-    ]
-    optimizer._apply(group, params, updates, lr)
+    optimizer._apply(group, params, [as_shard(u.to(p.dtype), p) for u, p in zip(local_updates, params)], lr)

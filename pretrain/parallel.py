@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from geomuon.optimizers.distributed import is_sharded, shard_rows, whole
+from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, whole
 
 __all__ = ["OwnerGather", "ddp", "fsdp", "full_state"]
 
@@ -151,16 +151,9 @@ def _nothing() -> None:
 
 def _shard_like(value, param):
     """``value`` split like ``param`` when it is a full tensor of ``param``'s shape."""
-    if not (isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == param.shape):
-        return value
-    from torch.distributed.tensor import DTensor
-
-    rows = shard_rows(param.shape[0], param.device_mesh.size())
-    rank = param.device_mesh.get_local_rank()
-    first = sum(rows[:rank])
-    local = value[first:first + rows[rank]].clone()
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == param.shape:
+        return as_shard(local_rows(value, param).clone(), param)
+    return value
 
 
 def full_state(state):
