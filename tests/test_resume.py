@@ -78,8 +78,8 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
 # ----------------------------------------------------------------------------- interrupts
 
 GEOMUON = [sys.executable, "-m", "geomuon.cli"]
-# AdamW state (moments, step counts) is resumed too; 20 steps of the tiny model take < 1 s
-SMALL = ["--config", "cpu-tiny", "--strategy", "adamw", "--steps", "20", "--batch-size", "4", "--block-size", "32",
+# AdamW state (moments, step counts) is resumed too; 40 steps of the tiny model take ~1 s
+SMALL = ["--config", "cpu-tiny", "--strategy", "adamw", "--steps", "40", "--batch-size", "4", "--block-size", "32",
          "--eval-every", "8", "--eval-batches", "1", "--warmup-steps", "3", "--log-every", "1", "--adamw-lr", "3e-3",
          "--no-progress", "--no-print-table"]
 # the subprocess uses this process's thread count: CPU reductions are bit-reproducible only then
@@ -113,11 +113,11 @@ def _records(path):
 
 def test_sigint_saves_and_the_printed_command_resumes_bit_identically(tmp_path, capsys):
     """A real SIGINT to a running ``geomuon pretrain``: exit 130, a checkpoint at the
-    interrupted step (between evaluations and checkpoints: ``--ckpt-every 0`` would not
-    have written one), one line with the command; that command finishes the run, whose
+    interrupted step (the only one before the end: ``--ckpt-every 1000``), one line with
+    the command; that command finishes the run, whose
     weights and log equal an uninterrupted run's bit for bit (times aside)."""
     out = tmp_path / "interrupted"
-    proc = _start([*SMALL, "--out-dir", str(out)])
+    proc = _start([*SMALL, "--ckpt-every", "1000", "--out-dir", str(out)])  # no scheduled checkpoint before 40
     _, err = _signal_after_step(proc, out / "log.jsonl", 3, signal.SIGINT)
     assert proc.returncode == 130, err
     line = err.strip().splitlines()[-1]
@@ -125,14 +125,14 @@ def test_sigint_saves_and_the_printed_command_resumes_bit_identically(tmp_path, 
     command = shlex.split(line.split("resume with: ", 1)[1])
     assert command[:2] == ["geomuon", "pretrain"] and "--resume" in command
     saved = load_checkpoint(str(out / "ckpt.pt"))
-    assert saved["step"] == step and 3 < step < 20 and step % 8  # not a scheduled checkpoint
+    assert saved["step"] == step and 3 < step < 40  # the interrupt wrote it
     # the printed command, through the same command line, in this process
     assert cli(command[1:]) == 0
     assert f"resumed from {out / 'ckpt.pt'} at step {step}" in capsys.readouterr().out
     whole = tmp_path / "whole"
-    assert cli(["pretrain", *SMALL, "--out-dir", str(whole)]) == 0
+    assert cli(["pretrain", *SMALL, "--ckpt-every", "1000", "--out-dir", str(whole)]) == 0
     final, expected = (load_checkpoint(str(d / "ckpt.pt")) for d in (out, whole))
-    assert final["step"] == expected["step"] == 20
+    assert final["step"] == expected["step"] == 40
     for name, value in expected["model"].items():
         assert torch.equal(final["model"][name], value), name
     assert _records(out / "log.jsonl") == _records(whole / "log.jsonl")
@@ -150,11 +150,12 @@ def _signal_at_evaluation(step, signum):
 
 def test_sigterm_before_the_first_checkpoint_still_leaves_one(tmp_path):
     cfg = config(tmp_path / "run", strategy="adamw", eval_every=3, ckpt_every=100)
+    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(TrainingInterrupted) as stop:
         train(cfg, extra_metrics=_signal_at_evaluation(3, signal.SIGTERM))
     assert (stop.value.step, stop.value.exit_code) == (3, 143)
     assert load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["step"] == 3  # the scheduled one was at 100
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone with the run
+    assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler is gone with it
 
 
 def test_resumed_log_has_the_fields_and_order_of_an_uninterrupted_one(tmp_path):
