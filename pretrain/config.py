@@ -73,11 +73,9 @@ class Option:
             return "one of: " + ", ".join(self.choices())
         if self.at_least is not None and self.at_most is not None:
             return f"in [{self.at_least:g}, {self.at_most:g}]"
-        if self.above is not None:
-            return f"> {self.above:g}"
-        if self.at_least is not None:
-            return f"≥ {self.at_least:g}"
-        return self.syntax
+        bounds = [f"{sign} {bound:g}" for sign, bound in (("≥", self.at_least), (">", self.above), ("≤", self.at_most))
+                  if bound is not None]
+        return " and ".join(bounds) or self.syntax
 
     def problem(self, flag: str, kind: type, value) -> str | None:
         """Why ``value`` is not valid for this option (``None`` if it is)."""
@@ -306,10 +304,9 @@ def add_options(parser: argparse.ArgumentParser, cls, *, exclude: Iterable[str] 
                             metavar=f.name.upper(), help=text)
 
 
-def from_args(cls, args: argparse.Namespace, **fixed):
-    """An instance of ``cls`` from the parsed options (``fixed`` sets the others)."""
-    given = {f.name: getattr(args, f.name) for f, *_ in _options(cls) if hasattr(args, f.name)}
-    return cls(**{**given, **fixed})
+def from_args(cls, args: argparse.Namespace):
+    """An instance of ``cls`` from the parsed options (a field without an option keeps its default)."""
+    return cls(**{f.name: getattr(args, f.name) for f, *_ in _options(cls) if hasattr(args, f.name)})
 
 
 def command_line(prefix: str, *configs, exclude: Iterable[str] = (), defaults: dict | None = None) -> str:
