@@ -456,11 +456,16 @@ def accumulate_gradients(module: torch.nn.Module, micro_batches: list[tuple[torc
 def _micro_batches(data: TokenData, cfg: TrainConfig, step: int, block_size: int, ddp: Distributed,
                    device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's slices of the step's ``grad_accum`` micro-batches: the rows ``k·B + r·B/w``
-    to ``k·B + (r+1)·B/w`` of the ``grad_accum × B`` windows drawn for the step."""
+    to ``k·B + (r+1)·B/w`` of the ``grad_accum × B`` windows drawn for the step. On CUDA
+    they travel from pinned memory, asynchronously: a copy from pageable memory would
+    make the host wait for the device at every step."""
     x, y = data.batch("train", cfg.batch_size * cfg.grad_accum, block_size, cfg.seed, step)
+    if device.type == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
     share = cfg.batch_size // ddp.world
     starts = (k * cfg.batch_size + ddp.rank * share for k in range(cfg.grad_accum))
-    return [(x[s : s + share].to(device), y[s : s + share].to(device)) for s in starts]
+    return [(x[s : s + share].to(device, non_blocking=True), y[s : s + share].to(device, non_blocking=True))
+            for s in starts]
 
 
 def train(cfg: TrainConfig, data: TokenData | None = None, *,

@@ -366,3 +366,14 @@ def test_the_loop_brings_the_loss_to_the_host_only_every_log_every_steps(tmp_pat
     calls.clear()
     train(tiny(tmp_path, out_dir=None, steps=20, eval_every=20, log_every=1))
     assert len(calls) == 20
+
+
+def test_many_processes_need_a_parallel_mode_and_a_divisible_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    with pytest.raises(ValueError, match=r"2 processes \(WORLD_SIZE\) but --parallel none; choose --parallel ddp"):
+        tiny(tmp_path).validate()
+    with pytest.raises(ValueError, match=r"--batch-size 3 must be a multiple of the 2 processes"):
+        tiny(tmp_path, parallel="ddp", batch_size=3).validate()
+    tiny(tmp_path, parallel="ddp").validate()  # the control: a valid torchrun configuration
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tiny(tmp_path).validate()
