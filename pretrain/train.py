@@ -653,7 +653,8 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 result.diverged = True
                 log.write({"kind": "diverged", "step": step, "loss": loss, "grad_norm": norm})
-                say(f"step {step}: non-finite loss {loss} or gradient norm {norm}; stopping")
+                note = progress.write if progress is not None else say  # above the bar, not through it
+                note(f"step {step}: non-finite loss {loss} or gradient norm {norm}; stopping")
                 pending.clear()
                 return False
             result.losses[step] = loss
