@@ -317,11 +317,9 @@ def residual_mlp_bound(
     if method == "simple":
         return ResidualMLPBound(residual_lipschitz(a, gain * GELU_LIPSCHITZ), ((1 - a) + a * gain) * radius)
     P = w_out.detach().double() @ w_in.detach().double()
-    eye = torch.eye(P.size(0), dtype=P.dtype)
-    half = 0.5
-    lipschitz = _sigma((1 - a) * eye + a * gelu_scale * half * P) + a * (GELU_LIPSCHITZ - half) * gain
-    radius_out = (_sigma((1 - a) * eye + a * gelu_scale * half * P) + a * half * gain) * radius
-    return ResidualMLPBound(lipschitz, radius_out)
+    # the same centred linear part serves both: GELU' and GELU(z)/z both have midpoint 1/2
+    centred = _sigma((1 - a) * torch.eye(P.size(0), dtype=P.dtype) + a * gelu_scale * 0.5 * P)
+    return ResidualMLPBound(centred + a * (GELU_LIPSCHITZ - 0.5) * gain, (centred + a * 0.5 * gain) * radius)
 
 
 @dataclass
