@@ -350,7 +350,10 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
         if self.config.lipschitz:  # unit RMS per token: the input has norm sqrt(d)
-            x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)).to(x.dtype)
+            # at least fp32 (bf16 tables), float64 when the model is: the certified bound's
+            # domain is token RMS <= 1, which a float32 normalisation misses by ~6e-8
+            wide = x.to(torch.promote_types(x.dtype, torch.float32))
+            x = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True).clamp_min(1e-12))).to(x.dtype)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(idx.size(1), device=idx.device))
         return x
