@@ -10,36 +10,32 @@ final tangent projection) followed by the manifold's retraction:
    $Z_0 = P_WG = G - W\Sigma_0$, $B_0 = W^\top Z_0 = B - D\Sigma_0$ and $K = Z_0^\top Z_0$.
 2. Dual iterates $Z = Z_0 + WS$, $S = \mathrm{adjoint}(\Delta)$ for the multiplier
    correction $\Delta$ (the warm start): $Q = Z^\top Z = K + B_0^\top S + S^\top B_0 + S^\top DS$,
-   $P \approx Q^{-1/2}$ by Polar Express on $Q$ (:func:`gram_msign`: $\operatorname{msign}(Z) = ZP$),
+   $P \approx Q^{-1/2}$ by Polar Express on the Cholesky factor of $Q$ (:func:`gram_msign`:
+   $\operatorname{msign}(Z) = ZP$),
    $W^\top\operatorname{msign}(Z) = M = B_0P + DSP$, $H = \mathcal C(M)$ (the dual gradient),
    $\Delta \leftarrow \Delta - \alpha\,\sigma\,H\oslash\operatorname{diag}(LL^*)$ with
    $\sigma = \operatorname{tr}(QP)/\|ZP\|_F^2$ (:func:`jacobi_update`).
 3. The direction $\hat A = P_W(ZP) = WT_1 + Z_0T_2$, $T_1 = SP - \mathrm{project}(D, M)$,
-   $T_2 = P$; the retraction $Y = W - \eta\hat A$ has
-   $Y^\top Y = D - \eta(W^\top\hat A + \hat A^\top W) + \eta^2\hat A^\top\hat A$, all from the
-   $n\times n$ quantities, and $R_W(-\eta\hat A) = Y\rho(Y^\top Y) = WU + Z_0V$ with
-   $U = (I - \eta T_1)\rho$, $V = -\eta T_2\rho$ (:func:`assemble`).
+   $T_2 = P$, and the retraction folded into its assembly:
+   $R_W(-\eta\hat A) = Y\rho(Y^\top Y)$, $Y = W(I - \eta T_1) - \eta Z_0T_2$ (:func:`retract`).
 
-**Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off, $\kappa$
-the condition number of $Z_0$):
+**Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off):
 
-* fp32 (the parameter's retraction dtype; fp64 for fp64), because they decide where the
-  new point lies: $D$, $B$, $Z_0$ (the retraction corrects $W$ with the $D$ it measures, so
-  an error $\delta$ in $D$ leaves $W^\top W$ off by $\delta$); $K = Z_0^\top Z_0$ and the
-  products of $\hat A^\top\hat A$ (it enters $Y^\top Y$ times $\eta^2$, but through
-  $T_2^\top KT_2$ with $T_2 \approx Q^{-1/2}$, so an error of $K$ is amplified by $\kappa^2$:
-  bf16 left $\|W^\top W - I\|_{\max} = 10^{-5}$ after one step at $\eta = 0.023$ with a mostly
-  normal gradient, $\kappa \approx 50$); $B_0P$ (it enters $W^\top\hat A$, multiplied by $\eta$:
-  bf16 would leave $\eta u \approx 10^{-4}$); $E^2$ of the retraction series; and the
-  assembly $WU + Z_0V$ ($U - I = O(\eta)$: bf16 would again cost $\eta u$).
-* bf16 (``compute_dtype``): every $n\times n$ product of the dual iterations (they choose
-  the direction: their error lowers its quality by $O(u)$, which the certificate measures,
-  and never moves the point off the manifold, because the direction is re-projected and
-  the retraction uses the fp32 Gram matrices of the direction actually assembled), the
-  and the products of $\operatorname{Off}(D)$ (of the size of $W$'s own feasibility error).
+* fp32 (the parameter's retraction dtype; fp64 for fp64): $B = W^\top G$ and $Z_0$ (a
+  gradient that is mostly normal keeps its small tangent part only if the projection is
+  formed to fp32 accuracy), $K = Z_0^\top Z_0$ and $Q$ (the Cholesky factorization needs $Q$
+  positive definite; a bf16 Gram is not, at the round-off of its largest entries), the
+  Cholesky factor and the triangular solve, and the retraction: $Y$, $Y^\top Y$ and
+  $Y\rho$ (feasibility: the new point is as close to the manifold as these are exact).
+* $D$: the squared column norms (elementwise, exact) where the form declares
+  ``diagonal_gram``, else an fp32 product.
+* bf16 (``compute_dtype``): the Polar Express products on the Cholesky factor, and the
+  $n\times n$ products that only choose the direction ($SP$, $B_0P$): their error lowers the direction's quality by $O(u)$,
+  which the certificate measures, and never moves the point off the manifold.
 
 CPU bf16 matrix products round their output to bf16 (torch has no fp32-output bf16
-``mm`` on CPU), so split-precision products cannot recover fp32 accuracy from bf16 units.
+``mm`` on CPU), so split-precision products cannot recover fp32 accuracy from bf16 units:
+the fp32 products above are the floor of this step's cost on such a machine.
 
 Everything is a polynomial in, or a conjugation of, these Gram matrices, so the map is
 equivariant under the manifold's symmetry group (up to round-off), and no step reads a
@@ -55,7 +51,7 @@ import torch
 from geomuon.manifolds.capabilities import GramForm
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
-__all__ = ["GramSettings", "GramStep", "gram_step", "gram_msign", "jacobi_update", "assemble"]
+__all__ = ["GramSettings", "GramStep", "gram_step", "gram_msign", "jacobi_update", "retract"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +78,7 @@ class GramSettings:
     alpha: float = 1.0
     msign_steps: int = 6
     compute_dtype: torch.dtype | None = torch.bfloat16
-    retraction_terms: int = 3
+    retraction_terms: int = 6
 
     def __post_init__(self) -> None:
         if self.dual_steps < 0:
@@ -178,14 +174,21 @@ def jacobi_update(form: GramForm, D: torch.Tensor, Q: torch.Tensor, P: torch.Ten
     return torch.where(diag > 0, (-alpha * sigma) * H / diag.clamp_min(tiny), torch.zeros_like(H))
 
 
-def assemble(W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor, T2: torch.Tensor, rho: torch.Tensor,
-             lr: float, shrink: float = 1.0) -> torch.Tensor:
-    r"""$R_{W'}(-\eta\hat A) = (W' - \eta(W'T_1 + Z_0T_2))\rho = W(cU) + Z_0V$ with $W' = cW$,
-    $U = \rho - \eta T_1\rho$, $V = -\eta T_2\rho$: the one $m\times n$ assembly, all in
-    ``W.dtype`` ($\rho$ need not be near $I$: DGram's carries the ratios of column norms)."""
-    U = rho - lr * (T1 @ rho)
-    V = -lr * (T2 @ rho)
-    return torch.baddbmm(W @ (shrink * U), Z0, V)
+def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor, T2: torch.Tensor,
+            lr: float, shrink: float = 1.0, terms: int = 6) -> torch.Tensor:
+    r"""$R_{W'}(-\eta\hat A) = Y\rho(Y^\top Y)$ with $Y = W' - \eta(W'T_1 + Z_0T_2) = W\,c(I - \eta T_1) - \eta Z_0T_2$,
+    $W' = cW$: the $m\times n$ assembly, the measured Gram $Y^\top Y$ and the right factor, all
+    in ``W.dtype``.
+
+    $Y^\top Y$ is measured rather than formed from $D$, $W^\top\hat A$ and $\hat A^\top\hat A$:
+    that sum reaches $T_2^\top KT_2$ with $T_2 \approx Q^{-1/2}$, which amplifies any error of
+    $K$ by $\operatorname{cond}(Z_0)^2$ (measured: $\|W^\top W - I\|_{\max} = 1.7\cdot10^{-5}$
+    after one fp32 step on a rank-deficient gradient). Measured, the new point is as
+    feasible as the form's retraction is accurate, whatever the direction's rounding.
+    """
+    eye = torch.eye(T1.size(-1), dtype=T1.dtype, device=T1.device)
+    Y = torch.baddbmm(W @ (shrink * (eye - lr * T1)), Z0, T2, alpha=-lr)
+    return Y @ form.retraction_factor(Y.mT @ Y, terms)
 
 
 def _trace(X: torch.Tensor) -> torch.Tensor:
@@ -218,7 +221,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
         every product.
     """
     low = settings.compute_dtype or W.dtype
-    mulD = _DiagonalFirst(W, shrink, low)
+    mulD = _PointGram(form, W, shrink)
     D = mulD.D
     B = shrink * (W.mT @ G)
     sigma0 = form.project(D, B)
@@ -235,39 +238,38 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
         magnitude = _trace(K) + _trace(SDS)  # >= |tr 2 sym(B0^T S)|, by Cauchy-Schwarz
         P, frobenius2 = gram_msign(Q, settings.msign_steps, low, magnitude)
         SP = _low_mm(S, P, low)
-        B0P = B0 @ P
-        M = B0P + mulD(SP)
+        M = _low_mm(B0, P, low) + mulD(SP)
         last = k == settings.dual_steps
         if not last or settings.carry:
             step = jacobi_update(form, D, Q, P, frobenius2, M, settings.alpha)
             delta = delta + step
             if not last:
                 S = S + form.adjoint(step)
-    projection = form.project(D, M)
     keep = (~normal).to(W.dtype).reshape(*normal.shape, 1, 1)
-    T1 = (SP - projection) * keep
+    T1 = (SP - form.project(D, M)) * keep
     T2 = P * keep
-    WtA = (M - mulD(projection)) * keep
-    DT1 = mulD(T1)
-    cross = T1.mT @ (B0P * keep)
-    AtA = T1.mT @ DT1 + cross + cross.mT + T2.mT @ (K @ T2)
-    YtY = D - lr * (WtA + WtA.mT) + lr * lr * AtA
-    rho = form.retraction_factor(YtY, settings.retraction_terms)
-    point = assemble(W, Z0, T1, T2, rho, lr, shrink)
+    point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms)
     return GramStep(point=point, correction=delta, direction_factors=(T1, T2, Z0, S))
 
 
-class _DiagonalFirst:
-    r"""$D = c^2W^\top W$ (in ``W.dtype``) and $X \mapsto DX$ computed as
-    $\operatorname{diag}(D)X + \operatorname{Off}(D)X$ with the second product in ``low``: on
-    Stiefel and DGram $\operatorname{Off}(D)$ is at the round-off of $W$'s feasibility, so its
-    product's bf16 error is far below the first term's fp32 one."""
+class _PointGram:
+    r"""$D = c^2W^\top W$ and $X \mapsto DX$ for the direction (projections, dual iterates).
 
-    def __init__(self, W: torch.Tensor, shrink: float, low: torch.dtype) -> None:
-        self.D = (shrink * shrink) * (W.mT @ W)
-        self.diagonal = torch.diagonal(self.D, dim1=-2, dim2=-1).unsqueeze(-1)
-        self.off = (self.D - torch.diag_embed(self.diagonal.squeeze(-1))).to(low)
-        self.low = low
+    On a manifold whose form declares ``diagonal_gram`` (Stiefel, DGram: $W^\top W$ is
+    diagonal on the manifold) $D$ is the diagonal of squared column norms, computed
+    elementwise in ``W.dtype``; the off-diagonal part it leaves out is $W$'s own feasibility
+    error (fp32 round-off), far below what a bf16 product of $W$ would add ($u/\sqrt m$).
+    Otherwise (Oblique) $D$ is the full product in ``W.dtype``. The retraction measures the
+    new point's Gram itself, so $D$ never decides feasibility.
+    """
+
+    def __init__(self, form: GramForm, W: torch.Tensor, shrink: float) -> None:
+        if form.diagonal_gram:
+            self.diagonal = ((shrink * shrink) * W.square().sum(-2)).unsqueeze(-1)
+            self.D = torch.diag_embed(self.diagonal.squeeze(-1))
+        else:
+            self.diagonal = None
+            self.D = (shrink * shrink) * (W.mT @ W)
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
-        return self.diagonal * X + (self.off @ X.to(self.low)).to(X.dtype)
+        return self.diagonal * X if self.diagonal is not None else self.D @ X
