@@ -373,13 +373,13 @@ def steepest_direction(
             # safeguard: a matrix whose residual grew goes back to its previous iterate
             # and takes no further step (a rank-deficient G makes the dual nonsmooth,
             # where a constant step can overshoot).
+            # (per matrix on the device: no read-back of a batch-wide flag)
             worse = residual > previous[3]
-            if bool(worse.any()):
-                frozen = worse if frozen is None else frozen | worse
-                A, X, delta, residual = (
-                    torch.where(_per_matrix(worse, new, batch), old, new)
-                    for old, new in zip(previous, (A, X, delta, residual))
-                )
+            frozen = worse if frozen is None else frozen | worse
+            A, X, delta, residual = (
+                torch.where(_per_matrix(worse, new, batch), old, new)
+                for old, new in zip(previous, (A, X, delta, residual))
+            )
         if best and certify_ is not None and (k % _TRACK_EVERY == 0 or k == K):
             cand = feasible(A)
             p, d = primal_value(cand), dual_value(X, A)
@@ -390,7 +390,8 @@ def steepest_direction(
                 best_dir = torch.where(better.reshape(*better.shape, 1, 1), cand, best_dir)
                 best_primal = torch.maximum(best_primal, p)
                 best_dual = torch.minimum(best_dual, d)
-        if k == K or bool((residual < tol_).all()):
+        # the tolerance test reads back one flag, so only a solve that asks for it pays it
+        if k == K or (tol_ > 0 and bool((residual < tol_).all())):
             break
         rate = alpha_ * (1.0 - k / K) if decay_ else alpha_
         if precond:

@@ -1,0 +1,149 @@
+"""The Gram-space engine: an exact reformulation, per-matrix, host-sync free, compilable.
+
+Math checks in float64 (the reformulation is exact there); kernel checks in the
+optimizer's real dtypes (fp32 weights, bf16 dual iterations).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from geomuon.manifolds import DGram, Oblique, Stiefel
+from geomuon.optimizers import ManifoldMuon, steepest_direction
+from geomuon.optimizers.gram import GramSettings, gram_step
+
+MANIFOLDS = [(Stiefel(), False), (DGram(), True), (Oblique(), False)]
+IDS = ["stiefel", "dgram", "oblique"]
+
+
+def _problem(manifold, m, n, seed, spread=False, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    W = manifold.projx(torch.randn(m, n, generator=gen, dtype=torch.float64))
+    if spread:  # DGram column norms over [0.1, 10]
+        W = W * torch.logspace(-1, 1, n, dtype=torch.float64)
+    return W.to(dtype), torch.randn(m, n, generator=gen, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("dual_steps", [0, 3])
+def test_gram_space_direction_is_the_general_engines_direction(manifold, spread, dual_steps):
+    # Same algorithm (projection start, constant Jacobi steps, final tangent projection), so
+    # in float64 the two directions agree to round-off (measured ~1e-15); the general engine
+    # also rescales to unit spectral norm, hence the comparison up to a positive scale.
+    W, G = _problem(manifold, 48, 16, seed=dual_steps, spread=spread)
+    settings = GramSettings(dual_steps=dual_steps, carry=False, compute_dtype=None)
+    T1, T2, Z0, _ = gram_step(manifold.gram_form, W[None], G[None], 1e-3, None, settings).direction_factors
+    gram = (W @ T1[0] + Z0[0] @ T2[0])
+    general = steepest_direction(manifold, W, G, preset=None, steps=dual_steps, alpha=1.0, decay=False, tol=0.0,
+                                 certify=None, track_best=False, safeguard=False, msign_steps=6,
+                                 exact_norm=True).direction
+    scale = gram.norm() / general.norm()
+    assert torch.allclose(gram, scale * general, atol=1e-12)
+    # negative control: one dual step more is a different direction
+    other = steepest_direction(manifold, W, G, preset=None, steps=dual_steps + 1, alpha=1.0, decay=False, tol=0.0,
+                               certify=None, track_best=False, safeguard=False, msign_steps=6).direction
+    assert not torch.allclose(gram / gram.norm(), other / other.norm(), atol=1e-6)
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+def test_gram_space_step_is_the_manifolds_retraction_of_that_direction(manifold, spread):
+    W, G = _problem(manifold, 48, 16, seed=7, spread=spread)
+    settings = GramSettings(dual_steps=1, compute_dtype=None)
+    out = gram_step(manifold.gram_form, W[None], G[None], 0.05, None, settings)
+    T1, T2, Z0, _ = out.direction_factors
+    direction = W @ T1[0] + Z0[0] @ T2[0]
+    assert manifold.check_point_on_manifold(out.point[0], atol=1e-12)
+    expected = manifold.retr(W, -0.05 * direction)
+    # Stiefel and Oblique retract with the manifold's own map; DGram's Gram form keeps
+    # column norms by msign(Y D^-1/2) D^1/2, which agrees with DGram.retr to second order.
+    tol = 1e-12 if not isinstance(manifold, DGram) else 1e-4
+    assert torch.allclose(out.point[0], expected, atol=tol)
+
+
+def _stepped(manifold, shapes, seed, steps=3, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(manifold.random(*s, generator=gen)) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    return params, grads
+
+
+def _run(optimizer, params, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread):
+    # Three same-shape matrices of very different gradient scales in one batch, against
+    # each alone. Every map of the step is per matrix (no batch-wide maximum, no shared
+    # stopping rule), so the results are bitwise equal.
+    shapes = [(24, 8)] * 3
+    params, grads = _stepped(manifold, shapes, seed=11)
+    grads = [[g * scale for g, scale in zip(gs, (1e-3, 1.0, 1e3))] for gs in grads]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    together = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05)
+    assert [len(b) for b in together._batches(together.param_groups[0], params)] == [3]
+    _run(together, params, grads)
+    for i, p in enumerate(alone):
+        _run(ManifoldMuon([{"params": [p], "manifold": manifold}], lr=0.05), [p], [[gs[i]] for gs in grads])
+    for p, q in zip(params, alone):
+        assert torch.equal(p.detach(), q.detach())
+    # the matrices did move, and differently (a batch-coupled step could not hide here)
+    assert not torch.equal(params[0].detach(), params[1].detach())
+
+
+class _SyncCaught(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _no_host_sync():
+    """Make every device-to-host read of a tensor raise (CPU stand-in for
+    ``torch.cuda.set_sync_debug_mode("error")``)."""
+    saved = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__", "__int__")}
+
+    def refuse(*args, **kwargs):
+        raise _SyncCaught("host synchronisation inside the step")
+
+    try:
+        for name in saved:
+            setattr(torch.Tensor, name, refuse)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_the_sync_guard_catches_a_read_back():
+    # negative control of the guard itself: each of these is a host read
+    x = torch.ones(2)
+    for read in (lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x.all()), lambda: float(x.sum())):
+        with _no_host_sync(), pytest.raises(_SyncCaught):
+            read()
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypatch):
+    # The per-batch work of every step (momentum, the engine, the retraction, the state
+    # writes) runs under the guard, tall and wide, warm-started, with weight decay. The base
+    # class's non-finite check before it reads one flag per param group (it names the
+    # parameter it skips) and stays outside.
+    # (a wide Oblique point takes the general path, whose manifold.retr checks for zero
+    # columns, a read-back: the Gram path is what this test holds to no syncs)
+    shapes = [(24, 8), (24, 8)] + ([(8, 24)] if manifold.transposes_wide else [])
+    params, grads = _stepped(manifold, shapes, seed=12, steps=3)
+    optimizer = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05, weight_decay=0.1)
+    _run(optimizer, params, grads[:1])  # the first step checks every weight is on its manifold
+    inner = optimizer._matrix_step
+
+    def guarded(*args, **kwargs):
+        with _no_host_sync():
+            return inner(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "_matrix_step", guarded)
+    _run(optimizer, params, grads[1:])
+    assert all("dual_correction" in optimizer.state[p] for p in params)
+    assert optimizer.check_on_manifold() == []
