@@ -100,8 +100,9 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
     clock = CLOCKS[clock_name]
     shape_list = shapes(width, layers)
     start_points = initial(shape_list)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    together = dist.is_initialized() and mode != "single"
+    world = dist.get_world_size() if together else 1
+    rank = dist.get_rank() if together else 0
     handout = None
     if mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
