@@ -232,3 +232,22 @@ def test_lipschitz_tightness_table_never_shows_a_violation(tmp_path):
     cap = re.search(r"A-priori bound at the cap .*?: simple (\S+), tight (\S+)\.", markdown.read_text())
     assert cap and float(cap.group(2)) > 2 and float(cap.group(1)) >= float(cap.group(2))
     check_provenance(markdown, "lipschitz_tightness", stdout)
+
+
+def test_equivariance_checker_catalogue_has_no_false_verdicts(tmp_path):
+    markdown = tmp_path / "equivariance_checker.md"
+    stdout = run_script("equivariance_checker", markdown)
+    blocks = re.findall(r"(?:^\|.*\|$\n?)+", stdout, re.MULTILINE)
+    summary = parse_table(blocks[-2])
+    assert [row["route"] for row in summary] == ["cli", "api"]
+    for row in summary:
+        # The catalogue's verdicts are known: a checker that misjudges any entry fails here.
+        assert row["false positives"] == row["false negatives"] == "0", row
+        assert row["unexpected errors"] == row["missed errors"] == row["inconclusive"] == "0", row
+        assert int(row["checks"]) >= 20 and float(row["median time per check (s)"]) > 0
+    entries = parse_table(stdout)
+    assert len(entries) == int(summary[0]["checks"])
+    assert all(row["API"] == row["CLI"] == row["expected"] for row in entries)
+    assert {row["expected"] for row in entries} == {"holds", "violated", "error"}
+    assert re.search(r"import included: [\d.]+ s wall, [\d.]+ s CPU", stdout)
+    check_provenance(markdown, "equivariance_checker", stdout)

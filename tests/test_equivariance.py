@@ -1,5 +1,9 @@
-"""The generic equivariance machinery, on small maps and optimizers written here, plus the
-checker's own negative controls: a wrong declaration must be reported."""
+"""The equivariance checker: its verdicts on small maps and optimizers written here, the
+failure classes it used to miss (each test here marked *old checker* passes the broken map
+on the checker of commit 03f8ef4, so the test fails there), its CLI and its exit codes."""
+
+import math
+import textwrap
 
 import pytest
 import torch
@@ -7,19 +11,27 @@ import torch
 from geomuon import cli as geomuon_cli
 from geomuon.optimizers import maps
 from geomuon.theory.equivariance import (
-    MUST_FAIL_RESIDUAL,
+    HOLDS_FACTOR,
+    MIN_TRIALS,
+    VIOLATION_FACTOR,
     MapUpdate,
     OptimizerUpdate,
+    adversarial_matrix,
     assert_equivariant,
     check_equivariance,
     condition_number,
     map_residual,
     random_matrix,
-    roundoff_tolerance,
     step_residual,
     verify_declaration,
 )
-from geomuon.theory.groups import BiOrthogonal, RouterShift, SignedPermutation
+from geomuon.theory.groups import BiOrthogonal, RouterShift, SignedPermutation, TwoSidedElement
+
+
+
+def svd_msign(D):
+    U, _, Vh = torch.linalg.svd(D, full_matrices=False)
+    return U @ Vh
 
 
 def cubic(D):
@@ -39,6 +51,18 @@ def centered_cubic(D):
     return out - out.mean(dim=-2, keepdim=True)
 
 
+def rownorm_msign(D):
+    return svd_msign(D / D.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+
+
+def power_iteration(D, steps):
+    v = torch.ones(D.shape[-1], 1, dtype=D.dtype) / D.shape[-1] ** 0.5
+    for _ in range(steps):
+        v = D.mT @ (D @ v)
+        v = v / v.norm()
+    return (D @ v) @ v.mT
+
+
 def test_random_matrix_has_the_requested_condition_number():
     for shape in [(5, 3), (3, 5), (4, 4)]:
         X = random_matrix(shape, torch.Generator().manual_seed(0), condition=50.0)
@@ -46,28 +70,105 @@ def test_random_matrix_has_the_requested_condition_number():
     assert condition_number(torch.zeros(3, 3, dtype=torch.float64)) == float("inf")
 
 
-def test_roundoff_tolerance_scales_with_dtype_condition_and_depth():
-    base = roundoff_tolerance(torch.float64, condition=1.0, size=4, depth=1)
-    assert base == pytest.approx(4 * 8 * torch.finfo(torch.float64).eps)
-    assert roundoff_tolerance(torch.float64, condition=10.0, size=4, depth=1) == pytest.approx(10 * base)
-    assert roundoff_tolerance(torch.float64, condition=1.0, size=4, depth=3) == pytest.approx(3 * base)
-    assert roundoff_tolerance(torch.float32, condition=1.0, size=4, depth=1) > 1e8 * base
+def test_adversarial_inputs_have_their_structure():
+    gen = torch.Generator().manual_seed(0)
+    s = torch.linalg.svdvals(adversarial_matrix((8, 5), "clustered", gen))
+    assert s[1] / s[0] >= 0.999
+    s = torch.linalg.svdvals(adversarial_matrix((8, 5), "repeated", gen))
+    assert torch.allclose(s[:3], s[0].expand(3), rtol=1e-12, atol=0) and s[3] < 0.9 * s[0]
+
+    assert torch.linalg.matrix_rank(adversarial_matrix((8, 5), "rank_deficient", gen)) < 5
+    zero = adversarial_matrix((8, 5), "zero_lines", gen)
+    assert (zero.norm(dim=1) == 0).any() and (zero.norm(dim=0) == 0).any()
+    integer = adversarial_matrix((8, 5), "integer", gen)
+    assert torch.equal(integer, integer.round())
+    tiny = adversarial_matrix((8, 5), "gaussian", gen, scale=1e-8)
+    assert tiny.pow(2).mean().sqrt() == pytest.approx(1e-8)
 
 
-def test_polynomial_map_holds_and_masked_map_fails():
-    report = assert_equivariant(cubic, "bi-orthogonal", (5, 3), trials=4)
-    assert max(report.residuals) < 1e-13
-    bad = check_equivariance(masked, BiOrthogonal(), (5, 3), trials=4)
-    assert not bad.passed
-    assert min(bad.residuals) > MUST_FAIL_RESIDUAL
-    with pytest.raises(AssertionError, match="FAIL"):
-        assert_equivariant(masked, "bi-orthogonal", (5, 3), trials=2)
+def test_polynomial_map_holds_and_masked_map_is_violated():
+    report = assert_equivariant(cubic, "bi-orthogonal", (5, 3), seed=1)
+    assert report.verdict == "holds" and report.resolved >= MIN_TRIALS
+    assert max(t.ratio for t in report.trials) <= HOLDS_FACTOR
+    bad = check_equivariance(masked, BiOrthogonal(), (5, 3), seed=1)
+    assert bad.verdict == "violated" and bad.exit_code == 1
+    with pytest.raises(AssertionError, match="VIOLATED"):
+        assert_equivariant(masked, "bi-orthogonal", (5, 3))
 
 
-def test_expect_fails_reports_a_map_that_actually_holds():
-    with pytest.raises(AssertionError, match="holds here"):
-        assert_equivariant(cubic, "bi-orthogonal", (4, 3), trials=2, expect="fails")
-    assert_equivariant(masked, "bi-orthogonal", (4, 3), trials=2, expect="fails")
+def test_expect_violated_reports_a_map_that_actually_holds():
+    with pytest.raises(AssertionError, match="expected violated, got holds"):
+        assert_equivariant(cubic, "bi-orthogonal", (4, 3), expect="violated")
+    assert_equivariant(masked, "bi-orthogonal", (4, 3), expect="fails")
+
+
+def test_float32_at_realistic_sizes_catches_subtle_bugs():
+    # old checker: its float32 tolerance at 64x32 was 0.39, so all three passed.
+    for broken in (rownorm_msign, maps.sign, lambda D: svd_msign(D + D.pow(2).mean().sqrt())):
+        assert check_equivariance(broken, "bi-orthogonal", (64, 32), dtype=torch.float32, trials=MIN_TRIALS,
+                                  seed=2).verdict == "violated"
+    assert check_equivariance(svd_msign, "bi-orthogonal", (64, 32), dtype=torch.float32, seed=2).verdict == "holds"
+
+
+def test_tolerance_does_not_grow_with_condition_for_insensitive_maps():
+    # old checker: at --condition 1e6 its tolerance grew a millionfold and passed the
+    # 3-step power iteration (real residual 1e-7); the floor measured here does not grow.
+    report = check_equivariance(lambda D: power_iteration(D, 3), "bi-orthogonal", (6, 4), condition=1e6, seed=3,
+                                kinds=("conditioned",), trials=MIN_TRIALS)
+    assert report.verdict == "violated"
+    assert max(t.floor for t in report.trials) < 1e-12
+
+
+def test_clustered_spectra_and_tiny_scales_are_drawn_by_default():
+    # old checker: well-separated singular values and unit scale only; both passed.
+    assert_equivariant(lambda D: power_iteration(D, 200), "bi-orthogonal", (6, 4), expect="violated")
+    thresholded = lambda D: svd_msign(torch.where(D.abs() < 1e-6, 0.0, D))  # noqa: E731
+    report = assert_equivariant(thresholded, "bi-orthogonal", (6, 4), expect="violated")
+    assert report.worst().scale in (1e-8, 1e-6, 1e-4)
+
+
+def test_a_map_broken_on_half_the_draws_is_caught_on_every_seed():
+    # old checker: 8 trials with seed 0 missed it at 6x6 under signed permutations.
+    def half_flip(D):
+        return D * torch.where(D[..., :1, :1] < 0, -1.0, 1.0).to(D.dtype)
+
+    for seed in range(5):
+        report = check_equivariance(half_flip, SignedPermutation(), (6, 6), seed=seed)
+        assert report.verdict == "violated", report.table()
+        assert sum(t.verdict == "violated" for t in report.trials) >= 5
+
+
+def test_seeds_are_fresh_printed_and_replayable():
+    first, second = (check_equivariance(cubic, "bi-orthogonal", (4, 3), trials=3, min_trials=3) for _ in range(2))
+    assert first.seed != second.seed and str(first.seed) in first.table()
+    replay = check_equivariance(cubic, "bi-orthogonal", (4, 3), trials=3, min_trials=3, seed=first.seed)
+    assert replay.residuals == first.residuals
+
+
+def test_small_violations_between_roundoff_and_one_percent_are_stated():
+    # old checker: an Adam-like epsilon under row scalings (2e-4..2e-3) was neither verdict,
+    # and positive scalings were not a group it knew.
+    report = check_equivariance(lambda D: D / (D.abs() + 1e-8), "row-scaling", (6, 4), seed=4)
+    assert report.verdict == "violated"
+    assert check_equivariance(maps.sign, "row-scaling", (6, 4), seed=4).verdict == "holds"
+
+
+def test_nonfinite_output_is_an_error_and_nonfinite_residual_a_violation():
+    report = check_equivariance(lambda D: D / D.norm(dim=-1, keepdim=True), "left-perm-right-orth", (6, 4), seed=5)
+    assert report.verdict == "error" and report.exit_code == 4 and "non-finite" in report.message()
+    # A map that vanishes at D but not at g.D: residual 1 (relative to the larger side), not
+    # 0/0 or inf, and a violation.
+    element = TwoSidedElement(-torch.eye(4, dtype=torch.float64), torch.eye(3, dtype=torch.float64))
+    gate = lambda X: X if X[0, 0] < 0 else torch.zeros_like(X)  # noqa: E731
+    assert map_residual(gate, element, torch.ones(4, 3, dtype=torch.float64)) == 1.0
+    assert check_equivariance(lambda X: X * (X[0, 0] < 0), SignedPermutation(), (4, 3), seed=5).verdict == "violated"
+
+
+def test_failure_message_names_element_seed_and_why():
+    report = check_equivariance(maps.row_norm, "bi-orthogonal", (3, 2), seed=6)
+    message = report.message()
+    assert "VIOLATED" in message and "seed=6" in message and "L =" in message
+    assert "noise floor" in message and f"{VIOLATION_FACTOR:g}x" in message and "round trip" in message
 
 
 def test_invariance_to_shifts_uses_the_trivial_output_action():
@@ -75,7 +176,9 @@ def test_invariance_to_shifts_uses_the_trivial_output_action():
     element = RouterShift().sample((5, 3), gen)
     D = random_matrix((5, 3), gen)
     assert map_residual(centered_cubic, element, D) < 1e-13
-    assert map_residual(cubic, element, D) > MUST_FAIL_RESIDUAL
+    assert map_residual(cubic, element, D) > 1e-2
+    assert check_equivariance(centered_cubic, "router-shift", (5, 3), seed=7).verdict == "holds"
+    assert check_equivariance(cubic, "router-shift", (5, 3), seed=7).verdict == "violated"
 
 
 def test_residual_is_exactly_zero_for_an_exactly_equivariant_map():
@@ -85,8 +188,7 @@ def test_residual_is_exactly_zero_for_an_exactly_equivariant_map():
 
 
 class MomentumWithExtraState(torch.optim.Optimizer):
-    """Heavy-ball SGD with an attribute set in __init__ (which copy.deepcopy would drop
-    through Optimizer.__getstate__) and a per-parameter buffer."""
+    """Heavy-ball SGD with an attribute set in __init__ and a per-parameter buffer."""
 
     def __init__(self, params, lr=0.1, momentum=0.9, coordinatewise=False):
         super().__init__(params, dict(lr=lr, momentum=momentum))
@@ -102,25 +204,45 @@ class MomentumWithExtraState(torch.optim.Optimizer):
                 p.sub_(group["lr"] * update)
 
 
-def test_step_residual_tracks_momentum_and_leaves_the_optimizer_untouched():
+def test_step_residual_tracks_momentum():
     gen = torch.Generator().manual_seed(3)
-    W = torch.nn.Parameter(random_matrix((5, 3), gen))
-    before = W.detach().clone()
-    optimizer = MomentumWithExtraState([W])
+    W = random_matrix((5, 3), gen)
     element = BiOrthogonal().sample((5, 3), gen)
     gradients = [random_matrix((5, 3), gen) for _ in range(3)]
-    assert step_residual(optimizer, element, gradients) < 1e-13
-    assert torch.equal(W.detach(), before) and not optimizer.state
-    sign_optimizer = MomentumWithExtraState([W], coordinatewise=True)
-    assert step_residual(sign_optimizer, element, gradients) > MUST_FAIL_RESIDUAL
+    assert step_residual(lambda p: MomentumWithExtraState(p), element, W, gradients) < 1e-13
+    assert step_residual(lambda p: MomentumWithExtraState(p, coordinatewise=True), element, W, gradients) > 1e-2
 
 
-def test_optimizer_update_subject_builds_fresh_parameters():
+def test_optimizer_checks_have_verdicts_and_router_shift_moves_weights_only():
     holds = OptimizerUpdate(lambda p: MomentumWithExtraState(p), name="heavy ball")
-    report = check_equivariance(holds, BiOrthogonal(), (4, 3), trials=3)
-    assert report.passed and max(report.residuals) < 1e-12
+    assert check_equivariance(holds, BiOrthogonal(), (4, 3), seed=8).verdict == "holds"
     fails = OptimizerUpdate(lambda p: MomentumWithExtraState(p, coordinatewise=True), name="sign")
-    assert not check_equivariance(fails, BiOrthogonal(), (4, 3), trials=3).passed
+    assert check_equivariance(fails, BiOrthogonal(), (4, 3), seed=8).verdict == "violated"
+    # A shift-invariant loss's gradient is not shifted: SGD's trajectory from W + 1v^T is the
+    # shifted trajectory; weight decay shrinks the shift and breaks it.
+    sgd = OptimizerUpdate(lambda p: torch.optim.SGD(p, lr=0.1), name="sgd")
+    assert check_equivariance(sgd, "router-shift", (5, 3), seed=8).verdict == "holds"
+    decayed = OptimizerUpdate(lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.5), name="sgd+wd")
+    assert check_equivariance(decayed, "router-shift", (5, 3), seed=8).verdict == "violated"
+
+
+def test_step_residual_is_relative_to_the_path_not_the_distance_from_the_start():
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    G = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    element = BiOrthogonal().sample((5, 3), gen)
+    assert step_residual(lambda p: torch.optim.SGD(p, lr=0.1), element, W, [G, -G]) < 1e-13
+
+
+def test_muon_is_equivariant_up_to_its_bf16_compute_dtype():
+    # old checker: Muon as shipped "failed" every rotation group, with no way to state bf16.
+    from geomuon.optimizers import Muon
+
+    muon = OptimizerUpdate(lambda p: Muon(p, lr=0.02), name="Muon")
+    assert check_equivariance(muon, "bi-orthogonal", (12, 6), dtype=torch.float32, seed=9).verdict == "violated"
+    report = check_equivariance(muon, "bi-orthogonal", (12, 6), dtype=torch.float32,
+                                compute_dtype=torch.bfloat16, seed=9)
+    assert report.verdict == "holds" and "up to bfloat16" in report.message()
 
 
 def test_a_wrong_declaration_is_reported():
@@ -132,40 +254,68 @@ def test_a_wrong_declaration_is_reported():
 
 
 def test_a_wrong_must_fail_declaration_is_reported():
-    with pytest.raises(AssertionError, match="declared to fail"):
+    with pytest.raises(AssertionError, match="declared to be violated"):
         verify_declaration(MapUpdate(maps.spectral, name="spectral"), "bi-orthogonal", "fails", max_examples=5)
 
 
-def test_shrunk_counterexample_is_small_and_printed_as_matrices(capsys):
+def test_shrunk_counterexample_is_small_and_printed_as_matrices():
     case = verify_declaration(MapUpdate(maps.row_norm, name="row_norm"), "bi-orthogonal", "fails")
     assert case.shape == (2, 2)
     text = repr(case)
     assert "tensor([[" in text and "L =" in text
 
 
-def test_cli_exit_codes_and_table(capsys):
-    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:spectral", "--group", "bi-orthogonal",
-                             "--shape", "5x3", "--trials", "2"]) == 0
+def _cli(*argv):
+    return geomuon_cli.main(["check-equivariance", *argv])
+
+
+def test_cli_exit_codes(capsys):
+    assert _cli("geomuon.optimizers.maps:spectral", "--group", "bi-orthogonal", "--shape", "5x3", "--seed", "1") == 0
+    assert "HOLDS" in capsys.readouterr().out
+    assert _cli("geomuon.optimizers.maps:row_norm", "--group", "BiOrthogonal", "--shape", "5x3", "--seed", "1") == 1
     out = capsys.readouterr().out
-    assert "spectral under bi-orthogonal" in out and "PASS" in out
-    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:row_norm", "--group", "BiOrthogonal",
-                             "--shape", "5x3", "--trials", "2"]) == 1
-    out = capsys.readouterr().out
-    assert "FAIL" in out and "NOT equivariant" in out
-    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:row_norm", "--group", "bi-orthogonal",
-                             "--expect", "fails", "--trials", "2"]) == 0
-    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:nope", "--group", "bi-orthogonal"]) == 2
-    assert geomuon_cli.main(["check-equivariance", "geomuon.optimizers.maps:sign", "--group", "bi-orthogonal",
-                             "--shape", "5by3"]) == 2
+    assert "VIOLATED" in out and "replay: geomuon check-equivariance" in out and "--seed 1" in out
+    assert _cli("geomuon.optimizers.maps:row_norm", "--group", "bi-orthogonal", "--expect", "fails") == 0
+    assert _cli("geomuon.optimizers.maps:nope", "--group", "bi-orthogonal") == 2
+    assert _cli("geomuon.optimizers.maps:sign", "--group", "orthogonal-ish") == 2
+    assert "unknown group" in capsys.readouterr().err
+    assert _cli("geomuon.optimizers.maps:sign", "--group", "bi-orthogonal", "--shape", "5by3") == 2
     assert "--shape must look like" in capsys.readouterr().err
+    for name in ("left-orthogonal", "right-orthogonal", "permutation", "row-scaling", "column-scaling"):
+        assert _cli("geomuon.optimizers.maps:sign", "--group", name, "--trials", "1") != 2, name
 
 
-def test_step_residual_is_relative_to_the_path_not_the_distance_from_the_start():
-    # SGD with gradients G then -G comes back to W_0 up to round-off: measured against the
-    # distance from the start (~1e-17) that round-off looked like an O(1) residual.
-    gen = torch.Generator().manual_seed(3)
-    W = torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=torch.float64))
-    G = torch.randn(5, 3, generator=gen, dtype=torch.float64)
-    optimizer = torch.optim.SGD([W], lr=0.1)
-    element = BiOrthogonal().sample((5, 3), gen)
-    assert step_residual(optimizer, element, [G, -G]) < 1e-13
+def test_cli_imports_from_the_working_directory_and_checks_optimizers(tmp_path, monkeypatch, capsys):
+    # old checker: my_updates.py needed PYTHONPATH=. and an optimizer class raised TypeError.
+    (tmp_path / "my_updates.py").write_text(textwrap.dedent("""
+        import torch
+
+        def noisy(D):
+            return D + torch.randn_like(D)
+
+        def crash(D):
+            raise RuntimeError("boom")
+
+        class RowSign(torch.optim.Optimizer):
+            def __init__(self, params, lr=0.1):
+                super().__init__(params, dict(lr=lr))
+
+            @torch.no_grad()
+            def step(self):
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.sub_(group["lr"] * p.grad.sign())
+    """))
+    monkeypatch.chdir(tmp_path)
+    assert _cli("my_updates:noisy", "--group", "bi-orthogonal", "--trials", "4") == 3
+    assert "INCONCLUSIVE" in capsys.readouterr().out
+    assert _cli("my_updates:crash", "--group", "bi-orthogonal") == 4
+    assert "RuntimeError: boom" in capsys.readouterr().out
+    assert _cli("my_updates:RowSign", "--arg", "lr=0.05", "--steps", "2", "--group", "signed-permutation") == 0
+    assert _cli("my_updates:RowSign", "--arg", "lr=0.05", "--group", "bi-orthogonal") == 1
+    assert "RowSign(lr=0.05)" in capsys.readouterr().out
+    assert _cli("my_updates:RowSign", "--arg", "lr", "--group", "bi-orthogonal") == 2
+
+
+def test_decision_factors_are_ordered():
+    assert 1 < HOLDS_FACTOR < VIOLATION_FACTOR and 2.0**-MIN_TRIALS <= 1e-6 and math.isfinite(VIOLATION_FACTOR)

@@ -9,6 +9,13 @@ import torch
 from geomuon.theory.groups import (
     GROUPS,
     BiOrthogonal,
+    ColumnScaling,
+    LeftOrthogonal,
+    Permutation,
+    RightOrthogonal,
+    RowScaling,
+    TwoSidedGroup,
+    register_group,
     LeftPermRightOrth,
     NeuronPermutation,
     RouterShift,
@@ -103,73 +110,68 @@ def test_group_names_resolve():
     for name, group in GROUPS.items():
         assert get_group(name) is group
         assert get_group(type(group).__name__) is group
-    assert len(GROUPS) == 8
+    assert {"left-orthogonal", "right-orthogonal", "permutation", "row-scaling", "column-scaling"} <= set(GROUPS)
+    assert len(GROUPS) == 13
+    assert isinstance(get_group("geomuon.theory.groups:Permutation"), Permutation)
+    with pytest.raises(ValueError, match="unknown group"):
+        get_group("geomuon.theory.groups:nothing")
 
 
-def test_bi_orthogonal_is_a_symmetry_of_a_linear_layer():
-    # y = W x: replacing W by L W R^T and the input by R x gives L y.
-    gen = _gen(4)
-    W, x = torch.randn(5, 3, generator=gen, dtype=torch.float64), torch.randn(3, generator=gen, dtype=torch.float64)
-    element = BiOrthogonal().sample((5, 3), gen)
-    R, L = element.right, element.left
-    assert torch.allclose(element.act_point(W) @ (R @ x), L @ (W @ x), atol=1e-13)
+def test_a_ten_line_group_registers_under_its_name():
+    class RowRotation(TwoSidedGroup):
+        name = "row-rotation-test"
+        left, right = "orthogonal", "identity"
+
+    group = register_group(RowRotation())
+    try:
+        assert get_group("row-rotation-test") is group
+        with pytest.raises(ValueError, match="new, non-empty name"):
+            register_group(RowRotation())
+    finally:
+        del GROUPS["row-rotation-test"]
 
 
-def test_signed_column_permutation_preserves_dgram_and_bi_orthogonal_does_not():
-    gen = _gen(5)
-    Q = haar_orthogonal(5, gen)[:, :3]
-    W = Q * torch.tensor([0.5, 2.0, 7.0], dtype=torch.float64)  # DGram: orthogonal columns
-
-    def off_diagonal(X):
-        gram = X.mT @ X
-        return (gram - torch.diag(torch.diagonal(gram))).abs().max()
-
-    assert off_diagonal(SignedColumnPermutation().sample((5, 3), gen).act_point(W)) < 1e-12
-    assert off_diagonal(BiOrthogonal().sample((5, 3), gen).act_point(W)) > 1e-2
-
-
-def test_left_perm_right_orth_relabels_embedding_rows():
-    gen = _gen(6)
-    E = torch.randn(7, 4, generator=gen, dtype=torch.float64)  # vocabulary x features
-    element = LeftPermRightOrth().sample((7, 4), gen)
-    tokens = torch.tensor([0, 3, 6])
-    relabel = element.left.argmax(dim=1)  # row i of P E is row relabel[i] of E
-    new_tokens = torch.stack([(relabel == t).nonzero()[0, 0] for t in tokens])
-    moved = element.act_point(E)
-    assert torch.allclose(moved[new_tokens], E[tokens] @ element.right.mT, atol=1e-13)
+def test_one_sided_groups_act_on_one_side_only():
+    gen = _gen(10)
+    D = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    left = LeftOrthogonal().sample((5, 3), gen)
+    assert torch.equal(left.right, torch.eye(3, dtype=torch.float64))
+    assert torch.allclose(left.act(D).norm(dim=0), D.norm(dim=0), atol=1e-13)  # column norms kept
+    right = RightOrthogonal().sample((5, 3), gen)
+    assert torch.allclose(right.act(D).norm(dim=1), D.norm(dim=1), atol=1e-13)  # row norms kept
+    perm = Permutation().sample((5, 3), gen)
+    assert sorted(perm.act(D).flatten().tolist()) == sorted(D.flatten().tolist())
 
 
-def test_neuron_permutation_leaves_a_swiglu_block_unchanged():
-    gen = _gen(8)
-    h, d = 6, 4
-    shapes = sample_shapes(NeuronPermutation(), (h, d))
-    block = tuple(torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes)
-    x = torch.randn(d, generator=gen, dtype=torch.float64)
-
-    def swiglu(gate, up, down):
-        return down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
-
-    element = NeuronPermutation().sample(shapes, gen)
-    moved = element.act_point(block)
-    assert torch.allclose(swiglu(*moved), swiglu(*block), atol=1e-12)
-    assert not torch.allclose(moved[0], block[0])
-    back = element.inverse().act(moved)
-    assert all(torch.allclose(a, b) for a, b in zip(back, block))
-    with pytest.raises(ValueError, match="tuple of 3"):
-        element.act(block[:2])
+def test_scalings_are_invariances_and_gradients_move_inversely():
+    gen = _gen(11)
+    D = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    element = RowScaling().sample((5, 3), gen)
+    s = torch.diagonal(element.left)
+    assert (s > 0).all() and s.max() / s.min() > 2
+    assert torch.equal(element.act_output(D), D)  # declared relation: U(diag(s) D) = U(D)
+    assert torch.allclose(element.act(D), s.unsqueeze(-1) * D)
+    # The gradient of L(W) = f(diag(1/s) W') at W' = diag(s) W is diag(1/s) grad f.
+    assert torch.allclose(element.act_gradient(D), D / s.unsqueeze(-1))
+    column = ColumnScaling().sample((5, 3), gen)
+    assert torch.allclose(column.act(D), D * torch.diagonal(column.right))
 
 
-def test_router_shift_leaves_routing_probabilities_unchanged_up_to_expert_relabeling():
-    gen = _gen(9)
-    experts, d = 5, 3
-    W = torch.randn(experts, d, generator=gen, dtype=torch.float64)
-    x = torch.randn(d, generator=gen, dtype=torch.float64)
-    element = RouterShift().sample((experts, d), gen)
-    probs = torch.softmax(W @ x, dim=0)
-    moved = torch.softmax(element.act_point(W) @ (element.right @ x), dim=0)
-    assert torch.allclose(moved, element.left @ probs, atol=1e-13)
-    # The shift is really there on inputs and absent on outputs.
-    shift = element.act(W) - element.act_output(W)
-    assert torch.allclose(shift, element.shift.expand(experts, d))
-    assert shift.abs().max() > 1e-3
-    assert math.isclose(float(element.inverse().act(element.act(W)).sub(W).abs().max()), 0.0, abs_tol=1e-13)
+def test_router_shift_gradients_are_not_shifted():
+    # Cross-entropy of routing logits W x is shift-invariant, so at the moved point
+    # P W R^T + 1 v^T (input R x, label relabelled by P) its gradient is P G R^T, unshifted.
+    gen = _gen(12)
+    W = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, generator=gen, dtype=torch.float64)
+    element = RouterShift().sample((5, 3), gen)
+
+    def gradient(M, inputs, label):
+        M = M.clone().requires_grad_()
+        logits = M @ inputs
+        (grad,) = torch.autograd.grad(torch.logsumexp(logits, 0) - logits[label], M)
+        return grad
+
+    moved_label = int(element.left[:, 1].argmax())
+    expected = element.act_gradient(gradient(W, x, 1))
+    assert torch.allclose(gradient(element.act_point(W), element.right @ x, moved_label), expected, atol=1e-12)
+    assert not torch.allclose(element.act(gradient(W, x, 1)), expected)  # act would add the shift

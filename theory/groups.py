@@ -1,4 +1,5 @@
-r"""Symmetry groups of parameter blocks, and their actions on directions and points.
+r"""Symmetry groups of parameter blocks, and their actions on directions, weights,
+gradients and update outputs.
 
 A symmetry of a parameter block is a transformation $g$ of the weights that leaves the
 network's function unchanged (after the matching change of the neighbouring blocks). The
@@ -9,19 +10,54 @@ $$U(g\cdot D) = g\cdot U(D).$$
 Every group here is a product of a *left factor* acting on rows and a *right factor*
 acting on columns, $g\cdot D = L\,D\,R^\top$, optionally with a shift part
 $D \mapsto D + \mathbf 1 v^\top$ (router logits are invariant under a shared shift). The
-factors are
+factors (:data:`FACTORS`) are
 
 * ``orthogonal``: Haar-distributed $O_k$ (QR of a Gaussian matrix with the signs of
   $\operatorname{diag}(R)$ folded into $Q$, without which QR is not Haar);
 * ``permutation``: uniform $S_k$ as a permutation matrix;
 * ``signed_permutation``: uniform permutation times independent signs;
+* ``positive_diagonal``: $\operatorname{diag}(s)$ with $\log_{10} s_i$ uniform in $[-2, 2]$
+  (positive scalings);
 * ``identity``.
 
-Groups and their elements follow one interface (CONTRIBUTING.md): ``group.sample(shapes,
-generator)`` returns an element with ``act(D)`` (on directions: gradients, momenta, update
-inputs), ``act_point(W)`` (on weights), ``act_output(U)`` (on an update's output; equal to
-``act`` except for shift groups, whose shift part acts trivially on outputs — that is how
-*invariance* is checked with the same machinery) and ``inverse()``.
+Groups and their elements follow one interface: ``group.sample(shapes, generator)``
+returns an element with
+
+* ``act(D)``: on the input of an update map (a momentum, a direction),
+  $LDR^\top + \mathbf 1v^\top$;
+* ``act_point(W)``: on weights, the same;
+* ``act_gradient(G)``: on the gradient of a loss that has the symmetry. From
+  $\mathcal L(g\cdot W) = \mathcal L(W)$ the chain rule gives
+  $\nabla\mathcal L(g\cdot W) = L^{-\top}\,\nabla\mathcal L(W)\,R^{-1}$: a shift-invariant
+  loss's gradient is *not* shifted, a scaled weight's gradient is scaled inversely, and
+  $L^{-\top} = L$ for orthogonal factors;
+* ``act_output(U)``: on an update's output, $LUR^\top$ — or $U$ itself for the
+  *invariance* part: the shift of router shifts, and positive scalings, whose declared
+  relation is $U(\operatorname{diag}(s)D) = U(D)$;
+* ``inverse()``.
+
+Map checks move the map's input with ``act``; optimizer-step and steepest-direction checks
+move the weights with ``act_point`` and the gradients with ``act_gradient``.
+
+| CLI name | group | act (input, weights) | act_output |
+|---|---|---|---|
+| ``bi-orthogonal`` | $O_m\times O_n$ | $LDR^\top$ | $LUR^\top$ |
+| ``left-orthogonal`` | $O_m\times I$ | $LD$ | $LU$ |
+| ``right-orthogonal`` | $I\times O_n$ | $DR^\top$ | $UR^\top$ |
+| ``permutation`` | $S_m\times S_n$ | $PDQ^\top$ | $PUQ^\top$ |
+| ``left-perm-right-orth`` | $S_m\times O_n$ | $PDR^\top$ | $PUR^\top$ |
+| ``right-perm-left-orth`` | $O_m\times S_n$ | $LDQ^\top$ | $LUQ^\top$ |
+| ``signed-column-permutation`` | $O_m\times S_n^\pm$ | $LDQ^\top$ | $LUQ^\top$ |
+| ``signed-row-permutation`` | $S_m^\pm\times O_n$ | $PDR^\top$ | $PUR^\top$ |
+| ``signed-permutation`` | $S_m^\pm\times S_n^\pm$ | $PDQ^\top$ | $PUQ^\top$ |
+| ``row-scaling`` | positive $\operatorname{diag}(s)$ on rows | $\operatorname{diag}(s)D$ | $U$ |
+| ``column-scaling`` | positive $\operatorname{diag}(s)$ on columns | $D\operatorname{diag}(s)$ | $U$ |
+| ``router-shift`` | $S_m\ltimes$ shifts $\times O_n$ | $PDR^\top + \mathbf 1v^\top$ | $PUR^\top$ |
+| ``neuron-permutation`` | one $P$ on a SwiGLU block | $(PW_g, PW_u, W_dP^\top)$ | the same |
+
+A new group is a subclass of :class:`TwoSidedGroup` naming its factors (or any
+:class:`Group` with a ``sample``), registered with :func:`register_group` to get a CLI
+name; the CLI also takes ``--group module:Class``.
 
 Elements are sampled in float64 and cast to the acted-on tensor's dtype and device; they
 act on batches ``[..., m, n]`` by broadcasting. A *joint* group (``NeuronPermutation``)
@@ -43,19 +79,27 @@ __all__ = [
     "TwoSidedElement",
     "JointElement",
     "BiOrthogonal",
+    "LeftOrthogonal",
+    "RightOrthogonal",
+    "Permutation",
     "LeftPermRightOrth",
     "RightPermLeftOrth",
     "SignedColumnPermutation",
     "SignedRowPermutation",
     "SignedPermutation",
+    "RowScaling",
+    "ColumnScaling",
     "NeuronPermutation",
     "RouterShift",
+    "FACTORS",
     "GROUPS",
+    "register_group",
     "get_group",
     "sample_shapes",
     "haar_orthogonal",
     "random_permutation",
     "random_signed_permutation",
+    "random_positive_diagonal",
 ]
 
 Shape = tuple[int, int]
@@ -73,9 +117,15 @@ def haar_orthogonal(
     R_{ii})$ (Mezzadri's fix: without it the distribution of $Q$ depends on the QR
     implementation)."""
     Z = torch.randn(*batch, k, k, generator=_generator(generator), dtype=torch.float64)
-    # numpy's QR: torch's (its orgqr step) costs ~17 ms on a 3x3 matrix with 2 OpenMP
-    # threads on a busy machine, ~250x numpy's, and the suites sample thousands of these.
-    Q, R = (torch.from_numpy(t) for t in np.linalg.qr(Z.numpy()))
+    # Small k: numpy's QR (torch's orgqr step cost ~17 ms on a 3x3 matrix with 2 OpenMP
+    # threads on a busy machine, ~250x numpy's, and the suites sample thousands of these).
+    # Large k: torch's (numpy's OpenBLAS threads thrash on a shared machine: 0.6 s of CPU
+    # for one 256x256 QR against 6 ms in torch, measured on 2 busy cores).
+    if k <= 32:
+        Q, R = (torch.from_numpy(t) for t in np.linalg.qr(Z.numpy()))
+    else:
+        Q, R = torch.linalg.qr(Z)
+
     signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))
     signs[signs == 0] = 1.0
     return Q * signs.unsqueeze(-2)
@@ -98,13 +148,29 @@ def _identity(k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     return torch.eye(k, dtype=torch.float64)
 
 
+def random_positive_diagonal(k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    r"""$\operatorname{diag}(s)$ with $\log_{10} s_i$ uniform in $[-2, 2]$ (float64): scalings
+    over four decades, wide enough that an $\epsilon$ added to a scale-invariant ratio shows."""
+    exponents = 4.0 * torch.rand(k, generator=_generator(generator), dtype=torch.float64) - 2.0
+    return torch.diag(10.0**exponents)
+
+
 #: Factor samplers by name: ``k, generator -> [k, k]`` float64 matrix.
 FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
     "orthogonal": haar_orthogonal,
     "permutation": random_permutation,
     "signed_permutation": random_signed_permutation,
+    "positive_diagonal": random_positive_diagonal,
     "identity": _identity,
 }
+
+
+def _inverse(M: torch.Tensor) -> torch.Tensor:
+    """Inverse of a factor (factors are diagonal or orthogonal): $1/d$ on the diagonal of a
+    diagonal one, $M^\\top$ otherwise."""
+    if torch.count_nonzero(M - torch.diag_embed(torch.diagonal(M))) == 0:
+        return torch.diag_embed(1.0 / torch.diagonal(M))
+    return M.mT
 
 
 def _cast(M: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -127,6 +193,11 @@ class GroupElement:
         """Action on points (weights). Equals :meth:`act` unless overridden."""
         return self.act(W)
 
+    def act_gradient(self, G):
+        """Action on the gradient of a loss with this symmetry. Equals :meth:`act` unless
+        overridden."""
+        return self.act(G)
+
     def act_output(self, U):
         """Action on an update's output. Equals :meth:`act` unless overridden."""
         return self.act(U)
@@ -139,14 +210,16 @@ class GroupElement:
 class TwoSidedElement(GroupElement):
     r"""$g\cdot D = L\,D\,R^\top + \mathbf 1 v^\top$ (the shift $v$ only on inputs and points).
 
-    ``left`` is ``[m, m]``, ``right`` ``[n, n]``, ``shift`` ``[n]`` or ``None``; all float64,
-    cast to the operand's dtype. On outputs the shift acts trivially:
-    ``act_output(U)`` $= LUR^\top$.
+    ``left`` is ``[m, m]``, ``right`` ``[n, n]`` (orthogonal or diagonal), ``shift`` ``[n]``
+    or ``None``; all float64, cast to the operand's dtype. On outputs the shift acts
+    trivially, ``act_output(U)`` $= LUR^\top$, and the whole element does when
+    ``output_acts`` is false (invariance). Gradients move by $L^{-\top}GR^{-1}$, unshifted.
     """
 
     left: torch.Tensor
     right: torch.Tensor
     shift: torch.Tensor | None = None
+    output_acts: bool = True
 
     def _check(self, D: torch.Tensor) -> None:
         if not isinstance(D, torch.Tensor):
@@ -158,19 +231,29 @@ class TwoSidedElement(GroupElement):
                 f"{tuple(D.shape)}; sample it with group.sample({expected}, generator)"
             )
 
+    def _linear(self, D: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        self._check(D)
+        return _cast(left, D) @ D @ _cast(right, D).mT
+
     def act_output(self, U: torch.Tensor) -> torch.Tensor:
-        self._check(U)
-        return _cast(self.left, U) @ U @ _cast(self.right, U).mT
+        if not self.output_acts:
+            self._check(U)
+            return U
+        return self._linear(U, self.left, self.right)
 
     def act(self, D: torch.Tensor) -> torch.Tensor:
-        out = self.act_output(D)
+        out = self._linear(D, self.left, self.right)
         return out if self.shift is None else out + _cast(self.shift, D)
 
+    def act_gradient(self, G: torch.Tensor) -> torch.Tensor:
+        return self._linear(G, _inverse(self.left).mT, _inverse(self.right).mT)
+
     def inverse(self) -> "TwoSidedElement":
-        # y = L x R^T + 1 v^T  =>  x = L^T y R - L^T 1 v^T R = L^T y R - 1 (R^T v)^T, since
-        # shift groups have a permutation (L^T 1 = 1) on the left.
-        shift = None if self.shift is None else -(self.right.mT @ self.shift)
-        return TwoSidedElement(self.left.mT, self.right.mT, shift)
+        # y = L x R^T + 1 v^T  =>  x = L^-1 y R^-T - 1 (R^-1 v)^T, since shift groups have a
+        # permutation (L^-1 1 = 1) on the left.
+        left, right = _inverse(self.left), _inverse(self.right)
+        shift = None if self.shift is None else -(right @ self.shift)
+        return TwoSidedElement(left, right, shift, self.output_acts)
 
     def __repr__(self) -> str:
         text = f"L =\n{_format_matrix(self.left)}\nR =\n{_format_matrix(self.right)}"
@@ -198,6 +281,9 @@ class JointElement(GroupElement):
 
     def act_point(self, W):
         return self._zip(W, "act_point")
+
+    def act_gradient(self, G):
+        return self._zip(G, "act_gradient")
 
     def act_output(self, U):
         return self._zip(U, "act_output")
@@ -243,6 +329,8 @@ class TwoSidedGroup(Group):
     left: str = "orthogonal"
     right: str = "orthogonal"
     shift: bool = False
+    #: The declared relation is invariance, $U(g\cdot D) = U(D)$ (``act_output`` is the identity).
+    invariant: bool = False
 
     def __init__(self, shift_scale: float = 1.0):
         self.shift_scale = float(shift_scale)
@@ -255,7 +343,7 @@ class TwoSidedGroup(Group):
         shift = None
         if self.shift:
             shift = self.shift_scale * torch.randn(n, generator=gen, dtype=torch.float64)
-        return TwoSidedElement(left, right, shift)
+        return TwoSidedElement(left, right, shift, not self.invariant)
 
 
 class BiOrthogonal(TwoSidedGroup):
@@ -264,6 +352,45 @@ class BiOrthogonal(TwoSidedGroup):
 
     name = "bi-orthogonal"
     left, right = "orthogonal", "orthogonal"
+
+
+class LeftOrthogonal(TwoSidedGroup):
+    r"""$O_m \times I$: $D \mapsto LD$ — rotations of the output space only (a block whose
+    outputs feed a rotation-invariant consumer)."""
+
+    name = "left-orthogonal"
+    left, right = "orthogonal", "identity"
+
+
+class RightOrthogonal(TwoSidedGroup):
+    r"""$I \times O_n$: $D \mapsto DR^\top$ — rotations of the input space only."""
+
+    name = "right-orthogonal"
+    left, right = "identity", "orthogonal"
+
+
+class Permutation(TwoSidedGroup):
+    r"""$S_m \times S_n$: $D \mapsto PDQ^\top$, unsigned permutations of rows and columns —
+    the symmetry of any map that treats rows and columns as unordered sets."""
+
+    name = "permutation"
+    left, right = "permutation", "permutation"
+
+
+class RowScaling(TwoSidedGroup):
+    r"""Positive row scalings, declared as **invariance**: $U(\operatorname{diag}(s)D) = U(D)$
+    ($\log_{10}s_i$ uniform in $[-2, 2]$) — row-normalized and sign updates are invariant,
+    an $\epsilon$ added to a row norm or a second moment breaks it."""
+
+    name = "row-scaling"
+    left, right, invariant = "positive_diagonal", "identity", True
+
+
+class ColumnScaling(TwoSidedGroup):
+    r"""Positive column scalings, declared as **invariance**: $U(D\operatorname{diag}(s)) = U(D)$."""
+
+    name = "column-scaling"
+    left, right, invariant = "identity", "positive_diagonal", True
 
 
 class LeftPermRightOrth(TwoSidedGroup):
@@ -355,28 +482,47 @@ class NeuronPermutation(Group):
 
 
 #: Every group by its CLI name.
-GROUPS: dict[str, Group] = {
-    g.name: g
-    for g in (
-        BiOrthogonal(),
-        LeftPermRightOrth(),
-        RightPermLeftOrth(),
-        SignedColumnPermutation(),
-        SignedRowPermutation(),
-        SignedPermutation(),
-        NeuronPermutation(),
-        RouterShift(),
-    )
-}
+GROUPS: dict[str, Group] = {}
+
+
+def register_group(group: Group) -> Group:
+    """Give ``group`` its CLI name (``group.name``, which must be new); returns it."""
+    if not group.name or group.name in GROUPS:
+        raise ValueError(f"register_group: a group needs a new, non-empty name; got {group.name!r}")
+    GROUPS[group.name] = group
+    return group
+
+
+for _group in (
+    BiOrthogonal(), LeftOrthogonal(), RightOrthogonal(), Permutation(), LeftPermRightOrth(),
+    RightPermLeftOrth(), SignedColumnPermutation(), SignedRowPermutation(), SignedPermutation(),
+    RowScaling(), ColumnScaling(), NeuronPermutation(), RouterShift(),
+):
+    register_group(_group)
 
 
 def get_group(name: str) -> Group:
-    """A group by CLI name (``bi-orthogonal``) or class name (``BiOrthogonal``), any case."""
+    """A group by CLI name (``bi-orthogonal``), class name (``BiOrthogonal``), any case, or
+    ``module:Class`` / ``module:instance`` for a group defined outside geomuon (a
+    :class:`Group` subclass is instantiated without arguments)."""
+    if ":" in name:
+        import importlib
+
+        module_name, _, attr = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"unknown group {name!r}: {err}") from None
+        group = found() if isinstance(found, type) and issubclass(found, Group) else found
+        if not isinstance(group, Group):
+            raise ValueError(f"unknown group {name!r}: {attr} is not a geomuon.theory.groups.Group")
+        return group
     key = name.strip().lower().replace("_", "-")
     for group in GROUPS.values():
         if key in (group.name, type(group).__name__.lower()):
             return group
-    raise ValueError(f"unknown group {name!r}; choose one of {sorted(GROUPS)}")
+    raise ValueError(f"unknown group {name!r}; choose one of {', '.join(GROUPS)} (or module:Class)")
+
 
 
 def sample_shapes(group: Group, shape: Shape) -> Shape | Sequence[Shape]:

@@ -1,0 +1,389 @@
+r"""The equivariance checker checked: a catalogue of known-correct and known-broken update
+maps and optimizers, run through the CLI (``geomuon check-equivariance``) and the API
+(:func:`geomuon.theory.equivariance.check_equivariance`).
+
+Every catalogue entry is a map (or optimizer) defined here, a group, and the verdict it must
+get — ``holds`` (the map is equivariant), ``violated`` (a bug the checker must catch) or
+``error`` (the map raises or returns NaN on some valid input). The broken ones cover each
+failure class the checker was blind to before: a row-normalized msign and a biased msign
+under $O_m\times O_n$, ``sign``, a 3-step power iteration at condition $10^6$ and a 200-step
+one (broken when $\sigma_2/\sigma_1 \ge 0.99$), a map zeroing entries below $10^{-6}$, a map
+flipping its sign on half the draws, an Adam-like $\epsilon$ under positive row scalings,
+maps broken only under a left or only a right rotation, a NaN-producing and a crashing map;
+and optimizers: heavy-ball momentum (holds), sign-SGD (violated), geomuon's Muon as shipped
+(bf16 Newton–Schulz, float32 weights) with ``--compute-dtype bfloat16`` (holds: equivariant up
+to bf16). Without ``--compute-dtype`` Muon has no well-defined expected verdict at float32, so
+it is not in the catalogue: its residual is bf16 round-off, which small float32 checks call a
+violation, while at 256x128 the float32-level probes already flip enough bf16 roundings for
+the floor to show that noise (measured: violated at 12x6, inconclusive at 64x32, holds at
+256x128).
+
+
+Each (entry, shape, dtype) is one check per route, with the seed ``--seed`` (fixed, so a
+rerun reproduces the table). Printed: per route the false positives (a correct map not
+reported *holds* but *violated*), false negatives (a broken map reported *holds*),
+inconclusives, errors where none was expected, and the median wall time per check; one row
+per entry with both routes' verdicts. The CLI route runs in-process (``geomuon.cli.main``)
+with the maps imported from this module by the CLI's own import path; the time of a full
+CLI process (import included) on a 64x32 map is measured once, separately.
+
+Usage::
+
+    python bench/equivariance_checker.py --threads 1                 # float64 6x4 + float32 64x32 and 256x128
+    python bench/equivariance_checker.py --quick                     # seconds: a smoke test
+    python bench/equivariance_checker.py --threads 1 --markdown docs/results/benchmarks/equivariance_checker.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as `python bench/equivariance_checker.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import Provenance, add_arguments, markdown_table  # noqa: E402
+from geomuon import cli as geomuon_cli  # noqa: E402
+from geomuon.theory.equivariance import OptimizerUpdate, check_equivariance  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "bench.equivariance_checker"
+
+
+# --- the catalogue's maps ------------------------------------------------------------------
+
+
+def svd_msign(D):
+    """Exact polar factor $UV^\\top$ (SVD): $O_m\\times O_n$-equivariant."""
+    U, _, Vh = torch.linalg.svd(D, full_matrices=False)
+    return U @ Vh
+
+
+def cubic(D):
+    """$DD^\\top D$: a matrix polynomial, $O_m\\times O_n$-equivariant."""
+    return D @ D.mT @ D
+
+
+def frobenius_normalized(D):
+    """$D/\\|D\\|_F$ (zero stays zero): equivariant under every orthogonal group."""
+    norm = torch.linalg.matrix_norm(D)
+    return D / torch.where(norm > 0, norm, 1.0)
+
+
+def _row_unit(D):
+    norm = D.norm(dim=-1, keepdim=True)
+    return D / torch.where(norm > 0, norm, 1.0)
+
+
+def row_unit(D):
+    """Rows scaled to unit norm, zero rows kept: $S_m\\times O_n$-equivariant and invariant
+    under positive row scalings."""
+    return _row_unit(D)
+
+
+def col_unit(D):
+    """Columns scaled to unit norm, zero columns kept: $O_m\\times S_n$-equivariant."""
+    return _row_unit(D.mT).mT
+
+
+def sign(D):
+    """Entrywise sign: signed permutations and positive scalings hold, rotations break it."""
+    return torch.sign(D)
+
+
+def centered_msign(D):
+    r"""$\Pi^\perp\operatorname{msign}(\Pi^\perp D)$: invariant to router shifts."""
+    centered = D - D.mean(dim=-2, keepdim=True)
+    out = svd_msign(centered)
+    return out - out.mean(dim=-2, keepdim=True)
+
+
+def rownorm_msign(D):
+    """msign of the row-normalized input: equivariant under $S_m\\times O_n$, not $O_m$."""
+    return svd_msign(_row_unit(D))
+
+
+def biased_msign(D):
+    """msign of $D$ plus a fixed all-ones bias of $D$'s RMS size: breaks every rotation."""
+    rms = D.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt()
+    return svd_msign(D + rms)
+
+
+def _power_iteration(D, steps: int):
+    # Rank-one approximation from a fixed start vector: the start is not rotated with D.
+    v = torch.ones(D.shape[-1], 1, dtype=D.dtype) / D.shape[-1] ** 0.5
+    for _ in range(steps):
+        v = D.mT @ (D @ v)
+        v = v / v.norm().clamp_min(torch.finfo(D.dtype).tiny)
+    return (D @ v) @ v.mT
+
+
+def power3(D):
+    """Top singular pair by 3 power steps from a fixed start: broken by the unconverged start."""
+    return _power_iteration(D, 3)
+
+
+def power200(D):
+    """200 power steps: converged unless $\\sigma_2/\\sigma_1 \\ge 0.99$ (clustered spectra)."""
+    return _power_iteration(D, 200)
+
+
+def thresholded_msign(D):
+    """msign after zeroing entries below $10^{-6}$: broken for inputs of that scale."""
+    return svd_msign(torch.where(D.abs() < 1e-6, torch.zeros_like(D), D))
+
+
+def half_flip(D):
+    """msign, negated when $D_{00} < 0$: breaks on about half the draws of any group that
+    moves the corner entry."""
+    return svd_msign(D) * torch.where(D[..., :1, :1] < 0, -1.0, 1.0).to(D.dtype)
+
+
+def adam_like(D):
+    r"""$D / (|D| + \epsilon)$, $\epsilon = 10^{-8}$: Adam's step; the $\epsilon$ breaks the
+    invariance under positive row scalings for entries near $\epsilon$."""
+    return D / (D.abs() + 1e-8)
+
+
+def gram_left(D):
+    r"""$\operatorname{diag}(1, 2, \dots, m)\,D\,(D^\top D) / \|D\|_F^2$: fixed row weights, so
+    $O_n$ on the right holds and $O_m$ on the left breaks."""
+    weights = torch.arange(1, D.shape[-2] + 1, dtype=D.dtype).unsqueeze(-1)
+    norm2 = D.pow(2).sum(dim=(-2, -1), keepdim=True)
+    return (weights * D) @ (D.mT @ D) / torch.where(norm2 > 0, norm2, 1.0)
+
+
+
+def unguarded_row_unit(D):
+    """Rows divided by their norm without a guard: NaN on a zero row."""
+    return D / D.norm(dim=-1, keepdim=True)
+
+
+def cholesky_polar(D):
+    r"""$D R^{-1}$ with $R$ the Cholesky factor of $D^\top D$: raises on a singular Gram matrix."""
+    R = torch.linalg.cholesky(D.mT @ D, upper=True)
+    return torch.linalg.solve_triangular(R, D, upper=True, left=False)
+
+
+class HeavyBall(torch.optim.Optimizer):
+    """$M \\leftarrow 0.9M + G$, $W \\leftarrow W - \\eta M$: linear, equivariant under every orthogonal group."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @staticmethod
+    def update(momentum: torch.Tensor) -> torch.Tensor:
+        """The step direction from the momentum."""
+        return momentum
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.sub_(group["lr"] * self.update(buf))
+
+
+class SignSGD(HeavyBall):
+    """$W \\leftarrow W - \\eta\\operatorname{sign}(M)$: rotations break it."""
+
+    update = staticmethod(torch.sign)
+
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One catalogue check: ``target`` (``module:attribute``) under ``group`` must get
+    ``expected``; ``options`` are extra CLI options (optimizer arguments, dtype, condition)."""
+
+    target: str
+    group: str
+    expected: str
+    why: str
+    options: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ("float64", "float32")
+
+    @property
+    def label(self) -> str:
+        name = self.target.rpartition(":")[2]
+        extra = " ".join(o for o in self.options if not o.startswith("--arg"))
+        return f"{name} {extra}".strip()
+
+
+M = f"{MODULE}:"
+CATALOGUE = [
+    Entry(M + "svd_msign", "bi-orthogonal", "holds", "exact polar factor"),
+    Entry("geomuon.optimizers.maps:spectral", "bi-orthogonal", "holds", "Polar Express msign"),
+    Entry(M + "cubic", "bi-orthogonal", "holds", "matrix polynomial"),
+    Entry(M + "frobenius_normalized", "left-orthogonal", "holds", "orthogonally invariant norm"),
+    Entry(M + "row_unit", "left-perm-right-orth", "holds", "row norms permute"),
+    Entry(M + "row_unit", "row-scaling", "holds", "scale-free rows"),
+    Entry(M + "col_unit", "right-perm-left-orth", "holds", "column norms permute"),
+    Entry(M + "sign", "signed-permutation", "holds", "coordinate-wise"),
+    Entry(M + "sign", "column-scaling", "holds", "scale-free entries"),
+    Entry(M + "centered_msign", "router-shift", "holds", "centered both sides"),
+    Entry(M + "gram_left", "right-orthogonal", "holds", "right Gram only"),
+    Entry(M + "rownorm_msign", "bi-orthogonal", "violated", "row normalization breaks O_m"),
+    Entry(M + "biased_msign", "bi-orthogonal", "violated", "fixed bias"),
+    Entry(M + "sign", "bi-orthogonal", "violated", "coordinate-wise"),
+    Entry(M + "col_unit", "left-perm-right-orth", "violated", "right rotations mix columns"),
+    Entry(M + "power3", "bi-orthogonal", "violated", "unconverged at condition 1e6 (1e-7 effect)",
+          ("--condition", "1e6"), ("float64",)),
+    Entry(M + "power200", "bi-orthogonal", "violated", "clustered spectra (σ2/σ1 ≥ 0.99)"),
+    Entry(M + "thresholded_msign", "bi-orthogonal", "violated", "zeroes entries below 1e-6"),
+    Entry(M + "half_flip", "permutation", "violated", "sign flips on half the draws"),
+    Entry(M + "adam_like", "row-scaling", "violated", "ε breaks scale invariance"),
+    Entry(M + "gram_left", "left-orthogonal", "violated", "fixed row weights"),
+    Entry(M + "frobenius_normalized", "row-scaling", "violated", "scalings change the norm"),
+    Entry(M + "unguarded_row_unit", "left-perm-right-orth", "error", "NaN on zero rows"),
+    Entry(M + "cholesky_polar", "bi-orthogonal", "error", "raises on singular Gram"),
+    Entry(M + "HeavyBall", "bi-orthogonal", "holds", "linear optimizer", ("--arg", "lr=0.1")),
+    Entry(M + "SignSGD", "bi-orthogonal", "violated", "sign of the momentum", ("--arg", "lr=0.1")),
+    Entry("geomuon.optimizers:Muon", "bi-orthogonal", "holds", "bf16 Newton–Schulz, up to bf16",
+          ("--arg", "lr=0.02", "--compute-dtype", "bfloat16"), ("float32",)),
+]
+
+#: (shape, dtype) per size; ``--quick`` runs each entry once, at its first dtype.
+SHAPES = {
+    "quick": [("6x4", "float64"), ("12x6", "float32")],
+    "full": [("6x4", "float64"), ("12x12", "float64"), ("64x32", "float32"), ("256x128", "float32")],
+}
+
+
+def _options(entry: Entry) -> dict:
+    """The entry's options as check_equivariance keywords (for the API route)."""
+    pairs = dict(zip(entry.options[::2], entry.options[1::2]))
+    kwargs = {}
+    if "--condition" in pairs:
+        kwargs["condition"] = float(pairs["--condition"])
+    if "--compute-dtype" in pairs:
+        kwargs["compute_dtype"] = getattr(torch, pairs["--compute-dtype"])
+    return kwargs
+
+
+def _subject(entry: Entry):
+    module_name, _, attr = entry.target.partition(":")
+    obj = getattr(__import__(module_name, fromlist=[attr]), attr)
+    pairs = dict(zip(entry.options[::2], entry.options[1::2]))
+    if isinstance(obj, type):
+        lr = float(pairs["--arg"].partition("=")[2])
+        return OptimizerUpdate(lambda params: obj(params, lr=lr), name=attr)
+    return obj
+
+
+def run_api(entry: Entry, shape: str, dtype: str, seed: int) -> tuple[str, float]:
+    m, n = (int(k) for k in shape.split("x"))
+    start = time.perf_counter()
+    report = check_equivariance(_subject(entry), entry.group, (m, n), dtype=getattr(torch, dtype), seed=seed,
+                                **_options(entry))
+    return report.verdict, time.perf_counter() - start
+
+
+_VERDICT_OF_EXIT = {0: "holds", 1: "violated", 3: "inconclusive", 4: "error", 2: "usage error"}
+
+
+def run_cli(entry: Entry, shape: str, dtype: str, seed: int) -> tuple[str, float]:
+    argv = ["check-equivariance", entry.target, "--group", entry.group, "--shape", shape, "--dtype", dtype,
+            "--seed", str(seed), *entry.options]
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = geomuon_cli.main(argv)
+    return _VERDICT_OF_EXIT[code], time.perf_counter() - start
+
+
+def cli_process_time(repeats: int, shape: str = "64x32") -> tuple[float, float]:
+    """Wall and CPU seconds of one ``geomuon check-equivariance`` process on a 64x32 map,
+    import included (median of ``repeats``)."""
+    command = [sys.executable, "-m", "geomuon", "check-equivariance", f"{MODULE}:svd_msign", "--group",
+               "bi-orthogonal", "--shape", shape, "--dtype", "float32", "--seed", "0"]
+    walls, cpus = [], []
+    for _ in range(repeats):
+        before = os.times()
+        start = time.perf_counter()
+        subprocess.run(command, cwd=ROOT, capture_output=True, check=False)
+        walls.append(time.perf_counter() - start)
+        after = os.times()
+        cpus.append(after.children_user - before.children_user + after.children_system - before.children_system)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def classify(expected: str, verdict: str) -> str:
+    """``ok``, ``false positive`` (a correct map reported violated), ``false negative`` (a
+    broken map reported holds), ``inconclusive``, or ``unexpected error`` / ``missed error``."""
+    if verdict == expected:
+        return "ok"
+    if verdict == "inconclusive":
+        return "inconclusive"
+    if expected == "error":
+        return "missed error"
+    if verdict in ("error", "usage error"):
+        return "unexpected error"
+    return "false positive" if expected == "holds" else "false negative"
+
+
+def measure(size: str, seed: int):
+    rows, outcomes, times = [], {"cli": [], "api": []}, {"cli": [], "api": []}
+    for entry in CATALOGUE:
+        for shape, dtype in SHAPES[size]:
+            if dtype not in entry.dtypes or (size == "quick" and dtype != entry.dtypes[0]):
+                continue
+            verdicts = {}
+            for route, runner in (("api", run_api), ("cli", run_cli)):
+                verdict, seconds = runner(entry, shape, dtype, seed)
+                verdicts[route] = verdict
+                outcomes[route].append(classify(entry.expected, verdict))
+                times[route].append(seconds)
+            rows.append([entry.label, entry.group, shape, dtype, entry.expected, verdicts["api"], verdicts["cli"],
+                         entry.why])
+    return rows, outcomes, times
+
+
+def summary(outcomes, times) -> str:
+    header = ["route", "checks", "false positives", "false negatives", "inconclusive", "unexpected errors",
+              "missed errors", "median time per check (s)"]
+    body = []
+    for route in ("cli", "api"):
+        counts = {k: outcomes[route].count(k) for k in
+                  ("false positive", "false negative", "inconclusive", "unexpected error", "missed error")}
+        body.append([route, str(len(outcomes[route])), *(str(v) for v in counts.values()),
+                     f"{statistics.median(times[route]):.3f}"])
+    return markdown_table(header, body)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, repeats=1, threads=1, repeats_help="unused (each check runs once)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every check (default 0)")
+    args = parser.parse_args(argv)
+    provenance = Provenance(__file__, args, argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the in-process CLI keeps these threads
+    size = "quick" if args.quick else "full"
+    rows, outcomes, times = measure(size, args.seed)
+    repeats = 1 if args.quick else 3
+    wall, cpu = cli_process_time(repeats)
+    text = (
+        f"The checker's own benchmark: {len(CATALOGUE)} catalogue entries (correct and broken maps and "
+        f"optimizers, each with the verdict it must get) at shapes "
+        f"{', '.join(f'{s} {d}' for s, d in SHAPES[size])}, seed {args.seed}, through the CLI (in-process) "
+        f"and the API. A whole `geomuon check-equivariance` process on a 64x32 float32 map, import included: "
+        f"{wall:.2f} s wall, {cpu:.2f} s CPU (median of {repeats}).\n\n"
+
+        + summary(outcomes, times) + "\n\n"
+        + markdown_table(["entry", "group", "shape", "dtype", "expected", "API", "CLI", "why"], rows)
+    )
+    return provenance.finish(text)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
