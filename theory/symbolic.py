@@ -44,6 +44,7 @@ statements, sizes and methods, is the docs page *Concepts → Certificates*.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -287,6 +288,9 @@ class ExactTensor:
 
     def sqrt(self) -> "ExactTensor":
         return ExactTensor(_sqrt(self.a))
+
+    def clamp_min(self, floor) -> "ExactTensor":
+        return ExactTensor(np.vectorize(lambda e: sp.Max(_as_expr(e), exact(floor)), otypes=[object])(self.a))
 
     def rsqrt(self) -> "ExactTensor":
         return 1 / self.sqrt()
@@ -987,6 +991,8 @@ def _generators(kind: str, k: int, prefix: str) -> list[sp.Matrix]:
         return transpositions + [flip]
     if kind == "identity":
         return []
+    if kind == "positive_diagonal":  # one generic element: every positive diagonal
+        return [sp.diag(*sp.symbols(f"{prefix}p0:{k}", positive=True))]
     raise ValueError(f"_generators: unknown side group {kind!r}")
 
 
@@ -1008,7 +1014,8 @@ def certify_equivariance(update: Callable, group, shape: tuple[int, int], *, D: 
         for k, G in enumerate(_generators(kind, size, f"g{side[0]}")):
             P, Q = (G, sp.eye(n)) if side == "left" else (sp.eye(m), G)
             acted = update(ExactTensor(P) @ D @ ExactTensor(Q.T))
-            residuals[f"{side} {kind} #{k}"] = _zero_tensor(acted - ExactTensor(P) @ image @ ExactTensor(Q.T))
+            expected = image if getattr(group, "invariant", False) else ExactTensor(P) @ image @ ExactTensor(Q.T)
+            residuals[f"{side} {kind} #{k}"] = _zero_tensor(acted - expected)
     if getattr(group, "shift", False):
         v = ExactTensor([[sp.Symbol(f"v{j}", real=True) for j in range(n)]])
         residuals["shift 1 v^T"] = _zero_tensor(update(D + ExactTensor(sp.ones(m, 1)) @ v) - image)
@@ -1031,6 +1038,8 @@ def _counterexample(update: Callable, group, D: sp.Matrix, element: tuple) -> Ce
         expected = update(Dx) if getattr(group, "shift", False) else None
     else:
         expected = ExactTensor(P) @ update(Dx) @ ExactTensor(Q.T)
+    if expected is None or getattr(group, "invariant", False):
+        expected = update(Dx)
     residual = (update(acted) - expected).simplify()
     size = max(abs(sp.N(_half_powers_reduced(e), 30)) for e in residual.a.flat)
     return Certificate(
@@ -1038,16 +1047,6 @@ def _counterexample(update: Callable, group, D: sp.Matrix, element: tuple) -> Ce
         bool(size > sp.Rational(1, 10**20)),
         {"D": D, "element": element, "residual": residual.matrix(), "max |residual|": size},
     )
-
-
-def _polar_2x2(A: sp.Matrix) -> sp.Matrix:
-    r"""Exact polar factor of an invertible $2\times2$ matrix with $\det A > 0$:
-    $(A + \operatorname{adj}(A)^\top)/\sqrt{\det(A + \operatorname{adj}(A)^\top)}$ (a scaled
-    rotation plus $A$ is a multiple of the rotation factor)."""
-    if not A.det() > 0:
-        raise ValueError("_polar_2x2: needs det A > 0")
-    B = A + A.adjugate().T
-    return B / sp.sqrt(B.det())
 
 
 def certify_newton_schulz_equivariance() -> Certificate:
@@ -1132,6 +1131,31 @@ def _shift_probe_certificate(shape=(3, 2)) -> Certificate:
     )
 
 
+def _hybrid_stages(D):
+    """The library's ``hybrid`` with no Newton–Schulz step and no nuclear scale: its row
+    normalization and msign's normalization, exactly."""
+    from geomuon.optimizers import maps
+
+    return maps.hybrid(D, steps=0, alpha=0)
+
+
+@functools.lru_cache(maxsize=1)
+def _hybrid_stage_certificate() -> Certificate:
+    r""":func:`_hybrid_stages` is $S_m^\pm \times O_n$-equivariant at $2\times2$ (cached:
+    three rows use it)."""
+    from geomuon.theory.groups import LeftPermRightOrth
+
+    return certify_equivariance(_hybrid_stages, LeftPermRightOrth(), (2, 2))
+
+
+def _centered_spectral_stages(D):
+    """``centered(spectral)`` with no Newton–Schulz step: the centering and msign's
+    normalization of the library's code, exactly."""
+    from geomuon.optimizers import maps
+
+    return maps.centered(maps.spectral)(D, steps=0)
+
+
 def _declared_rows():
     from geomuon.theory import declared
 
@@ -1170,70 +1194,101 @@ def certify_map_row(declaration) -> Certificate:
         elif name in ("hybrid", "swiglu hybrid stack"):
             from geomuon.theory.groups import LeftPermRightOrth
 
-            # Row normalization is S_m^± x O_n-equivariant; the msign stage is O_m x O_n-
-            # equivariant; the SwiGLU stack applies hybrid to W_gate, W_up (rows permuted)
-            # and to W_down^T (its columns permuted become rows).
-            parts += [certify_equivariance(maps.row_norm, LeftPermRightOrth(), s) for s in shapes]
+            # The library's hybrid with 0 Newton-Schulz steps (its row normalization and
+            # msign's normalization, run exactly) is S_m^± x O_n-equivariant; every
+            # Newton-Schulz step is O_m x O_n-equivariant; the SwiGLU stack applies
+            # hybrid to W_gate, W_up (rows permuted) and to W_down^T.
+            parts.append(_hybrid_stage_certificate())
             parts.append(certify_newton_schulz_equivariance())
         elif name.startswith("centered("):
             inner = name[len("centered(") : -1]
-            from geomuon.theory.groups import LeftPermRightOrth
+            from geomuon.theory.groups import LeftPermRightOrth, RouterShift
 
             parts.append(_shift_probe_certificate())
             if inner in elementwise:
                 parts += [certify_equivariance(elementwise[inner], LeftPermRightOrth(), s) for s in shapes]
             elif inner == "hybrid":
-                parts += [certify_equivariance(maps.row_norm, LeftPermRightOrth(), s) for s in shapes]
+                parts.append(_hybrid_stage_certificate())
                 parts.append(certify_newton_schulz_equivariance())
             elif inner == "left_polar":
                 parts.append(certify_inverse_sqrt_equivariance())
             else:
+                parts.append(certify_equivariance(_centered_spectral_stages, RouterShift(), (2, 2)))
                 parts.append(certify_newton_schulz_equivariance())
         else:
             return Certificate(f"no certificate for the map row {declaration.id}", False, None)
         witness = {p.claim: p.witness for p in parts}
         return Certificate(f"proof of {declaration.id}", all(p.holds for p in parts), witness)
     # ---- fails rows: an exact counterexample
-    half, two = sp.Rational(1, 2), sp.Integer(2)
-    rotation2 = cayley(sp.Matrix([[0, half], [-half, 0]]))
-    rotation3 = cayley(sp.Matrix([[0, half, 1], [-half, 0, two], [-1, -two, 0]]))
-    m, n = shapes[0]
-    D = sp.Matrix(m, n, lambda i, j: sp.Rational((3 * i + 5 * j) % 7 + 1, 4))
-    left = rotation3 if m == 3 else rotation2
-    right = rotation2 if n == 2 else rotation3
-    kinds = {"left": group.left, "right": group.right}
     if name in elementwise:
-        if kinds["left"] == "orthogonal" and name in ("row_norm", "sign"):
-            element = (left, sp.eye(n), None)
-        elif kinds["right"] == "orthogonal" and name in ("col_norm", "sign"):
-            element = (sp.eye(m), right, None)
-        elif getattr(group, "shift", False):
-            element = (sp.eye(m), sp.eye(n), [1] * n)
-        else:
-            return Certificate(f"no counterexample for {declaration.id}", False, None)
-        return _counterexample(elementwise[name], group, D, element)
-    if name == "spectral" and getattr(group, "shift", False):
-        # The exact polar factor of I is I; of I + 1 (1, 0)^T = [[2, 0], [1, 1]] it is not I
-        # (a matrix's polar factor is I iff it is symmetric positive definite).
-        A = sp.Matrix([[2, 0], [1, 1]])
-        residual = _polar_2x2(A) - sp.eye(2)
-        return Certificate(f"exact counterexample to {declaration.id} (exact polar factor)",
-                           not residual.is_zero_matrix, {"D": sp.eye(2), "shift": (1, 0), "residual": residual})
-    if name == "hybrid" and kinds["left"] == "orthogonal":
-        # D = diag(1, 2): row_norm gives diag(1, 1)/(1 + eps), polar factor I; after the
-        # rotation L the rows of L D are no longer orthogonal, and the polar factor of
-        # row_norm(L D) is not L.
-        Dh = sp.diag(1, 2)
-        Lh = rotation2
+        m, n = shapes[0]
+        D = sp.Matrix(m, n, lambda i, j: sp.Rational((3 * i + 5 * j) % 7 + 1, 4))
+        update = elementwise[name]
+        how = "the library's map"
+    elif name == "spectral":
+        # The exact map the Newton-Schulz iteration approximates, at 2x2 in closed form.
+        D = sp.Matrix([[2, 1], [-1, 3]]) / 2
+        update, how = _exact_spectral, "the exact polar factor"
+    elif name == "hybrid":
+        # The library's hybrid with no Newton-Schulz step (its row normalization and
+        # msign's normalization): the row stage alone breaks the group.
+        m, n = shapes[0]
+        D = sp.Matrix(m, n, lambda i, j: sp.Rational((3 * i + 5 * j) % 7 + 1, 4))
+        update, how = _hybrid_stages, "the library's hybrid, 0 Newton-Schulz steps"
+    else:
+        return Certificate(f"no counterexample for {declaration.id}", False, None)
+    tried = []
+    for element in _rational_elements(group, D.shape):
+        certificate = _counterexample(update, group, D, element)
+        tried.append(certificate)
+        if certificate.holds:
+            return Certificate(f"exact counterexample to {declaration.id} ({how})", True, certificate.witness)
+    return Certificate(f"no counterexample found for {declaration.id}", False, [c.witness for c in tried])
 
-        def rows(M):
-            return maps.row_norm(ExactTensor(M)).matrix().applyfunc(_half_powers_reduced)
 
-        residual = (_polar_2x2(rows(Lh * Dh)) - Lh * _polar_2x2(rows(Dh))).applyfunc(lambda e: sp.N(e, 30))
-        size = max(abs(e) for e in residual)
-        return Certificate(f"exact counterexample to {declaration.id} (exact polar factor, 2x2)",
-                           bool(size > sp.Rational(1, 10**20)), {"D": Dh, "L": Lh, "residual": residual})
-    return Certificate(f"no counterexample for {declaration.id}", False, None)
+def _rational_side(kind: str, k: int) -> sp.Matrix | None:
+    """One exact rational element of a side group of size ``k`` (``None``: trivial)."""
+    if kind == "identity" or k < 2 and kind != "positive_diagonal":
+        return None
+    if kind == "orthogonal":
+        S = sp.zeros(k, k)
+        for i, j in itertools.combinations(range(k), 2):
+            S[i, j], S[j, i] = sp.Rational(i + 2 * j + 1, 2), -sp.Rational(i + 2 * j + 1, 2)
+        return cayley(S)
+    if kind in ("permutation", "signed_permutation"):
+        P = sp.eye(k)
+        P[0, 0] = P[1, 1] = 0
+        P[0, 1] = P[1, 0] = 1
+        return P if kind == "permutation" else sp.diag(-1, *([1] * (k - 1))) * P
+    if kind == "positive_diagonal":
+        return sp.diag(*[sp.Integer(2 + i) for i in range(k)])
+    raise ValueError(f"_rational_side: unknown side group {kind!r}")
+
+
+def _rational_elements(group, shape):
+    """Candidate exact elements $(P, Q, v)$ of ``group``: each side alone, then a shift."""
+    m, n = shape
+    left, right = _rational_side(group.left, m), _rational_side(group.right, n)
+    if left is not None:
+        yield left, sp.eye(n), None
+    if right is not None:
+        yield sp.eye(m), right, None
+    if getattr(group, "shift", False):
+        yield sp.eye(m), sp.eye(n), [sp.Integer(j + 1) for j in range(n)]
+
+
+def _polar_exact(A: sp.Matrix) -> sp.Matrix:
+    r"""Exact polar factor $A(A^\top A)^{-1/2}$ of an invertible $2\times2$ matrix, with
+    $(M)^{1/2} = (M + \sqrt{\det M}\,I)/\sqrt{\operatorname{tr}M + 2\sqrt{\det M}}$ for
+    $2\times2$ symmetric positive definite $M$."""
+    M = A.T * A
+    root = sp.sqrt(M.det())
+    H = (M + root * sp.eye(2)) / sp.sqrt(M.trace() + 2 * root)
+    return A * H.inv()
+
+
+def _exact_spectral(D):
+    return ExactTensor(_polar_exact(D.matrix().applyfunc(_half_powers_reduced)))
 
 
 # ======================================================================================
@@ -1573,7 +1628,10 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
     Vx = ExactTensor(np.vectorize(_as_expr, otypes=[object])(manifold.proju(W, X).a))
     tx = t.as_expr()
     Y = Wx + Vx * tx
-    c0, c1 = _taylor(Y @ form.retraction_factor(Y.mT @ Y), tx, 2)
+    # Two terms of a series factor suffice: its k-th term is O(t^k) at least, so only the
+    # constant and linear terms reach R_W(0) and dR_W(0) (and six terms of symbolic
+    # powers cost minutes).
+    c0, c1 = _taylor(Y @ form.retraction_factor(Y.mT @ Y, terms=2), tx, 2)
     checked["R(W, 0) = W"] = _zero_tensor(c0 - Wx)
     checked["dR_W(0)[V] = V"] = _zero_tensor(c1 - Vx)
     return Certificate(
