@@ -44,6 +44,17 @@ from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians,
 QUICK = {"layers": 1, "width": 64, "repeats": 3}
 
 
+#: ``--set``: the default CPU-scaled stack (``--layers`` x ``--width``), or one GPT-2-small
+#: block (d = 768: q, k, v and out 768 x 768, the MLP's 3072 x 768 and 768 x 3072).
+SETS = ("gpt", "gpt2-small")
+
+
+def gpt2_small_shapes() -> list[tuple[int, int]]:
+    """One GPT-2-small block's hidden matrices, ``[out, in]``: 768x768 (x4: q, k, v, out),
+    3072x768, 768x3072."""
+    return [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
+
+
 def gpt_shapes(layers: int, width: int) -> list[tuple[int, int]]:
     """Hidden matrices of a GPT-2 block stack, ``[out, in]``."""
     block = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)]
@@ -105,6 +116,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--set", choices=SETS, default="gpt",
+                        help="gpt: --layers x --width GPT-2 blocks; gpt2-small: one d=768 block")
     add_arguments(parser, repeats=7, threads=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -113,7 +126,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
-    shapes = gpt_shapes(args.layers, args.width)
+    shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()
     optimizers, grads = build(shapes, args.seed)
     medians = measure(optimizers, grads, args.repeats, CLOCKS[args.clock])
     params_mib = sum(s[0] * s[1] for s in shapes) * 4 / 2**20
@@ -126,8 +139,9 @@ def main(argv=None) -> int:
     }
     rows = [[name, f"{1e3 * median:.1f}", f"{median / medians[baselines[name]]:.2f}", baselines[name],
              f"{state_mib(optimizers[name]):.1f}"] for name, median in medians.items()]
+    described = f"{args.layers} layers x {args.width}" if args.set == "gpt" else "one GPT-2-small block, d = 768"
     text = (
-        f"{len(shapes)} matrices ({args.layers} layers x {args.width}), {params_mib:.1f} MiB of fp32 "
+        f"{len(shapes)} matrices ({described}), {params_mib:.1f} MiB of fp32 "
         f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds\n\n"
         + markdown_table(["optimizer", "step (ms)", "ratio", "vs", "state (MiB)"], rows)
     )

@@ -98,6 +98,8 @@ class Provenance:
             ("commit", f"`{self.commit}`"),
             ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
             ("machine", machine()),
+            # The step ratios depend on it: the fp32 products a step keeps cost this many bf16 ones.
+            ("bf16 / fp32 matmul rate", matmul_rate_ratio()),
             # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
             # parallel ops: ManifoldMuon/Muon on 2 threads measured 7.0 instead of 5.1.
             ("environment", ", ".join(f"{k}={os.environ[k]}" for k in _ENVIRONMENT if k in os.environ)
@@ -136,3 +138,23 @@ _ENVIRONMENT = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BL
 def _load(averages: tuple[float, float, float]) -> str:
     return ", ".join(f"{a:.2f}" for a in averages)
 
+
+def matmul_rate_ratio(size: int = 1024, repeats: int = 5) -> str:
+    """The machine's bf16 and fp32 matmul rates (GFLOP/s, ``size``-square products, the
+    current torch thread count, process clock, best of ``repeats``) and their ratio."""
+    import torch
+
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size).to(dtype)
+        a @ a  # first-call setup
+        best = min(_timed(lambda: a @ a) for _ in range(repeats))
+        rates[dtype] = 2 * size**3 / best / 1e9
+    ratio = rates[torch.bfloat16] / rates[torch.float32]
+    return f"{ratio:.1f}x ({rates[torch.bfloat16]:.0f} vs {rates[torch.float32]:.0f} GFLOP/s, {size}^3 products)"
+
+
+def _timed(run) -> float:
+    start = time.process_time()
+    run()
+    return max(time.process_time() - start, 1e-9)
