@@ -28,8 +28,10 @@ scaling to norm one never lowers the primal value).
 
 Closed forms need no dual steps: unconstrained manifolds ($\Phi(G)$), the centered
 router subspace ($\Phi(\Pi^\perp G)$ for norms whose dualizer keeps columns centered) and
-square Stiefel ($\Phi(P_W G)$ is already tangent). The engine recognises them and
-returns the projection iterate with a certificate of 1 up to round-off.
+square Stiefel ($\Phi(P_W G)$ is already tangent). The manifold declares them
+(``MatrixManifold.dualizer_keeps_tangent``); the engine asks, and returns the projection
+iterate with a certificate of 1 up to round-off. Manifolds with a Gram-space form run the
+same iteration on $n\times n$ matrices in :mod:`geomuon.optimizers.gram`.
 """
 
 from __future__ import annotations
