@@ -186,8 +186,11 @@ class MatrixManifold(geoopt.Manifold):
         self = super().__new__(cls)
         try:
             bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{cls.__name__}(): {error}") from None
+        except TypeError:
+            # Unpickling and copy.deepcopy call __new__ without arguments and then restore
+            # __dict__ (the arguments recorded at construction included); a real call with
+            # bad arguments is refused by __init__ itself.
+            return self
         bound.apply_defaults()
         arguments = {}
         for parameter, (key, value) in zip(bound.signature.parameters.values(), bound.arguments.items()):

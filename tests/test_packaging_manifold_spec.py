@@ -6,7 +6,9 @@ arguments including a tensor, as a user's own module would.
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -128,3 +130,12 @@ def test_unserialisable_constructor_argument_is_refused_by_spec():
     assert WithCallable().spec()["args"] == {"fn": None}
     with pytest.raises(TypeError, match=r"WithCallableForTest\(fn=\.\.\.\).*function"):
         WithCallable(sphere_normalize).spec()
+
+
+def test_copies_and_pickles_keep_the_constructor_arguments():
+    # deepcopy and pickle call __new__ without the constructor's arguments
+    manifold = WeightedSphere(1.5, torch.tensor([1.0, 2.0]), label="x")
+    for clone in (copy.deepcopy(manifold), pickle.loads(pickle.dumps(manifold))):
+        assert clone.identity == manifold.identity and clone.radius == 1.5
+    with pytest.raises(TypeError, match="radius"):
+        WeightedSphere()  # a real call with missing arguments is still refused
