@@ -62,6 +62,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from geomuon.manifolds.linalg import rms_scale
+
 __all__ = [
     "GELU_LIPSCHITZ",
     "REFERENCE_GELU_DIVISOR",
@@ -101,9 +103,8 @@ def rms_operator_norm(W: torch.Tensor) -> float:
             f"rms_operator_norm: expected a [fan_out, fan_in] matrix, got "
             f"{tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__}"
         )
-    fan_out, fan_in = W.shape
     sigma = torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
-    return math.sqrt(fan_in / fan_out) * sigma
+    return rms_scale(W.shape) * sigma
 
 
 def token_rms_max(X: torch.Tensor) -> torch.Tensor:
