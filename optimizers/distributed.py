@@ -180,14 +180,20 @@ def _all_to_all(outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[tu
 
 
 @contextlib.contextmanager
-def _state_shared(optimizer, proxies: list[torch.Tensor], params: list[torch.Tensor]):
-    """Let ``optimizer.state[proxy]`` be the state dict of its parameter while the
-    whole-matrix code runs (what it writes there stays with the parameter)."""
+def _standing_in(optimizer, group: dict, proxies: list[torch.Tensor], params: list[torch.Tensor]):
+    """While the whole-matrix code runs, each full ``proxy`` stands in for its parameter:
+    ``optimizer.state[proxy]`` is the parameter's state dict (what is written there stays
+    with the parameter) and the group lists the proxy in its place (lookups by identity,
+    e.g. a parameter's name, find it)."""
+    positions = {id(p): i for i, p in enumerate(group["params"])}
+    listed = list(group["params"])
     for q, p in zip(proxies, params):
         optimizer.state[q] = optimizer.state[p]
+        group["params"][positions[id(p)]] = q
     try:
         yield
     finally:
+        group["params"][:] = listed
         for q in proxies:
             del optimizer.state[q]
 
@@ -261,7 +267,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
             results = [u.reshape(p.shape) for u, p in zip(update, owned)]
         else:
             proxies = [fs[1] for fs in whole_fields]
-            with _state_shared(optimizer, proxies, owned):
+            with _standing_in(optimizer, group, proxies, owned):
                 update = optimizer._direction(group, stack, proxies)
                 optimizer._apply(group, proxies, update, lr)
                 if regulator is not None:

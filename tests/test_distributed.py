@@ -64,6 +64,9 @@ CONFIGS = {
             _groups(t), lr=0.02, manifold=name, compute_dtype=None))(name)
         for name in ("stiefel", "dgram", "oblique", "euclidean", "centered_router", "lpro")
     },
+    # the exact duality certificate every 5 steps (its bookkeeping names the parameter)
+    "manifold_muon[stiefel]+certify": lambda t: ManifoldMuon(_groups(t), lr=0.02, manifold="stiefel",
+                                                             compute_dtype=None, certify_every=5),
 }
 #: one configuration with an elementwise apply, one with a whole-matrix retraction
 DDP_CONFIGS = ("muon", "manifold_muon[stiefel]")
