@@ -649,6 +649,21 @@ def _in_field(W: ExactTensor, shapes: Sequence[tuple[str, tuple]]):
     return converted, out
 
 
+def _nonzero_somewhere(e) -> bool:
+    """Whether ``e`` is provably nonzero at one rational point of its symbols (positive
+    values $k/7 + 1/3$; 40-digit evaluation, nonzero beyond $10^{-25}$)."""
+    e = sp.sympify(e)
+    if e == 0:
+        return False
+    symbols = sorted(e.free_symbols, key=str)
+    point = {x: sp.Rational(k % 5 + 1, 7) + sp.Rational(1, 3) for k, x in enumerate(symbols)}
+    try:
+        value = sp.N(e.subs(point), 40)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return False
+    return bool(value.is_number and value.is_finite and abs(value) > sp.Rational(1, 10**25))
+
+
 def _zero_tensor(T) -> tuple[bool, Any]:
     """Whether an ExactTensor / sympy expression vanishes identically, and the reduced form."""
     if isinstance(T, ExactTensor) and T.numel() and all(isinstance(e, FracElement) for e in T.a.flat):
@@ -656,8 +671,14 @@ def _zero_tensor(T) -> tuple[bool, Any]:
     if isinstance(T, FracElement):
         return not T, T.as_expr()
     if isinstance(T, ExactTensor):
+        # A nonzero value at one rational point proves an entry is not identically zero
+        # (cheap; the normal form of a nonzero expression with roots can take minutes).
+        if any(_nonzero_somewhere(e) for e in T.a.flat):
+            return False, T.a
         reduced = np.vectorize(lambda e: _reduce(_half_powers_reduced(e)), otypes=[object])(T.a)
         return all(r == 0 for r in reduced.flat), reduced
+    if _nonzero_somewhere(T):
+        return False, T
     r = _reduce(_half_powers_reduced(T))
     return r == 0, r
 
