@@ -147,3 +147,20 @@ def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypat
     _run(optimizer, params, grads[1:])
     assert all("dual_correction" in optimizer.state[p] for p in params)
     assert optimizer.check_on_manifold() == []
+
+
+@pytest.mark.slow  # compiling takes ~30 s on a 2-core CPU
+def test_the_gram_kernel_compiles_and_matches_eager():
+    gen = torch.Generator().manual_seed(13)
+    W = Stiefel().random(2, 24, 8, generator=gen)
+    G = torch.randn(2, 24, 8, generator=gen)
+
+    def step(W, G):
+        return gram_step(Stiefel.gram_form, W, G, 0.02, None, GramSettings()).point
+
+    compiled = torch.compile(step)(W, G)
+    eager = step(W, G)
+    # the same float32/bf16 operations in the same order: measured bitwise equal; allow
+    # the fp32 round-off of a fused reordering (16 eps of O(1) entries)
+    assert torch.allclose(compiled, eager, atol=16 * torch.finfo(torch.float32).eps)
+    assert not torch.allclose(compiled, W, atol=1e-4)  # the step moved the point
