@@ -297,6 +297,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """The manifold a parameter lives on (``None``: unconstrained)."""
         return None
 
+    def _group_index(self, group: dict) -> int:
+        """The position of ``group`` in :attr:`param_groups`, found by identity
+        (``list.index`` would compare group dicts, and with them their tensors)."""
+        return next(i for i, g in enumerate(self.param_groups) if g is group)
+
     def _group_manifold(self, group: dict) -> MatrixManifold | None:
         """The live manifold of a group whose ``"manifold"`` key holds a spec (plain data,
         see :meth:`geomuon.manifolds.MatrixManifold.spec`), built once per spec object: a
@@ -307,7 +312,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         key = id(group)
         cached = self._manifolds.get(key)
         if cached is None or cached[0] is not spec:
-            cached = (spec, MatrixManifold.resolve(spec, f"param group {self.param_groups.index(group)}"))
+            cached = (spec, MatrixManifold.resolve(spec, f"param group {self._group_index(group)}"))
             self._manifolds[key] = cached
         return cached[1]
 

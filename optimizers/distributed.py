@@ -198,10 +198,6 @@ def _standing_in(optimizer, group: dict, proxies: list[torch.Tensor], params: li
             del optimizer.state[q]
 
 
-def _group_index(optimizer, group: dict) -> int:
-    return next(i for i, g in enumerate(optimizer.param_groups) if g is group)
-
-
 def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: float) -> None:
     """One step of a same-shape batch of ``DTensor`` parameters (the module's recipe).
 
@@ -210,7 +206,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     """
     from .base import MatrixOptimizer
 
-    index = _group_index(optimizer, group)
+    index = optimizer._group_index(group)
     where = f"{type(optimizer).__name__} param group {index}"
     rows, rank = _layout(params[0], where)
     for p in params[1:]:

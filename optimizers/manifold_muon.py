@@ -252,7 +252,7 @@ class ManifoldMuon(MatrixOptimizer):
             for state, value in zip(states, correction):
                 state["dual_correction"] = value.clone()
         if ratio is not None:
-            index = self.param_groups.index(group)
+            index = self._group_index(group)
             for p, value in zip(params, ratio.reshape(len(params), -1).mean(dim=-1)):
                 position = next(i for i, q in enumerate(group["params"]) if q is p)
                 self._certified[self._name(group, position, index)] = value

@@ -243,3 +243,16 @@ def test_a_bare_callable_regulator_is_the_one_thing_that_needs_weights_only_fals
 def test_a_regulator_with_a_callable_field_refuses_a_spec_naming_the_field():
     with pytest.raises(TypeError, match=r"SoftCap\.eta = .* is not plain data"):
         SoftCap(eta=lambda lr, shape: 0.1).spec()
+
+
+def test_groups_with_alike_parameter_lists_are_told_apart_by_identity():
+    # Two groups holding one same-shape matrix each: locating the second group with
+    # list.index compares it to the first group's dict, and with it their weight tensors
+    # (a RuntimeError on the first step); the optimizer must find a group by identity.
+    a, b = _params(Stiefel(), [(8, 4), (8, 4)], seed=6)
+    optimizer = ManifoldMuon([{"params": [a], "manifold": Stiefel()},
+                              {"params": [b], "manifold": DGram()}], lr=0.05, certify_every=1)
+    for p in (a, b):
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert [optimizer._group_index(g) for g in optimizer.param_groups] == [0, 1]
