@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
     parser.add_argument("--msign-steps", type=int, default=None)
+    parser.add_argument("--retraction", nargs="+", default=["fused"], choices=["fused", "manifold"],
+                        help="ManifoldMuon's retraction option: fused (the Gram-space path where the "
+                             "manifold has a Gram form) and/or manifold (the general engine)")
     add_arguments(parser, repeats=3, threads=2, repeats_help="timed rounds per configuration (0: no timing)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
         solver["msign_method"] = args.msign
     if args.msign_steps is not None:
         solver["msign_steps"] = args.msign_steps
-    header = ["set", "manifold", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
+    header = ["set", "manifold", "path", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
     lines = [
         f"{args.steps} steps per configuration, alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
         f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
@@ -152,22 +155,25 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     starts = [start == "warm" for start in args.starts]
-    for set_name, manifold_name, dual_steps, warm in itertools.product(args.set, args.manifold, args.dual, starts):
+    for set_name, manifold_name, retraction, dual_steps, warm in itertools.product(
+            args.set, args.manifold, args.retraction, args.dual, starts):
         if dual_steps == 0 and not warm and "warm" in args.starts:
             continue  # no dual step: warm and cold are the same computation
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")
-        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **solver)
+        options = dict(solver, retraction=retraction)
+        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **options)
         cost = "-"
         if args.repeats:
             ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha, clock,
-                                **solver)
+                                **options)
             cost = f"{ratio:.2f}"
         start = "warm" if warm else "cold"
-        if dual_steps == DEFAULT_DUAL_STEPS and warm and not solver:
+        if dual_steps == DEFAULT_DUAL_STEPS and warm and not solver and retraction == "fused":
             start += " (default)"
         where = f"{set_name} ({len(shapes)} matrices)"
-        lines.append(markdown_row([where, manifold_name, str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]))
+        path = "Gram space" if retraction == "fused" else "general"
+        lines.append(markdown_row([where, manifold_name, path, str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)
 

@@ -17,7 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "check-equivariance": ("geomuon.theory.cli:add_parser", "check an update map against a symmetry group"),
     "pretrain": ("geomuon.pretrain.train:add_parser", "pretrain a GPT with a per-module strategy"),
     "compare": ("geomuon.pretrain.compare:add_parser", "compare strategies: results table and plots"),
-    "study": ("geomuon.pretrain.studies:add_parser", "rerun a seed study and write its results page"),
+    "study": ("geomuon.pretrain.studies.command:add_parser", "rerun a seed study and write its results page"),
 }
 
 

@@ -10,7 +10,7 @@ The kernels stay importable as ``geomuon.manifolds.linalg``.
 """
 
 from . import linalg
-from .base import ManifoldSpec, MatrixManifold, matrix_method, retraction_dtype
+from .base import MatrixManifold, matrix_method
 from .dgram import DGram
 from .euclidean import Euclidean
 from .linalg import (
@@ -33,9 +33,7 @@ from .stiefel import Stiefel
 
 __all__ = [
     "MatrixManifold",
-    "ManifoldSpec",
     "matrix_method",
-    "retraction_dtype",
     "Euclidean",
     "Stiefel",
     "DGram",

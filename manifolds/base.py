@@ -45,15 +45,9 @@ __all__ = [
     "MatrixManifold",
     "ManifoldSpec",
     "matrix_method",
-    "retraction_dtype",
     "conjugate_gradients",
     "broadcast_pair",
 ]
-
-
-#: The dtype retractions compute in: :func:`geomuon.manifolds.linalg.fp32_or_fp64` (the
-#: name optimizers/manifold_muon.py imports; new code calls ``fp32_or_fp64``).
-retraction_dtype = fp32_or_fp64
 
 
 def matrix_method(*matrix_args: str, result: str = "matrix"):

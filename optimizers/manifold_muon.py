@@ -35,7 +35,8 @@ from typing import Any, Iterable
 
 import torch
 
-from geomuon.manifolds import MatrixManifold, retraction_dtype
+from geomuon.manifolds import MatrixManifold
+from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 from .base import MatrixOptimizer
@@ -212,7 +213,7 @@ class ManifoldMuon(MatrixOptimizer):
 
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         shape = self._matrix_shape(group, params[0])
-        dtype = retraction_dtype(params[0].dtype)
+        dtype = fp32_or_fp64(params[0].dtype)
         return torch.stack([p.reshape(shape).to(dtype) for p in params])
 
     def _gram_form(self, group: dict, manifold, shape: tuple[int, ...]):

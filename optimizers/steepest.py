@@ -213,7 +213,7 @@ def certified_ratio(G: torch.Tensor, direction: torch.Tensor, iterate: torch.Ten
 
 
 def _gram_solve(manifold, W, rhs, gram_diag):
-    r"""Solve $L L^* \lambda = $ ``rhs``: one division when $LL^*$ is diagonal, else the
+    r"""Solve $L L^* \lambda = r$ for $r$ = ``rhs``: one division when $LL^*$ is diagonal, else the
     manifold's own (conjugate-gradient) solver."""
     if gram_diag is not None:
         return torch.where(gram_diag > 0, rhs / gram_diag, torch.zeros_like(rhs))

@@ -291,7 +291,7 @@ def residual_mlp_bound(
 
     Write $a$ = ``residual_weight``, $s$ = ``gelu_scale``, $z = W_\text{in}x$,
     $P = W_\text{out}W_\text{in}$ ($d\times d$: its RMS→RMS norm is $\sigma_{\max}$) and
-    $g_\pm$ the extremes of $\text{GELU}'$: $g_+ = $ :data:`GELU_LIPSCHITZ`, $g_- = 1 - g_+$
+    $g_\pm$ the extremes of $\text{GELU}'$: $g_+$ = :data:`GELU_LIPSCHITZ` and $g_- = 1 - g_+$
     ($\text{GELU}'(-x) = 1 - \text{GELU}'(x)$).
 
     **Simple** (``method="simple"``): $(1-a) + a\,s\,g_+\|W_\text{out}\|\|W_\text{in}\|$ and
@@ -723,7 +723,7 @@ def rounding_error_bound(
     of RMS $r$ errs by $\le \gamma_{n+1}\||W|\|r$ (RMS→RMS norm of the entrywise absolute
     value); ``elementwise_ulps`` bounds $\exp$, erf-GELU, scalings and the residual
     combination ($\le$ that many $u$ of their output); the softmax over $\le T$ scores has
-    relative error $\le (T + $ ``elementwise_ulps``$)u$ per probability. Errors of the
+    relative error $\le (T + e)\,u$ per probability, $e$ = ``elementwise_ulps``. Errors of the
     inputs of a sub-layer propagate through its exact constant $L_i$ (first order: second
     order terms in $u$ are dropped, i.e. $u\,L \ll 1$), so with $\varepsilon_i$ the error a
     sub-layer makes on exact inputs and $L^\text{res}_j$ the residual constants of

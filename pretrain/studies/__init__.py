@@ -1,4 +1,5 @@
-r"""The seed studies, and the ``geomuon study NAME`` verb that runs them.
+r"""The seed studies; the ``geomuon study NAME`` verb that runs them is
+:mod:`geomuon.pretrain.studies.command`.
 
 Each study reruns one published experiment at CPU scale, with several seeds, and writes
 a results page (Markdown, figures, a JSON record of every run):
@@ -19,28 +20,10 @@ run. ``--size tiny`` is the seconds-long smoke size the tests use. The shared ma
 
 from __future__ import annotations
 
-import argparse
-
 from . import common, lipschitz, manifolds, symmetry
 
 #: study name → module.
 STUDIES = {study.NAME: study for study in (manifolds, lipschitz, symmetry)}
 STUDY_NAMES = tuple(STUDIES)
 
-__all__ = ["STUDIES", "STUDY_NAMES", "add_parser", "run"]
-
-
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    """Fill the ``geomuon study`` parser: the study name, then the study's own options."""
-    parser.description = ("Rerun one seed study at CPU scale (several seeds) and write its results page: "
-                          + ", ".join(STUDY_NAMES))
-    parser.add_argument("name", choices=STUDY_NAMES, help="which study")
-    parser.add_argument("options", nargs=argparse.REMAINDER,
-                        help="the study's own options (--data, --size, --out, --publish, --jobs, ...; see "
-                             "`geomuon study NAME --help`)")
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the named study; returns its exit code (2 for bad options)."""
-    return common.main(STUDIES[args.name], list(args.options))
+__all__ = ["STUDIES", "STUDY_NAMES"]

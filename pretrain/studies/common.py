@@ -136,6 +136,7 @@ class Size:
 
 
 def size_from(study, name: str, seeds: list[int] | None = None) -> Size:
+    """The size ``name`` of ``study`` (``ValueError`` naming the choices otherwise), with ``seeds`` in place of its own when given."""
     if name not in study.SIZES:
         raise ValueError(f"--size {name!r} is unknown for study {study.NAME}; choose one of {sorted(study.SIZES)}")
     size = study.SIZES[name]
@@ -202,6 +203,7 @@ def train_run(study, variant: Variant, size: Size, seed: int, data_path: str) ->
 
 @dataclass(frozen=True)
 class Job:
+    """One training run of a study: variant × seed at one size, cached as JSON at ``path``."""
     study: str  # name in geomuon.pretrain.studies.STUDIES
     variant: str
     seed: int
@@ -273,6 +275,7 @@ def run_all(study, size: Size, data_path: str, work_dir: Path, jobs: int, thread
 
 
 def finite(values) -> list[float]:
+    """The finite numbers among ``values`` (``None``, NaN and ±inf dropped), as floats."""
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
@@ -327,6 +330,7 @@ def compare_sentence(name_a: str, a, name_b: str, b, what: str, lower_is_better:
 
 
 def final_eval(record: dict) -> dict:
+    """The last evaluation of a run record (the one scored on the most validation windows)."""
     return record["evals"][-1]
 
 
@@ -334,6 +338,7 @@ def final_eval(record: dict) -> dict:
 
 
 def pyplot():
+    """matplotlib's ``pyplot`` on the non-interactive Agg backend (figures are files, never windows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,11 +348,13 @@ def pyplot():
 
 
 def colours(names):
+    """One colour per name, in order, from matplotlib's default cycle."""
     plt = pyplot()
     return {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
 
 
 def save(fig, figure_dir: Path, name: str) -> str:
+    """Write ``fig`` as ``figure_dir/name.png``, close it, and return the file name for the page."""
     plt = pyplot()
     figure_dir.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure_dir / name, dpi=90, bbox_inches="tight")
@@ -483,6 +490,7 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
 
 
 def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
+    """Run every missing job of ``study`` (cached records are reused), then write its page; returns the page's path."""
     seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
     size = size_from(study, args.size, seeds)
     if len(size.seeds) < 1 or args.jobs < 1 or args.threads < 1:
@@ -543,6 +551,7 @@ def _torch_version() -> str:
 
 
 def main(study, argv: list[str] | None = None) -> int:
+    """The command line of one study (``geomuon study NAME``): parse ``argv``, run, and return the exit code (2 for bad options)."""
     parser = argparse.ArgumentParser(prog=f"geomuon study {study.NAME}", description=study.TITLE)
     add_arguments(parser, study)
     argv = sys.argv[1:] if argv is None else argv

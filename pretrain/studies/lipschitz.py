@@ -50,6 +50,7 @@ ADAMW_DECAY = (0.1, 1.0)
 
 
 def variants(size: Size) -> list[Variant]:
+    """What this study compares at ``size``: one :class:`~geomuon.pretrain.studies.common.Variant` per arm, each trained for every seed."""
     capped = [Variant(f"muon+softcap w_max={w:g}", f"Muon + spectral soft cap, w_max = {w:g} (RMS→RMS)", "lipschitz",
                       hyper={"w_max": w}) for w in W_MAX]
     adamw = [Variant(f"adamw+wd {wd:g}", f"AdamW, decoupled weight decay {wd:g} on every matrix", "adamw",
@@ -72,6 +73,7 @@ def _log10(x: float) -> float:
 
 
 def report(results, size, meta, figure_dir) -> str:
+    """The results page body (Markdown) from the measured runs: ``results`` maps variant name → run records, figures go to ``figure_dir``."""
     names = list(results)
     final = {n: [common.final_eval(r) for r in results[n]] for n in names}
     rows = [[

@@ -124,8 +124,9 @@ def _on_dgram(group: dict) -> bool:
 def column_cap(W: torch.Tensor, *, lr: float) -> torch.Tensor:
     r"""Scale every column of the DGram side (rows of a wide ``W``) longer than
     :data:`COLUMN_CAP` back to it: :class:`~geomuon.optimizers.regulate.ColumnCap` with its
-    RMS→RMS threshold set per shape to the raw norm ($w_{\max} = $ ``COLUMN_CAP``
-    $\cdot\sqrt{\text{fan\_in}/\text{fan\_out}}$). Keeps DGram points on DGram."""
+RMS→RMS threshold set per shape to the raw norm, $w_{\max} = c\,\sqrt{d_{\text{in}} / d_{\text{out}}}$
+    with $c$ = :data:`COLUMN_CAP` and $d_{\text{in}}, d_{\text{out}}$ the fan-in and fan-out.
+    Keeps DGram points on DGram."""
     from geomuon.optimizers.regulate import ColumnCap, rms_scale
 
     return ColumnCap(w_max=COLUMN_CAP * rms_scale(W.shape))(W, lr=lr)
@@ -164,6 +165,7 @@ def reference_choices_on_dgram(model, assignment, hyper):
 
 
 def variants(size: Size) -> list[Variant]:
+    """What this study compares at ``size``: one :class:`~geomuon.pretrain.studies.common.Variant` per arm, each trained for every seed."""
     return [
         Variant("unconstrained", "Muon on attention and MLP, decoupled weight decay", "unconstrained"),
         Variant("all_stiefel", "Manifold Muon, Stiefel attention and MLP", "all_stiefel"),
@@ -228,6 +230,7 @@ def _saturation_verdict(dgram: list[float], stiefel: list[float]) -> str:
 
 
 def report(results, size, meta, figure_dir) -> str:
+    """The results page body (Markdown) from the measured runs: ``results`` maps variant name → run records, figures go to ``figure_dir``."""
     names = list(results)
     rows = []
     for name in names:

@@ -60,6 +60,7 @@ def _base(**changes) -> dict:
 
 
 def variants(size: Size) -> list[Variant]:
+    """What this study compares at ``size``: one :class:`~geomuon.pretrain.studies.common.Variant` per arm, each trained for every seed."""
     return [
         Variant("symmetry", "the library's `symmetry` strategy: RowNormM embeddings, centered HybridPolarGradM "
                 "head, centered LeftPolarGradM router, hybrid gate/up + right-polar down, Muon attention",
@@ -151,6 +152,7 @@ def _listing(names: list[str]) -> str:
 
 
 def report(results, size, meta, figure_dir) -> str:
+    """The results page body (Markdown) from the measured runs: ``results`` maps variant name → run records, figures go to ``figure_dir``."""
     names = list(results)
     final = {n: [r["final_val_loss"] for r in results[n]] for n in names}
     imbalance = {n: [max(common.final_eval(r)["expert_imbalance"].values()) for r in results[n]] for n in names}
