@@ -285,6 +285,20 @@ def test_cli_exit_codes(capsys):
         assert _cli("geomuon.optimizers.maps:sign", "--group", name, "--trials", "1") != 2, name
 
 
+def test_cli_in_process_leaves_the_thread_count_as_it_found_it(monkeypatch):
+    # The CLI checks on one thread; called in-process it must restore the caller's count:
+    # a later bit-reproducibility comparison with a subprocess (tests/test_resume.py) needs
+    # the same number of threads on both sides.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _cli("geomuon.optimizers.maps:spectral", "--group", "bi-orthogonal", "--shape", "5x3", "--seed", "1") == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cli_imports_from_the_working_directory_and_checks_optimizers(tmp_path, monkeypatch, capsys):
     # old checker: my_updates.py needed PYTHONPATH=. and an optimizer class raised TypeError.
     (tmp_path / "my_updates.py").write_text(textwrap.dedent("""

@@ -170,16 +170,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"geomuon check-equivariance: error: {err}", file=sys.stderr)
         return 2
     expect = "violated" if args.expect == "fails" else args.expect
+    threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
         # Checks run many small evaluations: a second thread only spins (measured: 5.9 s of
         # CPU for a 64x32 check with 2 threads on a busy machine, 2.3 s with one).
         torch.set_num_threads(1)
-    report = check_equivariance(
-
-        subject, group, shape, trials=args.trials, expect=expect, dtype=_DTYPES[args.dtype],
-        compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None, condition=args.condition,
-        seed=args.seed,
-    )
+    try:
+        report = check_equivariance(
+            subject, group, shape, trials=args.trials, expect=expect, dtype=_DTYPES[args.dtype],
+            compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None, condition=args.condition,
+            seed=args.seed,
+        )
+    finally:  # called in-process (tests, notebooks): leave the caller's thread count as it was
+        torch.set_num_threads(threads)
     print(report.table())
     extra = "".join(f" --arg {pair}" for pair in args.arg) + (f" --steps {args.steps}" if args.arg else "")
     extra += f" --compute-dtype {args.compute_dtype}" if args.compute_dtype else ""
