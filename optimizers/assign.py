@@ -15,7 +15,9 @@ Two steps, kept apart so each can be checked on its own:
    manifold start on it (a random semi-orthogonal point).
 
 Strategies (the docs' concept pages on manifolds and symmetry explain them):
-``adamw`` (baseline), ``unconstrained`` (Muon on hidden matrices); the family of the
+``adamw`` (baseline), ``unconstrained`` (Muon on hidden matrices), ``torch_muon`` (PyTorch's
+own ``torch.optim.Muon`` on hidden matrices, a peer implementation to hold ours against:
+docs.pytorch.org/docs/stable/generated/torch.optim.Muon.html); the family of the
 module-wise Manifold Muon study (github.com/kiratoyoshihara/module-wise-manifold-muon)
 ``all_stiefel``, ``all_dgram``, ``hetero`` (Stiefel attention, DGram MLP), ``hetero_inv``;
 ``symmetry`` (Lau & Su, arXiv:2605.18106: spectral attention, hybrid row-aware MLP input,
@@ -127,7 +129,7 @@ def _structural_role(model: nn.Module, name: str) -> str | None:
 class Rule:
     """How one role is optimised: an update family, an optional manifold, a regulator."""
 
-    update: str  # "adamw", "muon", "manifold_muon", "row_norm", "right_polar", "left_polar", "hybrid"
+    update: str  # "adamw", "muon", "torch_muon", "manifold_muon", "row_norm", "right_polar", "left_polar", "hybrid"
     manifold: str | None = None  # a registered manifold name, e.g. "stiefel" (ManifoldMuon only)
     centered: bool = False
     regulate: str | None = None
@@ -153,12 +155,14 @@ def _seed000(attention: Rule, mlp: Rule) -> dict[str, Rule]:
 _STIEFEL = Rule("manifold_muon", "stiefel")
 _DGRAM = Rule("manifold_muon", "dgram")
 _MUON = Rule("muon")
+_TORCH_MUON = Rule("torch_muon")
 _CAPPED = Rule("muon", regulate="soft_cap")
 
 #: strategy name → {role: rule}; roles not listed use AdamW.
 STRATEGIES: dict[str, dict[str, Rule]] = {
     "adamw": {},
     "unconstrained": _seed000(_MUON, _MUON),
+    "torch_muon": _seed000(_TORCH_MUON, _TORCH_MUON),
     "all_stiefel": _seed000(_STIEFEL, _STIEFEL),
     "all_dgram": _seed000(_DGRAM, _DGRAM),
     "hetero": _seed000(_STIEFEL, _DGRAM),
@@ -261,11 +265,21 @@ _UPDATE_CLASSES = {
     "left_polar": LeftPolarGradM,
     "hybrid": HybridPolarGradM,
 }
+#: every update family a :class:`Rule` may name (AdamW and torch's Muon are built by :func:`_build` itself).
+_UPDATES = ("adamw", "torch_muon", *_UPDATE_CLASSES)
+
+
+#: ``torch.optim.Muon``'s update-size rule for the ``torch_muon`` peer: Keller Jordan's original
+#: $\sqrt{\max(1, m/n)}$ scale of the orthogonalised momentum (ours uses the same rule).
+TORCH_MUON_ADJUST_LR = "original"
 
 
 def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
     if update == "adamw":
         return torch.optim.AdamW(groups, lr=hyper.adamw_lr, betas=hyper.adamw_betas, weight_decay=0.0)
+    if update == "torch_muon":  # PyTorch's implementation as it ships: its own Newton-Schulz, no options of ours
+        return torch.optim.Muon(groups, lr=hyper.lr, momentum=hyper.momentum, nesterov=hyper.nesterov,
+                                weight_decay=0.0, adjust_lr_fn=TORCH_MUON_ADJUST_LR)
     cls = _UPDATE_CLASSES[update]
     kwargs = dict(lr=hyper.lr, momentum=hyper.momentum, **hyper.extra)
     if update in ("muon", "manifold_muon"):
@@ -321,9 +335,8 @@ def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, R
                              "(vectors always use AdamW)")
         if not isinstance(rule, Rule):
             raise TypeError(f"strategy[{role!r}] is a {type(rule).__name__}; use geomuon.optimizers.assign.Rule(...)")
-        if rule.update not in ("adamw", *_UPDATE_CLASSES):
-            raise ValueError(f"strategy[{role!r}] has update {rule.update!r}; choose one of "
-                             f"{('adamw', *_UPDATE_CLASSES)}")
+        if rule.update not in _UPDATES:
+            raise ValueError(f"strategy[{role!r}] has update {rule.update!r}; choose one of {_UPDATES}")
         if rule.manifold is not None:
             try:
                 MatrixManifold.by_name(rule.manifold)

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from geomuon.manifolds import DGram, Stiefel
-from geomuon.optimizers.assign import ATTENTION_ROLES, ROLES, STRATEGIES, Hyper, Rule, assign, classify
+from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, ROLES, STRATEGIES, Hyper, Rule, assign, classify
 from geomuon.pretrain.model import GPT, get_config
 
 
@@ -164,3 +164,62 @@ def test_every_strategy_trains_one_step_on_every_layout(strategy):
                  and not torch.equal(p, before[n])]
         assert moved, f"{strategy} on {config}: no parameter moved"
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _group_of(optimizer, parameter):
+    return next(group for group in optimizer.param_groups if any(p is parameter for p in group["params"]))
+
+
+def test_torch_muon_peer_builds_torchs_muon_on_hidden_matrices_and_adamw_on_the_rest():
+    """The ``torch_muon`` peer strategy: ``torch.optim.Muon`` (lr = the matrix lr, no weight
+    decay, ``adjust_lr_fn="original"``, Nesterov momentum 0.95) holds exactly the attention and
+    MLP matrices; AdamW (its lr, betas (0.9, 0.95)) holds embeddings, gains and biases, decaying
+    the matrices only. Control: ``unconstrained`` puts the same matrices in the library's Muon
+    with weight decay, so the two rows differ in exactly the implementation and the decay."""
+    hyper = Hyper(lr=0.02, adamw_lr=3e-3, weight_decay=0.1)
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny"))
+    assignment = assign(model, "torch_muon", hyper)
+    assert set(assignment.optimizers) == {"torch_muon", "adamw"}
+    muon, adamw = assignment.optimizers["torch_muon"], assignment.optimizers["adamw"]
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    roles = classify(model)
+    params = dict(model.named_parameters())
+    hidden = {n for n, r in roles.items() if r in ATTENTION_ROLES + MLP_ROLES}
+    assert hidden and {n for n, p in params.items() if any(p is q for g in muon.param_groups for q in g["params"])} == hidden
+    assert {n for n, p in params.items() if any(p is q for g in adamw.param_groups for q in g["params"])} == (
+        set(params) - hidden)
+    for group in muon.param_groups:
+        assert (group["lr"], group["weight_decay"], group["adjust_lr_fn"]) == (0.02, 0.0, "original")
+        assert (group["momentum"], group["nesterov"]) == (0.95, True)
+    assert _group_of(adamw, params["wte.weight"])["weight_decay"] == 0.1  # nanoGPT: matrices decay
+    assert _group_of(adamw, params["h.0.ln_1.weight"])["weight_decay"] == 0.0  # gains do not
+    assert all(g["lr"] == 3e-3 and g["betas"] == (0.9, 0.95) for g in adamw.param_groups)
+    assert "torch_muon" in assignment.table().splitlines()[0]
+
+    ours = assign(GPT(get_config("cpu-tiny")), "unconstrained", hyper).optimizers["muon"]
+    assert type(ours) is not torch.optim.Muon
+    assert {g["weight_decay"] for g in ours.param_groups} == {0.1}
+
+
+def test_torch_muon_peer_trains_and_checkpoints():
+    """One step moves every hidden matrix (torch's Muon updates each one with its polar factor),
+    and its state round-trips ``torch.load(weights_only=True)`` like every strategy's."""
+    import io
+
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny"))
+    assignment = assign(model, "torch_muon", Hyper())
+    before = model.h[0].attn.c_attn.weight.detach().clone()
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx)[1].backward()
+    assignment.step()
+    assert not torch.equal(model.h[0].attn.c_attn.weight, before)
+    buffer = io.BytesIO()
+    torch.save(assignment.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = assign(GPT(get_config("cpu-tiny")), "torch_muon", Hyper())
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    key = next(iter(assignment.optimizers["torch_muon"].state_dict()["state"]))
+    assert torch.equal(fresh.optimizers["torch_muon"].state_dict()["state"][key]["momentum_buffer"],
+                       assignment.optimizers["torch_muon"].state_dict()["state"][key]["momentum_buffer"])
