@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.studies import common
 from geomuon.pretrain.studies import lipschitz as lipschitz_study
 from geomuon.pretrain.studies import manifolds as manifolds_study
+from geomuon.pretrain.studies import manifolds_long as long_study
+from geomuon.pretrain.studies import sweep
 from geomuon.pretrain.studies import symmetry as symmetry_study
 
 REGISTERED_STRATEGIES = frozenset(STRATEGIES)
@@ -36,6 +40,7 @@ STUDY_KEYS = {
     manifolds_study: "qk_sigma_product",
     lipschitz_study: "max_weight_rms_norm",
     symmetry_study: "expert_imbalance",
+    long_study: "val_acc",  # no observables of its own: the loop's
 }
 SEEDS = (0, 1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -90,7 +95,7 @@ def test_study_writes_page_figures_and_record(study_run):
     assert re.search(r"\| wall time \| \d+ s", page)
 
     figures = re.findall(rf"!\[[^\]]*\]\({study.NAME}/([^)]+\.png)\)", page)
-    assert len(figures) >= 3
+    assert len(figures) >= (2 if study is long_study else 3)  # the loss curves, then the study's observables
     for name in figures:
         assert (tmp_path / "results" / study.NAME / name).read_bytes()[:8] == PNG_MAGIC
 
@@ -116,7 +121,7 @@ def test_cli_dispatch_reuses_cached_runs(run_once, tmp_path, capsys):
     argv[argv.index("--out") + 1] = str(tmp_path)
     assert geomuon_cli.main(["study", study.NAME, *argv]) == 0
     runs = len(study.variants(study.SIZES["tiny"])) * len(SEEDS)
-    assert f"{runs} cached, 0 to train" in capsys.readouterr().out
+    assert f"{runs} runs; {runs} complete, 0 to train" in capsys.readouterr().out
     assert (tmp_path / f"{study.NAME}.md").read_text().count("| `") >= len(study.variants(study.SIZES["tiny"]))
 
 
@@ -245,3 +250,157 @@ def test_reference_optimizer_steps_on_dgram():
     assert opt.param_groups[0]["retraction"] == "manifold"  # its step uses the sorted-σ map
     # bf16 polar factor in the map: cosines between columns at bf16 resolution
     assert DGram().check_point_on_manifold(W.detach(), atol=2e-2)
+
+
+# ----------------------------------------------------------------------------- learning-rate sweeps
+
+
+def _fake_record(name: str, seed: int, loss: float, diverged: bool = False) -> dict:
+    return {"variant": name, "seed": seed, "final_val_loss": loss, "diverged": diverged}
+
+
+def _landscape(best_rate: float, diverge_above: float = math.inf):
+    """A fake ``run`` for :meth:`LearningRateSweep.search`: the loss of a rate is its squared
+    log-distance to ``best_rate`` (plus a seed offset); rates above ``diverge_above`` diverge.
+    It records every (name, seed) asked for, and refuses one asked twice."""
+    asked = []
+
+    def run(planned):
+        out = {}
+        for variant, seed in planned:
+            assert (variant.name, seed) not in asked, f"{variant.name} seed {seed} trained twice"
+            asked.append((variant.name, seed))
+            rate = next(iter(variant.hyper.values()))
+            out[(variant.name, seed)] = _fake_record(variant.name, seed, math.log2(rate / best_rate) ** 2 + 0.01 * seed,
+                                                     diverged=rate > diverge_above)
+        return out
+
+    return run, asked
+
+
+def _one_arm_sweep(grid):
+    base = types.SimpleNamespace(NAME="fake", SIZES={"full": manifolds_study.SIZES["tiny"]},
+                                 variants=lambda size: [common.Variant("muon", "Muon", "unconstrained")])
+    return sweep.LearningRateSweep(base, "fake-sweep", "fake", comparisons=[], grids={"full": grid})
+
+
+def test_sweep_extends_a_grid_whose_best_is_on_the_edge():
+    """Default 0.02, grid 0.005–0.08: a landscape whose minimum is at 0.32 puts the best on the
+    upper edge, so the grid grows by one point at a time until the best is inside (0.32 after
+    two extensions, 0.64 tried); then only the best point gets its third seed."""
+    grid = sweep.Grid(max_extensions=3)
+    study = _one_arm_sweep(grid)
+    run, asked = _landscape(best_rate=0.32)
+    (found,) = study.search(study.SIZES["full"], run)
+    assert [round(found.rate(k), 6) for k in sorted(found.points)] == [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64]
+    assert round(found.rate(found.best), 6) == 0.32 and not found.on_edge
+    assert [s for name, s in asked if name == found.points[found.best].name] == [0, 1, 2]
+    assert {s for name, s in asked if name != found.points[found.best].name} == {0, 1}
+    assert len(asked) == 8 * 2 + 1
+
+
+def test_sweep_stops_extending_after_its_budget_and_says_so():
+    """Minimum far beyond the grid: the grid grows by ``max_extensions`` points only and the best
+    is reported on the edge. Control: a landscape with its minimum inside never extends."""
+    run, asked = _landscape(best_rate=100.0)
+    (found,) = _one_arm_sweep(sweep.Grid(max_extensions=2)).search(manifolds_study.SIZES["tiny"], run)
+    assert len(found.points) == 7 and found.best == max(found.points) and found.on_edge
+    run, asked = _landscape(best_rate=0.02)
+    (inside,) = _one_arm_sweep(sweep.Grid(max_extensions=2)).search(manifolds_study.SIZES["tiny"], run)
+    assert len(inside.points) == 5 and round(inside.rate(inside.best), 6) == 0.02
+
+
+def test_a_diverged_point_ranks_last():
+    """Rates above 0.05 diverge although their loss would be lowest: the best is 0.04, inside."""
+    run, _ = _landscape(best_rate=0.32, diverge_above=0.05)
+    (found,) = _one_arm_sweep(sweep.Grid()).search(manifolds_study.SIZES["tiny"], run)
+    assert round(found.rate(found.best), 6) == 0.04 and not found.on_edge
+
+
+def test_each_arm_sweeps_its_own_rate():
+    """An arm that is AdamW everywhere sweeps the AdamW rate; every other arm the matrix rate,
+    around its own default (a variant's override wins over the size's)."""
+    size = symmetry_study.SIZES["full"]
+    arms = {v.name: v for v in symmetry_study.variants(size)}
+    assert sweep.swept_parameter(arms["all AdamW"]) == "adamw_lr"
+    assert sweep.default_rate(arms["all AdamW"], size) == size.adamw_lr
+    assert {sweep.swept_parameter(v) for n, v in arms.items() if n != "all AdamW"} == {"lr"}
+    assert sweep.default_rate(arms["symmetry"], size) == size.lr
+    override = dataclasses.replace(arms["symmetry"], hyper={"lr": 0.3})
+    assert sweep.point(override, size, sweep.Grid(), -1).hyper == {"lr": 0.15}
+    with pytest.raises(ValueError, match="odd number"):
+        sweep.Grid(points=4)
+
+
+SWEEP_ARMS = [common.Variant("muon", "Muon", "unconstrained"), common.Variant("adamw", "AdamW", "adamw")]
+
+
+@pytest.fixture
+def tiny_sweep(monkeypatch):
+    """A two-arm sweep at the manifolds study's tiny size, registered for the duration of the test."""
+    from geomuon.pretrain import studies
+
+    base = types.SimpleNamespace(NAME="manifolds", SIZES=manifolds_study.SIZES, variants=lambda size: SWEEP_ARMS)
+    study = sweep.LearningRateSweep(base, "tiny-sweep", "A two-arm sweep", comparisons=[("muon", "adamw")])
+    monkeypatch.setitem(studies.STUDIES, study.NAME, study)
+    return study
+
+
+def _tables(page: str) -> list[str]:
+    """The page's table rows, without the provenance rows (times and dates vary)."""
+    return [line for line in page.splitlines() if line.startswith("|") and not re.match(
+        r"\| (command|commit|date|wall time|summed run time|machine|processes) ", line)]
+
+
+@needs_data
+def test_an_interrupted_sweep_resumes_where_it_stopped(tiny_sweep, tmp_path, monkeypatch, capsys):
+    """SIGINT (a real one) after the 5th run stops the sweep; the rerun reads the 5 complete
+    runs back, trains only the others, and writes the same tables as an uninterrupted fresh
+    sweep in another work directory."""
+    import signal
+
+    real, trained = common.train_run, []
+
+    def counting(study, variant, size, seed, data_path):
+        record = real(study, variant, size, seed, data_path)
+        trained.append((variant.name, seed))
+        if len(trained) == 5 and interrupting:
+            signal.raise_signal(signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(common, "train_run", counting)
+    interrupting = True
+    argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work")]
+    with pytest.raises(KeyboardInterrupt):
+        common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "first")])
+    assert len(trained) == 5 and len(list((tmp_path / "work").glob(f"*/{common.RECORD}"))) == 4
+    # the 5th run was interrupted as its record was about to be written: its folder holds none
+    interrupting, first_five = False, list(trained)
+    trained.clear()
+    assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "resumed")]) == 0
+    assert "4 complete" in capsys.readouterr().out
+    assert not set(first_five[:4]) & set(trained) and first_five[4] in trained
+    total = len(trained) + 4
+
+    trained.clear()
+    fresh = [*argv[:-1], str(tmp_path / "other"), "--out", str(tmp_path / "fresh")]
+    assert common.main(tiny_sweep, fresh) == 0 and len(trained) == total
+    resumed = (tmp_path / "resumed" / "tiny-sweep.md").read_text()
+    assert _tables(resumed) == _tables((tmp_path / "fresh" / "tiny-sweep.md").read_text())
+    assert "### `muon`" in resumed and "| `adamw` | adamw_lr |" in resumed
+    assert len(list((tmp_path / "fresh" / "tiny-sweep").glob("lr_*.png"))) == 2
+
+
+@needs_data
+def test_fresh_runs_reproduce_every_number(tmp_path):
+    """Two ``--fresh`` runs of a study into the same work directory (every run trained again)
+    write identical tables, digit for digit. Control: another seed changes them, so the
+    comparison can fail."""
+    argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work"), "--fresh"]
+    pages = []
+    for name in ("a", "b"):
+        assert common.main(long_study, [*argv, "--out", str(tmp_path / name)]) == 0
+        pages.append(_tables((tmp_path / name / f"{long_study.NAME}.md").read_text()))
+    assert pages[0] == pages[1] and len(pages[0]) >= 5
+    assert common.main(long_study, [*argv, "--seeds", "3,4,5", "--out", str(tmp_path / "c")]) == 0
+    assert _tables((tmp_path / "c" / f"{long_study.NAME}.md").read_text()) != pages[0]

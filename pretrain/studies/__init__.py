@@ -7,8 +7,11 @@ a results page (Markdown, figures, a JSON record of every run):
 | study | question | module |
 |---|---|---|
 | ``manifolds`` | different layers, different manifolds (Stiefel vs DGram attention and MLP) | :mod:`geomuon.pretrain.studies.manifolds` |
+| ``manifolds-sweep`` | every arm of ``manifolds`` at its own learning rate (log grid, extended at the edge) | :mod:`geomuon.pretrain.studies.sweep` |
+| ``manifolds-long`` | the longer standard configuration: the library's Muon beside ``torch.optim.Muon`` and AdamW | :mod:`geomuon.pretrain.studies.manifolds_long` |
 | ``lipschitz`` | enforced Lipschitz bounds: the spectral soft cap with Muon | :mod:`geomuon.pretrain.studies.lipschitz` |
 | ``symmetry`` | symmetry-compatible updates per module | :mod:`geomuon.pretrain.studies.symmetry` |
+| ``symmetry-sweep`` | every arm of ``symmetry`` at its own learning rate | :mod:`geomuon.pretrain.studies.sweep` |
 
 ``geomuon study NAME --data PATH`` works from an installed wheel: ``--data`` is the tiny
 Shakespeare text (required), the page goes to a new run folder
@@ -20,10 +23,11 @@ run. ``--size tiny`` is the seconds-long smoke size the tests use. The shared ma
 
 from __future__ import annotations
 
-from . import common, lipschitz, manifolds, symmetry
+from . import common, lipschitz, manifolds, manifolds_long, symmetry
 
 #: study name → module.
-STUDIES = {study.NAME: study for study in (manifolds, lipschitz, symmetry)}
+STUDIES = {study.NAME: study for study in (manifolds, manifolds.SWEEP, manifolds_long, lipschitz, symmetry,
+                                           symmetry.SWEEP)}
 STUDY_NAMES = tuple(STUDIES)
 
 __all__ = ["STUDIES", "STUDY_NAMES"]

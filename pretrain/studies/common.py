@@ -17,9 +17,13 @@ study's observables through its ``extra_metrics`` hook, and every evaluation sco
 same validation windows (:data:`VAL_SEED`), the last one on more of them.
 
 Runs are independent processes (``--jobs``, one torch thread each by default: these
-models are too small for two threads to beat two processes), and each run's record is
-cached as JSON under the work directory, keyed by everything that defines it, so an
-interrupted study resumes where it stopped.
+models are too small for two threads to beat two processes). Each run has a folder under
+the work directory, named by a hash of everything that defines it, and its record is
+written there (``record.json``) when it completes, so an interrupted study resumes where
+it stopped: complete runs are read back, the rest are trained. A study module may bring
+its own ``run(study, size, data_path, work_dir, jobs, threads, fresh)`` with the
+signature of :func:`run_all` (a learning-rate sweep runs in stages:
+:mod:`geomuon.pretrain.studies.sweep`).
 """
 
 from __future__ import annotations
@@ -203,14 +207,19 @@ def train_run(study, variant: Variant, size: Size, seed: int, data_path: str) ->
 
 @dataclass(frozen=True)
 class Job:
-    """One training run of a study: variant × seed at one size, cached as JSON at ``path``."""
-    study: str  # name in geomuon.pretrain.studies.STUDIES
-    variant: str
+    """One training run of a study: a variant × seed at one size, whose record is written
+    to ``folder/record.json`` when the run completes."""
+    study: str  # name in geomuon.pretrain.studies.STUDIES (its extra_metrics)
+    variant: Variant
     seed: int
     size: Size
     data: str
-    path: str  # where the record is cached
+    folder: str
     threads: int
+
+
+#: The file of a run's folder that holds its finished record (written last, atomically).
+RECORD = "record.json"
 
 
 def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) -> str:
@@ -219,39 +228,44 @@ def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) ->
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def run_folder(work_dir: Path, study: str, variant: Variant, size: Size, seed: int, data_path: str) -> Path:
+    """The folder of one run under ``work_dir``: ``<variant>-s<seed>-<key>``, the key a hash
+    of everything that defines the run (so a changed variant or size never reuses a record)."""
+    name = re.sub(r"[^A-Za-z0-9_.=+-]", "_", variant.name)
+    return work_dir / f"{name}-s{seed}-{_key(study, variant, size, seed, data_path)}"
+
+
 def _run_job(job: Job) -> dict:
     import torch
 
     from geomuon.pretrain.studies import STUDIES
 
     torch.set_num_threads(job.threads)
-    study = STUDIES[job.study]
-    variant = {v.name: v for v in study.variants(job.size)}[job.variant]
-    record = train_run(study, variant, job.size, job.seed, job.data)
-    tmp = job.path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, job.path)
+    record = train_run(STUDIES[job.study], job.variant, job.size, job.seed, job.data)
+    folder = Path(job.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, folder / RECORD)  # a folder without record.json is an unfinished run
     return record
 
 
-def run_all(study, size: Size, data_path: str, work_dir: Path, jobs: int, threads: int, fresh: bool,
-            say=print) -> tuple[dict[str, list[dict]], int]:
-    """Every (variant, seed) record, from the cache or trained now: ``({variant: [records]}``
-    in the study's variant order, number of records taken from the cache)."""
-    variants = study.variants(size)
+def run_jobs(study, planned: list[tuple[Variant, int]], size: Size, data_path: str, work_dir: Path, jobs: int,
+             threads: int, fresh: bool, say=print) -> tuple[dict[tuple[str, int], dict], int]:
+    """The records of the ``(variant, seed)`` runs in ``planned``: read from their run folders
+    when complete (unless ``fresh``), trained now otherwise, ``jobs`` at a time. Returns
+    ``({(variant name, seed): record}, number read back)``. An interrupted call leaves the
+    finished runs' records behind, so calling it again trains only the rest."""
     work_dir.mkdir(parents=True, exist_ok=True)
     todo, records = [], {}
-    for variant in variants:
-        for seed in size.seeds:
-            key = _key(study.NAME, variant, size, seed, data_path)
-            path = work_dir / f"{re.sub(r'[^A-Za-z0-9_.=+-]', '_', variant.name)}-s{seed}-{key}.json"
-            if path.is_file() and not fresh:
-                records[(variant.name, seed)] = json.loads(path.read_text())
-            else:
-                todo.append(Job(study.NAME, variant.name, seed, size, data_path, str(path), threads))
-    say(f"study {study.NAME}: {len(variants)} variants × {len(size.seeds)} seeds; "
-        f"{len(records)} cached, {len(todo)} to train with {jobs} process(es) × {threads} thread(s)")
+    for variant, seed in planned:
+        folder = run_folder(work_dir, study.NAME, variant, size, seed, data_path)
+        if (folder / RECORD).is_file() and not fresh:
+            records[(variant.name, seed)] = json.loads((folder / RECORD).read_text())
+        else:
+            todo.append(Job(study.NAME, variant, seed, size, data_path, str(folder), threads))
+    say(f"study {study.NAME}: {len(planned)} runs; {len(records)} complete, {len(todo)} to train with "
+        f"{jobs} process(es) × {threads} thread(s)")
     if todo:
         if jobs == 1:
             finished = map(_run_job, todo)
@@ -260,15 +274,25 @@ def run_all(study, size: Size, data_path: str, work_dir: Path, jobs: int, thread
             finished = pool.imap(_run_job, todo)
         try:
             for job, record in zip(todo, finished):
-                records[(job.variant, job.seed)] = record
-                say(f"  {job.variant:28s} seed {job.seed}: val loss {record['final_val_loss']:.4f}"
+                records[(job.variant.name, job.seed)] = record
+                say(f"  {job.variant.name:28s} seed {job.seed}: val loss {record['final_val_loss']:.4f}"
                     f"{' (diverged)' if record['diverged'] else ''} in {record['wall_time']:.0f}s")
         finally:
             if jobs != 1:
-                pool.close()
+                pool.terminate()  # every result has been read; an interrupt must not wait for the rest
                 pool.join()
-    cached = len(variants) * len(size.seeds) - len(todo)
-    return {v.name: [records[(v.name, s)] for s in size.seeds] for v in variants}, cached
+    return records, len(planned) - len(todo)
+
+
+def run_all(study, size: Size, data_path: str, work_dir: Path, jobs: int, threads: int, fresh: bool,
+            say=print) -> tuple[dict[str, list[dict]], dict[str, Variant], int]:
+    """Every (variant, seed) record of the study, read back or trained now: ``({variant:
+    [records]}`` in the study's variant order, ``{name: variant}``, number read back)."""
+    variants = study.variants(size)
+    records, cached = run_jobs(study, [(v, s) for v in variants for s in size.seeds], size, data_path, work_dir,
+                               jobs, threads, fresh, say)
+    return ({v.name: [records[(v.name, s)] for s in size.seeds] for v in variants},
+            {v.name: v for v in variants}, cached)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -423,21 +447,21 @@ def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict
 
 
 def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir: Path,
-               results: dict[str, list[dict]]) -> Path:
+               results: dict[str, list[dict]], variants: dict[str, Variant]) -> Path:
     """``<out_dir>/<NAME>.md`` (title, status, the study's body, config, provenance) and
     ``<out_dir>/<NAME>/results.json`` (every run's record)."""
     figure_dir = out_dir / study.NAME
     figure_dir.mkdir(parents=True, exist_ok=True)
-    identities = {v.name: v.identity() for v in study.variants(size)}
     # the per-parameter assignment table is the same for every seed: stored once per variant
-    variants = {name: {**identities[name], "assignment": records[0]["assignment"]} for name, records in results.items()}
+    identities = {name: {**variants[name].identity(), "assignment": records[0]["assignment"]}
+                  for name, records in results.items()}
     runs = {name: [{k: v for k, v in r.items() if k != "assignment"} for r in records] for name, records in results.items()}
     payload = {"study": study.NAME, "size": size_name, "config": dataclasses.asdict(size), **meta,
-               "variants": variants, "runs": runs}
+               "variants": identities, "runs": runs}
     (figure_dir / "results.json").write_text(json.dumps(payload, default=str))
     if size_name == "full":
-        status = (f"Measured at the study's full default size (`--size full`): "
-                  f"{len(results)} variants × {len(size.seeds)} seeds, {size.steps} steps each.")
+        status = (f"Measured at the study's full default size (`--size full`): {meta['n_runs']} runs "
+                  f"({len(results)} variants, seeds as listed), {size.steps} steps each.")
     else:
         status = (f'!!! warning "Not a result"\n    This page was written by a `--size {size_name}` run '
                   f"({size.steps} steps): a smoke test of the study's machinery. Its numbers say "
@@ -500,7 +524,8 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
     commit = git_commit(short=False)  # the code the runs are about to use
     start = time.perf_counter()
-    results, cached = run_all(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
+    runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
+    results, variants, cached = runner(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
     wall = time.perf_counter() - start
     runs = [r for records in results.values() for r in records]
     command = "geomuon study " + study.NAME + " " + " ".join(shlex.quote(a) for a in (argv_for_page or []))
@@ -513,7 +538,7 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     body = study.report(results, size, meta, out_dir / study.NAME)
-    return write_page(study, args.size, size, body, meta, out_dir, results)
+    return write_page(study, args.size, size, body, meta, out_dir, results, variants)
 
 
 def output_dir(study, args: argparse.Namespace) -> Path:

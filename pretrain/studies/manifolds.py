@@ -23,6 +23,8 @@ Frobenius norm on the fixed validation windows.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from geomuon.manifolds import DGram, MatrixManifold
@@ -33,6 +35,7 @@ from geomuon.pretrain.provenance import markdown_table
 
 from . import common
 from .common import Size, Variant
+from .sweep import LearningRateSweep
 
 NAME = "manifolds"
 TITLE = "Different layers, different manifolds (seed 000) at CPU scale"
@@ -316,3 +319,11 @@ def report(results, size, meta, figure_dir) -> str:
         "DGram attention, and whether the softmax Jacobian shrinks), which the figures below track.",
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
+
+
+#: ``geomuon study manifolds-sweep``: every arm above at its own learning rate.
+SWEEP = LearningRateSweep(
+    sys.modules[__name__], "manifolds-sweep", "Different layers, different manifolds: every arm at its own learning rate",
+    comparisons=[("hetero", "all_stiefel"), ("hetero", "unconstrained"), ("all_stiefel", "unconstrained"),
+                 ("all_dgram", "unconstrained"), ("hetero_inv", "unconstrained"),
+                 ("hetero_inv+colcap", "hetero_inv"), ("hetero_inv+reference", "hetero_inv")])

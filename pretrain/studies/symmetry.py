@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 
 import torch
 
@@ -31,6 +32,7 @@ from geomuon.pretrain.provenance import markdown_table
 
 from . import common
 from .common import Size, Variant
+from .sweep import LearningRateSweep
 
 NAME = "symmetry"
 TITLE = "Symmetry-compatible updates (seed 004) at CPU scale"
@@ -217,3 +219,10 @@ def report(results, size, meta, figure_dir) -> str:
         + "\n".join(f"* {f}" for f in findings),
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
+
+
+#: ``geomuon study symmetry-sweep``: every arm above at its own learning rate.
+SWEEP = LearningRateSweep(
+    sys.modules[__name__], "symmetry-sweep", "Symmetry-compatible updates: every arm at its own learning rate",
+    comparisons=[("symmetry", "all AdamW"), ("symmetry", "emb/head AdamW"), ("emb/head RowNormM", "emb/head AdamW"),
+                 ("symmetry", "router AdamW"), ("router RowNormM", "router AdamW"), ("symmetry", "MLP Muon")])
