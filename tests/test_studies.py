@@ -23,10 +23,11 @@ import torch
 from geomuon import cli as geomuon_cli
 from geomuon.optimizers.assign import STRATEGIES, Hyper
 from geomuon.pretrain.model import GPT, get_config
-from geomuon.pretrain.studies import common
+from geomuon.pretrain.studies import STUDIES, common
 from geomuon.pretrain.studies import lipschitz as lipschitz_study
 from geomuon.pretrain.studies import manifolds as manifolds_study
 from geomuon.pretrain.studies import manifolds_long as long_study
+from geomuon.pretrain.studies import manifolds_long_arms as long_arms_study
 from geomuon.pretrain.studies import sweep
 from geomuon.pretrain.studies import symmetry as symmetry_study
 
@@ -41,6 +42,7 @@ STUDY_KEYS = {
     lipschitz_study: "max_weight_rms_norm",
     symmetry_study: "expert_imbalance",
     long_study: "val_acc",  # no observables of its own: the loop's
+    long_arms_study: "qk_sigma_product",
 }
 SEEDS = (0, 1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -404,3 +406,27 @@ def test_fresh_runs_reproduce_every_number(tmp_path):
     assert pages[0] == pages[1] and len(pages[0]) >= 5
     assert common.main(long_study, [*argv, "--seeds", "3,4,5", "--out", str(tmp_path / "c")]) == 0
     assert _tables((tmp_path / "c" / f"{long_study.NAME}.md").read_text()) != pages[0]
+
+
+@pytest.mark.parametrize("name", [n for n, s in STUDIES.items() if isinstance(s, sweep.LearningRateSweep)])
+def test_every_registered_sweep_compares_arms_it_has(name):
+    """At every size, the pairs a sweep's page compares are arms it trains (a typo would only
+    surface as a KeyError after an hour of training); control: a pair naming no arm is caught."""
+    study = STUDIES[name]
+    for size in study.SIZES.values():
+        arms = {v.name for v in study.variants(size)}
+        assert study.comparisons and all({a, b} <= arms for a, b in study.comparisons), (name, arms)
+    assert not {"hetero", "no such arm"} <= {v.name for v in manifolds_study.variants(manifolds_study.SIZES["full"])}
+
+
+def test_the_width_sweep_doubles_the_width_and_nothing_else():
+    size = manifolds_study.SIZES["full"]
+    wide = {v.name: v for v in manifolds_study.wide_variants(size)}
+    arms = {v.name: v for v in manifolds_study.variants(size)}
+    assert sorted(wide) == ["hetero wide", "unconstrained wide"]
+    for name, arm in wide.items():
+        base = arms[name.removesuffix(" wide")]
+        assert arm.model == {"n_embd": 2 * size.model_overrides["n_embd"]} == {"n_embd": 256}
+        assert (arm.strategy, arm.hyper, arm.customize) == (base.strategy, base.hyper, base.customize)
+        config = common.train_config(size, arm, seed=0, data_path=str(DATA))
+        assert {**config.model_overrides} == {**size.model_overrides, "n_embd": 256}

@@ -23,7 +23,9 @@ Frobenius norm on the fixed validation windows.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import types
 
 import torch
 
@@ -327,3 +329,19 @@ SWEEP = LearningRateSweep(
     comparisons=[("hetero", "all_stiefel"), ("hetero", "unconstrained"), ("all_stiefel", "unconstrained"),
                  ("all_dgram", "unconstrained"), ("hetero_inv", "unconstrained"),
                  ("hetero_inv+colcap", "hetero_inv"), ("hetero_inv+reference", "hetero_inv")])
+
+
+def wide_variants(size: Size) -> list[Variant]:
+    """``unconstrained`` and ``hetero`` at twice the size's width (same depth, heads and context):
+    whether the best learning rate moves when the width doubles."""
+    width = 2 * size.model_overrides["n_embd"]
+    arms = {v.name: v for v in variants(size)}
+    return [dataclasses.replace(arms[name], name=f"{name} wide", label=f"{arms[name].label}; width {width}",
+                                model={"n_embd": width}) for name in ("unconstrained", "hetero")]
+
+
+#: ``geomuon study manifolds-width-sweep``: the learning-rate transfer question, at twice the width.
+WIDTH_SWEEP = LearningRateSweep(
+    types.SimpleNamespace(NAME=NAME, SIZES=SIZES, variants=wide_variants), "manifolds-width-sweep",
+    "Different layers, different manifolds at twice the width: does the best learning rate move?",
+    comparisons=[("hetero wide", "unconstrained wide")])

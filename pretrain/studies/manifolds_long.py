@@ -21,6 +21,8 @@ and the two together do not fit one hour on two cores.
 
 from __future__ import annotations
 
+import sys
+
 from geomuon.pretrain.provenance import markdown_table
 
 from . import common
@@ -65,29 +67,36 @@ def results_table(results: dict[str, list[dict]]) -> str:
     return markdown_table(["row", "final val loss", "val accuracy", "per seed", "diverged"], rows)
 
 
-def report(results, size, meta, figure_dir) -> str:
-    """The page body: the rows' table, what it says, the loss curves."""
+#: The comparisons of the page: (row, row, what is compared).
+COMPARISONS = [
+    ("unconstrained", "torch_muon", "Final val loss, the library's Muon vs torch.optim.Muon"),
+    ("torch_muon", "adamw", "Final val loss, torch.optim.Muon vs AdamW"),
+    ("unconstrained", "adamw", "Final val loss, the library's Muon vs AdamW"),
+]
+#: How the rows differ beyond their names (quoted on the page).
+ROWS_NOTE = ("The two Muon rows differ in the implementation (Newton–Schulz coefficients and steps, momentum "
+             "bookkeeping) and in the weight decay (the library's unconstrained baseline decays its matrices by "
+             "0.1, torch's row does not, as the peer configuration specifies).")
+
+
+def page(study, results, size, figure_dir, comparisons, rows_note: str, figures: list[str]) -> str:
+    """The body of a page at this configuration: rows, the results table, the ``comparisons``
+    (``(row, row, what)``, claimed only when the seed bands separate) and ``figures``."""
     final = {n: [r["final_val_loss"] for r in records] for n, records in results.items()}
-    seeds = ", ".join(map(str, size.seeds))
-    findings = [
-        common.compare_sentence("unconstrained", final["unconstrained"], "torch_muon", final["torch_muon"],
-                                "Final val loss, the library's Muon vs torch.optim.Muon", digits=4),
-        common.compare_sentence("torch_muon", final["torch_muon"], "adamw", final["adamw"],
-                                "Final val loss, torch.optim.Muon vs AdamW", digits=4),
-        common.compare_sentence("unconstrained", final["unconstrained"], "adamw", final["adamw"],
-                                "Final val loss, the library's Muon vs AdamW", digits=4),
-    ]
-    figures = common.loss_figures(results, figure_dir)
+    findings = [common.compare_sentence(a, final[a], b, final[b], what, digits=4) for a, b, what in comparisons]
     return "\n\n".join([
-        "## Rows\n\n" + "\n".join(f"* `{v.name}`: {v.label}." for v in variants(size))
-        + "\n\nThe two Muon rows differ in the implementation (Newton–Schulz coefficients and steps, "
-        "momentum bookkeeping) and in the weight decay (the library's unconstrained baseline decays its "
-        "matrices by 0.1, torch's row does not, as the peer configuration specifies).",
-        f"## Results\n\n{size.steps} steps, seeds {seeds}; the final validation loss is measured on "
-        f"{size.final_eval_batches} batches of {size.batch_size} windows of the validation split, the "
+        "## Rows\n\n" + "\n".join(f"* `{v.name}`: {v.label}." for v in study.variants(size)) + "\n\n" + rows_note,
+        f"## Results\n\n{size.steps} steps, seeds {', '.join(map(str, size.seeds))}; the final validation loss is "
+        f"measured on {size.final_eval_batches} batches of {size.batch_size} windows of the validation split, the "
         "same windows for every run. Mean ± sample standard deviation over seeds.\n\n" + results_table(results),
         "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
         "not overlap (a rough screen with three seeds, not a significance test).\n\n"
         + "\n".join(f"* {f}" for f in findings),
-        "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
+        "## Figures\n\n" + "\n\n".join(f"![{f}]({study.NAME}/{f})" for f in figures),
     ])
+
+
+def report(results, size, meta, figure_dir) -> str:
+    """The page body: the rows' table, what it says, the loss curves."""
+    return page(sys.modules[__name__], results, size, figure_dir, COMPARISONS, ROWS_NOTE,
+                common.loss_figures(results, figure_dir))
