@@ -40,13 +40,15 @@ def sphere_normalize(x, radius, dim, who, step=None):
     r"""$r\,y_j/\|y_j\|$ per slice of $y = x + \text{step}$, computed in float32 (float64
     for float64 input) and returned in ``x.dtype``.
 
-    A zero slice has no nearest point on the sphere: ``ValueError``.
+    A zero slice has no nearest point on the sphere: ``ValueError`` (a projection reads
+    that back). A retraction does not test it: a point on the sphere plus a tangent step
+    has $\|x_j + u_j\|^2 = r^2 + \|u_j\|^2 \ge r^2$, so an optimizer step reads nothing back.
     """
     y = x.to(fp32_or_fp64(x.dtype))
     if step is not None:
         y = y + step.to(y.dtype)
     norms = y.norm(dim=dim, keepdim=True)
-    if bool((norms == 0).any()):
+    if step is None and bool((norms == 0).any()):
         slice_name = "column" if dim == -2 else "row"
         raise ValueError(f"{who}: a {slice_name} of the input is zero and cannot be normalized")
     return (y * (radius / norms)).to(x.dtype)

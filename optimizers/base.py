@@ -19,13 +19,23 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   vectors and other non-matrices are declared, never silently sent to a matrix update.
   A tensor with fewer than two dimensions in a matrix group is a ``ValueError`` at
   construction, naming it.
-* **Non-finite gradients** (group key ``nonfinite``): ``"skip"`` (default) warns naming
-  the parameter and leaves its weights *and* state untouched; ``"raise"`` raises
-  ``ValueError``. A gradient whose Frobenius norm overflows its dtype (fp32 entries
-  beyond $\sim10^{19}$) counts as non-finite (one fused norm per group decides).
+* **Non-finite gradients** (group key ``nonfinite``), with no host read in the step: a
+  matrix whose gradient is non-finite, or whose Frobenius norm overflows its dtype (fp32
+  entries beyond $\sim10^{19}$; one fused norm per batch decides), gets a no-op step on
+  the device — weights, momentum, dual correction and step count unchanged — and is
+  reported, naming the parameter, at the start of the next :meth:`MatrixOptimizer.step`
+  (whatever has reached the host by then; on CPU, everything) or at
+  :meth:`MatrixOptimizer.check_finite` (which reads it now): ``"skip"`` (default) warns,
+  ``"raise"`` raises ``ValueError``. This is the contract of a skipped step in mixed
+  precision training (``torch.amp.GradScaler`` skips ``optimizer.step`` on an inf; optax's
+  ``apply_if_finite`` counts skipped steps in its state): the weights are never touched by
+  a non-finite gradient, and the error reaches the user at a point that does not stall the
+  device. Sharded (``DTensor``) groups read the flags back in the step (their step
+  communicates anyway) and report at once.
 * **Regulation** (group key ``regulate``): a spec for
   :func:`geomuon.optimizers.regulate.make_regulator`, applied after the step as
-  ``p.copy_(reg(p, lr=lr, state=self.state[p]))``. A
+  ``p.copy_(reg(p, lr=lr, state=self.state[p]))`` (a skipped matrix keeps its weight; the
+  regulator runs without its finiteness test, :meth:`~geomuon.optimizers.regulate.Regulator.unchecked`). A
   :class:`~geomuon.optimizers.regulate.Regulator` given here is stored as its spec.
 * **Plain-data param groups**: a group's ``manifold`` and ``regulate`` are stored as
   specs (``MatrixManifold.spec()``, ``Regulator.spec()``) and the live objects derived
@@ -48,7 +58,7 @@ import torch
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import fp32_or_fp64
 
-from .regulate import make_regulator, regulator_spec
+from .regulate import make_regulator, regulator_spec, unchecked_regulation
 from . import distributed as _distributed
 
 __all__ = ["MatrixOptimizer", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
@@ -78,6 +88,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.setdefault("update", self.matrix_update)
         self._regulators: list = []
         self._manifolds: dict[int, tuple] = {}
+        self._skipped = _SkippedSteps()
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ construction
@@ -143,6 +154,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Recompute attributes derived from the param groups (subclasses extend it)."""
         self._regulators = [make_regulator(g.get("regulate")) for g in self.param_groups]
         self._manifolds = {}
+        self._skipped = getattr(self, "_skipped", None) or _SkippedSteps()
         for group in self.param_groups:  # resolved now, not in a step
             if group.get("manifold") is not None:
                 self._group_manifold(group).identity  # noqa: B018
@@ -150,32 +162,64 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """Performs a single optimization step; returns the closure's loss if given."""
+        """Performs a single optimization step; returns the closure's loss if given.
+
+        No value is read back from the device (see :meth:`check_finite` for how skipped
+        steps are reported)."""
+        self._skipped.report(self, wait=False)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            params = self._params_with_finite_grad(group, index)
+            params, positions = self._params_with_grad(group)
             if not params:
                 continue
             lr = group["lr"]
             lr = lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+            keep: dict[int, torch.Tensor] = {}
+            if _distributed.is_sharded(params[0]):
+                params = self._finite_on_host(group, index, params, positions)
+                if not params:
+                    continue
             if group["update"] == "adamw":
-                self._adamw(group, params, lr)
+                self._adamw(group, params, lr, self._keep(group, index, params, positions, keep))
             else:
                 for batch in self._batches(group, params):
-                    self._matrix_step(group, batch, lr)
+                    self._matrix_step(group, batch, lr, self._keep(group, index, batch, positions, keep))
             regulator = self._regulators[index]
             if regulator is not None:
                 for p in params:
                     if _distributed.is_sharded(p) and group["update"] != "adamw":
                         continue  # a sharded matrix was regulated whole, on the rank that mapped it
-                    _distributed.write_whole(p, regulator(_distributed.whole(p), lr=lr, state=self.state[p]))
+                    whole = _distributed.whole(p)
+                    out = unchecked_regulation(regulator, whole, lr=lr, state=self.state[p])
+                    _distributed.write_whole(p, out if id(p) not in keep else torch.where(keep[id(p)], out, whole))
         return loss
 
-    def _params_with_finite_grad(self, group: dict, index: int) -> list[torch.Tensor]:
-        params, positions = [], []
+    @torch.no_grad()
+    def check_finite(self) -> dict[str, int]:
+        """Report the steps skipped for non-finite gradients now (a host read: call it where
+        the loss is read, e.g. at a log step, and once after training).
+
+        :meth:`step` never waits for the device: it records, per matrix, whether the
+        gradient was finite, makes the update of a non-finite one a no-op on the device,
+        and reports what has already reached the host at the start of the next
+        :meth:`step` — a ``RuntimeWarning`` (``nonfinite="skip"``) or a ``ValueError``
+        (``"raise"``) naming the parameters. This method reports the rest without waiting
+        for a next step.
+
+        Returns:
+            ``{parameter name: steps skipped}`` newly reported by this call.
+
+        Raises:
+            ValueError: naming the parameters of ``nonfinite="raise"`` groups that skipped.
+        """
+        return self._skipped.report(self, wait=True)
+
+    def _params_with_grad(self, group: dict) -> tuple[list[torch.Tensor], dict[int, int]]:
+        """The group's parameters that have a gradient, and ``{id(p): position in the group}``."""
+        params, positions = [], {}
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -184,26 +228,36 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             params.append(p)
-            positions.append(i)
-        if not params:
-            return params
-        # One fused Frobenius-norm pass (the L2 kernel is ~5x faster than L1 on CPU). A norm
-        # that overflows is refused as well: every update here normalizes by it, so a
-        # finite gradient beyond the dtype's range would otherwise give a silent zero step.
-        # (a DTensor's norms are partial sums: whole() all-reduces them, so ranks agree)
+            positions[id(p)] = i
+        return params, positions
+
+    def _keep(self, group: dict, index: int, params: list[torch.Tensor], positions: dict[int, int],
+              keep: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        r"""``[B]`` bool on the device: which of ``params`` have a finite gradient (recorded
+        for the deferred report and in ``keep`` by ``id``); ``None`` for sharded parameters
+        (filtered on the host already).
+
+        One fused Frobenius-norm pass (the L2 kernel is ~5x faster than L1 on CPU). A norm
+        that overflows counts as non-finite: every update here normalizes by it, so a
+        finite gradient beyond the dtype's range would otherwise give a silent zero step.
+        """
+        if _distributed.is_sharded(params[0]):
+            return None
+        finite = torch.stack(torch._foreach_norm([p.grad for p in params])).isfinite()
+        self._skipped.record(index, [positions[id(p)] for p in params], group["nonfinite"], finite)
+        keep.update((id(p), k) for p, k in zip(params, finite))
+        return finite
+
+    def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
+                        positions: dict[int, int]) -> list[torch.Tensor]:
+        """Sharded parameters: the non-finite check read back now (their step communicates
+        anyway; a DTensor's norms are partial sums, ``whole`` all-reduces them so ranks agree)."""
         norms = torch.stack(torch._foreach_norm([p.grad for p in params]))
         finite = _distributed.whole(norms).isfinite().tolist()
         if all(finite):
             return params
-        bad = [self._name(group, i, index) for i, ok in zip(positions, finite) if not ok]
-        message = (
-            f"{type(self).__name__}: non-finite gradient (or one whose Frobenius norm overflows "
-            f"its dtype: scale the loss down) in parameter(s) {', '.join(bad)}"
-        )
-        if group["nonfinite"] == "raise":
-            raise ValueError(message + " (nonfinite='raise')")
-        warnings.warn(message + "; their step was skipped, weights and state unchanged", RuntimeWarning,
-                      stacklevel=3)
+        bad = {self._name(group, positions[id(p)], index): 1 for p, ok in zip(params, finite) if not ok}
+        _report_nonfinite(self, group["nonfinite"], bad, stacklevel=4)
         return [p for p, ok in zip(params, finite) if ok]
 
     def _batches(self, group: dict, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -225,29 +279,52 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Dtype of the stacked momentum handed to :meth:`_direction` (default: ``p``'s)."""
         return p.dtype
 
-    def _matrix_step(self, group: dict, params: list[torch.Tensor], lr: float) -> None:
+    def _matrix_step(self, group: dict, params: list[torch.Tensor], lr: float,
+                     keep: torch.Tensor | None = None) -> None:
+        r"""Momentum, the stacked map and the update of one same-shape batch.
+
+        ``keep`` (``[B]`` bool on the device, ``None``: all) makes a skipped matrix's step a
+        no-op without reading it back: its gradient enters as zero with momentum weight
+        zero, so $B$ is unchanged ($B + 0\cdot(0 - B)$) and its stacked momentum is exactly
+        zero (Nesterov $0 + 0\cdot B$, or $B\cdot 0$); :meth:`_apply` masks its update and decay.
+        """
         if _distributed.is_sharded(params[0]):  # FSDP2 / DTensor: whole matrices, sharded by matrix
             return _distributed.sharded_matrix_step(self, group, params, lr)
         momentum = group["momentum"]
-        grads = [p.grad for p in params]
         bufs = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
-        torch._foreach_lerp_(bufs, grads, 1 - momentum)
         shape = self._matrix_shape(group, params[0])
         stacked = torch.empty((len(params), *shape), dtype=self._stack_dtype(group, params[0]),
                               device=params[0].device)
-        for out, g, b in zip(stacked, grads, bufs):
-            # copy_ casts into the stack: one pass, and the stack never aliases the buffer.
-            out.copy_((g.lerp(b, momentum) if group["nesterov"] else b).reshape(shape))
+        if keep is None:
+            grads = [p.grad for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            for out, g, b in zip(stacked, grads, bufs):
+                # copy_ casts into the stack: one pass, and the stack never aliases the buffer.
+                out.copy_((g.lerp(b, momentum) if group["nesterov"] else b).reshape(shape))
+        else:
+            kept = keep.to(bufs[0].dtype)
+            rate, nesterov = kept * (1 - momentum), kept * momentum
+            for i, (out, p, b) in enumerate(zip(stacked, params, bufs)):
+                g = torch.where(keep[i], p.grad, 0)
+                b.lerp_(g, rate[i])
+                if group["nesterov"]:
+                    out.copy_(g.lerp(b, nesterov[i]).reshape(shape))
+                else:
+                    torch.mul(b.reshape(shape), kept[i], out=out)
         update = self._direction(group, stacked, params)
-        self._apply(group, params, update, lr)
+        self._apply(group, params, update, lr, keep)
 
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        """Map the stacked momentum ``M: [B, *matrix_shape]`` to the update ``[B, ...]``."""
+        """Map the stacked momentum ``M: [B, *matrix_shape]`` to the update ``[B, ...]``.
+
+        A matrix whose step is skipped arrives as an exact zero; its update is masked by
+        :meth:`_apply` (a subclass whose update is not additive leaves a zero momentum
+        matrix unchanged itself)."""
         raise NotImplementedError
 
     def _rowwise_direction(self, group: dict) -> bool:
@@ -259,38 +336,51 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Shape-dependent factor on ``lr`` for the update (1 unless a subclass says)."""
         return 1.0
 
-    def _apply(self, group: dict, params: list[torch.Tensor], update: torch.Tensor, lr: float) -> None:
-        """$W \\leftarrow (1 - \\eta\\lambda)W - \\eta\\,s(\\text{shape})\\,U$ (decoupled decay)."""
+    def _apply(self, group: dict, params: list[torch.Tensor], update, lr: float,
+               keep: torch.Tensor | None = None) -> None:
+        r"""$W \leftarrow (1 - \eta\lambda)W - \eta\,s(\text{shape})\,U$ (decoupled decay); a
+        matrix with ``keep`` false gets neither (both factors masked on the device)."""
         weight_decay = group["weight_decay"]
-        if weight_decay != 0:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
         scale = self._lr_scale(group, self._matrix_shape(group, params[0])[-2:])
-        torch._foreach_add_(params, [u.reshape(p.shape) for u, p in zip(update, params)], alpha=-lr * scale)
+        updates = [u.reshape(p.shape) for u, p in zip(update, params)]
+        if keep is None:
+            if weight_decay != 0:
+                torch._foreach_mul_(params, 1 - lr * weight_decay)
+            torch._foreach_add_(params, updates, alpha=-lr * scale)
+            return
+        kept = keep.to(params[0].dtype)
+        shrink = _where_kept(kept, 1 - lr * weight_decay)
+        for p, u, k, c in zip(params, updates, kept, shrink):
+            if weight_decay != 0:
+                p.mul_(c)
+            p.addcmul_(u, k, value=-lr * scale)
 
     # ------------------------------------------------------------------ AdamW path
-    def _adamw(self, group: dict, params: list[torch.Tensor], lr: float) -> None:
+    def _adamw(self, group: dict, params: list[torch.Tensor], lr: float, keep: torch.Tensor | None) -> None:
+        r"""``torch.optim.AdamW``'s update; with ``keep`` false a parameter's step, moments
+        and step count stay as they were (masked on the device, bias corrections from the
+        step count tensor, so nothing is read back)."""
         beta1, beta2 = group["betas"]
-        grads = [p.grad for p in params]
-        states = [self.state[p] for p in params]
-        for p, state in zip(params, states):
+        for i, p in enumerate(params):
+            state = self.state[p]
             if "exp_avg" not in state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        torch._foreach_add_([s["step"] for s in states], 1.0)
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        if group["weight_decay"] != 0:
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        for p, state in zip(params, states):
-            step = state["step"].item()
-            bias1 = 1 - beta1**step
-            bias2_sqrt = math.sqrt(1 - beta2**step)
+            if state["step"].device != p.device:  # a checkpoint written with a CPU step count
+                state["step"] = state["step"].to(p.device)
+            kept = torch.ones((), dtype=p.dtype, device=p.device) if keep is None else keep[i].to(p.dtype)
+            g = p.grad if keep is None else torch.where(keep[i], p.grad, 0)
+            step = state["step"].add_(kept)
+            if group["weight_decay"] != 0:
+                p.mul_(_where_kept(kept, 1 - lr * group["weight_decay"]))
+            state["exp_avg"].lerp_(g, (1 - beta1) * kept)
+            state["exp_avg_sq"].mul_(_where_kept(kept, beta2)).addcmul_(g, g, value=1 - beta2)
+            counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
+            bias1 = 1 - beta1**counted
+            bias2_sqrt = (1 - beta2**counted).sqrt()
             denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(group["eps"])
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+            p.addcdiv_(state["exp_avg"] * (-lr * kept / bias1), denom)
 
     # ------------------------------------------------------------------ manifold check
     def _manifold_of(self, group: dict, p: torch.Tensor):
@@ -366,3 +456,79 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
+
+
+def _where_kept(kept: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` where ``kept`` is 1 and 1 where it is 0, exactly (``kept`` holds 0s and 1s):
+    a factor that leaves a skipped matrix as it was and rounds like ``value`` itself."""
+    return kept * value + (1 - kept)
+
+
+def _report_nonfinite(optimizer, mode: str, skipped: dict[str, int], stacklevel: int) -> None:
+    """Warn (``mode="skip"``) or raise (``"raise"``) naming the parameters in ``skipped``
+    (``{name: steps skipped}``)."""
+    listing = ", ".join(f"{name} ({count} step{'s' if count > 1 else ''})" for name, count in skipped.items())
+    message = (
+        f"{type(optimizer).__name__}: non-finite gradient (or one whose Frobenius norm overflows its dtype: "
+        f"scale the loss down) in parameter(s) {listing}; their step was skipped, weights and state unchanged"
+    )
+    if mode == "raise":
+        raise ValueError(message + " (nonfinite='raise')")
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+class _SkippedSteps:
+    r"""Counts, per matrix, of the steps skipped for a non-finite gradient, reported without
+    a host sync in the step.
+
+    Every step adds, on the device, ``counts += ~finite`` for each same-shape batch; on CUDA
+    it then copies the counts to pinned host memory without blocking and records an event.
+    :meth:`report` with ``wait=False`` (the start of the next step) reports only counts that
+    are already on the host — on CPU the counts are host memory, on CUDA the copy whose
+    event has completed (``Event.query`` does not wait) — and reads them through NumPy, a
+    host-memory view, never a device read; ``wait=True`` (:meth:`MatrixOptimizer.check_finite`)
+    reads the device counts now.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, dict] = {}
+
+    def record(self, group_index: int, positions: list[int], mode: str, finite: torch.Tensor) -> None:
+        key = (group_index, tuple(positions))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = dict(
+                group=group_index, positions=positions, mode=mode, reported=[0] * len(positions),
+                counts=torch.zeros(len(positions), dtype=torch.int64, device=finite.device),
+                host=None, event=None,
+            )
+        entry["mode"] = mode
+        entry["counts"] += ~finite
+        if finite.device.type == "cuda":
+            if entry["host"] is None:
+                entry["host"] = torch.zeros(len(positions), dtype=torch.int64, pin_memory=True)
+            entry["host"].copy_(entry["counts"], non_blocking=True)
+            entry["event"] = torch.cuda.Event()
+            entry["event"].record()
+
+    def report(self, optimizer, wait: bool) -> dict[str, int]:
+        news: dict[str, dict[str, int]] = {}
+        for entry in self._entries.values():
+            if wait:
+                counts = entry["counts"].tolist()
+            elif entry["host"] is None:
+                counts = entry["counts"].numpy().tolist()  # CPU: host memory, no device read
+            elif entry["event"] is not None and entry["event"].query():
+                counts = entry["host"].numpy().tolist()  # the completed pinned copy
+            else:
+                continue
+            group = optimizer.param_groups[entry["group"]]
+            for j, (count, seen) in enumerate(zip(counts, entry["reported"])):
+                if count > seen:
+                    name = optimizer._name(group, entry["positions"][j], entry["group"])
+                    news.setdefault(entry["mode"], {})[name] = count - seen
+                    entry["reported"][j] = count
+        for mode in ("skip", "raise"):
+            if mode in news:
+                _report_nonfinite(optimizer, mode, news[mode], stacklevel=4)
+        return {name: count for listing in news.values() for name, count in listing.items()}

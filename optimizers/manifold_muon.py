@@ -233,10 +233,13 @@ class ManifoldMuon(MatrixOptimizer):
         docstring), in the retraction dtype; ``M`` is the stacked momentum ``[B, *shape]``."""
         manifold = self._manifold_of(group, params[0])
         states = [self.state[p] for p in params]
-        for state in states:
-            state["step"] = state.get("step", torch.tensor(0.0)) + 1
         W = self._points(group, params)
         G = M.to(W.dtype)
+        # A zero momentum matrix (a step the base class skipped: non-finite gradient) keeps
+        # its point, its warm start and its step count exactly (no retraction round-off).
+        moving = G.reshape(len(params), -1).ne(0).any(-1)
+        for state, counts in zip(states, moving):
+            state["step"] = state.get("step", torch.tensor(0.0)) + counts
         lr = float(group["lr"])
         shrink = 1.0 - lr * float(group["weight_decay"])
         warm = None
@@ -249,7 +252,10 @@ class ManifoldMuon(MatrixOptimizer):
             point, correction, ratio = self._gram_path(group, form, W, G, lr, shrink, warm, certify)
         else:
             point, correction, ratio = self._general_path(group, manifold, W, G, lr, shrink, warm, certify)
+        point = torch.where(moving.reshape(-1, *(1,) * (point.dim() - 1)), point, W)
         if group["warm_start"] and correction is not None:
+            if warm is not None:
+                correction = torch.where(moving.reshape(-1, *(1,) * (correction.dim() - 1)), correction, warm)
             for state, value in zip(states, correction):
                 state["dual_correction"] = value.clone()
         if ratio is not None:
@@ -293,7 +299,9 @@ class ManifoldMuon(MatrixOptimizer):
         point = manifold.retr(W, -lr * result.direction.to(W.dtype))
         return point, result.correction, result.ratio
 
-    def _apply(self, group: dict, params: list[torch.Tensor], update: torch.Tensor, lr: float) -> None:
-        """Write the new points :meth:`_direction` returned (decay and retraction are in them)."""
+    def _apply(self, group: dict, params: list[torch.Tensor], update: torch.Tensor, lr: float,
+               keep: torch.Tensor | None = None) -> None:
+        """Write the new points :meth:`_direction` returned (decay and retraction are in them;
+        a skipped matrix's point is its old one, so ``keep`` needs no second mask)."""
         for p, w in zip(params, update):
             p.copy_(w.reshape(p.shape))

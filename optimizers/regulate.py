@@ -87,6 +87,7 @@ __all__ = [
     "rms_scale",
     "rms_spectral_norm",
     "REGULATORS",
+    "unchecked_regulation",
 ]
 
 
@@ -227,6 +228,13 @@ class Regulator:
                 f"{type(self).__name__}: the weight has non-finite entries; regulation cannot "
                 "repair it (check the optimizer's nonfinite handling and the learning rate)"
             )
+        return self.unchecked(W, lr=lr, state=state)
+
+    def unchecked(self, W: torch.Tensor, *, lr: float, state: dict | None = None) -> torch.Tensor:
+        """:meth:`__call__` without its finiteness test (a host read of the weight): what an
+        optimizer step runs, whose weights stay finite because a non-finite gradient makes
+        the step of its matrix a no-op on the device."""
+        _check_weight(W, type(self).__name__)
         lr = float(lr)
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {lr}")
@@ -744,10 +752,18 @@ class Chain(Regulator, register=False):
         """The list spec of the chained regulators (see :meth:`Regulator.spec`)."""
         return [regulator_spec(regulator) for regulator in self.regulators]
 
-    def __call__(self, W, *, lr, state=None):
+    def unchecked(self, W, *, lr, state=None):
         for regulator in self.regulators:
-            W = regulator(W, lr=lr, state=state)
+            W = unchecked_regulation(regulator, W, lr=lr, state=state)
         return W
+
+
+def unchecked_regulation(regulator: Callable, W: torch.Tensor, *, lr: float, state: dict | None = None):
+    """``regulator(W, lr=lr, state=state)`` without the finiteness test of a
+    :class:`Regulator` (:meth:`Regulator.unchecked`); any other callable is called as is."""
+    if isinstance(regulator, Regulator):
+        return regulator.unchecked(W, lr=lr, state=state)
+    return regulator(W, lr=lr, state=state)
 
 
 def regulator_spec(spec: Any) -> Any:

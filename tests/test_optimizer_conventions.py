@@ -1,12 +1,13 @@
 """Conventions every matrix optimizer shares (optimizers/base.py), checked on each class."""
 
+import contextlib
 import copy
 import warnings
 
 import pytest
 import torch
 
-from geomuon.manifolds import DGram, Stiefel
+from geomuon.manifolds import DGram, MatrixManifold, Stiefel
 from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 
 FACTORIES = {
@@ -115,27 +116,47 @@ def test_vector_in_matrix_group_is_refused_with_its_name(name):
 
 
 @pytest.mark.parametrize("name", FACTORIES)
-def test_nonfinite_gradient_skips_that_parameter_and_names_it(name):
+def test_nonfinite_gradient_skips_that_parameter_on_the_device_and_the_next_step_names_it(name):
+    # The step reads nothing back: the skipped matrix's update is a no-op on the device,
+    # and the report (naming it) comes at the start of the next step or at check_finite().
     model = _model(name)
-    groups = [{"params": [("a", model.a), ("b", model.b), ("c", model.c)]}]
+    groups = [{"params": [("a", model.a), ("b", model.b), ("c", model.c)]},
+              {"params": [("bias", model.bias)], "update": "adamw"}]
     opt = FACTORIES[name](groups)
     _step(model, opt, 0)
-    state_before = copy.deepcopy(opt.state[model.a])
-    a_before, b_before = model.a.detach().clone(), model.b.detach().clone()
+    before = {key: copy.deepcopy(opt.state[p]) for key, p in (("a", model.a), ("bias", model.bias))}
+    a_before, b_before, bias_before = (p.detach().clone() for p in (model.a, model.b, model.bias))
     opt.zero_grad()
     model.loss(torch.randn(16, 6)).backward()
     model.a.grad[0, 0] = float("nan")
-    with pytest.warns(RuntimeWarning, match="'a'"):
-        opt.step()
-    assert torch.equal(model.a.detach(), a_before)
-    for key, value in state_before.items():
-        assert torch.equal(opt.state[model.a][key], value)
+    model.bias.grad[0] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # no report inside the step that saw it
+    assert torch.equal(model.a.detach(), a_before) and torch.equal(model.bias.detach(), bias_before)
+    for key, p in (("a", model.a), ("bias", model.bias)):
+        assert opt.state[p].keys() == before[key].keys()
+        for field, value in before[key].items():
+            assert torch.equal(opt.state[p][field], value), (key, field)
     assert not torch.equal(model.b.detach(), b_before)  # the others still step
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with pytest.warns(RuntimeWarning, match=r"'a' \(1 step\)") as caught:
+        opt.step()
+    assert any("'bias'" in str(w.message) for w in caught)
+    assert opt.check_finite() == {}  # reported once
     strict = FACTORIES[name]([{"params": [("a", model.a)], "nonfinite": "raise"}])
     model.a.grad[0, 0] = float("inf")
+    a_before = model.a.detach().clone()
+    strict.step()
+    with pytest.raises(ValueError, match="'a'.*nonfinite='raise'"):
+        strict.check_finite()
+    assert torch.equal(model.a.detach(), a_before)
+    strict.step()
     with pytest.raises(ValueError, match="'a'"):
-        strict.step()
+        strict.step()  # the start of the next step raises, before touching anything
+    assert torch.equal(model.a.detach(), a_before)
 
 
 def test_gradient_whose_norm_overflows_is_skipped_not_turned_into_a_silent_zero_step():
@@ -145,9 +166,11 @@ def test_gradient_whose_norm_overflows_is_skipped_not_turned_into_a_silent_zero_
     p.grad = torch.full((4, 3), 1e30)
     assert torch.isfinite(p.grad).all()
     opt = Muon([{"params": [("w", p)]}], lr=0.1, compute_dtype=torch.float32)
+    opt.step()
     with pytest.warns(RuntimeWarning, match="overflows.*'w'"):
-        opt.step()
-    assert torch.equal(p.detach(), torch.eye(4, 3)) and p not in opt.state
+        assert opt.check_finite() == {"'w'": 1}
+    assert torch.equal(p.detach(), torch.eye(4, 3))
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros(4, 3))
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -264,3 +287,82 @@ def test_deepcopy_keeps_regulators_and_steps_identically(name):
         _step(twin_model, twin_opt, seed)
     for p, q in zip(model.parameters(), twin_model.parameters()):
         assert torch.equal(p, q)
+
+
+# ----------------------------------------------------------------------------- no host sync
+
+_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+class _HostRead(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Every read of a tensor's value into Python raises: the CPU stand-in for
+    ``torch.cuda.set_sync_debug_mode("error")`` (on CUDA each is a device sync). The
+    deferred non-finite report reads host memory through NumPy (see
+    ``optimizers.base._SkippedSteps``), which on CUDA is a completed pinned copy, no sync."""
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def refuse(self, *args, **kwargs):
+        raise _HostRead("host read of a tensor inside step()")
+
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, refuse)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_the_read_guard_catches_each_kind_of_read():
+    x = torch.ones(3)
+    for read in (lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x.all()), lambda: float(x.sum()),
+                 lambda: int(x.sum()), lambda: x.sum() > 0 and None):
+        with _no_host_reads(), pytest.raises(_HostRead):
+            read()
+
+
+_MANIFOLDS = sorted(MatrixManifold.registered())
+# every matrix optimizer, every manifold of the registry, with regulators (HardCap is left
+# out: its number of capping passes is read from the weight, a documented host read)
+SYNC_FREE = {  # name: (optimizer, the matrix group's regulator)
+    "Muon": (lambda g: Muon(g, lr=0.02), {"name": "soft_cap", "w_max": 4.0}),
+    "RowNormM": (lambda g: RowNormM(g, lr=0.01, weight_decay=0.01), "spectral_normalize"),
+    "RightPolarGradM": (lambda g: RightPolarGradM(g, lr=1e-3), ["weight_decay", "spectral_hammer"]),
+    "LeftPolarGradM": (lambda g: LeftPolarGradM(g, lr=1e-3, centered=True), "column_cap"),
+    "HybridPolarGradM": (lambda g: HybridPolarGradM(g, lr=1e-3), "spectral_weight_decay"),
+    **{f"ManifoldMuon-{name}": ((lambda name: lambda g: ManifoldMuon(g, lr=0.02, manifold=name, weight_decay=0.1))(name),
+                                None) for name in _MANIFOLDS},
+}
+
+
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_step_reads_nothing_back_from_the_device(name):
+    # Tall, wide, square and two same-shape matrices, an AdamW vector, warm-started steps,
+    # and a non-finite gradient in one step: the whole step() runs under the read guard.
+    gen = torch.Generator().manual_seed(7)
+    manifold = MatrixManifold.by_name(name.split("-")[1])() if name.startswith("ManifoldMuon") else None
+    shapes = [(12, 6), (12, 6), (6, 10), (8, 8)]
+    matrices = [torch.nn.Parameter(manifold.random(*s, generator=gen).detach() if manifold else torch.randn(s, generator=gen))
+                for s in shapes]
+    vector = torch.nn.Parameter(torch.randn(5, generator=gen))
+    factory, regulate = SYNC_FREE[name]
+    opt = factory([{"params": matrices, "regulate": regulate}, {"params": [vector], "update": "adamw"}])
+    # ManifoldMuon's first step checks every weight is on its manifold (a documented read)
+    for p in [*matrices, vector]:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    for k in range(3):
+        for p in [*matrices, vector]:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if k == 1:
+            matrices[1].grad[0, 0] = float("nan")
+        with _no_host_reads(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report of step 1 at the start of step 2
+            opt.step()
+    assert all(torch.isfinite(p).all() for p in [*matrices, vector])
+    assert opt.check_finite() == {} and opt._skipped.report(opt, wait=True) == {}
