@@ -9,7 +9,10 @@ import pytest
 import sympy as sp
 import torch
 
-from geomuon.manifolds import KELLER_QUINTIC, POLAR_EXPRESS, POLAR_EXPRESS_5, DGram, Stiefel, sym
+from geomuon.manifolds import (
+    KELLER_QUINTIC, LPRO, POLAR_EXPRESS, POLAR_EXPRESS_5, CenteredRouterSpace, DGram, Oblique, Stiefel, sym,
+)
+from geomuon.manifolds.base import matrix_method
 from geomuon.optimizers import maps
 from geomuon.optimizers.regulate import SOFT_CAP_MIN_RATIO, muon_update_norm, ns_output_bound, soft_cap_alpha
 from geomuon.theory import declared
@@ -24,6 +27,7 @@ from geomuon.theory.symbolic import (
     certify_manifold,
     certify_map_row,
     certify_equivariance,
+    certify_every_size,
     certify_newton_schulz_equivariance,
     certify_newton_schulz_retraction,
     certify_newton_schulz_step_expansion,
@@ -84,6 +88,56 @@ def test_stiefel_every_size_rejects_a_dropped_sym():
     # X - W W^T X is tangent (so tangency alone misses it) but does not fix tangent vectors.
     assert not certificate.witness["L(P(X)) = 0"]
     assert certificate.witness["P = I - L*(LL*)^-1 L"] and certificate.witness["P(V) = V for tangent V"]
+
+
+_EVERY_SIZE = [(m, o) for m in (Stiefel(), DGram(), Oblique(), LPRO(radius=1.5), CenteredRouterSpace())
+               for o in ("tall", "square", "wide")]
+
+
+@pytest.mark.parametrize("manifold, orientation", _EVERY_SIZE, ids=[f"{m.name}-{o}" for m, o in _EVERY_SIZE])
+def test_every_size(manifold, orientation):
+    certificate = certify_every_size(manifold, orientation)
+    assert certificate.holds, certificate.witness
+    assert certificate.witness["gram_diag_positive"]
+
+
+class _DGramAdjointKeepingTheDiagonal(DGram):
+    @matrix_method()
+    def constraint_adjoint(self, x, lam):
+        return 2 * x @ sym(lam)
+
+
+class _DGramProjectionKeepingTheDiagonal(DGram):
+    @matrix_method("u")
+    def proju(self, x, u):
+        d2 = x.square().sum(-2)
+        return u - x @ ((x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)))
+
+
+class _ObliqueProjectionIsZero(Oblique):
+    @matrix_method("u")
+    def proju(self, x, u):
+        return u * 0
+
+
+class _RouterHalfCentered(CenteredRouterSpace):
+    @matrix_method("u")
+    def proju(self, x, u):
+        return u - 0.5 * u.mean(-2, keepdim=True)
+
+
+@pytest.mark.parametrize("orientation", ["tall", "wide"])
+def test_every_size_rejects_wrong_formulas(orientation):
+    adjoint = certify_every_size(_DGramAdjointKeepingTheDiagonal(), orientation)
+    assert not adjoint.holds and adjoint.witness["<L(A), lam> = <A, L*(lam)>"]
+    projection = certify_every_size(_DGramProjectionKeepingTheDiagonal(), orientation)
+    # Off(Sigma) is what the constraint sees, so the kept diagonal shows as P != I - L*(LL*)^-1 L
+    # and as a tangent vector that P moves.
+    assert not projection.holds and projection.witness["P(V) = V for tangent V"]
+    zero = certify_every_size(_ObliqueProjectionIsZero(), orientation)
+    assert not zero.holds and zero.witness["P(V) = V for tangent V"] and not zero.witness["L(P(X)) = 0"]
+    half = certify_every_size(_RouterHalfCentered(), orientation)
+    assert not half.holds and half.witness["L(P(X)) = 0"]
 
 
 @pytest.mark.parametrize("shape, name", _CASES, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _CASES])

@@ -67,6 +67,9 @@ __all__ = [
     "certify_manifold",
     "certify_projection",
     "certify_stiefel_every_size",
+    "certify_every_size",
+    "FreeVector",
+    "ORIENTATIONS",
     "certify_retraction",
     "certify_newton_schulz_step_expansion",
     "certify_newton_schulz_retraction",
@@ -110,6 +113,8 @@ def exact(x) -> sp.Expr:
     sympy values pass through."""
     if isinstance(x, (sp.Basic, FracElement)):
         return x
+    if isinstance(x, SymbolicSize):
+        return x.expr
     if isinstance(x, (bool, np.bool_)):
         return sp.Integer(int(x))
     if isinstance(x, (int, np.integer)):
@@ -455,13 +460,52 @@ class FreeAlgebra:
     letters) to a linear combination of words, e.g. ``W'W -> I`` for a Stiefel point, or
     ``V'W -> -W'V`` for a tangent vector $V$ ($W^\top V$ skew). The rules must terminate;
     a product is reduced to normal form after every operation.
+
+    Beyond products (the entrywise formulas of DGram, Oblique, LPRO and the router):
+
+    * ``diagonal`` letters are diagonal matrices (symmetric, and they commute with each
+      other: adjacent diagonal letters are sorted);
+    * :meth:`diag` is the diagonal-part operator $\operatorname{Diag}(M) = I \odot M$,
+      linear, with $\operatorname{Diag}(\Delta M\Delta') = \Delta\operatorname{Diag}(M)\Delta'$
+      for diagonal $\Delta, \Delta'$, $\operatorname{Diag}(M^\top) = \operatorname{Diag}(M)$
+      and $\operatorname{Diag}(\Delta) = \Delta$; $\operatorname{Diag}(u)$ of a word $u$ is a
+      new diagonal letter ``<u>``;
+    * :meth:`sylvester` is $\operatorname{Syl}_D(E)$, the solution $K$ of $DK + KD = E$
+      for a positive diagonal $D$ (entrywise $K_{ij} = E_{ij}/(d_i + d_j)$), a new letter
+      with the rule $D\,\operatorname{Syl}_D(E) \to E - \operatorname{Syl}_D(E)\,D$, and
+      $\operatorname{Diag}(\operatorname{Syl}_D(E)) = 0$ when $\operatorname{Diag}(E) = 0$
+      ($K_{ii} = E_{ii}/2d_i$);
+    * ``ones`` names an $m\times1$ letter $\mathbf 1$ with $\mathbf 1^\top\mathbf 1 \to m$
+      (column sums are $\mathbf 1^\top M$);
+    * ``shapes`` gives letters symbolic sizes (sympy expressions), which a
+      :class:`FreeMatrix` reports as its ``shape`` (the library's validation and its
+      wide/tall decisions read them; sympy decides $m < n$ from the symbols'
+      assumptions).
+
+    Every rule is an identity valid at every size, so an expression that reduces to zero
+    vanishes identically at every size (soundness); the converse is not claimed.
     """
 
-    def __init__(self, letters: Mapping[str, str]):
+    def __init__(self, letters: Mapping[str, str], *, diagonal: Iterable[str] = (),
+                 shapes: Mapping[str, tuple] | None = None, ones: tuple[str, Any] | None = None):
         self.transpose_of: dict[str, str] = {}
         for a, b in letters.items():
             self.transpose_of[a], self.transpose_of[b] = b, a
+        self.diagonal: set[str] = set(diagonal)
+        for d in self.diagonal:
+            self.transpose_of[d] = d
+        self.shapes: dict[str, tuple] = {}
+        for a, (rows, cols) in (shapes or {}).items():
+            self.shapes[a], self.shapes[self.transpose_of[a]] = (rows, cols), (cols, rows)
         self.rules: dict[Word, dict[Word, sp.Expr]] = {}
+        self.atoms: dict[str, tuple[str, Any]] = {}
+        self.ones = None
+        if ones is not None:
+            name, size = ones
+            self.transpose_of[name], self.transpose_of[name + "'"] = name + "'", name
+            self.shapes[name], self.shapes[name + "'"] = (size, 1), (1, size)
+            self.rules[(name + "'", name)] = {(): sp.sympify(size)}
+            self.ones = name
 
     def __call__(self, letter: str) -> "FreeMatrix":
         if letter not in self.transpose_of:
@@ -479,13 +523,34 @@ class FreeAlgebra:
         replacement = replacement if isinstance(replacement, FreeMatrix) else replacement * self.identity()
         self.rules[word] = dict(replacement.terms)
 
-    def _rewrite_once(self, word: Word):
+    def _apply_rule(self, word: Word):
         for pattern, replacement in self.rules.items():
             k = len(pattern)
             for i in range(len(word) - k + 1):
                 if word[i : i + k] == pattern:
                     return [(word[:i] + w + word[i + k :], c) for w, c in replacement.items()]
         return None
+
+    def _rewrite_once(self, word: Word):
+        rewritten = self._apply_rule(word)
+        if rewritten is not None:
+            return rewritten
+        for i in range(len(word) - 1):
+            a, b = word[i], word[i + 1]
+            if a in self.diagonal and b in self.diagonal and b < a:
+                return [(word[:i] + (b, a) + word[i + 2 :], sp.Integer(1))]
+        return None
+
+    def _sorted_diagonals(self, word: Word) -> Word:
+        """``word`` with every run of adjacent diagonal letters sorted (they commute)."""
+        out, run = [], []
+        for x in word:
+            if x in self.diagonal:
+                run.append(x)
+                continue
+            out += sorted(run) + [x]
+            run = []
+        return tuple(out + sorted(run))
 
     def normal_form(self, terms: Iterable[tuple[Word, sp.Expr]]) -> dict[Word, sp.Expr]:
         out: dict[Word, sp.Expr] = {}
@@ -503,27 +568,178 @@ class FreeAlgebra:
     def transpose_word(self, word: Word) -> Word:
         return tuple(self.transpose_of[x] for x in reversed(word))
 
+    # -- the diagonal-part and Sylvester operators
+    def diag(self, M: "FreeMatrix") -> "FreeMatrix":
+        r"""$\operatorname{Diag}(M) = I \odot M$ (see the class docstring for its rules)."""
+        out: list[tuple[Word, sp.Expr]] = []
+        for word, coefficient in M.terms.items():
+            i, j = 0, len(word)
+            while i < j and word[i] in self.diagonal:
+                i += 1
+            while j > i and word[j - 1] in self.diagonal:
+                j -= 1
+            core = word[i:j]
+            if not core:
+                out.append((word, coefficient))
+                continue
+            atom = self._diag_atom(core)
+            if atom is not None:
+                out.append((word[:i] + (atom,) + word[j:], coefficient))
+        return FreeMatrix(out, self)
+
+    def _diag_atom(self, core: Word) -> str | None:
+        if len(core) == 1 and self.atoms.get(core[0], ("",))[0] == "sylvester":
+            _, (inner, _) = self.atoms[core[0]]
+            if self.diag(inner).is_zero():
+                return None
+        canonical = min(core, self.transpose_word(core), key=repr)
+        name = "<" + "".join(canonical) + ">"
+        if name not in self.atoms:
+            self.atoms[name] = ("diag", canonical)
+            self.diagonal.add(name)
+            self.transpose_of[name] = name
+            rows = self.shapes.get(canonical[0], (None, None))[0]
+            self.shapes[name] = (rows, rows)
+        return name
+
+    def sylvester(self, E: "FreeMatrix", D: str) -> "FreeMatrix":
+        r"""$\operatorname{Syl}_D(E)$: the $K$ with $DK + KD = E$, $D$ a positive diagonal letter."""
+        if D not in self.diagonal:
+            raise ValueError(f"FreeAlgebra.sylvester: {D!r} is not a diagonal letter")
+        if E.is_zero():
+            return FreeMatrix({}, self)
+        names = []
+        for terms in (E.terms, E.mT.terms):
+            key = repr(sorted(terms.items(), key=repr))
+            name = f"Syl[{D}]({key})"
+            names.append(name)
+            if name not in self.atoms:
+                self.atoms[name] = ("sylvester", (FreeMatrix(terms, self), D))
+                self.shapes[name] = self.shapes.get(D, (None, None))
+                # D K -> E - K D: moves D to the right of K, so the rule terminates.
+                self.rules[(D, name)] = {**terms, (name, D): sp.Integer(-1)}
+        self.transpose_of[names[0]], self.transpose_of[names[1]] = names[1], names[0]
+        return FreeMatrix({(names[0],): sp.Integer(1)}, self)
+
     def trace(self, M: "FreeMatrix") -> dict[Word, sp.Expr]:
         r"""Normal form of $\operatorname{tr}(M)$: words up to cyclic rotation and
         transposition ($\operatorname{tr}(AB) = \operatorname{tr}(BA)$,
         $\operatorname{tr}(A^\top) = \operatorname{tr}(A)$), with the rules applied
-        cyclically. Zero iff the trace vanishes identically (for the given rules)."""
+        cyclically, and $\operatorname{tr}(\operatorname{Diag}(u)\,v) =
+        \operatorname{tr}(u\operatorname{Diag}(v))$ used to shorten the diagonal part's
+        argument ($=\operatorname{tr}(u\,v)$ when $v$ is diagonal). Zero iff the trace
+        vanishes identically (for the given rules)."""
         out: dict[Word, sp.Expr] = {}
         stack = list(M.terms.items())
         while stack:
             word, coefficient = stack.pop()
             rotations = [word[i:] + word[:i] for i in range(max(len(word), 1))]
-            for r in rotations:
-                rewritten = self._rewrite_once(r)
-                if rewritten is not None:
-                    stack.extend((w, coefficient * c) for w, c in rewritten)
-                    break
-            else:
-                candidates = rotations + [self.transpose_word(r) for r in rotations]
-                key = min(candidates)
-                out[key] = out.get(key, 0) + coefficient
+            rewritten = self._trace_step(rotations)
+            if rewritten is not None:
+                stack.extend((w, coefficient * c) for w, c in rewritten)
+                continue
+            candidates = rotations + [self.transpose_word(r) for r in rotations]
+            key = min(self._sorted_diagonals(c) for c in candidates)
+            out[key] = out.get(key, 0) + coefficient
         reduced = {w: _reduce(c) for w, c in out.items()}
         return {w: c for w, c in reduced.items() if c != 0}
+
+    def _trace_step(self, rotations: list[Word]):
+        # Rules apply cyclically; the commutation of diagonal letters does not (it would
+        # undo a rotation forever), it enters the canonical key instead.
+        for r in rotations:
+            rewritten = self._apply_rule(r)
+            if rewritten is not None:
+                return rewritten
+        for r in rotations:
+            head, rest = (r[0], r[1:]) if r else (None, ())
+            if self.atoms.get(head, ("",))[0] != "diag":
+                continue
+            inner = self.atoms[head][1]
+            if all(x in self.diagonal for x in rest):
+                return [(inner + rest, sp.Integer(1))]
+            if (len(rest), repr(rest)) < (len(inner), repr(inner)):
+                moved = FreeMatrix({inner: sp.Integer(1)}, self) @ self.diag(FreeMatrix({rest: sp.Integer(1)}, self))
+                return list(moved.terms.items())
+        return None
+
+
+class SymbolicSize(int):
+    r"""A matrix dimension that is a sympy expression (e.g. $a + b + 2$), as the library's
+    code sees it: comparisons are decided by sympy from the symbols' assumptions (an
+    undecidable one raises), arithmetic gives sympy expressions, and ``float()`` raises
+    ``TypeError`` (code that needs a number, such as the router's
+    ``float(x.size(-2))``, cannot run at symbolic size). Its ``int`` value is a
+    placeholder 0 that nothing reads: torch hands the object itself to
+    :class:`_FreeFactories`."""
+
+    def __new__(cls, expr):
+        size = int.__new__(cls, 0)
+        size.expr = sp.sympify(expr)
+        return size
+
+    def _decide(self, relation) -> bool:
+        if relation not in (sp.true, sp.false):
+            raise TypeError(f"SymbolicSize: cannot decide {relation}")
+        return bool(relation)
+
+    def __eq__(self, other):
+        return self._decide(sp.Eq(self.expr, _size_expr(other)))
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __lt__(self, other):
+        return self._decide(self.expr < _size_expr(other))
+
+    def __le__(self, other):
+        return self._decide(self.expr <= _size_expr(other))
+
+    def __gt__(self, other):
+        return self._decide(self.expr > _size_expr(other))
+
+    def __ge__(self, other):
+        return self._decide(self.expr >= _size_expr(other))
+
+    def __hash__(self):
+        return hash(self.expr)
+
+    def __float__(self):
+        raise TypeError(f"SymbolicSize: the dimension {self.expr} has no numeric value")
+
+    def __add__(self, other):
+        return self.expr + _size_expr(other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self.expr - _size_expr(other)
+
+    def __rsub__(self, other):
+        return _size_expr(other) - self.expr
+
+    def __mul__(self, other):
+        return self.expr * _size_expr(other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return self.expr / _size_expr(other)
+
+    def __rtruediv__(self, other):
+        return _size_expr(other) / self.expr
+
+    def __pow__(self, other):
+        return self.expr ** exact(other)
+
+    def __repr__(self) -> str:
+        return str(self.expr)
+
+    __str__ = __repr__
+
+
+def _size_expr(value):
+    return value.expr if isinstance(value, SymbolicSize) else sp.sympify(value)
 
 
 class FreeMatrix:
@@ -531,29 +747,75 @@ class FreeMatrix:
     size): ``terms`` maps words to commutative sympy coefficients.
 
     Supports ``+ - *`` (scalars; floats become exact), ``/`` by a scalar, ``@``, ``mT``,
-    and ``torch.baddbmm`` (through ``__torch_function__``), which is all
-    :func:`geomuon.manifolds.linalg.sym`, the Stiefel formulas and
+    ``torch.baddbmm``, ``torch.diagonal`` (the diagonal part, as a :class:`FreeVector`)
+    and the entrywise operations the manifolds use: ``X * U`` and ``X.square()`` followed
+    by a sum over rows or columns (:class:`FreeHadamard`), products and quotients by
+    broadcast vectors, column sums and means (with the algebra's ``ones`` letter). That is
+    all :func:`geomuon.manifolds.linalg.sym`, the manifolds' method bodies and
     :func:`geomuon.manifolds.linalg.newton_schulz_step` use.
     """
 
-    def __init__(self, terms: Mapping[Word, sp.Expr] | Iterable, algebra: FreeAlgebra):
+    dtype = torch.float64
+    device = torch.device("cpu")
+
+    def __init__(self, terms: Mapping[Word, sp.Expr] | Iterable, algebra: FreeAlgebra, shape: tuple | None = None):
         self.algebra = algebra
         items = terms.items() if isinstance(terms, Mapping) else terms
         self.terms = algebra.normal_form(items)
+        # The shape of an expression whose words may all cancel (a zero matrix keeps it).
+        self._shape = shape if shape is not None else self._word_shape()
+
+    # -- structure (what the library's validation reads)
+    def _word_shape(self) -> tuple | None:
+        shapes = self.algebra.shapes
+        for word in self.terms:
+            if word and shapes.get(word[0], (None,))[0] is not None and shapes.get(word[-1], (None, None))[1] is not None:
+                return (shapes[word[0]][0], shapes[word[-1]][1])
+        return None
+
+    @property
+    def shape(self) -> tuple:
+        if self._shape is None:
+            raise ValueError("FreeMatrix: no letter of this expression has a declared shape")
+        return tuple(SymbolicSize(s) for s in self._shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return 2
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def to(self, *args, **kwargs) -> "FreeMatrix":
+        return self
+
+    def double(self) -> "FreeMatrix":
+        return self
+
+    def expand(self, *shape) -> "FreeMatrix":
+        return self
+
+    def new_full(self, shape, value, **kwargs):
+        """A constant array: acts entrywise as the scalar ``value``."""
+        return exact(value)
 
     def _scalar_or(self, other):
         if isinstance(other, FreeMatrix):
             return other
+        if isinstance(other, FreeRow):
+            return other.broadcast()
         return FreeMatrix({(): exact(other)}, self.algebra)
 
     def __add__(self, other):
         other = self._scalar_or(other)
-        return FreeMatrix(list(self.terms.items()) + list(other.terms.items()), self.algebra)
+        return FreeMatrix(list(self.terms.items()) + list(other.terms.items()), self.algebra, self._shape or other._shape)
 
     __radd__ = __add__
 
     def __neg__(self):
-        return FreeMatrix({w: -c for w, c in self.terms.items()}, self.algebra)
+        return FreeMatrix({w: -c for w, c in self.terms.items()}, self.algebra, self._shape)
 
     def __sub__(self, other):
         return self + (-self._scalar_or(other))
@@ -563,23 +825,47 @@ class FreeMatrix:
 
     def __mul__(self, scalar):
         if isinstance(scalar, FreeMatrix):
-            raise TypeError("FreeMatrix: elementwise products have no meaning in the free algebra; use @")
+            return FreeHadamard(self, scalar)
+        if isinstance(scalar, (FreeVector, FreeBroadcastSum)):
+            return scalar * self
         s = exact(scalar)
-        return FreeMatrix({w: s * c for w, c in self.terms.items()}, self.algebra)
+        return FreeMatrix({w: s * c for w, c in self.terms.items()}, self.algebra, self._shape)
 
     __rmul__ = __mul__
 
     def __truediv__(self, scalar):
+        if isinstance(scalar, (FreeVector, FreeBroadcastSum)):
+            return scalar.divide(self)
         return self * (1 / exact(scalar))
 
     def __matmul__(self, other):
         other = self._scalar_or(other)
+        if self._shape is not None and other._shape is not None and sp.sympify(self._shape[1] - other._shape[0]) != 0:
+            raise ValueError(f"FreeMatrix: product of shapes {self._shape} and {other._shape}")
         products = [(u + v, a * b) for u, a in self.terms.items() for v, b in other.terms.items()]
-        return FreeMatrix(products, self.algebra)
+        shape = (self._shape[0], other._shape[1]) if self._shape is not None and other._shape is not None else None
+        return FreeMatrix(products, self.algebra, shape)
 
     @property
     def mT(self) -> "FreeMatrix":
-        return FreeMatrix({self.algebra.transpose_word(w): c for w, c in self.terms.items()}, self.algebra)
+        shape = self._shape[::-1] if self._shape is not None else None
+        return FreeMatrix({self.algebra.transpose_word(w): c for w, c in self.terms.items()}, self.algebra, shape)
+
+    def square(self) -> "FreeHadamard":
+        return FreeHadamard(self, self)
+
+    def sum(self, dim=None, keepdim: bool = False) -> "FreeRow":
+        r"""Column sums $\mathbf 1^\top M$ (``dim=-2``), with the algebra's ``ones`` letter."""
+        if dim not in (-2,) or self.algebra.ones is None:
+            raise NotImplementedError("FreeMatrix.sum: only column sums (dim=-2) with a ones letter")
+        ones = self.algebra(self.algebra.ones)
+        return FreeRow(ones.mT @ self, broadcast=keepdim)
+
+    def mean(self, dim=None, keepdim: bool = False) -> "FreeRow":
+        return self.sum(dim, keepdim) / self.algebra.shapes[self.algebra.ones][0]
+
+    def map_coefficients(self, fn: Callable) -> "FreeMatrix":
+        return FreeMatrix({w: fn(c) for w, c in self.terms.items()}, self.algebra, self._shape)
 
     def truncate(self, t: sp.Symbol, order: int) -> "FreeMatrix":
         """Drop every term of degree ``>= order`` in the scalar ``t`` (a Taylor truncation)."""
@@ -603,12 +889,241 @@ class FreeMatrix:
         if func is torch.baddbmm:
             input, batch1, batch2 = args
             return exact(kwargs.get("beta", 1)) * input + exact(kwargs.get("alpha", 1)) * (batch1 @ batch2)
+        if func is torch.diagonal:
+            return FreeVector(args[0].algebra.diag(args[0]))
+        if func is torch.diag_embed:
+            return args[0].matrix
         raise NotImplementedError(f"FreeMatrix: torch function {getattr(func, '__name__', func)} is not supported")
 
     def __repr__(self) -> str:
         if not self.terms:
             return "0"
         return " + ".join(f"({c})*{'·'.join(w) or 'I'}" for w, c in sorted(self.terms.items()))
+
+
+class FreeVector:
+    r"""A vector of symbolic length held as the diagonal matrix $\operatorname{Diag}(v)$
+    (a :class:`FreeMatrix` of diagonal letters): what ``(X * U).sum(dim)``,
+    ``torch.diagonal`` and ``X.square().sum(dim)`` return on free letters.
+
+    ``side`` records a broadcast shape: ``"right"`` for ``[..., 1, n]`` (``unsqueeze(-2)``
+    or ``sum(-2, keepdim=True)``: it scales columns, $M \odot \mathbf 1v^\top = M\,\Delta$),
+    ``"left"`` for ``[..., m, 1]`` (scales rows, $\Delta M$), ``None`` for a plain vector.
+    Two broadcasts of opposite sides add to a :class:`FreeBroadcastSum`.
+    """
+
+    __hash__ = None
+
+    def __init__(self, matrix: FreeMatrix, side: str | None = None):
+        self.matrix, self.side, self.algebra = matrix, side, matrix.algebra
+
+    def _other(self, other) -> FreeMatrix:
+        if isinstance(other, FreeVector):
+            return other.matrix
+        return exact(other) * self.algebra.identity()
+
+    def __add__(self, other):
+        if isinstance(other, FreeVector) and {self.side, other.side} == {"left", "right"}:
+            left, right = (self, other) if self.side == "left" else (other, self)
+            return FreeBroadcastSum(left.matrix, right.matrix)
+        return FreeVector(self.matrix + self._other(other), self.side)
+
+    __radd__ = __add__
+
+    def __neg__(self):
+        return FreeVector(-self.matrix, self.side)
+
+    def __sub__(self, other):
+        if isinstance(other, FreeVector):
+            return self + (-other)
+        return FreeVector(self.matrix - self._other(other), self.side)
+
+    def __rsub__(self, other):
+        return (-self) + other
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.diag_embed:
+            return args[0].matrix
+        raise NotImplementedError(f"FreeVector: torch function {getattr(func, '__name__', func)} is not supported")
+
+    def __mul__(self, other):
+        if isinstance(other, FreeMatrix):
+            if self.side == "right":
+                return other @ self.matrix
+            if self.side == "left":
+                return self.matrix @ other
+            raise ValueError("FreeVector: a plain vector times a matrix has no broadcast side")
+        return FreeVector(self.matrix @ self._other(other), self.side)
+
+    __rmul__ = __mul__
+
+    def _inverse(self) -> FreeMatrix:
+        terms = self.matrix.terms
+        if set(terms) == {()}:
+            return (1 / terms[()]) * self.algebra.identity()
+        raise NotImplementedError(f"FreeVector: no inverse of {self.matrix!r}")
+
+    def __truediv__(self, other):
+        if isinstance(other, FreeVector):
+            return FreeVector(self.matrix @ other._inverse(), self.side or other.side)
+        return FreeVector(self.matrix / other, self.side)
+
+    def divide(self, M: FreeMatrix) -> FreeMatrix:
+        """``M / self`` (broadcast)."""
+        return FreeVector(self._inverse(), self.side) * M
+
+    def __rtruediv__(self, other):
+        return FreeVector(self._other(other) @ self._inverse(), self.side)
+
+    def unsqueeze(self, dim: int) -> "FreeVector":
+        return FreeVector(self.matrix, "right" if dim == -2 else "left")
+
+    def __eq__(self, other):
+        return _FreeTruth(bool((self.matrix - self._other(other)).is_zero()))
+
+    def is_zero(self) -> bool:
+        return self.matrix.is_zero()
+
+    def map_coefficients(self, fn: Callable) -> "FreeVector":
+        return FreeVector(self.matrix.map_coefficients(fn), self.side)
+
+    @property
+    def terms(self):
+        return self.matrix.terms
+
+    def __repr__(self) -> str:
+        return f"FreeVector({self.matrix!r}, side={self.side})"
+
+
+@dataclass(frozen=True)
+class _FreeTruth:
+    """The elementwise comparison ``v == c`` of a :class:`FreeVector`: whether it holds
+    identically (``any()``/``all()``), e.g. the library's check for zero columns."""
+
+    value: bool
+
+    def any(self) -> bool:
+        return self.value
+
+    all = any
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
+class FreeBroadcastSum:
+    r"""$a\mathbf 1^\top + \mathbf 1b^\top$ for diagonal $a = \operatorname{Diag}(\alpha)$
+    (rows) and $b$ (columns): ``u.unsqueeze(-1) + v.unsqueeze(-2)``. A product
+    $M \odot (\alpha_i + \beta_j) = aM + Mb$; a quotient $M \oslash (d_i + d_j)$, with
+    $a = b = cD$ for one diagonal letter $D$, is $\operatorname{Syl}_D(M)/c$."""
+
+    __hash__ = None
+
+    def __init__(self, left: FreeMatrix, right: FreeMatrix):
+        self.left, self.right, self.algebra = left, right, left.algebra
+
+    def __mul__(self, other):
+        if isinstance(other, FreeMatrix):
+            return self.left @ other + other @ self.right
+        return FreeBroadcastSum(self.left * other, self.right * other)
+
+    __rmul__ = __mul__
+
+    def divide(self, M: FreeMatrix) -> FreeMatrix:
+        """``M / self``: the Sylvester solve (see the class docstring)."""
+        ((word, c),) = self.left.terms.items() if len(self.left.terms) == 1 else ((None, None),)
+        if word is None or len(word) != 1 or self.right.terms != self.left.terms:
+            raise NotImplementedError(f"FreeBroadcastSum: no quotient by {self.left!r} (+) {self.right!r}")
+        return self.algebra.sylvester(M, word[0]) / c
+
+    def positive(self) -> bool:
+        """Whether both parts are a positive multiple of one positive diagonal letter."""
+        return all(len(part.terms) == 1 and next(iter(part.terms.values())) > 0 and
+                   len(next(iter(part.terms))) == 1 for part in (self.left, self.right))
+
+
+class FreeHadamard:
+    r"""The entrywise product $X \odot U$ of two free matrices, kept unevaluated until it is
+    summed: over rows (``sum(-2)``) it is the vector $\operatorname{Diag}(X^\top U)$, over
+    columns (``sum(-1)``) $\operatorname{Diag}(XU^\top)$."""
+
+    def __init__(self, left: FreeMatrix, right: FreeMatrix):
+        self.left, self.right = left, right
+
+    def sum(self, dim, keepdim: bool = False) -> FreeVector:
+        algebra = self.left.algebra
+        if dim == -2:
+            return FreeVector(algebra.diag(self.left.mT @ self.right), "right" if keepdim else None)
+        if dim == -1:
+            return FreeVector(algebra.diag(self.left @ self.right.mT), "left" if keepdim else None)
+        raise NotImplementedError(f"FreeHadamard.sum: dim must be -2 or -1, got {dim}")
+
+
+class FreeRow:
+    r"""A row vector $r$ ($1\times n$, a :class:`FreeMatrix` such as $\mathbf 1^\top M$):
+    the column sums of the router. ``broadcast`` ($[..., 1, n]$) subtracts from an
+    $m\times n$ matrix as $\mathbf 1r$; ``expand`` materializes $\mathbf 1r$."""
+
+    __hash__ = None
+
+    def __init__(self, row: FreeMatrix, broadcast: bool = False):
+        self.row, self.is_broadcast, self.algebra = row, broadcast, row.algebra
+
+    def broadcast(self) -> FreeMatrix:
+        return self.algebra(self.algebra.ones) @ self.row
+
+    def __add__(self, other):
+        return FreeRow(self.row + (other.row if isinstance(other, FreeRow) else other), self.is_broadcast)
+
+    def __neg__(self):
+        return FreeRow(-self.row, self.is_broadcast)
+
+    def __sub__(self, other):
+        return self + (-other)
+
+    def __mul__(self, scalar):
+        return FreeRow(self.row * scalar, self.is_broadcast)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, scalar):
+        return FreeRow(self.row / scalar, self.is_broadcast)
+
+    def unsqueeze(self, dim: int) -> "FreeRow":
+        if dim != -2:
+            raise NotImplementedError("FreeRow.unsqueeze: only dim=-2 (a row of a matrix)")
+        return FreeRow(self.row, True)
+
+    def expand(self, *shape) -> FreeMatrix:
+        return self.broadcast()
+
+    @property
+    def shape(self) -> tuple:
+        return (self.row.shape[-1],)
+
+    def dim(self) -> int:
+        return 1
+
+    def is_zero(self) -> bool:
+        return self.row.is_zero()
+
+    def map_coefficients(self, fn: Callable) -> "FreeRow":
+        return FreeRow(self.row.map_coefficients(fn), self.is_broadcast)
+
+    @property
+    def terms(self):
+        return self.row.terms
+
+
+def _free_inner(a, b) -> dict[Word, sp.Expr]:
+    r"""Trace normal form of the Frobenius inner product $\langle a, b\rangle$ of two free
+    matrices, vectors (diagonal form: $\operatorname{tr}(\Delta_a\Delta_b)$) or rows."""
+    if isinstance(a, FreeVector):
+        return a.algebra.trace(a.matrix @ b.matrix)
+    if isinstance(a, FreeRow):
+        return a.algebra.trace(a.row.mT @ b.row)
+    return a.algebra.trace(a.mT @ b)
 
 
 def _raw(method):
@@ -861,6 +1376,218 @@ def certify_stiefel_every_size(stiefel=None) -> Certificate:
         "Stiefel, every m >= n: L* is the adjoint, LL* = g sym, P = I - L*(LL*)^-1 L, range(P) = T_W",
         holds,
         {"gram_diag": g, **residuals},
+    )
+
+
+# ======================================================================================
+# Every manifold at symbolic size: the public methods on free letters
+
+#: Sizes of the three orientations, with symbols $a, b \ge 0$: tall $m = a + b + 2 > n = a + 1$,
+#: square $m = n = a + 2$, wide $m = a + 2 < n = a + b + 3$ (every size with at least two
+#: rows, which the router needs; sympy decides the library's ``m < n`` and ``m < 2`` tests
+#: from these assumptions).
+_a, _b = sp.symbols("a b", integer=True, nonnegative=True)
+ORIENTATIONS = {"tall": (_a + _b + 2, _a + 1), "square": (_a + 2, _a + 2), "wide": (_a + 2, _a + _b + 3)}
+
+
+class _FreeFactories(torch.overrides.TorchFunctionMode):
+    r"""Tensor factories at symbolic size, while the free letters are evaluated:
+    ``torch.eye(s)`` of a :class:`SymbolicSize` is the identity word, ``torch.full(shape,
+    v)`` the scalar $v$ (a constant array acts entrywise as that scalar). Every other
+    torch function goes to its operands' ``__torch_function__``."""
+
+    def __init__(self, algebra: FreeAlgebra):
+        super().__init__()
+        self.algebra = algebra
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.eye and isinstance(args[0], SymbolicSize):
+            return self.algebra.identity()
+        if func is torch.full and any(isinstance(s, SymbolicSize) for s in args[0]):
+            return exact(args[1])
+        return func(*args, **kwargs)
+
+
+@dataclass
+class _FreePoint:
+    """A generic point of a manifold and a generic tangent vector, as rewriting rules on
+    free letters ``W, A, X, V`` (``m x n``) and a free multiplier ``lam``."""
+
+    algebra: FreeAlgebra
+    lam: Any
+    rules: str
+
+
+def _free_point(manifold, orientation: str) -> _FreePoint:
+    r"""The defining equations of a point $W$ and of a tangent vector $V$ of ``manifold``
+    at symbolic size, as rules (not formulas of the library: the manifold's *definition*):
+
+    * Stiefel: $W^\top W = I$, $V^\top W = -W^\top V$ (wide: $WW^\top = I$, $VW^\top = -WV^\top$);
+    * DGram: $W^\top W = D$ positive diagonal, $V^\top W = -W^\top V + 2\operatorname{Diag}(W^\top V)$
+      ($\operatorname{Off}(W^\top V + V^\top W) = 0$; wide: rows);
+    * Oblique: $\operatorname{Diag}(W^\top W) = I$, $\operatorname{Diag}(W^\top V) = 0$;
+    * LPRO (radius $r$): $\operatorname{Diag}(WW^\top) = r^2I$, $\operatorname{Diag}(WV^\top) = 0$;
+    * CenteredRouterSpace: $\mathbf 1^\top W = 0$, $\mathbf 1^\top V = 0$ ($\mathbf 1^\top\mathbf 1 = m$).
+    """
+    m, n = ORIENTATIONS[orientation]
+    short = n if orientation != "wide" else m
+    # The model of the nearest built-in class (a subclass overriding a formula, such as the
+    # suite's negative controls, keeps its parent's definition of a point).
+    known = ("Stiefel", "DGram", "Oblique", "LPRO", "CenteredRouterSpace")
+    name = next((c.__dict__["name"] for c in type(manifold).__mro__ if c.__dict__.get("name") in known), manifold.name)
+    shapes = {x: (m, n) for x in "WAXV"}
+    letters = {x: x + "'" for x in "WAXV"}
+    diagonal: tuple[str, ...] = ()
+    ones = None
+    if name in ("Stiefel", "DGram"):
+        letters["Λ"], shapes["Λ"] = "Λ'", (short, short)
+        if name == "DGram":
+            diagonal, shapes["D"] = ("D",), (short, short)
+    elif name in ("Oblique", "LPRO"):
+        diagonal = ("λ",)
+        shapes["λ"] = (n, n) if name == "Oblique" else (m, m)
+    elif name == "CenteredRouterSpace":
+        letters["l"], shapes["l"] = "l'", (1, n)
+        ones = ("1", m)
+    else:
+        raise ValueError(f"_free_point: no symbolic point model of {name}")
+    algebra = FreeAlgebra(letters, diagonal=diagonal, shapes=shapes, ones=ones)
+    W, V = algebra("W"), algebra("V")
+    wide = bool(m < n) and manifold.transposes_wide
+    # The side the constraint acts on: W^T W (columns) or W W^T (rows of a wide point).
+    gram, cross = (W @ W.mT, V @ W.mT) if wide else (W.mT @ W, V.mT @ W)
+    if name == "Stiefel":
+        algebra.rule(gram, algebra.identity())
+        algebra.rule(cross, -cross.mT)
+        rules = "W'W = I, V'W = -W'V" if not wide else "WW' = I, VW' = -WV'"
+        lam = algebra("Λ")
+    elif name == "DGram":
+        algebra.rule(gram, algebra("D"))
+        diagonal_part = algebra.diag(cross)
+        algebra.rule(cross, -cross.mT + 2 * diagonal_part)
+        rules = "W'W = D, Off(W'V + V'W) = 0" if not wide else "WW' = D, Off(WV' + VW') = 0"
+        lam = algebra("Λ")
+    elif name == "Oblique":
+        algebra.rule(algebra.diag(W.mT @ W), algebra.identity())
+        algebra.rule(algebra.diag(W.mT @ V), 0)
+        rules, lam = "Diag(W'W) = I, Diag(W'V) = 0", FreeVector(algebra("λ"))
+    elif name == "LPRO":
+        r2 = exact(manifold.radius) ** 2
+        algebra.rule(algebra.diag(W @ W.mT), r2 * algebra.identity())
+        algebra.rule(algebra.diag(W @ V.mT), 0)
+        rules, lam = f"Diag(WW') = {r2} I, Diag(WV') = 0", FreeVector(algebra("λ"))
+    else:
+        ones = algebra("1")
+        algebra.rule(ones.mT @ W, 0)
+        algebra.rule(ones.mT @ V, 0)
+        rules, lam = "1'W = 0, 1'V = 0, 1'1 = m", FreeRow(algebra("l"))
+    return _FreePoint(algebra, lam, rules)
+
+
+def _gram_read_off(manifold, orientation: str):
+    r"""``constraint_gram_diag`` where its body needs concrete sizes (``torch.full``,
+    ``float(x.size(-2))``): read off float64 calls at two sizes of the orientation; a value
+    constant over entries and sizes is returned exactly, one equal to the row count $m$ at
+    both sizes is returned as the symbol $m$; anything else is ``None`` (not certified)."""
+    sizes = {"tall": [(3, 2), (5, 3)], "square": [(2, 2), (4, 4)], "wide": [(2, 3), (3, 5)]}[orientation]
+    seen = []
+    for p, q in sizes:
+        W = manifold.random(p, q, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        values = {exact(float(v)) for v in manifold.constraint_gram_diag(W).flatten()}
+        if len(values) != 1:
+            return None
+        seen.append((p, values.pop()))
+    if len({v for _, v in seen}) == 1:
+        return seen[0][1]
+    if all(v == p for p, v in seen):
+        return ORIENTATIONS[orientation][0]
+    return None
+
+
+def _free_zero(value) -> tuple[bool, Any]:
+    terms = value if isinstance(value, dict) else value.terms
+    return not terms, terms
+
+
+def _positive_gram(g) -> bool:
+    if isinstance(g, FreeBroadcastSum):
+        return g.positive()
+    if isinstance(g, FreeVector):
+        terms = g.matrix.terms
+        return set(terms) == {()} and terms[()] > 0
+    return bool(sp.sympify(g).is_positive)
+
+
+def certify_every_size(manifold, orientation: str = "tall") -> Certificate:
+    r"""A manifold's closed forms at **symbolic size**: its public methods (validation and
+    the wide transposition of the ``matrix_method`` decorator included) run on free
+    letters $W, A, X, V$ of size $m\times n$ (tall, square or wide, with
+    symbolic dimensions: see :data:`ORIENTATIONS`) and a free multiplier $\Lambda$, reduced by the defining
+    equations of a generic point and tangent vector (:func:`_free_point`) and the rules
+    of the diagonal-part and Sylvester operators (:class:`FreeAlgebra`). Certified, as
+    identities of the free algebra (hence at every size of the orientation):
+
+    * $F(W) = 0$ and $\tfrac{d}{dt}F(W + tA)|_{t=0} = L_W(A)$;
+    * $\operatorname{tr}(L_W(A)^\top\Lambda) = \operatorname{tr}(A^\top L_W^*(\Lambda))$ (trace
+      normal form);
+    * $L_WL_W^*(L_WA) = g\odot L_WA$ with $g$ the library's ``constraint_gram_diag``, and
+      $g > 0$;
+    * $P_W(X) = X - L_W^*(L_WX\oslash g) = (I - L_W^*(L_WL_W^*)^{-1}L_W)X$;
+    * $L_W(P_WX) = 0$, $P_W(P_WX) = P_WX$, $L_W(V) = 0$ and $P_W(V) = V$ for the tangent
+      $V$: $\operatorname{range}(P_W) = T_W$.
+
+    Where ``constraint_gram_diag`` needs concrete sizes (Stiefel's ``torch.full``, the
+    router's ``float(m)``) it is read off float64 calls (:func:`_gram_read_off`) and the
+    witness says so. ``witness``: the rules, $g$, and every reduced residual (empty dicts).
+    """
+    point = _free_point(manifold, orientation)
+    try:
+        with _FreeFactories(point.algebra):
+            return _certify_every_size(manifold, orientation, point)
+    except (ValueError, NotImplementedError) as error:
+        # A shape mismatch, or an operation outside the free algebra: nothing is proved.
+        return Certificate(f"{manifold.name}, every {orientation} size: not certified", False,
+                           {"rules": point.rules, "error": f"{type(error).__name__}: {error}"})
+
+
+def _certify_every_size(manifold, orientation: str, point: _FreePoint) -> Certificate:
+    algebra, lam = point.algebra, point.lam
+    W, A, X, V = (algebra(x) for x in "WAXV")
+    t = sp.Symbol("t", real=True)
+    residuals: dict[str, Any] = {}
+    if manifold.has_defining_map:
+        residuals["F(W) = 0"] = manifold.defining_map(W)
+        moved = manifold.defining_map(W + A * t)
+        derivative = moved.map_coefficients(lambda c: sp.diff(c, t).subs(t, 0))
+        residuals["dF_W(A) = L_W(A)"] = derivative - manifold.constraint(W, A)
+    LA = manifold.constraint(W, A)
+    inner = _free_inner(LA, lam)
+    other = _free_inner(A, manifold.constraint_adjoint(W, lam))
+    residuals["<L(A), lam> = <A, L*(lam)>"] = {w: c for w, c in ((w, _reduce(inner.get(w, 0) - other.get(w, 0)))
+                                                               for w in {*inner, *other}) if c != 0}
+    try:
+        gram, read_off = manifold.constraint_gram_diag(W), False
+    except (TypeError, NotImplementedError):
+        gram, read_off = _gram_read_off(manifold, orientation), True
+    if gram is not None:
+        residuals["L L*(L(A)) = g * L(A)"] = manifold.constraint(W, manifold.constraint_adjoint(W, LA)) - gram * LA
+        LX = manifold.constraint(W, X)
+        residuals["P(X) = X - L*((L L*)^-1 L(X))"] = manifold.proju(W, X) - (X - manifold.constraint_adjoint(W, LX / gram))
+    PX = manifold.proju(W, X)
+    residuals["L(P(X)) = 0"] = manifold.constraint(W, PX)
+    residuals["P(P(X)) = P(X)"] = manifold.proju(W, PX) - PX
+    residuals["L(V) = 0 for tangent V"] = manifold.constraint(W, V)
+    residuals["P(V) = V for tangent V"] = manifold.proju(W, V) - V
+    checked = {k: _free_zero(v) for k, v in residuals.items()}
+    positive = gram is not None and _positive_gram(gram)
+    m, n = ORIENTATIONS[orientation]
+    return Certificate(
+        f"{manifold.name}, every {orientation} size ({m} x {n}): F(W)=0, dF=L, L* adjoint, LL* = g on range(L), "
+        "P = I - L*(LL*)^-1 L, range(P) = T_W",
+        positive and all(ok for ok, _ in checked.values()),
+        {"rules": point.rules, "gram_diag": gram, "gram_diag_read_off_float64": read_off,
+         "gram_diag_positive": positive, **{k: r for k, (_, r) in checked.items()}},
     )
 
 
