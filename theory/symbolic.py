@@ -86,6 +86,10 @@ __all__ = [
     "symbols_matrix",
     "ns_fixed_points",
     "ns_output_range",
+    "certify_polar_express_table",
+    "certify_inverse_sqrt_iteration",
+    "inverse_sqrt_error_bound",
+    "polar_map_reference",
     "soft_cap_polynomial",
     "certify_soft_cap_coupling",
     "certify_soft_cap_root_unique",
@@ -2184,6 +2188,149 @@ def ns_output_range(
     for k in range(steps):
         lo, hi = _interval_image(*table[min(k, len(table) - 1)], lo, hi)
     return lo, hi
+
+
+# ======================================================================================
+# The coefficient tables: what pins them
+
+
+def _critical_points(polynomial: sp.Expr, x: sp.Symbol, lo, hi) -> list:
+    """Real critical points of ``polynomial`` in $(lo, hi)$, ascending (exact radicals)."""
+    points = [s for s in sp.solve(sp.diff(polynomial, x), x) if s.is_real and lo < s < hi]
+    return sorted(points, key=lambda v: sp.N(v, _DIGITS))
+
+
+def certify_polar_express_table(schedule=None, lo="0.001", hi=1, tolerance="1e-10") -> Certificate:
+    r"""The defining property of the Polar Express table (Amsel et al., arXiv 2505.16932):
+    step $k$'s raw polynomial $p_k(y) = \tilde p_k(s\,y)$ (the library's step polynomial
+    $\tilde p_k$, :func:`ns_scalar_map`, undoing the safety factor $s$ of all but the last
+    row) is the minimax approximation of $1$ on its design interval $[\ell_k, u_k]$,
+    $\ell_0 = 10^{-3}$, $u_0 = 1$, $[\ell_{k+1}, u_{k+1}] = p_k([\ell_k, u_k])$ (rigorous
+    rational enclosures, :func:`ns_output_range`'s outward rounding).
+
+    Certified per row: the error $1 - p_k$ alternates, with the same size $E_k$ (to
+    ``tolerance``), at $\ell_k$ ($+E$), the first interior critical point ($-E$) and
+    $u_k$ ($-E$ again for the first rows) — and, from the first row where the second
+    critical point reaches the same error, there too ($+E$): a four-point alternation,
+    which by Chebyshev's alternation theorem makes $p_k$ *the* minimax odd quintic on
+    $[\ell_k, u_k]$ (three coefficients, four points). The first rows alternate at three
+    points only (the paper's cushioned early steps). For the repeated last row,
+    $p(1) = 1$, $p'(1) = p''(1) = 0$ exactly (the degree-5 Newton–Schulz polynomial).
+
+    What it pins: every row's three coefficients to about ``tolerance`` relative (a
+    change moves $E_k$ at one alternation point by the change times $|y|^{1,3,5}$), and
+    every earlier row through the design intervals it hands on. The published digits
+    alternate to $3\cdot10^{-12}$ (their own float64 solve); ``tolerance`` $10^{-10}$
+    leaves a margin and still catches a change in the first 10 significant digits.
+    ``witness``: per row the interval, the critical points and the errors there.
+    """
+    from geomuon.manifolds.linalg import POLAR_EXPRESS
+
+    schedule = schedule or POLAR_EXPRESS
+    safety, tol = exact(schedule.input_scale), exact(tolerance)
+    y = sp.Symbol("y", positive=True)
+    rows = [tuple(exact(v) for v in row) for row in schedule.coefficients]
+    low, high = exact(lo), exact(hi)
+    witness, holds, four_point = [], True, False
+    for k, (a, b, c) in enumerate(rows[:-1]):
+        raw = sp.expand(ns_scalar_map(a, b, c, safety * y))
+        points = _critical_points(raw, y, low, high)
+        errors = [sp.N(1 - raw.subs(y, v), _DIGITS) for v in [low, *points, high]]
+        size = errors[0]
+        three = len(points) == 2 and abs(errors[1] + size) <= tol and abs(errors[3] + size) <= tol
+        four = three and abs(errors[2] - size) <= tol
+        # Once a row alternates at four points every later one must (the intervals shrink).
+        four_point = four_point or four
+        ok = three and (four or not four_point) and size > 0
+        holds = holds and ok
+        witness.append({"interval": (low, high), "critical points": points, "errors": errors, "four-point": four})
+        low, high = _interval_image(a * safety, b * safety**3, c * safety**5, low, high)
+    a, b, c = rows[-1]
+    last = ns_scalar_map(a, b, c, y)
+    taylor = [sp.expand(sp.diff(last, y, j).subs(y, 1)) for j in range(3)]
+    witness.append({"last row p(1), p'(1), p''(1)": taylor})
+    holds = holds and four_point and taylor == [1, 0, 0]
+    return Certificate(f"{schedule.name}: every row is the (cushioned) minimax polynomial of its design interval", holds, witness)
+
+
+def _inverse_sqrt_scalar_map():
+    r"""The library's :func:`~geomuon.manifolds.linalg.coupled_newton_schulz_step` on the
+    $1\times1$ state $(Y, Z) = (\lambda z, z)$ (one eigenvalue of the commuting iterates):
+    the new state and the error map $u \mapsto z'\sqrt\lambda$ of $u = z\sqrt\lambda$."""
+    from geomuon.manifolds.linalg import coupled_newton_schulz_step
+
+    lam, z, u = sp.symbols("lambda z u", positive=True)
+    Y, Z = coupled_newton_schulz_step(ExactTensor([[lam * z]]), ExactTensor([[z]]), ExactTensor([[1]]))
+    y_new, z_new = sp.expand(Y.a[0, 0]), sp.expand(Z.a[0, 0])
+    error_map = sp.expand(z_new.subs(z, u / sp.sqrt(lam)) * sp.sqrt(lam))
+    return lam, z, u, y_new, z_new, error_map
+
+
+def certify_inverse_sqrt_iteration() -> Certificate:
+    r"""The coupled Newton–Schulz iteration of :func:`~geomuon.manifolds.linalg.inv_sqrt_psd`
+    converges to $\lambda^{-1/2}$, read off the library's step on one eigenvalue (the
+    iterates are polynomials in $A$, so they share its eigenvectors):
+
+    * the invariant $Y = \lambda Z$ is preserved (it holds at the start $Y_0 = A/\|A\|$,
+      $Z_0 = I$);
+    * $z^\star = \lambda^{-1/2}$ is a fixed point and the step's derivative vanishes there
+      (quadratic convergence);
+    * in $u = z\sqrt\lambda$ the step is a map $f$ free of $\lambda$ with $f(0) = 0$,
+      $f(1) = 1$ and $f' > 0$ on $(0, 1)$ (no root of $f'$ there), so it maps $[u, 1]$
+      onto $[f(u), 1]$ and the worst relative error over eigenvalues in
+      $[\lambda_{\min}, 1]$ after $K$ steps is $1 - f^K(\sqrt{\lambda_{\min}})$
+      (:func:`inverse_sqrt_error_bound`).
+
+    Pins the step's constants ($\tfrac12$, $3$) and its form ($YT$, $TZ$). ``witness``:
+    the residuals and $f$."""
+    lam, z, u, y_new, z_new, f = _inverse_sqrt_scalar_map()
+    star = 1 / sp.sqrt(lam)
+    derivative = sp.diff(f, u)
+    roots_inside = [r for r in sp.real_roots(sp.Poly(derivative, u)) if 0 < r < 1] if f.is_polynomial(u) else None
+    witness = {
+        "Y' - lambda Z'": sp.simplify(y_new - lam * z_new),
+        "z'(z*) - z*": sp.simplify(z_new.subs(z, star) - star),
+        "dz'/dz at z*": sp.simplify(sp.diff(z_new, z).subs(z, star)),
+        "d f / d lambda": sp.simplify(sp.diff(f, lam)),
+        "f": f,
+        "f(0), f(1)": (f.subs(u, 0), sp.simplify(f.subs(u, 1))),
+        "roots of f' in (0, 1)": roots_inside,
+    }
+    holds = (
+        witness["Y' - lambda Z'"] == 0 and witness["z'(z*) - z*"] == 0 and witness["dz'/dz at z*"] == 0
+        and witness["d f / d lambda"] == 0 and witness["f(0), f(1)"] == (0, 1)
+        and roots_inside == [] and derivative.subs(u, sp.Rational(1, 2)) > 0
+    )
+    return Certificate("coupled Newton-Schulz converges to lambda^(-1/2), quadratically, monotone on [0, 1]", holds, witness)
+
+
+def inverse_sqrt_error_bound(steps: int, lam_min) -> sp.Rational:
+    r"""Rigorous upper bound on $\max_{\lambda \in [\lambda_{\min}, 1]} |1 - z_K\sqrt\lambda|$,
+    the relative error of $K$ library coupled Newton–Schulz steps on a normalized
+    eigenvalue: $1 - f^K(\sqrt{\lambda_{\min}})$ with $f$ the certified monotone error map
+    (:func:`certify_inverse_sqrt_iteration`), each iterate rounded *down* to 50 decimals
+    (a lower bound on $f^K$, so an upper bound on the error)."""
+    *_, u, _, _, f = _inverse_sqrt_scalar_map()
+    value = _round_out(sp.sqrt(exact(lam_min)), up=False)
+    for _ in range(steps):
+        value = _round_out(f.subs(u, value), up=False)
+    return 1 - value
+
+
+def polar_map_reference(shape: tuple[int, int], alpha) -> tuple[torch.Tensor, sp.Matrix]:
+    r"""An exact test case of the one-sided polar maps: $D = Q\operatorname{diag}(\sigma)R^\top$
+    with rational Cayley frames $Q, R$ and $\sigma = (3/2, 1)$, so
+    $U(D) = \|D\|_*^\alpha D(D^\top D)^{-1/2} = (\textstyle\sum\sigma)^\alpha QR^\top$
+    exactly. Returns ``(D in float64, exact U(D))``; $\alpha$ a rational (or a float, read
+    exactly)."""
+    m, n = shape
+    k = min(m, n)
+    sigma = [sp.Rational(3, 2), sp.Integer(1)][:k] + []
+    Q = cayley(sp.Matrix(m, m, lambda i, j: sp.Rational(i - j, 3 + i + j)))[:, :k]
+    R = cayley(sp.Matrix(n, n, lambda i, j: sp.Rational(j - i, 2 + i + j)))[:, :k]
+    D = Q * sp.diag(*sigma) * R.T
+    exact_update = sum(sigma) ** exact(alpha) * Q * R.T
+    return torch.tensor(np.array(D.evalf(30).tolist(), dtype=float)), exact_update
 
 
 def soft_cap_polynomial(alpha, sigma=None) -> sp.Expr:
