@@ -2,22 +2,23 @@ r"""The equivariance checker checked: a catalogue of known-correct and known-bro
 maps and optimizers, run through the CLI (``geomuon check-equivariance``) and the API
 (:func:`geomuon.theory.equivariance.check_equivariance`).
 
-Every catalogue entry is a map (or optimizer) defined here, a group, and the verdict it must
-get — ``holds`` (the map is equivariant), ``violated`` (a bug the checker must catch) or
-``error`` (the map raises or returns NaN on some valid input). The broken ones cover each
-failure class the checker was blind to before: a row-normalized msign and a biased msign
-under $O_m\times O_n$, ``sign``, a 3-step power iteration at condition $10^6$ and a 200-step
-one (broken when $\sigma_2/\sigma_1 \ge 0.99$), a map zeroing entries below $10^{-6}$, a map
-flipping its sign on half the draws, an Adam-like $\epsilon$ under positive row scalings,
-maps broken only under a left or only a right rotation, a NaN-producing and a crashing map;
-and optimizers: heavy-ball momentum (holds), sign-SGD (violated), geomuon's Muon as shipped
-(bf16 Newton–Schulz, float32 weights) with ``--compute-dtype bfloat16`` (holds: equivariant up
-to bf16). Without ``--compute-dtype`` Muon has no well-defined expected verdict at float32, so
-it is not in the catalogue: its residual is bf16 round-off, which small float32 checks call a
-violation, while at 256x128 the float32-level probes already flip enough bf16 roundings for
-the floor to show that noise (measured: violated at 12x6, inconclusive at 64x32, holds at
-256x128).
-
+Every catalogue entry is a map (or optimizer) of :mod:`bench.equivariance_catalogue`, a group,
+the dtypes it runs in and the verdict it must get — ``holds`` (the map is equivariant),
+``violated`` (a bug the checker must catch) or ``error`` (the map raises or returns NaN on
+some valid input). The broken ones cover each failure class the checker was blind to before:
+a row-normalized msign and a biased msign under $O_m\times O_n$, ``sign``, a 3-step power
+iteration at condition $10^6$ and a 200-step one (broken when $\sigma_2/\sigma_1 \ge 0.99$),
+maps zeroing entries below $10^{-6}$ (broken only at tiny scales), maps flipping their sign on
+half the draws, an Adam-like $\epsilon$ under positive row scalings, maps broken only under a
+left or only a right rotation, a NaN-producing and a crashing map; and optimizers: heavy-ball
+momentum (holds), sign-SGD (violated), geomuon's Muon as shipped (bf16 Newton–Schulz, float32
+weights) with ``--compute-dtype bfloat16`` (holds: equivariant up to bf16). In bfloat16 the
+discontinuous maps (``sign``, the thresholds, the corner flips) and the 0.12 violation of a
+row-normalized Newton–Schulz msign under a bf16 floor of 0.02 are the cases the float64 witness
+of :mod:`geomuon.theory.equivariance` decides; ``bf16_spectral``, which rounds to bf16 inside
+whatever its input, must still hold up to bf16. Without ``--compute-dtype`` Muon at float32 has
+no expected verdict worth stating (its residual is bf16 round-off, a violation of float32
+equivariance), so it is not in the catalogue.
 
 Each (entry, shape, dtype) is one check per route, with the seed ``--seed`` (fixed, so a
 rerun reproduces the table). Printed: per route the false positives (a correct map not
@@ -29,7 +30,7 @@ CLI process (import included) on a 64x32 map is measured once, separately.
 
 Usage::
 
-    python bench/equivariance_checker.py --threads 1                 # float64 6x4 + float32 64x32 and 256x128
+    python bench/equivariance_checker.py --threads 1                 # float64 6x4, 12x12; float32 and bfloat16 64x32, 256x128
     python bench/equivariance_checker.py --quick                     # seconds: a smoke test
     python bench/equivariance_checker.py --threads 1 --markdown docs/results/benchmarks/equivariance_checker.md
 """
@@ -56,149 +57,7 @@ from geomuon import cli as geomuon_cli  # noqa: E402
 from geomuon.theory.equivariance import OptimizerUpdate, check_equivariance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = "bench.equivariance_checker"
-
-
-# --- the catalogue's maps ------------------------------------------------------------------
-
-
-def svd_msign(D):
-    """Exact polar factor $UV^\\top$ (SVD): $O_m\\times O_n$-equivariant."""
-    U, _, Vh = torch.linalg.svd(D, full_matrices=False)
-    return U @ Vh
-
-
-def cubic(D):
-    """$DD^\\top D$: a matrix polynomial, $O_m\\times O_n$-equivariant."""
-    return D @ D.mT @ D
-
-
-def frobenius_normalized(D):
-    """$D/\\|D\\|_F$ (zero stays zero): equivariant under every orthogonal group."""
-    norm = torch.linalg.matrix_norm(D)
-    return D / torch.where(norm > 0, norm, 1.0)
-
-
-def _row_unit(D):
-    norm = D.norm(dim=-1, keepdim=True)
-    return D / torch.where(norm > 0, norm, 1.0)
-
-
-def row_unit(D):
-    """Rows scaled to unit norm, zero rows kept: $S_m\\times O_n$-equivariant and invariant
-    under positive row scalings."""
-    return _row_unit(D)
-
-
-def col_unit(D):
-    """Columns scaled to unit norm, zero columns kept: $O_m\\times S_n$-equivariant."""
-    return _row_unit(D.mT).mT
-
-
-def sign(D):
-    """Entrywise sign: signed permutations and positive scalings hold, rotations break it."""
-    return torch.sign(D)
-
-
-def centered_msign(D):
-    r"""$\Pi^\perp\operatorname{msign}(\Pi^\perp D)$: invariant to router shifts."""
-    centered = D - D.mean(dim=-2, keepdim=True)
-    out = svd_msign(centered)
-    return out - out.mean(dim=-2, keepdim=True)
-
-
-def rownorm_msign(D):
-    """msign of the row-normalized input: equivariant under $S_m\\times O_n$, not $O_m$."""
-    return svd_msign(_row_unit(D))
-
-
-def biased_msign(D):
-    """msign of $D$ plus a fixed all-ones bias of $D$'s RMS size: breaks every rotation."""
-    rms = D.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt()
-    return svd_msign(D + rms)
-
-
-def _power_iteration(D, steps: int):
-    # Rank-one approximation from a fixed start vector: the start is not rotated with D.
-    v = torch.ones(D.shape[-1], 1, dtype=D.dtype) / D.shape[-1] ** 0.5
-    for _ in range(steps):
-        v = D.mT @ (D @ v)
-        v = v / v.norm().clamp_min(torch.finfo(D.dtype).tiny)
-    return (D @ v) @ v.mT
-
-
-def power3(D):
-    """Top singular pair by 3 power steps from a fixed start: broken by the unconverged start."""
-    return _power_iteration(D, 3)
-
-
-def power200(D):
-    """200 power steps: converged unless $\\sigma_2/\\sigma_1 \\ge 0.99$ (clustered spectra)."""
-    return _power_iteration(D, 200)
-
-
-def thresholded_msign(D):
-    """msign after zeroing entries below $10^{-6}$: broken for inputs of that scale."""
-    return svd_msign(torch.where(D.abs() < 1e-6, torch.zeros_like(D), D))
-
-
-def half_flip(D):
-    """msign, negated when $D_{00} < 0$: breaks on about half the draws of any group that
-    moves the corner entry."""
-    return svd_msign(D) * torch.where(D[..., :1, :1] < 0, -1.0, 1.0).to(D.dtype)
-
-
-def adam_like(D):
-    r"""$D / (|D| + \epsilon)$, $\epsilon = 10^{-8}$: Adam's step; the $\epsilon$ breaks the
-    invariance under positive row scalings for entries near $\epsilon$."""
-    return D / (D.abs() + 1e-8)
-
-
-def gram_left(D):
-    r"""$\operatorname{diag}(1, 2, \dots, m)\,D\,(D^\top D) / \|D\|_F^2$: fixed row weights, so
-    $O_n$ on the right holds and $O_m$ on the left breaks."""
-    weights = torch.arange(1, D.shape[-2] + 1, dtype=D.dtype).unsqueeze(-1)
-    norm2 = D.pow(2).sum(dim=(-2, -1), keepdim=True)
-    return (weights * D) @ (D.mT @ D) / torch.where(norm2 > 0, norm2, 1.0)
-
-
-
-def unguarded_row_unit(D):
-    """Rows divided by their norm without a guard: NaN on a zero row."""
-    return D / D.norm(dim=-1, keepdim=True)
-
-
-def cholesky_polar(D):
-    r"""$D R^{-1}$ with $R$ the Cholesky factor of $D^\top D$: raises on a singular Gram matrix."""
-    R = torch.linalg.cholesky(D.mT @ D, upper=True)
-    return torch.linalg.solve_triangular(R, D, upper=True, left=False)
-
-
-class HeavyBall(torch.optim.Optimizer):
-    """$M \\leftarrow 0.9M + G$, $W \\leftarrow W - \\eta M$: linear, equivariant under every orthogonal group."""
-
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, dict(lr=lr))
-
-    @staticmethod
-    def update(momentum: torch.Tensor) -> torch.Tensor:
-        """The step direction from the momentum."""
-        return momentum
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
-                buf.mul_(0.9).add_(p.grad)
-                p.sub_(group["lr"] * self.update(buf))
-
-
-class SignSGD(HeavyBall):
-    """$W \\leftarrow W - \\eta\\operatorname{sign}(M)$: rotations break it."""
-
-    update = staticmethod(torch.sign)
-
+MODULE = "bench.equivariance_catalogue"
 
 
 @dataclass(frozen=True)
@@ -221,42 +80,56 @@ class Entry:
 
 
 M = f"{MODULE}:"
+F64, F32, BF16 = ("float64",), ("float64", "float32"), ("float64", "float32", "bfloat16")
 CATALOGUE = [
     Entry(M + "svd_msign", "bi-orthogonal", "holds", "exact polar factor"),
-    Entry("geomuon.optimizers.maps:spectral", "bi-orthogonal", "holds", "Polar Express msign"),
-    Entry(M + "cubic", "bi-orthogonal", "holds", "matrix polynomial"),
-    Entry(M + "frobenius_normalized", "left-orthogonal", "holds", "orthogonally invariant norm"),
-    Entry(M + "row_unit", "left-perm-right-orth", "holds", "row norms permute"),
-    Entry(M + "row_unit", "row-scaling", "holds", "scale-free rows"),
-    Entry(M + "col_unit", "right-perm-left-orth", "holds", "column norms permute"),
-    Entry(M + "sign", "signed-permutation", "holds", "coordinate-wise"),
-    Entry(M + "sign", "column-scaling", "holds", "scale-free entries"),
+    Entry("geomuon.optimizers.maps:spectral", "bi-orthogonal", "holds", "Polar Express msign", dtypes=BF16),
+    Entry("geomuon.optimizers.maps:spectral", "signed-permutation", "holds", "a subgroup of O_m x O_n",
+          dtypes=BF16),
+    Entry(M + "cubic", "bi-orthogonal", "holds", "matrix polynomial", dtypes=BF16),
+    Entry(M + "frobenius_normalized", "left-orthogonal", "holds", "orthogonally invariant norm", dtypes=BF16),
+    Entry(M + "row_unit", "left-perm-right-orth", "holds", "row norms permute", dtypes=BF16),
+    Entry(M + "row_unit", "row-scaling", "holds", "scale-free rows", dtypes=BF16),
+    Entry(M + "col_unit", "right-perm-left-orth", "holds", "column norms permute", dtypes=BF16),
+    Entry(M + "sign", "signed-permutation", "holds", "coordinate-wise, discontinuous", dtypes=BF16),
+    Entry(M + "sign", "column-scaling", "holds", "scale-free entries, discontinuous", dtypes=BF16),
     Entry(M + "centered_msign", "router-shift", "holds", "centered both sides"),
-    Entry(M + "gram_left", "right-orthogonal", "holds", "right Gram only"),
+    Entry(M + "centered_spectral", "router-shift", "holds", "centered Newton-Schulz msign", dtypes=BF16),
+    Entry(M + "gram_left", "right-orthogonal", "holds", "right Gram only", dtypes=BF16),
+    Entry(M + "bf16_spectral", "bi-orthogonal", "holds", "rounds to bf16 inside: holds up to bf16",
+          dtypes=("bfloat16",)),
     Entry(M + "rownorm_msign", "bi-orthogonal", "violated", "row normalization breaks O_m"),
+    Entry(M + "rownorm_spectral", "bi-orthogonal", "violated", "0.12 under a bf16 floor of 0.02", dtypes=BF16),
     Entry(M + "biased_msign", "bi-orthogonal", "violated", "fixed bias"),
-    Entry(M + "sign", "bi-orthogonal", "violated", "coordinate-wise"),
-    Entry(M + "col_unit", "left-perm-right-orth", "violated", "right rotations mix columns"),
+    Entry(M + "sign", "bi-orthogonal", "violated", "coordinate-wise, discontinuous", dtypes=BF16),
+    Entry(M + "col_unit", "left-perm-right-orth", "violated", "right rotations mix columns", dtypes=BF16),
     Entry(M + "power3", "bi-orthogonal", "violated", "unconverged at condition 1e6 (1e-7 effect)",
-          ("--condition", "1e6"), ("float64",)),
-    Entry(M + "power200", "bi-orthogonal", "violated", "clustered spectra (σ2/σ1 ≥ 0.99)"),
+          ("--condition", "1e6"), F64),
+    Entry(M + "power200", "bi-orthogonal", "violated", "clustered spectra (σ2/σ1 ≥ 0.99)", dtypes=BF16),
     Entry(M + "thresholded_msign", "bi-orthogonal", "violated", "zeroes entries below 1e-6"),
+    Entry(M + "thresholded_spectral", "bi-orthogonal", "violated", "zeroes entries below 1e-6, discontinuous",
+          dtypes=BF16),
+    Entry(M + "flushed_sign", "row-scaling", "violated", "flushes entries below 1e-6: tiny scales only",
+          dtypes=BF16),
     Entry(M + "half_flip", "permutation", "violated", "sign flips on half the draws"),
-    Entry(M + "adam_like", "row-scaling", "violated", "ε breaks scale invariance"),
-    Entry(M + "gram_left", "left-orthogonal", "violated", "fixed row weights"),
-    Entry(M + "frobenius_normalized", "row-scaling", "violated", "scalings change the norm"),
-    Entry(M + "unguarded_row_unit", "left-perm-right-orth", "error", "NaN on zero rows"),
+    Entry(M + "corner_flip", "permutation", "violated", "sign flips on half the draws, discontinuous",
+          dtypes=BF16),
+    Entry(M + "adam_like", "row-scaling", "violated", "ε breaks scale invariance", dtypes=BF16),
+    Entry(M + "gram_left", "left-orthogonal", "violated", "fixed row weights", dtypes=BF16),
+    Entry(M + "frobenius_normalized", "row-scaling", "violated", "scalings change the norm", dtypes=BF16),
+    Entry(M + "unguarded_row_unit", "left-perm-right-orth", "error", "NaN on zero rows", dtypes=BF16),
     Entry(M + "cholesky_polar", "bi-orthogonal", "error", "raises on singular Gram"),
-    Entry(M + "HeavyBall", "bi-orthogonal", "holds", "linear optimizer", ("--arg", "lr=0.1")),
-    Entry(M + "SignSGD", "bi-orthogonal", "violated", "sign of the momentum", ("--arg", "lr=0.1")),
+    Entry(M + "HeavyBall", "bi-orthogonal", "holds", "linear optimizer", ("--arg", "lr=0.1"), BF16),
+    Entry(M + "SignSGD", "bi-orthogonal", "violated", "sign of the momentum", ("--arg", "lr=0.1"), BF16),
     Entry("geomuon.optimizers:Muon", "bi-orthogonal", "holds", "bf16 Newton–Schulz, up to bf16",
           ("--arg", "lr=0.02", "--compute-dtype", "bfloat16"), ("float32",)),
 ]
 
 #: (shape, dtype) per size; ``--quick`` runs each entry once, at its first dtype.
 SHAPES = {
-    "quick": [("6x4", "float64"), ("12x6", "float32")],
-    "full": [("6x4", "float64"), ("12x12", "float64"), ("64x32", "float32"), ("256x128", "float32")],
+    "quick": [("6x4", "float64"), ("12x6", "float32"), ("16x8", "bfloat16")],
+    "full": [("6x4", "float64"), ("12x12", "float64"), ("64x32", "float32"), ("256x128", "float32"),
+             ("64x32", "bfloat16"), ("256x128", "bfloat16")],
 }
 
 

@@ -1,6 +1,7 @@
-"""The equivariance checker: its verdicts on small maps and optimizers written here, the
-failure classes it used to miss (each test here marked *old checker* passes the broken map
-on the checker of commit 03f8ef4, so the test fails there), its CLI and its exit codes."""
+"""The equivariance checker: its verdicts on small maps and optimizers (written here, or the
+catalogue's, :mod:`bench.equivariance_catalogue`), the failure classes it used to miss (each
+test here marked *old checker* fails on the checker it names: 03f8ef4, or 50868b4 for the
+bfloat16 ones), its CLI and its exit codes."""
 
 import math
 import textwrap
@@ -8,6 +9,8 @@ import textwrap
 import pytest
 import torch
 
+from bench import equivariance_catalogue as catalogue
+from bench.equivariance_catalogue import cubic, power_iteration, rownorm_msign, svd_msign
 from geomuon import cli as geomuon_cli
 from geomuon.optimizers import maps
 from geomuon.theory.equivariance import (
@@ -29,16 +32,6 @@ from geomuon.theory.groups import BiOrthogonal, RouterShift, SignedPermutation, 
 
 
 
-def svd_msign(D):
-    U, _, Vh = torch.linalg.svd(D, full_matrices=False)
-    return U @ Vh
-
-
-def cubic(D):
-    """D D^T D: a matrix polynomial, O_m x O_n-equivariant."""
-    return D @ D.mT @ D
-
-
 def masked(D):
     """Multiplies by a fixed pattern: equivariant under nothing but the identity."""
     mask = torch.arange(D.numel(), dtype=D.dtype).reshape(D.shape) % 3
@@ -49,18 +42,6 @@ def centered_cubic(D):
     centered = D - D.mean(dim=-2, keepdim=True)
     out = cubic(centered)
     return out - out.mean(dim=-2, keepdim=True)
-
-
-def rownorm_msign(D):
-    return svd_msign(D / D.norm(dim=-1, keepdim=True).clamp_min(1e-30))
-
-
-def power_iteration(D, steps):
-    v = torch.ones(D.shape[-1], 1, dtype=D.dtype) / D.shape[-1] ** 0.5
-    for _ in range(steps):
-        v = D.mT @ (D @ v)
-        v = v / v.norm()
-    return (D @ v) @ v.mT
 
 
 def test_random_matrix_has_the_requested_condition_number():
@@ -110,6 +91,38 @@ def test_float32_at_realistic_sizes_catches_subtle_bugs():
     assert check_equivariance(svd_msign, "bi-orthogonal", (64, 32), dtype=torch.float32, seed=2).verdict == "holds"
 
 
+@pytest.mark.parametrize("update, group, expected", [
+    (catalogue.sign, "signed-permutation", "holds"),
+    (catalogue.sign, "column-scaling", "holds"),
+    (catalogue.sign, "bi-orthogonal", "violated"),
+    (catalogue.corner_flip, "permutation", "violated"),
+    (catalogue.thresholded_spectral, "bi-orthogonal", "violated"),
+    (catalogue.flushed_sign, "row-scaling", "violated"),
+    (catalogue.rownorm_spectral, "bi-orthogonal", "violated"),
+    (catalogue.adam_like, "row-scaling", "violated"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_bfloat16_inputs_decide_discontinuous_and_subtly_broken_maps(update, group, expected):
+    # old checker (50868b4): in bf16 the probes flip every near-zero entry, so a
+    # discontinuous map's floor was O(1) and no trial resolved (sign under all three groups
+    # and adam_like: inconclusive, 0 resolved), thresholded_spectral passed (holds), and
+    # eight bf16 floors (0.14 at 64x32) hid rownorm_spectral's 0.12 (inconclusive).
+    # corner_flip and flushed_sign it caught already; they stay as regressions. The
+    # float64 witness at the same inputs decides them all.
+    report = check_equivariance(update, group, (64, 32), dtype=torch.bfloat16, seed=11)
+    assert report.verdict == expected, report.table()
+    assert any(t.route == "float64 witness" for t in report.trials)
+
+
+def test_bfloat16_correct_maps_still_hold_including_one_that_rounds_inside():
+    # The witness's guard: bf16_spectral computes in bf16 whatever its input, so its float64
+    # evaluation carries bf16 round-off; without the relative probes at bf16's size in the
+    # witness's floor (the map does not move under a 2^-30 perturbation) it is violated.
+    for update in (maps.spectral, catalogue.bf16_spectral, catalogue.cubic):
+        report = check_equivariance(update, "bi-orthogonal", (64, 32), dtype=torch.bfloat16, seed=12)
+        assert report.verdict == "holds", report.table()
+    assert "float64 witness" in report.table() and "float64 witness" in report.message()
+
+
 def test_tolerance_does_not_grow_with_condition_for_insensitive_maps():
     # old checker: at --condition 1e6 its tolerance grew a millionfold and passed the
     # 3-step power iteration (real residual 1e-7); the floor measured here does not grow.
@@ -122,8 +135,7 @@ def test_tolerance_does_not_grow_with_condition_for_insensitive_maps():
 def test_clustered_spectra_and_tiny_scales_are_drawn_by_default():
     # old checker: well-separated singular values and unit scale only; both passed.
     assert_equivariant(lambda D: power_iteration(D, 200), "bi-orthogonal", (6, 4), expect="violated")
-    thresholded = lambda D: svd_msign(torch.where(D.abs() < 1e-6, 0.0, D))  # noqa: E731
-    report = assert_equivariant(thresholded, "bi-orthogonal", (6, 4), expect="violated")
+    report = assert_equivariant(catalogue.thresholded_msign, "bi-orthogonal", (6, 4), expect="violated")
     assert report.worst().scale in (1e-8, 1e-6, 1e-4)
 
 

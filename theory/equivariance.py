@@ -63,6 +63,27 @@ trial
   relative residual): the update's own round-off is so large there that not even an
   $O(1)$ violation could be called.
 
+**Narrow dtypes: the float64 witness.** In a dtype $d$ narrower than float64 two things
+blind the rule above. A map *discontinuous at round-off distance* (an entrywise sign, a
+threshold, a gate on one entry) jumps under the probes wherever an entry sits within
+$d$'s round-off of the jump: the additive part flips near-zero entries, so in bfloat16 at
+64x32 ``sign``'s floor is 0.1-0.9 and nothing resolves, although under signed permutations
+$g\cdot x$ is exact and its residual is exactly 0. And $d$'s floor caps what can be seen:
+eight bf16 floors are 0.14 at 64x32, more than a row-normalized msign's 0.12 violation.
+So every trial in $d$ that is not violated is judged again by its **witness**: the same
+input $x$ (every dtype embeds exactly in float64), the update evaluated in float64 and $g$
+applied in float64, with the float64 floor recipe — unless the update may round to a
+narrower dtype inside (an optimizer or a steepest direction, a stated ``compute_dtype``,
+or a map whose float64 output does not move under a relative perturbation of $2^{-30}$),
+in which case relative-only probes at $d$'s size join the floor, which keeps
+"equivariant up to bfloat16" meaning what it says. By the triangle inequality the dtype
+residual differs from the witness's only by the dtype evaluation's own error at $x$ and
+$\mathrm{fl}(g\cdot x)$ and the roundings of $g\cdot x$ and $g\cdot U(x)$: round-off, which the
+witness leaves out and the dtype trial cannot. The witness decides wherever it resolves
+(the trial's ``route`` says which did); it does not apply to an update that returns a
+narrower dtype for float64 inputs, or fails in float64. A violation found in $d$ itself
+stands.
+
 A check draws at least :data:`MIN_TRIALS` independent trials (default 40) and is
 
 * *error* if the update raised or returned a non-finite output on any input;
@@ -71,7 +92,10 @@ A check draws at least :data:`MIN_TRIALS` independent trials (default 40) and is
 * *holds* if every resolved trial holds and at least :data:`MIN_TRIALS` are resolved (more
   trials are drawn, up to :data:`EXTENSION` times, while fewer are), so a map broken on
   half the draws is missed with probability $\le 2^{-20} < 10^{-6}$;
-* *inconclusive* otherwise.
+* *inconclusive* otherwise: some trial between $8\nu$ and $64\nu$ after its confirming
+  probes and its witness, or fewer than :data:`MIN_TRIALS` resolved after the extension
+  (the update's round-off swamps an $O(1)$ violation on most inputs: check in a wider
+  dtype or at a smaller condition).
 
 **Inputs are adversarial by default** (:data:`KINDS`, cycled over trials, each at a scale
 from :data:`SCALES`, $10^{-8}$ to $10^8$ in steps of 100, so every threshold in that range
@@ -115,6 +139,7 @@ __all__ = [
     "VIOLATION_FACTOR",
     "VERDICTS",
     "EXIT_CODES",
+    "SUB_ROUNDOFF",
     "MapUpdate",
     "DirectionUpdate",
     "OptimizerUpdate",
@@ -156,8 +181,6 @@ CONFIRMATION_PROBES = 8
 #: resolved (an update whose floor is too large on some input kinds).
 EXTENSION = 3
 #: The verdicts of a check, in order of precedence.
-
-
 VERDICTS = ("error", "violated", "inconclusive", "holds")
 #: CLI exit status of each verdict (2 is a usage error).
 EXIT_CODES = {"holds": 0, "violated": 1, "inconclusive": 3, "error": 4}
@@ -168,7 +191,12 @@ DERIVATION = (
     "sqrt(n) for float32/64), (2) the round trip g^-1(g x) in {dtype}, (3) the output round trip "
     "g^-1(g U(x)); an exactly equivariant update's residual comes from the same round-off, so it holds "
     "within {holds:g}x the floor and is violated beyond {violated:g}x (inconclusive between)"
-
+)
+WITNESS = (
+    "; in {dtype} each trial that is not violated is judged again by its float64 witness (same inputs, the "
+    "update in float64, g applied in float64, float64 round-off, plus relative probes at {compute}'s size where "
+    "the update may round inside), which sees past the rounding of g.x and {compute}'s floor; route "
+    "'float64 witness' marks the trials it decided"
 )
 
 
@@ -375,17 +403,26 @@ def adversarial_matrix(
     return x * (scale / rms) if rms > 0 else x
 
 
-def _perturbed(x, eps: float, generator: torch.Generator):
+def _perturbed(x, eps: float, generator: torch.Generator, additive: bool = True):
     r"""$x\odot(1 + \varepsilon\xi) + \varepsilon\,\mathrm{rms}(x)\,\xi'$ for every tensor of a
     (nested) example, in its dtype: relative round-off of every entry, plus the normwise
-    round-off a rotation leaves in exact zeros (a zero row of $x$ is not zero in $g\cdot x$)."""
+    round-off a rotation leaves in exact zeros (a zero row of $x$ is not zero in $g\cdot x$).
+    ``additive=False`` keeps the relative part only (signs and exact zeros kept)."""
     if isinstance(x, torch.Tensor):
         xi = torch.randn((2, *x.shape), generator=generator, dtype=torch.float64)
         wide = x.double()
         rms = wide.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt() if wide.dim() >= 2 else wide.abs()
-        return (wide * (1.0 + eps * xi[0]) + eps * rms * xi[1]).to(x.dtype)
-    perturbed = [_perturbed(part, eps, generator) for part in x]
+        return (wide * (1.0 + eps * xi[0]) + (eps * rms * xi[1] if additive else 0.0)).to(x.dtype)
+    perturbed = [_perturbed(part, eps, generator, additive) for part in x]
     return tuple(perturbed) if isinstance(x, tuple) else perturbed
+
+
+def _widened(x):
+    """Every tensor of a (nested) example in float64 (values unchanged: every dtype embeds)."""
+    if isinstance(x, torch.Tensor):
+        return x.double()
+    widened = [_widened(part) for part in x]
+    return tuple(widened) if isinstance(x, tuple) else widened
 
 
 class _Subject:
@@ -414,10 +451,12 @@ class _Subject:
     def act_output(self, element: GroupElement, output) -> Any:
         return element.act_output(output)
 
-    def perturb(self, example, storage: float, compute: float, generator: torch.Generator) -> Any:
+    def perturb(self, example, storage: float, compute: float, generator: torch.Generator,
+                additive: bool = True) -> Any:
         """The example at round-off: directions (what the update computes with) at the
-        ``compute`` size, weights (stored, never cast) at the ``storage`` size."""
-        return _perturbed(example, compute, generator)
+        ``compute`` size, weights (stored, never cast) at the ``storage`` size; ``additive``
+        as in :func:`_perturbed`."""
+        return _perturbed(example, compute, generator, additive)
 
     def relative(self, actual, expected) -> float:
         return _relative(actual, expected)
@@ -472,9 +511,9 @@ class DirectionUpdate(_Subject):
         W, G = example
         return element.act_point(W), element.act_gradient(G)
 
-    def perturb(self, example, storage, compute, generator):
+    def perturb(self, example, storage, compute, generator, additive=True):
         W, G = example
-        return _perturbed(W, storage, generator), _perturbed(G, compute, generator)
+        return _perturbed(W, storage, generator, additive), _perturbed(G, compute, generator, additive)
 
 
 @dataclass
@@ -522,9 +561,10 @@ class OptimizerUpdate(_Subject):
     def act_output(self, element, output):
         return [element.act_point(w) for w in output]
 
-    def perturb(self, example, storage, compute, generator):
+    def perturb(self, example, storage, compute, generator, additive=True):
         start, gradients = example
-        return _perturbed(start, storage, generator), _perturbed(gradients, compute, generator)
+        return (_perturbed(start, storage, generator, additive),
+                _perturbed(gradients, compute, generator, additive))
 
     def relative(self, actual, expected):
         return _path_residual(actual, expected)
@@ -552,6 +592,9 @@ class Trial:
     verdict: str
     element: GroupElement | None = None
     error: str = ""
+    #: ``"dtype"``: measured in the check's dtype; ``"float64 witness"``: the dtype trial could
+    #: not decide and the float64 witness at the same inputs did (:func:`run_trial`).
+    route: str = "dtype"
 
     @property
     def ratio(self) -> float:
@@ -579,40 +622,120 @@ def _judge(residual: float, floor: float) -> str:
     return "holds" if residual <= HOLDS_FACTOR * floor else "inconclusive"
 
 
-def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.dtype,
-              generator: torch.Generator, index: int = 0, kind: str = "", scale: float = 1.0,
-              probes: int = 1) -> Trial:
-    """Residual, noise floor (module docstring) and verdict of ``subject`` under ``element``
-    at ``example``, with ``probes`` entrywise probes at $x$ and as many at $g\\cdot x$; an
-    exception or a non-finite output gives the verdict ``error``."""
-    subject = _as_subject(subject)
+def _floor(eps: float, changes: Sequence[float]) -> float:
+    return max(eps, *(c if math.isfinite(c) else math.inf for c in changes))
 
+
+def _evaluator(subject: _Subject) -> Callable:
     def evaluate(x):
         out = subject.evaluate(x)
         if not _finite(out):
             raise FloatingPointError(f"{subject.name} returned a non-finite output (NaN or inf)")
         return out
 
+    return evaluate
+
+
+def _narrower_than_float64(example) -> bool:
+    return any(t.dtype != torch.float64 for t in _members(example))
+
+
+def _round_trips(subject: _Subject, element: GroupElement, example, evaluate: Callable):
+    """``(U(x), g.x, U(g.x), residual, [input round trip, output round trip])`` at ``example``
+    (module docstring, items 2 and 3)."""
+    out = evaluate(example)
+    moved = subject.act(element, example)
+    out_g = evaluate(moved)
+    residual = subject.relative(out_g, subject.act_output(element, out))
+    changes = [
+        subject.relative(evaluate(subject.act(element.inverse(), moved)), out),
+        subject.relative(subject.act_output(element.inverse(), subject.act_output(element, out)), out),
+    ]
+    return out, moved, out_g, residual, changes
+
+
+#: Relative size of the probe that tells a float64 evaluation from one that rounds to a
+#: narrower dtype inside: $2^{-30}$, below every half precision's and float32's round-off
+#: ($2^{-24}$) and far above float64's.
+SUB_ROUNDOFF = 2.0**-30
+
+
+def _witness(subject: _Subject, element: GroupElement, example, *, storage: float, compute: float,
+             stated_precision: bool, generator: torch.Generator, probes: int) -> tuple[float, float] | None:
+    r"""Residual and floor of the **float64 witness** of a trial in a narrower dtype $d$: the
+    same inputs $x$ (every dtype embeds exactly in float64), the update evaluated in
+    float64 and $g$ applied in float64, so the residual carries neither the rounding of
+    $g\cdot x$ to $d$ nor $d$'s round-off inside the update. For a map discontinuous at
+    round-off distance (a sign near zero, a threshold) that rounding alone moves the output
+    by $O(1)$, and for any map $d$'s floor caps what the dtype trial can see (a bf16 floor
+    of $2\cdot 10^{-2}$ passes a 0.12 violation within eight floors); the witness sees both
+    at float64 resolution.
+
+    Its floor is the float64 recipe (round trips, probes at $\sqrt n\,\varepsilon_{64}$ at
+    $x$ and $g\cdot x$), and, for an update that may round to a narrower dtype inside,
+    *relative-only* probes $x\odot(1+\delta\xi)$ at $d$'s size $\delta$ as well (they keep
+    signs and exact zeros). An update may round inside when it is an optimizer or a steepest
+    direction (their step dtypes are their own), when the check states a ``compute_dtype``
+    narrower than the inputs, or when a map's float64 output does not move at all under a
+    relative perturbation of :data:`SUB_ROUNDOFF` (a float64 computation moves; a map that
+    quantizes, or is piecewise constant, does not — for the latter the relative probes
+    change nothing unless an entry sits at a threshold).
+
+    ``None`` when the witness does not apply: the update returned a dtype other than float64
+    for float64 inputs (it is not dtype-generic), raised, or returned a non-finite output.
+    """
+    evaluate = _evaluator(subject)
+    wide = _widened(example)
+    try:
+        out64, moved64, out64_g, residual, changes = _round_trips(subject, element, wide, evaluate)
+        if _narrower_than_float64(out64):
+            return None
+        narrow_inside = stated_precision or not isinstance(subject, MapUpdate) or _distance(
+            evaluate(_perturbed(wide, SUB_ROUNDOFF, generator, additive=False)), out64) == 0.0
+        wide_size = _perturbation(torch.float64, wide)
+        for _ in range(probes):
+            for point, value in ((wide, out64), (moved64, out64_g)):
+                changes.append(subject.relative(evaluate(subject.perturb(point, wide_size, wide_size, generator)),
+                                                value))
+                if narrow_inside:
+                    changes.append(subject.relative(
+                        evaluate(subject.perturb(point, storage, compute, generator, additive=False)), value))
+    except Exception:  # the update's float64 path is not the check's subject: no witness
+        return None
+    return residual, _floor(_eps(torch.float64), changes)
+
+
+def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.dtype,
+              generator: torch.Generator, index: int = 0, kind: str = "", scale: float = 1.0,
+              probes: int = 1, witness: bool = True) -> Trial:
+    r"""Residual, noise floor (module docstring) and verdict of ``subject`` under ``element``
+    at ``example``, with ``probes`` entrywise probes at $x$ and as many at $g\cdot x$; an
+    exception or a non-finite output gives the verdict ``error``. When the example is
+    narrower than float64 and this trial is not violated, the float64 witness
+    (:func:`_witness`) decides instead wherever it resolves (``witness=False``: never)."""
+    subject = _as_subject(subject)
+    evaluate = _evaluator(subject)
     eps = _eps(compute_dtype)
     compute = _perturbation(compute_dtype, example)
     storage = _perturbation(_members(example)[0].dtype, example)
     try:
-        out = evaluate(example)
-        moved = subject.act(element, example)
-        out_g = evaluate(moved)
-        residual = subject.relative(out_g, subject.act_output(element, out))
-        changes = [
-            subject.relative(evaluate(subject.act(element.inverse(), moved)), out),
-            subject.relative(subject.act_output(element.inverse(), subject.act_output(element, out)), out),
-        ]
+        out, moved, out_g, residual, changes = _round_trips(subject, element, example, evaluate)
         for _ in range(probes):
             changes.append(subject.relative(evaluate(subject.perturb(example, storage, compute, generator)), out))
             changes.append(subject.relative(evaluate(subject.perturb(moved, storage, compute, generator)), out_g))
     except Exception as err:  # the update's own failure is a verdict, not a crash of the checker
         return Trial(index, kind, scale, math.nan, math.nan, "error", element, f"{type(err).__name__}: {err}")
-    floor = max(eps, *(c if math.isfinite(c) else math.inf for c in changes))
-
-    return Trial(index, kind, scale, residual, floor, _judge(residual, floor), element)
+    floor = _floor(eps, changes)
+    verdict = _judge(residual, floor)
+    if witness and verdict != "violated" and _narrower_than_float64(example):
+        # Its own stream, seeded from the trial's: its draws do not depend on how many probes
+        # the dtype trial drew, so more probes only ever add to its floor.
+        own = torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED)
+        found = _witness(subject, element, example, storage=storage, compute=compute, generator=own,
+                         stated_precision=compute_dtype != _members(example)[0].dtype, probes=probes)
+        if found is not None and _judge(*found) != "unresolved":
+            return Trial(index, kind, scale, found[0], found[1], _judge(*found), element, route="float64 witness")
+    return Trial(index, kind, scale, residual, floor, verdict, element)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -687,7 +810,8 @@ class EquivarianceReport:
 
     def derivation(self) -> str:
         """Why the tolerance is what it is, with this check's dtypes."""
-        return DERIVATION.format(
+        text = DERIVATION + (WITNESS if self.dtype != torch.float64 else "")
+        return text.format(
             compute=_dtype_name(self.compute_dtype), eps=_eps(self.compute_dtype), dtype=_dtype_name(self.dtype),
             holds=HOLDS_FACTOR, violated=VIOLATION_FACTOR,
         )
@@ -702,15 +826,16 @@ class EquivarianceReport:
         ]
         for t in self.trials:
             lines.append(f"{t.index:5d}  {t.kind:<14} {t.scale:7.0e}  {t.residual:9.2e}  {t.floor:9.2e}  "
-                         f"{t.ratio:9.2e}  {t.verdict}")
+                         f"{t.ratio:9.2e}  {t.verdict}" + (f" ({t.route})" if t.route != "dtype" else ""))
         lines.append(self.message())
         return "\n".join(lines)
 
     def message(self) -> str:
         """The verdict in words: the deciding trial, the element, the seed and the derivation."""
         t = self.worst()
-        where = (f"trial {t.index} (input {t.kind}, scale {t.scale:.0e}, seed {self.seed}; replay with "
-                 f"seed={self.seed})")
+        where = (f"trial {t.index} (input {t.kind}, scale {t.scale:.0e}, seed {self.seed}"
+                 + (", judged by its float64 witness" if t.route != "dtype" else "")
+                 + f"; replay with seed={self.seed})")
         what = f"{self.update} under {self.group}"
         if self.verdict == "error":
             return f"ERROR: {what} failed at {where}: {t.error}"
@@ -979,8 +1104,14 @@ def verify_declaration(
         return None
     if expected not in ("fails", "violated"):
         raise ValueError(f"expected must be 'holds' or 'violated', got {expected!r}")
+    def violated(case) -> bool:
+        # The confirmed floor is a maximum over a superset of the single probe's draws (same
+        # seed, same first draws), so a case not violated with one probe is not violated
+        # with all: the cheap trial settles every such candidate without changing the search.
+        return trial(case).verdict == "violated" and trial(case, CONFIRMATION_PROBES).verdict == "violated"
+
     try:
-        return find(strategy, lambda case: trial(case, CONFIRMATION_PROBES).verdict == "violated", settings=budget)
+        return find(strategy, violated, settings=budget)
     except NoSuchExample:
         raise AssertionError(
             f"{subject.name} under {group.name} is declared to be violated, but no case was beyond "
