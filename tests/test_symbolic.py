@@ -32,6 +32,9 @@ from geomuon.theory.symbolic import (
     certify_newton_schulz_retraction,
     certify_newton_schulz_step_expansion,
     certify_inverse_sqrt_iteration,
+    certify_gram_retract,
+    certify_inverse_sqrt_series,
+    certify_stiefel_retraction,
     certify_polar_express_table,
     inverse_sqrt_error_bound,
     polar_map_reference,
@@ -208,6 +211,44 @@ def test_retraction_series_rejects_a_step_along_minus_u():
     backwards = certify_retraction(manifold, W, retraction=lambda W, U: manifold.retr(W, -U))
     assert not backwards.holds and not any(backwards.witness["R(W, 0) = W"].flat)
     assert any(backwards.witness["dR_W(0)[V] = V"].flat)
+
+
+@pytest.mark.parametrize("orientation, n", [("tall", 1), ("tall", 3), ("wide", 2)])
+def test_stiefel_retraction_series_every_size(orientation, n):
+    certificate = certify_stiefel_retraction(orientation, n)
+    assert certificate.holds, certificate.witness
+    # Polar Express at 1/(1.01 sqrt n) is 1 to the series' 60 digits: R_W(0) = W, dR_W(0) = id.
+    assert abs(certificate.witness["e"] - 1) < sp.Rational(1, 10**40)
+
+
+def test_stiefel_retraction_series_rejects_wrong_retractions():
+    from geomuon.manifolds.linalg import msign
+
+    class Backwards(Stiefel):
+        @matrix_method("u")
+        def retr(self, x, u):
+            return msign(x - u, "polar_express")
+
+    class KellerRetraction(Stiefel):
+        @matrix_method("u")
+        def retr(self, x, u):
+            return msign(x + u, "newton_schulz")
+
+    backwards = certify_stiefel_retraction("tall", 3, Backwards())
+    assert not backwards.holds and backwards.witness["other terms"]
+    # Keller's quintic is not a retraction: R_W(0) = 0.686 W, outside Polar Express's enclosure.
+    keller = certify_stiefel_retraction("tall", 3, KellerRetraction())
+    assert not keller.holds and abs(keller.witness["e"] - 1) > sp.Rational(1, 4)
+
+
+def test_gram_engine_retract_is_the_forms_retraction():
+    certificate = certify_gram_retract()
+    assert certificate.holds, certificate.witness
+
+
+def test_gram_form_retraction_series_coefficients_are_binomial():
+    certificate = certify_inverse_sqrt_series()
+    assert certificate.holds, certificate.witness
 
 
 def test_newton_schulz_step_expansion_every_size():

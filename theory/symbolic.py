@@ -71,6 +71,9 @@ __all__ = [
     "FreeVector",
     "ORIENTATIONS",
     "certify_retraction",
+    "certify_stiefel_retraction",
+    "certify_gram_retract",
+    "certify_inverse_sqrt_series",
     "certify_newton_schulz_step_expansion",
     "certify_newton_schulz_retraction",
     "certify_newton_schulz_equivariance",
@@ -504,6 +507,10 @@ class FreeAlgebra:
         self.rules: dict[Word, dict[Word, sp.Expr]] = {}
         self.atoms: dict[str, tuple[str, Any]] = {}
         self.ones = None
+        #: ``(t, order, digits)``: coefficients are truncated Taylor series in ``t``
+        #: (terms of degree >= order dropped after every operation) with floating-point
+        #: coefficients of ``digits`` digits (see :meth:`series`); ``None``: exact.
+        self.series_mode: tuple[sp.Symbol, int, int] | None = None
         if ones is not None:
             name, size = ones
             self.transpose_of[name], self.transpose_of[name + "'"] = name + "'", name
@@ -566,8 +573,31 @@ class FreeAlgebra:
                 out[word] = out.get(word, 0) + coefficient
             else:
                 stack.extend((w, coefficient * c) for w, c in rewritten)
-        reduced = {w: _reduce(c) for w, c in out.items()}
+        reduced = {w: self._coefficient(c) for w, c in out.items()}
         return {w: c for w, c in reduced.items() if c != 0}
+
+    def series(self, t: sp.Symbol, order: int, digits: int) -> None:
+        r"""Switch to truncated series: every coefficient becomes its Taylor polynomial in
+        ``t`` below ``order``, with ``digits``-digit floating-point coefficients (a
+        coefficient below $10^{-(	ext{digits} - 10)}$ is dropped as round-off). For
+        iterations whose exact coefficients grow without bound (twelve Polar Express
+        steps compose a polynomial of degree $5^{12}$): products of truncated series are
+        exact to that order, the coefficients are not."""
+        self.series_mode = (t, order, digits)
+
+    def _coefficient(self, c) -> sp.Expr:
+        if self.series_mode is None:
+            return _reduce(c)
+        t, order, digits = self.series_mode
+        c = sp.expand(c)
+        floor = sp.Rational(1, 10 ** (digits - 10))
+        kept = 0
+        for k in range(order):
+            part = sp.N(c.coeff(t, k), digits) if k else sp.N(c.subs(t, 0), digits)
+            if part.is_Number and abs(part) < floor:
+                continue
+            kept += part * t**k
+        return kept
 
     def transpose_word(self, word: Word) -> Word:
         return tuple(self.transpose_of[x] for x in reversed(word))
@@ -645,7 +675,7 @@ class FreeAlgebra:
             candidates = rotations + [self.transpose_word(r) for r in rotations]
             key = min(self._sorted_diagonals(c) for c in candidates)
             out[key] = out.get(key, 0) + coefficient
-        reduced = {w: _reduce(c) for w, c in out.items()}
+        reduced = {w: self._coefficient(c) for w, c in out.items()}
         return {w: c for w, c in reduced.items() if c != 0}
 
     def _trace_step(self, rotations: list[Word]):
@@ -801,6 +831,20 @@ class FreeMatrix:
     def expand(self, *shape) -> "FreeMatrix":
         return self
 
+    def reshape(self, *shape) -> "FreeMatrix":
+        return self
+
+    def norm(self, p="fro", dim=None, keepdim: bool = False) -> "FreeScalar":
+        r"""$\|M\|_F = \sqrt{\operatorname{tr}(M^	op M)}$ as a :class:`FreeScalar`: the trace
+        normal form, with $\operatorname{tr}(I) = n$ (the column count) and every other
+        closed word a positive symbol ``tr(w)``."""
+        if dim not in (None, (-2, -1)):
+            raise NotImplementedError("FreeMatrix.norm: only the Frobenius norm of the whole matrix")
+        value = 0
+        for word, c in self.algebra.trace(self.mT @ self).items():
+            value += c * (_size_expr(self.shape[1]) if not word else sp.Symbol(f"tr({''.join(word)})", positive=True))
+        return FreeScalar(value, self.algebra) ** sp.Rational(1, 2)
+
     def new_full(self, shape, value, **kwargs):
         """A constant array: acts entrywise as the scalar ``value``."""
         return exact(value)
@@ -840,6 +884,8 @@ class FreeMatrix:
     def __truediv__(self, scalar):
         if isinstance(scalar, (FreeVector, FreeBroadcastSum)):
             return scalar.divide(self)
+        if isinstance(scalar, FreeScalar):
+            return self * (scalar ** -1).value
         return self * (1 / exact(scalar))
 
     def __matmul__(self, other):
@@ -903,6 +949,44 @@ class FreeMatrix:
         if not self.terms:
             return "0"
         return " + ".join(f"({c})*{'·'.join(w) or 'I'}" for w, c in sorted(self.terms.items()))
+
+
+class FreeScalar:
+    r"""A scalar of a :class:`FreeAlgebra` computation (a norm): a sympy expression, kept
+    as a truncated series when the algebra is in series mode (powers are expanded
+    around the value at $t = 0$, which must be positive)."""
+
+    def __init__(self, value, algebra: FreeAlgebra):
+        self.value, self.algebra = sp.sympify(value), algebra
+
+    def __pow__(self, k) -> "FreeScalar":
+        k = exact(k)
+        mode = self.algebra.series_mode
+        if mode is None:
+            return FreeScalar(self.value**k, self.algebra)
+        t, order, digits = mode
+        base = self.value.subs(t, 0)
+        rest = sp.expand(self.value - base)
+        # (b + r)^k = b^k sum_j binom(k, j) (r/b)^j, r = O(t): order terms suffice.
+        total = sum(sp.binomial(k, j) * base ** (k - j) * rest**j for j in range(order))
+        return FreeScalar(self.algebra._coefficient(total), self.algebra)
+
+    def __mul__(self, other) -> "FreeScalar":
+        other = other.value if isinstance(other, FreeScalar) else exact(other)
+        return FreeScalar(self.algebra._coefficient(self.value * other), self.algebra)
+
+    __rmul__ = __mul__
+
+    def clamp_min(self, floor) -> "FreeScalar":
+        """The value itself when its value at $t = 0$ is provably above ``floor``."""
+        mode = self.algebra.series_mode
+        at_zero = self.value.subs(mode[0], 0) if mode else self.value
+        if not bool(sp.sympify(at_zero - exact(floor)).is_positive):
+            raise NotImplementedError(f"FreeScalar.clamp_min: cannot show {at_zero} > {floor}")
+        return self
+
+    def __repr__(self) -> str:
+        return f"FreeScalar({self.value})"
 
 
 class FreeVector:
@@ -1625,6 +1709,108 @@ def certify_retraction(manifold, W: ExactTensor, name: str = "", retraction: Cal
         all(ok for ok, _ in checked.values()),
         {k: r for k, (_, r) in checked.items()},
     )
+
+
+def certify_stiefel_retraction(orientation: str = "tall", n: int = 3, stiefel=None, digits: int = 60) -> Certificate:
+    r"""The library's ``Stiefel.retr`` (its public method: validation, the wide
+    transposition, ``msign``'s normalization and orientation, the twelve Polar Express
+    steps) on free letters $W + tV$ of symbolic size — $m$ symbolic, the constrained side
+    $n$ a given number — with $W^\top W = I$ and $V^\top W = -W^\top V$ (wide: the rows):
+
+    $$R_W(tV) = e_n\,(W + tV) + O(t^2),\qquad e_n = P_{12}\big(1/(1.01\sqrt n)\big),$$
+
+    i.e. $R_W(0) = e_nW$ and $dR_W(0) = e_n\,\mathrm{id}$, and no other word survives. The
+    coefficients are truncated series in $t$ with ``digits``-digit floats
+    (:meth:`FreeAlgebra.series`: the exact ones have degree $5^{12}$); $e_n$ is then checked
+    against the rigorous enclosure of $P_{12}$ at that point (:func:`ns_output_range`), so
+    $|e_n - 1|$ is certified. ``witness``: $e_n$, the enclosure and the surviving terms."""
+    from geomuon.manifolds import POLAR_EXPRESS, Stiefel
+
+    stiefel = stiefel or Stiefel()
+    a = sp.Symbol("a", integer=True, nonnegative=True)
+    long = a + n + 1
+    shape = (long, n) if orientation == "tall" else (n, long)
+    algebra = FreeAlgebra({"W": "W'", "V": "V'"}, shapes={"W": shape, "V": shape})
+    W, V = algebra("W"), algebra("V")
+    gram, cross = (W.mT @ W, V.mT @ W) if orientation == "tall" else (W @ W.mT, V @ W.mT)
+    algebra.rule(gram, algebra.identity())
+    algebra.rule(cross, -cross.mT)
+    t = sp.Symbol("t", real=True)
+    algebra.series(t, 2, digits)
+    with _FreeFactories(algebra):
+        R = stiefel.retr(W, V * t)
+    e = R.terms.get(("W",), sp.Integer(0))
+    rest = {w: c for w, c in (R - e * (W + t * V)).terms.items()}
+    low, high = ns_output_range(POLAR_EXPRESS.coefficients, POLAR_EXPRESS.default_steps, lo=1 / sp.sqrt(n),
+                                hi=1 / sp.sqrt(n), input_scale=POLAR_EXPRESS.input_scale)
+    slack = sp.Rational(1, 10 ** (digits - 20))  # the series' float round-off, with margin
+    inside = bool(e.is_Number) and bool(low - slack <= e) and bool(e <= high + slack)
+    return Certificate(
+        f"Stiefel.retr, every {orientation} size with n = {n}: R_W(tV) = e (W + tV) + O(t^2), e = P_12(1/(1.01 sqrt n))",
+        inside and not rest,
+        {"e": e, "enclosure": (low, high), "other terms": rest},
+    )
+
+
+def certify_gram_retract() -> Certificate:
+    r"""The fast engine's retraction assembly, :func:`geomuon.optimizers.gram.retract`, on
+    free letters of symbolic size ($W, Z_0$: $m\times n$; $T_1, T_2$: $n\times n$; scalars
+    $\eta$, $c$): with a probe form whose ``retraction_factor`` records its argument and
+    returns a letter $\rho$,
+
+    $$\text{retract} = Y\rho,\qquad \rho = \rho(Y^\top Y),\qquad Y = cW - \eta\,(cW\,T_1 + Z_0T_2),$$
+
+    exactly: the engine's new point is the form's retraction $R_{cW}(-\eta\hat A)$ of the
+    direction $\hat A = cWT_1 + Z_0T_2$ (which :func:`certify_gram_form` proves a
+    retraction, :func:`certify_inverse_sqrt_series` pins its series). ``witness``: the
+    residuals."""
+    from geomuon.manifolds.capabilities import GramForm
+    from geomuon.optimizers.gram import retract
+
+    m, n = ORIENTATIONS["tall"]
+    algebra = FreeAlgebra({"W": "W'", "Z": "Z'", "T": "T'", "U": "U'", "rho": "rho'"},
+                          shapes={"W": (m, n), "Z": (m, n), "T": (n, n), "U": (n, n), "rho": (n, n)})
+    W, Z0, T1, T2, rho = (algebra(x) for x in ("W", "Z", "T", "U", "rho"))
+    shrink = sp.Symbol("c", positive=True)
+    seen: list = []
+
+    class Probe(GramForm):
+        def retraction_factor(self, YtY, terms=6):
+            seen.append(YtY)
+            return rho
+
+    residuals = {}
+    # torch's argument parser wants a number for baddbmm's alpha = -lr: three values of
+    # lr prove identities of degree <= 2 in lr (Y is affine in lr, Y'Y quadratic).
+    for lr in (0.375, 0.8125, 1.5):
+        seen.clear()
+        with _FreeFactories(algebra):
+            point = retract(Probe(), W, Z0, T1, T2, lr, shrink)
+        Y = shrink * W - exact(lr) * (shrink * W @ T1 + Z0 @ T2)
+        residuals[f"lr={lr}: retract - Y rho"] = (point - Y @ rho).terms
+        residuals[f"lr={lr}: factor argument - Y'Y"] = (seen[0] - Y.mT @ Y).terms if len(seen) == 1 else {"calls": len(seen)}
+    return Certificate("gram.retract = Y rho(Y'Y), Y = cW - eta (cW T1 + Z0 T2), every size",
+                       all(not r for r in residuals.values()), residuals)
+
+
+def certify_inverse_sqrt_series() -> Certificate:
+    r"""The coefficients of :func:`geomuon.manifolds.capabilities.inv_sqrt_near_identity`
+    (the Gram-form retractions' $(I + E)^{-1/2}$) are the binomial series: the library's
+    function on the $1\times1$ matrix $[e]$, for every ``terms`` $K \ge 1$ it accepts, is
+    the Taylor polynomial $\sum_{k \le K}\binom{-1/2}{k}e^k$ exactly (the matrix case is
+    the same polynomial in $E$). Since $|\binom{-1/2}{k}|$ decreases, the truncation error
+    is at most $|\binom{-1/2}{K+1}|\,\|E\|^{K+1}/(1 - \|E\|)$, the docstring's bound.
+    ``witness``: per $K$ the difference of the coefficient lists."""
+    from geomuon.manifolds.capabilities import _INV_SQRT_SERIES, inv_sqrt_near_identity
+
+    e = sp.Symbol("e")
+    witness = {}
+    for terms in range(1, len(_INV_SQRT_SERIES)):
+        value = sp.expand(inv_sqrt_near_identity(ExactTensor([[e]]), terms).a[0, 0])
+        taylor = sp.expand(sp.series((1 + e) ** sp.Rational(-1, 2), e, 0, terms + 1).removeO())
+        witness[terms] = sp.expand(value - taylor)
+    return Certificate("inv_sqrt_near_identity is the binomial series of (1 + E)^(-1/2)",
+                       all(r == 0 for r in witness.values()), witness)
 
 
 def certify_newton_schulz_step_expansion() -> Certificate:

@@ -1,0 +1,235 @@
+r"""Mutation testing of the symbolic certificates: does ``tests/test_symbolic.py`` notice?
+
+Each mutation breaks one formula of the library's own code (a projection, an adjoint, a
+retraction, an update map, a coefficient table, a constant) in a fresh copy of the
+repository's tracked files; ``pytest tests/test_symbolic.py`` run alone in that copy must
+**fail** (the mutant is *killed*). The unmutated copy must pass first, or nothing is
+counted. The copy imports its own files: the editable install's path map is pointed at
+the copy before pytest starts.
+
+Usage (from the repository root; one copy at a time, a few minutes per mutant on a busy
+machine)::
+
+    python bench/symbolic_mutations.py                 # every mutation
+    python bench/symbolic_mutations.py --only dgram    # labels containing "dgram"
+    python bench/symbolic_mutations.py --list          # the catalogue, run nothing
+    python bench/symbolic_mutations.py --markdown docs/results/symbolic_mutations.md
+
+Exit status 0 when the unmutated copy passes and every mutation is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace the one occurrence of ``old`` in ``path`` by ``new``."""
+
+    label: str
+    path: str
+    old: str
+    new: str
+
+
+def _m(label, path, old, new):
+    return Mutation(label, path, old, new)
+
+
+#: The catalogue: formulas the certificates claim to pin.
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---- Stiefel
+    _m("stiefel constraint drops u'x", "manifolds/stiefel.py", "return x.mT @ u + u.mT @ x", "return x.mT @ u"),
+    _m("stiefel adjoint loses its factor 2", "manifolds/stiefel.py", "return 2 * x @ sym(lam)", "return x @ sym(lam)"),
+    _m("stiefel projection drops sym", "manifolds/stiefel.py", "return u - x @ sym(x.mT @ u)", "return u - x @ (x.mT @ u)"),
+    _m("stiefel gram diagonal 4 -> 2", "manifolds/stiefel.py", "n, n), 4.0,", "n, n), 2.0,"),
+    _m("stiefel defining map W'W - 2I", "manifolds/stiefel.py", "return x.mT @ x - eye", "return x.mT @ x - 2 * eye"),
+    _m("stiefel retraction steps along -u", "manifolds/stiefel.py",
+       "return msign(x.to(compute) + u.to(compute)", "return msign(x.to(compute) - u.to(compute)"),
+    _m("stiefel retraction with Keller's quintic", "manifolds/stiefel.py",
+       'u.to(compute), "polar_express"', 'u.to(compute), "newton_schulz"'),
+    # ---- DGram
+    _m("dgram Off keeps the diagonal", "manifolds/dgram.py",
+       "return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))", "return S"),
+    _m("dgram adjoint keeps the diagonal", "manifolds/dgram.py",
+       "return 2 * x @ _off_diagonal(sym(lam))", "return 2 * x @ sym(lam)"),
+    _m("dgram projection divides by 2 d_i^2", "manifolds/dgram.py",
+       "u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))", "u.mT @ x) / (2 * d2.unsqueeze(-1))"),
+    _m("dgram gram diagonal doubled", "manifolds/dgram.py",
+       "return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))", "return 4 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))"),
+    _m("dgram retraction forgets the column norms' root", "manifolds/dgram.py",
+       "(polar * d2.sqrt().unsqueeze(-2))", "(polar * d2.unsqueeze(-2))"),
+    _m("dgram retraction steps along -u", "manifolds/dgram.py",
+       "y = x.to(compute) + u.to(compute)", "y = x.to(compute) - u.to(compute)"),
+    # ---- Oblique / LPRO (the shared sphere maps)
+    _m("sphere constraint doubled", "manifolds/oblique.py", "return (x * u).sum(dim)", "return 2 * (x * u).sum(dim)"),
+    _m("sphere adjoint doubled", "manifolds/oblique.py", "return x * lam.unsqueeze(dim)", "return 2 * x * lam.unsqueeze(dim)"),
+    _m("sphere projection halved", "manifolds/oblique.py", "return u - x * ((x * u)", "return u - 0.5 * x * ((x * u)"),
+    _m("sphere defining map loses 1/2", "manifolds/oblique.py",
+       "return 0.5 * (x.square().sum(dim) - radius**2)", "return (x.square().sum(dim) - radius**2)"),
+    _m("sphere gram diagonal doubled", "manifolds/oblique.py", "return x.square().sum(dim)", "return 2 * x.square().sum(dim)"),
+    _m("sphere retraction divides by the squared norm", "manifolds/oblique.py",
+       "(y * (radius / norms))", "(y * (radius / norms**2))"),
+    _m("lpro constrains columns", "manifolds/lpro.py", "return sphere_constraint(x, u, -1)", "return sphere_constraint(x, u, -2)"),
+    # ---- router
+    _m("router constraint doubled", "manifolds/router.py",
+       "return broadcast_pair(x, u)[1].sum(-2)", "return 2 * broadcast_pair(x, u)[1].sum(-2)"),
+    _m("router projection does not center", "manifolds/router.py",
+       "return _centered(broadcast_pair(x, u)[1])", "return broadcast_pair(x, u)[1]"),
+    _m("router gram diagonal uses n", "manifolds/router.py", "float(x.size(-2)))", "float(x.size(-1)))"),
+    _m("router retraction steps along -u", "manifolds/router.py",
+       "_centered(x.to(compute) + u.to(compute))", "_centered(x.to(compute) - u.to(compute))"),
+    # ---- kernels and coefficient tables
+    _m("sym loses 1/2", "manifolds/linalg.py", "return 0.5 * (X + X.mT)", "return (X + X.mT)"),
+    _m("newton-schulz step swaps b and c", "manifolds/linalg.py", "torch.baddbmm(S, S, S, beta=b, alpha=c)",
+       "torch.baddbmm(S, S, S, beta=c, alpha=b)"),
+    _m("keller quintic a 3.4445 -> 3.4446", "manifolds/linalg.py", "((3.4445, -4.7750, 2.0315),)", "((3.4446, -4.7750, 2.0315),)"),
+    _m("polar express row 2 truncated to 9 digits", "manifolds/linalg.py", "(3.9486908534822946,", "(3.94869085,"),
+    _m("polar express row 5 c perturbed", "manifolds/linalg.py", "0.37680408948524835)", "0.3768040894)"),
+    _m("polar express safety 1.01 -> 1.02 (table)", "manifolds/linalg.py", "        1.01,\n    ),\n    1.01,", "        1.02,\n    ),\n    1.01,"),
+    _m("polar express last row c 3/8 -> 0.376", "manifolds/linalg.py", "(1.875, -1.25, 0.375),", "(1.875, -1.25, 0.376),"),
+    _m("polar express 5 first a truncated", "manifolds/linalg.py", "(8.156554524902461,", "(8.1565545,"),
+    _m("coupled inverse-sqrt step 3 -> 3.001", "manifolds/linalg.py", "T = 0.5 * (3.0 * eye - Z @ Y)", "T = 0.5 * (3.001 * eye - Z @ Y)"),
+    _m("coupled inverse-sqrt step 1/2 -> 0.49", "manifolds/linalg.py", "T = 0.5 * (3.0 * eye - Z @ Y)", "T = 0.49 * (3.0 * eye - Z @ Y)"),
+    _m("inverse sqrt default 25 -> 20 steps", "manifolds/linalg.py", "A: torch.Tensor, steps: int = 25,", "A: torch.Tensor, steps: int = 20,"),
+    _m("inverse sqrt forgets the scale's root", "manifolds/linalg.py", "return (Z / scale.sqrt()).to(out_dtype)", "return (Z / scale).to(out_dtype)"),
+    _m("inverse-sqrt series c2 0.375 -> 0.376", "manifolds/capabilities.py", "(1.0, -0.5, 0.375,", "(1.0, -0.5, 0.376,"),
+    _m("stiefel gram projection drops 1/2", "manifolds/capabilities.py", "return 0.5 * (M + M.mT)", "return (M + M.mT)"),
+    _m("dgram gram retraction factor inverted", "manifolds/capabilities.py",
+       "* (root.unsqueeze(-2) / root.unsqueeze(-1))", "* (root.unsqueeze(-1) / root.unsqueeze(-2))"),
+    _m("oblique gram retraction sqrt instead of rsqrt", "manifolds/capabilities.py",
+       "torch.diag_embed(_diag(YtY).rsqrt())", "torch.diag_embed(_diag(YtY).sqrt())"),
+    # ---- update maps
+    _m("row_norm normalizes columns", "optimizers/maps.py",
+       "return D / (D.norm(dim=-1, keepdim=True) + eps)", "return D / (D.norm(dim=-2, keepdim=True) + eps)"),
+    _m("col_norm normalizes rows", "optimizers/maps.py",
+       "return D / (D.norm(dim=-2, keepdim=True) + eps)", "return D / (D.norm(dim=-1, keepdim=True) + eps)"),
+    _m("polar maps: nuclear norm squared", "optimizers/maps.py", "polar * nuclear.clamp_min(0).pow(alpha)", "polar * nuclear.clamp_min(0).pow(2 * alpha)"),
+    _m("polar maps: nuclear norm from polar'polar", "optimizers/maps.py", "nuclear = (X * polar).sum", "nuclear = (polar * polar).sum"),
+    _m("polar maps: the larger Gram matrix", "optimizers/maps.py", "right = X.size(-2) >= X.size(-1)", "right = X.size(-2) <= X.size(-1)"),
+    _m("hybrid normalizes columns", "optimizers/maps.py", "R = row_norm(D, eps=eps)", "R = col_norm(D, eps=eps)"),
+    _m("centered map does not re-center", "optimizers/maps.py",
+       "return _center_rows(update(_center_rows(D), **kwargs))", "return update(_center_rows(D), **kwargs)"),
+    _m("centered map does not center its input", "optimizers/maps.py",
+       "return _center_rows(update(_center_rows(D), **kwargs))", "return _center_rows(update(D, **kwargs))"),
+    # ---- the fast engine
+    _m("gram retract steps along +T1", "optimizers/gram.py", "W @ (shrink * (eye - lr * T1))", "W @ (shrink * (eye + lr * T1))"),
+    _m("gram retract drops the tangent part's sign", "optimizers/gram.py", "Z0, T2, alpha=-lr)", "Z0, T2, alpha=lr)"),
+    _m("gram dual Gram forgets B'S's transpose", "optimizers/gram.py", "Q = K + BtS + BtS.mT + SDS", "Q = K + 2 * BtS + SDS"),
+    # ---- constants
+    _m("GELU constant: e^-1 -> e^-1/2", "theory/lipschitz.py",
+       "GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi)",
+       "GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-0.5) / math.sqrt(math.pi)"),
+    _m("soft-cap threshold 62/81 -> 61/81", "optimizers/regulate.py", "SOFT_CAP_MIN_RATIO = 62.0 / 81.0", "SOFT_CAP_MIN_RATIO = 61.0 / 81.0"),
+    _m("soft-cap root h(beta) with -2 beta^2", "optimizers/regulate.py",
+       "return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4", "return 1.0 - 2.0 * beta**2 + 3.0 * beta**3 - beta**4"),
+    _m("soft-cap polynomial g - alpha g^3", "optimizers/regulate.py", "    return g + alpha * g**3", "    return g - alpha * g**3"),
+    _m("eta from the grid maximum, not the enclosure", "optimizers/regulate.py",
+       "return math.nextafter(float(high), math.inf)", "return float(high) * (1 - 1e-6)"),
+)
+
+
+def _copy_tree(destination: Path) -> None:
+    """The repository's tracked files (as they are in the working tree) into ``destination``."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = REPO / name.decode()
+        if source.is_file():
+            target = destination / name.decode()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+#: Points the editable install's path map (``geomuon.* -> /work/...``) at the copy, then
+#: runs pytest there; argv: copy root, pytest arguments.
+_BOOTSTRAP = """
+import sys
+import __editable___geomuon_0_1_0_finder as finder
+root = sys.argv[1]
+for name, path in list(finder.MAPPING.items()):
+    finder.MAPPING[name] = path.replace(finder.MAPPING["geomuon"].rsplit("/", 1)[0], root, 1)
+import pytest
+sys.exit(pytest.main(sys.argv[2:]))
+"""
+
+
+def _run_suite(root: Path, timeout: float) -> tuple[int, float, str]:
+    start = time.perf_counter()
+    command = [sys.executable, "-c", _BOOTSTRAP, str(root), "-q", "-x", "-p", "no:cacheprovider", "tests/test_symbolic.py"]
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+        code, tail = done.returncode, (done.stdout + done.stderr).strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        code, tail = -1, ["timeout"]
+    return code, time.perf_counter() - start, " ".join(tail)
+
+
+def _check_pattern(root: Path, mutation: Mutation) -> str:
+    text = (root / mutation.path).read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise SystemExit(f"mutation {mutation.label!r}: {mutation.path} holds {count} copies of the pattern "
+                         "(need exactly 1); update the catalogue")
+    return text
+
+
+def _apply(root: Path, mutation: Mutation) -> None:
+    text = _check_pattern(root, mutation)
+    (root / mutation.path).write_text(text.replace(mutation.old, mutation.new))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run the mutations whose label contains this text")
+    parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per suite run (default 900)")
+    parser.add_argument("--markdown", type=Path, help="also write the result table to this file")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.only in m.label]
+    if args.list or not chosen:
+        for m in chosen:
+            print(f"{m.label:55s} {m.path}")
+        return 0 if chosen else 2
+    with tempfile.TemporaryDirectory(prefix="geomuon-mutants-") as scratch:
+        pristine = Path(scratch) / "pristine"
+        _copy_tree(pristine)
+        for m in chosen:  # every pattern must be found before anything runs
+            _check_pattern(pristine, m)
+        code, seconds, tail = _run_suite(pristine, args.timeout)
+        print(f"unmutated copy: exit {code} in {seconds:.0f} s ({tail})", flush=True)
+        if code != 0:
+            return 1
+        rows = []
+        for m in chosen:
+            copy = Path(scratch) / "mutant"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(pristine, copy)
+            _apply(copy, m)
+            code, seconds, tail = _run_suite(copy, args.timeout)
+            verdict = "killed" if code not in (0, -1) else ("TIMEOUT" if code == -1 else "SURVIVED")
+            rows.append((m, verdict, seconds, tail))
+            print(f"{verdict:8s} {seconds:6.0f} s  {m.label}  [{tail}]", flush=True)
+    killed = sum(v == "killed" for _, v, _, _ in rows)
+    print(f"\n{killed}/{len(rows)} mutations killed by tests/test_symbolic.py")
+    if args.markdown:
+        lines = ["# Mutation testing of the symbolic certificates", "",
+                 "Command: `python bench/symbolic_mutations.py --markdown " + str(args.markdown) + "`", "",
+                 f"**{killed}/{len(rows)}** mutations of the library's code make `pytest tests/test_symbolic.py` fail "
+                 "(the unmutated copy passes).", "", "| mutation | file | verdict | seconds |", "|---|---|---|---|"]
+        lines += [f"| {m.label} | `{m.path}` | {v} | {s:.0f} |" for m, v, s, _ in rows]
+        args.markdown.write_text("\n".join(lines) + "\n")
+    return 0 if killed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
