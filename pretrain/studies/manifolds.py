@@ -37,7 +37,7 @@ from geomuon.pretrain.provenance import markdown_table
 
 from . import common
 from .common import Size, Variant
-from .sweep import LearningRateSweep
+from .sweep import GRIDS, Grid, LearningRateSweep
 
 NAME = "manifolds"
 TITLE = "Different layers, different manifolds (seed 000) at CPU scale"
@@ -326,6 +326,8 @@ def report(results, size, meta, figure_dir) -> str:
 #: ``geomuon study manifolds-sweep``: every arm above at its own learning rate.
 SWEEP = LearningRateSweep(
     sys.modules[__name__], "manifolds-sweep", "Different layers, different manifolds: every arm at its own learning rate",
+    # one extension per arm: seven arms, the reference one ~3x the others' cost, fit an hour on two cores
+    grids={"full": Grid(max_extensions=1), "tiny": GRIDS["tiny"]},
     comparisons=[("hetero", "all_stiefel"), ("hetero", "unconstrained"), ("all_stiefel", "unconstrained"),
                  ("all_dgram", "unconstrained"), ("hetero_inv", "unconstrained"),
                  ("hetero_inv+colcap", "hetero_inv"), ("hetero_inv+reference", "hetero_inv")])

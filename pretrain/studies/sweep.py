@@ -279,7 +279,7 @@ class LearningRateSweep:
             f"gets seed(s) {', '.join(str(s) for s in g.best_seeds if s not in g.seeds)} and the arms are "
             f"compared there on seeds {', '.join(map(str, g.best_seeds))}. The best point is the lowest mean "
             "final validation loss over the grid's seeds; a point with a diverged run ranks last.",
-            "## Best points (3 seeds)\n\n" + best_table,
+            f"## Best points ({len(g.best_seeds)} seeds)\n\n" + best_table,
             "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
             "not overlap (a rough screen, not a significance test).\n\n" + "\n".join(f"* {f}" for f in findings),
             "## Sweeps per arm\n\nFinal validation loss per seed at every rate tried.\n\n" + "\n\n".join(sections),
