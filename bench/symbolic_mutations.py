@@ -125,7 +125,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- the fast engine
     _m("gram retract steps along +T1", "optimizers/gram.py", "W @ (shrink * (eye - lr * T1))", "W @ (shrink * (eye + lr * T1))"),
     _m("gram retract drops the tangent part's sign", "optimizers/gram.py", "Z0, T2, alpha=-lr)", "Z0, T2, alpha=lr)"),
-    _m("gram dual Gram forgets B'S's transpose", "optimizers/gram.py", "Q = K + BtS + BtS.mT + SDS", "Q = K + 2 * BtS + SDS"),
+    _m("gram dual Gram forgets S'F's transpose", "optimizers/gram.py", "return K + SF + SF.mT", "return K + 2 * SF"),
     # ---- constants
     _m("GELU constant: e^-1 -> e^-1/2", "theory/lipschitz.py",
        "GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi)",

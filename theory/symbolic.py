@@ -939,6 +939,9 @@ class FreeMatrix:
         if func is torch.baddbmm:
             input, batch1, batch2 = args
             return exact(kwargs.get("beta", 1)) * input + exact(kwargs.get("alpha", 1)) * (batch1 @ batch2)
+        if func is torch.add:
+            input, other = args
+            return input + exact(kwargs.get("alpha", 1)) * other
         if func is torch.diagonal:
             return FreeVector(args[0].algebra.diag(args[0]))
         if func is torch.diag_embed:
@@ -2234,17 +2237,25 @@ def _exact_spectral(D):
 
 
 def certify_gram_space_identity() -> Certificate:
-    r"""For $Z = G + W\Lambda$ with symmetric $\Lambda$, $B = W^\top G$, $D = W^\top W$:
-    $Z^\top Z = G^\top G + B^\top\Lambda + \Lambda B + \Lambda D\Lambda$, an identity of
-    the free algebra (every size, no constraint on $W$). This lets the engine update the
-    small Gram matrix of $G + L^*(\Lambda)$ from $G^\top G$, $B$ and $D$ without forming
-    $Z$. ``witness``: the reduced difference (empty)."""
-    algebra = FreeAlgebra({"G": "G'", "W": "W'", "L": "L"})
-    G, W, Lam = algebra("G"), algebra("W"), algebra("L")
-    Z = G + W @ Lam
-    B, D = W.mT @ G, W.mT @ W
-    residual = (Z.mT @ Z - (G.mT @ G + B.mT @ Lam + Lam @ B + Lam @ D @ Lam)).terms
-    return Certificate("Z'Z = G'G + B'Lam + Lam B + Lam D Lam for Z = G + W Lam", not residual, residual)
+    r"""The fast engine's dual Gram matrix, :func:`geomuon.optimizers.gram.dual_gram` run on
+    free letters: for $Z = Z_0 + WS$ with symmetric $S$, $K = Z_0^\top Z_0$,
+    $B_0 = W^\top Z_0$ and $DS$ with $D = W^\top W$ (symmetric),
+
+    $$\text{dual\_gram}(K, B_0, S, DS) = Z^\top Z \;(= K + B_0^\top S + S B_0 + S DS),$$
+
+    an identity of the free algebra (every size, no constraint on $W$): the engine updates
+    the small Gram matrix of $Z_0 + L^*(\Lambda)$ without forming $Z$. ``witness``: the
+    reduced difference (empty)."""
+    from geomuon.optimizers.gram import dual_gram
+
+    m, n = ORIENTATIONS["tall"]
+    algebra = FreeAlgebra({"Z": "Z'", "W": "W'", "S": "S"}, shapes={"Z": (m, n), "W": (m, n), "S": (n, n)})
+    Z0, W, S = algebra("Z"), algebra("W"), algebra("S")
+    Z = Z0 + W @ S
+    with _FreeFactories(algebra):
+        Q = dual_gram(Z0.mT @ Z0, W.mT @ Z0, S, (W.mT @ W) @ S)
+    residual = (Q - Z.mT @ Z).terms
+    return Certificate("gram.dual_gram(K, B0, S, DS) = (Z0 + W S)'(Z0 + W S), every size", not residual, residual)
 
 
 # ======================================================================================
