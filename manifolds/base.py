@@ -296,6 +296,16 @@ class MatrixManifold(geoopt.Manifold):
             object.__setattr__(self, "_identity", cached)
         return cached
 
+    # Equality is interchangeability: geoopt.ManifoldParameter(point, manifold=m) compares
+    # the point's manifold with ``m`` by ``!=``, and Stiefel() == Stiefel() there.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MatrixManifold):
+            return NotImplemented
+        return self.identity == other.identity
+
+    def __hash__(self) -> int:
+        return hash(self.identity)
+
     # ---------------------------------------------------------------- validation
     def shape_problem(self, m: int, n: int) -> str | None:
         """Why an ``m``×``n`` matrix cannot be a point of this manifold, or ``None``."""
@@ -472,7 +482,7 @@ class MatrixManifold(geoopt.Manifold):
         self.validate_vector(x, y, "y")
         return self.proju(y, v)
 
-    def random(self, *size, dtype=None, device=None, generator=None) -> torch.Tensor:
+    def random(self, *size, dtype=None, device=None, generator=None) -> geoopt.ManifoldTensor:
         """A random point: ``projx`` of a standard Gaussian matrix of shape ``size``.
 
         Args:
@@ -482,21 +492,27 @@ class MatrixManifold(geoopt.Manifold):
             generator: a ``torch.Generator`` on ``device`` for reproducible draws.
 
         Returns:
-            A plain tensor on the manifold (wrap it in ``geoopt.ManifoldParameter`` to
-            attach the manifold).
+            A ``geoopt.ManifoldTensor`` on this manifold (geoopt's convention: its
+            ``.manifold`` is ``self``), so ``geoopt.ManifoldParameter(manifold.random(...))``
+            carries the manifold. ``torch.nn.Parameter`` refuses a ``ManifoldTensor``
+            (its ``detach()`` returns a plain tensor); give it ``point.data``.
+
+        Raises:
+            ValueError: ``size`` is not ``(..., m, n)`` with a valid matrix shape.
         """
         shape = size2shape(*size)
         ok, reason = self._check_shape(shape, "size")
         if not ok:
             raise ValueError(reason)
         gaussian = torch.randn(shape, dtype=dtype, device=device, generator=generator)
-        return self.projx(gaussian)
+        return geoopt.ManifoldTensor(self.projx(gaussian), manifold=self)
 
-    def origin(self, *size, dtype=None, device=None, seed: int = 42) -> torch.Tensor:
-        """A deterministic point: :meth:`random` with a generator seeded by ``seed``.
+    #: geoopt's name for its cheap sampler; the same draw as :meth:`random`.
+    random_naive = random
 
-        The global RNG is left untouched.
-        """
+    def origin(self, *size, dtype=None, device=None, seed: int = 42) -> geoopt.ManifoldTensor:
+        """A deterministic point (a ``geoopt.ManifoldTensor``): :meth:`random` with a
+        generator seeded by ``seed``. The global RNG is left untouched."""
         generator = torch.Generator(device=device or "cpu").manual_seed(seed)
         return self.random(*size, dtype=dtype, device=device, generator=generator)
 

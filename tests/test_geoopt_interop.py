@@ -96,3 +96,30 @@ def test_geoopt_alone_still_emits_the_jit_warning():
     result = _python("import geoopt")
     assert result.returncode != 0
     assert "torch.jit.script` is deprecated" in result.stderr
+
+
+@pytest.mark.parametrize("name", MANIFOLDS)
+def test_random_and_origin_follow_geoopt_returning_a_manifold_tensor(name):
+    manifold = MANIFOLDS[name]()
+    gen = torch.Generator().manual_seed(0)
+    again = torch.Generator().manual_seed(0)
+    for point in (manifold.random(6, 4, generator=gen), manifold.origin(6, 4)):
+        assert isinstance(point, geoopt.ManifoldTensor) and point.manifold is manifold
+        manifold.assert_check_point_on_manifold(point)
+    # geoopt's name for the sampler draws the same point.
+    assert torch.equal(manifold.random_naive(6, 4, generator=again), manifold.random(6, 4, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(manifold.origin(6, 4), manifold.origin(6, 4))  # deterministic
+    # ManifoldParameter keeps the point's manifold, accepts an interchangeable instance,
+    # refuses a different manifold (geoopt compares them with !=).
+    point = manifold.random(6, 4)
+    assert geoopt.ManifoldParameter(point).manifold is manifold
+    assert geoopt.ManifoldParameter(point, manifold=MANIFOLDS[name]()).manifold is manifold
+    with pytest.raises(ValueError, match="Manifolds do not match"):
+        geoopt.ManifoldParameter(point, manifold=geoopt.Euclidean(ndim=2))
+
+
+def test_manifolds_are_equal_exactly_when_interchangeable():
+    assert Stiefel() == Stiefel() and hash(Stiefel()) == hash(Stiefel())
+    assert LPRO(radius=2.0) == LPRO(radius=2) and LPRO(radius=2.0) != LPRO()
+    assert Stiefel() != CenteredRouterSpace() and Stiefel() != geoopt.Stiefel(canonical=False)
+    assert len({Stiefel(), Stiefel(), LPRO(), LPRO(radius=3.0)}) == 3

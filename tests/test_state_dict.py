@@ -256,3 +256,16 @@ def test_groups_with_alike_parameter_lists_are_told_apart_by_identity():
         p.grad = torch.randn_like(p)
     optimizer.step()
     assert [optimizer._group_index(g) for g in optimizer.param_groups] == [0, 1]
+
+
+def test_points_from_random_as_manifold_parameters_resume_bit_for_bit():
+    # random() returns a geoopt.ManifoldTensor; as a ManifoldParameter it carries the
+    # manifold, the group names none, and the checkpoint still loads with weights_only.
+    generator = torch.Generator().manual_seed(3)
+    params = [geoopt.ManifoldParameter(Stiefel().random(8, 4, generator=generator)),
+              geoopt.ManifoldParameter(LPRO(radius=1.5).random(10, 4, generator=generator))]
+
+    def make(ps):
+        return ManifoldMuon(ps, lr=0.05, warm_start=True, dual_steps=2)
+
+    _check_resume(make, params)
