@@ -78,6 +78,8 @@ class GramForm:
     Attributes:
         diagonal_gram: whether $W^\top W$ is diagonal at every point of the manifold (then
             the engine takes $D$ from the column norms, with no $m\times n$ product).
+        has_newton: whether the form declares :meth:`newton_increment` (else the engine's
+            dual steps are Jacobi steps).
         retraction_order: the order of the retraction $Y\rho(Y^\top Y)$ (1: a retraction,
             $R_W(tV) = W + tV + O(t^2)$; 2: second order, the curve's acceleration at 0
             is normal).
@@ -88,6 +90,7 @@ class GramForm:
 
     diagonal_gram = False
     retraction_order = 1
+    has_newton = False
 
     def project(self, D: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """$\\Sigma$ with $P_W(X) = X - W\\Sigma$, from $D = W^\\top W$ and $M = W^\\top X$."""
@@ -110,6 +113,12 @@ class GramForm:
         :func:`inv_sqrt_near_identity` where the form uses one."""
         raise NotImplementedError
 
+    def newton_increment(self, D: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
+        r"""The multiplier increment of the Newton (Lyapunov) dual step whose $S$-space
+        increment is the symmetric $E$ (:func:`geomuon.optimizers.gram.newton_update`), for a
+        form with ``has_newton`` (its constraint is an $n\times n$ matrix)."""
+        raise NotImplementedError
+
 
 def gram_retraction(form: GramForm, x: torch.Tensor, u: torch.Tensor, terms: int = 6) -> torch.Tensor:
     r"""The form's retraction materialized: $Y\rho(Y^\top Y)$, $Y = x + u$ (tall ``[..., m, n]``).
@@ -126,10 +135,12 @@ class OrthonormalGram(GramForm):
     $\Sigma = \operatorname{sym}(M)$, $\operatorname{diag}(LL^*) = 4$, and the polar retraction
     $\rho(Y^\top Y) = (Y^\top Y)^{-1/2}$ (second order; by the series of
     :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a step of
-    length $\eta$ from a point on the manifold)."""
+    length $\eta$ from a point on the manifold). The Newton increment is exact Su's fixed
+    point: with $S = \Lambda + \Lambda^\top$, an increment $E$ of $S$ is $E/2$ of $\Lambda$."""
 
     diagonal_gram = True
     retraction_order = 2
+    has_newton = True
 
     def project(self, D, M):
         return 0.5 * (M + M.mT)
@@ -146,6 +157,9 @@ class OrthonormalGram(GramForm):
     def retraction_factor(self, YtY, terms=6):
         eye = torch.eye(YtY.size(-1), dtype=YtY.dtype, device=YtY.device)
         return inv_sqrt_near_identity(YtY - eye, terms)
+
+    def newton_increment(self, D, E):
+        return 0.5 * E
 
 
 def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
@@ -168,10 +182,17 @@ class OrthogonalColumnsGram(GramForm):
     keeps every column norm of $Y$ and is equivariant under signed column permutations.
     ``DGram.retr`` is the other retraction $\operatorname{msign}(Y)\Delta^{1/2}$ (the same map
     when the columns of $Y$ have equal norms).
+
+    Newton increment: Su's Lyapunov step solves for the increment of $DS$ with the
+    diagonal of $\operatorname{sym}(W^\top\operatorname{msign}Z)$ left free only
+    approximately; this form takes its off-diagonal part and divides by the mean
+    $(d_i^2 + d_j^2)/2$ of $D$ (exact Newton when the column norms are equal and the
+    residual's diagonal vanishes; the same as the Jacobi step when $Q = \sigma^2I$).
     """
 
     diagonal_gram = True
     retraction_order = 1
+    has_newton = True
 
     def project(self, D, M):
         d2 = _diag(D)
@@ -186,6 +207,9 @@ class OrthogonalColumnsGram(GramForm):
     def gram_diag(self, D):
         d2 = _diag(D)
         return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+
+    def newton_increment(self, D, E):
+        return 2 * _off_diagonal(E) / self.gram_diag(D)
 
     def retraction_factor(self, YtY, terms=6):
         root = _diag(YtY).sqrt()

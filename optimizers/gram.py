@@ -3,43 +3,54 @@ r"""The Gram-space steepest-descent step: dual iterations in $n\times n$, one $m
 For a manifold that declares a :class:`~geomuon.manifolds.capabilities.GramForm` (Stiefel,
 DGram, Oblique) and the spectral norm, one optimizer step on a tall stack $W$ with
 momentum $G$ is an exact reformulation of the engine of
-:mod:`geomuon.optimizers.steepest` (projection start, Jacobi-preconditioned dual ascent,
-final tangent projection) followed by the manifold's retraction:
+:mod:`geomuon.optimizers.steepest` (projection start, dual iterations, final tangent
+projection) followed by the manifold's retraction:
 
 1. $D = W^\top W$, $B = W^\top G$, $\Sigma_0 = \mathrm{project}(D, B)$, the tangent part
    $Z_0 = P_WG = G - W\Sigma_0$, $B_0 = W^\top Z_0 = B - D\Sigma_0$ and $K = Z_0^\top Z_0$.
 2. Dual iterates $Z = Z_0 + WS$, $S = \mathrm{adjoint}(\Delta)$ for the multiplier
-   correction $\Delta$ (the warm start): $Q = Z^\top Z = K + B_0^\top S + S^\top B_0 + S^\top DS$,
-   $P \approx Q^{-1/2}$ by Polar Express on the Cholesky factor of $Q$ (:func:`gram_msign`:
-   $\operatorname{msign}(Z) = ZP$),
-   $W^\top\operatorname{msign}(Z) = M = B_0P + DSP$, $H = \mathcal C(M)$ (the dual gradient),
-   $\Delta \leftarrow \Delta - \alpha\,\sigma\,H\oslash\operatorname{diag}(LL^*)$ with
-   $\sigma = \operatorname{tr}(QP)/\|ZP\|_F^2$ (:func:`jacobi_update`).
+   correction $\Delta$ (the warm start): $Q = Z^\top Z = K + F^\top S + S^\top F$,
+   $F = B_0 + \tfrac12 DS$, and the dualizer $P \approx Q^{-1/2}$, so that
+   $\operatorname{msign}(Z) = ZP$ and $M = W^\top\operatorname{msign}(Z) = (B_0 + DS)P$
+   (:func:`eigen_dualizer`: exact, from $Q = V\Lambda V^\top$; or :func:`gram_msign`:
+   Polar Express on the Cholesky factor). The dual gradient is $H = \mathcal C(M)$, and
+   $\Delta$ moves by the Newton step of Su's fixed point (:func:`newton_update`) or the
+   Jacobi step (:func:`jacobi_update`).
 3. The direction $\hat A = P_W(ZP) = WT_1 + Z_0T_2$, $T_1 = SP - \mathrm{project}(D, M)$,
    $T_2 = P$, and the retraction folded into its assembly:
    $R_W(-\eta\hat A) = Y\rho(Y^\top Y)$, $Y = W(I - \eta T_1) - \eta Z_0T_2$ (:func:`retract`).
 
-**Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off):
+**Cost** per matrix ($m\times n$ products are the unit): $B$, $Z_0$, $K$, the two products
+of $Y$, $Y^\top Y$ and $Y\rho$ — seven, however many dual steps run — plus per dual
+iteration one $n\times n$ symmetric eigendecomposition and a handful of $n\times n$
+products.
 
-* fp32 (the parameter's retraction dtype; fp64 for fp64): $B = W^\top G$ and $Z_0$ (a
-  gradient that is mostly normal keeps its small tangent part only if the projection is
-  formed to fp32 accuracy), $K = Z_0^\top Z_0$ and $Q$ (the Cholesky factorization needs $Q$
-  positive definite; a bf16 Gram is not, at the round-off of its largest entries), the
-  Cholesky factor and the triangular solve, and the retraction: $Y$, $Y^\top Y$ and
-  $Y\rho$ (feasibility: the new point is as close to the manifold as these are exact).
+**Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off,
+$\varepsilon$ the parameter dtype's):
+
+* fp32 (the parameter's retraction dtype; fp64 for fp64): $B$, $Z_0$ (a gradient that is
+  mostly normal keeps its small tangent part only if the projection is formed to fp32
+  accuracy), $K$ and $Q$ (they decide the small singular values of $Z$: a Gram squares
+  the condition number, so fp32 resolves $\sigma \gtrsim \sqrt\varepsilon\,\sigma_{\max}$
+  and bf16 only $\sqrt u\,\sigma_{\max} = 0.06\,\sigma_{\max}$), the eigendecomposition,
+  $P$, $SP$ and $M$, and the retraction: $Y$, $Y^\top Y$ and $Y\rho$.
 * $D$: the squared column norms (elementwise, exact) where the form declares
-  ``diagonal_gram``, else an fp32 product.
-* bf16 (``compute_dtype``): the Polar Express products on the Cholesky factor, and the
-  $n\times n$ products that only choose the direction ($SP$, $B_0P$): their error lowers the direction's quality by $O(u)$,
-  which the certificate measures, and never moves the point off the manifold.
+  ``diagonal_gram``, else an fp32 product; feasibility never rests on $D$, because the
+  retraction measures $Y^\top Y$.
+* bf16 (``compute_dtype``): the basis changes of the Newton step, which only choose the
+  next dual iterate (their error is $u$ relative to the step, never to the point).
 
-CPU bf16 matrix products round their output to bf16 (torch has no fp32-output bf16
-``mm`` on CPU), so split-precision products cannot recover fp32 accuracy from bf16 units:
-the fp32 products above are the floor of this step's cost on such a machine.
+Why the retraction measures $Y^\top Y$ instead of summing it from $D$, $B_0$ and $K$: $Y$
+holds $\eta Z_0P$ with $\|P\| \le \delta^{-1/2}$ large on $Z$'s small singular values, so
+any sum reaches the rounding of $K$ times $\eta^2\|P\|^2$ (measured: $1.7\cdot10^{-5}$ off
+Stiefel after one fp32 step), while a measured Gram is exact to $\varepsilon\|Y\|^2$ however
+$Y$ was formed.
 
-Everything is a polynomial in, or a conjugation of, these Gram matrices, so the map is
-equivariant under the manifold's symmetry group (up to round-off), and no step reads a
-value back to the host: the iteration counts are fixed by the settings.
+Everything is a polynomial in, an eigendecomposition of, or a conjugation of these Gram
+matrices, so the map is equivariant under the manifold's symmetry group (up to
+round-off), and no step reads a value back to the host on CPU: the iteration counts are
+fixed by the settings. (On CUDA, ``torch.linalg.eigh`` reads its convergence flag back;
+``dualizer="polar_express"`` has no such read.)
 """
 
 from __future__ import annotations
@@ -51,7 +62,14 @@ import torch
 from geomuon.manifolds.capabilities import GramForm
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
-__all__ = ["GramSettings", "GramStep", "gram_step", "gram_msign", "jacobi_update", "retract"]
+__all__ = ["GramSettings", "GramStep", "gram_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
+           "jacobi_update", "retract", "DUALIZERS", "UPDATES"]
+
+#: ``GramSettings.dualizer``: exact from the eigendecomposition of $Q$, or Polar Express on
+#: its Cholesky factor (bf16 products, no LAPACK eigensolver).
+DUALIZERS = ("eigh", "polar_express")
+#: ``GramSettings.update``: Su's Newton (Lyapunov) step where the form declares it, Jacobi.
+UPDATES = ("newton", "jacobi")
 
 
 @dataclass(frozen=True)
@@ -60,22 +78,30 @@ class GramSettings:
 
     Attributes:
         dual_steps: dual iterations whose result is dualized again within the step (each
-            costs one :func:`gram_msign`; 0: the direction is $\Phi$ of the warm-started
-            iterate).
+            costs one dualization; 0: the direction is $\operatorname{msign}$ of the
+            warm-started iterate).
         carry: take one more dual step after the last iterate, into the returned
             correction only (the next step's warm start): the dual ascent then advances
-            one step per optimizer step at the price of one $n\times n$ product.
-        alpha: the Jacobi step size (in units of the preconditioned Newton-like step).
+            one step per optimizer step without another dualization.
+        update: ``"newton"`` (:func:`newton_update`; needs ``dualizer="eigh"`` and a form
+            with :meth:`~geomuon.manifolds.capabilities.GramForm.newton_increment`; other
+            forms fall back to Jacobi) or ``"jacobi"`` (:func:`jacobi_update`).
+        alpha: the dual step size (1: the full Newton or Jacobi step).
+        dualizer: ``"eigh"`` (:func:`eigen_dualizer`) or ``"polar_express"``
+            (:func:`gram_msign`).
         msign_steps: Polar Express steps of :func:`gram_msign` (6: singular values within
             $[0.9935, 1.0012]$ in exact arithmetic).
-        compute_dtype: dtype of the dual iterations' products (``None``: the parameter's).
+        compute_dtype: dtype of the products that only choose the next dual iterate
+            (``None``: the parameter's).
         retraction_terms: terms of the retraction's inverse-square-root series
             (:func:`geomuon.manifolds.capabilities.inv_sqrt_near_identity`).
     """
 
     dual_steps: int = 0
     carry: bool = True
+    update: str = "newton"
     alpha: float = 1.0
+    dualizer: str = "eigh"
     msign_steps: int = 6
     compute_dtype: torch.dtype | None = torch.bfloat16
     retraction_terms: int = 6
@@ -85,6 +111,13 @@ class GramSettings:
             raise ValueError(f"GramSettings: dual_steps must be >= 0, got {self.dual_steps}")
         if self.msign_steps < 1:
             raise ValueError(f"GramSettings: msign_steps must be >= 1, got {self.msign_steps}")
+        if self.dualizer not in DUALIZERS:
+            raise ValueError(f"GramSettings: dualizer must be one of {DUALIZERS}, got {self.dualizer!r}")
+        if self.update not in UPDATES:
+            raise ValueError(f"GramSettings: update must be one of {UPDATES}, got {self.update!r}")
+        if self.update == "newton" and self.dualizer != "eigh":
+            raise ValueError("GramSettings: update='newton' needs dualizer='eigh' (the Lyapunov solve uses "
+                             "Q's eigenvectors); use update='jacobi' with dualizer='polar_express'")
 
 
 @dataclass
@@ -108,9 +141,64 @@ def _low_mm(X: torch.Tensor, Y: torch.Tensor, low: torch.dtype) -> torch.Tensor:
     return (X.to(low) @ Y.to(low)).to(X.dtype)
 
 
-def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype,
-               scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""$P = Q^{-1/2}$ (to the dualizer's accuracy) such that $\operatorname{msign}(Z) = ZP$ for $Q = Z^\top Z$.
+def _trace(X: torch.Tensor) -> torch.Tensor:
+    return torch.diagonal(X, dim1=-2, dim2=-1).sum(-1)
+
+
+@dataclass
+class Dualized:
+    r"""$P \approx Q^{-1/2}$ and what the dual updates read from it.
+
+    Attributes:
+        P: ``[..., n, n]``, $\operatorname{msign}(Z) = ZP$.
+        value: $\operatorname{tr}(QP) = \langle Z, \operatorname{msign} Z\rangle$ ``[...]``
+            ($\|Z\|_*$ for the exact dualizer).
+        frobenius2: $\|ZP\|_F^2 = \operatorname{tr}(PQP)$ ``[...]``.
+        eigenvectors, weights: $V$ and $f$ with $P = V\operatorname{diag}(f)V^\top$ (the
+            exact dualizer only; ``None`` otherwise).
+    """
+
+    P: torch.Tensor
+    value: torch.Tensor
+    frobenius2: torch.Tensor
+    eigenvectors: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+def dual_gram(K: torch.Tensor, B0: torch.Tensor, S: torch.Tensor, DS: torch.Tensor) -> torch.Tensor:
+    r"""$Q = Z^\top Z$ of the dual iterate $Z = Z_0 + WS$ from $K = Z_0^\top Z_0$, $B_0 = W^\top Z_0$
+    and $DS$ ($D = W^\top W$, $S$ symmetric, all ``[..., n, n]``):
+
+    $$Q = K + B_0^\top S + S^\top B_0 + S^\top DS = K + F^\top S + S^\top F,\qquad F = B_0 + \tfrac12 DS,$$
+
+    one $n\times n$ product in the inputs' dtype.
+    """
+    SF = S.mT @ torch.add(B0, DS, alpha=0.5)
+    return K + SF + SF.mT
+
+
+def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor) -> Dualized:
+    r"""The exact dualizer from $Q = V\Lambda V^\top$ (``torch.linalg.eigh``, in ``Q.dtype``):
+
+    $$P = V\operatorname{diag}(f)V^\top,\qquad f_i = (\max(\lambda_i, 0) + \delta)^{-1/2},\qquad
+    \delta = \varepsilon\,t,$$
+
+    with ``scale`` $t$ the sum of the traces of the terms $Q$ was summed from (a bound on
+    their entries' size, so $\varepsilon t$ is the rounding of $Q$): eigenvalues below it
+    are rounding, and $\delta$ keeps $\|P\| \le \delta^{-1/2}$ while it changes a singular
+    value $\sigma \gg \sqrt\delta$ of $Z$ by a factor $1 - \delta/(2\sigma^2)$ only. A zero
+    $Q$ gets $P = 0$. One $n\times n$ product ($V$ times $\operatorname{diag}(f)V^\top$).
+    """
+    lam, V = torch.linalg.eigh(Q)
+    lam = lam.clamp_min(0)
+    delta = (torch.finfo(Q.dtype).eps * scale).unsqueeze(-1)
+    f = torch.where(delta > 0, (lam + delta).rsqrt(), torch.zeros_like(lam))
+    P = (V * f.unsqueeze(-2)) @ V.mT
+    return Dualized(P=P, value=(lam * f).sum(-1), frobenius2=(lam * f * f).sum(-1), eigenvectors=V, weights=f)
+
+
+def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tensor | None = None) -> Dualized:
+    r"""$P \approx Q^{-1/2}$ (to Polar Express's accuracy) by Polar Express on the Cholesky factor of $Q$.
 
     With the Cholesky factor $Q + \delta I = C^\top C$ ($C$ upper triangular, $n\times n$),
     $Z = UC$ with $U$ orthonormal, so $\operatorname{msign}(Z) = U\operatorname{msign}(C)$ and
@@ -128,18 +216,14 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype,
     semi-definite or zero $Q$ and for the rounding of a $Q$ formed as a sum of larger terms:
     ``scale`` $t$ is the sum of the traces of those terms (default $\operatorname{tr}Q$); it
     damps singular values below about $(n^{3/2}\varepsilon)^{1/2}\sigma_{\max}$ ($0.02$ at
-    $n = 384$ in fp32). A matrix whose factorization still fails gets $P = 0$ (a zero step)
-    rather than NaN.
+    $n = 384$ in fp32), the price of a factorization that must succeed. A matrix whose
+    factorization still fails gets $P = 0$ (a zero step) rather than NaN.
     Dtypes: Cholesky and the triangular solve in ``Q.dtype`` (fp32/fp64), the Polar Express
-    products in ``low``.
-
-    Returns:
-        ``(P, frobenius2)`` in ``Q.dtype``: $P$ ``[..., n, n]`` and
-        $\|\operatorname{msign}(Z)\|_F^2 = \|\operatorname{msign}(C)\|_F^2$ ``[...]``.
+    products in ``low``. No host read: the failure flag selects on the device.
     """
     n = Q.size(-1)
     eye = torch.eye(n, dtype=Q.dtype, device=Q.device)
-    trace = torch.diagonal(Q, dim1=-2, dim2=-1).sum(-1)
+    trace = _trace(Q)
     finfo = torch.finfo(Q.dtype)
     scale = trace if scale is None else scale
     shift = (n**0.5 * finfo.eps * scale + finfo.tiny ** 0.5).reshape(*trace.shape, 1, 1)
@@ -153,53 +237,77 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype,
     ok = info == 0
     P = torch.linalg.solve_triangular(C, X, upper=True)
     P = torch.where(ok.reshape(*info.shape, 1, 1), P, torch.zeros_like(P))
-    return P, torch.where(ok, X.square().sum((-2, -1)), torch.zeros_like(trace))
+    zero = torch.zeros_like(trace)
+    # tr(QP) = tr(C^T C C^{-1} X) - delta tr(P) = tr(C^T X) - delta tr(P), elementwise (no cancelling product)
+    value = (C * X).sum((-2, -1)) - shift.reshape(trace.shape) * _trace(P)
+    return Dualized(P=P, value=torch.where(ok, value, zero), frobenius2=torch.where(ok, X.square().sum((-2, -1)), zero))
 
 
-def jacobi_update(form: GramForm, D: torch.Tensor, Q: torch.Tensor, P: torch.Tensor, frobenius2: torch.Tensor,
-                  M: torch.Tensor, alpha: float) -> torch.Tensor:
+def jacobi_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tensor, alpha: float) -> torch.Tensor:
     r"""The Jacobi-preconditioned dual step $-\alpha\,\sigma\,\mathcal C(M)\oslash\operatorname{diag}(LL^*)$.
 
     $\mathcal C(M) = L_W(\operatorname{msign} Z)$ is scale-free while the multiplier scales
     with $G$: a change $\delta$ of $\Lambda$ moves $\operatorname{msign}(Z)$ by about
     $L^*(\delta)/\sigma$, so the step carries $\sigma = \langle Z, A\rangle/\langle A, A\rangle
-    = \operatorname{tr}(QP)/\|A\|_F^2$, $Z$'s typical singular value ($\operatorname{tr}(QP)$
-    elementwise, in ``Q.dtype``; a product $QP$ would cancel: $\|Q\|\|P\| \gg \|QP\|$).
+    = \operatorname{tr}(QP)/\|A\|_F^2$, $Z$'s typical singular value.
     """
     H = form.constraint(M)
-    tiny = torch.finfo(Q.dtype).tiny
-    sigma = (Q * P.mT).sum((-2, -1)) / frobenius2.clamp_min(tiny)
+    tiny = torch.finfo(M.dtype).tiny
+    sigma = dual.value / dual.frobenius2.clamp_min(tiny)
     diag = form.gram_diag(D)
     sigma = sigma.reshape(sigma.shape + (1,) * (H.dim() - sigma.dim()))
     return torch.where(diag > 0, (-alpha * sigma) * H / diag.clamp_min(tiny), torch.zeros_like(H))
+
+
+def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tensor, alpha: float,
+                  low: torch.dtype) -> torch.Tensor:
+    r"""Su's fixed-point (Newton) step for the multiplier, by one Lyapunov solve in $Q$'s eigenbasis.
+
+    On Stiefel ($D = I$) with $Z = G + WX$, $X$ symmetric: $W^\top\operatorname{msign}(Z) =
+    (B + X)Q^{-1/2}$, and tangency $\operatorname{sym}(W^\top\operatorname{msign} Z) = 0$ with
+    $R = Q^{1/2}$ held fixed is the Lyapunov equation $RX + XR = -2\operatorname{sym}(RB)$
+    (J. Su, kexue.fm/archives/11221). Written as an increment $E = X_{\rm new} - X$ of the
+    current iterate, whose residual is $\mathcal C(M) = M + M^\top$:
+
+    $$RE + ER = -R\,\mathcal C(M)\,R,\qquad
+    E = -V\Big[\frac{(V^\top\mathcal C(M)V)_{ij}}{f_i + f_j}\Big]V^\top$$
+
+    ($R = V\operatorname{diag}(1/f)V^\top$, the same $f$ as $P$). The form maps $E$ to the
+    multiplier's increment (:meth:`~geomuon.manifolds.capabilities.GramForm.newton_increment`;
+    ``None``: no Newton step declared, and the Jacobi step is taken). The two basis changes
+    (four $n\times n$ products) run in ``low``: they only choose the next iterate, and their
+    error is relative to the step.
+    """
+    if dual.eigenvectors is None or not form.has_newton:
+        return jacobi_update(form, D, dual, M, alpha)
+    V, f = dual.eigenvectors, dual.weights
+    Vl = V.to(low)
+    Ht = (Vl.mT @ form.constraint(M).to(low) @ Vl).to(M.dtype)
+    denominator = f.unsqueeze(-1) + f.unsqueeze(-2)
+    tiny = torch.finfo(M.dtype).tiny
+    Et = torch.where(denominator > 0, Ht / denominator.clamp_min(tiny), torch.zeros_like(Ht))
+    E = (Vl @ Et.to(low) @ Vl.mT).to(M.dtype)
+    return form.newton_increment(D, (-alpha) * E)
 
 
 def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor, T2: torch.Tensor,
             lr: float, shrink: float = 1.0, terms: int = 6) -> torch.Tensor:
     r"""$R_{W'}(-\eta\hat A) = Y\rho(Y^\top Y)$ with $Y = W' - \eta(W'T_1 + Z_0T_2) = W\,c(I - \eta T_1) - \eta Z_0T_2$,
     $W' = cW$: the $m\times n$ assembly, the measured Gram $Y^\top Y$ and the right factor, all
-    in ``W.dtype``.
-
-    $Y^\top Y$ is measured rather than formed from $D$, $W^\top\hat A$ and $\hat A^\top\hat A$:
-    that sum reaches $T_2^\top KT_2$ with $T_2 \approx Q^{-1/2}$, which amplifies any error of
-    $K$ by $\operatorname{cond}(Z_0)^2$ (measured: $\|W^\top W - I\|_{\max} = 1.7\cdot10^{-5}$
-    after one fp32 step on a rank-deficient gradient). Measured, the new point is as
-    feasible as the form's retraction is accurate, whatever the direction's rounding.
+    in ``W.dtype`` (see the module docstring for why the Gram is measured).
     """
     eye = torch.eye(T1.size(-1), dtype=T1.dtype, device=T1.device)
     Y = torch.baddbmm(W @ (shrink * (eye - lr * T1)), Z0, T2, alpha=-lr)
     return Y @ form.retraction_factor(Y.mT @ Y, terms)
 
 
-def _trace(X: torch.Tensor) -> torch.Tensor:
-    return torch.diagonal(X, dim1=-2, dim2=-1).sum(-1)
-
-
-def _normal_only(Z0: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+def _normal_only(tangent2: torch.Tensor, normal2: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     r"""Per matrix: $\|P_WG\|_F \le 8\sqrt{\max(m, n)}\,\varepsilon\,\|G\|_F$ (the tangent part
-    is round-off of the projection; dualizing it would take a unit step in a noise direction)."""
-    level = 8.0 * max(G.shape[-2:]) ** 0.5 * torch.finfo(G.dtype).eps
-    return Z0.norm(dim=(-2, -1)) <= level * G.norm(dim=(-2, -1))
+    is round-off of the projection; dualizing it would take a unit step in a noise direction),
+    from the squared norms $\|Z_0\|_F^2 = \operatorname{tr}K$ and $\|W\Sigma_0\|_F^2 =
+    \operatorname{tr}(\Sigma_0^\top D\Sigma_0)$ of the two orthogonal parts of $G$ (no pass over $G$)."""
+    level = 64.0 * max(shape[-2:]) * torch.finfo(dtype).eps ** 2
+    return tangent2 <= level * (tangent2 + normal2)
 
 
 def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
@@ -226,22 +334,30 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
     B = shrink * (W.mT @ G)
     sigma0 = form.project(D, B)
     Z0 = torch.baddbmm(G, W, sigma0, alpha=-shrink)
-    normal = _normal_only(Z0, G)
-    B0 = B - mulD(sigma0)
+    D_sigma0 = mulD(sigma0)
+    B0 = B - D_sigma0
     K = Z0.mT @ Z0
+    trace_K = _trace(K)
+    normal = _normal_only(trace_K, (sigma0 * D_sigma0).sum((-2, -1)), G.shape, G.dtype)
     delta = torch.zeros_like(form.constraint(B0)) if correction is None else correction.to(W.dtype)
     S = form.adjoint(delta)
     for k in range(settings.dual_steps + 1):
-        BtS = B0.mT @ S
-        SDS = S.mT @ mulD(S)
-        Q = K + BtS + BtS.mT + SDS
-        magnitude = _trace(K) + _trace(SDS)  # >= |tr 2 sym(B0^T S)|, by Cauchy-Schwarz
-        P, frobenius2 = gram_msign(Q, settings.msign_steps, low, magnitude)
-        SP = _low_mm(S, P, low)
-        M = _low_mm(B0, P, low) + mulD(SP)
+        DS = mulD(S)
+        Q = dual_gram(K, B0, S, DS)
+        magnitude = trace_K + (S * DS).sum((-2, -1))  # tr K + tr S^T D S >= |tr 2 sym(B0^T S)|
+        if settings.dualizer == "eigh":
+            dual = eigen_dualizer(Q, magnitude)
+        else:
+            dual = gram_msign(Q, settings.msign_steps, low, magnitude)
+        P = dual.P
+        SP = S @ P
+        M = torch.baddbmm(mulD(SP), B0, P)
         last = k == settings.dual_steps
         if not last or settings.carry:
-            step = jacobi_update(form, D, Q, P, frobenius2, M, settings.alpha)
+            if settings.update == "newton":
+                step = newton_update(form, D, dual, M, settings.alpha, low)
+            else:
+                step = jacobi_update(form, D, dual, M, settings.alpha)
             delta = delta + step
             if not last:
                 S = S + form.adjoint(step)
@@ -265,7 +381,7 @@ class _PointGram:
 
     def __init__(self, form: GramForm, W: torch.Tensor, shrink: float) -> None:
         if form.diagonal_gram:
-            self.diagonal = ((shrink * shrink) * W.square().sum(-2)).unsqueeze(-1)
+            self.diagonal = ((shrink * shrink) * torch.linalg.vector_norm(W, dim=-2).square()).unsqueeze(-1)
             self.D = torch.diag_embed(self.diagonal.squeeze(-1))
         else:
             self.diagonal = None
