@@ -1,45 +1,62 @@
 r"""Symbolic certificates (sympy) of the library's own algebra.
 
 Every certificate evaluates **the library's code**, never a re-typed copy of a formula:
-the manifolds' methods, the update maps and the Newton–Schulz step run unchanged on two
-sympy-valued stand-ins for ``torch.Tensor``, both *tensor-like* in torch's sense
+the manifolds' methods, the update maps, the iteration steps and coefficient tables run
+unchanged on sympy-valued stand-ins for ``torch.Tensor``, *tensor-like* in torch's sense
 (``__torch_function__``), so the library's input checks accept them:
 
-* :class:`FreeMatrix` — an element of the free algebra of non-commuting matrix symbols
-  of **symbolic size** ($W$, $W^\top$, $X$, …) with commutative sympy coefficients,
-  reduced by rewriting rules such as $W^\top W \to I$ (Stiefel). An identity proved here
-  holds for every $m \ge n$ (tall and square; the library maps a wide point to the
-  transposed geometry), every batch, every coefficient table.
+* :class:`FreeMatrix` — an element of the free algebra of non-commuting matrix letters
+  of **symbolic size** ($W$, $W^\top$, $X$, …; sizes are sympy expressions, so the
+  library's ``m < n`` tests are decided from the symbols' assumptions) with commutative
+  sympy coefficients, reduced by rewriting rules: a generic point's and tangent vector's
+  defining equations ($W^\top W \to I$, $W^\top W \to D$ diagonal,
+  $\operatorname{Diag}(W^\top W) \to I$, $\mathbf 1^\top W \to 0$), and the rules of the
+  diagonal-part operator, the Sylvester solve $E \oslash (d_i + d_j)$ and a ones letter
+  (:class:`FreeAlgebra`), which carry the entrywise formulas of DGram, Oblique, LPRO and
+  the router. An identity reduced to zero here holds **at every size** of the orientation
+  (tall, square, wide), every batch.
 * :class:`ExactTensor` — a concrete-size array of sympy expressions with the slice of the
-  torch API the manifolds and maps use (``mT``, ``@``, ``sum``, ``norm``,
-  ``torch.diagonal``, …). Entries are symbols, so an identity checked here holds for
-  every point of a family (symbolic Cayley frames, symbolic column norms) at that size;
-  the sizes are stated with each certificate (tall, square and wide).
+  torch API the manifolds and maps use. Entries are symbols, so an identity checked here
+  holds for every point of a family (symbolic Cayley frames, symbolic column norms) at
+  that size; the sizes are stated with each certificate.
+* Series mode (:meth:`FreeAlgebra.series`): truncated Taylor series in $t$ with 60-digit
+  float coefficients, for the twelve Polar Express steps of a retraction, whose exact
+  coefficients have degree $5^{12}$; the words are exact, the scalars are floats checked
+  against a rigorous enclosure.
 
 Every function returns a :class:`Certificate` whose ``witness`` is the exact object the
 claim rests on (a reduced residual that is identically zero, a factorization, an exact
 counterexample). Floating-point constants are read as the exact decimals they are
-written as (``Rational("3.4445") = 6889/2000``). The full list of certificates, with
-statements, sizes and methods, is the docs page *Concepts → Certificates*.
+written as (``Rational("3.4445") = 6889/2000``). The full list, with statements, sizes and
+methods, and what is *not* proved, is the docs page *Concepts → Exact certificates*.
 
-* **Manifolds** (:func:`certify_manifold`, :func:`certify_stiefel_every_size`): the
-  defining map vanishes on the point and differentiates to $L_W$; the adjoint identity
+* **Manifolds** (:func:`certify_every_size` at every size; :func:`certify_manifold` at
+  $2\times2$, $3\times2$, $2\times3$ on symbolic point families): $F(W) = 0$ and
+  $dF_W = L_W$; the adjoint identity
   $\langle L_W(A), \Lambda\rangle = \langle A, L_W^*(\Lambda)\rangle$;
-  ``constraint_gram_diag`` is the diagonal of $L_WL_W^*$; $P_W$ is idempotent, tangent,
-  self-adjoint, and $I - P_W$ maps into $\operatorname{range}(L_W^*)$, so
-  $\operatorname{range}(P_W) = T_W = \ker L_W$ (for Stiefel at symbolic size:
-  $P_W = I - L_W^*(L_WL_W^*)^{-1}L_W$ and $P_W$ fixes every tangent vector).
-* **Retractions** (:func:`certify_retraction`, :func:`certify_newton_schulz_retraction`):
-  $R_W(0) = W$ and $\tfrac{d}{dt}R_W(tV)|_{0} = V$ from the exact Taylor coefficients;
-  for the Newton–Schulz retractions, the exact first-order expansion of one library step
-  on $\sigma W + t\tau V$, for every size.
+  ``constraint_gram_diag`` is the diagonal of $L_WL_W^*$ on the range of $L_W$;
+  $P_W = I - L_W^*(L_WL_W^*)^{-1}L_W$, idempotent, tangent, fixing every tangent vector:
+  $\operatorname{range}(P_W) = T_W$.
+* **Retractions**: $R_W(0) = W$ and $\tfrac{d}{dt}R_W(tV)|_{0} = V$ from Taylor
+  coefficients (:func:`certify_retraction` exactly at fixed sizes;
+  :func:`certify_stiefel_retraction` on ``Stiefel.retr`` at symbolic $m$ in series mode;
+  :func:`certify_gram_form`, :func:`certify_gram_retract`,
+  :func:`certify_inverse_sqrt_series` for the fast engine's Gram-form retractions;
+  DGram's ``retr`` only in float64, :func:`certify_newton_schulz_retraction`).
 * **Update maps** (:func:`certify_map_row`): every ``map`` row of
   :mod:`geomuon.theory.declared` — a proof on generators of the group for ``holds``
   rows, an exact counterexample for ``fails`` rows.
-* **Constants**: the GELU Lipschitz constant, the soft-cap root's uniqueness and the
-  $62/81$ threshold, rigorous Newton–Schulz output ranges (the $\eta$ of
-  :func:`geomuon.optimizers.regulate.muon_update_norm`), and the Gram-space identity of
-  the fast engine.
+* **Coefficient tables and constants**: Polar Express rows are the minimax quintics of
+  their design intervals (:func:`certify_polar_express_table`), the coupled
+  inverse-square-root step converges to $\lambda^{-1/2}$ with a rigorous error bound
+  (:func:`certify_inverse_sqrt_iteration`, :func:`inverse_sqrt_error_bound`), the GELU
+  Lipschitz constant, the soft-cap root's uniqueness and the $62/81$ threshold, rigorous
+  Newton–Schulz output ranges (the $\eta$ of
+  :func:`geomuon.optimizers.regulate.muon_update_norm`), and the engine's dual Gram
+  identity (:func:`certify_gram_space_identity` on ``gram.dual_gram``).
+
+``bench/symbolic_mutations.py`` breaks these formulas one at a time in a copy of the
+repository and checks that ``tests/test_symbolic.py`` fails on each.
 """
 
 from __future__ import annotations
