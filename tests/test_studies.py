@@ -430,3 +430,17 @@ def test_the_width_sweep_doubles_the_width_and_nothing_else():
         assert (arm.strategy, arm.hyper, arm.customize) == (base.strategy, base.hyper, base.customize)
         config = common.train_config(size, arm, seed=0, data_path=str(DATA))
         assert {**config.model_overrides} == {**size.model_overrides, "n_embd": 256}
+
+
+@needs_data
+def test_the_peer_rows_train_torchs_muon_and_adamw(run_once):
+    """The long configuration's rows are what their names say, read from the assignment tables
+    the runs stored: torch's Muon on the hidden matrices, the library's Muon there, AdamW everywhere."""
+    study, tmp_path, code = run_once(long_study)
+    assert code == 0
+    tables = {name: v["assignment"] for name, v in
+              json.loads((tmp_path / "results" / study.NAME / "results.json").read_text())["variants"].items()}
+    assert re.search(r"^h\.0\.attn\.c_attn\.weight .* attn_qkv +torch_muon$", tables["torch_muon"], re.MULTILINE)
+    assert re.search(r"^h\.0\.attn\.c_attn\.weight .* attn_qkv +muon$", tables["unconstrained"], re.MULTILINE)
+    assert re.search(r"^wte\.weight .* embedding +adamw$", tables["torch_muon"], re.MULTILINE)
+    assert not re.search(r" (torch_muon|muon)$", tables["adamw"], re.MULTILINE)

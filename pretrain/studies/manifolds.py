@@ -346,4 +346,7 @@ def wide_variants(size: Size) -> list[Variant]:
 WIDTH_SWEEP = LearningRateSweep(
     types.SimpleNamespace(NAME=NAME, SIZES=SIZES, variants=wide_variants), "manifolds-width-sweep",
     "Different layers, different manifolds at twice the width: does the best learning rate move?",
-    comparisons=[("hetero wide", "unconstrained wide")])
+    comparisons=[("hetero wide", "unconstrained wide")],
+    note="The same two arms at the study's own width are swept on the `manifolds-sweep` page: if the best rate "
+         "transfers across width, as the modular norm's scaling claims, the two pages' best rates are the same grid "
+         "point.")

@@ -136,12 +136,13 @@ class LearningRateSweep:
     """A sweep study over the arms of ``base`` (a study module), registered in
     :data:`geomuon.pretrain.studies.STUDIES` under ``name``. It runs at the base study's
     sizes (it tunes the size it is compared at), with the grid :data:`GRIDS` gives each;
-    ``comparisons`` are ``(arm, arm)`` pairs the page compares at their best points."""
+    ``comparisons`` are ``(arm, arm)`` pairs the page compares at their best points; ``note``
+    ends the page's introduction."""
 
     def __init__(self, base, name: str, title: str, comparisons: list[tuple[str, str]],
-                 grids: dict[str, Grid] = GRIDS):
+                 grids: dict[str, Grid] = GRIDS, note: str = ""):
         self.base, self.NAME, self.TITLE, self.SIZES = base, name, title, base.SIZES
-        self.comparisons, self.grids = comparisons, grids
+        self.comparisons, self.grids, self.note = comparisons, grids, note
         self.__doc__ = f"Learning-rate sweep of the {base.NAME} study."
 
     def grid(self, size: Size) -> Grid:
@@ -278,7 +279,7 @@ class LearningRateSweep:
             f"then the best point "
             f"gets seed(s) {', '.join(str(s) for s in g.best_seeds if s not in g.seeds)} and the arms are "
             f"compared there on seeds {', '.join(map(str, g.best_seeds))}. The best point is the lowest mean "
-            "final validation loss over the grid's seeds; a point with a diverged run ranks last.",
+            "final validation loss over the grid's seeds; a point with a diverged run ranks last. " + self.note,
             f"## Best points ({len(g.best_seeds)} seeds)\n\n" + best_table,
             "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
             "not overlap (a rough screen, not a significance test).\n\n" + "\n".join(f"* {f}" for f in findings),
