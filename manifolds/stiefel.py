@@ -34,6 +34,12 @@ class Stiefel(MatrixManifold):
     SVD returns frames orthonormal only to about $n\varepsilon$) and rounds once; its $U$
     is a full orthonormal frame even for a rank-deficient $X$, so it always lands on the
     manifold. The constraint maps and ``proju`` compute in the input's dtype.
+
+    Against geoopt's ``Stiefel`` (whose default is the canonical metric with the Cayley
+    retraction): this is geoopt's Euclidean-metric geometry, but wide points are valid, the
+    polar retraction is not reversible (``reversible = False``: geoopt's samplers refuse
+    it), and ``projx`` of a float32 point already on the manifold returns it within float32
+    rounding. See the Manifolds concept page of the docs.
     """
 
     name = "Stiefel"
