@@ -156,8 +156,13 @@ _BOOTSTRAP = """
 import sys
 import __editable___geomuon_0_1_0_finder as finder
 root = sys.argv[1]
+installed = finder.MAPPING["geomuon"].rsplit("/", 1)[0]
 for name, path in list(finder.MAPPING.items()):
-    finder.MAPPING[name] = path.replace(finder.MAPPING["geomuon"].rsplit("/", 1)[0], root, 1)
+    finder.MAPPING[name] = path.replace(installed, root, 1)
+import geomuon.manifolds.stiefel, geomuon.theory.symbolic
+for module in (geomuon.manifolds.stiefel, geomuon.theory.symbolic):
+    if not module.__file__.startswith(root):
+        sys.exit(f"the copy is not what is imported: {module.__name__} from {module.__file__}")
 import pytest
 sys.exit(pytest.main(sys.argv[2:]))
 """
