@@ -10,7 +10,7 @@ from .base import MatrixOptimizer
 from .manifold_muon import ManifoldMuon
 from .muon import Muon
 from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
-from .steepest import NORMS, SteepestResult, steepest_direction
+from .steepest import NORMS, SolverSettings, SteepestResult, steepest_direction
 
 __all__ = [
     "msign",
@@ -24,5 +24,6 @@ __all__ = [
     "HybridPolarGradM",
     "steepest_direction",
     "SteepestResult",
+    "SolverSettings",
     "NORMS",
 ]

@@ -36,6 +36,7 @@ same iteration on $n\times n$ matrices in :mod:`geomuon.optimizers.gram`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,7 +46,10 @@ from geomuon.manifolds.linalg import msign
 
 from .maps import col_norm, hybrid, row_norm
 
-__all__ = ["Norm", "NORMS", "SOLVER_PRESETS", "SteepestResult", "steepest_direction", "certified_ratio"]
+__all__ = [
+    "Norm", "NORMS", "SolverSettings", "ACCURATE", "FAST", "REFERENCE", "SOLVER_PRESETS", "SteepestResult",
+    "steepest_direction", "certified_ratio",
+]
 
 
 @dataclass(frozen=True)
@@ -60,17 +64,10 @@ class Norm:
     """
 
     name: str
-    dualize: Callable[[torch.Tensor, "_Settings"], torch.Tensor]
+    dualize: Callable[[torch.Tensor, "SolverSettings"], torch.Tensor]
     value: Callable[[torch.Tensor, bool], torch.Tensor]
     dual: Callable[[torch.Tensor], torch.Tensor]
     exact_dualizer: bool = True
-
-
-@dataclass(frozen=True)
-class _Settings:
-    msign_method: str
-    msign_steps: int | None
-    compute_dtype: torch.dtype | None
 
 
 def _spectral_value(A: torch.Tensor, exact: bool) -> torch.Tensor:
@@ -98,7 +95,7 @@ def _nuclear(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svdvals(X).sum(dim=-1)
 
 
-def _msign(X: torch.Tensor, s: _Settings) -> torch.Tensor:
+def _msign(X: torch.Tensor, s: "SolverSettings") -> torch.Tensor:
     return msign(X, method=s.msign_method, steps=s.msign_steps, compute_dtype=s.compute_dtype)
 
 
@@ -133,20 +130,79 @@ NORMS: dict[str, Norm] = {
     ),
 }
 
-#: Named solver settings. ``accurate``: the certified-quality setting of the checks
-#: (exact certificate, best iterate kept). ``fast``: the shape of what
-#: :class:`~geomuon.optimizers.ManifoldMuon` runs per step (one constant-size dual step, to be
-#: warm-started, no certificate). ``reference``: the unpreconditioned
-#: setting of the reference code ($\Lambda_0 = -\tfrac14 L_W G$, $\alpha = 0.1$, 20 steps),
-#: kept to show what the preconditioning buys.
-SOLVER_PRESETS: dict[str, dict] = {
-    "accurate": dict(steps=100, alpha=0.8, decay=True, tol=1e-10, certify="exact", track_best=True),
-    "fast": dict(steps=1, alpha=1.0, decay=False, tol=0.0, certify=None, track_best=False, safeguard=True),
-    "reference": dict(
-        steps=20, alpha=0.1, decay=True, tol=1e-6, init="reference", precondition=False,
-        certify="exact", track_best=False,
-    ),
-}
+@dataclass(frozen=True)
+class SolverSettings:
+    r"""Settings of :func:`steepest_direction` (the defaults are :data:`ACCURATE`).
+
+    Attributes:
+        steps: maximum dual steps $K$ (0: the projection iterate $\Phi(P_WG)$ alone).
+        alpha: dual step size $\alpha$ (in units of the Jacobi-preconditioned step).
+        decay: step $\alpha(1 - k/K)$ if true, constant $\alpha$ otherwise.
+        tol: stop when RMS$(L_W(A_k))$ < ``tol`` (0: never; a positive ``tol`` reads one
+            flag back per step).
+        init: ``"projection"`` ($\Lambda_0 = -(LL^*)^{-1}L_WG$), ``"reference"``
+            ($-\tfrac14 L_WG$) or ``"zero"``.
+        precondition: divide the dual gradient by $\operatorname{diag}(L_WL_W^*)$.
+        certify: ``"exact"`` (SVD-based dual norm and spectral norm), ``"fast"``
+            ($\langle X, \Phi(X)\rangle$: an estimate, exact only when $\Phi$ is), or
+            ``None`` (no certificate).
+        track_best: score every tenth iterate and the last and keep the best direction
+            and the smallest dual value; otherwise only the last iterate is scored.
+        exact_norm: rescale by the exact norm (SVD for the spectral norm) rather than
+            $\sigma_{\max}$ from the small Gram matrix (``None``: ``certify == "exact"``). The
+            certified primal always divides by $\max(1, \|\hat A\|)$ with the exact norm.
+        safeguard: after each dual step, a matrix whose residual RMS$(L_W(A))$ grew returns
+            to its previous iterate and stops (constant steps can overshoot where the dual
+            is nonsmooth, e.g. for a rank-deficient $G$).
+        msign_method, msign_steps: the spectral dualizer, a method of
+            :func:`geomuon.manifolds.linalg.msign` and its iterations.
+        compute_dtype: dtype of the dual iterations (e.g. ``torch.bfloat16``); the base
+            iterate, the final projection and the rescaling run in ``W.dtype``.
+    """
+
+    steps: int = 100
+    alpha: float = 0.8
+    decay: bool = True
+    tol: float = 1e-10
+    init: str = "projection"
+    precondition: bool = True
+    certify: str | None = "exact"
+    track_best: bool = True
+    exact_norm: bool | None = None
+    safeguard: bool = False
+    msign_method: str = "polar_express"
+    msign_steps: int | None = None
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.init not in ("projection", "reference", "zero"):
+            raise ValueError(f"SolverSettings: unknown init {self.init!r}; choose 'projection', 'reference' or 'zero'")
+        if self.certify not in (None, "fast", "exact"):
+            raise ValueError(f"SolverSettings: certify must be None, 'fast' or 'exact', got {self.certify!r}")
+        if self.steps < 0:
+            raise ValueError(f"SolverSettings: steps must be >= 0, got {self.steps}")
+
+    @property
+    def rescale_exactly(self) -> bool:
+        """Whether the direction is rescaled by its exact norm (see ``exact_norm``)."""
+        return self.certify == "exact" if self.exact_norm is None else bool(self.exact_norm)
+
+    def replace(self, **changes) -> "SolverSettings":
+        """A copy with ``changes`` (field: value), validated."""
+        return dataclasses.replace(self, **changes)
+
+
+#: The certified-quality setting of the checks: exact certificate, best iterate kept.
+ACCURATE = SolverSettings()
+#: What :class:`~geomuon.optimizers.ManifoldMuon`'s general path runs per step: one constant
+#: dual step, to be warm-started, safeguarded, the cheap rescaling, no certificate.
+FAST = SolverSettings(steps=1, alpha=1.0, decay=False, tol=0.0, certify=None, track_best=False,
+                      exact_norm=False, safeguard=True)
+#: The unpreconditioned setting of the reference code ($\Lambda_0 = -\tfrac14 L_W G$,
+#: $\alpha = 0.1$, 20 steps), kept to show what the preconditioning buys.
+REFERENCE = SolverSettings(steps=20, alpha=0.1, tol=1e-6, init="reference", precondition=False,
+                           track_best=False)
+SOLVER_PRESETS: dict[str, SolverSettings] = {"accurate": ACCURATE, "fast": FAST, "reference": REFERENCE}
 
 
 @dataclass
@@ -160,11 +216,11 @@ class SteepestResult:
         ratio: primal / dual, a certified lower bound on the optimality fraction.
         steps: dual steps taken.
         residual: RMS of $L_W(A)$ at the last dual iterate (before the final
-            projection), ``[...]``; ``None`` on the fast path (no certificate, ``tol = 0``),
-            which skips that product after the last step.
-        multiplier: the last $\Lambda$ (``lam_like``); ``None`` on the fast path.
+            projection), ``[...]``; ``None`` when nothing asked for it (no certificate,
+            ``tol = 0``, no safeguard), which skips that product after the last step.
+        multiplier: the last $\Lambda$ (``lam_like``); ``None`` likewise.
         correction: $\Lambda - \Lambda_0(G)$, what to pass as ``warm_start`` next time
-            (``None`` when no dual step was taken and no warm start was given).
+            (``None`` when no dual step was taken and no warm start was used).
     """
 
     direction: torch.Tensor
@@ -197,6 +253,12 @@ def _rms(H: torch.Tensor, batch: int) -> torch.Tensor:
     return H.pow(2).mean(dim=tuple(range(batch, H.dim()))).sqrt()
 
 
+def _ratio(primal: torch.Tensor, dual: torch.Tensor) -> torch.Tensor:
+    """primal / dual; a zero optimum (zero $G$) is reached, so it reports 1, not 0/0."""
+    tiny = torch.finfo(dual.dtype).tiny
+    return torch.where(dual > tiny, primal / dual.clamp_min(tiny), torch.ones_like(dual))
+
+
 def certified_ratio(G: torch.Tensor, direction: torch.Tensor, iterate: torch.Tensor) -> torch.Tensor:
     r"""The exact spectral-norm certificate of a tangent ``direction``: primal over dual,
 
@@ -207,9 +269,24 @@ def certified_ratio(G: torch.Tensor, direction: torch.Tensor, iterate: torch.Ten
     dtype; ``[...]``.
     """
     primal = _inner(G, direction) / _spectral_value(direction, True).clamp_min(1.0)
-    dual = _nuclear(iterate)
-    tiny = torch.finfo(dual.dtype).tiny
-    return torch.where(dual > tiny, primal / dual.clamp_min(tiny), torch.ones_like(dual))
+    return _ratio(primal, _nuclear(iterate))
+
+
+def certificate(G: torch.Tensor, direction: torch.Tensor, X: torch.Tensor, A: torch.Tensor, norm: Norm,
+                settings: SolverSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(primal, dual)`` of a feasible ``direction`` and the dual iterate ``X`` (its
+    dualization ``A``), ``[...]`` each, in ``G.dtype``:
+
+    * primal $\langle G, \hat A\rangle$, divided by $\max(1, \|\hat A\|)$ (exact norm) when
+      the direction was rescaled by an estimate, so it never overstates;
+    * dual $\|X\|_\dagger$ (``certify="exact"``), an upper bound on the optimum by weak
+      duality, or the estimate $\langle X, \Phi(X)\rangle$ (``"fast"``).
+    """
+    primal = _inner(G, direction)
+    if settings.certify == "exact" and not settings.rescale_exactly:
+        primal = primal / norm.value(direction, True).clamp_min(1.0)
+    dual = norm.dual(X) if settings.certify == "exact" else _inner(X, A.to(G.dtype))
+    return primal, dual
 
 
 def _gram_solve(manifold, W, rhs, gram_diag):
@@ -220,27 +297,87 @@ def _gram_solve(manifold, W, rhs, gram_diag):
     return manifold.gram_solve(W, rhs)
 
 
+def _start(manifold, W: torch.Tensor, G: torch.Tensor, init: str):
+    r"""The base iterate $B = G + L_W^*(\Lambda_0)$ in ``W``'s dtype and $\Lambda_0$ (``None``
+    for the projection start, whose $B = P_WG$ comes from ``proju`` directly)."""
+    if init == "projection":
+        return manifold.proju(W, G), None
+    LG = manifold.constraint(W, G)
+    lam0 = -0.25 * LG if init == "reference" else torch.zeros_like(LG)
+    return G + manifold.constraint_adjoint(W, lam0), lam0
+
+
+def _feasible(manifold, W: torch.Tensor, A: torch.Tensor, norm: Norm, exact: bool) -> torch.Tensor:
+    r"""$\hat A = P_W(A)/\|P_W(A)\|$ in ``W.dtype`` (0 where $P_W(A) = 0$): tangent, unit norm."""
+    At = manifold.proju(W, A.to(W.dtype))
+    size = norm.value(At, exact)
+    size = size.reshape(*size.shape, 1, 1)
+    return torch.where(size > 0, At / size.clamp_min(torch.finfo(W.dtype).tiny), torch.zeros_like(At))
+
+
+def _normal_only(tangent: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    r"""Per matrix: $\|P_WG\|_F \le 8\sqrt{\max(m, n)}\,\varepsilon\,\|G\|_F$, i.e. the tangent
+    part of ``G`` is at the round-off level of the projection in ``G``'s dtype."""
+    eps = torch.finfo(G.dtype).eps
+    level = 8.0 * max(G.shape[-2:]) ** 0.5 * eps
+    return tangent.norm(dim=(-2, -1)) <= level * G.norm(dim=(-2, -1))
+
+
+def _jacobi_step(manifold, W, X, A, H, gram, rate: float, batch: int) -> torch.Tensor:
+    r"""The Jacobi-preconditioned dual step $-\alpha_k\,\sigma\,H \oslash \operatorname{diag}(LL^*)$.
+
+    $H = L(\Phi(X))$ is scale-free while the multiplier scales with $G$: a change $\delta$
+    of $\Lambda$ moves $\Phi(X)$ by about $L^*(\delta)/\sigma$, so the Newton-like step carries
+    $\sigma = \langle X, \Phi X\rangle/\langle \Phi X, \Phi X\rangle$, $X$'s typical singular
+    value (row/column norm for those norms).
+    """
+    A = A.to(X.dtype)
+    sigma = _inner(X, A) / _inner(A, A).clamp_min(torch.finfo(X.dtype).tiny)
+    return -(rate * _per_matrix(sigma, H, batch)) * _gram_solve(manifold, W, H, gram)
+
+
+def _plain_step(H: torch.Tensor, rate: float) -> torch.Tensor:
+    r"""The unpreconditioned dual (sub)gradient step $-\alpha_k H$ (the reference code's)."""
+    return -rate * H
+
+
+class _BestIterate:
+    """``track_best``: the best feasible direction and the smallest dual value scored so far."""
+
+    def __init__(self) -> None:
+        self.direction = self.primal = self.dual = None
+
+    def score(self, direction: torch.Tensor, primal: torch.Tensor, dual: torch.Tensor) -> None:
+        if self.direction is None:
+            self.direction, self.primal, self.dual = direction, primal, dual
+            return
+        better = (primal > self.primal).reshape(*primal.shape, 1, 1)
+        self.direction = torch.where(better, direction, self.direction)
+        self.primal = torch.maximum(self.primal, primal)
+        self.dual = torch.minimum(self.dual, dual)
+
+
+def _settings(settings: SolverSettings | str, changes: dict) -> SolverSettings:
+    if isinstance(settings, str):
+        if settings not in SOLVER_PRESETS:
+            raise ValueError(f"steepest_direction: unknown preset {settings!r}; choose {list(SOLVER_PRESETS)}")
+        settings = SOLVER_PRESETS[settings]
+    unknown = set(changes) - {f.name for f in dataclasses.fields(SolverSettings)}
+    if unknown:
+        raise TypeError(f"steepest_direction: unknown solver setting(s) {sorted(unknown)}; the fields of "
+                        f"SolverSettings are {[f.name for f in dataclasses.fields(SolverSettings)]}")
+    return settings.replace(**changes) if changes else settings
+
+
 def steepest_direction(
     manifold,
     W: torch.Tensor,
     G: torch.Tensor,
     norm: str | Norm = "spectral",
+    settings: SolverSettings | str = ACCURATE,
     *,
-    preset: str | None = "accurate",
-    steps: int | None = None,
-    alpha: float | None = None,
-    decay: bool | None = None,
-    tol: float | None = None,
-    init: str | None = None,
-    precondition: bool | None = None,
     warm_start: torch.Tensor | None = None,
-    msign_method: str = "polar_express",
-    msign_steps: int | None = None,
-    compute_dtype: torch.dtype | None = None,
-    certify: str | None = "default",
-    track_best: bool | None = None,
-    exact_norm: bool | None = None,
-    safeguard: bool | None = None,
+    **changes,
 ) -> SteepestResult:
     r"""Steepest-descent direction of ``G`` on ``manifold`` at ``W`` under ``norm``.
 
@@ -254,191 +391,99 @@ def steepest_direction(
         W: point ``[..., m, n]`` on the manifold.
         G: direction to align with ``[..., m, n]`` (the *negative* step direction).
         norm: ``"spectral"``, ``"row"``, ``"column"``, ``"hybrid"`` or a :class:`Norm`.
-        preset: base settings from :data:`SOLVER_PRESETS` (``accurate``, ``fast``,
-            ``reference``, or ``None`` for the explicit arguments only); explicit
-            arguments override it.
-        steps: maximum dual steps $K$ (0: the projection iterate $\Phi(P_WG)$ alone).
-        alpha: dual step size $\alpha$ (in units of the Jacobi-preconditioned step).
-        decay: step $\alpha(1 - k/K)$ if true, constant $\alpha$ otherwise.
-        tol: stop when RMS$(L_W(A_k))$ < ``tol``.
-        init: ``"projection"`` ($\Lambda_0 = -(LL^*)^{-1}L_WG$), ``"reference"``
-            ($-\tfrac14 L_WG$) or ``"zero"``.
-        precondition: divide the dual gradient by $\operatorname{diag}(L_WL_W^*)$.
-        warm_start: correction added to $\Lambda_0$ (a previous result's ``correction``).
-        msign_method: the spectral dualizer's ``method`` in :func:`geomuon.manifolds.linalg.msign`.
-        msign_steps: its ``steps``.
-        compute_dtype: dtype of the dual iterations (e.g. ``torch.bfloat16``); the final
-            projection and rescaling run in ``W.dtype``.
-        certify: ``"exact"`` (SVD-based dual norm and spectral norm), ``"fast"``
-            ($\langle X, \Phi(X)\rangle$ and power iteration: an estimate, exact only
-            when $\Phi$ is), or ``None`` (no certificate).
-        track_best: score every tenth iterate and the last (primal of its feasible
-            direction, dual value) and keep the best direction and the smallest dual
-            value (``accurate``); otherwise only the last iterate is scored.
-        exact_norm: rescale by the exact norm (SVD for the spectral norm) rather than an
-            estimate (default: ``certify == "exact"``). The certified primal always
-            divides by $\max(1, \|\hat A\|)$ with the exact norm, so it stays honest.
-        safeguard: after each dual step, a matrix whose residual RMS$(L_W(A))$ grew
-            returns to its previous iterate and stops (``fast``: constant steps can
-            overshoot where the dual is nonsmooth, e.g. for a rank-deficient $G$); costs
-            one constraint product for the last iterate.
+        settings: a :class:`SolverSettings` or the name of one in :data:`SOLVER_PRESETS`.
+        warm_start: correction added to $\Lambda_0$ (a previous result's ``correction``);
+            ignored at a closed form, whose dual gradient is round-off (accumulated in a
+            warm start, it would move the next direction by about
+            $\text{round-off}/\sigma_{\min}(P_WG)$).
+        **changes: fields of :class:`SolverSettings` that replace those of ``settings``
+            (``steepest_direction(m, W, G, steps=30)``).
 
     Returns:
         :class:`SteepestResult` with tensors of ``W.dtype``.
 
     Raises:
-        ValueError: for mismatched shapes, an unknown norm, preset or init.
+        ValueError: for mismatched shapes, an unknown norm, preset, init or certify.
+        TypeError: for a keyword that is not a field of :class:`SolverSettings`.
     """
-    if preset is not None and preset not in SOLVER_PRESETS:
-        raise ValueError(f"steepest_direction: unknown preset {preset!r}; choose {list(SOLVER_PRESETS)}")
-    settings = dict(SOLVER_PRESETS[preset]) if preset is not None else {}
-    explicit = dict(steps=steps, alpha=alpha, decay=decay, tol=tol, init=init,
-                    precondition=precondition, track_best=track_best, safeguard=safeguard)
-    settings.update({k: v for k, v in explicit.items() if v is not None})
-    if certify != "default":
-        settings["certify"] = certify
-    K = int(settings.get("steps", 20))
-    alpha_ = float(settings.get("alpha", 1.0))
-    decay_ = bool(settings.get("decay", True))
-    tol_ = float(settings.get("tol", 0.0))
-    init_ = settings.get("init", "projection")
-    precond = bool(settings.get("precondition", True))
-    certify_ = settings.get("certify", None)
-    best = bool(settings.get("track_best", False))
-    exact_size = certify_ == "exact" if exact_norm is None else bool(exact_norm)
-    guard = bool(settings.get("safeguard", False))
-
+    s = _settings(settings, changes)
     nrm = NORMS.get(norm) if isinstance(norm, str) else norm
     if nrm is None:
         raise ValueError(f"steepest_direction: unknown norm {norm!r}; choose one of {list(NORMS)}")
     if W.shape != G.shape:
         raise ValueError(f"steepest_direction: W {tuple(W.shape)} and G {tuple(G.shape)} differ")
-    if init_ not in ("projection", "reference", "zero"):
-        raise ValueError(f"steepest_direction: unknown init {init_!r}")
-    if certify_ not in (None, "fast", "exact"):
-        raise ValueError(f"steepest_direction: certify must be None, 'fast' or 'exact', got {certify_!r}")
-    if K < 0:
-        raise ValueError(f"steepest_direction: steps must be >= 0, got {K}")
 
     batch = W.dim() - 2
-    s = _Settings(msign_method, msign_steps, compute_dtype)
-    out_dtype = W.dtype
-    Wc = W if compute_dtype is None else W.to(compute_dtype)
-
+    Wc = W if s.compute_dtype is None else W.to(s.compute_dtype)
     # Iterates X_k = B + L^*(Delta_k) around a base B formed in W's dtype: near a
     # constrained optimum G is mostly normal, and forming G + L^*(Lambda) in bf16 would
     # cancel its small tangent part away. Only the correction Delta goes through the
     # compute dtype.
-    if init_ == "projection":
-        B, lam0 = manifold.proju(W, G), None
-    else:
-        LG = manifold.constraint(W, G)
-        lam0 = -0.25 * LG if init_ == "reference" else torch.zeros_like(LG)
-        B = G + manifold.constraint_adjoint(W, lam0)
-    gram = manifold.constraint_gram_diag(W) if precond else None
+    B, lam0 = _start(manifold, W, G, s.init)
+    gram = manifold.constraint_gram_diag(W) if s.precondition else None
+    steps = s.steps
     keeps_tangent = getattr(manifold, "dualizer_keeps_tangent", None)
-    if init_ == "projection" and warm_start is None and keeps_tangent is not None and keeps_tangent(W, nrm.name):
-        K = 0
-    diagnose = certify_ is not None or tol_ > 0
+    if s.init == "projection" and keeps_tangent is not None and keeps_tangent(W, nrm.name):
+        steps, warm_start = 0, None  # a closed form: Phi(P_W G) is the steepest direction
+    measured = s.certify is not None or s.tol > 0
 
-    def dual_value(X, A):
-        if certify_ == "exact":
-            return nrm.dual(X)
-        return _inner(X, A.to(out_dtype))
+    def iterate(delta):
+        X = B if delta is None else B + manifold.constraint_adjoint(Wc, delta.to(Wc.dtype)).to(W.dtype)
+        return X, nrm.dualize(X if s.compute_dtype is None else X.to(s.compute_dtype), s)
 
-    def feasible(A):
-        At = manifold.proju(W, A.to(out_dtype))
-        size = nrm.value(At, exact_size)
-        size = size.reshape(*size.shape, 1, 1)
-        return torch.where(size > 0, At / size.clamp_min(torch.finfo(out_dtype).tiny), torch.zeros_like(At))
-
-    def primal_value(direction):
-        value = _inner(G, direction)
-        if certify_ == "exact" and not exact_size:
-            value = value / nrm.value(direction, True).clamp_min(1.0)
-        return value
-
-    delta = None if warm_start is None else warm_start.to(out_dtype)
-    best_dir = best_primal = best_dual = None
-    taken = 0
-    residual = previous = frozen = None
-    for k in range(K + 1):
-        X = B if delta is None else B + manifold.constraint_adjoint(Wc, delta.to(Wc.dtype)).to(out_dtype)
-        A = nrm.dualize(X if compute_dtype is None else X.to(compute_dtype), s)
-        if k == K and not diagnose and previous is None:
+    delta = None if warm_start is None else warm_start.to(W.dtype)
+    best = _BestIterate() if s.track_best and s.certify is not None else None
+    taken, residual, previous, frozen = 0, None, None, None
+    for k in range(steps + 1):
+        X, A = iterate(delta)
+        if k == steps and not measured and previous is None:
             break
-        H = manifold.constraint(Wc, A.to(Wc.dtype)).to(out_dtype)
+        H = manifold.constraint(Wc, A.to(Wc.dtype)).to(W.dtype)
         if H.shape[-1] == 0:  # unconstrained: Phi(G) is the answer
             break
         residual = _rms(H, batch)
         if previous is not None:
-            # safeguard: a matrix whose residual grew goes back to its previous iterate
-            # and takes no further step (a rank-deficient G makes the dual nonsmooth,
-            # where a constant step can overshoot).
-            # (per matrix on the device: no read-back of a batch-wide flag)
+            # the safeguard, per matrix on the device (no read-back of a batch-wide flag)
             worse = residual > previous[3]
             frozen = worse if frozen is None else frozen | worse
-            A, X, delta, residual = (
-                torch.where(_per_matrix(worse, new, batch), old, new)
-                for old, new in zip(previous, (A, X, delta, residual))
-            )
-        if best and certify_ is not None and (k % _TRACK_EVERY == 0 or k == K):
-            cand = feasible(A)
-            p, d = primal_value(cand), dual_value(X, A)
-            if best_dir is None:
-                best_dir, best_primal, best_dual = cand, p, d
-            else:
-                better = p > best_primal
-                best_dir = torch.where(better.reshape(*better.shape, 1, 1), cand, best_dir)
-                best_primal = torch.maximum(best_primal, p)
-                best_dual = torch.minimum(best_dual, d)
+            A, X, delta, residual = (torch.where(_per_matrix(worse, new, batch), old, new)
+                                     for old, new in zip(previous, (A, X, delta, residual)))
+        if best is not None and (k % _TRACK_EVERY == 0 or k == steps):
+            candidate = _feasible(manifold, W, A, nrm, s.rescale_exactly)
+            best.score(candidate, *certificate(G, candidate, X, A, nrm, s))
         # the tolerance test reads back one flag, so only a solve that asks for it pays it
-        if k == K or (tol_ > 0 and bool((residual < tol_).all())):
+        if k == steps or (s.tol > 0 and bool((residual < s.tol).all())):
             break
-        rate = alpha_ * (1.0 - k / K) if decay_ else alpha_
-        if precond:
-            # H = L(Phi(X)) is scale-free while the multiplier scales with G: a change
-            # delta of Lambda moves Phi(X) by about L^*(delta)/sigma, so the Newton-like
-            # step carries sigma = <X, Phi X>/<Phi X, Phi X>, X's typical singular value
-            # (row/column norm for those norms).
-            Ac = A.to(out_dtype)
-            sigma = _inner(X, Ac) / _inner(Ac, Ac).clamp_min(torch.finfo(out_dtype).tiny)
-            rate = rate * _per_matrix(sigma, H, batch)
-        step = -rate * (_gram_solve(manifold, W, H, gram) if precond else H)
+        rate = s.alpha * (1.0 - k / steps) if s.decay else s.alpha
+        step = _jacobi_step(manifold, W, X, A, H, gram, rate, batch) if s.precondition else _plain_step(H, rate)
         if frozen is not None:
             step = torch.where(_per_matrix(frozen, step, batch), 0, step)
-        if guard:
+        if s.safeguard:
             previous = (A, X, torch.zeros_like(step) if delta is None else delta, residual)
         delta = step if delta is None else delta + step
         taken += 1
 
-    if best_dir is not None:
-        direction, primal, dual = best_dir, best_primal, best_dual
+    if best is not None and best.direction is not None:
+        direction, primal, dual = best.direction, best.primal, best.dual
     else:
-        direction = feasible(A)
-        primal = primal_value(direction) if certify_ is not None else None
-        dual = dual_value(X, A) if certify_ is not None else None
-    if init_ == "projection":
+        direction = _feasible(manifold, W, A, nrm, s.rescale_exactly)
+        primal, dual = certificate(G, direction, X, A, nrm, s) if s.certify is not None else (None, None)
+    if s.init == "projection":
         # A gradient normal to the manifold up to round-off has no meaningful tangent
         # part: dualizing the round-off would take a unit step in a noise direction (and
         # break equivariance). Such matrices get the zero direction instead.
         normal = _per_matrix(_normal_only(B, G), direction, batch)
         direction = torch.where(normal, torch.zeros_like(direction), direction)
-    ratio = None
-    if primal is not None:
-        tiny = torch.finfo(out_dtype).tiny
-        # A zero G has optimum 0, reached: report 1 rather than 0/0.
-        ratio = torch.where(dual > tiny, primal / dual.clamp_min(tiny), torch.ones_like(dual))
     multiplier = None
-    if diagnose:
+    if measured:
         if lam0 is None:
             lam0 = -_gram_solve(manifold, W, manifold.constraint(W, G), manifold.constraint_gram_diag(W))
         multiplier = lam0 if delta is None else lam0 + delta
     return SteepestResult(
-        direction=direction.to(out_dtype),
+        direction=direction.to(W.dtype),
         primal=primal,
         dual=dual,
-        ratio=ratio,
+        ratio=None if primal is None else _ratio(primal, dual),
         steps=taken,
         residual=residual,
         multiplier=multiplier,

@@ -67,7 +67,7 @@ __all__ = ["Declaration", "declarations", "table_rows", "EXACT_SOLVER"]
 #: (measured on 3x2, 30 draws: residual 2e-14 after 5 steps, 3e-10 after 10, 1e-4 after 20,
 #: with the SVD msign as well) — a property of the dual iteration, not of the symmetry.
 EXACT_SOLVER = dict(
-    preset=None, steps=5, alpha=1.0, decay=True, tol=0.0, certify=None, track_best=False,
+    steps=5, alpha=1.0, decay=True, tol=0.0, certify=None, track_best=False,
     exact_norm=True,
 )
 
