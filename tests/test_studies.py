@@ -373,8 +373,9 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(tiny_sweep, tmp_path, mon
     monkeypatch.setattr(common, "train_run", counting)
     interrupting = True
     argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work")]
-    with pytest.raises(KeyboardInterrupt):
-        common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "first")])
+    assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "first")]) == 130
+    hint = capsys.readouterr().err
+    assert "interrupted" in hint and f"Continue with: geomuon study tiny-sweep {' '.join(argv)}" in hint
     assert len(trained) == 5 and len(list((tmp_path / "work").glob(f"*/{common.RECORD}"))) == 4
     # the 5th run was interrupted as its record was about to be written: its folder holds none
     interrupting, first_five = False, list(trained)

@@ -576,7 +576,9 @@ def _torch_version() -> str:
 
 
 def main(study, argv: list[str] | None = None) -> int:
-    """The command line of one study (``geomuon study NAME``): parse ``argv``, run, and return the exit code (2 for bad options)."""
+    """The command line of one study (``geomuon study NAME``): parse ``argv``, run, and return
+    the exit code (2 for bad options, 130 when interrupted: the complete runs stay, and the
+    same command without ``--fresh`` continues from them)."""
     parser = argparse.ArgumentParser(prog=f"geomuon study {study.NAME}", description=study.TITLE)
     add_arguments(parser, study)
     argv = sys.argv[1:] if argv is None else argv
@@ -586,5 +588,10 @@ def main(study, argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"geomuon study {study.NAME}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        again = " ".join(shlex.quote(a) for a in argv if a != "--fresh")
+        print(f"geomuon study {study.NAME}: interrupted; the runs that completed are kept in their folders. "
+              f"Continue with: geomuon study {study.NAME} {again}", file=sys.stderr)
+        return 130
     print(f"results page: {path}")
     return 0
