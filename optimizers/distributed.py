@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "local_rows", "as_shard", "shard_rows",
-           "sharded_matrix_step", "sharding_stats"]
+           "sharded_matrix_step", "sharding_stats", "matrix_owner"]
 
 
 
@@ -91,6 +91,13 @@ class ShardingStats:
 def sharding_stats(optimizer) -> ShardingStats:
     """The :class:`ShardingStats` of ``optimizer`` on this rank (created on first use)."""
     return optimizer.__dict__.setdefault("sharding_stats", ShardingStats())
+
+
+def matrix_owner(optimizer, p: torch.Tensor) -> int | None:
+    """The rank that mapped ``p``'s whole matrix in its last sharded step, so holds its
+    whole-matrix state (warm starts, step counts, regulator state); ``None`` before any
+    (or for a row-wise map, whose state is all shards)."""
+    return optimizer.__dict__.get("_matrix_owners", {}).get(id(p))
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -240,6 +247,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
 
     first = next(i for i, q in enumerate(p for g in optimizer.param_groups for p in g["params"]) if q is params[0])
     owner = [(first + i) % world for i in range(len(params))]
+    optimizer.__dict__.setdefault("_matrix_owners", {}).update((id(p), o) for p, o in zip(params, owner))
     mine = [i for i, o in enumerate(owner) if o == rank]
     fields = [local_momentum] + ([[p.to_local() for p in params]] if not elementwise else [])
     tail = tuple(params[0].shape[1:])
@@ -270,13 +278,13 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
                     for q in proxies:
                         q.copy_(regulator(q, lr=lr, state=optimizer.state[q]))
             results = proxies
-    # 4. back: the owner's rows for every rank
-    starts = [sum(rows[:r]) for r in range(world)]
-    outgoing = [[r[starts[d]:starts[d] + rows[d]] for r in results] for d in range(world)]
-    # updates travel in the stack's dtype (what the maps return), new weights in the
-    # parameters': every rank, owner or not, knows what comes back without another message
+    # 4. back: the owner's rows for every rank. Updates travel in the stack's dtype, new
+    # weights in the parameters': every rank, owner or not, knows what comes back without
+    # another message
     back_dtype = dtype if elementwise else params[0].dtype
     results = [r.to(back_dtype) for r in results]
+    starts = [sum(rows[:r]) for r in range(world)]
+    outgoing = [[r[starts[d]:starts[d] + rows[d]] for r in results] for d in range(world)]
     incoming = [[((rows[rank], *tail), back_dtype) for i in range(len(params)) if owner[i] == s] for s in range(world)]
     back = _all_to_all(outgoing, incoming, group_handle, rank, stats)
     local = [None] * len(params)

@@ -21,15 +21,21 @@ all-to-alls per same-shape batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import os
+import re
+import shutil
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, whole
+from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, matrix_owner, whole
 
-__all__ = ["OwnerGather", "ddp", "fsdp", "full_state"]
+__all__ = ["OwnerGather", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record", "read_distributed", "dcp_folder",
+           "dcp_folders"]
 
 
 @dataclass
@@ -109,7 +115,8 @@ def ddp(model, assignment, cfg, ddp):
             p.grad = None
 
     module = DistributedDataParallel(model, find_unused_parameters=bool(model.config.n_experts))
-    return Parallel(module, before_step, handout.gather)
+    owned = {id(p) for p, r in zip(params, handout.owner) if r == ddp.rank}
+    return Parallel(module, before_step, handout.gather, owned=owned)
 
 
 def fsdp(model, assignment, cfg, ddp):
@@ -133,7 +140,8 @@ def fsdp(model, assignment, cfg, ddp):
         for group in opt.param_groups:
             group["params"] = [moved[id(p)] for p in group["params"]]
         opt.state = collections.defaultdict(
-            dict, {moved[id(p)]: {k: _shard_like(v, moved[id(p)]) for k, v in s.items()} for p, s in opt.state.items()})
+            dict, {moved[id(p)]: {k: _shard_like(k, v, moved[id(p)]) for k, v in s.items()}
+                   for p, s in opt.state.items()})
     mirror = [(p, after[name]) for name, p in replica.named_parameters()]
 
     @torch.no_grad()
@@ -149,18 +157,288 @@ def _nothing() -> None:
     pass
 
 
-def _shard_like(value, param):
-    """``value`` split like ``param`` when it is a full tensor of ``param``'s shape."""
-    if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == param.shape:
+#: Optimizer state entries that are elementwise in their parameter (torch's optimizers and
+#: this package's): under FSDP2 they are split into the parameter's row shards. Any other
+#: entry — a warm start, a step count — is whole-matrix state, kept whole (the shape is
+#: no guide: the $n\times n$ warm start of a square matrix has the matrix's shape).
+ELEMENTWISE_STATE = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+
+
+def _elementwise(key: str, value_shape, param) -> bool:
+    return key in ELEMENTWISE_STATE and tuple(value_shape) == tuple(param.shape)
+
+
+def _shard_like(key: str, value, param):
+    """``value`` split like ``param`` when it is a full elementwise state tensor (:data:`ELEMENTWISE_STATE`)."""
+    if isinstance(value, torch.Tensor) and not is_sharded(value) and _elementwise(key, value.shape, param):
         return as_shard(local_rows(value, param).clone(), param)
     return value
 
 
-def full_state(state):
-    """``state`` (nested dicts/lists of tensors) with every ``DTensor`` replaced by its full
-    tensor: a collective, so every rank calls it in the same order."""
-    if isinstance(state, dict):
-        return {k: full_state(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(full_state(v) for v in state)
-    return whole(state) if isinstance(state, torch.Tensor) else state
+# ----------------------------------------------------------------------------- distributed checkpoints
+
+#: A distributed checkpoint is a folder ``dcp-step<step>`` of the run folder: the tensors
+#: written by ``torch.distributed.checkpoint`` (``.metadata``, one ``.distcp`` file per
+#: rank) and :data:`RUN_RECORD`, the plain data (step, config, log, param groups).
+DCP_FOLDER = re.compile(r"dcp-step(\d+)")
+RUN_RECORD = "run.pt"
+DCP_FORMAT = "geomuon-dcp/1"
+#: distributed checkpoints a run keeps: the latest and the one before it
+DCP_KEEP = 2
+
+
+def dcp_folder(out_dir: str, step: int) -> str:
+    """The folder of the distributed checkpoint of ``step`` in the run folder ``out_dir``."""
+    return os.path.join(out_dir, f"dcp-step{step:08d}")
+
+
+def dcp_folders(out_dir: str) -> list[tuple[int, str]]:
+    """The complete distributed checkpoints of a run folder as ``(step, path)``, oldest
+    first (a folder still being written ends in ``.tmp`` and is not listed)."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(out_dir, name)) for name in os.listdir(out_dir)
+             if (m := DCP_FOLDER.fullmatch(name))]
+    return sorted(found)
+
+
+def _state_key(optimizer: str, name: str, key: str) -> str:
+    return f"optimizer/{optimizer}/{name}/{key}"
+
+
+def _parameter_names(model) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _holds(optimizer, p, value, owned) -> bool:
+    """Whether this rank's copy of ``optimizer.state[p]``'s ``value`` is the one to save.
+
+    DDP (``owned``: ids of this rank's parameters): the owner holds the whole state.
+    FSDP2: shards of the parameter's shape are held by every rank; whole-matrix state
+    (warm starts, step counts, regulator state) by the rank that mapped the matrix last
+    (:func:`geomuon.optimizers.distributed.matrix_owner`; before any sharded step, e.g.
+    just after a load, every rank holds the same copy)."""
+    if owned is not None:
+        return id(p) in owned
+    if is_sharded(value) or not is_sharded(p):
+        return True
+    owner = matrix_owner(optimizer, p)
+    return owner is None or owner == dist.get_rank()
+
+
+def save_distributed(folder: str, model, assignment, record: dict, owned=None) -> None:
+    r"""Write a distributed checkpoint to ``folder`` (every rank calls it; collective).
+
+    Tensors through ``torch.distributed.checkpoint.save`` — the model's
+    (``get_model_state_dict``: the ``Shard(0)`` ``DTensor``\ s of FSDP2 as shards, DDP's
+    replicas once) and the optimizer state each rank holds (:func:`_holds`), keyed
+    ``optimizer/<name>/<parameter name>/<key>`` so a different world size or layout
+    finds them by name. Plain data — ``record`` (step, config, log…) and each optimizer's
+    param groups (manifold and regulator specs) and non-tensor state — goes to
+    :data:`RUN_RECORD` on rank 0 (read with ``weights_only=True``; DCP would pickle it).
+
+    Atomic: everything is written to ``folder + ".tmp"`` (files fsynced), and rank 0
+    renames it to ``folder`` once every rank has finished; the older checkpoints beyond
+    :data:`DCP_KEEP` are removed after that.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    together = dist.is_initialized()
+    main = not together or dist.get_rank() == 0
+    tmp = folder + ".tmp"
+    root = os.path.dirname(folder) or "."
+    if main:  # folders left by a run killed while writing
+        for name in os.listdir(root):
+            if name.endswith(".tmp") and DCP_FOLDER.fullmatch(name[:-len(".tmp")]):
+                shutil.rmtree(os.path.join(root, name))
+    _barrier(together)
+    names = _parameter_names(model)
+    tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
+    plain: dict[str, dict] = {}
+    for opt_name, opt in assignment.optimizers.items():
+        extra = plain.setdefault(opt_name, {})
+        for p, state in opt.state.items():
+            for key, value in state.items():
+                if not _holds(opt, p, value, owned):
+                    continue
+                if isinstance(value, torch.Tensor):
+                    tensors[_state_key(opt_name, names[id(p)], key)] = value
+                else:
+                    extra.setdefault(names[id(p)], {})[key] = value
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not together)
+    gathered = [plain]
+    if together:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, plain)
+    if main:
+        optimizers = {}
+        for opt_name, opt in assignment.optimizers.items():
+            extra = {}
+            for other in gathered:
+                extra.update(other[opt_name])
+            optimizers[opt_name] = {"param_groups": opt.state_dict()["param_groups"],
+                                    "names": [names[id(p)] for g in opt.param_groups for p in g["params"]],
+                                    "plain_state": extra}
+        with open(os.path.join(tmp, RUN_RECORD), "wb") as f:
+            torch.save({"format": DCP_FORMAT, **record, "optimizers": optimizers}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier(together)
+    if main:
+        old = folder + ".old"
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        if os.path.exists(folder):  # the same step written again (a run resumed and stopped at once)
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        _fsync_dir(root)
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        for _, stale in dcp_folders(root)[:-DCP_KEEP]:
+            shutil.rmtree(stale)
+    _barrier(together)
+
+
+def read_record(folder: str) -> dict:
+    """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
+    naming the folder when it is not a complete geomuon distributed checkpoint."""
+    path = os.path.join(folder, RUN_RECORD)
+    problem = None
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        problem = "has no .metadata (torch.distributed.checkpoint did not finish it)"
+    elif not os.path.isfile(path):
+        problem = f"has no {RUN_RECORD}"
+    else:
+        try:
+            record = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises several types for a damaged zip archive
+            problem = f"has an unreadable {RUN_RECORD} ({str(err).split('. ')[0]})"
+        else:
+            if not isinstance(record, dict) or record.get("format") != DCP_FORMAT:
+                problem = f"has a {RUN_RECORD} that is not a {DCP_FORMAT} record"
+    if problem is not None:
+        raise ValueError(f"distributed checkpoint {folder!r} {problem}")
+    return record
+
+
+def load_distributed(folder: str, model, assignment, owned=None) -> dict:
+    r"""Load the distributed checkpoint ``folder`` into ``model`` (as parallelized: FSDP2
+    shards, DDP replicas or a plain model) and ``assignment``'s optimizers; returns its
+    record. Collective when a process group is initialized; a single process reads it
+    alone. Any world size: ``torch.distributed.checkpoint.load`` reads every tensor
+    into the layout of this run (``Shard(0)`` rows of this world size, or whole).
+
+    Optimizer state is loaded for the parameters this rank holds (``owned`` under DDP,
+    every parameter otherwise); elementwise state (:data:`ELEMENTWISE_STATE`) takes the
+    parameter's layout, any other (warm starts, step counts) is loaded whole.
+
+    Raises:
+        ValueError: naming ``folder``, for an incomplete folder, one written by another
+            model or strategy (the names that differ), or unreadable tensor files.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    together = dist.is_initialized()
+    record = read_record(folder)
+    try:
+        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise ValueError(f"distributed checkpoint {folder!r} has an unreadable .metadata ({err})") from None
+    model_state = get_model_state_dict(model)
+    expected = {f"model/{k}" for k in model_state}
+    present = {k for k in saved if k.startswith("model/")}
+    if expected != present or set(record["optimizers"]) != set(assignment.optimizers):
+        differ = sorted(expected ^ present) + sorted(set(record["optimizers"]) ^ set(assignment.optimizers))
+        raise ValueError(f"distributed checkpoint {folder!r} was written for another model or strategy "
+                         f"(entries that differ: {', '.join(differ[:6])}{' …' if len(differ) > 6 else ''}); "
+                         "resume with the run's original settings")
+    for key, value in model_state.items():
+        size = tuple(saved[f"model/{key}"].size)
+        if size != tuple(value.shape):
+            raise ValueError(f"distributed checkpoint {folder!r}: {key} has shape {size}, this model's "
+                             f"{tuple(value.shape)}; resume with the run's original settings")
+    names = _parameter_names(model)
+    templates: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
+    wanted = []  # (optimizer, parameter, key, state key)
+    for opt_name, opt in assignment.optimizers.items():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if owned is not None and id(p) not in owned:
+                    continue
+                prefix = _state_key(opt_name, names[id(p)], "")
+                for state_key in (k for k in saved if k.startswith(prefix)):
+                    meta = saved[state_key]
+                    if _elementwise(state_key[len(prefix):], meta.size, p):
+                        template = torch.empty_like(p.detach(), dtype=meta.properties.dtype)
+                    else:
+                        template = torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
+                                               device=_local_device(p))
+                    templates[state_key] = template
+                    wanted.append((opt_name, p, state_key[len(prefix):], state_key))
+    try:
+        with contextlib.nullcontext() if together else _one_process():
+            dcp.load(templates, storage_reader=dcp.FileSystemReader(folder), no_dist=not together)
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        cause = str(err).strip().splitlines()[-1]  # DCP's message ends with the rank's error
+        raise ValueError(f"distributed checkpoint {folder!r} could not be read ({cause}); its tensor files "
+                         "are damaged or missing") from None
+    set_model_state_dict(model, {k: templates[f"model/{k}"] for k in model_state},
+                         options=StateDictOptions(strict=True))
+    for opt_name, opt in assignment.optimizers.items():
+        saved_opt = record["optimizers"][opt_name]
+        index = {name: i for i, name in enumerate(saved_opt["names"])}
+        state: dict[int, dict] = {}
+        for name, entries in saved_opt["plain_state"].items():
+            state.setdefault(index[name], {}).update(entries)
+        for owner_name, p, key, state_key in wanted:
+            if owner_name == opt_name:
+                state.setdefault(index[names[id(p)]], {})[key] = templates[state_key]
+        if owned is not None:  # under DDP a rank keeps the state of its own parameters only
+            mine = {names[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in owned}
+            state = {i: s for i, s in state.items() if saved_opt["names"][i] in mine}
+        opt.load_state_dict({"state": state, "param_groups": saved_opt["param_groups"]})
+    return record
+
+
+def read_distributed(folder: str, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """The whole tensors of a distributed checkpoint whose keys start with ``prefix``
+    (default: the model's, keyed by parameter name), read in this one process (no
+    process group needed): to inspect a run, or compare it with another."""
+    import torch.distributed.checkpoint as dcp
+
+    read_record(folder)
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
+               if k.startswith(prefix) and hasattr(m, "size")}
+    with _one_process():
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return {k[len(prefix):]: v for k, v in tensors.items()}
+
+
+def _local_device(p: torch.Tensor) -> torch.device:
+    """The device of ``p``'s local data (a ``DTensor``'s shard, or ``p``)."""
+    return p.to_local().device if is_sharded(p) else p.device
+
+
+@contextlib.contextmanager
+def _one_process():
+    """Silence DCP's notice that it reads without a process group: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(together: bool) -> None:
+    if together:
+        dist.barrier()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -28,13 +28,20 @@ on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --para
   parameters it owns (the others have ``grad = None`` during the step, which every
   optimizer skips), and the owners' updates are then handed out with one all-gather
   per dtype (:class:`geomuon.pretrain.parallel.OwnerGather`).
-  Optimizer state lives only on the owner; checkpoints gather it on rank 0.
+  Optimizer state lives only on the owner.
 * **Schedules.** Linear warmup then cosine decay to ``min_lr_ratio`` of every group's
   base learning rate (the matrix and AdamW rates share the schedule).
 * **Checkpoints** are written atomically (temp file, fsync, ``os.replace``) and the
   previous one is kept as ``ckpt.prev.pt``. Resuming restores parameters, optimizer
   state, the step and the log records; batches are a function of (seed, step), so the
   remaining losses and the log are bit-identical to an uninterrupted run on CPU.
+  Under ``torchrun`` they are **distributed checkpoints** (``torch.distributed.checkpoint``):
+  a folder ``dcp-step<N>`` in which every rank writes the shards and optimizer state it
+  holds, renamed into place once complete; the latest two are kept
+  (:func:`geomuon.pretrain.parallel.save_distributed`). A run resumes from the newest
+  checkpoint of its folder, of either kind, on any number of processes: the tensors are
+  read into the new layout (:func:`geomuon.pretrain.parallel.load_distributed`); on the
+  same world size the remaining steps are bit-identical to an uninterrupted run.
 * **Interrupts.** SIGINT (Ctrl-C) or SIGTERM lets the current step finish, writes a
   checkpoint and raises :class:`TrainingInterrupted`; the command line prints
   ``interrupted at step N; resume with: …`` and exits with 128 + the signal number
@@ -80,7 +87,7 @@ from geomuon.optimizers.distributed import whole
 from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
-from geomuon.pretrain.parallel import full_state
+from geomuon.pretrain.parallel import dcp_folder, dcp_folders, load_distributed, read_record, save_distributed
 
 
 @dataclass
@@ -133,13 +140,15 @@ def owners(params: list[torch.Tensor], world: int) -> list[int]:
 
 
 class Distributed:
-    """Rank bookkeeping; a no-op when ``WORLD_SIZE`` is unset or 1."""
+    """Rank bookkeeping; a no-op when ``WORLD_SIZE`` is unset or 1, unless ``parallel``
+    asks for DDP/FSDP2 under ``torchrun`` (``MASTER_ADDR`` set): then one process is a
+    world of one, so ``--parallel fsdp`` runs its sharded path (the CUDA smoke test)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, parallel: str = "none"):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.enabled = self.world > 1
+        self.enabled = self.world > 1 or (parallel != "none" and "MASTER_ADDR" in os.environ)
         if self.enabled and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
 
@@ -179,8 +188,9 @@ RUN_FILES = ("ckpt.pt", "ckpt.prev.pt", "log.jsonl")
 
 
 def run_files(path: str) -> list[str]:
-    """The run files (:data:`RUN_FILES`) present in ``path``."""
-    return [name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+    """The run files (:data:`RUN_FILES`) and distributed checkpoint folders present in ``path``."""
+    return ([name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+            + [os.path.basename(folder) for _, folder in dcp_folders(path)])
 
 
 def resolve_out_dir(cfg: TrainConfig) -> str | None:
@@ -215,6 +225,8 @@ def _prepare_out_dir(path: str, overwrite: bool) -> None:
             for leftover in (name, name + ".tmp"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(path, leftover))
+        for _, folder in dcp_folders(path):
+            shutil.rmtree(folder)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -274,6 +286,38 @@ def load_checkpoint(path: str) -> dict:
                          "no checkpoint of this run can be resumed, start again with --overwrite") from None
     raise ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over "
                      f"{path!r} to resume from it")
+
+
+def checkpoint_to_resume(out_dir: str) -> str:
+    """The checkpoint a resumed run starts from: the newest distributed checkpoint folder
+    or ``ckpt.pt``, whichever was written last (a run may change its number of processes
+    between sessions); ``ckpt.pt`` when there is neither (:func:`load_checkpoint` says so)."""
+    single = os.path.join(out_dir, "ckpt.pt")
+    folders = dcp_folders(out_dir)
+    if not folders or (os.path.exists(single) and os.path.getmtime(single) > os.path.getmtime(folders[-1][1])):
+        return single
+    return folders[-1][1]
+
+
+def distributed_record(folder: str) -> dict:
+    """The plain data of the distributed checkpoint ``folder``; a damaged one raises
+    ``ValueError`` naming it and what to do (resume from the previous folder when that
+    one is complete, or start again)."""
+    try:
+        return read_record(folder)
+    except ValueError as err:
+        problem = str(err)
+    older = [(step, path) for step, path in dcp_folders(os.path.dirname(folder)) if path != folder]
+    if not older:
+        raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
+    step, previous = older[-1]
+    try:
+        read_record(previous)
+    except ValueError:
+        raise ValueError(f"{problem}; the previous checkpoint {previous!r} is damaged too: no checkpoint of "
+                         "this run can be resumed, start again with --overwrite") from None
+    raise ValueError(f"{problem}; the previous checkpoint {previous!r} (step {step}) is complete: remove "
+                     f"{folder!r} to resume from it")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -411,9 +455,12 @@ class Parallel:
     module: torch.nn.Module
     before_step: Callable[[], None]
     after_step: Callable[[], None]
-    #: the whole model for evaluation and checkpoints, called on every rank (FSDP gathers
-    #: the shards into a replica); ``None``: the model itself
+    #: the whole model for evaluation, called on every rank (FSDP gathers the shards
+    #: into a replica); ``None``: the model itself
     full_model: Callable[[], torch.nn.Module] | None = None
+    #: ids of the parameters whose optimizer state this rank holds (DDP: its own);
+    #: ``None``: every parameter's (its shards under FSDP2)
+    owned: set[int] | None = None
 
 
 def parallelize(model: GPT, assignment: Assignment, cfg: TrainConfig, ddp: Distributed) -> Parallel:
@@ -497,7 +544,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         TrainingInterrupted: SIGINT or SIGTERM (runs on disk only), after the checkpoint.
     """
     cfg.validate(named_strategy=build_assignment is None)
-    ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", cfg.parallel)
     try:
         outcome = ddp.from_main(_outcome(resolve_out_dir, cfg) if ddp.main else None)
         if isinstance(outcome, ValueError):
@@ -598,16 +645,21 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     if on_disk:
         ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         if cfg.resume:
-            payload = load_checkpoint(ckpt_path)
-            _check_same_run(payload["config"], cfg)
-            model.load_state_dict(payload["model"])
-            assignment.load_state_dict(payload["optimizer"])
+            resume_from = checkpoint_to_resume(cfg.out_dir)
+            if os.path.isdir(resume_from):  # loaded into the parallelized model, below
+                payload = distributed_record(resume_from)
+                _check_same_run(payload["config"], cfg)
+            else:
+                payload = load_checkpoint(resume_from)
+                _check_same_run(payload["config"], cfg)
+                model.load_state_dict(payload["model"])
+                assignment.load_state_dict(payload["optimizer"])
             start = result.last_step = payload["step"]
             result.losses = {int(k): v for k, v in payload["losses"].items()}
             result.evals = payload["evals"]
             records = payload["log"] if "log" in payload else _records_before(payload)
             elapsed_before = payload.get("wall_time", 0.0)
-            say(f"resumed from {ckpt_path} at step {start}")
+            say(f"resumed from {resume_from} at step {start}")
         elif ddp.main:
             _prepare_out_dir(cfg.out_dir, cfg.overwrite)
         if cfg.print_table:
@@ -616,6 +668,8 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)
 
     parallel = parallelize(model, assignment, cfg, ddp)
+    if on_disk and cfg.resume and os.path.isdir(resume_from):
+        load_distributed(resume_from, model, assignment, parallel.owned)
     whole_model = parallel.full_model or (lambda: model)
     train_model = torch.compile(parallel.module) if cfg.compile else parallel.module
     use_bf16 = device.type == "cuda"
@@ -666,12 +720,20 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         pending.clear()
         return True
 
+    def save(step: int) -> None:
+        """Checkpoint the ``step`` steps done: one file, or a distributed checkpoint (every rank)."""
+        record = _run_record(model, cfg, step, result, log, time.perf_counter() - t0)
+        if ddp.enabled:
+            save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
+        else:
+            save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": assignment.state_dict(), **record})
+
     def stop_if_asked(step: int) -> None:
         """After a signal (on any rank): checkpoint the ``step`` steps done, then stop."""
         signum = ddp.largest(request.signum)
         if signum:
             if on_disk:
-                _checkpoint(ckpt_path, whole_model(), assignment, cfg, step, result, log, t0, ddp)
+                save(step)
             raise TrainingInterrupted(step, signum, cfg.out_dir)
 
     progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")
@@ -703,7 +765,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             if evaluate_now:
                 run_eval(done)
             if save_now and not result.diverged:
-                _checkpoint(ckpt_path, whole_model(), assignment, cfg, done, result, log, t0, ddp)
+                save(done)
             if result.diverged:
                 break
     finally:
@@ -749,29 +811,11 @@ def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
                          + "); use the original settings or a new --out-dir")
 
 
-def _checkpoint(path, model, assignment, cfg, step, result, log: RunLog, t0: float, ddp: Distributed):
-    # plain data (the groups hold manifold and regulator specs); FSDP's shards gathered (every rank)
-    state = full_state(assignment.state_dict())
-    if ddp.enabled:  # each rank holds the state of the parameters it owns: merge them
-        gathered = [None] * ddp.world
-        dist.all_gather_object(gathered, state)
-        for other in gathered:
-            for name, opt_state in other.items():
-                for index, entry in opt_state["state"].items():
-                    state[name]["state"].setdefault(index, {}).update(entry)
-    if ddp.main:
-        save_checkpoint(path, {
-            "model": model.state_dict(),
-            "optimizer": state,
-            "step": step,
-            "config": asdict(cfg),
-            "model_config": asdict(model.config),
-            "losses": result.losses,
-            "evals": result.evals,
-            "log": log.records,
-            "wall_time": time.perf_counter() - t0,
-        })
-    ddp.barrier()
+def _run_record(model: GPT, cfg: TrainConfig, step: int, result: TrainResult, log: RunLog,
+                wall_time: float) -> dict:
+    """What a checkpoint keeps besides the tensors (plain data)."""
+    return {"step": step, "config": asdict(cfg), "model_config": asdict(model.config), "losses": result.losses,
+            "evals": result.evals, "log": log.records, "wall_time": wall_time}
 
 
 # ----------------------------------------------------------------------------- CLI

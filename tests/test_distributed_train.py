@@ -1,6 +1,13 @@
-"""``pretrain --parallel fsdp`` on two gloo processes: one process's weights, a bit-identical resume,
-and a checkpoint written by two processes resumed on one."""
+"""``pretrain --parallel {fsdp,ddp}`` under torchrun-like gloo processes: one process's weights, and
+distributed checkpoints (``torch.distributed.checkpoint``) that resume bit for bit on the same world
+size and load on another (1 and 4 processes).
 
+The default suite runs 2 processes and a load on 1; the 4-process load and the damaged-folder
+checks that need no process group are in it too; training on after a load on 4 processes is
+``slow`` (``pytest -m slow tests/test_distributed_train.py``).
+"""
+
+import json
 import os
 import shutil
 import socket
@@ -11,30 +18,50 @@ import textwrap
 import pytest
 import torch
 
-from geomuon.pretrain.train import TrainConfig, load_checkpoint, train
+from geomuon.pretrain.data import load_data
+from geomuon.pretrain.parallel import dcp_folders, load_distributed, read_distributed
+from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, load_checkpoint, train
 
-STEPS, HALF = 12, 6
-STRATEGY = "unconstrained"  # Muon on every hidden matrix: the sharded matrix step is real
+STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HALF and the STEPS one
 
 
-def config(out_dir, **options):
+def config(out_dir, strategy="unconstrained", **options):
+    """A tiny run. ``unconstrained`` (Muon on every hidden matrix, AdamW elsewhere) where a
+    run is compared with another world size: ``hetero``'s fp32 trajectory moves a weight by
+    ~1e-3 in 12 steps when only the order of the batch's sum changes (measured), so no
+    round-off tolerance holds for it. ``hetero`` (Manifold Muon's warm starts: whole-matrix
+    state held by one rank) where checkpoints are compared bit for bit."""
     # fp32 directions: the tolerance below is the fp32 one
-    return TrainConfig(**{**dict(model="cpu-tiny", strategy=STRATEGY, steps=STEPS, batch_size=4, block_size=32,
+    return TrainConfig(**{**dict(model="cpu-tiny", strategy=strategy, steps=STEPS, batch_size=4, block_size=32,
                                  eval_every=HALF, eval_batches=1, warmup_steps=2, direction_dtype="fp32",
                                  out_dir=str(out_dir), progress=False, print_table=False), **options})
 
 
+# Each rank: the run, then (when a path is given) the tensors of the model it holds at the
+# end — its row shards (FSDP2) or the whole tensors (DDP); the process group is gone by then.
 WORKER = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     torch.set_num_threads(1)
+    from geomuon.optimizers.distributed import is_sharded
     from geomuon.pretrain.train import TrainConfig, train
-    train(TrainConfig(**eval(sys.argv[1])))
+    result = train(TrainConfig(**eval(sys.argv[1])))
+    if len(sys.argv) > 2:
+        held = {k: (v.to_local() if is_sharded(v) else v, is_sharded(v)) for k, v in result.model.state_dict().items()}
+        torch.save(held, f"{sys.argv[2]}.{os.environ['RANK']}")
 """)
 
 
+def _assembled(dump, world: int) -> dict:
+    """The whole tensors of the ranks' dumps: ``Shard(0)`` rows concatenated in rank order."""
+    ranks = [torch.load(f"{dump}.{r}") for r in range(world)]
+    return {k: torch.cat([held[k][0] for held in ranks]) if sharded else value
+            for k, (value, sharded) in ranks[0].items()}
+
+
 def weights(out_dir) -> dict:
-    """The model of the run's last checkpoint (whole tensors: FSDP gathers them to save)."""
-    return load_checkpoint(os.path.join(out_dir, "ckpt.pt"))["model"]
+    """The model of the run's newest checkpoint (the one a resume would start from)."""
+    newest = checkpoint_to_resume(str(out_dir))
+    return read_distributed(newest) if os.path.isdir(newest) else load_checkpoint(newest)["model"]
 
 
 def _free_port() -> int:
@@ -43,50 +70,131 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(cfg) -> dict:
+def processes(world: int, cfg, dump=None) -> dict | None:
+    """Run ``cfg`` on ``world`` gloo processes; the final whole weights when ``dump`` (a path)."""
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, repr(fields)],
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, repr(fields), *([str(dump)] if dump else [])],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-    return weights(cfg.out_dir)
+    return _assembled(dump, world) if dump else None
 
 
 def relative_difference(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
 
 
-# fp32 kernels throughout; the two-process gradient is the mean of two half-batch means,
-# a few ulps (c u, c ~ 4, u = 2^-24) from the full-batch mean, carried through 12 Muon
-# steps whose polar factors amplify a relative error by at most the momentum's condition
-# number (~1e2 for these small matrices); AdamW's 1/sqrt(v) is smooth away from v = 0.
-# Errors add over the steps: 12 * 4 * 1e2 * u ~ 3e-4 of each tensor's largest entry.
-# (Measured: 9e-6.) The resume is compared bit for bit.
+def identical(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# fp32 kernels throughout; a run on w processes takes the mean of w per-rank batch means, a
+# few ulps (c u, c ~ 4, u = 2^-24) from the full-batch mean, carried through 12 steps whose
+# maps (polar factors, the manifold directions and retractions) amplify a relative error by
+# at most the momentum's condition number (~1e2 for these small matrices); AdamW's
+# 1/sqrt(v) is smooth away from v = 0. Errors add over the steps: 12 * 4 * 1e2 * u ~ 3e-4 of
+# each tensor's largest entry. (Measured: 1e-5.) Resumes and loads are compared bit for bit.
 TOLERANCE = 3e-4
 
 
-def test_fsdp_pretrain_matches_one_process(tmp_path):
-    train(config(tmp_path / "single"))
-    fsdp = two_processes(config(tmp_path / "fsdp", parallel="fsdp"))
-    assert relative_difference(fsdp, weights(tmp_path / "single")) < TOLERANCE
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process throughout; FSDP2 on 2 processes throughout (``unconstrained``, and
+    ``hetero``). Each folder keeps its checkpoints of steps HALF and STEPS."""
+    root = tmp_path_factory.mktemp("runs")
+    train(config(root / "single"))
+    processes(2, config(root / "fsdp", parallel="fsdp"))
+    processes(2, config(root / "fsdp_hetero", "hetero", parallel="fsdp"))
+    return root
+
+
+def halfway(run, copy):
+    """A copy of the run folder ``run`` as it was after HALF steps (its last checkpoint removed)."""
+    shutil.copytree(run, copy)
+    (half, _), (_, last) = dcp_folders(str(copy))
+    assert half == HALF
+    shutil.rmtree(last)
+    return copy
+
+
+def last(run) -> str:
+    return dcp_folders(str(run))[-1][1]
+
+
+def test_fsdp_pretrain_matches_one_process(runs, tmp_path):
+    assert relative_difference(weights(runs / "fsdp"), weights(runs / "single")) < TOLERANCE
     # negative control: the same comparison tells a run with another seed apart
     train(config(tmp_path / "other", seed=1))
-    assert relative_difference(weights(tmp_path / "other"), weights(tmp_path / "single")) > 100 * TOLERANCE
+    assert relative_difference(weights(tmp_path / "other"), weights(runs / "single")) > 100 * TOLERANCE
+
+
+def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise(runs, tmp_path):
+    folder = last(runs / "fsdp_hetero")
+    assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert any(k.endswith("/dual_correction") for k in read_distributed(folder, "optimizer/"))
+    split = halfway(runs / "fsdp_hetero", tmp_path / "split")
+    processes(2, config(split, "hetero", parallel="fsdp", resume=True))
+    assert [s for s, _ in dcp_folders(str(split))] == [HALF, STEPS]
+    # model and optimizer state (momentum shards, warm starts, step counts), bit for bit
+    assert identical(read_distributed(last(split), ""), read_distributed(folder, ""))
+    with open(split / "log.jsonl") as a, open(runs / "fsdp_hetero" / "log.jsonl") as b:
+        assert [_untimed(x) for x in a] == [_untimed(x) for x in b]
+    # negative control: the comparison sees one step of difference
+    assert not identical(read_distributed(last(split), ""), read_distributed(dcp_folders(str(split))[0][1], ""))
+
+
+def _untimed(line: str) -> dict:
+    return {k: v for k, v in json.loads(line).items() if k != "time"}
+
+
+def test_two_process_checkpoint_loads_and_trains_on_one_process(runs, tmp_path):
+    split = halfway(runs / "fsdp", tmp_path / "on_one")
+    saved = read_distributed(last(split))
+    loaded = train(config(split, resume=True, stop_after=HALF))  # no step: the load alone
+    assert identical(dict(loaded.model.state_dict()), saved)
+    assert train(config(split, resume=True)).last_step == STEPS
+    assert os.path.isfile(split / "ckpt.pt")  # one process writes the single-file format
+    assert relative_difference(weights(split), weights(runs / "single")) < TOLERANCE
+
+
+def test_two_process_checkpoint_loads_on_four_processes(runs, tmp_path):
+    split = halfway(runs / "fsdp", tmp_path / "on_four")
+    saved = read_distributed(last(split))
+    for parallel in ("fsdp", "ddp"):  # no step: the load alone
+        loaded = processes(4, config(split, parallel=parallel, resume=True, stop_after=HALF), tmp_path / "w.pt")
+        assert identical(loaded, saved), parallel
 
 
 @pytest.mark.slow
-def test_fsdp_resume_is_bitwise_and_loads_on_one_process(tmp_path):
-    uninterrupted = two_processes(config(tmp_path / "fsdp", parallel="fsdp"))
-    # stop halfway, keep a copy of that checkpoint, resume on two processes
-    two_processes(config(tmp_path / "split", parallel="fsdp", stop_after=HALF))
-    shutil.copytree(tmp_path / "split", tmp_path / "split_on_one")
-    resumed = two_processes(config(tmp_path / "split", parallel="fsdp", resume=True))
-    for name in uninterrupted:
-        assert torch.equal(resumed[name], uninterrupted[name]), f"{name}: resume is not bit-identical"
-    # the two-process checkpoint resumed on one process, against one process throughout
-    train(config(tmp_path / "split_on_one", resume=True))
-    train(config(tmp_path / "single"))
-    assert relative_difference(weights(tmp_path / "split_on_one"), weights(tmp_path / "single")) < TOLERANCE
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_process_checkpoint_trains_on_four_processes(runs, tmp_path, parallel):
+    split = halfway(runs / "fsdp", tmp_path / "on_four")
+    processes(4, config(split, parallel=parallel, resume=True))
+    assert relative_difference(weights(split), weights(runs / "single")) < TOLERANCE
+
+
+def test_ddp_checkpoint_resumes_bitwise(tmp_path):
+    processes(2, config(tmp_path / "ddp", "hetero", parallel="ddp"))
+    split = halfway(tmp_path / "ddp", tmp_path / "split")
+    processes(2, config(split, "hetero", parallel="ddp", resume=True))
+    # each rank saved the optimizer state of the parameters it owns: all of it, once
+    assert identical(read_distributed(last(split), ""), read_distributed(last(tmp_path / "ddp"), ""))
+
+
+def test_damaged_or_foreign_checkpoint_folder_is_named(runs, tmp_path):
+    split = halfway(runs / "fsdp", tmp_path / "damaged")
+    folder = last(split)
+    other = config(split, n_layer=1)
+    model, assignment = build(other, load_data(other.data), torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"{folder}.*for another model or strategy"):
+        load_distributed(folder, model, assignment)
+    os.remove(os.path.join(folder, "__1_0.distcp"))
+    with pytest.raises(ValueError, match=f"{folder}.*could not be read"):
+        train(config(split, resume=True))
+    os.remove(os.path.join(folder, ".metadata"))
+    with pytest.raises(ValueError, match=f"{folder}.*has no .metadata.*no previous checkpoint"):
+        train(config(split, resume=True))
