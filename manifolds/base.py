@@ -39,7 +39,7 @@ with warnings.catch_warnings():
     import geoopt
 from geoopt.utils import size2shape
 
-from .linalg import fp32_or_fp64
+from .linalg import check_matrix, fp32_or_fp64
 
 __all__ = [
     "MatrixManifold",
@@ -315,18 +315,9 @@ class MatrixManifold(geoopt.Manifold):
 
     def validate_point(self, x: torch.Tensor, name: str = "x") -> None:
         """Raise ``TypeError``/``ValueError`` naming what is wrong with a point ``x``."""
-        # Tensor-like objects (``__torch_function__``) pass: the exact certificates of
-        # geomuon.theory.symbolic run these very methods on sympy-valued tensors.
-        if not torch.overrides.is_tensor_like(x):
-            raise TypeError(f"{self.name}: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 2:
-            raise ValueError(
-                f"{self.name}: {name} must be a matrix or a batch of matrices [..., m, n], "
-                f"got a {x.dim()}-D tensor of shape {tuple(x.shape)}; vectors (biases, "
-                "gains) belong to an unconstrained (AdamW) group, not to a matrix manifold"
-            )
-        if not x.is_floating_point():
-            raise TypeError(f"{self.name}: {name} must be a floating-point tensor, got {x.dtype}")
+        check_matrix(x, f"{self.name}: {name}", vector_hint=(
+            "vectors (biases, gains) belong to an unconstrained (AdamW) group, not to a "
+            "matrix manifold"))
         problem = self.shape_problem(x.size(-2), x.size(-1))
         if problem is not None:
             raise ValueError(f"{self.name}: {name} of shape {tuple(x.shape)} is invalid: {problem}")

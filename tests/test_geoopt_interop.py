@@ -8,10 +8,13 @@ import sys
 import pytest
 import torch
 
-from geomuon.manifolds import LPRO, CenteredRouterSpace, MatrixManifold, Stiefel
+from geomuon.manifolds import LPRO, CenteredRouterSpace, Stiefel
 from geomuon.theory.contracts import default_tolerance, manifold_residual
 
 import geoopt  # noqa: E402  (after manifolds, which imports it with the jit warnings filtered)
+# Every built-in manifold from the registry, plus LPRO with a radius: test_manifolds' table.
+from test_manifolds import MANIFOLDS  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_global_rng():
@@ -19,13 +22,6 @@ def _deterministic_global_rng():
     torch.manual_seed(0)
 
 
-# Every built-in manifold, from the registry (a new one is tested without editing a
-# table), plus LPRO with a radius (a constructor argument that changes the geometry).
-MANIFOLDS = {
-    **{cls.name.lower(): cls for cls in MatrixManifold.registered().values()
-       if cls.__module__.startswith("geomuon.manifolds.")},
-    "lpro_radius": lambda: LPRO(radius=2.0),
-}
 OPTIMIZERS = {
     "adam": lambda params: geoopt.optim.RiemannianAdam(params, lr=1e-2),
     "sgd": lambda params: geoopt.optim.RiemannianSGD(params, lr=1e-2, momentum=0.9, nesterov=True),
