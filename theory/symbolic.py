@@ -2717,7 +2717,9 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
       ``constraint_gram_diag``$(W)$;
     * the retraction $R_W(tV) = Y\rho(Y^\top Y)$, $Y = W + tV$: $R_W(0) = W$ and
       $dR_W(0) = \mathrm{id}$ on $T_W$ (exact Taylor coefficients, the truncated series
-      of $\rho$ included).
+      of $\rho$ included), and for *every* direction $X$ the velocity of
+      $R(W + tX)$ at $t = 0$ is tangent (the curve stays on the manifold to first order;
+      this sees $\rho$'s first-order term, which a tangent direction does not).
     """
     form = manifold.gram_form
     m, n = W.shape[-2:]
@@ -2743,6 +2745,11 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
     c0, c1 = _taylor(Y @ form.retraction_factor(Y.mT @ Y, terms=2), tx, 2)
     checked["R(W, 0) = W"] = _zero_tensor(c0 - Wx)
     checked["dR_W(0)[V] = V"] = _zero_tensor(c1 - Vx)
+    # From any direction X the curve R(W + tX) stays on the manifold, so its velocity is
+    # tangent (this sees the factor's first-order term, which a tangent V does not).
+    Y = Wx + ExactTensor(np.vectorize(_as_expr, otypes=[object])(X.a)) * tx
+    _, c1 = _taylor(Y @ form.retraction_factor(Y.mT @ Y, terms=2), tx, 2)
+    checked["L_W(d/dt R(W + tX)) = 0 for every X"] = _zero_tensor(manifold.constraint(Wx, c1))
     return Certificate(
         f"{name or type(manifold).__name__} {m}x{n}: the Gram-space form agrees with the manifold, and its retraction is one",
         all(ok for ok, _ in checked.values()),
