@@ -391,7 +391,10 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(tiny_sweep, tmp_path, mon
     resumed = (tmp_path / "resumed" / "tiny-sweep.md").read_text()
     assert _tables(resumed) == _tables((tmp_path / "fresh" / "tiny-sweep.md").read_text())
     assert "### `muon`" in resumed and "| `adamw` | adamw_lr |" in resumed
-    assert len(list((tmp_path / "fresh" / "tiny-sweep").glob("lr_*.png"))) == 2
+    figures = sorted(p.name for p in (tmp_path / "fresh" / "tiny-sweep").glob("lr_*.png"))
+    assert figures == ["lr_adamw.png", "lr_all_arms.png", "lr_muon.png"]  # one per arm, and every arm together
+    for name in figures:
+        assert f"(tiny-sweep/{name})" in resumed
 
 
 @needs_data

@@ -251,6 +251,7 @@ class LearningRateSweep:
             figure = self._figure(a, g, figure_dir)
             sections.append(f"### `{a.arm.name}`\n\n{a.arm.label}.\n\n" + markdown_table(header, rows)
                             + f"\n\n![{a.arm.name}: final val loss against {a.parameter}]({self.NAME}/{figure})")
+        together = self._together(found, g, figure_dir)
         best_rows = [[f"`{a.arm.name}`", a.parameter, f"{a.rate(a.best):.4g}",
                       f"{min(a.rate(k) for k in a.points):.4g} – {max(a.rate(k) for k in a.points):.4g}",
                       "yes" if a.on_edge else "no", common.fmt(best[a.arm.name], 4),
@@ -280,11 +281,29 @@ class LearningRateSweep:
             f"gets seed(s) {', '.join(str(s) for s in g.best_seeds if s not in g.seeds)} and the arms are "
             f"compared there on seeds {', '.join(map(str, g.best_seeds))}. The best point is the lowest mean "
             "final validation loss over the grid's seeds; a point with a diverged run ranks last. " + self.note,
-            f"## Best points ({len(g.best_seeds)} seeds)\n\n" + best_table,
+            f"## Best points ({len(g.best_seeds)} seeds)\n\n" + best_table
+            + f"\n\n![every arm's mean final val loss against the matrix rate]({self.NAME}/{together})",
             "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
             "not overlap (a rough screen, not a significance test).\n\n" + "\n".join(f"* {f}" for f in findings),
             "## Sweeps per arm\n\nFinal validation loss per seed at every rate tried.\n\n" + "\n\n".join(sections),
         ])
+
+    def _together(self, found: list[ArmSweep], g: Grid, figure_dir: Path) -> str:
+        """One axis: the mean curve of every arm that sweeps the matrix rate (where the minima sit)."""
+        plt = common.pyplot()
+        colour = common.colours([a.arm.name for a in found])
+        fig, ax = plt.subplots(figsize=(7.0, 4.2))
+        for a in found:
+            if a.parameter != "lr":
+                continue
+            ks = sorted(a.points)
+            ax.plot([a.rate(k) for k in ks], [_score(a.runs(k, g.seeds)) for k in ks], "-o", ms=3, lw=1.2,
+                    color=colour[a.arm.name], label=a.arm.name)
+            ax.plot([a.rate(a.best)], [_score(a.runs(a.best, g.seeds))], "*", ms=11, color=colour[a.arm.name])
+        ax.set(xscale="log", xlabel="lr (matrix learning rate)", ylabel=f"mean final val loss, seeds {g.seeds}",
+               title="every arm against its matrix learning rate (star: its best)")
+        ax.legend(fontsize=7)
+        return common.save(fig, figure_dir, "lr_all_arms.png")
 
     def _figure(self, a: ArmSweep, g: Grid, figure_dir: Path) -> str:
         plt = common.pyplot()
