@@ -15,12 +15,17 @@ stepped by each optimizer with the same seeded gradients on every world size:
 Per world size and mode, the table reports the median step time of the slowest rank,
 the ``_direction`` time (the orthogonalisations / dual solves, timed inside the step) of
 the busiest rank as a fraction of the single-process one (target: $\le 1/w + 10\%$),
-the whole matrices that rank mapped per step out of all, the bytes a rank receives per
-step relative to the parameter bytes it holds (FSDP: its shards, target $\le 2$; DDP:
-the whole model, target $\le 1$), the bytes all ranks send per step relative to the
-parameters updated, and the largest difference of the final weights from the
-single-process ones (relative to each matrix's largest entry), the single-process run
-repeated on rank 0 of each launch so both use the code that launch loaded.
+the whole matrices that rank mapped per step out of all, the matrices that went through
+the matrix-sign kernels (``msign``; the Gram path's dualizers ``gram_msign``,
+``eigen_dualizer``: counted at every call site) on that
+rank per step, the bytes a rank receives per step relative to the parameter bytes it
+holds (FSDP: its shards, target $\le 2$; DDP: the whole model, target $\le 1$), the bytes
+all ranks send per step relative to the parameters updated, for Manifold Muon under FSDP2
+the same for the Gram all-reduce alternative (a byte model,
+:func:`gram_allreduce_bytes`: it is not a code path), and the largest difference of the
+final weights from the single-process ones (relative to each matrix's largest entry), the
+single-process run repeated on rank 0 of each launch so both use the code that launch
+loaded. Times depend on the machine's load; counts, bytes and differences do not.
 
 Usage::
 
@@ -79,6 +84,51 @@ def gradient(step: int, shape_list) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=generator) for s in shape_list]
 
 
+#: where the package's matrix-sign kernels (and the Gram path's dualizers, its matrix sign
+#: in $n\times n$) are called from: (module, function name); a name a module lacks is skipped
+MSIGN_SITES = (("geomuon.optimizers.muon", "msign"), ("geomuon.optimizers.maps", "msign"),
+               ("geomuon.optimizers.steepest", "msign"), ("geomuon.optimizers.gram", "gram_msign"),
+               ("geomuon.optimizers.gram", "eigen_dualizer"), ("geomuon.manifolds.stiefel", "msign"),
+               ("geomuon.manifolds.dgram", "msign"))
+
+
+_MSIGN_MATRICES = [0]  # matrices through the matrix-sign kernels in this process
+
+
+def count_matrix_signs() -> list[int]:
+    """Count the matrices every call of the matrix-sign kernels (``msign``, ``gram_msign``,
+    ``eigen_dualizer``) maps (``prod(X.shape[:-2])`` of its batch) in ``_MSIGN_MATRICES``; installed once."""
+    import importlib
+    import math
+
+    for module_name, name in MSIGN_SITES:
+        module = importlib.import_module(module_name)
+        inner = getattr(module, name, None)
+        if inner is None or getattr(inner, "counted", False):
+            continue
+
+        def counted(X, *args, _inner=inner, **kwargs):
+            _MSIGN_MATRICES[0] += math.prod(X.shape[:-2])
+            return _inner(X, *args, **kwargs)
+
+        counted.counted = True
+        setattr(module, name, counted)
+    return _MSIGN_MATRICES
+
+
+def gram_allreduce_bytes(shape: tuple[int, int], world: int, diagonal_gram: bool, itemsize: int = 4) -> float | None:
+    r"""Bytes all ranks send per step for one matrix under the Gram all-reduce alternative
+    (model, not run): the row contractions $W^\top W$ ($n$ entries when the form's Gram
+    is diagonal), $W^\top G$, $Z_0^\top Z_0$ and $Y^\top Y$ all-reduced in fp32, a ring
+    all-reduce sending $2(w-1)/w$ of its payload per rank. ``None`` where it does not
+    apply: the Gram side of a wide matrix is the sharded (row) side."""
+    m, n = shape
+    if m < n:
+        return None
+    payload = (n if diagonal_gram else n * n) + 3 * n * n
+    return 2 * (world - 1) * payload * itemsize
+
+
 def _timed_direction(optimizer, clock, spent: list[float]) -> None:
     inner = optimizer._direction
 
@@ -121,6 +171,8 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
     owned = [r == rank for r in handout.owner] if handout else [True] * len(params)
     spent: list[float] = []
     _timed_direction(optimizer, clock, spent)
+    signs = count_matrix_signs()
+    signs_before = signs[0]
     step_times = []
     for step in range(steps):
         for p, g, mine in zip(params, gradient(step, shape_list), owned):
@@ -153,6 +205,7 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
         "step": statistics.median(step_times[1:] or step_times),
         "direction": statistics.median(spent[1:] or spent),
         "matrices_per_step": matrices / steps,
+        "signs_per_step": (signs[0] - signs_before) / steps,
         "received_per_step": received / steps,
         "sent_per_step": sent / steps,
         "held_bytes": held,
@@ -199,6 +252,20 @@ def launch(world: int, out: Path, worker_args: dict) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
+def _gram_alternative(name: str, mode: str, width: int, layers: int, world: int) -> str:
+    """Manifold Muon under FSDP2 with the Gram all-reduce where it applies (tall and square
+    matrices, :func:`gram_allreduce_bytes`) and the measured path's all-to-alls elsewhere
+    (wide ones: $\tfrac{w-1}{w}\,mn$ entries of momentum and weights out, weights back,
+    fp32), relative to the parameter bytes; ``–`` for the other rows."""
+    if name != "manifold_muon[stiefel]" or mode != "fsdp":
+        return "–"
+    total = 0.0
+    for shape in shapes(width, layers):
+        gram = gram_allreduce_bytes(shape, world, diagonal_gram=True)
+        total += gram if gram is not None else (world - 1) / world * shape[0] * shape[1] * 3 * 4
+    return f"{total / (4 * sum(a * b for a, b in shapes(width, layers))):.2f}"
+
+
 def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
 
@@ -228,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in OPTIMIZERS:
         ref = reference[name]
         rows.append([name, "1", "single", f"{ref['step'] * 1e3:.1f}", "1.00", f"{ref['matrices']}/{ref['matrices']}",
-                     "0", "0", "0"])
+                     f"{ref['signs_per_step']:g}", "0", "0", "–", "0"])
     for world in worlds[1:]:
         with tempfile.TemporaryDirectory() as out:
             ranks = launch(world, Path(out), {"threads": args.threads, "steps": steps, "width": width,
@@ -244,13 +311,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"{max(p['step'] for p in per) * 1e3:.1f}",
                     f"{max(p['direction'] for p in per) / ref['direction']:.2f} (≤ {1 / world + 0.1:.2f})",
                     f"{max(p['matrices_per_step'] for p in per):g}/{ref['matrices']}",
+                    f"{max(p['signs_per_step'] for p in per):g}",
                     f"{received:.2f}",
                     f"{total_sent:.2f}",
+                    _gram_alternative(name, mode, width, layers, world),
                     f"{difference(per[0]['final'], ranks[0][f'{name}|single']['final']):.1e}",
                 ])
     header = ["optimizer", "processes", "mode", "step ms (slowest rank)", "direction time, busiest rank / 1 process",
-              "matrices mapped per step by busiest rank (row-wise: its rows' share)", "bytes received per rank / bytes it holds",
-              "bytes sent, all ranks / parameter bytes", "max rel. difference from 1 process"]
+              "matrices mapped per step by busiest rank (row-wise: its rows' share)",
+              "matrix-sign / dualizer matrices per step, busiest rank", "bytes received per rank / bytes it holds",
+              "bytes sent, all ranks / parameter bytes",
+              "Gram all-reduce alternative: bytes sent, all ranks / parameter bytes (model)",
+              "max rel. difference from 1 process"]
     text = (f"GPT-shaped set: C = {width}, {layers} layers, {4 * layers} fp32 matrices "
             f"({sum(a * b for a, b in shapes(width, layers)) * 4 / 2**20:.1f} MiB); {steps} steps "
             f"(the first untimed), the same gradients on every world size.\n\n"

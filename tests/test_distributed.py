@@ -1,11 +1,13 @@
-"""FSDP2 (DTensor) and DDP owner-gather steps: two gloo processes against one, every matrix optimizer.
+"""FSDP2 (DTensor) and DDP owner-gather steps: 2 and 4 gloo processes against one, every matrix optimizer.
 
 The model has one tower per optimizer configuration (each tower: a same-shape batch of
-three [5, 8] matrices, which 2 ranks split unevenly both by matrix and by row, a
-[12, 5] and a [3, 12] matrix, AdamW biases); each configuration steps its own tower, so
-one training run covers every optimizer. One spawn of two CPU processes runs it
-``fully_shard``-ed (FSDP2) and DDP-wrapped, plus negative controls; the test process
-runs the same model on one process and compares.
+three [5, 8] matrices, which 2 and 4 ranks split unevenly both by matrix and by row — 4
+ranks hold 2, 2, 1 and 0 of the 5 rows —, a [12, 5] and a [3, 12] matrix, AdamW
+biases); each configuration steps its own tower, so one training run covers every
+optimizer. One spawn of the CPU processes runs it ``fully_shard``-ed (FSDP2) and
+DDP-wrapped, plus negative controls; the test process runs the same model on one
+process and compares. The 4-process spawn is ``slow`` (2.7 min on the 2 shared cores;
+``pytest -m slow tests/test_distributed.py``).
 
 Run as a script (``python tests/test_distributed.py OUT``) it is the worker.
 """
@@ -24,7 +26,7 @@ import torch
 from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 
 STEPS = 20
-WORLD = 2
+WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))
 IN, HIDDEN, OUT = 8, 5, 12  # 5 and 3 rows do not split evenly over 2 ranks
 MATRIX_BATCHES = (3, 1, 1)  # same-shape batches of a tower's matrices
 
@@ -209,21 +211,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def distributed_runs(tmp_path_factory):
-    """The workers' results: one spawn of ``WORLD`` processes for every test here."""
-    tmp_path = tmp_path_factory.mktemp("distributed")
-    env = dict(os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"{w}proc")
+def distributed_runs(request, tmp_path_factory):
+    """The workers' results: one spawn of each world size's processes for every test here."""
+    world = request.param
+    tmp_path = tmp_path_factory.mktemp(f"distributed{world}")
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, __file__, str(tmp_path)],
                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
+        for r in range(world)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
 def one_process(names) -> dict[str, torch.Tensor]:
@@ -238,9 +241,9 @@ def _relative_difference(a: dict, b: dict, prefix: str = "") -> float:
 
 
 # Tolerance. Float64 throughout (a test of the math). Each rank's gradient is the mean over
-# its half of the batch and FSDP2 (DDP) averages the halves, so the gradient differs from
+# its 1/w of the batch and FSDP2 (DDP) averages the w means, so the gradient differs from
 # the one-process full-batch mean by reduction-order round-off, |dg| <= c u |g| with
-# u = 2^-53 and c ~ 4 (8 rows summed in another order, plus the halving). The maps
+# u = 2^-53 and c ~ 4 (8 rows summed in another order, plus the division by w). The maps
 # amplify a relative input error by at most their condition number: msign and the polar
 # maps by ~ sigma_max/sigma_min of the momentum (~1e2 for these random 5x8 matrices), the
 # manifold directions and retractions by the same order. Twenty steps add such errors
@@ -253,17 +256,18 @@ TOLERANCE = 1e-10
 
 def test_fsdp2_matches_one_process_for_every_optimizer(distributed_runs):
     ranks = distributed_runs
+    world = len(ranks)
     reference = one_process(CONFIGS)
     for name in CONFIGS:
         tower = f"towers.{_key(name)}."
         difference = _relative_difference(ranks[0]["fsdp"]["params"], reference, tower)
         assert difference < TOLERANCE, f"{name}: FSDP2 differs from one process by {difference:.3g}"
-        mapped = [ranks[r]["fsdp"]["stats"][name]["matrices_mapped"] for r in range(WORLD)]
+        mapped = [ranks[r]["fsdp"]["stats"][name]["matrices_mapped"] for r in range(world)]
         # no matrix mapped twice, none skipped (a row-wise map counts its fraction of rows)
         assert math.isclose(sum(mapped), STEPS * sum(MATRIX_BATCHES)), (name, mapped)
         # and each rank maps at most ceil(B / w) of every batch of B
-        assert max(mapped) <= STEPS * sum(math.ceil(b / WORLD) for b in MATRIX_BATCHES), (name, mapped)
-    for r in range(1, WORLD):
+        assert max(mapped) <= STEPS * sum(math.ceil(b / world) for b in MATRIX_BATCHES), (name, mapped)
+    for r in range(1, world):
         assert _relative_difference(ranks[r]["fsdp"]["params"], ranks[0]["fsdp"]["params"]) == 0
 
     # the row-wise map moves no bytes; Muon's moves its momentum out and the update back
@@ -278,9 +282,10 @@ def test_fsdp2_matches_one_process_for_every_optimizer(distributed_runs):
 
 def test_ddp_owner_gather_matches_one_process(distributed_runs):
     ranks = distributed_runs
+    world = len(ranks)
     reference = one_process(DDP_CONFIGS)
     parameter_bytes = sum(v.numel() * v.element_size() for v in reference.values())
-    for r in range(WORLD):
+    for r in range(world):
         record = ranks[r]["ddp"]
         difference = _relative_difference(record["params"], reference)
         assert difference < TOLERANCE, f"DDP rank {r}: differs from one process by {difference:.3g}"
@@ -289,6 +294,43 @@ def test_ddp_owner_gather_matches_one_process(distributed_runs):
         assert record["bytes_received"] <= STEPS * parameter_bytes, record["bytes_received"]
     dropped = _relative_difference(ranks[0]["ddp:dropped_copy"], one_process(["muon"]))
     assert dropped > 1e3 * TOLERANCE, dropped
+
+
+@pytest.mark.slow
+def test_benchmark_reports_per_rank_work_and_bytes(tmp_path):
+    """``bench/distributed_step.py --quick`` on 1 and 2 processes: the counts it publishes."""
+    markdown = tmp_path / "distributed_step.md"
+    result = subprocess.run([sys.executable, "bench/distributed_step.py", "--quick", "--worlds", "1,2",
+                             "--markdown", str(markdown)], cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = markdown.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| optimizer |"))
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[start:] if line.startswith("|")]
+    header, _, *body = cells
+    rows = {(r["optimizer"], r["processes"], r["mode"]): r for r in (dict(zip(header, c)) for c in body)}
+    signs = "matrix-sign / dualizer matrices per step, busiest rank"
+    sent = "bytes sent, all ranks / parameter bytes"
+    # the quick set: C = 32, 2 layers of [96, 32], [32, 32], [128, 32], [32, 128] (fp32)
+    shapes = [(96, 32), (32, 32), (128, 32), (32, 128)] * 2
+    for name in ("muon", "manifold_muon[stiefel]", "row_norm"):
+        for mode in ("fsdp", "ddp"):
+            # each same-shape batch of 2 matrices: one per rank
+            assert rows[(name, "2", mode)]["matrices mapped per step by busiest rank (row-wise: its rows' share)"] \
+                == "4/8", (name, mode)
+    assert rows[("muon", "1", "single")][signs] == "8"
+    assert rows[("muon", "2", "fsdp")][signs] == rows[("muon", "2", "ddp")][signs] == "4"
+    # Muon: bf16 momentum rows out and bf16 update rows back, (w-1)/w of them each way
+    assert float(rows[("muon", "2", "fsdp")][sent]) == 2 * (1 / 2) * 2 / 4
+    # Manifold Muon: fp32 momentum and weight rows out, weight rows back
+    assert float(rows[("manifold_muon[stiefel]", "2", "fsdp")][sent]) == (1 / 2) * 3
+    assert float(rows[("row_norm", "2", "fsdp")][sent]) == 0  # row-wise: mapped where the rows live
+    # the Gram all-reduce model, recomputed: ring all-reduce of n + 3n^2 fp32 entries per tall
+    # or square matrix, 2(w-1) times; the wide ones keep the all-to-alls
+    gram = sum(2 * (n + 3 * n * n) * 4 if m >= n else (1 / 2) * m * n * 3 * 4 for m, n in shapes)
+    printed = rows[("manifold_muon[stiefel]", "2", "fsdp")]["Gram all-reduce alternative: bytes sent, all ranks / "
+                                                             "parameter bytes (model)"]
+    assert abs(float(printed) - gram / (4 * sum(m * n for m, n in shapes))) <= 0.005
 
 
 if __name__ == "__main__":
