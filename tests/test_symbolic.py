@@ -213,7 +213,7 @@ def test_retraction_series_rejects_a_step_along_minus_u():
     assert any(backwards.witness["dR_W(0)[V] = V"].flat)
 
 
-@pytest.mark.parametrize("orientation, n", [("tall", 1), ("tall", 3), ("wide", 2)])
+@pytest.mark.parametrize("orientation, n", [("tall", 3), ("wide", 2)])
 def test_stiefel_retraction_series_every_size(orientation, n):
     certificate = certify_stiefel_retraction(orientation, n)
     assert certificate.holds, certificate.witness
