@@ -397,19 +397,28 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(tiny_sweep, tmp_path, mon
         assert f"(tiny-sweep/{name})" in resumed
 
 
+def _fresh_tables(tmp_path: Path, name: str, *options: str) -> list[str]:
+    argv = ["--size", "tiny", "--data", str(DATA), "--work-dir", str(tmp_path / "work"), "--fresh"]
+    assert common.main(long_study, [*argv, *options, "--out", str(tmp_path / name)]) == 0
+    return _tables((tmp_path / name / f"{long_study.NAME}.md").read_text())
+
+
 @needs_data
 def test_fresh_runs_reproduce_every_number(tmp_path):
     """Two ``--fresh`` runs of a study into the same work directory (every run trained again)
-    write identical tables, digit for digit. Control: another seed changes them, so the
+    write identical tables, digit for digit. Control: other seeds change them, so the
     comparison can fail."""
-    argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work"), "--fresh"]
-    pages = []
-    for name in ("a", "b"):
-        assert common.main(long_study, [*argv, "--out", str(tmp_path / name)]) == 0
-        pages.append(_tables((tmp_path / name / f"{long_study.NAME}.md").read_text()))
-    assert pages[0] == pages[1] and len(pages[0]) >= 5
-    assert common.main(long_study, [*argv, "--seeds", "3,4,5", "--out", str(tmp_path / "c")]) == 0
-    assert _tables((tmp_path / "c" / f"{long_study.NAME}.md").read_text()) != pages[0]
+    first = _fresh_tables(tmp_path, "a", "--jobs", "1")
+    assert _fresh_tables(tmp_path, "b", "--jobs", "1") == first and len(first) >= 5
+    assert _fresh_tables(tmp_path, "c", "--jobs", "1", "--seeds", "3,4,5") != first
+
+
+@pytest.mark.slow  # two spawned workers import torch: a minute on 2 busy cores
+@needs_data
+def test_worker_processes_reproduce_the_in_process_numbers(tmp_path):
+    """A published run trains in ``--jobs 2`` worker processes; a check may run in one: both
+    write the same tables, digit for digit."""
+    assert _fresh_tables(tmp_path, "one", "--jobs", "1") == _fresh_tables(tmp_path, "two", "--jobs", "2")
 
 
 @pytest.mark.parametrize("name", [n for n, s in STUDIES.items() if isinstance(s, sweep.LearningRateSweep)])
