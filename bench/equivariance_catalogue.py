@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from geomuon.optimizers import maps
+
+def _spectral(D):
+    """geomuon's Newton–Schulz msign (:func:`geomuon.optimizers.maps.spectral`), imported on
+    first use: a CLI check of a plain-torch map here (the benchmark times one, import
+    included) then imports what a user's own module would, not ``geomuon.optimizers``."""
+    from geomuon.optimizers.maps import spectral
+
+    return spectral(D)
 
 
 def svd_msign(D):
@@ -53,11 +60,15 @@ def sign(D):
     return torch.sign(D)
 
 
-def centered_msign(D):
-    r"""$\Pi^\perp\operatorname{msign}(\Pi^\perp D)$: invariant to router shifts."""
+def _centered(msign, D):
     centered = D - D.mean(dim=-2, keepdim=True)
-    out = svd_msign(centered)
+    out = msign(centered)
     return out - out.mean(dim=-2, keepdim=True)
+
+
+def centered_msign(D):
+    r"""$\Pi^\perp\operatorname{msign}(\Pi^\perp D)$ (SVD): invariant to router shifts."""
+    return _centered(svd_msign, D)
 
 
 def rownorm_msign(D):
@@ -157,13 +168,13 @@ class SignSGD(HeavyBall):
 def rownorm_spectral(D):
     """Newton–Schulz msign of the row-normalized input (bf16-capable): breaks $O_m$ by
     0.1-0.5, under a bf16 floor of about 0.02 at 64x32."""
-    return maps.spectral(_row_unit(D))
+    return _spectral(_row_unit(D))
 
 
 def thresholded_spectral(D):
     """Newton–Schulz msign after zeroing entries below $10^{-6}$ (bf16-capable): broken only
     for inputs of that scale, and discontinuous there."""
-    return maps.spectral(torch.where(D.abs() < 1e-6, torch.zeros_like(D), D))
+    return _spectral(torch.where(D.abs() < 1e-6, torch.zeros_like(D), D))
 
 
 def flushed_sign(D):
@@ -181,10 +192,10 @@ def corner_flip(D):
 def bf16_spectral(D):
     """Newton–Schulz msign computed in bfloat16 whatever the input's dtype, returned in it:
     $O_m\times O_n$-equivariant up to bfloat16 (a correct map that rounds inside)."""
-    return maps.spectral(D.bfloat16()).to(D.dtype)
+    return _spectral(D.bfloat16()).to(D.dtype)
 
 
 def centered_spectral(D):
     r"""$\Pi^\perp\operatorname{msign}(\Pi^\perp D)$ by Newton–Schulz (bf16-capable): invariant
     to router shifts."""
-    return maps.centered(maps.spectral)(D)
+    return _centered(_spectral, D)

@@ -30,7 +30,7 @@ CLI process (import included) on a 64x32 map is measured once, separately.
 
 Usage::
 
-    python bench/equivariance_checker.py --threads 1                 # float64 6x4, 12x12; float32 and bfloat16 64x32, 256x128
+    python bench/equivariance_checker.py --threads 1     # float64 6x4, 12x12; float32, bfloat16 64x32, 256x128
     python bench/equivariance_checker.py --quick                     # seconds: a smoke test
     python bench/equivariance_checker.py --threads 1 --markdown docs/results/benchmarks/equivariance_checker.md
 """

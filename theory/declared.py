@@ -109,9 +109,12 @@ class Declaration:
         return f"{self.label} | {self.group.name} | {self.expected}"
 
 
-def _map(fn, name: str = "", **kwargs) -> Callable[[], MapUpdate]:
-    """A map row's update; its name defaults to the function's (:class:`MapUpdate`)."""
-    return lambda: MapUpdate(fn, name=name, **kwargs)
+def _map_rows(fn, rows: list[tuple[Group, str, str]], name: str = "") -> list[Declaration]:
+    """One map's rows, ``(group, expected, rationale)`` each; the update's name defaults to
+    the function's (:class:`MapUpdate`)."""
+    label = name or fn.__name__
+    return [Declaration(label, "map", group, expected, rationale, lambda: MapUpdate(fn, name=name))
+            for group, expected, rationale in rows]
 
 
 def _swiglu_symmetry_update(block):
@@ -138,94 +141,70 @@ def declarations() -> list[Declaration]:
     H, F = "holds", "fails"
     rows = [
         # --- pure maps -------------------------------------------------------------
-        Declaration("spectral", "map", BO, H,
-                    "msign(LDRᵀ) = L msign(D) Rᵀ; the Polar Express iteration is an odd matrix "
-                    "polynomial p(DDᵀ)D, equivariant up to round-off.", _map(maps.spectral)),
-        Declaration("spectral", "map", LPRO_G, H, "S_m × O_n is a subgroup of O_m × O_n.",
-                    _map(maps.spectral)),
-        Declaration("spectral", "map", SCP, H, "O_m × signed column permutations ⊂ O_m × O_n.",
-                    _map(maps.spectral)),
-        Declaration("spectral", "map", SHIFT, F,
-                    "Uncentered: a shared logit shift 1vᵀ changes msign(D), though softmax ignores it.",
-                    _map(maps.spectral)),
-        Declaration("row_norm", "map", LPRO_G, H,
-                    "Row norms are permuted by S_m and unchanged by right rotations.",
-                    _map(maps.row_norm)),
-        Declaration("row_norm", "map", BO, F,
-                    "Left rotations mix rows and change their norms.", _map(maps.row_norm)),
-        Declaration("row_norm", "map", RPLO, F, "O_m on the left mixes rows.",
-                    _map(maps.row_norm)),
-        Declaration("row_norm", "map", SHIFT, F, "Uncentered: the shift changes every row norm.",
-                    _map(maps.row_norm)),
-        Declaration("col_norm", "map", RPLO, H,
-                    "Column norms are permuted by S_n and unchanged by left rotations.",
-                    _map(maps.col_norm)),
-        Declaration("col_norm", "map", SCP, H, "Signed column permutations permute column norms.",
-                    _map(maps.col_norm)),
-        Declaration("col_norm", "map", LPRO_G, F, "Right rotations mix columns.",
-                    _map(maps.col_norm)),
-        Declaration("right_polar", "map", BO, H,
-                    "‖D‖_*^α D(DᵀD)^{-1/2}: DᵀD ↦ R DᵀD Rᵀ and the nuclear norm is invariant — on every "
-                    "shape (on wide D the Gram matrix is singular; the measured floor carries it).",
-                    _map(maps.right_polar)),
-        Declaration("left_polar", "map", BO, H,
-                    "(DDᵀ)^{-1/2}D ‖D‖_*^α: the mirror image of right_polar, on every shape.",
-                    _map(maps.left_polar)),
-        Declaration("spectral", "map", RPLO, H, "O_m × S_n is a subgroup of O_m × O_n.",
-                    _map(maps.spectral)),
-        Declaration("spectral", "map", SRP, H, "Signed row permutations × O_n ⊂ O_m × O_n.",
-                    _map(maps.spectral)),
-        Declaration("spectral", "map", SP, H, "Signed permutations on both sides are orthogonal.",
-                    _map(maps.spectral)),
-        Declaration("spectral", "map", ROWS, F,
-                    "msign is not scale-invariant per row: diag(s)D has other singular vectors.",
-                    _map(maps.spectral)),
-        Declaration("row_norm", "map", RIGHT, H, "Row norms are unchanged by right rotations.",
-                    _map(maps.row_norm)),
-        Declaration("row_norm", "map", PERM, H, "Row and column permutations permute the row norms' entries.",
-                    _map(maps.row_norm)),
-        Declaration("row_norm", "map", ROWS, F,
-                    "diag(1/(‖d_i‖ + ε)): the ε floor (1e-8) breaks the invariance for rows of norm near ε.",
-                    _map(maps.row_norm)),
-        Declaration("col_norm", "map", LEFT, H, "Column norms are unchanged by left rotations.",
-                    _map(maps.col_norm)),
-        Declaration("col_norm", "map", RIGHT, F, "Right rotations mix columns.",
-                    _map(maps.col_norm)),
-        Declaration("sign", "map", ROWS, H, "sign(diag(s)D) = sign(D) for positive s.",
-                    _map(maps.sign)),
-        Declaration("sign", "map", COLS, H, "sign(D diag(s)) = sign(D) for positive s.",
-                    _map(maps.sign)),
-        Declaration("sign", "map", LEFT, F, "Left rotations break the coordinate basis.",
-                    _map(maps.sign)),
-
-        Declaration("hybrid", "map", LPRO_G, H,
-                    "msign(row_norm(D)) scaled by its nuclear norm: both stages are S_m × O_n-equivariant.",
-                    _map(maps.hybrid)),
-        Declaration("hybrid", "map", BO, F, "The row normalization breaks left rotations.",
-                    _map(maps.hybrid)),
-        Declaration("sign", "map", SP, H, "Coordinate-wise: commutes with signed permutations.",
-                    _map(maps.sign)),
-        Declaration("sign", "map", BO, F, "Coordinate-wise maps are not rotation-equivariant (Adam's flaw).",
-                    _map(maps.sign)),
-        Declaration("sign", "map", LPRO_G, F, "Right rotations break the coordinate basis.",
-                    _map(maps.sign)),
-        Declaration("centered(spectral)", "map", SHIFT, H,
-                    "Π^⊥ kills the shift and commutes with P; msign is O_d-equivariant on the right.",
-                    _map(maps.centered(maps.spectral), "centered(spectral)")),
-        Declaration("centered(row_norm)", "map", SHIFT, H,
-                    "Centered input, row scaling, re-centered output: invariant to shifts.",
-                    _map(maps.centered(maps.row_norm), "centered(row_norm)")),
-        Declaration("centered(left_polar)", "map", SHIFT, H,
-                    "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α.",
-                    _map(maps.centered(maps.left_polar), "centered(left_polar)")),
-        Declaration("centered(hybrid)", "map", SHIFT, H,
-                    "Centered row normalization then msign: both stages ignore the shift.",
-                    _map(maps.centered(maps.hybrid), "centered(hybrid)")),
-        Declaration("swiglu hybrid stack", "map", NP, H,
-                    "Row-aware hybrid on W_gate, W_up (P on rows) and column-aware on W_down (Pᵀ on columns).",
-                    _map(_swiglu_symmetry_update, "swiglu hybrid stack")),
-        Declaration("spectral per matrix", "map", NP, H, "Permutations are orthogonal.",
-                    _map(_spectral_each, "spectral per matrix")),
+        *_map_rows(maps.spectral, [
+            (BO, H, "msign(LDRᵀ) = L msign(D) Rᵀ; the Polar Express iteration is an odd matrix polynomial"
+             " p(DDᵀ)D, equivariant up to round-off."),
+            (LPRO_G, H, "S_m × O_n is a subgroup of O_m × O_n."),
+            (SCP, H, "O_m × signed column permutations ⊂ O_m × O_n."),
+            (SHIFT, F, "Uncentered: a shared logit shift 1vᵀ changes msign(D), though softmax ignores it."),
+            (RPLO, H, "O_m × S_n is a subgroup of O_m × O_n."),
+            (SRP, H, "Signed row permutations × O_n ⊂ O_m × O_n."),
+            (SP, H, "Signed permutations on both sides are orthogonal."),
+            (ROWS, F, "msign is not scale-invariant per row: diag(s)D has other singular vectors."),
+        ]),
+        *_map_rows(maps.row_norm, [
+            (LPRO_G, H, "Row norms are permuted by S_m and unchanged by right rotations."),
+            (BO, F, "Left rotations mix rows and change their norms."),
+            (RPLO, F, "O_m on the left mixes rows."),
+            (SHIFT, F, "Uncentered: the shift changes every row norm."),
+            (RIGHT, H, "Row norms are unchanged by right rotations."),
+            (PERM, H, "Row and column permutations permute the row norms' entries."),
+            (ROWS, F, "diag(1/(‖d_i‖ + ε)): the ε floor (1e-8) breaks the invariance for rows of norm near ε."),
+        ]),
+        *_map_rows(maps.col_norm, [
+            (RPLO, H, "Column norms are permuted by S_n and unchanged by left rotations."),
+            (SCP, H, "Signed column permutations permute column norms."),
+            (LPRO_G, F, "Right rotations mix columns."),
+            (LEFT, H, "Column norms are unchanged by left rotations."),
+            (RIGHT, F, "Right rotations mix columns."),
+        ]),
+        *_map_rows(maps.right_polar, [
+            (BO, H, "‖D‖_*^α D(DᵀD)^{-1/2}: DᵀD ↦ R DᵀD Rᵀ and the nuclear norm is invariant — on every shape"
+             " (on wide D the Gram matrix is singular; the measured floor carries it)."),
+        ]),
+        *_map_rows(maps.left_polar, [
+            (BO, H, "(DDᵀ)^{-1/2}D ‖D‖_*^α: the mirror image of right_polar, on every shape."),
+        ]),
+        *_map_rows(maps.sign, [
+            (ROWS, H, "sign(diag(s)D) = sign(D) for positive s."),
+            (COLS, H, "sign(D diag(s)) = sign(D) for positive s."),
+            (LEFT, F, "Left rotations break the coordinate basis."),
+            (SP, H, "Coordinate-wise: commutes with signed permutations."),
+            (BO, F, "Coordinate-wise maps are not rotation-equivariant (Adam's flaw)."),
+            (LPRO_G, F, "Right rotations break the coordinate basis."),
+        ]),
+        *_map_rows(maps.hybrid, [
+            (LPRO_G, H, "msign(row_norm(D)) scaled by its nuclear norm: both stages are S_m × O_n-equivariant."),
+            (BO, F, "The row normalization breaks left rotations."),
+        ]),
+        *_map_rows(maps.centered(maps.spectral), [
+            (SHIFT, H, "Π^⊥ kills the shift and commutes with P; msign is O_d-equivariant on the right."),
+        ], "centered(spectral)"),
+        *_map_rows(maps.centered(maps.row_norm), [
+            (SHIFT, H, "Centered input, row scaling, re-centered output: invariant to shifts."),
+        ], "centered(row_norm)"),
+        *_map_rows(maps.centered(maps.left_polar), [
+            (SHIFT, H, "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α."),
+        ], "centered(left_polar)"),
+        *_map_rows(maps.centered(maps.hybrid), [
+            (SHIFT, H, "Centered row normalization then msign: both stages ignore the shift."),
+        ], "centered(hybrid)"),
+        *_map_rows(_swiglu_symmetry_update, [
+            (NP, H, "Row-aware hybrid on W_gate, W_up (P on rows) and column-aware on W_down (Pᵀ on columns)."),
+        ], "swiglu hybrid stack"),
+        *_map_rows(_spectral_each, [
+            (NP, H, "Permutations are orthogonal."),
+        ], "spectral per matrix"),
         # --- steepest directions on manifolds ---------------------------------------
         Declaration("steepest[Stiefel]", "direction", BO, H,
                     "O_m × O_n maps Stiefel to itself, L_{gW}(gA) = R L_W(A) Rᵀ, and every dual step "

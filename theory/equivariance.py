@@ -75,7 +75,8 @@ input $x$ (every dtype embeds exactly in float64), the update evaluated in float
 applied in float64, with the float64 floor recipe — unless the update may round to a
 narrower dtype inside (an optimizer or a steepest direction, a stated ``compute_dtype``,
 or a map whose float64 output does not move under a relative perturbation of $2^{-30}$),
-in which case relative-only probes at $d$'s size join the floor, which keeps
+in which case relative-only probes at $d$'s size on its directions and gradients join the
+floor, which keeps
 "equivariant up to bfloat16" meaning what it says. By the triangle inequality the dtype
 residual differs from the witness's only by the dtype evaluation's own error at $x$ and
 $\mathrm{fl}(g\cdot x)$ and the roundings of $g\cdot x$ and $g\cdot U(x)$: round-off, which the
@@ -660,8 +661,8 @@ def _round_trips(subject: _Subject, element: GroupElement, example, evaluate: Ca
 SUB_ROUNDOFF = 2.0**-30
 
 
-def _witness(subject: _Subject, element: GroupElement, example, *, storage: float, compute: float,
-             stated_precision: bool, generator: torch.Generator, probes: int) -> tuple[float, float] | None:
+def _witness(subject: _Subject, element: GroupElement, example, *, compute: float, stated_precision: bool,
+             generator: torch.Generator, probes: int) -> tuple[float, float] | None:
     r"""Residual and floor of the **float64 witness** of a trial in a narrower dtype $d$: the
     same inputs $x$ (every dtype embeds exactly in float64), the update evaluated in
     float64 and $g$ applied in float64, so the residual carries neither the rounding of
@@ -674,8 +675,10 @@ def _witness(subject: _Subject, element: GroupElement, example, *, storage: floa
     Its floor is the float64 recipe (round trips, probes at $\sqrt n\,\varepsilon_{64}$ at
     $x$ and $g\cdot x$), and, for an update that may round to a narrower dtype inside,
     *relative-only* probes $x\odot(1+\delta\xi)$ at $d$'s size $\delta$ as well (they keep
-    signs and exact zeros). An update may round inside when it is an optimizer or a steepest
-    direction (their step dtypes are their own), when the check states a ``compute_dtype``
+    signs and exact zeros), on what the update computes with (directions, gradients; the
+    weights are float64 here and get float64 probes). An update may round inside when it is
+    an optimizer or a steepest direction (their step dtypes are their own), when the check
+    states a ``compute_dtype``
     narrower than the inputs, or when a map's float64 output does not move at all under a
     relative perturbation of :data:`SUB_ROUNDOFF` (a float64 computation moves; a map that
     quantizes, or is piecewise constant, does not — for the latter the relative probes
@@ -697,9 +700,9 @@ def _witness(subject: _Subject, element: GroupElement, example, *, storage: floa
             for point, value in ((wide, out64), (moved64, out64_g)):
                 changes.append(subject.relative(evaluate(subject.perturb(point, wide_size, wide_size, generator)),
                                                 value))
-                if narrow_inside:
+                if narrow_inside:  # weights are float64 here: only what the update computes with
                     changes.append(subject.relative(
-                        evaluate(subject.perturb(point, storage, compute, generator, additive=False)), value))
+                        evaluate(subject.perturb(point, wide_size, compute, generator, additive=False)), value))
     except Exception:  # the update's float64 path is not the check's subject: no witness
         return None
     return residual, _floor(_eps(torch.float64), changes)
@@ -731,7 +734,7 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         # Its own stream, seeded from the trial's: its draws do not depend on how many probes
         # the dtype trial drew, so more probes only ever add to its floor.
         own = torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED)
-        found = _witness(subject, element, example, storage=storage, compute=compute, generator=own,
+        found = _witness(subject, element, example, compute=compute, generator=own,
                          stated_precision=compute_dtype != _members(example)[0].dtype, probes=probes)
         if found is not None and _judge(*found) != "unresolved":
             return Trial(index, kind, scale, found[0], found[1], _judge(*found), element, route="float64 witness")
@@ -1054,6 +1057,7 @@ def verify_declaration(
     dtype: torch.dtype = torch.float64,
     compute_dtype: torch.dtype | None = None,
     kinds: Sequence[str] = KINDS,
+    shrink: bool = True,
 ) -> Case | None:
     """Check one declared pair with hypothesis (the trials of :func:`run_trial` on drawn
     :class:`Case` s); raise ``AssertionError`` if it misbehaves.
@@ -1063,11 +1067,13 @@ def verify_declaration(
       within ``tolerance_cap`` if given (a requirement on top of the floor, never a
       loosening); a failure is shrunk and printed as matrices.
     * ``expected="violated"`` (or ``"fails"``): hypothesis searches for a violated case,
-      shrinks it and returns it; no such case is an error.
+      shrinks it (unless ``shrink=False``: the case found is returned as drawn, which spares
+      the many evaluations of shrinking an expensive update) and returns it; no such case is
+      an error.
 
     ``max_examples`` defaults to the active hypothesis profile's. Needs the ``test`` extra.
     """
-    from hypothesis import assume, find, given, settings
+    from hypothesis import Phase, assume, find, given, settings
     from hypothesis.errors import NoSuchExample
 
     group = get_group(group) if isinstance(group, str) else group
@@ -1081,7 +1087,9 @@ def verify_declaration(
         result = run_trial(subject, case.element, case.example, compute_dtype=compute_dtype,
                            generator=torch.Generator().manual_seed(case.seed), kind=case.kind, scale=case.scale,
                            probes=probes)
-        if result.verdict == "inconclusive" and probes == 1:
+        # As in a check: a trial is not called violated (or left inconclusive) before its
+        # floor is re-measured with the confirming probes.
+        if result.verdict in ("inconclusive", "violated") and probes == 1:
             return trial(case, CONFIRMATION_PROBES)
         return result
 
@@ -1104,14 +1112,13 @@ def verify_declaration(
         return None
     if expected not in ("fails", "violated"):
         raise ValueError(f"expected must be 'holds' or 'violated', got {expected!r}")
-    def violated(case) -> bool:
-        # The confirmed floor is a maximum over a superset of the single probe's draws (same
-        # seed, same first draws), so a case not violated with one probe is not violated
-        # with all: the cheap trial settles every such candidate without changing the search.
-        return trial(case).verdict == "violated" and trial(case, CONFIRMATION_PROBES).verdict == "violated"
-
+    # trial() confirms with all probes only what one probe does not clear: the confirmed
+    # floor is a maximum over a superset of the single probe's draws (same seed, same first
+    # draws), so a case not violated with one probe is not violated with all, and the search
+    # is the same as with all probes on every candidate, at a fraction of the evaluations.
+    search = budget if shrink else settings(budget, phases=[p for p in Phase if p != Phase.shrink])
     try:
-        return find(strategy, violated, settings=budget)
+        return find(strategy, lambda case: trial(case).verdict == "violated", settings=search)
     except NoSuchExample:
         raise AssertionError(
             f"{subject.name} under {group.name} is declared to be violated, but no case was beyond "
