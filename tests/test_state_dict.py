@@ -10,6 +10,7 @@ steps exactly (same kernels, same inputs, one CPU process: no tolerance is neede
 
 from __future__ import annotations
 
+import inspect
 import io
 
 import geoopt
@@ -269,3 +270,89 @@ def test_points_from_random_as_manifold_parameters_resume_bit_for_bit():
         return ManifoldMuon(ps, lr=0.05, warm_start=True, dual_steps=2)
 
     _check_resume(make, params)
+
+
+# ---------------------------------------------------------------- as a user would, across processes
+# The user's module: the ScaledColumns class above, on its own.
+_USER_MODULE = "import torch\nfrom geomuon.manifolds import MatrixManifold\n\n\n" + inspect.getsource(ScaledColumns)
+
+# Training helpers of the user's scripts, apart from the module defining the manifold.
+_HELPERS = '''
+import torch
+
+def gradients(params, step):
+    for i, p in enumerate(params):
+        noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        p.grad = 0.3 * p.detach() + noise
+
+
+def make(params, manifolds):
+    from geomuon.optimizers import ManifoldMuon
+    return ManifoldMuon([{"params": [p], "manifold": m} for p, m in zip(params, manifolds)],
+                        lr=0.05, warm_start=True, dual_steps=2)
+'''
+
+_SAVE = '''
+import torch
+from user_manifolds import ScaledColumns
+from user_training import gradients, make
+manifolds = [ScaledColumns(1.0, torch.tensor([1.0, 0.5, 2.0])), ScaledColumns(2.0, torch.tensor([1.0, 1.0, 3.0]))]
+def start():
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(m.projx(torch.randn(6, 3, generator=g))) for m in manifolds]
+first, straight = start(), start()
+first_opt, straight_opt = make(first, manifolds), make(straight, manifolds)
+for step in range(5):
+    gradients(straight, step); straight_opt.step()
+    if step < 3:
+        gradients(first, step); first_opt.step()
+torch.save({"optimizer": first_opt.state_dict(), "weights": [p.detach() for p in first]}, "ckpt.pt")
+torch.save({"weights": [p.detach() for p in straight], "state": straight_opt.state_dict()["state"]}, "straight.pt")
+'''
+
+_RESUME = '''
+import sys
+import torch
+if sys.argv[1] == "import":
+    import user_manifolds  # registers ScaledColumns: a checkpoint never imports code
+checkpoint = torch.load("ckpt.pt", weights_only=True)
+from user_training import gradients, make
+params = [torch.nn.Parameter(w.clone()) for w in checkpoint["weights"]]
+optimizer = make(params, [g["manifold"] for g in checkpoint["optimizer"]["param_groups"]])
+optimizer.load_state_dict(checkpoint["optimizer"])
+for step in (3, 4):
+    gradients(params, step); optimizer.step()
+straight = torch.load("straight.pt", weights_only=True)
+state = optimizer.state_dict()["state"]
+assert all(torch.equal(p, q) for p, q in zip(params, straight["weights"])), "weights differ"
+assert all(torch.equal(state[k][f], straight["state"][k][f]) for k in state for f in state[k]
+           if isinstance(state[k][f], torch.Tensor)), "state differs"
+print("resumed bit for bit")
+'''
+
+
+def _run_user_script(tmp_path, code, *args):
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run([sys.executable, "-W", "ignore", str(script), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_users_manifold_module_checkpoint_resumes_in_a_new_process(tmp_path):
+    # Two instances of a user's class (constructor arguments, one a tensor) in one
+    # optimizer; the checkpoint is saved by one process and resumed by another, which
+    # builds its groups from the checkpoint's specs after importing the user's module.
+    (tmp_path / "user_manifolds.py").write_text(_USER_MODULE)
+    (tmp_path / "user_training.py").write_text(_HELPERS)
+    saved = _run_user_script(tmp_path, _SAVE)
+    assert saved.returncode == 0, saved.stderr
+    resumed = _run_user_script(tmp_path, _RESUME, "import")
+    assert resumed.returncode == 0 and "resumed bit for bit" in resumed.stdout, resumed.stderr
+    # Without the import the spec names an unregistered class: a clear error, no guess.
+    unregistered = _run_user_script(tmp_path, _RESUME, "no-import")
+    assert unregistered.returncode != 0
+    assert "unknown manifold 'ScaledColumns'" in unregistered.stderr
+    assert "registers itself when that module is imported" in unregistered.stderr
