@@ -8,12 +8,14 @@ provenance the same way. Nothing here needs a checkout: installed from a wheel,
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["CHECKOUT", "git_commit", "machine", "markdown_row", "markdown_table"]
+__all__ = ["CHECKOUT", "code_fingerprint", "git_commit", "machine", "markdown_row", "markdown_table"]
 
 
 def _checkout() -> Path | None:
@@ -51,6 +53,35 @@ def git_commit(short: bool = True, repo: Path | None = None) -> str:
         return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown (git not available)"
+
+
+#: The subpackages whose source decides what a training run computes. ``pretrain/studies``
+#: is left out: it writes pages, and what a study trains is named in each run's key.
+_TRAINING_CODE = ("manifolds", "optimizers", "theory", "pretrain")
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+    """A 16-hex-digit hash of the installed ``geomuon`` training code (every ``.py`` file of
+    :data:`_TRAINING_CODE` but ``pretrain/studies``, path and bytes) and torch's version.
+
+    Unlike :func:`git_commit` it needs no checkout and sees uncommitted edits, so a cached
+    result is reused only by the code that produced it (a study resumed after the engine
+    changed trains its runs again instead of mixing old and new numbers)."""
+    import importlib
+
+    import torch
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for package in _TRAINING_CODE:
+        base = Path(importlib.import_module(f"geomuon.{package}").__file__).resolve().parent
+        for path in sorted(base.rglob("*.py")):
+            relative = path.relative_to(base)
+            if package == "pretrain" and relative.parts[0] == "studies":
+                continue
+            digest.update(f"{package}/{relative.as_posix()}".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def machine() -> str:

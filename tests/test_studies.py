@@ -127,6 +127,55 @@ def test_cli_dispatch_reuses_cached_runs(run_once, tmp_path, capsys):
     assert (tmp_path / f"{study.NAME}.md").read_text().count("| `") >= len(study.variants(study.SIZES["tiny"]))
 
 
+def test_a_run_made_by_other_code_is_never_reused(tmp_path, monkeypatch):
+    """The run folder's key holds the training code's fingerprint: after the engine changes,
+    a resumed study trains its runs again (in new folders) instead of reading back records
+    the old code wrote. Control: the same code finds the same folder."""
+    study = STUDIES["manifolds"]
+    size = common.size_from(study, "tiny")
+    variant = study.variants(size)[0]
+
+    def folder():
+        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
+
+    before = folder()
+    assert folder() == before
+    monkeypatch.setattr(common, "code_fingerprint", lambda: "0" * 16)
+    assert folder() != before
+
+
+def test_the_code_fingerprint_sees_a_changed_source_file(tmp_path, monkeypatch):
+    """:func:`code_fingerprint` hashes the source files themselves (uncommitted edits
+    included), not a version string: a copy of a training module with one byte changed
+    gives another fingerprint; pretrain/studies (page writing) does not count."""
+    import importlib
+    import shutil
+
+    from geomuon.pretrain import provenance
+
+    copies = {}
+    for package in provenance._TRAINING_CODE:
+        source = Path(importlib.import_module(f"geomuon.{package}").__file__).parent
+        copies[package] = tmp_path / package
+        shutil.copytree(source, copies[package], ignore=shutil.ignore_patterns("__pycache__"))
+    real_import = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name: types.SimpleNamespace(
+        __file__=str(copies[name.split(".")[1]] / "__init__.py")) if name.startswith("geomuon.") else real_import(name))
+
+    def fingerprint():
+        provenance.code_fingerprint.cache_clear()
+        return provenance.code_fingerprint()
+
+    first = fingerprint()
+    assert fingerprint() == first
+    (copies["pretrain"] / "studies" / "common.py").write_text("# a page-writing change\n")
+    assert fingerprint() == first
+    engine = copies["optimizers"] / "gram.py"
+    engine.write_bytes(engine.read_bytes() + b" ")
+    assert fingerprint() != first
+    provenance.code_fingerprint.cache_clear()
+
+
 @needs_data
 def test_mapping_variants_register_nothing_and_keep_their_table(run_once):
     """Variants with a ``{role: Rule}`` strategy go to ``assign`` as mappings: the registry is

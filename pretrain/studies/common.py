@@ -18,7 +18,9 @@ same validation windows (:data:`VAL_SEED`), the last one on more of them.
 
 Runs are independent processes (``--jobs``, one torch thread each by default: these
 models are too small for two threads to beat two processes). Each run has a folder under
-the work directory, named by a hash of everything that defines it, and its record is
+the work directory, named by a hash of everything that defines it (the training code's
+:func:`~geomuon.pretrain.provenance.code_fingerprint` included: a record is read back only
+by the code that wrote it), and its record is
 written there (``record.json``) when it completes, so an interrupted study resumes where
 it stopped: complete runs are read back, the rest are trained. A study module may bring
 its own ``run(study, size, data_path, work_dir, jobs, threads, fresh)`` with the
@@ -47,11 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from geomuon.pretrain.provenance import CHECKOUT, git_commit, machine, markdown_table
+from geomuon.pretrain.provenance import CHECKOUT, code_fingerprint, git_commit, machine, markdown_table
 
 #: Seed of the validation windows: every run of a study is scored on the same text.
 VAL_SEED = 1234
-#: Bump when the loop or a metric changes meaning, so cached runs are not reused.
+#: Bump when a record's fields change meaning (a change of the training code already
+#: changes every run's key through its fingerprint).
 RECORD_VERSION = 2
 
 
@@ -223,14 +226,15 @@ RECORD = "record.json"
 
 
 def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) -> str:
-    identity = dict(version=RECORD_VERSION, study=study, variant=variant.identity(),
+    identity = dict(version=RECORD_VERSION, code=code_fingerprint(), study=study, variant=variant.identity(),
                     size=dataclasses.asdict(size) | {"seeds": None}, seed=seed, data=os.path.basename(data_path))
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def run_folder(work_dir: Path, study: str, variant: Variant, size: Size, seed: int, data_path: str) -> Path:
     """The folder of one run under ``work_dir``: ``<variant>-s<seed>-<key>``, the key a hash
-    of everything that defines the run (so a changed variant or size never reuses a record)."""
+    of everything that defines the run, the training code's fingerprint included (so a
+    changed variant, size or engine never reuses a record; the old folder stays)."""
     name = re.sub(r"[^A-Za-z0-9_.=+-]", "_", variant.name)
     return work_dir / f"{name}-s{seed}-{_key(study, variant, size, seed, data_path)}"
 
