@@ -29,6 +29,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser, repeats=1, threads=1, repeats_help="unused (the script times nothing)")
     parser.add_argument("--seed", type=int, default=0, help="training and search seed (default 0)")
-    parser.add_argument("--checkpoints", type=Path, default=Path("runs/lipschitz_tightness"),
+    parser.add_argument("--checkpoints", type=Path, default=None,
                         help="folder of the catalogue's training runs: a model whose checkpoint is there is "
-                             "not trained again (default runs/lipschitz_tightness)")
+                             "not trained again (default runs/lipschitz_tightness; with --quick a temporary folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     provenance = Provenance(__file__, args, argv)
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{search.steps} Adam steps, {search.power_steps} power-iteration steps.\n")
     header = ["model", "steps", "norm", "simple bound", "tight bound", "best estimate", "simple / estimate",
               "tight / estimate", "estimate by search"]
-    models = {spec: trained_model(spec, args.seed, args.checkpoints, args.threads) for spec in CATALOGUE[size]}
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoints = args.checkpoints or Path(scratch if args.quick else "runs/lipschitz_tightness")
+        models = {spec: trained_model(spec, args.seed, checkpoints, args.threads) for spec in CATALOGUE[size]}
     alignment_rows = []
     for spec, model in models.items():
         ratio, pair = adjacent_alignment(model.lipschitz_weights())
