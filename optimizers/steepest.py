@@ -315,14 +315,6 @@ def _feasible(manifold, W: torch.Tensor, A: torch.Tensor, norm: Norm, exact: boo
     return torch.where(size > 0, At / size.clamp_min(torch.finfo(W.dtype).tiny), torch.zeros_like(At))
 
 
-def _normal_only(tangent: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    r"""Per matrix: $\|P_WG\|_F \le 8\sqrt{\max(m, n)}\,\varepsilon\,\|G\|_F$, i.e. the tangent
-    part of ``G`` is at the round-off level of the projection in ``G``'s dtype."""
-    eps = torch.finfo(G.dtype).eps
-    level = 8.0 * max(G.shape[-2:]) ** 0.5 * eps
-    return tangent.norm(dim=(-2, -1)) <= level * G.norm(dim=(-2, -1))
-
-
 def _jacobi_step(manifold, W, X, A, H, gram, rate: float, batch: int) -> torch.Tensor:
     r"""The Jacobi-preconditioned dual step $-\alpha_k\,\sigma\,H \oslash \operatorname{diag}(LL^*)$.
 

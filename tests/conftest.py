@@ -5,6 +5,7 @@ reproducible and fast) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``, or
 ``make test-thorough``, for local runs hunting rare counterexamples).
 """
 
+import contextlib
 import os
 
 # Spinning OpenMP workers steal the other core from concurrent processes (DDP tests,
@@ -12,6 +13,7 @@ import os
 # before torch initializes OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -38,3 +40,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Tests share 2 cores with nothing else in CI; more threads than cores only thrash.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("host read of a tensor's value where none is allowed")
+
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, refuse)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.fixture
+def no_host_reads():
+    """A context manager under which every read of a tensor's value into Python
+    (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``) raises ``RuntimeError``
+    ("host read ..."): the CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``,
+    where each of these is a device sync."""
+    return _no_host_reads

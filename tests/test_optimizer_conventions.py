@@ -1,6 +1,5 @@
 """Conventions every matrix optimizer shares (optimizers/base.py), checked on each class."""
 
-import contextlib
 import copy
 import warnings
 
@@ -291,38 +290,11 @@ def test_deepcopy_keeps_regulators_and_steps_identically(name):
 
 # ----------------------------------------------------------------------------- no host sync
 
-_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-
-
-class _HostRead(RuntimeError):
-    pass
-
-
-@contextlib.contextmanager
-def _no_host_reads():
-    """Every read of a tensor's value into Python raises: the CPU stand-in for
-    ``torch.cuda.set_sync_debug_mode("error")`` (on CUDA each is a device sync). The
-    deferred non-finite report reads host memory through NumPy (see
-    ``optimizers.base._SkippedSteps``), which on CUDA is a completed pinned copy, no sync."""
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def refuse(self, *args, **kwargs):
-        raise _HostRead("host read of a tensor inside step()")
-
-    try:
-        for name in _READS:
-            setattr(torch.Tensor, name, refuse)
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-
-
-def test_the_read_guard_catches_each_kind_of_read():
+def test_the_read_guard_catches_each_kind_of_read(no_host_reads):
     x = torch.ones(3)
     for read in (lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x.all()), lambda: float(x.sum()),
                  lambda: int(x.sum()), lambda: x.sum() > 0 and None):
-        with _no_host_reads(), pytest.raises(_HostRead):
+        with no_host_reads(), pytest.raises(RuntimeError, match="host read"):
             read()
 
 
@@ -341,7 +313,7 @@ SYNC_FREE = {  # name: (optimizer, the matrix group's regulator)
 
 
 @pytest.mark.parametrize("name", SYNC_FREE)
-def test_step_reads_nothing_back_from_the_device(name):
+def test_step_reads_nothing_back_from_the_device(name, no_host_reads):
     # Tall, wide, square and two same-shape matrices, an AdamW vector, warm-started steps,
     # and a non-finite gradient in one step: the whole step() runs under the read guard.
     gen = torch.Generator().manual_seed(7)
@@ -361,7 +333,9 @@ def test_step_reads_nothing_back_from_the_device(name):
             p.grad = torch.randn(p.shape, generator=gen)
         if k == 1:
             matrices[1].grad[0, 0] = float("nan")
-        with _no_host_reads(), warnings.catch_warnings():
+        # the deferred non-finite report reads host memory through NumPy (see
+        # optimizers.base._SkippedSteps): on CUDA a completed pinned copy, no sync
+        with no_host_reads(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the report of step 1 at the start of step 2
             opt.step()
     assert all(torch.isfinite(p).all() for p in [*matrices, vector])
