@@ -13,7 +13,7 @@ GPT-2 block shapes of ``bench/optimizer_step.py``).
 
 The measured table, with how it was produced, is on the docs' Results page
 (``--markdown docs/results/benchmarks/manifold_frontier.md`` writes it); the row of
-ManifoldMuon's default (:data:`geomuon.optimizers.manifold_muon.DEFAULT_DUAL_STEPS`, warm) is
+ManifoldMuon's default (:func:`geomuon.optimizers.manifold_muon.default_dual_steps`, warm) is
 marked there.
 
 Usage::
@@ -129,6 +129,11 @@ def main(argv=None) -> int:
     parser.add_argument("--retraction", nargs="+", default=["fused"], choices=["fused", "manifold"],
                         help="ManifoldMuon's retraction option: fused (the Gram-space path where the "
                              "manifold has a Gram form) and/or manifold (the general engine)")
+    parser.add_argument("--update", nargs="+", default=["newton", "jacobi"], choices=["newton", "jacobi"],
+                        help="the Gram path's dual update (ManifoldMuon's dual_update); the general path "
+                             "always takes Jacobi steps")
+    parser.add_argument("--dualizer", default=None, choices=["eigh", "polar_express"],
+                        help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: its default)")
     add_arguments(parser, repeats=3, threads=2, repeats_help="timed rounds per configuration (0: no timing)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -138,14 +143,16 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
-    from geomuon.optimizers.manifold_muon import DEFAULT_DUAL_STEPS, resolve_manifold
+    from geomuon.optimizers.manifold_muon import DEFAULT_DUAL_UPDATE, default_dual_steps, resolve_manifold
 
     solver = {}
     if args.msign:
         solver["msign_method"] = args.msign
     if args.msign_steps is not None:
         solver["msign_steps"] = args.msign_steps
-    header = ["set", "manifold", "path", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
+    if args.dualizer:
+        solver["gram_dualizer"] = args.dualizer
+    header = ["set", "manifold", "path", "dual update", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
     lines = [
         f"{args.steps} steps per configuration, alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
         f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
@@ -155,13 +162,14 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     starts = [start == "warm" for start in args.starts]
-    for set_name, manifold_name, retraction, dual_steps, warm in itertools.product(
-            args.set, args.manifold, args.retraction, args.dual, starts):
-        if dual_steps == 0 and not warm and "warm" in args.starts:
-            continue  # no dual step: warm and cold are the same computation
+    # (0 dual steps warm and cold differ: a warm start carries one dual step from the last step)
+    combinations = itertools.product(args.set, args.manifold, args.retraction, args.update, args.dual, starts)
+    for set_name, manifold_name, retraction, update, dual_steps, warm in combinations:
+        if retraction == "manifold" and update != args.update[0]:
+            continue  # the general path has one dual update
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")
-        options = dict(solver, retraction=retraction)
+        options = dict(solver, retraction=retraction, dual_update=update)
         mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **options)
         cost = "-"
         if args.repeats:
@@ -169,11 +177,13 @@ def main(argv=None) -> int:
                                 **options)
             cost = f"{ratio:.2f}"
         start = "warm" if warm else "cold"
-        if dual_steps == DEFAULT_DUAL_STEPS and warm and not solver and retraction == "fused":
+        if (dual_steps == default_dual_steps(manifold) and warm and not solver and retraction == "fused"
+                and update == DEFAULT_DUAL_UPDATE):
             start += " (default)"
         where = f"{set_name} ({len(shapes)} matrices)"
         path = "Gram space" if retraction == "fused" else "general"
-        lines.append(markdown_row([where, manifold_name, path, str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]))
+        update = update if retraction == "fused" else "jacobi"
+        lines.append(markdown_row([where, manifold_name, path, update, str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)
 

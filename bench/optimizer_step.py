@@ -25,6 +25,12 @@ Usage::
     python bench/optimizer_step.py                 # 6 x 384, 7 rounds
     python bench/optimizer_step.py --repeats 3 --layers 2 --width 256 --threads 1
     python bench/optimizer_step.py --quick         # 1 x 64, seconds: a smoke test
+    python bench/optimizer_step.py --threads 1 --clock process --profile   # + where the time goes
+
+``--profile`` adds, for each ManifoldMuon row, one profiled step (``torch.profiler``, after
+the timed rounds) split into the work the engine's cost model counts: $m\times n$
+products (an operand has the long side), $n\times n$ products, the symmetric
+eigendecompositions, and everything else (elementwise passes, copies, reductions).
 """
 
 from __future__ import annotations
@@ -112,6 +118,45 @@ def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=tim
     return interleaved_medians(steps, repeats, clock, warmup, before_round=set_grads)
 
 
+#: ``--profile``: op name -> cost-model category (products are split by their operands' shapes).
+_PRODUCTS = ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm", "aten::matmul")
+_EIGEN = ("aten::_linalg_eigh", "aten::linalg_eigh", "aten::linalg_cholesky_ex", "aten::linalg_solve_triangular")
+
+
+def _category(name: str, shapes, short_side: int) -> str | None:
+    if name in _PRODUCTS:
+        if name == "aten::matmul":
+            return None  # dispatches to bmm/mm, counted there
+        dims = [d for shape in shapes for d in (shape[-2:] if len(shape) >= 2 else ())]
+        return "m x n products" if dims and max(dims) > short_side else "n x n products"
+    if name in _EIGEN:
+        return "eigh / Cholesky / triangular solve"
+    return "elementwise, copies, reductions"
+
+
+def profile_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], short_side: int) -> list[list[str]]:
+    """One profiled ``step()`` split by :func:`_category`: rows ``[category, ms, share]``
+    (self CPU time of the leaf ops; the profiler's own overhead inflates small ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        optimizer.step()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key.startswith("Optimizer.") or not event.key.startswith("aten::"):
+            continue
+        category = _category(event.key, event.input_shapes or [], short_side)
+        if category is not None:
+            totals[category] = totals.get(category, 0.0) + event.self_cpu_time_total / 1e3
+    whole = sum(totals.values()) or 1.0
+    order = ["m x n products", "n x n products", "eigh / Cholesky / triangular solve",
+             "elementwise, copies, reductions"]
+    return [[c, f"{totals.get(c, 0.0):.1f}", f"{100 * totals.get(c, 0.0) / whole:.0f} %"] for c in order]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -120,6 +165,8 @@ def main(argv=None) -> int:
                         help="gpt: --layers x --width GPT-2 blocks; gpt2-small: one d=768 block")
     add_arguments(parser, repeats=7, threads=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of each ManifoldMuon row: where the time goes")
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(**QUICK)
@@ -145,6 +192,12 @@ def main(argv=None) -> int:
         f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds\n\n"
         + markdown_table(["optimizer", "step (ms)", "ratio", "vs", "state (MiB)"], rows)
     )
+    if args.profile:
+        short = min(min(s) for s in shapes)
+        for name in (n for n in optimizers if n.startswith("ManifoldMuon")):
+            text += (f"\n\nWhere the time goes: one profiled step of {name} (default solver), self CPU time "
+                     f"of its ops\n\n" + markdown_table(["work", "ms", "share"],
+                                                       profile_step(optimizers[name], grads, short)))
     return provenance.finish(text)
 
 

@@ -41,21 +41,30 @@ def inv_sqrt_near_identity(E: torch.Tensor, terms: int = 6, *, low_dtype: torch.
     left $1.4\cdot10^{-5}$ on a DGram step whose smallest column norm was $1/126$ of the
     largest). A polynomial in $E$, so it commutes with every orthogonal change of basis.
 
-    Dtypes: $E^2$, $E^3$ in ``E.dtype``; the powers $E^k$, $k\ge4$, in ``low_dtype``
-    (default: bf16 for float32 ``E``, whose relative error $2^{-8}$ on a term of size
-    $\|E\|^k$ stays below $4\cdot10^{-7}$ while $\|E\| \le 0.1$; ``E.dtype`` otherwise).
-    Returns ``E.dtype``.
+    Three $n\times n$ products for 4–6 terms (Paterson–Stockmeyer: $E^2$, $E^3$, then
+    $E^3(c_4E + c_5E^2 + c_6E^3)$). Dtypes: $E^2$, $E^3$ in ``E.dtype``; the tail product of
+    the terms $k\ge4$ in ``low_dtype`` (default: bf16 for float32 ``E``, whose relative
+    error $2^{-8}$ on terms of size $\|E\|^4$ stays below $4\cdot10^{-7}$ while
+    $\|E\| \le 0.1$; ``E.dtype`` otherwise). Returns ``E.dtype``.
     """
     if low_dtype is None:
         low_dtype = torch.bfloat16 if E.dtype == torch.float32 else E.dtype
     if not 0 <= terms < len(_INV_SQRT_SERIES):
         raise ValueError(f"inv_sqrt_near_identity: terms must be in [0, {len(_INV_SQRT_SERIES) - 1}], got {terms}")
     eye = torch.eye(E.size(-1), dtype=E.dtype, device=E.device)
-    out = eye + _INV_SQRT_SERIES[1] * E if terms >= 1 else eye.expand_as(E).clone()
-    power = E
-    for k in range(2, terms + 1):
-        power = power @ E if k <= 3 else (power.to(low_dtype) @ E.to(low_dtype)).to(E.dtype)
-        out = out + _INV_SQRT_SERIES[k] * power
+    if terms == 0:
+        return eye.expand_as(E).clone()
+    powers = [eye, E]
+    for _ in range(2, min(terms, 3) + 1):
+        powers.append(powers[-1] @ E)
+    out = eye + _INV_SQRT_SERIES[1] * E
+    for k in range(2, min(terms, 3) + 1):
+        out = out + _INV_SQRT_SERIES[k] * powers[k]
+    if terms >= 4:  # Paterson-Stockmeyer: E^3 (c_4 E + c_5 E^2 + c_6 E^3), one product for the tail
+        tail = _INV_SQRT_SERIES[4] * E
+        for k in range(5, terms + 1):
+            tail = tail + _INV_SQRT_SERIES[k] * powers[k - 3]
+        out = out + (powers[3].to(low_dtype) @ tail.to(low_dtype)).to(E.dtype)
     return out
 
 
@@ -80,6 +89,8 @@ class GramForm:
             the engine takes $D$ from the column norms, with no $m\times n$ product).
         has_newton: whether the form declares :meth:`newton_increment` (else the engine's
             dual steps are Jacobi steps).
+        dual_steps: ManifoldMuon's default dual steps per optimizer step on this manifold
+            (chosen on ``bench/manifold_frontier.py``'s frontier).
         retraction_order: the order of the retraction $Y\rho(Y^\top Y)$ (1: a retraction,
             $R_W(tV) = W + tV + O(t^2)$; 2: second order, the curve's acceleration at 0
             is normal).
@@ -91,6 +102,7 @@ class GramForm:
     diagonal_gram = False
     retraction_order = 1
     has_newton = False
+    dual_steps = 1
 
     def project(self, D: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """$\\Sigma$ with $P_W(X) = X - W\\Sigma$, from $D = W^\\top W$ and $M = W^\\top X$."""
@@ -141,6 +153,7 @@ class OrthonormalGram(GramForm):
     diagonal_gram = True
     retraction_order = 2
     has_newton = True
+    dual_steps = 0  # one carried Newton step per optimizer step tracks the optimum (frontier)
 
     def project(self, D, M):
         return 0.5 * (M + M.mT)

@@ -40,17 +40,27 @@ from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 from .base import MatrixOptimizer
-from .gram import GramSettings, gram_step
+from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "DEFAULT_DUAL_STEPS"]
+__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "DEFAULT_DUAL_STEPS", "DEFAULT_DUAL_UPDATE"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
 #: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
 DEFAULT_DUAL_STEPS = 1
+#: Default dual update of the Gram path (``"newton"`` or ``"jacobi"``), chosen on the same frontier.
+DEFAULT_DUAL_UPDATE = "newton"
 _RETRACTIONS = ("fused", "manifold")
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
              "check_point_on_manifold")
+
+
+def default_dual_steps(manifold) -> int:
+    """ManifoldMuon's default dual steps on ``manifold``: its Gram form's ``dual_steps`` where
+    it declares one (chosen on the measured frontier per manifold), else
+    :data:`DEFAULT_DUAL_STEPS`."""
+    form = getattr(manifold, "gram_form", None)
+    return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
 
 
 def resolve_manifold(spec, where: str):
@@ -81,9 +91,15 @@ class ManifoldMuon(MatrixOptimizer):
             constrained weight's scale is the manifold's business).
         manifold: default manifold of the groups that set none.
         norm: ``"spectral"`` (default), ``"row"``, ``"column"`` or ``"hybrid"``.
-        dual_steps: dual-ascent steps per optimizer step (default
-            :data:`DEFAULT_DUAL_STEPS`; 0 is the projection direction $\Phi(P_W\tilde B)$).
-        dual_alpha: constant Jacobi-preconditioned dual step size (default 1).
+        dual_steps: dual-ascent steps per optimizer step (default ``None``:
+            :func:`default_dual_steps` of the matrix's manifold; 0 is the projection
+            direction $\Phi(P_W\tilde B)$, plus the carried step when warm-started).
+        dual_alpha: dual step size, in units of the full Newton or Jacobi step (default 1).
+        dual_update: the Gram path's dual step: ``"newton"`` (default: Su's Lyapunov step
+            in $Z^\top Z$'s eigenbasis, where the manifold's Gram form declares one) or
+            ``"jacobi"`` (:mod:`geomuon.optimizers.gram`); the general path is Jacobi.
+        gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (default, exact) or
+            ``"polar_express"`` (Polar Express on the Cholesky factor; Jacobi steps only).
         warm_start: start each step's dual from the previous correction (default True).
         msign_method: the spectral dualizer's kernel, a method of
             :func:`geomuon.manifolds.linalg.msign` (default ``"polar_express"``).
@@ -125,8 +141,10 @@ class ManifoldMuon(MatrixOptimizer):
         *,
         manifold=None,
         norm: str = "spectral",
-        dual_steps: int = DEFAULT_DUAL_STEPS,
+        dual_steps: int | None = None,
         dual_alpha: float = 1.0,
+        dual_update: str = DEFAULT_DUAL_UPDATE,
+        gram_dualizer: str = "eigh",
         warm_start: bool = True,
         msign_method: str = "polar_express",
         msign_steps: int | None = 6,
@@ -140,7 +158,8 @@ class ManifoldMuon(MatrixOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, manifold=manifold,
-            norm=norm, dual_steps=dual_steps, dual_alpha=dual_alpha, warm_start=warm_start,
+            norm=norm, dual_steps=dual_steps, dual_alpha=dual_alpha, dual_update=dual_update,
+            gram_dualizer=gram_dualizer, warm_start=warm_start,
             msign_method=msign_method, msign_steps=msign_steps, compute_dtype=compute_dtype,
             dual_carry=dual_carry, retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
         )
@@ -163,7 +182,14 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"group {index}: unknown norm {group['norm']!r}; choose one of {list(NORMS)}")
         if group["retraction"] not in _RETRACTIONS:
             raise ValueError(f"group {index}: retraction must be one of {_RETRACTIONS}, got {group['retraction']!r}")
-        if int(group["dual_steps"]) < 0:
+        if group["dual_update"] not in UPDATES:
+            raise ValueError(f"group {index}: dual_update must be one of {UPDATES}, got {group['dual_update']!r}")
+        if group["gram_dualizer"] not in DUALIZERS:
+            raise ValueError(f"group {index}: gram_dualizer must be one of {DUALIZERS}, got {group['gram_dualizer']!r}")
+        if group["dual_update"] == "newton" and group["gram_dualizer"] != "eigh":
+            raise ValueError(f"group {index}: dual_update='newton' needs gram_dualizer='eigh' (the Lyapunov step "
+                             "uses the eigenvectors); choose dual_update='jacobi' with 'polar_express'")
+        if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
         manifold = None
         if group["manifold"] is not None:
@@ -248,13 +274,15 @@ class ManifoldMuon(MatrixOptimizer):
         every = int(group["certify_every"])
         certify = bool(every) and self._step_count % every == 0
         solver = group
+        if group["dual_steps"] is None:
+            solver = dict(group, dual_steps=default_dual_steps(manifold))
         if manifold.dualizer_keeps_tangent(W, group["norm"]):
             # A closed form (square Stiefel, the centered router): the direction is
             # Phi(P_W G) with no dual step. Its dual gradient is round-off, so dual steps would
             # only feed round-off into the warm start, which the next direction amplifies by
             # 1/sigma_min(P_W G) (measured: 1e-2 weight drift in 20 fp32 steps of a GPT's
             # square attention projection from a reordered batch sum).
-            solver, warm = dict(group, dual_steps=0, dual_carry=False), None
+            solver, warm = dict(solver, dual_steps=0, dual_carry=False), None
         form = self._gram_form(group, manifold, W.shape)
         if form is not None:
             point, correction, ratio = self._gram_path(solver, form, W, G, lr, shrink, warm, certify)
@@ -279,6 +307,7 @@ class ManifoldMuon(MatrixOptimizer):
         shape = Wt.shape
         settings = GramSettings(
             dual_steps=int(group["dual_steps"]), carry=bool(group["dual_carry"]), alpha=float(group["dual_alpha"]),
+            update=group["dual_update"], dualizer=group["gram_dualizer"],
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
             compute_dtype=group["compute_dtype"],
         )

@@ -13,7 +13,7 @@ def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold
     # min ||W - M||_F^2 over W^T W = I has the known solution msign(M).
     gen = torch.Generator().manual_seed(0)
     M = torch.randn(8, 4, generator=gen)
-    W = torch.nn.Parameter(Stiefel().random(8, 4, generator=gen))
+    W = torch.nn.Parameter(Stiefel().random(8, 4, generator=gen).data)
     opt = ManifoldMuon([W], manifold="stiefel", lr=0.05)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5000, eta_min=1e-4)
     for _ in range(5000):
@@ -33,7 +33,7 @@ def test_dgram_iterates_stay_on_dgram():
     gen = torch.Generator().manual_seed(1)
     # targets with column norms over [0.1, 10]
     M = torch.randn(16, 6, generator=gen) * torch.logspace(-1, 1, 6)
-    W = torch.nn.Parameter(DGram().random(16, 6, generator=gen))
+    W = torch.nn.Parameter(DGram().random(16, 6, generator=gen).data)
     opt = ManifoldMuon([W], manifold="dgram", lr=0.05)
     cosine_max = 0.0
     for _ in range(1000):
@@ -134,7 +134,7 @@ def test_gram_form_retraction_is_the_manifold_retraction_on_stiefel_and_oblique(
 
 
 def test_state_is_small():
-    W = torch.nn.Parameter(Stiefel().random(64, 16))
+    W = torch.nn.Parameter(Stiefel().random(64, 16).data)
     opt = ManifoldMuon([W], manifold="stiefel")
     for _ in range(2):
         W.grad = torch.randn(64, 16)
