@@ -20,7 +20,7 @@ import torch
 
 from geomuon.pretrain.data import load_data
 from geomuon.pretrain.parallel import dcp_folders, load_distributed, read_distributed
-from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, load_checkpoint, train
+from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, load_checkpoint, resolve_out_dir, train
 
 STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HALF and the STEPS one
 
@@ -198,3 +198,12 @@ def test_damaged_or_foreign_checkpoint_folder_is_named(runs, tmp_path):
     os.remove(os.path.join(folder, ".metadata"))
     with pytest.raises(ValueError, match=f"{folder}.*has no .metadata.*no previous checkpoint"):
         train(config(split, resume=True))
+
+
+def test_folder_holding_a_distributed_checkpoint_is_a_run(tmp_path):
+    (tmp_path / "dcp-step00000006").mkdir()
+    with pytest.raises(ValueError, match="already holds a run .*dcp-step00000006"):
+        resolve_out_dir(config(tmp_path))
+    assert resolve_out_dir(config(tmp_path, resume=True)) == str(tmp_path)
+    (tmp_path / "dcp-step00000006").rename(tmp_path / "dcp-step00000006.tmp")  # unfinished: not a run
+    assert resolve_out_dir(config(tmp_path)) == str(tmp_path)
