@@ -154,7 +154,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Recompute attributes derived from the param groups (subclasses extend it)."""
         self._regulators = [make_regulator(g.get("regulate")) for g in self.param_groups]
         self._manifolds = {}
-        self._skipped = getattr(self, "_skipped", None) or _SkippedSteps()
+        self._skipped = _SkippedSteps()  # positions refer to these groups: a loaded state starts afresh
         for group in self.param_groups:  # resolved now, not in a step
             if group.get("manifold") is not None:
                 self._group_manifold(group).identity  # noqa: B018
