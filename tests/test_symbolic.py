@@ -76,6 +76,186 @@ def test_cayley_gives_exact_rational_orthogonal_matrices():
     assert numeric.T * numeric == sp.eye(3)
 
 
+# The sections run cheapest-to-fail first (a broken table or constant is found in seconds);
+# the declared map rows, the slowest, run last.
+
+# ----------------------------------------------------------------------- coefficient tables
+
+
+def test_polar_express_rows_are_the_minimax_polynomials_of_their_intervals():
+    certificate = certify_polar_express_table()
+    assert certificate.holds, certificate.witness
+    assert any(row.get("four-point") for row in certificate.witness[:-1])
+    # A change in the 8th significant digit of one coefficient is caught.
+    import dataclasses
+
+    rows = [list(r) for r in POLAR_EXPRESS.coefficients]
+    rows[2][1] *= 1 + 1e-8
+    perturbed = dataclasses.replace(POLAR_EXPRESS, coefficients=tuple(map(tuple, rows)))
+    assert not certify_polar_express_table(perturbed).holds
+
+
+def test_inverse_square_root_iteration_converges_to_the_inverse_root():
+    import inspect
+
+    from geomuon.manifolds.linalg import inv_sqrt_psd
+
+    certificate = certify_inverse_sqrt_iteration()
+    assert certificate.holds, certificate.witness
+    steps = inspect.signature(inv_sqrt_psd).parameters["steps"].default
+    # The docstring's claim: the default steps cover normalized eigenvalues down to about
+    # 1e-8 (relative error 2e-3 there) and are exact to 50 digits from 1e-6 on; five steps
+    # fewer do not cover 1e-8.
+    assert inverse_sqrt_error_bound(steps, "1e-8") < sp.Rational(1, 100)
+    assert inverse_sqrt_error_bound(steps, "1e-6") == 0
+    assert inverse_sqrt_error_bound(steps - 5, "1e-8") > sp.Rational(1, 2)
+
+
+_POLAR_CASES = [(s, a, f) for s in [(3, 2), (2, 3), (2, 2)] for a in (0, 1, 0.5) for f in (maps.right_polar, maps.left_polar)]
+
+
+@pytest.mark.parametrize("shape, alpha, update", _POLAR_CASES, ids=[f"{f.__name__}-{s[0]}x{s[1]}-a{a}" for s, a, f in _POLAR_CASES])
+def test_polar_maps_match_the_exact_polar_factor(shape, alpha, update):
+    import inspect
+
+    from geomuon.manifolds.linalg import inv_sqrt_psd
+
+    D, reference = polar_map_reference(shape, alpha)
+    expected = torch.tensor(np.array(reference.evalf(30).tolist(), dtype=float))
+    # The Gram matrix has eigenvalues 9/4 and 1, so normalized ones >= 1/||A||_F > 0.4: the
+    # certified iteration error of the default steps is 0 to 50 digits there.
+    steps = inspect.signature(inv_sqrt_psd).parameters["steps"].default
+    assert inverse_sqrt_error_bound(steps, "0.4") == 0
+    # Left: the eps shift (k eps ||A||_F, relative bias <= k eps ||A||_F / (2 lambda_min)
+    # = 6e-16) and float64 round-off of ~10 products per step at condition 2.25 (the fixed
+    # point attracts, so it does not accumulate): a few 1e-15; 1e-13 is 100x that.
+    error = float((update(D, alpha=alpha) - expected).norm() / expected.norm())
+    assert error <= 1e-13
+
+
+# ----------------------------------------------------------------------- constants
+
+
+def test_gelu_lipschitz_constant_is_proved_and_is_the_library_constant():
+    certificate = certify_gelu_lipschitz()
+    assert certificate.holds, certificate.witness
+    value = float(sp.N(certificate.witness["value"], 40))
+    # The library's float is the correctly rounded value up to one unit in the last place.
+    assert abs(GELU_LIPSCHITZ - value) <= math.ulp(value)
+
+
+def test_soft_cap_root_is_unique_and_the_threshold_is_62_81():
+    certificate = certify_soft_cap_root_unique()
+    assert certificate.holds, certificate.witness
+    assert SOFT_CAP_MIN_RATIO == float(certificate.witness["h(1/3)"])
+
+
+@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 0.05), (2.0, 0.01, 0.0240454), (1.0, 0.0, 0.3), (6.0, 0.0, 0.5)])
+def test_library_soft_cap_alpha_is_the_certified_root(w_max, wd, eta):
+    k = w_max * (1 - wd) + eta
+    beta = soft_cap_beta(exact(w_max) / (exact(w_max) * (1 - exact(wd)) + exact(eta)))
+    exact_alpha = float(sp.N(beta / (exact(w_max) * (1 - exact(wd)) + exact(eta)) ** 2, 30))
+    # Bisection to float64 round-off in beta, one rounding of k^2 and the division:
+    # a few ulps of alpha; 1e-12 relative leaves a wide margin.
+    assert soft_cap_alpha(w_max, wd, eta) == pytest.approx(exact_alpha, rel=1e-12)
+    assert k > w_max
+
+
+def test_library_soft_cap_threshold_is_the_certified_one():
+    w_max = 1.0
+    largest_eta = w_max * 81 / 62 - w_max
+    soft_cap_alpha(w_max, 0.0, largest_eta * (1 - 1e-9))
+    with pytest.raises(ValueError, match="too large"):
+        soft_cap_alpha(w_max, 0.0, largest_eta * (1 + 1e-9))
+
+
+def test_muon_update_norm_uses_the_rigorous_enclosure():
+    for schedule in (KELLER_QUINTIC, POLAR_EXPRESS_5):
+        _, high = ns_output_range(schedule.coefficients, schedule.default_steps, lo=0, hi=1, input_scale=schedule.input_scale)
+        bound = ns_output_bound(schedule)
+        assert float(high) <= bound <= math.nextafter(float(high), math.inf) + 1e-15
+        # adjust_lr=None, square weight: eta = lr * bound * margin exactly.
+        assert muon_update_norm(1.0, (8, 8), schedule=schedule, adjust_lr=None, margin=1.0) == bound
+    keller = ns_output_bound(KELLER_QUINTIC)
+    assert keller == pytest.approx(1.2023686, abs=1e-7)
+
+
+def test_gram_space_identity():
+    certificate = certify_gram_space_identity()
+    assert certificate.holds and certificate.witness == {}
+
+
+def test_newton_schulz_fixed_points():
+    keller = [float(v) for v in ns_fixed_points(KELLER_QUINTIC.coefficients[0])]
+    assert keller[0] == 0.0
+    assert keller[1:] == pytest.approx([0.8680257976555313, 1.263729067298377], abs=1e-15)
+    last = POLAR_EXPRESS.coefficients[-1]
+    assert ns_fixed_points(last) == [0, 1, sp.sqrt(21) / 3]
+
+
+@pytest.mark.parametrize(
+    "schedule, steps, scale, lo, expected",
+    [
+        # The 4-decimal reference table of scalar maps of normalized singular values.
+        (KELLER_QUINTIC, 5, 1, "0.001", (0.4705, 1.2024)),
+        (KELLER_QUINTIC, 5, 1, "0.01", (0.6818, 1.1344)),
+        (POLAR_EXPRESS_5, 5, "1.02", "0.001", (0.8467, 1.1411)),
+        (POLAR_EXPRESS, 6, "1.01", "0.01", (0.9974, 1.0012)),
+    ],
+)
+def test_newton_schulz_output_range_matches_the_reference_table(schedule, steps, scale, lo, expected):
+    low, high = ns_output_range(schedule.coefficients, steps, lo=lo, input_scale=scale)
+    # The table is rounded to 4 decimals from sampled values: one unit in the last place.
+    assert (float(low), float(high)) == pytest.approx(expected, abs=1e-4)
+
+
+def test_newton_schulz_output_range_encloses_samples_of_the_library_iteration():
+    from geomuon.manifolds.linalg import newton_schulz_step
+
+    for schedule, steps, scale in [(KELLER_QUINTIC, 5, 1), (POLAR_EXPRESS_5, 5, 1.02)]:
+        low, high = ns_output_range(schedule.coefficients, steps, lo="0.003", input_scale=scale)
+        x = torch.tensor(np.geomspace(0.003, 1.0, 4001) / scale).reshape(-1, 1, 1)
+        for a, b, c in schedule.step_coefficients(steps):
+            x = newton_schulz_step(x, a, b, c)
+        # Rigorous: contains every sample; tight: the sampled extremes come within 1e-4.
+        assert float(low) <= x.min() + 1e-15 and x.max() <= float(high) + 1e-15
+        assert x.min() - float(low) < 1e-4 and float(high) - x.max() < 1e-4
+
+
+def test_soft_cap_coupling_quartic():
+    certificate = certify_soft_cap_coupling()
+    assert certificate.holds and certificate.witness == 0
+
+
+@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 1.0), (2.0, 0.01, 0.0240454)])
+def test_soft_cap_coupling_roots_solve_the_coupling(w_max, wd, eta):
+    roots = soft_cap_coupling_roots(w_max, wd, eta)
+    assert roots and roots == tuple(sorted(roots)) and roots[0] >= 0
+    k = w_max * (1 - wd) + eta
+    value = soft_cap_polynomial(sp.Float(roots[0], 30), sp.Float(k, 30))
+    assert abs(float(value) - w_max) < 1e-12 * w_max
+    assert soft_cap_coupling_roots(1.0, 0.5, 0.1) == ()
+    with pytest.raises(ValueError, match="w_max"):
+        soft_cap_coupling_roots(-1.0, 0.0, 0.1)
+
+
+def test_soft_cap_monotonicity():
+    large = certify_soft_cap_monotone(1.0, 0.0, 1.0)
+    assert not large.holds and large.witness["derivative_residual"] == 0
+    assert float(large.witness["peak"]) == pytest.approx(1.19, abs=5e-3)
+    small = certify_soft_cap_monotone(2.0, 0.01, 0.0240454)
+    assert small.holds and float(small.witness["peak"]) == pytest.approx(2.0, abs=1e-12)
+
+
+def test_residual_lipschitz_rule():
+    certificate = certify_residual_lipschitz()
+    assert certificate.holds
+    a, L, t = sp.symbols("a L t", real=True)
+    gap = ((1 - a) + a * L) ** 2 - ((1 - a) + a * t) ** 2
+    assert sp.expand(certificate.witness["gap"] - gap) == 0
+    assert certificate.witness["gap"].subs({a: 2, L: sp.Rational(1, 2), t: 0}) < 0
+
+
 # ----------------------------------------------------------------------- manifolds
 
 
@@ -357,180 +537,3 @@ def test_newton_schulz_equivariance_is_of_the_library_step():
     assert step(L * X * R.T) == L * step(X) * R.T
     not_orthogonal = sp.Matrix([[1, 1], [0, 1]])
     assert step(not_orthogonal * X * R.T) != not_orthogonal * step(X) * R.T
-
-
-# ----------------------------------------------------------------------- constants
-
-
-def test_gelu_lipschitz_constant_is_proved_and_is_the_library_constant():
-    certificate = certify_gelu_lipschitz()
-    assert certificate.holds, certificate.witness
-    value = float(sp.N(certificate.witness["value"], 40))
-    # The library's float is the correctly rounded value up to one unit in the last place.
-    assert abs(GELU_LIPSCHITZ - value) <= math.ulp(value)
-
-
-def test_soft_cap_root_is_unique_and_the_threshold_is_62_81():
-    certificate = certify_soft_cap_root_unique()
-    assert certificate.holds, certificate.witness
-    assert SOFT_CAP_MIN_RATIO == float(certificate.witness["h(1/3)"])
-
-
-@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 0.05), (2.0, 0.01, 0.0240454), (1.0, 0.0, 0.3), (6.0, 0.0, 0.5)])
-def test_library_soft_cap_alpha_is_the_certified_root(w_max, wd, eta):
-    k = w_max * (1 - wd) + eta
-    beta = soft_cap_beta(exact(w_max) / (exact(w_max) * (1 - exact(wd)) + exact(eta)))
-    exact_alpha = float(sp.N(beta / (exact(w_max) * (1 - exact(wd)) + exact(eta)) ** 2, 30))
-    # Bisection to float64 round-off in beta, one rounding of k^2 and the division:
-    # a few ulps of alpha; 1e-12 relative leaves a wide margin.
-    assert soft_cap_alpha(w_max, wd, eta) == pytest.approx(exact_alpha, rel=1e-12)
-    assert k > w_max
-
-
-def test_library_soft_cap_threshold_is_the_certified_one():
-    w_max = 1.0
-    largest_eta = w_max * 81 / 62 - w_max
-    soft_cap_alpha(w_max, 0.0, largest_eta * (1 - 1e-9))
-    with pytest.raises(ValueError, match="too large"):
-        soft_cap_alpha(w_max, 0.0, largest_eta * (1 + 1e-9))
-
-
-def test_muon_update_norm_uses_the_rigorous_enclosure():
-    for schedule in (KELLER_QUINTIC, POLAR_EXPRESS_5):
-        _, high = ns_output_range(schedule.coefficients, schedule.default_steps, lo=0, hi=1, input_scale=schedule.input_scale)
-        bound = ns_output_bound(schedule)
-        assert float(high) <= bound <= math.nextafter(float(high), math.inf) + 1e-15
-        # adjust_lr=None, square weight: eta = lr * bound * margin exactly.
-        assert muon_update_norm(1.0, (8, 8), schedule=schedule, adjust_lr=None, margin=1.0) == bound
-    keller = ns_output_bound(KELLER_QUINTIC)
-    assert keller == pytest.approx(1.2023686, abs=1e-7)
-
-
-def test_gram_space_identity():
-    certificate = certify_gram_space_identity()
-    assert certificate.holds and certificate.witness == {}
-
-
-def test_newton_schulz_fixed_points():
-    keller = [float(v) for v in ns_fixed_points(KELLER_QUINTIC.coefficients[0])]
-    assert keller[0] == 0.0
-    assert keller[1:] == pytest.approx([0.8680257976555313, 1.263729067298377], abs=1e-15)
-    last = POLAR_EXPRESS.coefficients[-1]
-    assert ns_fixed_points(last) == [0, 1, sp.sqrt(21) / 3]
-
-
-@pytest.mark.parametrize(
-    "schedule, steps, scale, lo, expected",
-    [
-        # The 4-decimal reference table of scalar maps of normalized singular values.
-        (KELLER_QUINTIC, 5, 1, "0.001", (0.4705, 1.2024)),
-        (KELLER_QUINTIC, 5, 1, "0.01", (0.6818, 1.1344)),
-        (POLAR_EXPRESS_5, 5, "1.02", "0.001", (0.8467, 1.1411)),
-        (POLAR_EXPRESS, 6, "1.01", "0.01", (0.9974, 1.0012)),
-    ],
-)
-def test_newton_schulz_output_range_matches_the_reference_table(schedule, steps, scale, lo, expected):
-    low, high = ns_output_range(schedule.coefficients, steps, lo=lo, input_scale=scale)
-    # The table is rounded to 4 decimals from sampled values: one unit in the last place.
-    assert (float(low), float(high)) == pytest.approx(expected, abs=1e-4)
-
-
-def test_newton_schulz_output_range_encloses_samples_of_the_library_iteration():
-    from geomuon.manifolds.linalg import newton_schulz_step
-
-    for schedule, steps, scale in [(KELLER_QUINTIC, 5, 1), (POLAR_EXPRESS_5, 5, 1.02)]:
-        low, high = ns_output_range(schedule.coefficients, steps, lo="0.003", input_scale=scale)
-        x = torch.tensor(np.geomspace(0.003, 1.0, 4001) / scale).reshape(-1, 1, 1)
-        for a, b, c in schedule.step_coefficients(steps):
-            x = newton_schulz_step(x, a, b, c)
-        # Rigorous: contains every sample; tight: the sampled extremes come within 1e-4.
-        assert float(low) <= x.min() + 1e-15 and x.max() <= float(high) + 1e-15
-        assert x.min() - float(low) < 1e-4 and float(high) - x.max() < 1e-4
-
-
-def test_soft_cap_coupling_quartic():
-    certificate = certify_soft_cap_coupling()
-    assert certificate.holds and certificate.witness == 0
-
-
-@pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 1.0), (2.0, 0.01, 0.0240454)])
-def test_soft_cap_coupling_roots_solve_the_coupling(w_max, wd, eta):
-    roots = soft_cap_coupling_roots(w_max, wd, eta)
-    assert roots and roots == tuple(sorted(roots)) and roots[0] >= 0
-    k = w_max * (1 - wd) + eta
-    value = soft_cap_polynomial(sp.Float(roots[0], 30), sp.Float(k, 30))
-    assert abs(float(value) - w_max) < 1e-12 * w_max
-    assert soft_cap_coupling_roots(1.0, 0.5, 0.1) == ()
-    with pytest.raises(ValueError, match="w_max"):
-        soft_cap_coupling_roots(-1.0, 0.0, 0.1)
-
-
-def test_soft_cap_monotonicity():
-    large = certify_soft_cap_monotone(1.0, 0.0, 1.0)
-    assert not large.holds and large.witness["derivative_residual"] == 0
-    assert float(large.witness["peak"]) == pytest.approx(1.19, abs=5e-3)
-    small = certify_soft_cap_monotone(2.0, 0.01, 0.0240454)
-    assert small.holds and float(small.witness["peak"]) == pytest.approx(2.0, abs=1e-12)
-
-
-def test_residual_lipschitz_rule():
-    certificate = certify_residual_lipschitz()
-    assert certificate.holds
-    a, L, t = sp.symbols("a L t", real=True)
-    gap = ((1 - a) + a * L) ** 2 - ((1 - a) + a * t) ** 2
-    assert sp.expand(certificate.witness["gap"] - gap) == 0
-    assert certificate.witness["gap"].subs({a: 2, L: sp.Rational(1, 2), t: 0}) < 0
-
-
-# ----------------------------------------------------------------------- coefficient tables
-
-
-def test_polar_express_rows_are_the_minimax_polynomials_of_their_intervals():
-    certificate = certify_polar_express_table()
-    assert certificate.holds, certificate.witness
-    assert any(row.get("four-point") for row in certificate.witness[:-1])
-    # A change in the 8th significant digit of one coefficient is caught.
-    import dataclasses
-
-    rows = [list(r) for r in POLAR_EXPRESS.coefficients]
-    rows[2][1] *= 1 + 1e-8
-    perturbed = dataclasses.replace(POLAR_EXPRESS, coefficients=tuple(map(tuple, rows)))
-    assert not certify_polar_express_table(perturbed).holds
-
-
-def test_inverse_square_root_iteration_converges_to_the_inverse_root():
-    import inspect
-
-    from geomuon.manifolds.linalg import inv_sqrt_psd
-
-    certificate = certify_inverse_sqrt_iteration()
-    assert certificate.holds, certificate.witness
-    steps = inspect.signature(inv_sqrt_psd).parameters["steps"].default
-    # The docstring's claim: the default steps cover normalized eigenvalues down to about
-    # 1e-8 (relative error 2e-3 there) and are exact to 50 digits from 1e-6 on; five steps
-    # fewer do not cover 1e-8.
-    assert inverse_sqrt_error_bound(steps, "1e-8") < sp.Rational(1, 100)
-    assert inverse_sqrt_error_bound(steps, "1e-6") == 0
-    assert inverse_sqrt_error_bound(steps - 5, "1e-8") > sp.Rational(1, 2)
-
-
-_POLAR_CASES = [(s, a, f) for s in [(3, 2), (2, 3), (2, 2)] for a in (0, 1, 0.5) for f in (maps.right_polar, maps.left_polar)]
-
-
-@pytest.mark.parametrize("shape, alpha, update", _POLAR_CASES, ids=[f"{f.__name__}-{s[0]}x{s[1]}-a{a}" for s, a, f in _POLAR_CASES])
-def test_polar_maps_match_the_exact_polar_factor(shape, alpha, update):
-    import inspect
-
-    from geomuon.manifolds.linalg import inv_sqrt_psd
-
-    D, reference = polar_map_reference(shape, alpha)
-    expected = torch.tensor(np.array(reference.evalf(30).tolist(), dtype=float))
-    # The Gram matrix has eigenvalues 9/4 and 1, so normalized ones >= 1/||A||_F > 0.4: the
-    # certified iteration error of the default steps is 0 to 50 digits there.
-    steps = inspect.signature(inv_sqrt_psd).parameters["steps"].default
-    assert inverse_sqrt_error_bound(steps, "0.4") == 0
-    # Left: the eps shift (k eps ||A||_F, relative bias <= k eps ||A||_F / (2 lambda_min)
-    # = 6e-16) and float64 round-off of ~10 products per step at condition 2.25 (the fixed
-    # point attracts, so it does not accumulate): a few 1e-15; 1e-13 is 100x that.
-    error = float((update(D, alpha=alpha) - expected).norm() / expected.norm())
-    assert error <= 1e-13
