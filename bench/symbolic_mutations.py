@@ -13,6 +13,7 @@ machine)::
     python bench/symbolic_mutations.py                 # every mutation
     python bench/symbolic_mutations.py --only dgram    # labels containing "dgram"
     python bench/symbolic_mutations.py --list          # the catalogue, run nothing
+    python bench/symbolic_mutations.py --range 28:     # the second half (split a run)
     python bench/symbolic_mutations.py --markdown docs/results/symbolic_mutations.md
 
 Exit status 0 when the unmutated copy passes and every mutation is killed.
@@ -123,7 +124,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("centered map does not center its input", "optimizers/maps.py",
        "return _center_rows(update(_center_rows(D), **kwargs))", "return _center_rows(update(D, **kwargs))"),
     # ---- the fast engine
-    _m("gram retract steps along +T1", "optimizers/gram.py", "W @ (shrink * (eye - lr * T1))", "W @ (shrink * (eye + lr * T1))"),
+    _m("gram retract steps along +T1", "optimizers/gram.py", "N1 = torch.add(eye, T1, alpha=-lr)", "N1 = torch.add(eye, T1, alpha=lr)"),
     _m("gram retract drops the tangent part's sign", "optimizers/gram.py", "Z0, T2, alpha=-lr)", "Z0, T2, alpha=lr)"),
     _m("gram dual Gram forgets S'F's transpose", "optimizers/gram.py", "return K + SF + SF.mT", "return K + 2 * SF"),
     # ---- constants
@@ -196,11 +197,14 @@ def _apply(root: Path, mutation: Mutation) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run the mutations whose label contains this text")
+    parser.add_argument("--range", default=":", help="a slice START:STOP of the catalogue (default all), to split a run")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per suite run (default 900)")
     parser.add_argument("--markdown", type=Path, help="also write the result table to this file")
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS if args.only in m.label]
+    start, _, stop = args.range.partition(":")
+    window = MUTATIONS[int(start) if start else None : int(stop) if stop else None]
+    chosen = [m for m in window if args.only in m.label]
     if args.list or not chosen:
         for m in chosen:
             print(f"{m.label:55s} {m.path}")
