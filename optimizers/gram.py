@@ -288,11 +288,10 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     V, f = dual.eigenvectors, dual.weights
     Vl = V.to(low)
     Ht = (Vl.mT @ form.constraint(M).to(low) @ Vl).to(M.dtype)
-    denominator = f.unsqueeze(-1) + f.unsqueeze(-2)
-    tiny = torch.finfo(M.dtype).tiny
-    Et = torch.where(denominator > 0, Ht / denominator.clamp_min(tiny), torch.zeros_like(Ht))
-    E = (Vl @ Et.to(low) @ Vl.mT).to(M.dtype)
-    return form.newton_increment(D, (-alpha) * E)
+    # f_i + f_j = 0 only where P = 0 (a zero Q), and there H = 0: the clamp keeps 0/0 out
+    scale = (-alpha) / (f.unsqueeze(-1) + f.unsqueeze(-2)).clamp_min(torch.finfo(M.dtype).tiny)
+    E = (Vl @ (Ht * scale).to(low) @ Vl.mT).to(M.dtype)
+    return form.newton_increment(D, E)
 
 
 def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor, T2: torch.Tensor,
@@ -302,7 +301,8 @@ def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor,
     in ``W.dtype`` (see the module docstring for why the Gram is measured).
     """
     eye = torch.eye(T1.size(-1), dtype=T1.dtype, device=T1.device)
-    Y = torch.baddbmm(W @ (shrink * (eye - lr * T1)), Z0, T2, alpha=-lr)
+    N1 = torch.add(eye, T1, alpha=-lr)
+    Y = torch.baddbmm(W @ (N1 if shrink == 1.0 else shrink * N1), Z0, T2, alpha=-lr)
     return Y @ form.retraction_factor(Y.mT @ Y, terms)
 
 
@@ -336,7 +336,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
     low = settings.compute_dtype or W.dtype
     mulD = _PointGram(form, W, shrink)
     D = mulD.D
-    B = shrink * (W.mT @ G)
+    B = W.mT @ G if shrink == 1.0 else shrink * (W.mT @ G)
     sigma0 = form.project(D, B)
     Z0 = torch.baddbmm(G, W, sigma0, alpha=-shrink)
     D_sigma0 = mulD(sigma0)
