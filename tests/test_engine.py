@@ -4,8 +4,6 @@ Math checks in float64 (the reformulation is exact there); kernel checks in the
 optimizer's real dtypes (fp32 weights, bf16 dual iterations).
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -153,38 +151,16 @@ def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread):
     assert not torch.equal(params[0].detach(), params[1].detach())
 
 
-class _SyncCaught(RuntimeError):
-    pass
-
-
-@contextlib.contextmanager
-def _no_host_sync():
-    """Make every device-to-host read of a tensor raise (CPU stand-in for
-    ``torch.cuda.set_sync_debug_mode("error")``)."""
-    saved = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__", "__int__")}
-
-    def refuse(*args, **kwargs):
-        raise _SyncCaught("host synchronisation inside the step")
-
-    try:
-        for name in saved:
-            setattr(torch.Tensor, name, refuse)
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-
-
-def test_the_sync_guard_catches_a_read_back():
+def test_the_sync_guard_catches_a_read_back(no_host_reads):
     # negative control of the guard itself: each of these is a host read
     x = torch.ones(2)
     for read in (lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x.all()), lambda: float(x.sum())):
-        with _no_host_sync(), pytest.raises(_SyncCaught):
+        with no_host_reads(), pytest.raises(RuntimeError, match="host read"):
             read()
 
 
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
-def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypatch):
+def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypatch, no_host_reads):
     # The per-batch work of every step (momentum, the engine, the retraction, the state
     # writes) runs under the guard, tall and wide, warm-started, with weight decay. The base
     # class's non-finite check before it reads one flag per param group (it names the
@@ -198,7 +174,7 @@ def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypat
     inner = optimizer._matrix_step
 
     def guarded(*args, **kwargs):
-        with _no_host_sync():
+        with no_host_reads():
             return inner(*args, **kwargs)
 
     monkeypatch.setattr(optimizer, "_matrix_step", guarded)
