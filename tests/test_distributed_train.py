@@ -2,9 +2,9 @@
 distributed checkpoints (``torch.distributed.checkpoint``) that resume bit for bit on the same world
 size and load on another (1 and 4 processes).
 
-The default suite runs 2 processes and a load on 1; the 4-process load and the damaged-folder
-checks that need no process group are in it too; training on after a load on 4 processes is
-``slow`` (``pytest -m slow tests/test_distributed_train.py``).
+The default suite runs the 2-process runs, the loads on 1 and 4 processes and the checks of
+damaged folders; training on after a load on 4 processes is ``slow`` (``pytest -m slow
+tests/test_distributed_train.py``).
 """
 
 import json
@@ -25,14 +25,11 @@ from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, loa
 STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HALF and the STEPS one
 
 
-def config(out_dir, strategy="unconstrained", **options):
-    """A tiny run. ``unconstrained`` (Muon on every hidden matrix, AdamW elsewhere) where a
-    run is compared with another world size: ``hetero``'s fp32 trajectory moves a weight by
-    ~1e-3 in 12 steps when only the order of the batch's sum changes (measured), so no
-    round-off tolerance holds for it. ``hetero`` (Manifold Muon's warm starts: whole-matrix
-    state held by one rank) where checkpoints are compared bit for bit."""
+def config(out_dir, **options):
+    """A tiny run; ``hetero``: Manifold Muon (Gram path; warm starts and step counts are
+    whole-matrix state, held by the rank that maps the matrix), Muon and AdamW."""
     # fp32 directions: the tolerance below is the fp32 one
-    return TrainConfig(**{**dict(model="cpu-tiny", strategy=strategy, steps=STEPS, batch_size=4, block_size=32,
+    return TrainConfig(**{**dict(model="cpu-tiny", strategy="hetero", steps=STEPS, batch_size=4, block_size=32,
                                  eval_every=HALF, eval_batches=1, warmup_steps=2, direction_dtype="fp32",
                                  out_dir=str(out_dir), progress=False, print_table=False), **options})
 
@@ -94,21 +91,23 @@ def identical(a: dict, b: dict) -> bool:
 
 # fp32 kernels throughout; a run on w processes takes the mean of w per-rank batch means, a
 # few ulps (c u, c ~ 4, u = 2^-24) from the full-batch mean, carried through 12 steps whose
-# maps (polar factors, the manifold directions and retractions) amplify a relative error by
-# at most the momentum's condition number (~1e2 for these small matrices); AdamW's
-# 1/sqrt(v) is smooth away from v = 0. Errors add over the steps: 12 * 4 * 1e2 * u ~ 3e-4 of
-# each tensor's largest entry. (Measured: 1e-5.) Resumes and loads are compared bit for bit.
-TOLERANCE = 3e-4
+# maps amplify a relative error by at most: Muon's polar factor, the momentum's condition
+# number (~1e2 for these small matrices); Manifold Muon's Gram-path dualizer
+# Z (Z^T Z + delta)^(-1/2), its slope delta^(-1/2) times the input scale sigma_max with
+# delta = sqrt(n) eps t >= sqrt(n) eps sigma_max^2, so (sqrt(n) eps)^(-1/2) = 1.2e3 for
+# n = 32 and eps = 2^-23; AdamW's 1/sqrt(v) is smooth away from v = 0. Errors add over the
+# steps: 12 * 4 * 1.2e3 * u ~ 3.5e-3 of each tensor's largest entry. Resumes and loads are
+# compared bit for bit.
+TOLERANCE = 3.5e-3
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process throughout; FSDP2 on 2 processes throughout (``unconstrained``, and
-    ``hetero``). Each folder keeps its checkpoints of steps HALF and STEPS."""
+    """One process throughout; FSDP2 on 2 processes throughout. Each folder keeps its
+    checkpoints of steps HALF and STEPS."""
     root = tmp_path_factory.mktemp("runs")
     train(config(root / "single"))
     processes(2, config(root / "fsdp", parallel="fsdp"))
-    processes(2, config(root / "fsdp_hetero", "hetero", parallel="fsdp"))
     return root
 
 
@@ -129,19 +128,19 @@ def test_fsdp_pretrain_matches_one_process(runs, tmp_path):
     assert relative_difference(weights(runs / "fsdp"), weights(runs / "single")) < TOLERANCE
     # negative control: the same comparison tells a run with another seed apart
     train(config(tmp_path / "other", seed=1))
-    assert relative_difference(weights(tmp_path / "other"), weights(runs / "single")) > 100 * TOLERANCE
+    assert relative_difference(weights(tmp_path / "other"), weights(runs / "single")) > 10 * TOLERANCE
 
 
 def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise(runs, tmp_path):
-    folder = last(runs / "fsdp_hetero")
+    folder = last(runs / "fsdp")
     assert sorted(f for f in os.listdir(folder) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert any(k.endswith("/dual_correction") for k in read_distributed(folder, "optimizer/"))
-    split = halfway(runs / "fsdp_hetero", tmp_path / "split")
-    processes(2, config(split, "hetero", parallel="fsdp", resume=True))
+    split = halfway(runs / "fsdp", tmp_path / "split")
+    processes(2, config(split, parallel="fsdp", resume=True))
     assert [s for s, _ in dcp_folders(str(split))] == [HALF, STEPS]
     # model and optimizer state (momentum shards, warm starts, step counts), bit for bit
     assert identical(read_distributed(last(split), ""), read_distributed(folder, ""))
-    with open(split / "log.jsonl") as a, open(runs / "fsdp_hetero" / "log.jsonl") as b:
+    with open(split / "log.jsonl") as a, open(runs / "fsdp" / "log.jsonl") as b:
         assert [_untimed(x) for x in a] == [_untimed(x) for x in b]
     # negative control: the comparison sees one step of difference
     assert not identical(read_distributed(last(split), ""), read_distributed(dcp_folders(str(split))[0][1], ""))
@@ -178,9 +177,9 @@ def test_two_process_checkpoint_trains_on_four_processes(runs, tmp_path, paralle
 
 
 def test_ddp_checkpoint_resumes_bitwise(tmp_path):
-    processes(2, config(tmp_path / "ddp", "hetero", parallel="ddp"))
+    processes(2, config(tmp_path / "ddp", parallel="ddp"))
     split = halfway(tmp_path / "ddp", tmp_path / "split")
-    processes(2, config(split, "hetero", parallel="ddp", resume=True))
+    processes(2, config(split, parallel="ddp", resume=True))
     # each rank saved the optimizer state of the parameters it owns: all of it, once
     assert identical(read_distributed(last(split), ""), read_distributed(last(tmp_path / "ddp"), ""))
 
