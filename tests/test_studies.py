@@ -303,6 +303,28 @@ def test_reference_optimizer_steps_on_dgram():
     assert DGram().check_point_on_manifold(W.detach(), atol=2e-2)
 
 
+def test_reference_optimizer_takes_a_step_of_its_learning_rate():
+    """On DGram's own retraction the seed solver moves the weights by about lr ||A||_F
+    (||A||_F <= sqrt(n) for a direction of spectral norm 1, bf16 polar factor: x 1.01; the
+    retraction's second-order term adds O(lr^2 n)), not to the direction itself (what
+    writing the batch's direction as its new point did). Control: ten times the rate moves
+    the weights further than that bound allows."""
+    from geomuon.manifolds import DGram
+
+    def moved(lr):
+        gen = torch.Generator().manual_seed(1)
+        W = torch.nn.Parameter(DGram().projx(torch.randn(24, 8, generator=gen)))
+        before = W.detach().clone()
+        opt = manifolds_study.ReferenceManifoldMuon([{"params": [W], "manifold": DGram()}], lr=lr, weight_decay=0.0)
+        W.grad = torch.randn(24, 8, generator=gen)
+        opt.step()
+        return (W.detach() - before).norm().item()
+
+    bound = 0.01 * 8 ** 0.5 * 1.01 + 8 * 0.01 ** 2
+    assert 0 < moved(0.01) <= bound
+    assert moved(0.1) > bound
+
+
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 

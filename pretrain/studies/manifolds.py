@@ -105,7 +105,9 @@ class ReferenceManifoldMuon(ManifoldMuon):
             if bool((_rms(H) < 1e-6).all()):
                 break
             lam = lam - self.reference_alpha * (1 - k / K) * H
-        return A
+        # ManifoldMuon's batches return new points: decay, then the manifold's own retr.
+        lr = float(group["lr"])
+        return manifold.retr(W * (1.0 - lr * float(group["weight_decay"])), -lr * A)
 
 
 # ----------------------------------------------------------------------------- variants
