@@ -198,3 +198,27 @@ def test_the_gram_kernel_compiles_and_matches_eager():
     # the fp32 round-off of a fused reordering (16 eps of O(1) entries)
     assert torch.allclose(compiled, eager, atol=16 * torch.finfo(torch.float32).eps)
     assert not torch.allclose(compiled, W, atol=1e-4)  # the step moved the point
+
+
+def test_same_shape_matrices_on_different_manifold_instances_are_batched_apart():
+    # Batches are keyed by the manifold's identity (class and constructor arguments), not by
+    # geoopt's extra_repr: two LPRO radii must not be stepped with the first one's manifold.
+    import geoopt
+
+    from geomuon.manifolds import LPRO
+
+    gen = torch.Generator().manual_seed(17)
+    small, large = LPRO(radius=1.0), LPRO(radius=2.0)
+    params = [geoopt.ManifoldParameter(m.random(12, 4, generator=gen).data, manifold=m) for m in (small, large)]
+    optimizer = ManifoldMuon(params, lr=0.05)
+    assert sorted(len(b) for b in optimizer._batches(optimizer.param_groups[0], params)) == [1, 1]
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+    assert optimizer.check_on_manifold() == []
+    # negative control: equal radii are one manifold, and one batch
+    twins = [geoopt.ManifoldParameter(LPRO(radius=1.0).random(12, 4, generator=gen).data, manifold=LPRO(radius=1.0))
+             for _ in range(2)]
+    optimizer = ManifoldMuon(twins, lr=0.05)
+    assert [len(b) for b in optimizer._batches(optimizer.param_groups[0], twins)] == [2]
