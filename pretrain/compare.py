@@ -36,7 +36,8 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import TrainConfig, add_options, field_problems, from_args, option
 from geomuon.pretrain.data import load_data
-from geomuon.pretrain.train import TrainingInterrupted, TrainResult, resolve_out_dir, resume_command, run_files, train
+from geomuon.pretrain.train import (TrainingInterrupted, TrainResult, checkpoint_to_resume, resolve_out_dir,
+                                    resume_command, run_files, train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -99,7 +100,8 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     for strategy in strategies:
         for seed in seeds:
             out_dir = None if root is None else os.path.join(root, f"{strategy}-s{seed}")
-            resume = base.resume and out_dir is not None and os.path.isfile(os.path.join(out_dir, "ckpt.pt"))
+            # a run of the comparison may have been checkpointed by one process or by several
+            resume = base.resume and out_dir is not None and os.path.exists(checkpoint_to_resume(out_dir))
             runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, out_dir=out_dir, resume=resume,
                                             overwrite=(base.overwrite or base.resume) and not resume))
     for cfg in runs:  # fail before the first run, not after the third
