@@ -2067,7 +2067,8 @@ def certify_inverse_sqrt_equivariance() -> Certificate:
 def _shift_probe_certificate(shape=(3, 2)) -> Certificate:
     r"""The library's :func:`~geomuon.optimizers.maps.centered` wrapper: the inner map sees
     $\Pi^\perp(PDQ^\top + \mathbf 1v^\top) = P\,\Pi^\perp D\,Q^\top$ for permutations $P$,
-    orthogonal $Q$ and every shift $v$, and the output re-centering commutes with $(P, Q)$.
+    orthogonal $Q$ and every shift $v$, the output re-centering commutes with $(P, Q)$, and
+    the output is centered ($\mathbf 1^\top U_c = 0$) whatever the inner map returns.
     With the inner map $S_m\times O_n$-equivariant this gives
     $U_c(PDQ^\top + \mathbf 1v^\top) = P\,U_c(D)\,Q^\top$."""
     from geomuon.optimizers import maps
@@ -2082,10 +2083,15 @@ def _shift_probe_certificate(shape=(3, 2)) -> Certificate:
     centered_probe = maps.centered(probe)
     centered_probe.__name__ = "centered(identity probe)"
     certificate = certify_equivariance(centered_probe, RouterShift(), shape)
+    # The output is centered whatever the inner map returns (row scaling breaks 1'U = 0):
+    # a probe returning a fresh matrix of symbols.
+    m, n = shape
+    free_output = maps.centered(lambda D: symbols_matrix("u", m, n))(symbols_matrix("D", m, n))
+    column_sums = _zero_tensor(ExactTensor(np.array(free_output.sum(-2).a, dtype=object).reshape(1, n)))
     return Certificate(
-        "centered(.) feeds the inner map Pi(g D) = g Pi(D) and kills shifts; re-centering commutes with g",
-        certificate.holds,
-        certificate.witness,
+        "centered(.) feeds the inner map Pi(g D) = g Pi(D) and kills shifts; re-centering commutes with g; 1'U_c = 0",
+        certificate.holds and column_sums[0],
+        {**certificate.witness, "1'U_c(D) for any inner output": column_sums[1]},
     )
 
 
