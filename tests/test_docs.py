@@ -411,7 +411,9 @@ def test_results_pages_written_by_studies_join_the_navigation(tmp_path):
     assert listing == "* [Enforced Lipschitz bounds](lipschitz.md)\n"
 
 
-BENCHMARKS = ("polar_kernels", "optimizer_step", "manifold_frontier")
+# table file (docs/results/benchmarks/FILE.md) -> the bench script that writes it
+BENCHMARKS = {"polar_kernels": "polar_kernels", "optimizer_step": "optimizer_step",
+              "optimizer_step_gpt2_small": "optimizer_step", "manifold_frontier": "manifold_frontier"}
 
 
 def test_benchmark_tables_are_included_as_their_scripts_wrote_them(site):
@@ -419,14 +421,14 @@ def test_benchmark_tables_are_included_as_their_scripts_wrote_them(site):
     # in the results page by the hook; a missing one shows the command that writes it.
     page = html.unescape((site / "results" / "index.html").read_text())
     quick_runs = 0
-    for name in BENCHMARKS:
+    for name, script in BENCHMARKS.items():
         written = ROOT / "docs" / "results" / "benchmarks" / f"{name}.md"
         if not written.is_file():
-            assert f"python bench/{name}.py --markdown docs/results/benchmarks/{name}.md" in page
+            assert f"python bench/{script}.py --markdown docs/results/benchmarks/{name}.md" in page
             continue
         text = written.read_text()
         command = re.search(r"^\| command \| `(.*)` \|$", text, re.MULTILINE).group(1)
-        assert command.startswith(f"python bench/{name}.py") and f"--markdown docs/results/benchmarks/{name}.md" in command
+        assert command.startswith(f"python bench/{script}.py") and f"--markdown docs/results/benchmarks/{name}.md" in command
         assert command in page, f"{name}: its table is not on the results page"
         is_quick = "--quick" in command.split()
         assert text.startswith('!!! warning "Quick run: not a result"') == is_quick, f"{name}: quick-run mark"
@@ -442,6 +444,12 @@ def test_benchmark_marker_includes_the_file_or_says_not_yet_measured(tmp_path, c
     (tmp_path / "results" / "benchmarks").mkdir(parents=True)
     (tmp_path / "results" / "benchmarks" / "polar_kernels.md").write_text("| a |\n|---|\n| 1 |\n")
     assert geomuon_pages.on_page_markdown(marker, None, config, None) == "## Kernels\n\n| a |\n|---|\n| 1 |\n\n"
+    # A second table of the same script (other settings) is named after the script.
+    other = "<!-- geomuon:benchmark polar_kernels polar_kernels_big -->\n"
+    assert "`python bench/polar_kernels.py --markdown docs/results/benchmarks/polar_kernels_big.md`" in (
+        geomuon_pages.on_page_markdown(other, None, config, None))
+    (tmp_path / "results" / "benchmarks" / "polar_kernels_big.md").write_text("| b |\n")
+    assert geomuon_pages.on_page_markdown(other, None, config, None) == "| b |\n\n"
     # A marker naming no bench script is a warning (a failure under mkdocs --strict).
     with caplog.at_level("WARNING", logger="mkdocs.hooks.geomuon_pages"):
         geomuon_pages.on_page_markdown("<!-- geomuon:benchmark no_such_script -->", None, config, None)

@@ -13,7 +13,9 @@ Markers in the Markdown sources are replaced before conversion:
   the navigation under *Results* -- a study's page appears without editing the docs.
 * ``<!-- geomuon:benchmark NAME -->`` becomes the table that ``bench/NAME.py --markdown``
   wrote to ``docs/results/benchmarks/NAME.md`` (with the header saying how it was
-  produced), or a line saying it is not yet measured and which command writes it. The
+  produced), or a line saying it is not yet measured and which command writes it;
+  ``<!-- geomuon:benchmark NAME FILE -->`` includes ``FILE.md``, another table of the
+  same script (e.g. ``optimizer_step optimizer_step_gpt2_small``: other settings). The
   files themselves are excluded from the site (``exclude_docs``): they are parts of the
   results page, not pages.
 """
@@ -42,7 +44,7 @@ _API_MARKER = re.compile(r"^<!-- geomuon:api (?P<package>[\w.]+) -->$", re.MULTI
 _SYMMETRY_MARKER = "<!-- geomuon:symmetry-table -->"
 _RESULTS_MARKER = "<!-- geomuon:results-pages -->"
 _RESULTS_LANDING = "results/index.md"
-_BENCHMARK_MARKER = re.compile(r"^<!-- geomuon:benchmark (?P<name>\w+) -->$", re.MULTILINE)
+_BENCHMARK_MARKER = re.compile(r"^<!-- geomuon:benchmark (?P<name>\w+)(?: (?P<file>\w+))? -->$", re.MULTILINE)
 BENCHMARKS = Path("results") / "benchmarks"  # relative to docs/
 
 
@@ -174,15 +176,16 @@ def _results_list(docs_dir: Path) -> str:
     return "".join(f"* [{title}]({Path(relative).name})\n" for title, relative in pages)
 
 
-def benchmark_table(docs_dir: Path, name: str) -> str:
-    """The Markdown that ``bench/<name>.py --markdown`` wrote under ``docs/results/benchmarks/``,
-    or a *not yet measured* line naming the command that writes it."""
+def benchmark_table(docs_dir: Path, name: str, file: str | None = None) -> str:
+    """The Markdown that ``bench/<name>.py --markdown`` wrote under ``docs/results/benchmarks/``
+    (as ``<file>.md``, default ``<name>.md``), or a *not yet measured* line naming the
+    command that writes it."""
     if not (ROOT / "bench" / f"{name}.py").is_file():
         log.warning("benchmark marker names %r, but there is no bench/%s.py", name, name)
         return ""
-    path = docs_dir / BENCHMARKS / f"{name}.md"
+    path = docs_dir / BENCHMARKS / f"{file or name}.md"
     if not path.is_file():
-        target = (BENCHMARKS / f"{name}.md").as_posix()
+        target = (BENCHMARKS / f"{file or name}.md").as_posix()
         return f"*Not yet measured:* `python bench/{name}.py --markdown docs/{target}` writes this table.\n"
     return path.read_text()
 
@@ -190,7 +193,7 @@ def benchmark_table(docs_dir: Path, name: str) -> str:
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = _API_MARKER.sub(_api_section, markdown)
     docs_dir = Path(config.docs_dir)
-    markdown = _BENCHMARK_MARKER.sub(lambda match: benchmark_table(docs_dir, match.group("name")), markdown)
+    markdown = _BENCHMARK_MARKER.sub(lambda match: benchmark_table(docs_dir, match.group("name"), match.group("file")), markdown)
     if _RESULTS_MARKER in markdown:
         markdown = markdown.replace(_RESULTS_MARKER, _results_list(docs_dir))
     if _SYMMETRY_MARKER in markdown:
