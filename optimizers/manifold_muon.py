@@ -43,12 +43,14 @@ from .base import MatrixOptimizer
 from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "DEFAULT_DUAL_STEPS", "DEFAULT_DUAL_UPDATE"]
+__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "gram_solver", "DEFAULT_DUAL_STEPS",
+           "DEFAULT_DUAL_UPDATE"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
 #: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
 DEFAULT_DUAL_STEPS = 1
-#: Default dual update of the Gram path (``"newton"`` or ``"jacobi"``), chosen on the same frontier.
+#: Default dual update of the Gram path where its dualizer is ``"eigh"`` (``"newton"`` or
+#: ``"jacobi"``), chosen on the same frontier; with ``"polar_express"`` it is ``"jacobi"``.
 DEFAULT_DUAL_UPDATE = "newton"
 _RETRACTIONS = ("fused", "manifold")
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
@@ -61,6 +63,26 @@ def default_dual_steps(manifold) -> int:
     :data:`DEFAULT_DUAL_STEPS`."""
     form = getattr(manifold, "gram_form", None)
     return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
+
+
+def gram_solver(device: torch.device, update: str | None, dualizer: str | None) -> tuple[str, str]:
+    """The Gram path's ``(dual update, dualizer)`` for matrices on ``device``, where the group
+    left either as ``None``.
+
+    The dualizer defaults to ``"eigh"`` on the CPU (one exact $n\times n$ eigendecomposition
+    costs less than Polar Express on the Cholesky factor there) and to ``"polar_express"``
+    elsewhere: on CUDA ``torch.linalg.eigh`` synchronizes the device with the host (it
+    checks its convergence flag; see the ``torch.linalg.eigh`` documentation), which the
+    step must not do, and solves batched $n > 32$ problems one matrix at a time, while Polar
+    Express is matrix products only. Newton needs the eigenvectors, so asking for it selects
+    ``"eigh"``; the update then defaults to :data:`DEFAULT_DUAL_UPDATE` with ``"eigh"`` and to
+    ``"jacobi"`` with ``"polar_express"``.
+    """
+    if dualizer is None:
+        dualizer = "eigh" if update == "newton" or device.type == "cpu" else "polar_express"
+    if update is None:
+        update = DEFAULT_DUAL_UPDATE if dualizer == "eigh" else "jacobi"
+    return update, dualizer
 
 
 def resolve_manifold(spec, where: str):
@@ -95,11 +117,14 @@ class ManifoldMuon(MatrixOptimizer):
             :func:`default_dual_steps` of the matrix's manifold; 0 is the projection
             direction $\Phi(P_W\tilde B)$, plus the carried step when warm-started).
         dual_alpha: dual step size, in units of the full Newton or Jacobi step (default 1).
-        dual_update: the Gram path's dual step: ``"newton"`` (default: Su's Lyapunov step
-            in $Z^\top Z$'s eigenbasis, where the manifold's Gram form declares one) or
+        dual_update: the Gram path's dual step: ``"newton"`` (Su's Lyapunov step in
+            $Z^\top Z$'s eigenbasis, where the manifold's Gram form declares one) or
             ``"jacobi"`` (:mod:`geomuon.optimizers.gram`); the general path is Jacobi.
-        gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (default, exact) or
+            Default ``None``: by the dualizer (:func:`gram_solver`).
+        gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (exact) or
             ``"polar_express"`` (Polar Express on the Cholesky factor; Jacobi steps only).
+            Default ``None``: ``"eigh"`` on the CPU, ``"polar_express"`` on other devices
+            (:func:`gram_solver`: CUDA's ``eigh`` synchronizes with the host).
         warm_start: start each step's dual from the previous correction (default True).
         msign_method: the spectral dualizer's kernel, a method of
             :func:`geomuon.manifolds.linalg.msign` (default ``"polar_express"``).
@@ -143,8 +168,8 @@ class ManifoldMuon(MatrixOptimizer):
         norm: str = "spectral",
         dual_steps: int | None = None,
         dual_alpha: float = 1.0,
-        dual_update: str = DEFAULT_DUAL_UPDATE,
-        gram_dualizer: str = "eigh",
+        dual_update: str | None = None,
+        gram_dualizer: str | None = None,
         warm_start: bool = True,
         msign_method: str = "polar_express",
         msign_steps: int | None = 6,
@@ -182,11 +207,13 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"group {index}: unknown norm {group['norm']!r}; choose one of {list(NORMS)}")
         if group["retraction"] not in _RETRACTIONS:
             raise ValueError(f"group {index}: retraction must be one of {_RETRACTIONS}, got {group['retraction']!r}")
-        if group["dual_update"] not in UPDATES:
-            raise ValueError(f"group {index}: dual_update must be one of {UPDATES}, got {group['dual_update']!r}")
-        if group["gram_dualizer"] not in DUALIZERS:
-            raise ValueError(f"group {index}: gram_dualizer must be one of {DUALIZERS}, got {group['gram_dualizer']!r}")
-        if group["dual_update"] == "newton" and group["gram_dualizer"] != "eigh":
+        if group["dual_update"] not in (*UPDATES, None):
+            raise ValueError(f"group {index}: dual_update must be one of {UPDATES} (or None: by the dualizer), "
+                             f"got {group['dual_update']!r}")
+        if group["gram_dualizer"] not in (*DUALIZERS, None):
+            raise ValueError(f"group {index}: gram_dualizer must be one of {DUALIZERS} (or None: by the device), "
+                             f"got {group['gram_dualizer']!r}")
+        if group["dual_update"] == "newton" and group["gram_dualizer"] == "polar_express":
             raise ValueError(f"group {index}: dual_update='newton' needs gram_dualizer='eigh' (the Lyapunov step "
                              "uses the eigenvectors); choose dual_update='jacobi' with 'polar_express'")
         if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
@@ -305,9 +332,10 @@ class ManifoldMuon(MatrixOptimizer):
         flip = W.size(-2) < W.size(-1)  # transposed geometry for wide points
         Wt, Gt = (W.mT, G.mT) if flip else (W, G)
         shape = Wt.shape
+        update, dualizer = gram_solver(W.device, group["dual_update"], group["gram_dualizer"])
         settings = GramSettings(
             dual_steps=int(group["dual_steps"]), carry=bool(group["dual_carry"]), alpha=float(group["dual_alpha"]),
-            update=group["dual_update"], dualizer=group["gram_dualizer"],
+            update=update, dualizer=dualizer,
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
             compute_dtype=group["compute_dtype"],
         )

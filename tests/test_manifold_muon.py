@@ -142,3 +142,37 @@ def test_state_is_small():
     state = opt.state[W]
     assert state["momentum_buffer"].shape == (64, 16)
     assert state["dual_correction"].shape == (16, 16)  # <= n x n
+
+
+def test_the_gram_solver_defaults_by_device():
+    """``eigh`` (exact, Newton steps) on the CPU; Polar Express with Jacobi steps elsewhere,
+    because CUDA's ``eigh`` synchronizes with the host; an explicit choice is kept, and
+    asking for Newton selects the eigendecomposition it needs on any device."""
+    from geomuon.optimizers.manifold_muon import gram_solver
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert gram_solver(cpu, None, None) == ("newton", "eigh")
+    assert gram_solver(cuda, None, None) == ("jacobi", "polar_express")
+    assert gram_solver(cuda, "newton", None) == ("newton", "eigh")
+    assert gram_solver(cpu, "jacobi", None) == ("jacobi", "eigh")
+    assert gram_solver(cpu, None, "polar_express") == ("jacobi", "polar_express")
+    with pytest.raises(ValueError, match="dual_update='newton' needs gram_dualizer='eigh'"):
+        ManifoldMuon([torch.nn.Parameter(torch.zeros(8, 4))], manifold=Stiefel(), dual_update="newton",
+                     gram_dualizer="polar_express")
+
+
+def test_the_default_gram_solver_on_the_cpu_is_newton_with_eigh():
+    """Leaving the solver to its default steps exactly as naming ``newton``/``eigh`` on the
+    CPU (bitwise); control: Polar Express with Jacobi steps moves the weights differently."""
+    def run(**options):
+        gen = torch.Generator().manual_seed(3)
+        W = torch.nn.Parameter(Stiefel().random(48, 16, generator=gen).data)
+        opt = ManifoldMuon([W], lr=0.05, manifold=Stiefel(), **options)
+        for _ in range(3):
+            W.grad = torch.randn(48, 16, generator=gen)
+            opt.step()
+        return W.detach().clone()
+
+    default = run()
+    assert torch.equal(default, run(dual_update="newton", gram_dualizer="eigh"))
+    assert not torch.equal(default, run(dual_update="jacobi", gram_dualizer="polar_express"))
