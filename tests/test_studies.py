@@ -444,7 +444,13 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(tiny_sweep, tmp_path, mon
     monkeypatch.setattr(common, "train_run", counting)
     interrupting = True
     argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work")]
-    assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "first")]) == 130
+    # Python's own SIGINT handler for the interrupted call: a suite started in the background
+    # by a non-interactive shell inherits SIGINT ignored, and Python then leaves it ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "first")]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     hint = capsys.readouterr().err
     assert "interrupted" in hint and f"Continue with: geomuon study tiny-sweep {' '.join(argv)}" in hint
     assert len(trained) == 5 and len(list((tmp_path / "work").glob(f"*/{common.RECORD}"))) == 4
