@@ -4,6 +4,8 @@ test here marked *old checker* fails on the checker it names: 03f8ef4, or 50868b
 bfloat16 ones), its CLI and its exit codes."""
 
 import math
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -271,9 +273,22 @@ def test_a_wrong_must_fail_declaration_is_reported():
 
 
 def test_shrunk_counterexample_is_small_and_printed_as_matrices():
-    case = verify_declaration(MapUpdate(maps.row_norm, name="row_norm"), "bi-orthogonal", "fails")
-    assert case.shape == (2, 2)
-    text = repr(case)
+    # In a fresh interpreter: the derandomized search and its shrinking are reproducible
+    # there, while in the long suite process an earlier test (tests/test_docs.py, cause not
+    # yet found) leaves state under which hypothesis stops the shrink at 4x4.
+    script = (
+        "from hypothesis import settings\n"
+        "settings.register_profile('p', max_examples=25, deadline=None, derandomize=True)\n"
+        "settings.load_profile('p')\n"
+        "from geomuon.theory.equivariance import MapUpdate, verify_declaration\n"
+        "from geomuon.optimizers import maps\n"
+        "case = verify_declaration(MapUpdate(maps.row_norm, name='row_norm'), 'bi-orthogonal', 'fails')\n"
+        "print(tuple(case.shape)); print(repr(case))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shape, text = result.stdout.split("\n", 1)
+    assert shape == "(2, 2)"
     assert "tensor([[" in text and "L =" in text
 
 
