@@ -36,6 +36,7 @@ from geomuon.theory.symbolic import (
     certify_inverse_sqrt_series,
     certify_stiefel_retraction,
     certify_polar_express_table,
+    POLAR_EXPRESS_DESIGNS,
     inverse_sqrt_error_bound,
     polar_map_reference,
     certify_projection,
@@ -82,17 +83,27 @@ def test_cayley_gives_exact_rational_orthogonal_matrices():
 # ----------------------------------------------------------------------- coefficient tables
 
 
-def test_polar_express_rows_are_the_minimax_polynomials_of_their_intervals():
-    certificate = certify_polar_express_table()
-    assert certificate.holds, certificate.witness
-    assert any(row.get("four-point") for row in certificate.witness[:-1])
-    # A change in the 8th significant digit of one coefficient is caught.
+@pytest.mark.parametrize("schedule", [POLAR_EXPRESS, POLAR_EXPRESS_5], ids=lambda s: s.name)
+def test_polar_express_rows_are_the_minimax_polynomials_of_their_intervals(schedule, monkeypatch):
     import dataclasses
 
-    rows = [list(r) for r in POLAR_EXPRESS.coefficients]
-    rows[2][1] *= 1 + 1e-8
-    perturbed = dataclasses.replace(POLAR_EXPRESS, coefficients=tuple(map(tuple, rows)))
-    assert not certify_polar_express_table(perturbed).holds
+    certificate = certify_polar_express_table(schedule)
+    assert certificate.holds, certificate.witness
+    rows = certificate.witness[: len(schedule.coefficients)]
+    # the early rows are cushioned, the later ones minimax on their whole interval
+    assert rows[0]["cushioned"] and not rows[len(schedule.coefficients) - 2]["cushioned"]
+    # Controls: a change in the 8th significant digit of any one coefficient is caught
+    # (the first residual moves by at least the change, see the docstring), and so is a
+    # wrong cushion.
+    for k, j in [(0, 0), (2, 1), (len(schedule.coefficients) - 2, 2)]:
+        table = [list(r) for r in schedule.coefficients]
+        table[k][j] *= 1 + 1e-8
+        perturbed = dataclasses.replace(schedule, coefficients=tuple(map(tuple, table)))
+        assert not certify_polar_express_table(perturbed).holds, (k, j)
+    design = POLAR_EXPRESS_DESIGNS[schedule.name]
+    wrong = dataclasses.replace(design, cushion=str(float(design.cushion) * (1 + 1e-8)))
+    monkeypatch.setitem(POLAR_EXPRESS_DESIGNS, schedule.name, wrong)
+    assert not certify_polar_express_table(schedule).holds
 
 
 def test_inverse_square_root_iteration_converges_to_the_inverse_root():

@@ -46,8 +46,9 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
 * **Update maps** (:func:`certify_map_row`): every ``map`` row of
   :mod:`geomuon.theory.declared` — a proof on generators of the group for ``holds``
   rows, an exact counterexample for ``fails`` rows.
-* **Coefficient tables and constants**: Polar Express rows are the minimax quintics of
-  their design intervals (:func:`certify_polar_express_table`), the coupled
+* **Coefficient tables and constants**: every row of both Polar Express tables is the
+  recentred minimax quintic of its cushioned design interval
+  (:func:`certify_polar_express_table`, interval arithmetic), the coupled
   inverse-square-root step converges to $\lambda^{-1/2}$ with a rigorous error bound
   (:func:`certify_inverse_sqrt_iteration`, :func:`inverse_sqrt_error_bound`), the GELU
   Lipschitz constant, the soft-cap root's uniqueness and the $62/81$ threshold, rigorous
@@ -107,6 +108,8 @@ __all__ = [
     "ns_fixed_points",
     "ns_output_range",
     "certify_polar_express_table",
+    "PolarExpressDesign",
+    "POLAR_EXPRESS_DESIGNS",
     "certify_inverse_sqrt_iteration",
     "inverse_sqrt_error_bound",
     "polar_map_reference",
@@ -2414,63 +2417,134 @@ def ns_output_range(
 # The coefficient tables: what pins them
 
 
-def _critical_points(polynomial: sp.Expr, x: sp.Symbol, lo, hi) -> list:
-    """Real critical points of ``polynomial`` in $(lo, hi)$, ascending (exact radicals)."""
-    points = [s for s in sp.solve(sp.diff(polynomial, x), x) if s.is_real and lo < s < hi]
-    return sorted(points, key=lambda v: sp.N(v, _DIGITS))
+@dataclass(frozen=True)
+class PolarExpressDesign:
+    r"""The generator's parameters of a Polar Express table (Amsel et al., arXiv
+    2505.16932, ``optimal_composition``): first design interval $[\ell_0, 1]$, cushion
+    ratio $\gamma$ (a row is optimized on $[\max(\ell_k, \gamma u_k), u_k]$), and whether
+    the design chain $\ell_{k+1}$ is the image of $\ell_k$ under the stored step
+    $\tilde p_k$ (safety factor applied inside the generator's loop) or under the raw
+    polynomial $p_k$ (safety applied to the finished table)."""
+
+    lo: str
+    cushion: str
+    chain_through_stored: bool
 
 
-def certify_polar_express_table(schedule=None, lo="0.001", hi=1, tolerance="1e-10") -> Certificate:
-    r"""The defining property of the Polar Express table (Amsel et al., arXiv 2505.16932):
-    step $k$'s raw polynomial $p_k(y) = \tilde p_k(s\,y)$ (the library's step polynomial
-    $\tilde p_k$, :func:`ns_scalar_map`, undoing the safety factor $s$ of all but the last
-    row) is the minimax approximation of $1$ on its design interval $[\ell_k, u_k]$,
-    $\ell_0 = 10^{-3}$, $u_0 = 1$, $[\ell_{k+1}, u_{k+1}] = p_k([\ell_k, u_k])$ (rigorous
-    rational enclosures, :func:`ns_output_range`'s outward rounding).
+#: The two tables' generator parameters (every row's residuals are at round-off,
+#: :func:`certify_polar_express_table`). ``POLAR_EXPRESS``: the paper's 8-step table, the
+#: published generator's defaults ($\ell_0 = 10^{-3}$, cushion $0.02407327424182761$),
+#: safety $1.01$ applied to the finished table; ``POLAR_EXPRESS_5``: modded-nanogpt's
+#: 5-step table ("safety_factor=2e-2, cushion=2"), read off the table: cushion $0.02$ and
+#: the $1.02$ safety applied inside the loop (the chain runs through the stored rows).
+POLAR_EXPRESS_DESIGNS = {
+    "polar_express": PolarExpressDesign("0.001", "0.02407327424182761", False),
+    "polar_express_5": PolarExpressDesign("0.001", "0.02", True),
+}
 
-    Certified per row: the error $1 - p_k$ alternates, with the same size $E_k$ (to
-    ``tolerance``), at $\ell_k$ ($+E$), the first interior critical point ($-E$) and
-    $u_k$ ($-E$ again for the first rows) — and, from the first row where the second
-    critical point reaches the same error, there too ($+E$): a four-point alternation,
-    which by Chebyshev's alternation theorem makes $p_k$ *the* minimax odd quintic on
-    $[\ell_k, u_k]$ (three coefficients, four points). The first rows alternate at three
-    points only (the paper's cushioned early steps). For the repeated last row,
-    $p(1) = 1$, $p'(1) = p''(1) = 0$ exactly (the degree-5 Newton–Schulz polynomial).
+_NS_TAIL = (sp.Rational(15, 8), sp.Rational(-5, 4), sp.Rational(3, 8))
 
-    What it pins: every row's three coefficients to about ``tolerance`` relative (a
-    change moves $E_k$ at one alternation point by the change times $|y|^{1,3,5}$), and
-    every earlier row through the design intervals it hands on. The published digits
-    alternate to $3\cdot10^{-12}$ (their own float64 solve); ``tolerance`` $10^{-10}$
-    leaves a margin and still catches a change in the first 10 significant digits.
-    ``witness``: per row the interval, the critical points and the errors there.
+
+def _step_polynomial(a, b, c, scale=1) -> tuple[sp.Rational, sp.Rational, sp.Rational]:
+    r"""Exact coefficients $(A, B, C)$ of $y \mapsto \tilde p(\text{scale}\cdot y)$ for the
+    library's step polynomial $\tilde p$ (:func:`ns_scalar_map`)."""
+    y = sp.Symbol("y")
+    polynomial = sp.Poly(ns_scalar_map(a, b, c, exact(scale) * y), y)
+    return tuple(polynomial.coeff_monomial(y**j) for j in (1, 3, 5))
+
+
+def certify_polar_express_table(schedule=None, tolerance="1e-12") -> Certificate:
+    r"""The defining property of a Polar Express table: every row is the **recentred
+    minimax odd quintic of its cushioned design interval**, the chain of intervals
+    starting at $[\ell_0, 1]$ (:data:`POLAR_EXPRESS_DESIGNS`: ``POLAR_EXPRESS`` and
+    ``POLAR_EXPRESS_5``).
+
+    Row $k$'s raw polynomial $p_k(y) = \tilde p_k(s\,y)$ is the library's step
+    polynomial (:func:`ns_scalar_map`) with the safety factor $s$ undone ($s = 1$ on the
+    last row). With $q_k < r_k$ its positive critical points, $\ell'_k = \max(\ell_k,
+    \gamma u_k)$ and $u_0 = 1$, $u_{k+1} = 2 - \ell_{k+1}$, $\ell_{k+1} = p_k(\ell_k)$ (or
+    $\tilde p_k(\ell_k)$), certified per row, rigorously (interval arithmetic at 200 bits
+    from the exact decimals, critical points as enclosed radicals):
+
+    $$\lvert p_k(\ell_k) + p_k(u_k) - 2\rvert,\ \lvert p_k(q_k) - p_k(u_k)\rvert,\
+    \lvert p_k(\ell'_k) - p_k(r_k)\rvert \le \text{tolerance},\qquad
+    \ell'_k < q_k < r_k < u_k,\ p_k(\ell'_k) < p_k(q_k).$$
+
+    Why it defines the row: $p_k$ equioscillates about its midlevel
+    $m = \tfrac12(p(\ell') + p(q))$ at the four points $\ell', q, r, u$, so $p_k/m$ is
+    *the* minimax approximation of $1$ on $[\ell'_k, u_k]$ from $\{y, y^3, y^5\}$ (a
+    Chebyshev system on $(0, \infty)$; Chebyshev's alternation theorem: three coefficients,
+    four points), and the first equation fixes $m$ (the generator's recentring
+    $p(\ell) + p(u) = 2$). Three equations for three coefficients. For rows with
+    $\gamma u_k > \ell_k$ (the cushioned early rows) this is the minimax on the cushioned
+    interval, not on $[\ell_k, u_k]$. A repeated Newton–Schulz tail $(15/8, -5/4, 3/8)$ is
+    certified by $p(1) = 1$, $p'(1) = p''(1) = 0$ exactly.
+
+    What it pins: a change $\delta$ in one coefficient of row $k$ moves the first residual
+    by $\delta(\ell_k^j + u_k^j) \ge \delta$ ($u_k \ge 1$, $j \in \{1, 3, 5\}$; the critical
+    points do not move the values to first order), so any single-coefficient change above
+    ``tolerance`` plus the table's own residual fails. The published digits have residuals
+    below $10^{-14}$ (their float64 solve); ``tolerance`` $10^{-12}$ leaves a margin of 100.
+    ``witness``: per row the interval, $\ell'_k$, the critical points, the three residuals
+    (floats of the enclosures' midpoints) and the largest enclosure radius.
     """
+    from mpmath import iv
+
     from geomuon.manifolds.linalg import POLAR_EXPRESS
 
     schedule = schedule or POLAR_EXPRESS
-    safety, tol = exact(schedule.input_scale), exact(tolerance)
-    y = sp.Symbol("y", positive=True)
+    design = POLAR_EXPRESS_DESIGNS[schedule.name]
+    tol, safety = exact(tolerance), exact(schedule.input_scale)
     rows = [tuple(exact(v) for v in row) for row in schedule.coefficients]
-    low, high = exact(lo), exact(hi)
-    witness, holds, four_point = [], True, False
-    for k, (a, b, c) in enumerate(rows[:-1]):
-        raw = sp.expand(ns_scalar_map(a, b, c, safety * y))
-        points = _critical_points(raw, y, low, high)
-        errors = [sp.N(1 - raw.subs(y, v), _DIGITS) for v in [low, *points, high]]
-        size = errors[0]
-        three = len(points) == 2 and abs(errors[1] + size) <= tol and abs(errors[3] + size) <= tol
-        four = three and abs(errors[2] - size) <= tol
-        # Once a row alternates at four points every later one must (the intervals shrink).
-        four_point = four_point or four
-        ok = three and (four or not four_point) and size > 0
-        holds = holds and ok
-        witness.append({"interval": (low, high), "critical points": points, "errors": errors, "four-point": four})
-        low, high = _interval_image(a * safety, b * safety**3, c * safety**5, low, high)
-    a, b, c = rows[-1]
-    last = ns_scalar_map(a, b, c, y)
-    taylor = [sp.expand(sp.diff(last, y, j).subs(y, 1)) for j in range(3)]
-    witness.append({"last row p(1), p'(1), p''(1)": taylor})
-    holds = holds and four_point and taylor == [1, 0, 0]
-    return Certificate(f"{schedule.name}: every row is the (cushioned) minimax polynomial of its design interval", holds, witness)
+    tail = rows[-1] == _NS_TAIL
+    witness, holds = [], True
+    prec = iv.prec
+    iv.prec = 200
+    try:
+        enclose = lambda r: iv.mpf(int(sp.numer(r))) / iv.mpf(int(sp.denom(r)))  # noqa: E731
+        low, cushion = enclose(exact(design.lo)), enclose(exact(design.cushion))
+        high = iv.mpf(1)
+        for k, row in enumerate(rows[:-1] if tail else rows):
+            raw = [enclose(v) for v in _step_polynomial(*row, safety if k < len(rows) - 1 else 1)]
+            A, B, C = raw
+
+            def p(x, A=A, B=B, C=C):
+                return x * (A + x * x * (B + x * x * C))
+
+            root = iv.sqrt(9 * B * B - 20 * A * C)
+            q, r = iv.sqrt((-3 * B - root) / (10 * C)), iv.sqrt((-3 * B + root) / (10 * C))
+            cushioned = cushion * high
+            left = cushioned if cushioned.a > low.b else low
+            if not (cushioned.a > low.b or cushioned.b < low.a):
+                holds = False  # the enclosures cannot tell which end the generator used
+            residuals = [p(low) + p(high) - 2, p(q) - p(high), p(left) - p(r)]
+            ordered = left.b < q.a and q.b < r.a and r.b < high.a and p(left).b < p(q).a
+            ok = ordered and all(-tol <= e.a and e.b <= tol for e in residuals)
+            holds = holds and ok
+            witness.append({
+                "interval": (float(low.mid), float(high.mid)),
+                "cushioned": cushioned.a > low.b,
+                "l'": float(left.mid),
+                "critical points": (float(q.mid), float(r.mid)),
+                "residuals": [float(e.mid) for e in residuals],
+                "radius": float(max(e.delta for e in residuals)) / 2,
+                "holds": ok,
+            })
+            if design.chain_through_stored:
+                A, B, C = (enclose(v) for v in _step_polynomial(*row))
+            low = p(low, A, B, C)
+            high = 2 - low
+    finally:
+        iv.prec = prec
+    if tail:
+        y = sp.Symbol("y")
+        last = ns_scalar_map(*rows[-1], y)
+        taylor = [sp.expand(sp.diff(last, y, j).subs(y, 1)) for j in range(3)]
+        witness.append({"last row p(1), p'(1), p''(1)": taylor})
+        holds = holds and taylor == [1, 0, 0]
+    return Certificate(
+        f"{schedule.name}: every row is the recentred minimax quintic of its cushioned design interval", holds, witness
+    )
 
 
 def _inverse_sqrt_scalar_map():
