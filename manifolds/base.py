@@ -509,12 +509,30 @@ class MatrixManifold(geoopt.Manifold):
 
     @matrix_method(result="check")
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
+        if self.has_defining_map:
+            return ok, None if ok else f"defining map F(x) != 0 with atol={atol}"
+        return ok, None if ok else f"projx(x) != x with atol={atol}, rtol={rtol}"
+
+    @matrix_method(result="multiplier")
+    def points_on_manifold(self, x: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5) -> torch.Tensor | None:
+        r"""Per matrix of ``x`` ``[..., m, n]``: whether it is a point, as a bool tensor ``[...]``
+        on ``x``'s device, with no host read (what an optimizer's step may compute; the
+        ``check_point_on_manifold`` of geoopt is its ``.all()`` read back, with a reason).
+
+        Generic rule: ``isclose(F(x), 0)`` in every entry of the defining map, else
+        ``isclose(projx(x), x)`` (``torch.isclose``, so ``.all()`` is ``torch.allclose``).
+        ``None`` for a subclass that overrides ``_check_point_on_manifold`` without
+        overriding this method: its check is host-side only.
+        """
+        if type(self)._check_point_on_manifold is not MatrixManifold._check_point_on_manifold:
+            return None
         if self.has_defining_map:
             residual = self.defining_map(x)
-            ok = torch.allclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
-            return ok, None if ok else f"defining map F(x) != 0 with atol={atol}"
-        ok = torch.allclose(self.projx(x), x, atol=atol, rtol=rtol)
-        return ok, None if ok else f"projx(x) != x with atol={atol}, rtol={rtol}"
+            close = torch.isclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
+        else:
+            close = torch.isclose(self.projx(x), x, atol=atol, rtol=rtol)
+        return close.flatten(x.dim() - 2).all(-1)
 
     @matrix_method("u", result="check")
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):

@@ -107,11 +107,16 @@ class DGram(MatrixManifold):
 
     @matrix_method(result="check")
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        d = x.norm(dim=-2)
-        if bool((d == 0).any()):
+        if bool((x.norm(dim=-2) == 0).any()):
             return False, "x has a zero column (row for wide matrices)"
-        # Scale-free: the normalized columns must be orthonormal (cosines vanish).
+        ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
+        return ok, None if ok else f"columns are not orthogonal (cosines) with atol={atol}"
+
+    @matrix_method(result="multiplier")
+    def points_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        # Scale-free: nonzero columns whose normalized columns are orthonormal (cosines vanish).
+        d = x.norm(dim=-2)
         q = x / d.unsqueeze(-2)
         cosines = _off_diagonal(q.mT @ q)
-        ok = torch.allclose(cosines, torch.zeros_like(cosines), atol=atol, rtol=rtol)
-        return ok, None if ok else f"columns are not orthogonal (cosines) with atol={atol}"
+        close = torch.isclose(cosines, torch.zeros_like(cosines), atol=atol, rtol=rtol)
+        return (d != 0).all(-1) & close.flatten(x.dim() - 2).all(-1)

@@ -61,7 +61,7 @@ from geomuon.manifolds.linalg import fp32_or_fp64
 from .regulate import make_regulator, regulator_spec, unchecked_regulation
 from . import distributed as _distributed
 
-__all__ = ["MatrixOptimizer", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
+__all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
 
 #: Defaults of an ``update="adamw"`` group for the keys it does not set (torch's AdamW).
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -88,7 +88,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.setdefault("update", self.matrix_update)
         self._regulators: list = []
         self._manifolds: dict[int, tuple] = {}
-        self._skipped = _SkippedSteps()
+        self._skipped = _SkippedSteps(_report_nonfinite)
+        self._refused = _SkippedSteps(_report_off_manifold)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ construction
@@ -154,7 +155,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Recompute attributes derived from the param groups (subclasses extend it)."""
         self._regulators = [make_regulator(g.get("regulate")) for g in self.param_groups]
         self._manifolds = {}
-        self._skipped = _SkippedSteps()  # positions refer to these groups: a loaded state starts afresh
+        # positions refer to these groups: a loaded state starts afresh
+        self._skipped = _SkippedSteps(_report_nonfinite)
+        self._refused = _SkippedSteps(_report_off_manifold)
         for group in self.param_groups:  # resolved now, not in a step
             if group.get("manifold") is not None:
                 self._group_manifold(group).identity  # noqa: B018
@@ -166,7 +169,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
         No value is read back from the device (see :meth:`check_finite` for how skipped
         steps are reported)."""
-        self._skipped.report(self, wait=False)
+        self._report_skips(wait=False)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -215,7 +218,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: naming the parameters of ``nonfinite="raise"`` groups that skipped.
         """
-        return self._skipped.report(self, wait=True)
+        return self._report_skips(wait=True)
+
+    def _report_skips(self, wait: bool, nonfinite: bool = True) -> dict[str, int]:
+        """Report the skipped steps that have reached the host (all of them with ``wait``):
+        non-finite gradients (warn or raise, by the group's ``nonfinite``; left for later
+        with ``nonfinite=False``), then matrices :meth:`_admissible` refused
+        (:class:`OffManifoldError`). Returns the non-finite counts reported."""
+        skipped = self._skipped.report(self, wait) if nonfinite else {}
+        self._refused.report(self, wait)
+        return skipped
 
     def _params_with_grad(self, group: dict) -> tuple[list[torch.Tensor], dict[int, int]]:
         """The group's parameters that have a gradient, and ``{id(p): position in the group}``."""
@@ -244,9 +256,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if _distributed.is_sharded(params[0]):
             return None
         finite = torch.stack(torch._foreach_norm([p.grad for p in params])).isfinite()
-        self._skipped.record(index, [positions[id(p)] for p in params], group["nonfinite"], finite)
+        where = [positions[id(p)] for p in params]
+        self._skipped.record(index, where, group["nonfinite"], finite)
+        admissible = self._admissible(group, params)
+        if admissible is not None:
+            self._refused.record(index, where, "raise", admissible)
+            finite = finite & admissible
         keep.update((id(p), k) for p, k in zip(params, finite))
         return finite
+
+    def _admissible(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """``[B]`` bool on the device: which of ``params`` may step this time, besides having
+        a finite gradient (``None``, the default: all). A refused matrix's step is a no-op,
+        like a non-finite one's, and is reported as an :class:`OffManifoldError` (see
+        :meth:`_report_skips`); no host read."""
+        return None
 
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int]) -> list[torch.Tensor]:
@@ -429,12 +453,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 manifold = self._manifold_of(group, p)
                 if manifold is None:
                     continue
-                x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
-                tol = max(atol, 16 * torch.finfo(p.dtype).eps)
-                for matrix in [x.reshape(x.shape[0], -1)] if group["matrix_view"] == "flatten" else [x]:
-                    ok, reason = manifold.check_point_on_manifold(matrix, explain=True, atol=tol, rtol=rtol)
-                    if not ok:
-                        failures.append((self._name(group, i, index), reason))
+                matrix, tol = self._checked_point(group, p, atol)
+                ok, reason = manifold.check_point_on_manifold(matrix, explain=True, atol=tol, rtol=rtol)
+                if not ok:
+                    failures.append((self._name(group, i, index), reason))
         if failures and raise_error:
             listing = "; ".join(f"{name}: {reason}" for name, reason in failures)
             raise ValueError(
@@ -442,6 +464,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 "back with p.copy_(manifold.projx(p)) (or optimizer.project_to_manifolds())"
             )
         return failures
+
+    @staticmethod
+    def _checked_point(group: dict, p: torch.Tensor, atol: float) -> tuple[torch.Tensor, float]:
+        r"""The matrix view of ``p`` as checked, in float32 (float64 for float64), and the
+        absolute tolerance $\max(\text{atol}, 16\varepsilon)$ of ``p``'s dtype."""
+        x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
+        view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
+        return view, max(atol, 16 * torch.finfo(p.dtype).eps)
 
     @torch.no_grad()
     def project_to_manifolds(self) -> None:
@@ -463,6 +493,19 @@ def _where_kept(kept: torch.Tensor, value: float) -> torch.Tensor:
     return kept * value + (1 - kept)
 
 
+class OffManifoldError(ValueError):
+    """A matrix optimizer refused to step parameters that are off their manifold."""
+
+
+def _report_off_manifold(optimizer, mode: str, refused: dict[str, int], stacklevel: int) -> None:
+    """Raise :class:`OffManifoldError` naming the parameters in ``refused`` (``{name: steps}``)."""
+    raise OffManifoldError(
+        f"{type(optimizer).__name__}: parameter(s) off their manifold — {', '.join(refused)}; their step was "
+        "skipped, weights and state unchanged. Project them back with p.copy_(manifold.projx(p)) (or "
+        "optimizer.project_to_manifolds()); optimizer.check_on_manifold() says what is wrong"
+    )
+
+
 def _report_nonfinite(optimizer, mode: str, skipped: dict[str, int], stacklevel: int) -> None:
     """Warn (``mode="skip"``) or raise (``"raise"``) naming the parameters in ``skipped``
     (``{name: steps skipped}``)."""
@@ -477,10 +520,11 @@ def _report_nonfinite(optimizer, mode: str, skipped: dict[str, int], stacklevel:
 
 
 class _SkippedSteps:
-    r"""Counts, per matrix, of the steps skipped for a non-finite gradient, reported without
-    a host sync in the step.
+    r"""Counts, per matrix, of the steps skipped for one reason (a non-finite gradient, a
+    point off its manifold), reported without a host sync in the step by ``report``
+    (``report(optimizer, mode, {name: new count}, stacklevel)``, which warns or raises).
 
-    Every step adds, on the device, ``counts += ~finite`` for each same-shape batch; on CUDA
+    Every step adds, on the device, ``counts += ~ok`` for each same-shape batch; on CUDA
     it then copies the counts to pinned host memory without blocking and records an event.
     :meth:`report` with ``wait=False`` (the start of the next step) reports only counts that
     are already on the host — on CPU the counts are host memory, on CUDA the copy whose
@@ -489,21 +533,23 @@ class _SkippedSteps:
     reads the device counts now.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, report) -> None:
         self._entries: dict[tuple, dict] = {}
+        self._report = report
 
-    def record(self, group_index: int, positions: list[int], mode: str, finite: torch.Tensor) -> None:
+    def record(self, group_index: int, positions: list[int], mode: str, ok: torch.Tensor) -> None:
+        """Count a skipped step for every matrix whose ``ok`` (``[B]`` bool) is false."""
         key = (group_index, tuple(positions))
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = dict(
                 group=group_index, positions=positions, mode=mode, reported=[0] * len(positions),
-                counts=torch.zeros(len(positions), dtype=torch.int64, device=finite.device),
+                counts=torch.zeros(len(positions), dtype=torch.int64, device=ok.device),
                 host=None, event=None,
             )
         entry["mode"] = mode
-        entry["counts"] += ~finite
-        if finite.device.type == "cuda":
+        entry["counts"] += ~ok
+        if ok.device.type == "cuda":
             if entry["host"] is None:
                 entry["host"] = torch.zeros(len(positions), dtype=torch.int64, pin_memory=True)
             entry["host"].copy_(entry["counts"], non_blocking=True)
@@ -529,5 +575,5 @@ class _SkippedSteps:
                     entry["reported"][j] = count
         for mode in ("skip", "raise"):
             if mode in news:
-                _report_nonfinite(optimizer, mode, news[mode], stacklevel=4)
+                self._report(optimizer, mode, news[mode], stacklevel=4)
         return {name: count for listing in news.values() for name, count in listing.items()}

@@ -39,7 +39,8 @@ from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
-from .base import MatrixOptimizer
+from . import distributed as _distributed
+from .base import MatrixOptimizer, OffManifoldError
 from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
@@ -149,9 +150,10 @@ class ManifoldMuon(MatrixOptimizer):
     Attributes:
         certificates: ``{parameter name: certified ratio}`` of the last certified step.
 
-    The first step (and the first after :meth:`load_state_dict`) runs
-    :meth:`check_on_manifold`, so a weight that left its manifold raises a
-    ``ValueError`` naming it instead of being silently retracted.
+    The first step (and the first after :meth:`load_state_dict`) checks on the device that
+    every weight is on its manifold (:meth:`step`), so a weight that left its manifold
+    raises :class:`~geomuon.optimizers.base.OffManifoldError` (a ``ValueError``) naming it
+    instead of being silently retracted; the step reads nothing back from the device.
     """
 
     matrix_update = "manifold_muon"
@@ -257,12 +259,46 @@ class ManifoldMuon(MatrixOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Performs one step; the first one checks every weight is on its manifold."""
-        if not self._checked:
+        """Performs one step; the first one (after construction or :meth:`load_state_dict`)
+        checks every weight is on its manifold, on the device (:meth:`_admissible`), and
+        raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
+        theirs once the flags are on the host: at the end of this step on the CPU, at the
+        next step or :meth:`check_finite` elsewhere. Those weights are not stepped."""
+        checking = not self._checked
+        if checking and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
             self.check_on_manifold()
-            self._checked = True
         self._step_count += 1
-        return super().step(closure)
+        loss = super().step(closure)
+        self._checked = True
+        if checking:  # non-finite skips are reported at the next step, as for every optimizer
+            self._report_skips(wait=False, nonfinite=False)
+        return loss
+
+    def _report_skips(self, wait: bool, nonfinite: bool = True) -> dict[str, int]:
+        try:
+            return super()._report_skips(wait, nonfinite)
+        except OffManifoldError:
+            self._checked = False  # check again until every weight is on its manifold
+            raise
+
+    def _admissible(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """At a checking step, ``[B]`` bool: whether each matrix is on its manifold, by the
+        manifold's device-side :meth:`~geomuon.manifolds.MatrixManifold.points_on_manifold`
+        with the tolerances of :meth:`check_on_manifold` (a matrix of a ``"batch"`` view:
+        every slice). A manifold whose check is host-side only is checked here on the host.
+        ``None`` (all) at the other steps. (Sharded parameters are checked on the host in
+        :meth:`step`: their step reads its finiteness flags back anyway.)"""
+        if self._checked or group["update"] == "adamw":
+            return None
+        flags = []
+        for p in params:
+            matrix, tol = self._checked_point(group, p, 1e-5)
+            manifold = self._manifold_of(group, p)
+            on = manifold.points_on_manifold(matrix, atol=tol, rtol=1e-5)
+            if on is None:  # a documented host read, for manifolds without a device check
+                on = torch.tensor(manifold.check_point_on_manifold(matrix, atol=tol, rtol=1e-5), device=p.device)
+            flags.append(on.all())
+        return torch.stack(flags)
 
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         shape = self._matrix_shape(group, params[0])

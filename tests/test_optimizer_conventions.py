@@ -8,6 +8,7 @@ import torch
 
 from geomuon.manifolds import DGram, MatrixManifold, Stiefel
 from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
+from geomuon.optimizers.base import OffManifoldError
 
 FACTORIES = {
     "Muon": lambda groups, **kw: Muon(groups, lr=0.02, **kw),
@@ -237,7 +238,7 @@ def test_adamw_path_matches_torch_adamw():
     assert ours.param_groups[1]["eps"] == 1e-8 and ours.param_groups[1]["betas"] == (0.9, 0.999)
 
 
-def test_manifold_check_detects_a_point_off_its_manifold():
+def test_manifold_check_detects_a_point_off_its_manifold(no_host_reads):
     model = _model("ManifoldMuon-stiefel")
     opt = ManifoldMuon([{"params": [("a", model.a), ("c", model.c)]}], manifold="stiefel")
     assert opt.check_on_manifold() == []
@@ -247,8 +248,15 @@ def test_manifold_check_detects_a_point_off_its_manifold():
     assert [name for name, _ in failures] == ["'a'"]
     for p in (model.a, model.c):
         p.grad = torch.randn_like(p)
-    with pytest.raises(ValueError, match="'a'.*projx"):
+    a_before, c_before = model.a.detach().clone(), model.c.detach().clone()
+    # the check runs on the device (no host read) and raises at the end of the step on CPU;
+    # the weight off its manifold is not stepped (nor its momentum), the others are
+    with no_host_reads(), pytest.raises(OffManifoldError, match="'a'.*projx"):
         opt.step()
+    assert torch.equal(model.a.detach(), a_before) and not torch.equal(model.c.detach(), c_before)
+    assert torch.count_nonzero(opt.state[model.a]["momentum_buffer"]) == 0
+    with pytest.raises(OffManifoldError, match="'a'"):
+        opt.step()  # checked again until it is back on its manifold
     opt.project_to_manifolds()
     assert opt.check_on_manifold() == []
     opt.step()
@@ -326,14 +334,11 @@ def test_step_reads_nothing_back_from_the_device(name, no_host_reads):
     vector = torch.nn.Parameter(torch.randn(5, generator=gen))
     factory, regulate = SYNC_FREE[name]
     opt = factory([{"params": matrices, "regulate": regulate}, {"params": [vector], "update": "adamw"}])
-    # ManifoldMuon's first step checks every weight is on its manifold (a documented read)
-    for p in [*matrices, vector]:
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()
-    for k in range(3):
+    # the first step too (ManifoldMuon's checks every weight is on its manifold, on the device)
+    for k in range(4):
         for p in [*matrices, vector]:
             p.grad = torch.randn(p.shape, generator=gen)
-        if k == 1:
+        if k == 2:
             matrices[1].grad[0, 0] = float("nan")
         # the deferred non-finite report reads host memory through NumPy (see
         # optimizers.base._SkippedSteps): on CUDA a completed pinned copy, no sync
