@@ -150,6 +150,12 @@ class ManifoldMuon(MatrixOptimizer):
     Attributes:
         certificates: ``{parameter name: certified ratio}`` of the last certified step.
 
+    Each param group counts its optimizer steps in its key ``"step_count"`` (what
+    ``certify_every`` counts): the groups are saved by :meth:`state_dict`, copied by
+    ``copy.deepcopy`` and pickled, so a resumed run certifies at the same steps as an
+    uninterrupted one. (The update itself depends on the per-matrix state only: momentum,
+    warm start and step count tensors.)
+
     The first step (and the first after :meth:`load_state_dict`) checks on the device that
     every weight is on its manifold (:meth:`step`), so a weight that left its manifold
     raises :class:`~geomuon.optimizers.base.OffManifoldError` (a ``ValueError``) naming it
@@ -192,7 +198,6 @@ class ManifoldMuon(MatrixOptimizer):
         )
         self._certified: dict[str, torch.Tensor] = {}
         self._checked = False
-        self._step_count = 0
         super().__init__(params, defaults)
 
     @property
@@ -248,7 +253,6 @@ class ManifoldMuon(MatrixOptimizer):
         # Loaded or copied weights may have left their manifold: check again.
         self._checked = False
         self._certified = getattr(self, "_certified", {})
-        self._step_count = getattr(self, "_step_count", 0)
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
         return self._group_manifold(group) if group["manifold"] is not None else p.manifold
@@ -267,7 +271,8 @@ class ManifoldMuon(MatrixOptimizer):
         checking = not self._checked
         if checking and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
             self.check_on_manifold()
-        self._step_count += 1
+        for group in self.param_groups:
+            group["step_count"] = group.get("step_count", 0) + 1
         loss = super().step(closure)
         self._checked = True
         if checking:  # non-finite skips are reported at the next step, as for every optimizer
@@ -335,7 +340,7 @@ class ManifoldMuon(MatrixOptimizer):
         if group["warm_start"] and all("dual_correction" in s for s in states):
             warm = torch.stack([s["dual_correction"] for s in states])
         every = int(group["certify_every"])
-        certify = bool(every) and self._step_count % every == 0
+        certify = bool(every) and group["step_count"] % every == 0
         solver = group
         if group["dual_steps"] is None:
             solver = dict(group, dual_steps=default_dual_steps(manifold))

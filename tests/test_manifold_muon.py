@@ -176,3 +176,47 @@ def test_the_default_gram_solver_on_the_cpu_is_newton_with_eigh():
     default = run()
     assert torch.equal(default, run(dual_update="newton", gram_dualizer="eigh"))
     assert not torch.equal(default, run(dual_update="jacobi", gram_dualizer="polar_express"))
+
+
+def _certified_run(params, grads, opt):
+    """Step ``opt`` through ``grads``; the certificates after every step."""
+    seen = []
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+        seen.append(opt.certificates)
+    return seen
+
+
+@pytest.mark.parametrize("keep_count", [True, False], ids=["resumed", "control-count-dropped"])
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one_certificates_included(tmp_path, keep_count):
+    # certify_every counts the group's steps; the count travels in the param groups, so a run
+    # saved after 3 steps and resumed certifies at steps 4 and 6 exactly as one that never stopped
+    gen = torch.Generator().manual_seed(23)
+    start = [Stiefel().random(*s, generator=gen).data for s in [(12, 4), (12, 4), (4, 10)]]
+    grads = [[torch.randn(w.shape, generator=gen) for w in start] for _ in range(6)]
+
+    def fresh():
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        return params, ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.05, certify_every=2)
+
+    params, opt = fresh()
+    whole = _certified_run(params, grads, opt)
+    first, first_opt = fresh()
+    _certified_run(first, grads[:3], first_opt)
+    torch.save({"params": [p.detach() for p in first], "opt": first_opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    if not keep_count:
+        for group in saved["opt"]["param_groups"]:
+            del group["step_count"]  # what a checkpoint without the count would restore
+    resumed, resumed_opt = fresh()
+    with torch.no_grad():
+        for p, w in zip(resumed, saved["params"]):
+            p.copy_(w)
+    resumed_opt.load_state_dict(saved["opt"])
+    rest = _certified_run(resumed, grads[3:], resumed_opt)
+    # the update depends on per-matrix state only: bitwise equal either way
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(params, resumed))
+    assert all(whole[3 + k] for k in (0, 2)) and whole[3 + 1] == whole[3 + 0]  # steps 4 and 6 certify
+    assert (rest == whole[3:]) == keep_count
