@@ -20,9 +20,13 @@ the matrix-sign kernels (``msign``; the Gram path's dualizers ``gram_msign``,
 ``eigen_dualizer``: counted at every call site) on that
 rank per step, the bytes a rank receives per step relative to the parameter bytes it
 holds (FSDP: its shards, target $\le 2$; DDP: the whole model, target $\le 1$), the bytes
-all ranks send per step relative to the parameters updated, for Manifold Muon under FSDP2
+all ranks send per step relative to the parameters updated (target $\le 2$ under FSDP2,
+$\le 1$ under DDP; bytes per step are those of the steps after the first), the same for the
+first step (under FSDP2 a whole-matrix apply, e.g. Manifold Muon's retraction, also sends
+the weights then, to build the owners' replicas), for Manifold Muon under FSDP2
 the same for the Gram all-reduce alternative (a byte model,
-:func:`gram_allreduce_bytes`: it is not a code path), and the largest difference of the
+:func:`gram_allreduce_bytes`: it is not a code path; it sends fewer bytes than the
+all-to-alls only for $m > 3wn$, which no GPT block matrix is), and the largest difference of the
 final weights from the single-process ones (relative to each matrix's largest entry), the
 single-process run repeated on rank 0 of each launch so both use the code that launch
 loaded. Times depend on the machine's load; counts, bytes and differences do not.
@@ -174,6 +178,7 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
     signs = count_matrix_signs()
     signs_before = signs[0]
     step_times = []
+    first = None  # (sent, received) after the first step: it also builds the owners' replicas
     for step in range(steps):
         for p, g, mine in zip(params, gradient(step, shape_list), owned):
             if mode == "fsdp":  # this rank's rows of the gradient, as FSDP2's reduce-scatter leaves them
@@ -188,31 +193,38 @@ def measure(name: str, mode: str, steps: int, width: int, layers: int, clock_nam
         if handout is not None:
             handout.gather()
         step_times.append(clock() - begin)
+        if step == 0:
+            first = _bytes(mode, sharding_stats(optimizer), handout)
     stats = sharding_stats(optimizer)
     final = [whole(p.detach()) for p in params]
     held = sum(p.to_local().numel() * p.element_size() if mode == "fsdp" else p.numel() * p.element_size()
                for p in params)
     matrices = stats.matrices_mapped if mode == "fsdp" else (
         steps * sum(owned) if mode == "ddp" else steps * len(params))
-    if mode == "fsdp":
-        sent, received = stats.bytes_sent, stats.bytes_received
-    elif mode == "ddp":  # a rank's (padded) block of each gather reaches the w - 1 others
-        received = handout.bytes_received
-        sent = received  # every block has the bucket's padded length: sent = received per rank
-    else:
-        sent = received = 0
+    sent, received = _bytes(mode, stats, handout)
     return {
         "step": statistics.median(step_times[1:] or step_times),
         "direction": statistics.median(spent[1:] or spent),
         "matrices_per_step": matrices / steps,
         "signs_per_step": (signs[0] - signs_before) / steps,
-        "received_per_step": received / steps,
-        "sent_per_step": sent / steps,
+        "received_per_step": (received - first[1]) / (steps - 1),
+        "sent_per_step": (sent - first[0]) / (steps - 1),
+        "sent_first_step": first[0],
         "held_bytes": held,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "matrices": len(params),
         "final": final if rank == 0 else None,
     }
+
+
+def _bytes(mode: str, stats, handout) -> tuple[int, int]:
+    """(bytes sent, bytes received) by this rank so far."""
+    if mode == "fsdp":
+        return stats.bytes_sent, stats.bytes_received
+    if mode == "ddp":  # a rank's (padded) block of each gather reaches the w - 1 others
+        received = handout.bytes_received
+        return received, received  # every block has the bucket's padded length: sent = received per rank
+    return 0, 0
 
 
 def worker(out: str, args_json: str) -> None:
@@ -255,14 +267,14 @@ def launch(world: int, out: Path, worker_args: dict) -> list[dict]:
 def _gram_alternative(name: str, mode: str, width: int, layers: int, world: int) -> str:
     """Manifold Muon under FSDP2 with the Gram all-reduce where it applies (tall and square
     matrices, :func:`gram_allreduce_bytes`) and the measured path's all-to-alls elsewhere
-    (wide ones: $\tfrac{w-1}{w}\,mn$ entries of momentum and weights out, weights back,
-    fp32), relative to the parameter bytes; ``–`` for the other rows."""
+    (wide ones: $\tfrac{w-1}{w}\,mn$ fp32 entries of momentum out and weights back, the
+    owners' replicas held), relative to the parameter bytes; ``–`` for the other rows."""
     if name != "manifold_muon[stiefel]" or mode != "fsdp":
         return "–"
     total = 0.0
     for shape in shapes(width, layers):
         gram = gram_allreduce_bytes(shape, world, diagonal_gram=True)
-        total += gram if gram is not None else (world - 1) / world * shape[0] * shape[1] * 3 * 4
+        total += gram if gram is not None else (world - 1) / world * shape[0] * shape[1] * 2 * 4
     return f"{total / (4 * sum(a * b for a, b in shapes(width, layers))):.2f}"
 
 
@@ -295,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in OPTIMIZERS:
         ref = reference[name]
         rows.append([name, "1", "single", f"{ref['step'] * 1e3:.1f}", "1.00", f"{ref['matrices']}/{ref['matrices']}",
-                     f"{ref['signs_per_step']:g}", "0", "0", "–", "0"])
+                     f"{ref['signs_per_step']:g}", "0", "0", "0", "–", "0"])
     for world in worlds[1:]:
         with tempfile.TemporaryDirectory() as out:
             ranks = launch(world, Path(out), {"threads": args.threads, "steps": steps, "width": width,
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{max(p['signs_per_step'] for p in per):g}",
                     f"{received:.2f}",
                     f"{total_sent:.2f}",
+                    f"{sum(p['sent_first_step'] for p in per) / ref['parameter_bytes']:.2f}",
                     _gram_alternative(name, mode, width, layers, world),
                     f"{difference(per[0]['final'], ranks[0][f'{name}|single']['final']):.1e}",
                 ])
@@ -321,11 +334,13 @@ def main(argv: list[str] | None = None) -> int:
               "matrices mapped per step by busiest rank (row-wise: its rows' share)",
               "matrix-sign / dualizer matrices per step, busiest rank", "bytes received per rank / bytes it holds",
               "bytes sent, all ranks / parameter bytes",
+              "first step: bytes sent, all ranks / parameter bytes",
               "Gram all-reduce alternative: bytes sent, all ranks / parameter bytes (model)",
               "max rel. difference from 1 process"]
     text = (f"GPT-shaped set: C = {width}, {layers} layers, {4 * layers} fp32 matrices "
             f"({sum(a * b for a, b in shapes(width, layers)) * 4 / 2**20:.1f} MiB); {steps} steps "
-            f"(the first untimed), the same gradients on every world size.\n\n"
+            f"(the first untimed and its bytes in their own column: it also sends the weights to the owners' "
+            f"replicas), the same gradients on every world size.\n\n"
             + markdown_table(header, rows))
     return provenance.finish(text)
 

@@ -23,19 +23,53 @@ Distributed Orthonormalized Updates*, 2025, arXiv:2504.05295):
 
 When the update after the map is not elementwise (a subclass that overrides
 ``_apply``, e.g. a retraction onto a manifold) or the group has a regulator, the owner
-also receives the rows of $W_i$ in step 2, runs ``_direction``, ``_apply`` and the
-regulator on the whole matrix, and returns the new $W_i$ in step 4.
+runs ``_direction``, ``_apply`` and the regulator on the whole matrix and returns the
+new rows of $W_i$ in step 4. It needs the whole $W_i$, and keeps it: the **replica**,
+the last whole matrix it returned, so that in steady state only the momentum travels
+out. The rule that keeps a replica equal to the weights, with no host read:
+
+* *host-side, the same on every rank*: a matrix has a replica when its current owner
+  wrote it in an earlier step and ``optimizer.state[p]`` is still the dict of that step
+  (``load_state_dict`` replaces it). Otherwise — the first step, a new owner (the batch
+  changed), a loaded state — every rank sends its rows of $W_i$ with the momentum (the
+  step is the same, the bytes those of a step without replicas).
+* *device-side, exact*: every rank keeps the rows it last wrote and compares their bits
+  with its shard. Rows written by anything else (``p.data``, a rank-local
+  ``to_local()`` write, ``torch.distributed.checkpoint.load`` into the model: none of
+  them moves the ``DTensor``'s autograd version counter) travel **in place of** their
+  momentum rows (the slot has the wider of the two dtypes) with a one-byte flag; the
+  owner refreshes its replica from them and skips that matrix's step (its momentum is
+  set to 0, so Manifold Muon keeps its warm start and step count, and the weights are
+  kept bit for bit, with the whole-matrix state the step replaces, e.g. a regulator's
+  power-iteration vector; the momentum buffers keep the gradient). ``refreshed`` of
+  :class:`ShardingStats` counts such skips on the device. A replica is never used where
+  it differs from the weights; an unannounced write costs one skipped step of that
+  matrix. Memory: the owner's replicas ($\approx P/w$ entries per rank for $P$ entries
+  in all) and the rows last written ($P/w$).
 
 **Bytes moved per step** (summed over ranks, the shard a rank keeps excluded), for a
-batch of $P$ parameter entries, stack dtype of $b_M$ bytes, parameter dtype of $b_W$:
+batch of $P$ parameter entries, stack dtype of $b_M$ bytes, parameter dtype of $b_W$,
+$b_S = \max(b_M, b_W)$, replicas held:
 
 $$\text{elementwise apply: } 2\,\tfrac{w-1}{w}\,P\,b_M,\qquad
-\text{whole-matrix apply: } \tfrac{w-1}{w}\,P\,(b_M + 2b_W),$$
+\text{whole-matrix apply: } \tfrac{w-1}{w}\,P\,(b_S + b_W) + (w-1)\ \text{bytes per matrix (flags)};$$
 
-that is $\le 2\times$ the parameter bytes for Muon and the PolarGrad family, and
-$\tfrac{w-1}{w}\cdot3\times$ for Manifold Muon in fp32 ($1.5\times$ at $w = 2$,
-$2.25\times$ at $w = 4$). Two ``all_to_all_single`` collectives per batch, whatever
-$B$; the payload is sent as bytes, so every dtype travels exactly.
+a step that sends the weights (the rule above) adds $\tfrac{w-1}{w}Pb_W$. That is
+$\le 2\times$ the parameter bytes for every optimizer: $2\tfrac{w-1}{w}$ for Manifold
+Muon in fp32 ($1.0\times$ at $w = 2$, $1.5\times$ at $w = 4$), $\tfrac{w-1}{w}$ for
+Muon's bf16 momentum and update. Two ``all_to_all_single`` collectives per batch,
+whatever $B$; the payload is sent as bytes, so every dtype travels exactly.
+
+Transport in a lower precision was rejected: Manifold Muon's Gram path reads the
+momentum in fp32 ($W^\top G$ and $Z_0 = G - W\Sigma_0$ are fp32 products,
+:mod:`geomuon.optimizers.gram`), so bf16 momentum would change the step. The Gram
+all-reduce (row shards all-reduce the $n\times n$ contractions $W^\top W$, $W^\top G$,
+$Z_0^\top Z_0$, $Y^\top Y$ and assemble their rows locally) sends $2(w-1)$ times
+$\approx 3n^2$ fp32 entries per tall matrix against this module's $2\tfrac{w-1}{w}mn$,
+so it moves fewer bytes only when $m > 3wn$ (the bench's model: ``bench/distributed_step.py``);
+it does not apply to wide matrices (their Gram side is the sharded one) and repeats the
+$n\times n$ solves on every rank. No matrix of a GPT block has $m > 3wn$ at $w \ge 2$
+($m \le 4n$), so it is not built.
 
 **Row-wise maps** (the optimizer's ``_rowwise_direction(group)`` is true, e.g.
 :class:`geomuon.optimizers.polar.RowNormM`) act on each row alone: a row shard is
@@ -86,6 +120,9 @@ class ShardingStats:
     matrices_mapped: float = 0.0
     #: ``_direction`` calls on this rank
     direction_calls: int = 0
+    #: whole-matrix steps this rank skipped as owner because some rank's rows had been
+    #: written outside the optimizer (a device tensor once any: counted without a host read)
+    refreshed: torch.Tensor | int = 0
 
 
 def sharding_stats(optimizer) -> ShardingStats:
@@ -249,35 +286,47 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     owner = [(first + i) % world for i in range(len(params))]
     optimizer.__dict__.setdefault("_matrix_owners", {}).update((id(p), o) for p, o in zip(params, owner))
     mine = [i for i, o in enumerate(owner) if o == rank]
-    fields = [local_momentum] + ([[p.to_local() for p in params]] if not elementwise else [])
     tail = tuple(params[0].shape[1:])
-    # 2. out: rows of every field of matrix i to its owner
-    outgoing = [[f[i] for i in range(len(params)) if owner[i] == d for f in fields] for d in range(world)]
-    incoming = [[((rows[s], *tail), f[0].dtype) for i in mine for f in fields] for s in range(world)]
+    replicas = optimizer.__dict__.setdefault("_replicas", {})
+    # what every rank sends for matrix i: (kind, dtype, tensor) with kind "rows" (its rows)
+    # or "flag" (one byte); every rank knows every matrix's layout (host state only)
+    if elementwise:
+        fields = [[("rows", dtype, m)] for m in local_momentum]
+    else:
+        slot = torch.promote_types(dtype, params[0].dtype)  # holds the momentum or the weights exactly
+        fields = []
+        for p, m, o in zip(params, local_momentum, owner):
+            replica = replicas.get(id(p))
+            if replica is not None and replica.owner == o and replica.state is optimizer.state[p]:
+                # the rows differ in some bit from what this optimizer last wrote there: send
+                # them instead of the momentum (the owner refreshes its copy, the step is skipped)
+                changed = _bits(p.to_local()).ne(_bits(replica.rows)).any()
+                fields.append([("rows", slot, torch.where(changed, p.to_local().to(slot), m.to(slot))),
+                               ("flag", torch.uint8, changed.to(torch.uint8).reshape(1))])
+            else:
+                fields.append([("rows", dtype, m), ("rows", p.dtype, p.to_local())])
+    # 2. out: every field of matrix i to its owner
+    outgoing = [[t for i in range(len(params)) if owner[i] == d for _, _, t in fields[i]] for d in range(world)]
+    incoming = [[((rows[s], *tail) if kind == "rows" else (1,), kind_dtype)
+                 for i in mine for kind, kind_dtype, _ in fields[i]] for s in range(world)]
     group_handle = params[0].device_mesh.get_group()
     received = _all_to_all(outgoing, incoming, group_handle, rank, stats)
-    k = len(fields)
-    whole_fields = [[torch.cat([received[s][j * k + f] for s in range(world)]) for f in range(k)]
-                    for j in range(len(mine))]
+    pieces, offset = [], 0  # pieces[j][f]: field f of the j-th owned matrix, one tensor per rank
+    for i in mine:
+        pieces.append([[received[s][offset + f] for s in range(world)] for f in range(len(fields[i]))])
+        offset += len(fields[i])
     # 3. the owner's whole-matrix work
     results: list[torch.Tensor] = []
     if mine:
         owned = [params[i] for i in mine]
-        stack = torch.stack([fs[0].reshape(shape) for fs in whole_fields])
         stats.direction_calls += 1
         stats.matrices_mapped += len(mine)
         if elementwise:
+            stack = torch.stack([torch.cat(fs[0]).reshape(shape) for fs in pieces])
             update = optimizer._direction(group, stack, owned)
             results = [u.reshape(p.shape) for u, p in zip(update, owned)]
         else:
-            proxies = [fs[1] for fs in whole_fields]
-            with _standing_in(optimizer, group, proxies, owned):
-                update = optimizer._direction(group, stack, proxies)
-                optimizer._apply(group, proxies, update, lr)
-                if regulator is not None:
-                    for q in proxies:
-                        q.copy_(regulator(q, lr=lr, state=optimizer.state[q]))
-            results = proxies
+            results = _owner_step(optimizer, group, owned, pieces, replicas, rows, dtype, shape, regulator, lr, stats)
     # 4. back: the owner's rows for every rank. Updates travel in the stack's dtype, new
     # weights in the parameters': every rank, owner or not, knows what comes back without
     # another message
@@ -293,9 +342,75 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
             local[i] = piece
     if elementwise:
         _apply_shards(optimizer, group, params, local, lr)
-    else:
-        for p, w in zip(params, local):
-            p.to_local().copy_(w)
+        return
+    full = dict(zip(mine, results))
+    for i, (p, w) in enumerate(zip(params, local)):
+        p.to_local().copy_(w)
+        replicas[id(p)] = _Replica(owner[i], optimizer.state[p], w, full.get(i))
+
+
+@dataclass
+class _Replica:
+    """What a rank keeps of a whole-matrix step's result: the replica rule of the module docstring."""
+
+    #: the rank that holds the whole matrix
+    owner: int
+    #: ``optimizer.state[p]`` when it was written (``load_state_dict`` replaces it)
+    state: dict
+    #: this rank's rows as the optimizer wrote them
+    rows: torch.Tensor
+    #: the whole matrix, on its owner (``None`` elsewhere)
+    full: torch.Tensor | None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers (an exact comparison, NaN included)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _owner_step(optimizer, group: dict, owned: list[torch.Tensor], pieces: list, replicas: dict, rows: list[int],
+                dtype: torch.dtype, shape: tuple, regulator, lr: float, stats: ShardingStats) -> list[torch.Tensor]:
+    """The owner's whole matrices stepped with the whole-matrix apply and the regulator: the
+    new whole weights. ``pieces[j]`` holds matrix ``j``'s fields from every rank: momentum
+    and weight rows, or (a replica held) momentum-or-weight rows and their flags."""
+    starts = [sum(rows[:r]) for r in range(len(rows))]
+    momenta, points, stale = [], [], []
+    for p, fs in zip(owned, pieces):
+        if fs[1][0].dtype != torch.uint8:  # no replica: the weights came
+            momenta.append(torch.cat(fs[0]))
+            points.append(torch.cat(fs[1]))
+            stale.append(None)
+            continue
+        kept = replicas[id(p)].full
+        flags = [f.bool().reshape(()) for f in fs[1]]
+        points.append(torch.cat([torch.where(f, x.to(p.dtype), kept[a:a + r])
+                                 for f, x, a, r in zip(flags, fs[0], starts, rows)]))
+        stale.append(torch.stack(flags).any())
+        momenta.append(torch.where(stale[-1], 0, torch.cat(fs[0])).to(dtype))
+    # a refreshed matrix keeps its weights and the whole-matrix state entries the step
+    # replaces (warm starts, step counts, a regulator's power-iteration vector) exactly:
+    # its momentum is 0, and the selections below undo decay and regulators
+    before = [w.clone() if s is not None else None for w, s in zip(points, stale)]
+    kept_state = [None if s is None else {k: v for k, v in optimizer.state[p].items()
+                                          if isinstance(v, torch.Tensor) and not is_sharded(v)}
+                  for p, s in zip(owned, stale)]
+    stack = torch.stack([m.reshape(shape) for m in momenta])
+    with _standing_in(optimizer, group, points, owned):
+        update = optimizer._direction(group, stack, points)
+        optimizer._apply(group, points, update, lr)
+        if regulator is not None:
+            for q in points:
+                q.copy_(regulator(q, lr=lr, state=optimizer.state[q]))
+    for p, s, old in zip(owned, stale, kept_state):  # whole-matrix state the step replaced
+        state = optimizer.state[p]
+        for key, value in (old or {}).items():
+            new = state.get(key)
+            if new is not value and isinstance(new, torch.Tensor) and new.shape == value.shape:
+                state[key] = torch.where(s, value, new)
+    refreshed = [s for s in stale if s is not None]
+    if refreshed:
+        stats.refreshed = stats.refreshed + torch.stack(refreshed).sum()
+    return [q if s is None else torch.where(s, b, q) for q, b, s in zip(points, before, stale)]
 
 
 def _apply_shards(optimizer, group: dict, params: list[torch.Tensor], local_updates: list[torch.Tensor],

@@ -72,6 +72,11 @@ CONFIGS = {
 }
 #: one configuration with an elementwise apply, one with a whole-matrix retraction
 DDP_CONFIGS = ("muon", "manifold_muon[stiefel]")
+#: whole-matrix applies (a retraction, a regulator) whose weights are written outside the
+#: optimizer after step WRITE_AFTER: rank 1's rows of WRITTEN negated (they stay on Stiefel)
+WRITTEN_CONFIGS = ("manifold_muon[stiefel]", "muon+spectral_normalize")
+WRITTEN = ("branches.0.weight", "up.weight")
+WRITE_AFTER = 10
 
 
 class Towers(torch.nn.Module):
@@ -110,10 +115,11 @@ def batches(rank: int = 0, world: int = 1):
         yield x[rank * size:(rank + 1) * size], y[rank * size:(rank + 1) * size]
 
 
-def train(model, module, opts: dict, rank: int = 0, world: int = 1, before=None, after=None) -> None:
+def train(model, module, opts: dict, rank: int = 0, world: int = 1, before=None, after=None, between=None) -> None:
     """``STEPS`` steps; each tower's loss is the mean squared error of its outputs (the
-    towers' gradients do not mix: the sum's derivative is exact)."""
-    for x, y in batches(rank, world):
+    towers' gradients do not mix: the sum's derivative is exact). ``between(step)`` runs
+    after the optimizers' step ``step`` (1-based) and ``after``."""
+    for step, (x, y) in enumerate(batches(rank, world), 1):
         out = module(x)
         torch.nn.functional.mse_loss(out, y.expand_as(out), reduction="sum").div(y.numel()).backward()
         if before:
@@ -122,6 +128,8 @@ def train(model, module, opts: dict, rank: int = 0, world: int = 1, before=None,
             opt.step()
         if after:
             after()
+        if between:
+            between(step)
         model.zero_grad(set_to_none=True)
 
 
@@ -173,6 +181,7 @@ def worker(out_dir: str) -> None:
 
     from geomuon.optimizers import distributed
 
+    real_bits = distributed._bits
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -180,9 +189,41 @@ def worker(out_dir: str) -> None:
 
     model = _fsdp(CONFIGS)
     opts = optimizers(model, CONFIGS)
-    train(model, model, opts, rank, world)
-    results["fsdp"] = {"params": full_state(model),
+    first = {}
+
+    def after_first(step):
+        if step == 1:
+            first.update({n: vars(distributed.sharding_stats(o)).copy() for n, o in opts.items()})
+
+    train(model, model, opts, rank, world, between=after_first)
+    results["fsdp"] = {"params": full_state(model), "first_step_stats": first,
                        "stats": {n: vars(distributed.sharding_stats(o)).copy() for n, o in opts.items()}}
+
+    # weights written outside the optimizer, behind autograd's back (``.data``, rank 1's rows
+    # only): the next step must not use the owner's replica of them
+    for control in (False, True):
+        if control:  # negative control: the bit comparison of the written rows disabled
+            distributed._bits = lambda t: torch.zeros(t.shape, dtype=torch.uint8)
+        model = _fsdp(WRITTEN_CONFIGS)
+        opts = optimizers(model, WRITTEN_CONFIGS)
+        written = {}
+
+        def write(step):
+            if step == WRITE_AFTER:
+                for name in WRITTEN_CONFIGS:
+                    for key in WRITTEN:
+                        p = model.get_parameter(f"towers.{_key(name)}.{key}")
+                        if rank == 1:
+                            p.to_local().data.mul_(-1)
+                written["written"] = full_state(model)
+            if step == WRITE_AFTER + 1:
+                written["stepped"] = full_state(model)
+
+        train(model, model, opts, rank, world, between=write)
+        results[f"fsdp:written{':control' if control else ''}"] = {
+            **written, "params": full_state(model),
+            "refreshed": {n: int(distributed.sharding_stats(o).refreshed) for n, o in opts.items()}}
+        distributed._bits = real_bits
 
     # negative control: rank 0 drops rank 1's rows of every matrix it owns
     real = distributed._all_to_all
@@ -274,10 +315,112 @@ def test_fsdp2_matches_one_process_for_every_optimizer(distributed_runs):
     stats = ranks[0]["fsdp"]["stats"]
     assert stats["row_norm"]["bytes_sent"] == 0 and stats["row_norm"]["collectives"] == 0
     assert stats["muon"]["collectives"] == STEPS * 2 * len(MATRIX_BATCHES)
+    for name in CONFIGS:
+        first, steady = expected_bytes(name, world)
+        sent = [ranks[r]["fsdp"]["stats"][name]["bytes_sent"] for r in range(world)]
+        sent_first = [ranks[r]["fsdp"]["first_step_stats"][name]["bytes_sent"] for r in range(world)]
+        assert sum(sent_first) == first, (name, sum(sent_first), first)
+        assert sum(sent) - sum(sent_first) == (STEPS - 1) * steady, (name, sum(sent) - sum(sent_first), steady)
+        # the target: at most an all-to-all out and back of the updated parameters' bytes
+        assert steady <= 2 * MATRIX_BYTES, (name, steady / MATRIX_BYTES)
 
     # negative control: the same comparison catches a dropped shard
     dropped = _relative_difference(ranks[0]["fsdp:dropped_shard"], one_process(["muon"]))
     assert dropped > 1e3 * TOLERANCE, dropped
+
+
+#: float64 entries of a tower's matrices, in optimizer order, and their bytes
+TOWER_SHAPES = [(HIDDEN, IN)] * 3 + [(OUT, HIDDEN), (3, OUT)]
+MATRIX_BYTES = 8 * sum(m * n for m, n in TOWER_SHAPES)
+
+
+def expected_bytes(name: str, world: int) -> tuple[int, int]:
+    """Bytes all ranks send for a tower's matrices, first step and each later one, from the
+    module's rule: the owner of the matrix at position k of the optimizer is k mod w (each
+    batch starts at its first matrix's position); all but the owner's rows of each field
+    travel. Elementwise apply: momentum out and update back, in the stack dtype; whole-matrix
+    apply: momentum and weights out and weights back, then the momentum in the wider of the
+    two dtypes (+ a flag byte per rank) out and the weights back; row-wise maps: nothing."""
+    from geomuon.optimizers.base import MatrixOptimizer
+    from geomuon.optimizers.distributed import shard_rows
+
+    opt = CONFIGS[name](Tower().double())
+    group, p = opt.param_groups[0], opt.param_groups[0]["params"][0]
+    stack = opt._stack_dtype(group, p).itemsize
+    whole_matrix = type(opt)._apply is not MatrixOptimizer._apply or opt._regulators[0] is not None
+    if opt._rowwise_direction(group) and not whole_matrix:
+        return 0, 0
+    first = steady = 0
+    for position, (m, n) in enumerate(TOWER_SHAPES):
+        moved = (m - shard_rows(m, world)[position % world]) * n  # entries of the others' rows
+        if whole_matrix:
+            first += moved * (stack + 8 + 8)
+            steady += moved * (max(stack, 8) + 8) + (world - 1)
+        else:
+            first += 2 * moved * stack
+            steady += 2 * moved * stack
+    return first, steady
+
+
+def one_process_written(names, world: int) -> tuple[dict, dict]:
+    """One process with the write of the worker's ``fsdp:written`` run (rank 1's rows of
+    ``WRITTEN`` negated after step ``WRITE_AFTER``) and the step after it skipped for those
+    matrices as the sharded step skips it: weights and whole-matrix state restored, the
+    momentum kept. Returns the weights after the skipped step and at the end."""
+    from geomuon.optimizers.distributed import shard_rows
+
+    model = fresh_model(names)
+    opts = optimizers(model, names)
+    params = {(name, key): model.get_parameter(f"towers.{_key(name)}.{key}") for name in names for key in WRITTEN}
+    saved, after_write = {}, {}
+
+    def between(step):
+        if step == WRITE_AFTER:
+            for (name, key), p in params.items():
+                rows = shard_rows(p.shape[0], world)
+                p.data[rows[0]:rows[0] + rows[1]].mul_(-1)
+                state = opts[name].state[p]
+                saved[(name, key)] = (p.detach().clone(), {k: v.clone() for k, v in state.items()
+                                                           if k != "momentum_buffer"})
+        if step == WRITE_AFTER + 1:
+            for (name, key), p in params.items():
+                weights, state = saved[(name, key)]
+                p.data.copy_(weights)
+                opts[name].state[p].update(state)
+            after_write.update(full_state(model))
+
+    train(model, model, opts, between=between)
+    return after_write, full_state(model)
+
+
+def test_fsdp2_replica_is_refreshed_after_an_outside_write(distributed_runs):
+    """The owner keeps whole weights (its replica) so only momentum travels; weights written
+    behind the optimizer's back on one rank are detected, the stale replica never used."""
+    ranks = distributed_runs
+    world = len(ranks)
+    skipped, final = one_process_written(WRITTEN_CONFIGS, world)
+    run = ranks[0]["fsdp:written"]
+    for name in WRITTEN_CONFIGS:
+        tower = f"towers.{_key(name)}."
+        for key in WRITTEN:  # the written matrices' step was skipped: the written weights, bit for bit
+            assert torch.equal(run["stepped"][tower + key], run["written"][tower + key]), (name, key)
+        for key in run["stepped"]:  # the rest stepped as one process does
+            if key.startswith(tower):
+                assert (run["stepped"][key] - skipped[key]).abs().max() < TOLERANCE, (name, key)
+        difference = _relative_difference(run["params"], final, tower)
+        assert difference < TOLERANCE, f"{name}: differs from one process by {difference:.3g}"
+        assert sum(r["fsdp:written"]["refreshed"][name] for r in ranks) == len(WRITTEN)
+    # negative control: without the comparison the owner steps its stale replica (the written
+    # rows are overwritten by a step from the unwritten ones)
+    control = ranks[0]["fsdp:written:control"]
+    for name in WRITTEN_CONFIGS:
+        tower = f"towers.{_key(name)}."
+        assert sum(r["fsdp:written:control"]["refreshed"][name] for r in ranks) == 0
+        for key in WRITTEN:
+            moved = (control["stepped"][tower + key] - control["written"][tower + key]).abs().max()
+            assert moved > 0.1, (name, key, float(moved))  # rank 1's rows flipped back: O(1)
+        moved = _relative_difference(control["params"], final, tower)
+        assert moved > 1e3 * TOLERANCE, (name, moved)
 
 
 def test_ddp_owner_gather_matches_one_process(distributed_runs):
@@ -322,12 +465,15 @@ def test_benchmark_reports_per_rank_work_and_bytes(tmp_path):
     assert rows[("muon", "2", "fsdp")][signs] == rows[("muon", "2", "ddp")][signs] == "4"
     # Muon: bf16 momentum rows out and bf16 update rows back, (w-1)/w of them each way
     assert float(rows[("muon", "2", "fsdp")][sent]) == 2 * (1 / 2) * 2 / 4
-    # Manifold Muon: fp32 momentum and weight rows out, weight rows back
-    assert float(rows[("manifold_muon[stiefel]", "2", "fsdp")][sent]) == (1 / 2) * 3
+    # Manifold Muon: fp32 momentum rows out and weight rows back (the owners' replicas held;
+    # one flag byte per matrix is below the printed precision), the weights too in the first step
+    assert float(rows[("manifold_muon[stiefel]", "2", "fsdp")][sent]) == (1 / 2) * 2
+    assert float(rows[("manifold_muon[stiefel]", "2", "fsdp")]["first step: bytes sent, all ranks / parameter "
+                                                                 "bytes"]) == (1 / 2) * 3
     assert float(rows[("row_norm", "2", "fsdp")][sent]) == 0  # row-wise: mapped where the rows live
     # the Gram all-reduce model, recomputed: ring all-reduce of n + 3n^2 fp32 entries per tall
     # or square matrix, 2(w-1) times; the wide ones keep the all-to-alls
-    gram = sum(2 * (n + 3 * n * n) * 4 if m >= n else (1 / 2) * m * n * 3 * 4 for m, n in shapes)
+    gram = sum(2 * (n + 3 * n * n) * 4 if m >= n else (1 / 2) * m * n * 2 * 4 for m, n in shapes)
     printed = rows[("manifold_muon[stiefel]", "2", "fsdp")]["Gram all-reduce alternative: bytes sent, all ranks / "
                                                              "parameter bytes (model)"]
     assert abs(float(printed) - gram / (4 * sum(m * n for m, n in shapes))) <= 0.005
