@@ -43,101 +43,93 @@ class Mutation:
     new: str
 
 
-def _m(label, path, old, new):
-    return Mutation(label, path, old, new)
+#: The catalogue: formulas the certificates claim to pin. One mutation a line,
+#: ``label | old | new`` (``\\n`` a newline), under the ``## path`` of the file it edits.
+_CATALOGUE = r"""
+## manifolds/stiefel.py
+stiefel constraint drops u'x | return x.mT @ u + u.mT @ x | return x.mT @ u
+stiefel adjoint loses its factor 2 | return 2 * x @ sym(lam) | return x @ sym(lam)
+stiefel projection drops sym | return u - x @ sym(x.mT @ u) | return u - x @ (x.mT @ u)
+stiefel gram diagonal 4 -> 2 | n, n), 4.0, | n, n), 2.0,
+stiefel defining map W'W - 2I | return x.mT @ x - eye | return x.mT @ x - 2 * eye
+stiefel retraction steps along -u | return msign(x.to(compute) + u.to(compute) | return msign(x.to(compute) - u.to(compute)
+stiefel retraction with Keller's quintic | u.to(compute), "polar_express" | u.to(compute), "newton_schulz"
+## manifolds/dgram.py
+dgram Off keeps the diagonal | return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1)) | return S
+dgram adjoint keeps the diagonal | return 2 * x @ _off_diagonal(sym(lam)) | return 2 * x @ sym(lam)
+dgram projection divides by 2 d_i^2 | u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | u.mT @ x) / (2 * d2.unsqueeze(-1))
+dgram gram diagonal doubled | return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | return 4 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+dgram retraction forgets the column norms' root | (polar * d2.sqrt().unsqueeze(-2)) | (polar * d2.unsqueeze(-2))
+dgram retraction steps along -u | y = x.to(compute) + u.to(compute) | y = x.to(compute) - u.to(compute)
+dgram retraction rescales by the point's column norms | d2 = self._squared_column_norms(y, "the retraction target x + u") | d2 = self._squared_column_norms(x.to(compute), "the retraction target x + u")
+## manifolds/oblique.py
+sphere constraint doubled | return (x * u).sum(dim) | return 2 * (x * u).sum(dim)
+sphere adjoint doubled | return x * lam.unsqueeze(dim) | return 2 * x * lam.unsqueeze(dim)
+sphere projection halved | return u - x * ((x * u) | return u - 0.5 * x * ((x * u)
+sphere defining map loses 1/2 | return 0.5 * (x.square().sum(dim) - radius**2) | return (x.square().sum(dim) - radius**2)
+sphere gram diagonal doubled | return x.square().sum(dim) | return 2 * x.square().sum(dim)
+sphere retraction divides by the squared norm | (y * (radius / norms)) | (y * (radius / norms**2))
+## manifolds/lpro.py
+lpro constrains columns | return sphere_constraint(x, u, -1) | return sphere_constraint(x, u, -2)
+## manifolds/router.py
+router constraint doubled | return broadcast_pair(x, u)[1].sum(-2) | return 2 * broadcast_pair(x, u)[1].sum(-2)
+router projection does not center | return _centered(broadcast_pair(x, u)[1]) | return broadcast_pair(x, u)[1]
+router gram diagonal uses n | x.size(-1)), x.size(-2)) | x.size(-1)), x.size(-1))
+router retraction steps along -u | _centered(x.to(compute) + u.to(compute)) | _centered(x.to(compute) - u.to(compute))
+## manifolds/linalg.py
+msign forgets the input scale | clamp_min(floor) * schedule.input_scale) | clamp_min(floor))
+sym loses 1/2 | return 0.5 * (X + X.mT) | return (X + X.mT)
+newton-schulz step swaps b and c | polynomial = fma(S, S, S, beta=b, alpha=c) | polynomial = fma(S, S, S, beta=c, alpha=b)
+keller quintic a 3.4445 -> 3.4446 | ((3.4445, -4.7750, 2.0315),) | ((3.4446, -4.7750, 2.0315),)
+polar express row 2 truncated to 9 digits | (3.9486908534822946, | (3.94869085,
+polar express row 5 c perturbed | 0.37680408948524835) | 0.3768040894)
+polar express safety 1.01 -> 1.02 (table) |         1.01,\n    ),\n    1.01, |         1.02,\n    ),\n    1.01,
+polar express last row c 3/8 -> 0.376 | (1.875, -1.25, 0.375), | (1.875, -1.25, 0.376),
+polar express 5 first a truncated | (8.156554524902461, | (8.1565545,
+coupled inverse-sqrt step 3 -> 3.001 | T = 0.5 * (3.0 * eye - Z @ Y) | T = 0.5 * (3.001 * eye - Z @ Y)
+coupled inverse-sqrt step 1/2 -> 0.49 | T = 0.5 * (3.0 * eye - Z @ Y) | T = 0.49 * (3.0 * eye - Z @ Y)
+inverse sqrt default 25 -> 20 steps | A: torch.Tensor, steps: int = 25, | A: torch.Tensor, steps: int = 20,
+inverse sqrt forgets the scale's root | return (Z / scale.sqrt()).to(out_dtype) | return (Z / scale).to(out_dtype)
+## manifolds/capabilities.py
+inverse-sqrt series c2 0.375 -> 0.376 | (1.0, -0.5, 0.375, | (1.0, -0.5, 0.376,
+stiefel gram projection drops 1/2 | return 0.5 * (M + M.mT) | return (M + M.mT)
+dgram gram retraction factor inverted | * (root.unsqueeze(-2) / root.unsqueeze(-1)) | * (root.unsqueeze(-1) / root.unsqueeze(-2))
+oblique gram retraction sqrt instead of rsqrt | torch.diag_embed(_diag(YtY).rsqrt()) | torch.diag_embed(_diag(YtY).sqrt())
+## optimizers/maps.py
+row_norm normalizes columns | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps)
+col_norm normalizes rows | return D / (D.norm(dim=-2, keepdim=True) + eps) | return D / (D.norm(dim=-1, keepdim=True) + eps)
+polar maps: nuclear norm squared | polar * nuclear.clamp_min(0).pow(alpha) | polar * nuclear.clamp_min(0).pow(2 * alpha)
+polar maps: nuclear norm from polar'polar | nuclear = (X * polar).sum | nuclear = (polar * polar).sum
+polar maps: the larger Gram matrix | right = X.size(-2) >= X.size(-1) | right = X.size(-2) <= X.size(-1)
+hybrid normalizes columns | R = row_norm(D, eps=eps) | R = col_norm(D, eps=eps)
+centered map does not re-center | return _center_rows(update(_center_rows(D), **kwargs)) | return update(_center_rows(D), **kwargs)
+centered map does not center its input | return _center_rows(update(_center_rows(D), **kwargs)) | return _center_rows(update(D, **kwargs))
+## optimizers/gram.py
+gram retract steps along +T1 | N1 = torch.add(eye, T1, alpha=-lr) | N1 = torch.add(eye, T1, alpha=lr)
+gram retract drops the tangent part's sign | Z0, T2, alpha=-lr) | Z0, T2, alpha=lr)
+gram dual Gram forgets S'F's transpose | return K + SF + SF.mT | return K + 2 * SF
+## theory/lipschitz.py
+GELU constant: e^-1 -> e^-1/2 | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi) | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-0.5) / math.sqrt(math.pi)
+## optimizers/regulate.py
+soft-cap threshold 62/81 -> 61/81 | SOFT_CAP_MIN_RATIO = 62.0 / 81.0 | SOFT_CAP_MIN_RATIO = 61.0 / 81.0
+soft-cap root h(beta) with -2 beta^2 | return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4 | return 1.0 - 2.0 * beta**2 + 3.0 * beta**3 - beta**4
+soft-cap polynomial g - alpha g^3 |     return g + alpha * g**3 |     return g - alpha * g**3
+eta from the grid maximum, not the enclosure | return math.nextafter(float(high), math.inf) | return float(high) * (1 - 1e-6)
+"""
 
 
-#: The catalogue: formulas the certificates claim to pin.
-MUTATIONS: tuple[Mutation, ...] = (
-    # ---- Stiefel
-    _m("stiefel constraint drops u'x", "manifolds/stiefel.py", "return x.mT @ u + u.mT @ x", "return x.mT @ u"),
-    _m("stiefel adjoint loses its factor 2", "manifolds/stiefel.py", "return 2 * x @ sym(lam)", "return x @ sym(lam)"),
-    _m("stiefel projection drops sym", "manifolds/stiefel.py", "return u - x @ sym(x.mT @ u)", "return u - x @ (x.mT @ u)"),
-    _m("stiefel gram diagonal 4 -> 2", "manifolds/stiefel.py", "n, n), 4.0,", "n, n), 2.0,"),
-    _m("stiefel defining map W'W - 2I", "manifolds/stiefel.py", "return x.mT @ x - eye", "return x.mT @ x - 2 * eye"),
-    _m("stiefel retraction steps along -u", "manifolds/stiefel.py",
-       "return msign(x.to(compute) + u.to(compute)", "return msign(x.to(compute) - u.to(compute)"),
-    _m("stiefel retraction with Keller's quintic", "manifolds/stiefel.py",
-       'u.to(compute), "polar_express"', 'u.to(compute), "newton_schulz"'),
-    # ---- DGram
-    _m("dgram Off keeps the diagonal", "manifolds/dgram.py",
-       "return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))", "return S"),
-    _m("dgram adjoint keeps the diagonal", "manifolds/dgram.py",
-       "return 2 * x @ _off_diagonal(sym(lam))", "return 2 * x @ sym(lam)"),
-    _m("dgram projection divides by 2 d_i^2", "manifolds/dgram.py",
-       "u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))", "u.mT @ x) / (2 * d2.unsqueeze(-1))"),
-    _m("dgram gram diagonal doubled", "manifolds/dgram.py",
-       "return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))", "return 4 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))"),
-    _m("dgram retraction forgets the column norms' root", "manifolds/dgram.py",
-       "(polar * d2.sqrt().unsqueeze(-2))", "(polar * d2.unsqueeze(-2))"),
-    _m("dgram retraction steps along -u", "manifolds/dgram.py",
-       "y = x.to(compute) + u.to(compute)", "y = x.to(compute) - u.to(compute)"),
-    # ---- Oblique / LPRO (the shared sphere maps)
-    _m("sphere constraint doubled", "manifolds/oblique.py", "return (x * u).sum(dim)", "return 2 * (x * u).sum(dim)"),
-    _m("sphere adjoint doubled", "manifolds/oblique.py", "return x * lam.unsqueeze(dim)", "return 2 * x * lam.unsqueeze(dim)"),
-    _m("sphere projection halved", "manifolds/oblique.py", "return u - x * ((x * u)", "return u - 0.5 * x * ((x * u)"),
-    _m("sphere defining map loses 1/2", "manifolds/oblique.py",
-       "return 0.5 * (x.square().sum(dim) - radius**2)", "return (x.square().sum(dim) - radius**2)"),
-    _m("sphere gram diagonal doubled", "manifolds/oblique.py", "return x.square().sum(dim)", "return 2 * x.square().sum(dim)"),
-    _m("sphere retraction divides by the squared norm", "manifolds/oblique.py",
-       "(y * (radius / norms))", "(y * (radius / norms**2))"),
-    _m("lpro constrains columns", "manifolds/lpro.py", "return sphere_constraint(x, u, -1)", "return sphere_constraint(x, u, -2)"),
-    # ---- router
-    _m("router constraint doubled", "manifolds/router.py",
-       "return broadcast_pair(x, u)[1].sum(-2)", "return 2 * broadcast_pair(x, u)[1].sum(-2)"),
-    _m("router projection does not center", "manifolds/router.py",
-       "return _centered(broadcast_pair(x, u)[1])", "return broadcast_pair(x, u)[1]"),
-    _m("router gram diagonal uses n", "manifolds/router.py", "float(x.size(-2)))", "float(x.size(-1)))"),
-    _m("router retraction steps along -u", "manifolds/router.py",
-       "_centered(x.to(compute) + u.to(compute))", "_centered(x.to(compute) - u.to(compute))"),
-    # ---- kernels and coefficient tables
-    _m("sym loses 1/2", "manifolds/linalg.py", "return 0.5 * (X + X.mT)", "return (X + X.mT)"),
-    _m("newton-schulz step swaps b and c", "manifolds/linalg.py", "polynomial = fma(S, S, S, beta=b, alpha=c)",
-       "polynomial = fma(S, S, S, beta=c, alpha=b)"),
-    _m("keller quintic a 3.4445 -> 3.4446", "manifolds/linalg.py", "((3.4445, -4.7750, 2.0315),)", "((3.4446, -4.7750, 2.0315),)"),
-    _m("polar express row 2 truncated to 9 digits", "manifolds/linalg.py", "(3.9486908534822946,", "(3.94869085,"),
-    _m("polar express row 5 c perturbed", "manifolds/linalg.py", "0.37680408948524835)", "0.3768040894)"),
-    _m("polar express safety 1.01 -> 1.02 (table)", "manifolds/linalg.py", "        1.01,\n    ),\n    1.01,", "        1.02,\n    ),\n    1.01,"),
-    _m("polar express last row c 3/8 -> 0.376", "manifolds/linalg.py", "(1.875, -1.25, 0.375),", "(1.875, -1.25, 0.376),"),
-    _m("polar express 5 first a truncated", "manifolds/linalg.py", "(8.156554524902461,", "(8.1565545,"),
-    _m("coupled inverse-sqrt step 3 -> 3.001", "manifolds/linalg.py", "T = 0.5 * (3.0 * eye - Z @ Y)", "T = 0.5 * (3.001 * eye - Z @ Y)"),
-    _m("coupled inverse-sqrt step 1/2 -> 0.49", "manifolds/linalg.py", "T = 0.5 * (3.0 * eye - Z @ Y)", "T = 0.49 * (3.0 * eye - Z @ Y)"),
-    _m("inverse sqrt default 25 -> 20 steps", "manifolds/linalg.py", "A: torch.Tensor, steps: int = 25,", "A: torch.Tensor, steps: int = 20,"),
-    _m("inverse sqrt forgets the scale's root", "manifolds/linalg.py", "return (Z / scale.sqrt()).to(out_dtype)", "return (Z / scale).to(out_dtype)"),
-    _m("inverse-sqrt series c2 0.375 -> 0.376", "manifolds/capabilities.py", "(1.0, -0.5, 0.375,", "(1.0, -0.5, 0.376,"),
-    _m("stiefel gram projection drops 1/2", "manifolds/capabilities.py", "return 0.5 * (M + M.mT)", "return (M + M.mT)"),
-    _m("dgram gram retraction factor inverted", "manifolds/capabilities.py",
-       "* (root.unsqueeze(-2) / root.unsqueeze(-1))", "* (root.unsqueeze(-1) / root.unsqueeze(-2))"),
-    _m("oblique gram retraction sqrt instead of rsqrt", "manifolds/capabilities.py",
-       "torch.diag_embed(_diag(YtY).rsqrt())", "torch.diag_embed(_diag(YtY).sqrt())"),
-    # ---- update maps
-    _m("row_norm normalizes columns", "optimizers/maps.py",
-       "return D / (D.norm(dim=-1, keepdim=True) + eps)", "return D / (D.norm(dim=-2, keepdim=True) + eps)"),
-    _m("col_norm normalizes rows", "optimizers/maps.py",
-       "return D / (D.norm(dim=-2, keepdim=True) + eps)", "return D / (D.norm(dim=-1, keepdim=True) + eps)"),
-    _m("polar maps: nuclear norm squared", "optimizers/maps.py", "polar * nuclear.clamp_min(0).pow(alpha)", "polar * nuclear.clamp_min(0).pow(2 * alpha)"),
-    _m("polar maps: nuclear norm from polar'polar", "optimizers/maps.py", "nuclear = (X * polar).sum", "nuclear = (polar * polar).sum"),
-    _m("polar maps: the larger Gram matrix", "optimizers/maps.py", "right = X.size(-2) >= X.size(-1)", "right = X.size(-2) <= X.size(-1)"),
-    _m("hybrid normalizes columns", "optimizers/maps.py", "R = row_norm(D, eps=eps)", "R = col_norm(D, eps=eps)"),
-    _m("centered map does not re-center", "optimizers/maps.py",
-       "return _center_rows(update(_center_rows(D), **kwargs))", "return update(_center_rows(D), **kwargs)"),
-    _m("centered map does not center its input", "optimizers/maps.py",
-       "return _center_rows(update(_center_rows(D), **kwargs))", "return _center_rows(update(D, **kwargs))"),
-    # ---- the fast engine
-    _m("gram retract steps along +T1", "optimizers/gram.py", "N1 = torch.add(eye, T1, alpha=-lr)", "N1 = torch.add(eye, T1, alpha=lr)"),
-    _m("gram retract drops the tangent part's sign", "optimizers/gram.py", "Z0, T2, alpha=-lr)", "Z0, T2, alpha=lr)"),
-    _m("gram dual Gram forgets S'F's transpose", "optimizers/gram.py", "return K + SF + SF.mT", "return K + 2 * SF"),
-    # ---- constants
-    _m("GELU constant: e^-1 -> e^-1/2", "theory/lipschitz.py",
-       "GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi)",
-       "GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-0.5) / math.sqrt(math.pi)"),
-    _m("soft-cap threshold 62/81 -> 61/81", "optimizers/regulate.py", "SOFT_CAP_MIN_RATIO = 62.0 / 81.0", "SOFT_CAP_MIN_RATIO = 61.0 / 81.0"),
-    _m("soft-cap root h(beta) with -2 beta^2", "optimizers/regulate.py",
-       "return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4", "return 1.0 - 2.0 * beta**2 + 3.0 * beta**3 - beta**4"),
-    _m("soft-cap polynomial g - alpha g^3", "optimizers/regulate.py", "    return g + alpha * g**3", "    return g - alpha * g**3"),
-    _m("eta from the grid maximum, not the enclosure", "optimizers/regulate.py",
-       "return math.nextafter(float(high), math.inf)", "return float(high) * (1 - 1e-6)"),
-)
+def _parse(catalogue: str) -> tuple[Mutation, ...]:
+    out, path = [], None
+    for line in filter(None, catalogue.splitlines()):
+        if line.startswith("## "):
+            path = line[3:]
+            continue
+        label, old, new = line.split(" | ")
+        out.append(Mutation(label, path, old.replace("\\n", "\n"), new.replace("\\n", "\n")))
+    return tuple(out)
+
+
+MUTATIONS: tuple[Mutation, ...] = _parse(_CATALOGUE)
 
 
 def _copy_tree(destination: Path) -> None:

@@ -57,7 +57,8 @@ class CenteredRouterSpace(MatrixManifold):
 
     @matrix_method(result="multiplier")
     def constraint_gram_diag(self, x):
-        return x.new_full((*x.shape[:-2], x.size(-1)), float(x.size(-2)))
+        # the integer e itself (same value and dtype as float(e)): symbolic sizes pass
+        return x.new_full((*x.shape[:-2], x.size(-1)), x.size(-2))
 
     @matrix_method(result="multiplier")
     def defining_map(self, x):

@@ -35,6 +35,9 @@ from geomuon.theory.symbolic import (
     certify_gram_retract,
     certify_inverse_sqrt_series,
     certify_stiefel_retraction,
+    certify_stiefel_retraction_every_size,
+    certify_dgram_retraction,
+    certify_dgram_step_expansion,
     certify_polar_express_table,
     POLAR_EXPRESS_DESIGNS,
     inverse_sqrt_error_bound,
@@ -46,12 +49,12 @@ from geomuon.theory.symbolic import (
     certify_soft_cap_monotone,
     certify_soft_cap_root_unique,
     certify_sorted_sigma_map_fails,
-    certify_stiefel_every_size,
     exact,
     manifold_points,
     newton_schulz_error,
     ns_fixed_points,
     ns_output_range,
+    ns_slope_range,
     skew,
     soft_cap_beta,
     soft_cap_coupling_roots,
@@ -118,7 +121,7 @@ def test_inverse_square_root_iteration_converges_to_the_inverse_root():
     # 1e-8 (relative error 2e-3 there) and are exact to 50 digits from 1e-6 on; five steps
     # fewer do not cover 1e-8.
     assert inverse_sqrt_error_bound(steps, "1e-8") < sp.Rational(1, 100)
-    assert inverse_sqrt_error_bound(steps, "1e-6") == 0
+    assert inverse_sqrt_error_bound(steps, "1e-6") <= sp.Rational(1, 10**50)
     assert inverse_sqrt_error_bound(steps - 5, "1e-8") > sp.Rational(1, 2)
 
 
@@ -134,9 +137,9 @@ def test_polar_maps_match_the_exact_polar_factor(shape, alpha, update):
     D, reference = polar_map_reference(shape, alpha)
     expected = torch.tensor(np.array(reference.evalf(30).tolist(), dtype=float))
     # The Gram matrix has eigenvalues 9/4 and 1, so normalized ones >= 1/||A||_F > 0.4: the
-    # certified iteration error of the default steps is 0 to 50 digits there.
+    # certified iteration error of the default steps is at most 1e-50 there.
     steps = inspect.signature(inv_sqrt_psd).parameters["steps"].default
-    assert inverse_sqrt_error_bound(steps, "0.4") == 0
+    assert inverse_sqrt_error_bound(steps, "0.4") <= sp.Rational(1, 10**50)
     # Left: the eps shift (k eps ||A||_F, relative bias <= k eps ||A||_F / (2 lambda_min)
     # = 6e-16) and float64 round-off of ~10 products per step at condition 2.25 (the fixed
     # point attracts, so it does not accumulate): a few 1e-15; 1e-13 is 100x that.
@@ -270,24 +273,6 @@ def test_residual_lipschitz_rule():
 # ----------------------------------------------------------------------- manifolds
 
 
-def test_stiefel_every_size():
-    certificate = certify_stiefel_every_size()
-    assert certificate.holds, certificate.witness
-    assert certificate.witness["gram_diag"] == 4
-
-
-def test_stiefel_every_size_rejects_a_dropped_sym():
-    class DroppedSym(Stiefel):
-        def proju(self, x, u):
-            return u - x @ (x.mT @ u)
-
-    certificate = certify_stiefel_every_size(DroppedSym.__new__(DroppedSym))
-    assert not certificate.holds
-    # X - W W^T X is tangent (so tangency alone misses it) but does not fix tangent vectors.
-    assert not certificate.witness["L(P(X)) = 0"]
-    assert certificate.witness["P = I - L*(LL*)^-1 L"] and certificate.witness["P(V) = V for tangent V"]
-
-
 _EVERY_SIZE = [(m, o) for m in (Stiefel(), DGram(), Oblique(), LPRO(radius=1.5), CenteredRouterSpace())
                for o in ("tall", "square", "wide")]
 
@@ -297,6 +282,17 @@ def test_every_size(manifold, orientation):
     certificate = certify_every_size(manifold, orientation)
     assert certificate.holds, certificate.witness
     assert certificate.witness["gram_diag_positive"]
+    if isinstance(manifold, CenteredRouterSpace):
+        # the library's own constraint_gram_diag, evaluated at symbolic size: e = m rows
+        from geomuon.theory.symbolic import ORIENTATIONS
+
+        assert certificate.witness["gram_diag"] == ORIENTATIONS[orientation][0]
+
+
+class _StiefelDroppedSym(Stiefel):
+    @matrix_method("u")
+    def proju(self, x, u):
+        return u - x @ (x.mT @ u)
 
 
 class _DGramAdjointKeepingTheDiagonal(DGram):
@@ -336,6 +332,10 @@ def test_every_size_rejects_wrong_formulas(orientation):
     assert not zero.holds and zero.witness["P(V) = V for tangent V"] and not zero.witness["L(P(X)) = 0"]
     half = certify_every_size(_RouterHalfCentered(), orientation)
     assert not half.holds and half.witness["L(P(X)) = 0"]
+    # X - W W^T X is tangent (so tangency alone misses it) but does not fix tangent vectors.
+    dropped = certify_every_size(_StiefelDroppedSym(), orientation)
+    assert not dropped.holds and not dropped.witness["L(P(X)) = 0"]
+    assert dropped.witness["P(X) = X - L*((L L*)^-1 L(X))"] and dropped.witness["P(V) = V for tangent V"]
 
 
 @pytest.mark.parametrize("shape, name", _CASES, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _CASES])
@@ -430,6 +430,73 @@ def test_stiefel_retraction_series_rejects_wrong_retractions():
     # Keller's quintic is not a retraction: R_W(0) = 0.686 W, outside Polar Express's enclosure.
     keller = certify_stiefel_retraction("tall", 3, KellerRetraction())
     assert not keller.holds and abs(keller.witness["e"] - 1) > sp.Rational(1, 4)
+    # the every-size certificate rejects both too: W - tV is not the family W + tV, and
+    # Keller's rows are not Polar Express's
+    backwards = certify_stiefel_retraction_every_size("tall", Backwards())
+    assert not backwards.holds and "step 0: input not of the family's form" in backwards.witness["problems"]
+    keller = certify_stiefel_retraction_every_size("tall", KellerRetraction())
+    assert not keller.holds and keller.witness["problems"]
+
+
+@pytest.mark.parametrize("orientation", ["tall", "square", "wide"])
+def test_stiefel_retraction_every_size(orientation):
+    certificate = certify_stiefel_retraction_every_size(orientation)
+    assert certificate.holds, certificate.witness
+    # e_n = P_12(1/(1.01 sqrt n)) is 1 to 50 digits for every n <= 10^6
+    low, high = certificate.witness["e_n for n <= n_max in"]
+    assert 1 - low <= sp.Rational(2, 10**50) and high - 1 <= sp.Rational(2, 10**50)
+
+
+def test_dgram_step_expansion_every_size():
+    certificate = certify_dgram_step_expansion()
+    assert certificate.holds, certificate.witness
+
+
+@pytest.mark.parametrize("orientation", ["tall", "square", "wide"])
+def test_dgram_retraction_series_every_size(orientation):
+    certificate = certify_dgram_retraction(orientation)
+    assert certificate.holds, certificate.witness
+    assert certificate.witness["steps"] == 12
+
+
+def test_polar_express_value_and_slope_enclosures():
+    # what turns the DGram retraction's exact first-order form into R(W, 0) ~ W, dR ~ id
+    (low, high), (slope_low, slope_high) = ns_slope_range(POLAR_EXPRESS, "0.001", sp.Rational(100, 101), width="1e-30")
+    assert 1 - 3e-16 <= low <= 1 <= high <= 1 + 3e-16
+    assert -1e-27 <= slope_low <= slope_high <= 1e-27
+    # rigorous: contains the float64 iteration's values (up to its round-off, 1e-15)
+    from geomuon.manifolds.linalg import newton_schulz_step
+
+    x = torch.tensor(np.geomspace(1e-3, 1 / 1.01, 201), dtype=torch.float64).reshape(-1, 1, 1)
+    for a, b, c in POLAR_EXPRESS.step_coefficients(12):
+        x = newton_schulz_step(x, a, b, c)
+    assert low - 1e-15 <= x.min() and x.max() <= high + 1e-15
+    # control: five steps are far from converged, and the enclosure says so
+    (low5, _), (_, slope5) = ns_slope_range(POLAR_EXPRESS, "0.001", "0.0011", steps=5, width="1e-3")
+    assert low5 < 0.9 and slope5 > 1
+
+
+def test_dgram_retraction_series_rejects_wrong_retractions():
+    from geomuon.manifolds.linalg import msign
+
+    class DGramBackwards(DGram):
+        def retr(self, x, u):
+            return super().retr(x, -u)
+
+    class DGramPolarOnly(DGram):  # forgets to restore the column norms
+        @matrix_method("u")
+        def retr(self, x, u):
+            return msign(x + u, "polar_express")
+
+    class DGramElevenSteps(DGram):
+        @matrix_method("u")
+        def retr(self, x, u):
+            d2 = (x + u).square().sum(-2)
+            return msign(x + u, "polar_express", steps=11) * d2.sqrt().unsqueeze(-2)
+
+    for wrong in (DGramBackwards(), DGramPolarOnly(), DGramElevenSteps()):
+        certificate = certify_dgram_retraction("tall", wrong)
+        assert not certificate.holds, type(wrong).__name__
 
 
 def test_gram_engine_retract_is_the_forms_retraction():

@@ -187,18 +187,13 @@ def declarations() -> list[Declaration]:
             (LPRO_G, H, "msign(row_norm(D)) scaled by its nuclear norm: both stages are S_m × O_n-equivariant."),
             (BO, F, "The row normalization breaks left rotations."),
         ]),
-        *_map_rows(maps.centered(maps.spectral), [
-            (SHIFT, H, "Π^⊥ kills the shift and commutes with P; msign is O_d-equivariant on the right."),
-        ], "centered(spectral)"),
-        *_map_rows(maps.centered(maps.row_norm), [
-            (SHIFT, H, "Centered input, row scaling, re-centered output: invariant to shifts."),
-        ], "centered(row_norm)"),
-        *_map_rows(maps.centered(maps.left_polar), [
-            (SHIFT, H, "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α."),
-        ], "centered(left_polar)"),
-        *_map_rows(maps.centered(maps.hybrid), [
-            (SHIFT, H, "Centered row normalization then msign: both stages ignore the shift."),
-        ], "centered(hybrid)"),
+        # the centered (router) maps: one shift-invariance row each
+        *(row for inner, rationale in [
+            ("spectral", "Π^⊥ kills the shift and commutes with P; msign is O_d-equivariant on the right."),
+            ("row_norm", "Centered input, row scaling, re-centered output: invariant to shifts."),
+            ("left_polar", "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α."),
+            ("hybrid", "Centered row normalization then msign: both stages ignore the shift."),
+        ] for row in _map_rows(maps.centered(getattr(maps, inner)), [(SHIFT, H, rationale)], f"centered({inner})")),
         *_map_rows(_swiglu_symmetry_update, [
             (NP, H, "Row-aware hybrid on W_gate, W_up (P on rows) and column-aware on W_down (Pᵀ on columns)."),
         ], "swiglu hybrid stack"),

@@ -39,10 +39,13 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   $\operatorname{range}(P_W) = T_W$.
 * **Retractions**: $R_W(0) = W$ and $\tfrac{d}{dt}R_W(tV)|_{0} = V$ from Taylor
   coefficients (:func:`certify_retraction` exactly at fixed sizes;
-  :func:`certify_stiefel_retraction` on ``Stiefel.retr`` at symbolic $m$ in series mode;
+  :func:`certify_stiefel_retraction` on ``Stiefel.retr`` at symbolic $m$ in series mode,
+  :func:`certify_stiefel_retraction_every_size` at symbolic $m$ and $n$;
   :func:`certify_gram_form`, :func:`certify_gram_retract`,
   :func:`certify_inverse_sqrt_series` for the fast engine's Gram-form retractions;
-  DGram's ``retr`` only in float64, :func:`certify_newton_schulz_retraction`).
+  ``DGram.retr`` at every size to first order, :func:`certify_dgram_retraction` on the
+  step's certified action :func:`certify_dgram_step_expansion`, and in float64,
+  :func:`certify_newton_schulz_retraction`).
 * **Update maps** (:func:`certify_map_row`): every ``map`` row of
   :mod:`geomuon.theory.declared` — a proof on generators of the group for ``holds``
   rows, an exact counterexample for ``fails`` rows.
@@ -84,12 +87,14 @@ __all__ = [
     "manifold_points",
     "certify_manifold",
     "certify_projection",
-    "certify_stiefel_every_size",
     "certify_every_size",
     "FreeVector",
     "ORIENTATIONS",
     "certify_retraction",
     "certify_stiefel_retraction",
+    "certify_dgram_step_expansion",
+    "certify_dgram_retraction",
+    "certify_stiefel_retraction_every_size",
     "certify_gram_retract",
     "certify_inverse_sqrt_series",
     "certify_newton_schulz_step_expansion",
@@ -107,6 +112,7 @@ __all__ = [
     "symbols_matrix",
     "ns_fixed_points",
     "ns_output_range",
+    "ns_slope_range",
     "certify_polar_express_table",
     "PolarExpressDesign",
     "POLAR_EXPRESS_DESIGNS",
@@ -530,7 +536,15 @@ class FreeAlgebra:
         #: ``(t, order, digits)``: coefficients are truncated Taylor series in ``t``
         #: (terms of degree >= order dropped after every operation) with floating-point
         #: coefficients of ``digits`` digits (see :meth:`series`); ``None``: exact.
-        self.series_mode: tuple[sp.Symbol, int, int] | None = None
+        self.series_mode: tuple[sp.Symbol, int, int | None] | None = None
+        #: declared square roots of diagonal words (:meth:`square_root`)
+        self.square_roots: dict[Word, tuple[str, str]] = {}
+        #: a hypothesis: every positive norm exceeds the floors of ``clamp_min`` (which
+        #: then keeps the value; e.g. msign's $\sqrt{\text{tiny}}$ for a point of norm
+        #: $\operatorname{tr}(S^2)^{1/2}$ that sympy cannot compare with a number)
+        self.norms_above_floors = False
+        #: Diag(word) named by a plain diagonal letter (:meth:`name_diagonal`)
+        self.named_diagonals: dict[Word, str] = {}
         if ones is not None:
             name, size = ones
             self.transpose_of[name], self.transpose_of[name + "'"] = name + "'", name
@@ -596,13 +610,14 @@ class FreeAlgebra:
         reduced = {w: self._coefficient(c) for w, c in out.items()}
         return {w: c for w, c in reduced.items() if c != 0}
 
-    def series(self, t: sp.Symbol, order: int, digits: int) -> None:
+    def series(self, t: sp.Symbol, order: int, digits: int | None) -> None:
         r"""Switch to truncated series: every coefficient becomes its Taylor polynomial in
         ``t`` below ``order``, with ``digits``-digit floating-point coefficients (a
-        coefficient below $10^{-(	ext{digits} - 10)}$ is dropped as round-off). For
-        iterations whose exact coefficients grow without bound (twelve Polar Express
-        steps compose a polynomial of degree $5^{12}$): products of truncated series are
-        exact to that order, the coefficients are not."""
+        coefficient below $10^{-(	ext{digits} - 10)}$ is dropped as round-off), or exact
+        ones for ``digits=None``. For iterations whose exact coefficients grow without
+        bound (twelve Polar Express steps compose a polynomial of degree $5^{12}$):
+        products of truncated series are exact to that order, the float coefficients are
+        not."""
         self.series_mode = (t, order, digits)
 
     def _coefficient(self, c) -> sp.Expr:
@@ -610,6 +625,8 @@ class FreeAlgebra:
             return _reduce(c)
         t, order, digits = self.series_mode
         c = sp.expand(c)
+        if digits is None:
+            return sum(_reduce(c.coeff(t, k) if k else c.subs(t, 0)) * t**k for k in range(order))
         floor = sp.Rational(1, 10 ** (digits - 10))
         kept = 0
         for k in range(order):
@@ -618,6 +635,32 @@ class FreeAlgebra:
                 continue
             kept += part * t**k
         return kept
+
+    def name_diagonal(self, M: "FreeMatrix", letter: str) -> "FreeMatrix":
+        r"""Make $\operatorname{Diag}(u)$ of the word $u$ (and of $u^\top$) the plain diagonal
+        letter ``letter``: unlike an atom ``<u>``, a trace never expands it back into $u$
+        (which a rule rewriting $u$ in terms of $\operatorname{Diag}(u)$ would loop on)."""
+        ((word, _),) = M.terms.items()
+        self.diagonal.add(letter)
+        self.transpose_of[letter] = letter
+        self.shapes.setdefault(letter, (self.shapes.get(word[0], (None, None))[0],) * 2)
+        self.named_diagonals[min(word, self.transpose_word(word), key=repr)] = letter
+        return self(letter)
+
+    def square_root(self, square: "FreeMatrix", root: str, inverse: str) -> None:
+        r"""Declare diagonal letters ``root`` $= \sqrt{Q}$ and ``inverse`` $= Q^{-1/2}$ of
+        the positive diagonal word ``square`` $Q$ (e.g. $Q = SS$ for a letter $S$; rules
+        ``root inverse -> I``), for :meth:`FreeVector.sqrt`."""
+        ((word, coefficient),) = square.terms.items()
+        if coefficient != 1 or any(x not in self.diagonal for x in word):
+            raise ValueError("FreeAlgebra.square_root: the square must be one word of diagonal letters")
+        for name in (root, inverse):
+            self.diagonal.add(name)
+            self.transpose_of[name] = name
+            self.shapes.setdefault(name, self.shapes.get(word[0], (None, None)))
+        self.rules[(root, inverse)] = {(): sp.Integer(1)}
+        self.rules[(inverse, root)] = {(): sp.Integer(1)}
+        self.square_roots[word] = (root, inverse)
 
     def transpose_word(self, word: Word) -> Word:
         return tuple(self.transpose_of[x] for x in reversed(word))
@@ -647,6 +690,8 @@ class FreeAlgebra:
             if self.diag(inner).is_zero():
                 return None
         canonical = min(core, self.transpose_word(core), key=repr)
+        if canonical in self.named_diagonals:
+            return self.named_diagonals[canonical]
         name = "<" + "".join(canonical) + ">"
         if name not in self.atoms:
             self.atoms[name] = ("diag", canonical)
@@ -1004,7 +1049,10 @@ class FreeScalar:
         """The value itself when its value at $t = 0$ is provably above ``floor``."""
         mode = self.algebra.series_mode
         at_zero = self.value.subs(mode[0], 0) if mode else self.value
-        if not bool(sp.sympify(at_zero - exact(floor)).is_positive):
+        provable = bool(sp.sympify(at_zero - exact(floor)).is_positive)
+        # a hypothesis of the certificate (stated there): the positive value is above the floor
+        assumed = self.algebra.norms_above_floors and bool(sp.sympify(at_zero).is_positive)
+        if not (provable or assumed):
             raise NotImplementedError(f"FreeScalar.clamp_min: cannot show {at_zero} > {floor}")
         return self
 
@@ -1012,7 +1060,27 @@ class FreeScalar:
         return f"FreeScalar({self.value})"
 
 
-class FreeVector:
+class _Wrapped:
+    """A free matrix (``matrix``) seen as a vector or row with a broadcast tag: the
+    coefficient-wise operations act on the matrix and keep the tag (``_rewrap``)."""
+
+    matrix: FreeMatrix
+
+    def _rewrap(self, matrix: FreeMatrix):
+        raise NotImplementedError
+
+    def is_zero(self) -> bool:
+        return self.matrix.is_zero()
+
+    def map_coefficients(self, fn: Callable):
+        return self._rewrap(self.matrix.map_coefficients(fn))
+
+    @property
+    def terms(self):
+        return self.matrix.terms
+
+
+class FreeVector(_Wrapped):
     r"""A vector of symbolic length held as the diagonal matrix $\operatorname{Diag}(v)$
     (a :class:`FreeMatrix` of diagonal letters): what ``(X * U).sum(dim)``,
     ``torch.diagonal`` and ``X.square().sum(dim)`` return on free letters.
@@ -1090,18 +1158,29 @@ class FreeVector:
     def unsqueeze(self, dim: int) -> "FreeVector":
         return FreeVector(self.matrix, "right" if dim == -2 else "left")
 
+    def sqrt(self) -> "FreeVector":
+        r"""$\sqrt{Q + R} = \sqrt Q + 	frac12 RQ^{-1/2} + O(t^2)$ for a declared square
+        $Q$ (:meth:`FreeAlgebra.square_root`) and $R = O(t)$: exact in series mode of
+        order 2 (first-order Taylor coefficients), refused otherwise."""
+        algebra, terms = self.algebra, self.matrix.terms
+        mode = algebra.series_mode
+        at_zero = {w: c.subs(mode[0], 0) if mode else c for w, c in terms.items()}
+        at_zero = {w: c for w, c in at_zero.items() if c != 0}
+        roots = algebra.square_roots
+        if len(at_zero) != 1 or next(iter(at_zero)) not in roots or not next(iter(at_zero.values())).is_positive:
+            raise NotImplementedError(f"FreeVector.sqrt: {self.matrix!r} is not a declared square + O(t)")
+        ((word, c),) = at_zero.items()
+        root, inverse = (algebra(x) for x in roots[word])
+        rest = self.matrix - c * FreeMatrix({word: sp.Integer(1)}, algebra)
+        if not rest.is_zero() and (mode is None or mode[1] != 2):
+            raise NotImplementedError("FreeVector.sqrt: a perturbed square needs series mode of order 2")
+        return FreeVector(sp.sqrt(c) * root + rest @ inverse / (2 * sp.sqrt(c)), self.side)
+
     def __eq__(self, other):
         return _FreeTruth(bool((self.matrix - self._other(other)).is_zero()))
 
-    def is_zero(self) -> bool:
-        return self.matrix.is_zero()
-
-    def map_coefficients(self, fn: Callable) -> "FreeVector":
-        return FreeVector(self.matrix.map_coefficients(fn), self.side)
-
-    @property
-    def terms(self):
-        return self.matrix.terms
+    def _rewrap(self, matrix: FreeMatrix) -> "FreeVector":
+        return FreeVector(matrix, self.side)
 
     def __repr__(self) -> str:
         return f"FreeVector({self.matrix!r}, side={self.side})"
@@ -1171,7 +1250,7 @@ class FreeHadamard:
         raise NotImplementedError(f"FreeHadamard.sum: dim must be -2 or -1, got {dim}")
 
 
-class FreeRow:
+class FreeRow(_Wrapped):
     r"""A row vector $r$ ($1\times n$, a :class:`FreeMatrix` such as $\mathbf 1^\top M$):
     the column sums of the router. ``broadcast`` ($[..., 1, n]$) subtracts from an
     $m\times n$ matrix as $\mathbf 1r$; ``expand`` materializes $\mathbf 1r$."""
@@ -1216,15 +1295,12 @@ class FreeRow:
     def dim(self) -> int:
         return 1
 
-    def is_zero(self) -> bool:
-        return self.row.is_zero()
-
-    def map_coefficients(self, fn: Callable) -> "FreeRow":
-        return FreeRow(self.row.map_coefficients(fn), self.is_broadcast)
-
     @property
-    def terms(self):
-        return self.row.terms
+    def matrix(self) -> FreeMatrix:
+        return self.row
+
+    def _rewrap(self, matrix: FreeMatrix) -> "FreeRow":
+        return FreeRow(matrix, self.is_broadcast)
 
 
 def _free_inner(a, b) -> dict[Word, sp.Expr]:
@@ -1438,58 +1514,6 @@ def certify_projection(project: Callable, manifold, W: ExactTensor, name: str = 
     return Certificate(f"{name} is the orthogonal tangent projection at the {m}x{n} point", ok, residual)
 
 
-def certify_stiefel_every_size(stiefel=None) -> Certificate:
-    r"""Stiefel's closed forms for **every** $m \ge n$, as identities in the free algebra
-    of non-commuting $m\times n$ / $n\times n$ letters $W, A, X, V, \Lambda$ reduced by
-    $W^\top W \to I$ (and, for a tangent $V$, $V^\top W \to -W^\top V$). The library's
-    ``constraint``, ``constraint_adjoint``, ``proju`` (the method bodies) and
-    :func:`~geomuon.manifolds.linalg.sym` run on these letters. Certified:
-
-    * $\operatorname{tr}(L_W(A)^\top\Lambda) = \operatorname{tr}(A^\top L_W^*(\Lambda))$
-      (the true adjoint; trace normal form, no rule needed: every $W$);
-    * $L_W(X)^\top = L_W(X)$ and $L_WL_W^*(\Lambda) = g\operatorname{sym}(\Lambda)$ with $g$
-      every entry of the library's ``constraint_gram_diag`` (read off a float64 call);
-    * $P_W(X) = X - L_W^*(L_W(X))/g$, i.e. $P_W = I - L_W^*(L_WL_W^*)^{-1}L_W$;
-    * $L_W(P_W X) = 0$, $P_W(P_W X) = P_W X$, and $L_W(V) = 0$, $P_W(V) = V$ for every
-      tangent $V$: $\operatorname{range}(P_W) = T_W$.
-
-    Wide points ($m < n$) are the transposed geometry (``transposes_wide``), certified at
-    concrete wide sizes by :func:`certify_manifold`.
-    """
-    from geomuon.manifolds import Stiefel
-
-    stiefel = stiefel or Stiefel()
-    algebra = FreeAlgebra({"W": "W'", "A": "A'", "X": "X'", "V": "V'", "L": "L'"})
-    W, A, X, V, Lam = (algebra(k) for k in "WAXVL")
-    I = algebra.identity()
-    algebra_free = FreeAlgebra({"W": "W'", "A": "A'", "L": "L'"})
-    Wf, Af, Lf = (algebra_free(k) for k in "WAL")
-    constraint, adjoint, proju = (_raw(getattr(type(stiefel), k)) for k in ("constraint", "constraint_adjoint", "proju"))
-    adjoint_residual = algebra_free.trace(constraint(stiefel, Wf, Af).mT @ Lf - Af.mT @ adjoint(stiefel, Wf, Lf))
-    algebra.rule(W.mT @ W, I)
-    gram = stiefel.constraint_gram_diag(torch.eye(3, 2, dtype=torch.float64))
-    values = {exact(float(v)) for v in gram.flatten()}
-    g = next(iter(values)) if len(values) == 1 else None
-    LX = constraint(stiefel, W, X)
-    residuals: dict[str, Any] = {"adjoint (trace)": adjoint_residual}
-    residuals["L(X) symmetric"] = (LX.mT - LX).terms
-    if g is not None:
-        residuals["L L*(lam) = g sym(lam)"] = (constraint(stiefel, W, adjoint(stiefel, W, Lam)) - g * (Lam + Lam.mT) / 2).terms
-        residuals["P = I - L*(LL*)^-1 L"] = (proju(stiefel, W, X) - (X - adjoint(stiefel, W, LX) / g)).terms
-    PX = proju(stiefel, W, X)
-    residuals["L(P(X)) = 0"] = constraint(stiefel, W, PX).terms
-    residuals["P(P(X)) = P(X)"] = (proju(stiefel, W, PX) - PX).terms
-    algebra.rule(V.mT @ W, -(W.mT @ V))
-    residuals["L(V) = 0 for tangent V"] = constraint(stiefel, W, V).terms
-    residuals["P(V) = V for tangent V"] = (proju(stiefel, W, V) - V).terms
-    holds = g is not None and all(not r for r in residuals.values())
-    return Certificate(
-        "Stiefel, every m >= n: L* is the adjoint, LL* = g sym, P = I - L*(LL*)^-1 L, range(P) = T_W",
-        holds,
-        {"gram_diag": g, **residuals},
-    )
-
-
 # ======================================================================================
 # Every manifold at symbolic size: the public methods on free letters
 
@@ -1596,26 +1620,6 @@ def _free_point(manifold, orientation: str) -> _FreePoint:
     return _FreePoint(algebra, lam, rules)
 
 
-def _gram_read_off(manifold, orientation: str):
-    r"""``constraint_gram_diag`` where its body needs concrete sizes (``torch.full``,
-    ``float(x.size(-2))``): read off float64 calls at two sizes of the orientation; a value
-    constant over entries and sizes is returned exactly, one equal to the row count $m$ at
-    both sizes is returned as the symbol $m$; anything else is ``None`` (not certified)."""
-    sizes = {"tall": [(3, 2), (5, 3)], "square": [(2, 2), (4, 4)], "wide": [(2, 3), (3, 5)]}[orientation]
-    seen = []
-    for p, q in sizes:
-        W = manifold.random(p, q, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-        values = {exact(float(v)) for v in manifold.constraint_gram_diag(W).flatten()}
-        if len(values) != 1:
-            return None
-        seen.append((p, values.pop()))
-    if len({v for _, v in seen}) == 1:
-        return seen[0][1]
-    if all(v == p for p, v in seen):
-        return ORIENTATIONS[orientation][0]
-    return None
-
-
 def _free_zero(value) -> tuple[bool, Any]:
     terms = value if isinstance(value, dict) else value.terms
     return not terms, terms
@@ -1648,16 +1652,17 @@ def certify_every_size(manifold, orientation: str = "tall") -> Certificate:
     * $L_W(P_WX) = 0$, $P_W(P_WX) = P_WX$, $L_W(V) = 0$ and $P_W(V) = V$ for the tangent
       $V$: $\operatorname{range}(P_W) = T_W$.
 
-    Where ``constraint_gram_diag`` needs concrete sizes (Stiefel's ``torch.full``, the
-    router's ``float(m)``) it is read off float64 calls (:func:`_gram_read_off`) and the
-    witness says so. ``witness``: the rules, $g$, and every reduced residual (empty dicts).
+    ``constraint_gram_diag`` runs on the letters too (Stiefel's ``torch.full`` is the scalar
+    4, the router's ``new_full`` the symbolic row count $m$). ``witness``: the rules, $g$,
+    and every reduced residual (empty dicts).
     """
     point = _free_point(manifold, orientation)
     try:
         with _FreeFactories(point.algebra):
             return _certify_every_size(manifold, orientation, point)
-    except (ValueError, NotImplementedError) as error:
-        # A shape mismatch, or an operation outside the free algebra: nothing is proved.
+    except (ValueError, TypeError, NotImplementedError) as error:
+        # A shape mismatch, a number asked of a symbolic size (float(m)), or an operation
+        # outside the free algebra: nothing is proved.
         return Certificate(f"{manifold.name}, every {orientation} size: not certified", False,
                            {"rules": point.rules, "error": f"{type(error).__name__}: {error}"})
 
@@ -1677,10 +1682,7 @@ def _certify_every_size(manifold, orientation: str, point: _FreePoint) -> Certif
     other = _free_inner(A, manifold.constraint_adjoint(W, lam))
     residuals["<L(A), lam> = <A, L*(lam)>"] = {w: c for w, c in ((w, _reduce(inner.get(w, 0) - other.get(w, 0)))
                                                                for w in {*inner, *other}) if c != 0}
-    try:
-        gram, read_off = manifold.constraint_gram_diag(W), False
-    except (TypeError, NotImplementedError):
-        gram, read_off = _gram_read_off(manifold, orientation), True
+    gram = manifold.constraint_gram_diag(W)
     if gram is not None:
         residuals["L L*(L(A)) = g * L(A)"] = manifold.constraint(W, manifold.constraint_adjoint(W, LA)) - gram * LA
         LX = manifold.constraint(W, X)
@@ -1697,7 +1699,7 @@ def _certify_every_size(manifold, orientation: str, point: _FreePoint) -> Certif
         f"{manifold.name}, every {orientation} size ({m} x {n}): F(W)=0, dF=L, L* adjoint, LL* = g on range(L), "
         "P = I - L*(LL*)^-1 L, range(P) = T_W",
         positive and all(ok for ok, _ in checked.values()),
-        {"rules": point.rules, "gram_diag": gram, "gram_diag_read_off_float64": read_off,
+        {"rules": point.rules, "gram_diag": gram,
          "gram_diag_positive": positive, **{k: r for k, (_, r) in checked.items()}},
     )
 
@@ -1773,6 +1775,255 @@ def certify_stiefel_retraction(orientation: str = "tall", n: int = 3, stiefel=No
         inside and not rest,
         {"e": e, "enclosure": (low, high), "other terms": rest},
     )
+
+
+def _dgram_algebra(orientation: str, t: sp.Symbol) -> tuple[FreeAlgebra, FreeMatrix, FreeMatrix]:
+    r"""A generic DGram point and tangent vector at symbolic size, in the frame the
+    methods' bodies see (a wide point is transposed by ``matrix_method``): letters
+    $W, V$ with $W^\top W = S^2$ ($S$ a positive diagonal letter, the column norms) and
+    $V^\top W = -W^\top V + 2E$, $E = \operatorname{Diag}(W^\top V)$; $S$ and $S^{-1}$ are
+    declared roots of $S^2$; exact series mode of order 2 in ``t``. Returns the algebra
+    and the body's letters $(W_b, V_b)$ ($W, V$, or their transposes when wide). Tall
+    sizes have $n \ge 2$ here (``msign`` asks whether the short side is 1)."""
+    m, n = ORIENTATIONS[orientation] if orientation != "tall" else (_a + _b + 3, _a + 2)
+    algebra = FreeAlgebra({"W": "W'", "V": "V'"}, diagonal=("S",), shapes={"W": (m, n), "V": (m, n)})
+    W, V = algebra("W"), algebra("V")
+    wide = orientation == "wide"
+    Wb, Vb = (W.mT, V.mT) if wide else (W, V)
+    short = m if wide else n
+    algebra.shapes["S"] = (short, short)
+    S = algebra("S")
+    algebra.square_root(S @ S, "S", "S~")
+    algebra.rule(Wb.mT @ Wb, S @ S)
+    cross = Vb.mT @ Wb
+    algebra.rule(cross, -cross.mT + 2 * algebra.name_diagonal(cross, "E"))
+    algebra.series(t, 2, None)
+    algebra.norms_above_floors = True  # ||W||_F > sqrt(tiny) ~ 1e-19 (fp32), 1.5e-154 (fp64)
+    return algebra, Wb, Vb
+
+
+def _family(Wb, Vb, F, G, t, side: str):
+    r"""$F W_b^\top + t(F V_b^\top + G W_b^\top)$ (``"rows"``) or $W_bF + t(V_bF + W_bG)$
+    (``"columns"``): the first-order form of every Polar Express iterate of $W + tV$."""
+    if side == "rows":
+        return F @ Wb.mT + t * (F @ Vb.mT + G @ Wb.mT)
+    return Wb @ F + t * (Vb @ F + Wb @ G)
+
+
+def _family_parts(X, Wb, Vb, t):
+    r"""$(F, G, \text{side})$ with $X = $ :func:`_family` of them, or ``None``: every word is
+    a run of diagonal letters and one point/tangent letter, the tangent part has no
+    $t^0$ term and its $t^1$ part equals the point part's $t^0$ part."""
+    algebra = X.algebra
+    letters = {"rows": (Wb.mT, Vb.mT), "columns": (Wb, Vb)}
+    for side, (w, v) in letters.items():
+        ((w_word, _),), ((v_word, _),) = w.terms.items(), v.terms.items()
+        parts = {w_word[0]: [], v_word[0]: []}
+        ok = True
+        for word, c in X.terms.items():
+            end = word[-1] if side == "rows" else word[0]
+            rest = word[:-1] if side == "rows" else word[1:]
+            if end not in parts or any(x not in algebra.diagonal for x in rest):
+                ok = False
+                break
+            parts[end].append((rest, c))
+        if not ok:
+            continue
+        P = FreeMatrix(parts[w_word[0]], algebra)
+        Q = FreeMatrix(parts[v_word[0]], algebra)
+        F = P.map_coefficients(lambda c: c.subs(t, 0))
+        G = P.map_coefficients(lambda c: sp.diff(c, t))
+        if Q.map_coefficients(lambda c: c.subs(t, 0)).is_zero() and (Q.map_coefficients(lambda c: sp.diff(c, t)) - F).is_zero():
+            return F, G, side
+    return None
+
+
+def certify_dgram_step_expansion() -> Certificate:
+    r"""One step of the library's :func:`~geomuon.manifolds.linalg.newton_schulz_step`,
+    every row of ``POLAR_EXPRESS`` (the retraction's table), on the first-order family of a
+    DGram point $W$ ($W^\top W = S^2$, $S$ positive diagonal) and tangent $V$
+    ($\operatorname{Off}(W^\top V + V^\top W) = 0$, $E = \operatorname{Diag}(W^\top V)$),
+    for arbitrary diagonal $F, G$ (free diagonal letters), **every size** (tall with
+    $n \ge 2$ and square; wide is tall with the letters transposed), both forms the iteration uses ($X = FW^\top + t(FV^\top + GW^\top)$ on the
+    transposed tall matrix, $X = WF + t(VF + WG)$ otherwise) and ``transposed=True``:
+
+    $$\text{step}(X) = X' \text{ of the same form with } F'S = p(FS),\quad
+      G'S + F'ES^{-1} = p'(FS)\,(GS + FES^{-1}),$$
+
+    $p(\sigma) = a\sigma + b\sigma^3 + c\sigma^5$. Read per column: the iterate's column
+    scale $\sigma = FS$ (the normalized singular value $\lVert W_i\rVert/c$) goes to
+    $p(\sigma)$ and its $t$-derivative $\dot\sigma = GS + FES^{-1}$ to $p'(\sigma)\dot\sigma$
+    — the chain rule of the composed scalar map; all cross terms cancel because
+    $X^\top X$ (or $XX^\top$ against $W$) is diagonal to first order on tangents.
+    ``witness``: per tuple and form the residuals (empty)."""
+    from geomuon.manifolds.linalg import POLAR_EXPRESS, newton_schulz_step
+
+    t = sp.Symbol("t", real=True)
+    witness, holds = {}, True
+    # (a wide point's body is the tall algebra with W, V renamed W', V')
+    for orientation in ("tall", "square"):
+        algebra, Wb, Vb = _dgram_algebra(orientation, t)
+        for name in ("F", "G"):
+            algebra.diagonal.add(name)
+            algebra.transpose_of[name] = name
+        F, G, S, Si, E = algebra("F"), algebra("G"), algebra("S"), algebra("S~"), algebra.diag(Vb.mT @ Wb)
+        for side in ("rows", "columns"):
+            X = _family(Wb, Vb, F, G, t, side)
+            for a, b, c in sorted(set(POLAR_EXPRESS.coefficients)):
+                A, B, C = (exact(v) for v in (a, b, c))
+                for transposed in (False, True):
+                    with _FreeFactories(algebra):
+                        out = newton_schulz_step(X, a, b, c, transposed=transposed)
+                    parts = _family_parts(out, Wb, Vb, t)
+                    expected_side = side if not transposed else {"rows": "columns", "columns": "rows"}[side]
+                    if parts is None or parts[2] != expected_side:
+                        witness[(orientation, side, a, transposed)] = "not of the family's form"
+                        holds = False
+                        continue
+                    F1, G1, _ = parts
+                    sigma, dot = F @ S, G @ S + F @ E @ Si
+                    p = A * sigma + B * sigma @ sigma @ sigma + C * sigma @ sigma @ sigma @ sigma @ sigma
+                    dp = A * algebra.identity() + 3 * B * sigma @ sigma + 5 * C * sigma @ sigma @ sigma @ sigma
+                    residual = {"F'S - p(FS)": (F1 @ S - p).terms,
+                                "G'S + F'ES^-1 - p'(FS)(GS + FES^-1)": (G1 @ S + F1 @ E @ Si - dp @ dot).terms}
+                    if any(residual.values()):
+                        witness[(orientation, side, a, transposed)] = residual
+                        holds = False
+    return Certificate("one Newton-Schulz step on a DGram point's first-order family: sigma -> p(sigma), "
+                       "sigma' -> p'(sigma) sigma', every size", holds, witness)
+
+
+def _probed_retraction(manifold, orientation: str) -> dict:
+    r"""``manifold.retr(W, tV)`` on :func:`_dgram_algebra`'s generic point, with every
+    :func:`~geomuon.manifolds.linalg.newton_schulz_step` replaced by a probe that checks
+    its input is :func:`_family` of some $(F, G)$ and returns the family of fresh diagonal
+    letters $(F_{k+1}, G_{k+1})$ — the step's certified action
+    (:func:`certify_dgram_step_expansion`). Returns the result in the body's frame, the
+    step records, the problems found (rows other than ``POLAR_EXPRESS``'s twelve, a step
+    not fed the previous output, the first input's scale not
+    $\lVert W_i\rVert/(1.01\lVert W\rVert_F)$), $x = F_0S$, $\dot x = G_0S + F_0ES^{-1}$
+    and the last letters."""
+    import geomuon.manifolds.linalg as linalg
+    from geomuon.manifolds import POLAR_EXPRESS
+
+    t = sp.Symbol("t", real=True)
+    algebra, Wb, Vb = _dgram_algebra(orientation, t)
+    S, Si, E = algebra("S"), algebra("S~"), algebra("E")
+    steps: list[dict] = []
+    problems: list[str] = []
+
+    def probe(X, a, b, c, *, transposed=False):
+        parts = _family_parts(X, Wb, Vb, t)
+        if parts is None:
+            problems.append(f"step {len(steps)}: input not of the family's form")
+            parts = (algebra.identity(), algebra.identity(), "rows")
+        F, G, side = parts
+        k = len(steps) + 1
+        for name in (f"F{k:02d}", f"G{k:02d}"):
+            algebra.diagonal.add(name)
+            algebra.transpose_of[name] = name
+        steps.append({"coefficients": (a, b, c), "F": F, "G": G, "side": side, "transposed": transposed})
+        out_side = side if not transposed else {"rows": "columns", "columns": "rows"}[side]
+        return _family(Wb, Vb, algebra(f"F{k:02d}"), algebra(f"G{k:02d}"), t, out_side)
+
+    original = linalg.newton_schulz_step
+    linalg.newton_schulz_step = probe
+    try:
+        W, V = (Wb.mT, Vb.mT) if orientation == "wide" else (Wb, Vb)
+        with _FreeFactories(algebra):
+            R = manifold.retr(W, t * V)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        return {"error": repr(error)}
+    finally:
+        linalg.newton_schulz_step = original
+    if [s["coefficients"] for s in steps] != POLAR_EXPRESS.step_coefficients(POLAR_EXPRESS.default_steps):
+        problems.append("the loop's rows are not POLAR_EXPRESS.step_coefficients(12)")
+    for k, s in enumerate(steps[1:], start=1):
+        if not ((s["F"] - algebra(f"F{k:02d}")).is_zero() and (s["G"] - algebra(f"G{k:02d}")).is_zero()):
+            problems.append(f"step {k}: its input is not step {k - 1}'s output")
+    if not steps:
+        return {"error": "no Newton-Schulz step"}
+    F0, G0 = steps[0]["F"], steps[0]["G"]
+    x, xdot = F0 @ S, G0 @ S + F0 @ E @ Si
+    trace = sp.Symbol("tr(SS)", positive=True)
+    if not (x - S / (exact(POLAR_EXPRESS.input_scale) * sp.sqrt(trace))).is_zero():
+        problems.append(f"the normalized column norms are {x!r}, not ||W_i|| / (1.01 ||W||_F)")
+    K = len(steps)
+    return {"t": t, "algebra": algebra, "Wb": Wb, "Vb": Vb, "steps": steps, "problems": problems, "x": x,
+            "x'": xdot, "R": R.mT if orientation == "wide" else R, "F": algebra(f"F{K:02d}"), "G": algebra(f"G{K:02d}")}
+
+
+def certify_dgram_retraction(orientation: str = "tall", dgram=None) -> Certificate:
+    r"""The library's ``DGram.retr`` (its public method: validation, the wide transposition,
+    the column norms, ``msign``'s normalization, orientation and loop) on a generic point
+    $W$ and tangent $V$ of **symbolic size** (:func:`_dgram_algebra`), to first order in
+    $t$, with every Polar Express step replaced by its certified first-order action
+    (:func:`_probed_retraction`: a step sends the family's $(F, G)$ to fresh diagonal
+    letters with $\sigma_{k+1} = p_k(\sigma_k)$, $\dot\sigma_{k+1} = p_k'(\sigma_k)\dot\sigma_k$,
+    $\sigma_k = F_kS$). Certified:
+
+    $$R_W(tV) = (W + tV)\,\operatorname{diag}(e) + t\,W\operatorname{diag}(\dot e) + O(t^2),
+      \qquad e_i = P_K(x_i),\ \dot e_i = P_K'(x_i)\,\dot x_i,$$
+
+    with $x_i = \lVert W_i\rVert/(1.01\lVert W\rVert_F)$ and $\dot x_i$ its derivative along
+    $V$ (the normalized column norm of $W + tV$), $P_K$ the composed scalar map of the
+    twelve library rows (checked: ``POLAR_EXPRESS.step_coefficients(12)``, each step fed
+    the previous output). So $R_W(0) = W\operatorname{diag}(P_K(x))$ and
+    $dR_W(0)[V] = V\operatorname{diag}(P_K(x)) + W\operatorname{diag}(P_K'(x)\dot x)$: the
+    retraction property $R_W(0) = W$, $dR_W(0) = \mathrm{id}$ holds up to exactly the
+    iteration's scalar error $P_K - 1$ and its slope $P_K'$ at the columns' normalized
+    norms (:func:`ns_slope_range` encloses both: on $x \in [10^{-3}, 1/1.01]$,
+    $\lvert P_K - 1\rvert \le 3\cdot10^{-16}$ and $\lvert P_K'\rvert \le 10^{-27}$; with
+    $\lvert\dot x_i\rvert \le 2\lVert V\rVert_F/(1.01\lVert W\rVert_F)$ this gives
+    $\lVert dR_W(0)[V] - V\rVert_F \le (3\cdot10^{-16} + 2\sqrt n\,10^{-27})\lVert V\rVert_F$
+    whenever every column has $\lVert W_i\rVert \ge 1.01\cdot10^{-3}\lVert W\rVert_F$). Hypothesis: $\lVert W\rVert_F$ above ``msign``'s floor $\sqrt{\text{tiny}}$.
+    ``witness``: the step count, $x$, $\dot x$, the problems and the residual (empty)."""
+    from geomuon.manifolds import DGram
+
+    run = _probed_retraction(dgram or DGram(), orientation)
+    claim = f"DGram.retr, every {orientation} size: R_W(tV) = (W + tV) diag(P_K(x)) + t W diag(P_K'(x) x') + O(t^2)"
+    if "error" in run:
+        return Certificate(claim, False, run)
+    S, Si, E, t = run["algebra"]("S"), run["algebra"]("S~"), run["algebra"]("E"), run["t"]
+    e, edot = run["F"] @ S, run["G"] @ S + run["F"] @ E @ Si
+    residual = (run["R"] - ((run["Wb"] + t * run["Vb"]) @ e + t * run["Wb"] @ edot)).terms
+    return Certificate(claim, not run["problems"] and not residual,
+                       {"steps": len(run["steps"]), "x": run["x"], "x'": run["x'"], "problems": run["problems"],
+                        "residual": residual})
+
+
+def certify_stiefel_retraction_every_size(orientation: str = "tall", stiefel=None, n_max: int = 10**6) -> Certificate:
+    r"""The library's ``Stiefel.retr`` at **every size** ($m$ and $n$ symbolic), to first
+    order, each Polar Express step replaced by its certified action
+    (:func:`_probed_retraction`). The run uses DGram's generic point ($W^\top W = S^2$):
+    a Stiefel point and tangent are its special case $S = I$, $E = 0$, so certified is
+
+    $$R_W(tV) = (W + tV)F_K + t\,WG_K + O(t^2)\ \text{(every } S\text{)},\qquad
+      \text{hence at } S = I:\ R_W(tV) = e_n\,(W + tV) + O(t^2),\ e_n = P_{12}\big(1/(1.01\sqrt n)\big),$$
+
+    because $F_KS = P_K(x)$, $G_KS + F_KES^{-1} = P_K'(x)\dot x$ and at $S = I$, $E = 0$:
+    $x = 1/(1.01\sqrt n)$, $\dot x = 0$ (checked on the witness: $\dot x$ vanishes at
+    $E = 0$). So $R_W(0) = e_nW$, $dR_W(0) = e_n\mathrm{id}$ for every $m \ge n$ (wide: the
+    rows), and $\lvert e_n - 1\rvert$ is enclosed rigorously for every $n \le$ ``n_max``
+    (:func:`ns_output_range` on $[1/(1.01\sqrt{n_{\max}}), 1/1.01]$). ``witness``: the
+    enclosure, $\dot x$, the problems and the residual."""
+    from geomuon.manifolds import POLAR_EXPRESS, Stiefel
+
+    run = _probed_retraction(stiefel or Stiefel(), orientation)
+    claim = f"Stiefel.retr, every {orientation} size: R_W(tV) = e_n (W + tV) + O(t^2), e_n = P_12(1/(1.01 sqrt n))"
+    if "error" in run:
+        return Certificate(claim, False, run)
+    t = run["t"]
+    residual = (run["R"] - ((run["Wb"] + t * run["Vb"]) @ run["F"] + t * run["Wb"] @ run["G"])).terms
+    E = run["algebra"]("E")
+    at_stiefel = {w: c.subs(sp.Symbol("tr(E)", positive=True), 0) for w, c in run["x'"].terms.items() if "E" not in w}
+    still_moving = {w: c for w, c in at_stiefel.items() if _reduce(c) != 0}
+    low, high = ns_output_range(POLAR_EXPRESS.coefficients, POLAR_EXPRESS.default_steps, lo=1 / sp.sqrt(n_max),
+                                hi=1, input_scale=POLAR_EXPRESS.input_scale)
+    del E
+    return Certificate(claim, not run["problems"] and not residual and not still_moving,
+                       {"e_n for n <= n_max in": (low, high), "x'": run["x'"], "x' at E = 0": still_moving,
+                        "problems": run["problems"], "residual": residual})
 
 
 def certify_gram_retract() -> Certificate:
@@ -2367,9 +2618,12 @@ _DIGITS = 50
 
 
 def _round_out(x, up: bool) -> sp.Rational:
-    """A rational within $10^{-50}$ of ``x`` on the requested side (outward rounding)."""
+    r"""A rational within $2\cdot10^{-50}$ of ``x`` on the requested side (outward rounding).
+    One extra unit of $10^{-50}$ covers the error of the 70-digit evaluation (without it a
+    value within $10^{-70}$ of a grid point, such as twelve Polar Express steps' $1 -
+    10^{-100}$, would round to the grid point on the wrong side)."""
     scaled = sp.N(x, _DIGITS + 20) * sp.Integer(10) ** _DIGITS
-    integer = sp.ceiling(scaled) if up else sp.floor(scaled)
+    integer = sp.ceiling(scaled) + 1 if up else sp.floor(scaled) - 1
     return sp.Rational(integer, sp.Integer(10) ** _DIGITS)
 
 
@@ -2411,6 +2665,52 @@ def ns_output_range(
     for k in range(steps):
         lo, hi = _interval_image(*table[min(k, len(table) - 1)], lo, hi)
     return lo, hi
+
+
+def ns_slope_range(schedule, lo, hi, steps: int | None = None, width="1e-6") -> tuple[tuple, tuple]:
+    r"""Rigorous enclosures of the composed step map $P_K$ of a schedule (the library's
+    step polynomials, :func:`_step_polynomial`, on the first step's input $x$, i.e. after
+    ``msign``'s division by ``input_scale``) and of its slope $P_K'$ on $x \in [lo, hi]$:
+    interval arithmetic at 200 bits, each step in mean-value form
+    $p(X) \subseteq p(m) + p'(X)(X - m)$ (tight where $p' \approx 0$, near the fixed
+    point), the slope the product of the steps' $p'(X)$ (chain rule), the interval
+    bisected until the output enclosure is narrower than ``width``. Returns
+    $((\min P_K, \max P_K), (\min P_K', \max P_K'))$, each end a float rounded outward."""
+    from mpmath import iv
+
+    table = schedule.step_coefficients(schedule.default_steps if steps is None else steps)
+    prec = iv.prec
+    iv.prec = 200
+    try:
+        enclose = lambda r: iv.mpf(int(sp.numer(r))) / iv.mpf(int(sp.denom(r)))  # noqa: E731
+        polys = [[enclose(v) for v in _step_polynomial(*row)] for row in table]
+        limit = enclose(exact(width))
+
+        def image(left, right):
+            X, slope = iv.mpf([left, right]), iv.mpf(1)
+            for A, B, C in polys:
+                dp = A + X * X * (3 * B + 5 * C * X * X)
+                m = iv.mpf(X.mid)
+                X = m * (A + m * m * (B + m * m * C)) + dp * (X - m)
+                slope = slope * dp
+            return X, slope
+
+        values, slopes = [], []
+        pending = [(enclose(exact(lo)).a, enclose(exact(hi)).b)]
+        while pending:
+            left, right = pending.pop()
+            X, slope = image(left, right)
+            if X.delta > limit.a and len(values) + len(pending) < 200000:
+                middle = (iv.mpf(left) + iv.mpf(right)) / 2
+                pending += [(left, middle.mid), (middle.mid, right)]
+                continue
+            values.append(X)
+            slopes.append(slope)
+    finally:
+        iv.prec = prec
+    out = lambda xs: (math.nextafter(float(min(x.a for x in xs)), -math.inf),  # noqa: E731
+                      math.nextafter(float(max(x.b for x in xs)), math.inf))
+    return out(values), out(slopes)
 
 
 # ======================================================================================
