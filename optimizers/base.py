@@ -41,7 +41,8 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   specs (``MatrixManifold.spec()``, ``Regulator.spec()``) and the live objects derived
   from them, so ``torch.load(path, weights_only=True)`` reads ``state_dict()``.
 * ``p.grad is None`` skipped; closures; LR schedulers (``lr`` is read from the group at
-  every step, float or 1-element tensor); ``state_dict``/``load_state_dict`` (all state
+  every step, float or 1-element tensor; a tensor enters the update as a 0-dim operand,
+  never read back, so a schedule may live on the device — regulators receive it as it is); ``state_dict``/``load_state_dict`` (all state
   is tensors and the groups plain data, so a resumed run is bit-identical on CPU).
 * :meth:`MatrixOptimizer.check_on_manifold`: reports (and by default raises for)
   parameters that are not on their group's manifold.
@@ -178,8 +179,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             params, positions = self._params_with_grad(group)
             if not params:
                 continue
-            lr = group["lr"]
-            lr = lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+            lr = group["lr"]  # a tensor lr stays one: an operand of the update, never read back
+            lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
             keep: dict[int, torch.Tensor] = {}
             if _distributed.is_sharded(params[0]):
                 params = self._finite_on_host(group, index, params, positions)
@@ -376,7 +377,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for p, c in zip(params, _where_kept(keep.to(params[0].dtype), 1 - lr * weight_decay)):
                 p.mul_(c)
         # a skipped matrix's update is already 0 (its momentum was, and every map sends 0 to 0)
-        torch._foreach_add_(params, updates, alpha=-lr * scale)
+        if isinstance(lr, torch.Tensor):  # addcmul computes in the parameter's dtype (U may be bf16)
+            for p, u in zip(params, updates):
+                p.addcmul_(u, -lr * scale)
+        else:
+            torch._foreach_add_(params, updates, alpha=-lr * scale)
 
     # ------------------------------------------------------------------ AdamW path
     def _adamw(self, group: dict, params: list[torch.Tensor], lr: float, keep: torch.Tensor | None) -> None:

@@ -294,15 +294,32 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     return form.newton_increment(D, E)
 
 
+def _axpy(Y: torch.Tensor, X: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
+    r"""$Y + \alpha X$: ``torch.add``'s ``alpha`` for a float, a product by the 0-dim tensor
+    otherwise (a learning rate scheduled on the device is never read back)."""
+    return Y + alpha * X if isinstance(alpha, torch.Tensor) else torch.add(Y, X, alpha=alpha)
+
+
+def _baddbmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
+    r"""$C + \alpha AB$ (``torch.baddbmm`` for a float $\alpha$; see :func:`_axpy`)."""
+    return C + alpha * (A @ B) if isinstance(alpha, torch.Tensor) else torch.baddbmm(C, A, B, alpha=alpha)
+
+
+def _scale(X: torch.Tensor, c: float | torch.Tensor) -> torch.Tensor:
+    """$cX$, skipped for the float 1 (no decay: bitwise the unscaled product)."""
+    return X if not isinstance(c, torch.Tensor) and c == 1.0 else c * X
+
+
 def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor, T2: torch.Tensor,
-            lr: float, shrink: float = 1.0, terms: int = 6) -> torch.Tensor:
+            lr: float | torch.Tensor, shrink: float | torch.Tensor = 1.0, terms: int = 6) -> torch.Tensor:
     r"""$R_{W'}(-\eta\hat A) = Y\rho(Y^\top Y)$ with $Y = W' - \eta(W'T_1 + Z_0T_2) = W\,c(I - \eta T_1) - \eta Z_0T_2$,
     $W' = cW$: the $m\times n$ assembly, the measured Gram $Y^\top Y$ and the right factor, all
-    in ``W.dtype`` (see the module docstring for why the Gram is measured).
+    in ``W.dtype`` (see the module docstring for why the Gram is measured). ``lr`` and
+    ``shrink`` are floats or 0-dim tensors (see :func:`gram_step`).
     """
     eye = torch.eye(T1.size(-1), dtype=T1.dtype, device=T1.device)
-    N1 = torch.add(eye, T1, alpha=-lr)
-    Y = torch.baddbmm(W @ (N1 if shrink == 1.0 else shrink * N1), Z0, T2, alpha=-lr)
+    N1 = _axpy(eye, T1, -lr)
+    Y = _baddbmm(W @ _scale(N1, shrink), Z0, T2, -lr)
     return Y @ form.retraction_factor(Y.mT @ Y, terms)
 
 
@@ -315,19 +332,21 @@ def _normal_only(tangent2: torch.Tensor, normal2: torch.Tensor, shape: torch.Siz
     return tangent2 <= level * (tangent2 + normal2)
 
 
-def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
+def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torch.Tensor,
               correction: torch.Tensor | None = None, settings: GramSettings = GramSettings(),
-              shrink: float = 1.0) -> GramStep:
+              shrink: float | torch.Tensor = 1.0) -> GramStep:
     r"""One steepest-descent step with retraction, $W \leftarrow R_{cW}(-\eta\hat A)$, in Gram space.
 
     Args:
         form: the manifold's :class:`~geomuon.manifolds.capabilities.GramForm`.
         W: tall points ``[B, m, n]`` ($m \ge n$) in the retraction dtype (fp32 or fp64).
         G: momentum ``[B, m, n]`` (the negative step direction), same dtype.
-        lr: the step length $\eta$.
+        lr: the step length $\eta$: a float, or a 0-dim tensor (a schedule on the device:
+            it enters as a product, never read back; floats take ``torch.add``'s ``alpha``).
         correction: warm start $\Delta$ (multiplier shape), or ``None`` (zero).
         settings: :class:`GramSettings`.
-        shrink: $c = 1 - \eta\lambda$ of decoupled weight decay, applied before the step.
+        shrink: $c = 1 - \eta\lambda$ of decoupled weight decay, applied before the step
+            (a float, or a 0-dim tensor like ``lr``).
 
     Returns:
         :class:`GramStep`. See the module docstring for the algorithm and the dtype of
@@ -336,9 +355,9 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float,
     low = settings.compute_dtype or W.dtype
     mulD = _PointGram(form, W, shrink)
     D = mulD.D
-    B = W.mT @ G if shrink == 1.0 else shrink * (W.mT @ G)
+    B = _scale(W.mT @ G, shrink)
     sigma0 = form.project(D, B)
-    Z0 = torch.baddbmm(G, W, sigma0, alpha=-shrink)
+    Z0 = _baddbmm(G, W, sigma0, -shrink)
     D_sigma0 = mulD(sigma0)
     B0 = B - D_sigma0
     K = Z0.mT @ Z0

@@ -331,11 +331,12 @@ class ManifoldMuon(MatrixOptimizer):
         G = M.to(W.dtype)
         # A zero momentum matrix (a step the base class skipped: non-finite gradient) keeps
         # its point, its warm start and its step count exactly (no retraction round-off).
-        moving = G.reshape(len(params), -1).ne(0).any(-1)
+        moving = torch.count_nonzero(G.reshape(len(params), -1), dim=-1) > 0  # one pass, no bool copy
         for state, counts in zip(states, moving):
             state["step"] = state.get("step", torch.tensor(0.0)) + counts
-        lr = float(group["lr"])
-        shrink = 1.0 - lr * float(group["weight_decay"])
+        lr = group["lr"]  # a float, or a 1-element tensor used as one (never read back)
+        lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
+        shrink = 1.0 - lr * float(group["weight_decay"]) if group["weight_decay"] else 1.0
         warm = None
         if group["warm_start"] and all("dual_correction" in s for s in states):
             warm = torch.stack([s["dual_correction"] for s in states])
@@ -360,8 +361,9 @@ class ManifoldMuon(MatrixOptimizer):
         if group["warm_start"] and correction is not None:
             if warm is not None:
                 correction = torch.where(moving.reshape(-1, *(1,) * (correction.dim() - 1)), correction, warm)
+            # views of this step's fresh stack (no copy): nothing else holds or writes it
             for state, value in zip(states, correction):
-                state["dual_correction"] = value.clone()
+                state["dual_correction"] = value
         if ratio is not None:
             index = self._group_index(group)
             for p, value in zip(params, ratio.reshape(len(params), -1).mean(dim=-1)):
@@ -391,10 +393,13 @@ class ManifoldMuon(MatrixOptimizer):
             T1, T2, Z0, S = out.direction_factors
             Wf = shrink * Wt.reshape(flat)
             ratio = certified_ratio(Gt.reshape(flat), Wf @ T1 + Z0 @ T2, Z0 + Wf @ S).reshape(shape[:-2])
-        return (point.mT if flip else point), correction, ratio
+        # a wide point leaves in its own layout: the transposing copy is blocked, while the
+        # caller's keep-or-move selection would read a transposed view entry by entry
+        # (measured: 7.7 instead of 12.6 ms for 6 x 384x1536, selection and write included)
+        return (point.mT.contiguous() if flip else point), correction, ratio
 
     def _general_path(self, group, manifold, W, G, lr, shrink, warm, certify):
-        W = W * shrink if shrink != 1.0 else W
+        W = W if not isinstance(shrink, torch.Tensor) and shrink == 1.0 else W * shrink
         settings = FAST.replace(steps=int(group["dual_steps"]), alpha=float(group["dual_alpha"]),
                                 msign_method=group["msign_method"], msign_steps=group["msign_steps"],
                                 compute_dtype=group["compute_dtype"], certify="exact" if certify else None)

@@ -4,6 +4,8 @@ Math checks in float64 (the reformulation is exact there); kernel checks in the
 optimizer's real dtypes (fp32 weights, bf16 dual iterations).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -222,3 +224,34 @@ def test_same_shape_matrices_on_different_manifold_instances_are_batched_apart()
              for _ in range(2)]
     optimizer = ManifoldMuon(twins, lr=0.05)
     assert [len(b) for b in optimizer._batches(optimizer.param_groups[0], twins)] == [2]
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+def test_a_tensor_learning_rate_is_never_read_back(manifold, spread, no_host_reads):
+    # A learning rate scheduled on the device (a 1-element tensor) enters the step as an
+    # operand: the whole step() under the read guard, first and warm-started steps, weight
+    # decay, tall, wide and square, with an AdamW group (control: the base class's old
+    # lr.item() and ManifoldMuon's float(lr) are reads the guard refuses).
+    shapes = [(24, 8), (24, 8), (8, 24), (8, 8)]
+    after_one = {}
+    for kind, lr in (("float", 0.05), ("tensor", torch.tensor([0.05]))):
+        params, grads = _stepped(manifold, shapes, seed=19)
+        vector = torch.nn.Parameter(torch.ones(5))
+        optimizer = ManifoldMuon([{"params": params, "manifold": manifold},
+                                  {"params": [vector], "update": "adamw", "lr": lr}], lr=lr, weight_decay=0.1)
+        with no_host_reads() if kind == "tensor" else contextlib.nullcontext():
+            for k, step_grads in enumerate(grads if kind == "tensor" else grads[:1]):
+                for p, g in zip([*params, vector], [*step_grads, torch.full((5,), 0.5)]):
+                    p.grad = g.clone()
+                optimizer.step()
+                if k == 0:
+                    after_one[kind] = [p.detach().clone() for p in [*params, vector]]
+    # One step: the same sums with lr as a product instead of torch.add's and baddbmm's alpha
+    # (fused there), so Y = W(I - eta T1) - eta Z0 T2 differs by about 2 eps of its entries and
+    # the point, Y times a factor near I, by about 3x that: 16 eps of the largest entry.
+    # (Over steps the warm start carries the difference on and the dualizer's slope bound
+    # amplifies it, up to 8e-5 on a square DGram matrix after 3 steps: not compared.)
+    eps = torch.finfo(torch.float32).eps
+    for p, q in zip(after_one["float"], after_one["tensor"]):
+        assert torch.allclose(p, q, atol=16 * eps * p.abs().max().item(), rtol=0)
+    assert not torch.allclose(after_one["float"][0], _stepped(manifold, shapes, seed=19)[0][0], atol=1e-3)

@@ -167,3 +167,26 @@ def test_ns_steps_limit_and_bad_coefficients():
         Muon([p], ns_coefficients=(1.0, 2.0))
     with pytest.raises(ValueError, match="momentum"):
         Muon([p], momentum=-0.1)
+
+
+def test_a_tensor_learning_rate_is_never_read_back(no_host_reads):
+    # lr as a 1-element tensor (a schedule on the device) with weight decay: no host read in
+    # step() (the old lr.item() fails the guard), and the step of the float lr up to the
+    # rounding of -lr*s*U formed as a product instead of foreach_add's alpha (1 eps of
+    # |lr s U| plus 1 of the sum: 4 eps of the largest entry)
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(s, generator=gen) for s in [(16, 8), (8, 16), (8, 8)]]
+    grads = [torch.randn(w.shape, generator=gen) for w in start]
+    results = []
+    for lr in (0.02, torch.tensor([0.02])):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = Muon(params, lr=lr, weight_decay=0.1)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        with no_host_reads():
+            opt.step()
+        results.append([p.detach() for p in params])
+    eps = torch.finfo(torch.float32).eps
+    for p, q, w in zip(*results, start):
+        assert torch.allclose(p, q, atol=4 * eps * p.abs().max().item(), rtol=0)
+        assert not torch.equal(p, w)
