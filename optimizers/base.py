@@ -45,7 +45,10 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   never read back, so a schedule may live on the device — regulators receive it as it is); ``state_dict``/``load_state_dict`` (all state
   is tensors and the groups plain data, so a resumed run is bit-identical on CPU).
 * :meth:`MatrixOptimizer.check_on_manifold`: reports (and by default raises for)
-  parameters that are not on their group's manifold.
+  parameters that are not on their group's manifold (a host read, outside any step). In a
+  step, a subclass refuses matrices on the device through :meth:`MatrixOptimizer._admissible`
+  (ManifoldMuon's first step: weights off their manifold), with the non-finite no-op and a
+  deferred :class:`OffManifoldError`.
 """
 
 from __future__ import annotations
