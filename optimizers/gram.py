@@ -23,7 +23,7 @@ projection) followed by the manifold's retraction:
 **Cost** per matrix ($m\times n$ products are the unit): $B$, $Z_0$, $K$, the two products
 of $Y$, $Y^\top Y$ and $Y\rho$ — seven, however many dual steps run — plus per dual
 iteration one $n\times n$ symmetric eigendecomposition and a handful of $n\times n$
-products.
+products (DGram's retraction adds one more eigendecomposition per step).
 
 **Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off,
 $\varepsilon$ the parameter dtype's):
@@ -50,7 +50,10 @@ Everything is a polynomial in, an eigendecomposition of, or a conjugation of the
 matrices, so the map is equivariant under the manifold's symmetry group (up to
 round-off), and no step reads a value back to the host on CPU: the iteration counts are
 fixed by the settings. (On CUDA, ``torch.linalg.eigh`` reads its convergence flag back;
-``dualizer="polar_express"`` has no such read.)
+``dualizer="polar_express"`` has no such read, but DGram's retraction keeps one: it
+computes the exact $N^{-1/2}$ by ``eigh`` for every matrix and takes it where the
+normalized Gram is beyond its series' radius,
+:func:`geomuon.manifolds.capabilities.inv_sqrt_unit_diagonal`.)
 """
 
 from __future__ import annotations

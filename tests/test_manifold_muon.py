@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from geomuon.manifolds import DGram, Euclidean, Oblique, Stiefel
-from geomuon.manifolds.capabilities import gram_retraction
+from geomuon.manifolds.capabilities import gram_retraction, inv_sqrt_near_identity, series_radius
 from geomuon.optimizers import ManifoldMuon, msign
 
 
@@ -123,6 +123,70 @@ def test_gram_form_retraction_is_a_retraction_of_the_stated_order(manifold):
         assert 7.0 < (tangent[0] / tangent[1]).item() < 9.0
     # negative control: the plain step W + V is off the manifold
     assert not manifold.check_point_on_manifold(W + V, atol=1e-6)
+
+
+def _dgram_step_across_small_columns(small_norm):
+    """A 128 x 128 DGram point whose first 4 column norms are ``small_norm`` (the rest 1) and
+    a tangent step of spectral norm 0.02 concentrated on those columns, so that the
+    normalized Gram N of Y = W + V is far from I when the small norms are of the step's order."""
+    gen = torch.Generator().manual_seed(3)
+    manifold = DGram()
+    W = manifold.projx(torch.randn(128, 128, generator=gen, dtype=torch.float64))
+    norms = torch.ones(128, dtype=torch.float64)
+    norms[:4] = small_norm
+    W = W / W.norm(dim=0) * norms
+    X = 0.01 * torch.randn(128, 128, generator=gen, dtype=torch.float64)
+    X[:, :4] = torch.nn.functional.normalize(torch.randn(128, 1, generator=gen, dtype=torch.float64), dim=0)
+    V = manifold.proju(W, X)
+    return manifold, W, 0.02 * V / torch.linalg.matrix_norm(V, ord=2)
+
+
+def _column_polar_retraction(W, V):
+    """The exact column-norm-keeping polar retraction msign(Y Delta^-1/2) Delta^1/2, fp64 SVD."""
+    Y = W + V
+    norms = Y.norm(dim=0)
+    U, _, Vh = torch.linalg.svd(Y / norms, full_matrices=False)
+    return U @ Vh * norms
+
+
+def test_dgram_gram_retraction_stays_exact_when_a_column_norm_falls_to_the_step():
+    # Columns of norm 0.005 under a step of 0.02: ||N - I||_2 = 1.3, beyond the radius 1 of
+    # convergence of the binomial series of N^-1/2 (the ManifoldMuon NaN of a DGram run at
+    # lr 0.02 had 1.76). The retraction
+    # falls back to the eigendecomposition there. Tolerance in fp32, per column relative
+    # to its norm: eigh is backward stable (a perturbation of N of n eps ||N|| at most), and
+    # N -> N^-1/2 amplifies a relative perturbation by at most kappa(N)/2 (its Frechet
+    # derivative), so the factor is within kappa n eps / 2; the product Y rho adds sqrt(n) eps.
+    manifold, W, V = _dgram_step_across_small_columns(0.005)
+    expected = _column_polar_retraction(W, V)
+    Y = W + V
+    N = torch.nn.functional.normalize(Y, dim=0).mT @ torch.nn.functional.normalize(Y, dim=0)
+    assert torch.linalg.matrix_norm(N - torch.eye(128, dtype=N.dtype), ord=2) > 1.0  # the regime it is about
+    kappa = torch.linalg.cond(N).item()
+    for dtype in (torch.float32, torch.float64):
+        eps = torch.finfo(dtype).eps
+        R = gram_retraction(manifold.gram_form, W.to(dtype), V.to(dtype)).double()
+        error = ((R - expected).norm(dim=0) / expected.norm(dim=0)).max().item()
+        assert error <= (kappa * 128 / 2 + 128**0.5) * eps, (dtype, error)
+    # negative control: the series alone, as the retraction was, is off by O(1) here (0.57)
+    eye = torch.eye(128, dtype=torch.float64)
+    series = Y @ (inv_sqrt_near_identity(N - eye, 6) * (Y.norm(dim=0) / Y.norm(dim=0).unsqueeze(-1)))
+    assert ((series - expected).norm(dim=0) / expected.norm(dim=0)).max().item() > 0.1
+
+
+def test_dgram_gram_retraction_takes_the_series_within_its_radius():
+    # At column norms of one the same step leaves ||N - I|| ~ 1e-4: the series is selected and
+    # the map is bitwise the series (so runs that never leave the radius are unchanged).
+    manifold, W, V = _dgram_step_across_small_columns(1.0)
+    for dtype in (torch.float32, torch.float64):
+        Y = (W + V).to(dtype)
+        YtY = Y.mT @ Y
+        norms = YtY.diagonal().sqrt()
+        N = YtY / (norms.unsqueeze(-1) * norms)
+        eye = torch.eye(128, dtype=dtype)
+        assert torch.linalg.matrix_norm(N - eye) <= series_radius(6, dtype)
+        series = inv_sqrt_near_identity(N - eye, 6) * (norms / norms.unsqueeze(-1))
+        assert torch.equal(manifold.gram_form.retraction_factor(YtY), series)
 
 
 def test_gram_form_retraction_is_the_manifold_retraction_on_stiefel_and_oblique():
