@@ -169,6 +169,8 @@ def main(argv=None) -> int:
             continue  # the general path has one dual update
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")
+        if retraction == "fused" and update == "newton" and not manifold.gram_form.has_newton:
+            continue  # the form declares no Newton step (it would take Jacobi steps: the Jacobi rows)
         options = dict(solver, retraction=retraction, dual_update=update)
         mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **options)
         cost = "-"
@@ -177,8 +179,9 @@ def main(argv=None) -> int:
                                 **options)
             cost = f"{ratio:.2f}"
         start = "warm" if warm else "cold"
+        default_update = DEFAULT_DUAL_UPDATE if manifold.gram_form.has_newton else "jacobi"
         if (dual_steps == default_dual_steps(manifold) and warm and not solver and retraction == "fused"
-                and update == DEFAULT_DUAL_UPDATE):
+                and update == default_update):
             start += " (default)"
         where = f"{set_name} ({len(shapes)} matrices)"
         path = "Gram space" if retraction == "fused" else "general"

@@ -219,6 +219,27 @@ def test_manifold_frontier_writes_its_table(tmp_path):
     check_provenance(markdown, "manifold_frontier", stdout)
 
 
+def test_manifold_inrun_reads_the_certificates_of_a_real_run(tmp_path):
+    markdown = tmp_path / "manifold_inrun.md"
+    stdout = run_script("manifold_inrun", markdown)
+    rows = parse_table(stdout)
+    # per manifold: one row per orientation the model has, then "all" (their union); DGram
+    # declares no Newton step, so its default update is Jacobi
+    assert [(r["manifold"], r["matrices"]) for r in rows] == [
+        (m, kind) for m in ("stiefel", "dgram") for kind in ("square", "tall", "wide", "all")]
+    assert {r["dual update"] for r in rows if r["manifold"] == "dgram"} == {"jacobi (default)"}
+    for manifold in ("stiefel", "dgram"):
+        mine = [r for r in rows if r["manifold"] == manifold]
+        # 1 layer: c_attn (tall), c_proj (square), mlp in (tall) and out (wide), certified at
+        # steps 2 and 4 of 4: 2 x (2 tall, 1 square, 1 wide)
+        assert [int(r["certified steps x matrices"]) for r in mine] == [2, 4, 2, 8]
+        for row in mine:
+            # a certified ratio is primal / dual of a feasible direction: in (0, 1]
+            assert 0 < float(row["min"]) <= float(row["mean certified ratio"]) <= 1, row
+        assert float(mine[-1]["min"]) == min(float(r["min"]) for r in mine[:-1])
+    check_provenance(markdown, "manifold_inrun", stdout)
+
+
 def test_lipschitz_tightness_table_never_shows_a_violation(tmp_path):
     markdown = tmp_path / "lipschitz_tightness.md"
     stdout = run_script("lipschitz_tightness", markdown)

@@ -1,0 +1,146 @@
+r"""Quality of ManifoldMuon's direction inside GPT training: the certificate in a real run.
+
+:mod:`bench.manifold_frontier` measures the dual solver on noisy regressions whose
+gradients have full rank. A transformer's momentum is far from that: its singular values
+spread over many orders of magnitude (a DGram MLP matrix of the run below, step 240:
+$2.8\cdot10^{-3}$ down to $10^{-10}$), where the dual function
+$\Lambda \mapsto \|G + L_W^*\Lambda\|_*$ is nonsmooth and dual steps stall. This script
+trains the manifolds study's GPT (:mod:`geomuon.pretrain.studies.manifolds`: 3 layers,
+4 heads, width 128, context 64, batch 16, lr 0.02 with warmup 20 then cosine) with one
+manifold on every attention and MLP matrix (``all_stiefel`` / ``all_dgram``) and reads
+ManifoldMuon's exact certificate (``certify_every``: primal
+$\langle G, \hat A\rangle/\max(1, \|\hat A\|_2)$ over the dual value $\|Z\|_*$ of the last
+dual iterate, SVD-based) of the direction each matrix took at every evaluation step. The
+certified ratio is a lower bound on the fraction of the optimal descent; in the runs
+reported on the Results page, long float64 solves from the same $(W, G)$ (48 Newton or
+Jacobi dual steps) did not find a smaller dual value, so it is close to the fraction
+itself there.
+
+Rows: mean and minimum over the certified steps and matrices, by the matrices'
+orientation (tall, square, wide as the parameter is stored), for each solver asked for.
+
+Usage::
+
+    python bench/manifold_inrun.py --data shakespeare:PATH                 # both manifolds, defaults
+    python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi
+    python bench/manifold_inrun.py --quick                                  # seconds: a smoke test
+
+``--markdown PATH`` writes the table with its provenance (see :mod:`bench.timing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as `python bench/manifold_inrun.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import Provenance, add_arguments, markdown_row, markdown_table  # noqa: E402
+
+#: the manifolds study's full size (model, schedule, evaluation cadence)
+RUN = dict(model="cpu-small", n_layer=3, n_head=4, n_embd=128, block_size=64, steps=400, batch_size=16, lr=0.02,
+           adamw_lr=3e-3, warmup_steps=20, eval_every=40, eval_batches=1)
+#: ``--quick``: a 1-layer width-16 model, 4 steps, a certificate every 2 (seconds; not a result)
+QUICK_RUN = dict(model="cpu-tiny", n_layer=1, n_head=2, n_embd=16, block_size=16, steps=4, batch_size=2,
+                 warmup_steps=1, eval_every=2, eval_batches=1)
+STRATEGY = {"stiefel": "all_stiefel", "dgram": "all_dgram"}
+
+
+def orientation(shape) -> str:
+    m, n = shape[-2:]
+    return "tall" if m > n else "wide" if m < n else "square"
+
+
+def certified_run(manifold: str, update: str | None, dual_steps: int | None, run: dict, data: str, seed: int):
+    """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
+    from geomuon.optimizers import ManifoldMuon
+    from geomuon.optimizers.assign import assign
+    from geomuon.pretrain.config import TrainConfig
+    from geomuon.pretrain.train import train
+
+    optimizers: list[ManifoldMuon] = []
+
+    def build(model, hyper):
+        assignment = assign(model, STRATEGY[manifold], hyper)
+        for opt in assignment.optimizers.values():
+            if isinstance(opt, ManifoldMuon):
+                for group in opt.param_groups:
+                    group.update(certify_every=run["eval_every"], dual_update=update)
+                    if dual_steps is not None:
+                        group["dual_steps"] = dual_steps
+                optimizers.append(opt)
+        return assignment
+
+    shapes = {}
+    ratios: dict[str, list[float]] = {}
+
+    def read_certificates(model, evaluation):
+        # names -> shapes once; the certificates are the last certified step's (this one)
+        if not shapes:
+            for opt in optimizers:
+                for index, group in enumerate(opt.param_groups):
+                    for i, p in enumerate(group["params"]):
+                        shapes[opt._name(group, i, index)] = tuple(p.shape)
+        for opt in optimizers:
+            for name, ratio in opt.certificates.items():
+                ratios.setdefault(orientation(shapes[name]), []).append(ratio)
+        return {}
+
+    fields = {k: v for k, v in run.items() if k not in ("model",)}
+    cfg = TrainConfig(model=run["model"], strategy=STRATEGY[manifold], data=data, seed=seed, progress=False,
+                      print_table=False, **fields)
+    train(cfg, build_assignment=build, extra_metrics=read_certificates)
+    return ratios
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--manifold", nargs="+", default=["stiefel", "dgram"], choices=sorted(STRATEGY))
+    parser.add_argument("--update", nargs="+", default=[None], choices=["newton", "jacobi"],
+                        help="dual update (default: ManifoldMuon's for the manifold)")
+    parser.add_argument("--dual", type=int, nargs="+", default=[None],
+                        help="dual steps per optimizer step (default: ManifoldMuon's for the manifold)")
+    parser.add_argument("--data", default="embedded", help="training data spec (geomuon pretrain --data)")
+    parser.add_argument("--seed", type=int, default=1)
+    add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)")
+    args = parser.parse_args(argv)
+    run = dict(RUN, **(QUICK_RUN if args.quick else {}))
+    provenance = Provenance(__file__, args, argv)
+    torch.set_num_threads(args.threads)
+    from geomuon.manifolds import MatrixManifold
+    from geomuon.optimizers.manifold_muon import default_dual_steps
+
+    header = ["manifold", "dual update", "dual steps", "matrices", "certified steps x matrices",
+              "mean certified ratio", "min"]
+    lines = [
+        f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
+        f"{run['eval_every']} steps, lr {run['lr']}, data {args.data}, seed {args.seed}, {args.threads} thread(s); "
+        "dual update / steps '(default)': ManifoldMuon's for the manifold",
+        "",
+        markdown_table(header, []),
+    ]
+    print("\n".join(lines))
+    for manifold, update, dual in itertools.product(args.manifold, args.update, args.dual):
+        owner = MatrixManifold.resolve(manifold, "--manifold")
+        form = owner.gram_form
+        if update == "newton" and not form.has_newton:
+            continue  # the form declares no Newton step: its rows are the Jacobi rows
+        ratios = certified_run(manifold, update, dual, run, args.data, args.seed)
+        shown_update = update or ("newton (default)" if form.has_newton else "jacobi (default)")
+        shown_dual = str(dual) if dual is not None else f"{default_dual_steps(owner)} (default)"
+        groups = dict(sorted(ratios.items()))
+        groups["all"] = [r for values in ratios.values() for r in values]
+        for kind, values in groups.items():
+            lines.append(markdown_row([manifold, shown_update, shown_dual, kind, str(len(values)),
+                                       f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
+            print(lines[-1], flush=True)
+    return provenance.finish("\n".join(lines), printed=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
