@@ -22,7 +22,7 @@ orientation (tall, square, wide as the parameter is stored), for each solver ask
 Usage::
 
     python bench/manifold_inrun.py --data shakespeare:PATH                 # both manifolds, defaults
-    python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi
+    python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi --polish 0 1 2
     python bench/manifold_inrun.py --quick                                  # seconds: a smoke test
 
 ``--markdown PATH`` writes the table with its provenance (see :mod:`bench.timing`).
@@ -56,7 +56,8 @@ def orientation(shape) -> str:
     return "tall" if m > n else "wide" if m < n else "square"
 
 
-def certified_run(manifold: str, update: str | None, dual_steps: int | None, run: dict, data: str, seed: int):
+def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int, run: dict, data: str,
+                  seed: int):
     """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
@@ -70,7 +71,7 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, run
         for opt in assignment.optimizers.values():
             if isinstance(opt, ManifoldMuon):
                 for group in opt.param_groups:
-                    group.update(certify_every=run["eval_every"], dual_update=update)
+                    group.update(certify_every=run["eval_every"], dual_update=update, polish_rounds=polish)
                     if dual_steps is not None:
                         group["dual_steps"] = dual_steps
                 optimizers.append(opt)
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
                         help="dual update (default: ManifoldMuon's for the manifold)")
     parser.add_argument("--dual", type=int, nargs="+", default=[None],
                         help="dual steps per optimizer step (default: ManifoldMuon's for the manifold)")
+    parser.add_argument("--polish", type=int, nargs="+", default=[0],
+                        help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default 0)")
     parser.add_argument("--data", default="embedded", help="training data spec (geomuon pretrain --data)")
     parser.add_argument("--seed", type=int, default=1)
     add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)")
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     from geomuon.manifolds import MatrixManifold
     from geomuon.optimizers.manifold_muon import default_dual_steps
 
-    header = ["manifold", "dual update", "dual steps", "matrices", "certified steps x matrices",
+    header = ["manifold", "dual update", "dual steps", "polish rounds", "matrices", "certified steps x matrices",
               "mean certified ratio", "min"]
     lines = [
         f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
@@ -125,18 +128,18 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
-    for manifold, update, dual in itertools.product(args.manifold, args.update, args.dual):
+    for manifold, update, dual, polish in itertools.product(args.manifold, args.update, args.dual, args.polish):
         owner = MatrixManifold.resolve(manifold, "--manifold")
         form = owner.gram_form
         if update == "newton" and not form.has_newton:
             continue  # the form declares no Newton step: its rows are the Jacobi rows
-        ratios = certified_run(manifold, update, dual, run, args.data, args.seed)
+        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed)
         shown_update = update or ("newton (default)" if form.has_newton else "jacobi (default)")
         shown_dual = str(dual) if dual is not None else f"{default_dual_steps(owner)} (default)"
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
-            lines.append(markdown_row([manifold, shown_update, shown_dual, kind, str(len(values)),
+            lines.append(markdown_row([manifold, shown_update, shown_dual, str(polish), kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)

@@ -6,7 +6,7 @@
 from geomuon.manifolds.linalg import msign
 
 from . import maps
-from .base import MatrixOptimizer
+from .base import MatrixOptimizer, OffManifoldError
 from .manifold_muon import ManifoldMuon
 from .muon import Muon
 from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
@@ -16,6 +16,7 @@ __all__ = [
     "msign",
     "maps",
     "MatrixOptimizer",
+    "OffManifoldError",
     "Muon",
     "ManifoldMuon",
     "RowNormM",

@@ -502,7 +502,10 @@ def _where_kept(kept: torch.Tensor, value: float) -> torch.Tensor:
 
 
 class OffManifoldError(ValueError):
-    """A matrix optimizer refused to step parameters that are off their manifold."""
+    """A matrix optimizer refused to step parameters that are off their manifold (a
+    ``ValueError``): raised by ManifoldMuon's first step and by ``check_on_manifold``, naming
+    the parameters; their step was skipped, weights and state unchanged. Project them back
+    with ``p.copy_(manifold.projx(p))`` and step again."""
 
 
 def _report_off_manifold(optimizer, mode: str, refused: dict[str, int], stacklevel: int) -> None:

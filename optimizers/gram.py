@@ -18,7 +18,9 @@ projection) followed by the manifold's retraction:
    Jacobi step (:func:`jacobi_update`).
 3. The direction $\hat A = P_W(ZP) = WT_1 + Z_0T_2$, $T_1 = SP - \mathrm{project}(D, M)$,
    $T_2 = P$, and the retraction folded into its assembly:
-   $R_W(-\eta\hat A) = Y\rho(Y^\top Y)$, $Y = W(I - \eta T_1) - \eta Z_0T_2$ (:func:`retract`).
+   $R_W(-\eta\hat A) = Y\rho(Y^\top Y)$, $Y = W(I - \eta T_1) - \eta Z_0T_2$ (:func:`retract`),
+   after ``polish_rounds`` rounds of :func:`polish` (alternating projections of $\hat A$ onto
+   the unit spectral ball and the tangent space) where the settings ask for them.
 
 **Cost** per matrix ($m\times n$ products are the unit): $B$, $Z_0$, $K$, the two products
 of $Y$, $Y^\top Y$ and $Y\rho$ — seven, however many dual steps run — plus per dual
@@ -66,7 +68,7 @@ from geomuon.manifolds.capabilities import GramForm
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
-           "jacobi_update", "retract", "DUALIZERS", "UPDATES"]
+           "jacobi_update", "polish", "retract", "DUALIZERS", "UPDATES"]
 
 #: ``GramSettings.dualizer``: exact from the eigendecomposition of $Q$, or Polar Express on
 #: its Cholesky factor (bf16 products, no LAPACK eigensolver).
@@ -98,6 +100,9 @@ class GramSettings:
             (``None``: the parameter's).
         retraction_terms: terms of the retraction's inverse-square-root series
             (:func:`geomuon.manifolds.capabilities.inv_sqrt_near_identity`).
+        polish_rounds: rounds of :func:`polish` of the direction after the dual steps (0:
+            none; each costs one $n\times n$ eigendecomposition and about nine $n\times n$
+            products).
     """
 
     dual_steps: int = 0
@@ -108,10 +113,13 @@ class GramSettings:
     msign_steps: int = 6
     compute_dtype: torch.dtype | None = torch.bfloat16
     retraction_terms: int = 6
+    polish_rounds: int = 0
 
     def __post_init__(self) -> None:
         if self.dual_steps < 0:
             raise ValueError(f"GramSettings: dual_steps must be >= 0, got {self.dual_steps}")
+        if self.polish_rounds < 0:
+            raise ValueError(f"GramSettings: polish_rounds must be >= 0, got {self.polish_rounds}")
         if self.msign_steps < 1:
             raise ValueError(f"GramSettings: msign_steps must be >= 1, got {self.msign_steps}")
         if self.dualizer not in DUALIZERS:
@@ -297,6 +305,36 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     return form.newton_increment(D, E)
 
 
+def polish(form: GramForm, mulD: "_PointGram", B0: torch.Tensor, K: torch.Tensor, T1: torch.Tensor,
+           T2: torch.Tensor, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Alternating projections of the direction $\hat A = WT_1 + Z_0T_2$ onto the unit spectral
+    ball and the tangent space, in Gram space; returns the new ``(T1, T2)``.
+
+    The tangent projection of $\operatorname{msign}(Z)$ has spectral norm above one while the
+    dual iterate $Z$ is not optimal (1.1–1.3 in GPT training, where the momentum's singular
+    values spread over orders of magnitude and dual steps stall), and the certificate divides
+    the primal by it. Each round: the nearest matrix in the unit ball (Frobenius metric),
+    $\hat A\,\phi(\hat A^\top\hat A)$ with $\phi(\lambda) = \min(1, \lambda^{-1/2})$ on the eigenvalues of
+
+    $$\hat A^\top\hat A = T_1^\top DT_1 + T_1^\top B_0T_2 + T_2^\top B_0^\top T_1 + T_2^\top KT_2,$$
+
+    then the tangent projection $\hat A - W\,\mathrm{project}(D, W^\top\hat A)$,
+    $W^\top\hat A = DT_1 + B_0T_2$: both right factors, so $(T_1, T_2)$ carry it. The result is
+    tangent; its norm approaches the unit ball's as rounds are added (Bauschke–Borwein
+    alternating projections onto two closed convex sets). Spectral functions and
+    conjugations of Gram matrices only, so it keeps the map's equivariance. All in the
+    inputs' dtype (the retraction dtype), ``torch.linalg.eigh`` for $\phi$.
+    """
+    for _ in range(rounds):
+        cross = T1.mT @ (B0 @ T2)
+        gram = T1.mT @ mulD(T1) + cross + cross.mT + T2.mT @ (K @ T2)
+        lam, V = torch.linalg.eigh(gram)
+        clip = (V * lam.clamp_min(1.0).rsqrt().unsqueeze(-2)) @ V.mT
+        T1, T2 = T1 @ clip, T2 @ clip
+        T1 = T1 - form.project(mulD.D, mulD(T1) + B0 @ T2)
+    return T1, T2
+
+
 def _axpy(Y: torch.Tensor, X: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
     r"""$Y + \alpha X$: ``torch.add``'s ``alpha`` for a float, a product by the 0-dim tensor
     otherwise (a learning rate scheduled on the device is never read back)."""
@@ -391,6 +429,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     keep = (~normal).to(W.dtype).reshape(*normal.shape, 1, 1)
     T1 = (SP - form.project(D, M)) * keep
     T2 = P * keep
+    T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds)
     point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms)
     return GramStep(point=point, correction=delta, direction_factors=(T1, T2, Z0, S))
 

@@ -136,6 +136,11 @@ class ManifoldMuon(MatrixOptimizer):
         dual_carry: take one more dual step after the last iterate into the warm start
             (Gram path; default True: the dual ascent advances every optimizer step even
             with ``dual_steps=0``, for the price of two $n\times n$ products).
+        polish_rounds: rounds of alternating projection of the Gram path's direction onto
+            the unit spectral ball and the tangent space
+            (:func:`geomuon.optimizers.gram.polish`; default 0). One round raised a DGram MLP
+            matrix's certificate in GPT training from 0.889 to 0.938, two to 0.953, for one
+            $n\times n$ eigendecomposition each.
         retraction: ``"fused"`` (default: a manifold with a Gram form retracts inside the
             Gram-space assembly with the form's retraction; any other manifold with its
             ``retr``) or ``"manifold"`` (always the general path and ``manifold.retr``).
@@ -183,6 +188,7 @@ class ManifoldMuon(MatrixOptimizer):
         msign_steps: int | None = 6,
         compute_dtype: torch.dtype | None = torch.bfloat16,
         dual_carry: bool = True,
+        polish_rounds: int = 0,
         retraction: str = "fused",
         certify_every: int = 0,
         nonfinite: str = "skip",
@@ -194,7 +200,7 @@ class ManifoldMuon(MatrixOptimizer):
             norm=norm, dual_steps=dual_steps, dual_alpha=dual_alpha, dual_update=dual_update,
             gram_dualizer=gram_dualizer, warm_start=warm_start,
             msign_method=msign_method, msign_steps=msign_steps, compute_dtype=compute_dtype,
-            dual_carry=dual_carry, retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
+            dual_carry=dual_carry, polish_rounds=polish_rounds, retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
         )
         self._certified: dict[str, torch.Tensor] = {}
         self._checked = False
@@ -225,6 +231,8 @@ class ManifoldMuon(MatrixOptimizer):
                              "uses the eigenvectors); choose dual_update='jacobi' with 'polar_express'")
         if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
+        if int(group["polish_rounds"]) < 0:
+            raise ValueError(f"group {index}: polish_rounds must be >= 0, got {group['polish_rounds']}")
         manifold = None
         if group["manifold"] is not None:
             # the group keeps the spec (plain data for state_dict); the live one is derived
@@ -380,7 +388,7 @@ class ManifoldMuon(MatrixOptimizer):
             dual_steps=int(group["dual_steps"]), carry=bool(group["dual_carry"]), alpha=float(group["dual_alpha"]),
             update=update, dualizer=dualizer,
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
-            compute_dtype=group["compute_dtype"],
+            compute_dtype=group["compute_dtype"], polish_rounds=int(group.get("polish_rounds", 0)),
         )
         flat = (-1, *shape[-2:])
         if warm is not None:

@@ -284,3 +284,22 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_certificates_included(tm
     assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(params, resumed))
     assert all(whole[3 + k] for k in (0, 2)) and whole[3 + 1] == whole[3 + 0]  # steps 4 and 6 certify
     assert (rest == whole[3:]) == keep_count
+
+
+def test_polish_rounds_move_the_step_and_keep_it_on_the_manifold():
+    # polish_rounds reaches the Gram path (the point differs from the unpolished one) and the
+    # polished step is still retracted onto the manifold; a negative count is refused by name.
+    gen = torch.Generator().manual_seed(8)
+    start = DGram().random(48, 16, generator=gen) * torch.logspace(-0.5, 0.5, 16)
+    grad = torch.randn(48, 16, generator=gen)
+    points = {}
+    for rounds in (0, 2):
+        W = torch.nn.Parameter(start.clone())
+        opt = ManifoldMuon([W], manifold="dgram", lr=0.05, polish_rounds=rounds)
+        W.grad = grad.clone()
+        opt.step()
+        assert DGram().check_point_on_manifold(W.detach(), atol=1e-5)
+        points[rounds] = W.detach()
+    assert not torch.allclose(points[0], points[2], atol=1e-5)
+    with pytest.raises(ValueError, match="polish_rounds must be >= 0"):
+        ManifoldMuon([torch.nn.Parameter(start.clone())], manifold="dgram", polish_rounds=-1)

@@ -8,7 +8,7 @@ import torch
 
 from geomuon.manifolds import DGram, MatrixManifold, Stiefel
 from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
-from geomuon.optimizers.base import OffManifoldError
+from geomuon.optimizers import OffManifoldError
 
 FACTORIES = {
     "Muon": lambda groups, **kw: Muon(groups, lr=0.02, **kw),
