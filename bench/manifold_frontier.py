@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
-    from geomuon.optimizers.manifold_muon import DEFAULT_DUAL_UPDATE, default_dual_steps, resolve_manifold
+    from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, resolve_manifold
 
     solver = {}
     if args.msign:
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
             continue  # the general path has one dual update
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")
-        if retraction == "fused" and update == "newton" and not manifold.gram_form.has_newton:
+        if retraction == "fused" and update == "newton" and default_dual_update(manifold) != "newton":
             continue  # the form declares no Newton step (it would take Jacobi steps: the Jacobi rows)
         options = dict(solver, retraction=retraction, dual_update=update)
         mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **options)
@@ -179,9 +179,8 @@ def main(argv=None) -> int:
                                 **options)
             cost = f"{ratio:.2f}"
         start = "warm" if warm else "cold"
-        default_update = DEFAULT_DUAL_UPDATE if manifold.gram_form.has_newton else "jacobi"
         if (dual_steps == default_dual_steps(manifold) and warm and not solver and retraction == "fused"
-                and update == default_update):
+                and update == default_dual_update(manifold)):
             start += " (default)"
         where = f"{set_name} ({len(shapes)} matrices)"
         path = "Gram space" if retraction == "fused" else "general"

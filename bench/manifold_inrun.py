@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     from geomuon.manifolds import MatrixManifold
-    from geomuon.optimizers.manifold_muon import default_dual_steps
+    from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update
 
     header = ["manifold", "dual update", "dual steps", "polish rounds", "matrices", "certified steps x matrices",
               "mean certified ratio", "min"]
@@ -130,11 +130,10 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     for manifold, update, dual, polish in itertools.product(args.manifold, args.update, args.dual, args.polish):
         owner = MatrixManifold.resolve(manifold, "--manifold")
-        form = owner.gram_form
-        if update == "newton" and not form.has_newton:
+        if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
         ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed)
-        shown_update = update or ("newton (default)" if form.has_newton else "jacobi (default)")
+        shown_update = update or f"{default_dual_update(owner)} (default)"
         shown_dual = str(dual) if dual is not None else f"{default_dual_steps(owner)} (default)"
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]

@@ -44,7 +44,7 @@ from .base import MatrixOptimizer, OffManifoldError
 from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "gram_solver", "DEFAULT_DUAL_STEPS",
+__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_dual_update", "gram_solver", "DEFAULT_DUAL_STEPS",
            "DEFAULT_DUAL_UPDATE"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
@@ -64,6 +64,14 @@ def default_dual_steps(manifold) -> int:
     :data:`DEFAULT_DUAL_STEPS`."""
     form = getattr(manifold, "gram_form", None)
     return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
+
+
+def default_dual_update(manifold) -> str:
+    """The dual update ManifoldMuon's Gram path takes on ``manifold`` with the CPU's default
+    dualizer: :data:`DEFAULT_DUAL_UPDATE` where its Gram form declares a Newton step, else
+    ``"jacobi"`` (what :func:`geomuon.optimizers.gram.newton_update` falls back to)."""
+    form = getattr(manifold, "gram_form", None)
+    return DEFAULT_DUAL_UPDATE if form is not None and form.has_newton else "jacobi"
 
 
 def gram_solver(device: torch.device, update: str | None, dualizer: str | None) -> tuple[str, str]:
