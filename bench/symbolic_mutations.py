@@ -14,7 +14,7 @@ machine)::
     python bench/symbolic_mutations.py --only dgram    # labels containing "dgram"
     python bench/symbolic_mutations.py --list          # the catalogue, run nothing
     python bench/symbolic_mutations.py --range 28:     # the second half (split a run)
-    python bench/symbolic_mutations.py --markdown docs/results/symbolic_mutations.md
+    python bench/symbolic_mutations.py --markdown docs/results/benchmarks/symbolic_mutations.md
 
 Exit status 0 when the unmutated copy passes and every mutation is killed.
 """
@@ -22,6 +22,8 @@ Exit status 0 when the unmutated copy passes and every mutation is killed.
 from __future__ import annotations
 
 import argparse
+import datetime
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from geomuon.pretrain.provenance import git_commit, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,9 +109,10 @@ hybrid normalizes columns | R = row_norm(D, eps=eps) | R = col_norm(D, eps=eps)
 centered map does not re-center | return _center_rows(update(_center_rows(D), **kwargs)) | return update(_center_rows(D), **kwargs)
 centered map does not center its input | return _center_rows(update(_center_rows(D), **kwargs)) | return _center_rows(update(D, **kwargs))
 ## optimizers/gram.py
-gram retract steps along +T1 | N1 = torch.add(eye, T1, alpha=-lr) | N1 = torch.add(eye, T1, alpha=lr)
-gram retract drops the tangent part's sign | Z0, T2, alpha=-lr) | Z0, T2, alpha=lr)
+gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr)
+gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)
 gram dual Gram forgets S'F's transpose | return K + SF + SF.mT | return K + 2 * SF
+gram dual Gram drops DS's 1/2 | torch.add(B0, DS, alpha=0.5) | torch.add(B0, DS, alpha=1.0)
 ## theory/lipschitz.py
 GELU constant: e^-1 -> e^-1/2 | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi) | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-0.5) / math.sqrt(math.pi)
 ## optimizers/regulate.py
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.label:55s} {m.path}")
         return 0 if chosen else 2
+    commit, started = git_commit(), datetime.datetime.now(datetime.timezone.utc)  # the code being mutated
     with tempfile.TemporaryDirectory(prefix="geomuon-mutants-") as scratch:
         pristine = Path(scratch) / "pristine"
         _copy_tree(pristine)
@@ -224,12 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     killed = sum(v == "killed" for _, v, _, _ in rows)
     print(f"\n{killed}/{len(rows)} mutations killed by tests/test_symbolic.py")
     if args.markdown:
-        lines = ["# Mutation testing of the symbolic certificates", "",
-                 "Command: `python bench/symbolic_mutations.py --markdown " + str(args.markdown) + "`", "",
-                 f"**{killed}/{len(rows)}** mutations of the library's code make `pytest tests/test_symbolic.py` fail "
-                 "(the unmutated copy passes).", "", "| mutation | file | verdict | seconds |", "|---|---|---|---|"]
-        lines += [f"| {m.label} | `{m.path}` | {v} | {s:.0f} |" for m, v, s, _ in rows]
-        args.markdown.write_text("\n".join(lines) + "\n")
+        provenance = markdown_table(["run", ""], [
+            ["command", "`" + " ".join(["python", "bench/symbolic_mutations.py", *map(shlex.quote, argv or sys.argv[1:])]) + "`"],
+            ["commit", f"`{commit}`"],
+            ["date (UTC), duration", f"{started:%Y-%m-%d %H:%M}, {time.time() - started.timestamp():.0f} s"]])
+        table = markdown_table(["mutation", "file", "verdict", "seconds"],
+                               [[m.label, f"`{m.path}`", v, f"{s:.0f}"] for m, v, s, _ in rows])
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(f"{provenance}\n\n**{killed}/{len(rows)}** mutations of the library's code make "
+                                 "`pytest tests/test_symbolic.py` fail (the unmutated copy passes).\n\n" + table + "\n")
     return 0 if killed == len(rows) else 1
 
 

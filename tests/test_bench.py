@@ -276,3 +276,19 @@ def test_equivariance_checker_catalogue_has_no_false_verdicts(tmp_path):
     assert {row["expected"] for row in entries} == {"holds", "violated", "error"}
     assert re.search(r"import included: [\d.]+ s wall, [\d.]+ s CPU", stdout)
     check_provenance(markdown, "equivariance_checker", stdout)
+
+
+def test_every_symbolic_mutation_finds_its_pattern_once():
+    """A mutation whose pattern no longer occurs in the code (the formula was rewritten) would
+    abort the mutation run; each must match exactly one place and change it, so the catalogue
+    keeps pace with the library. The negative control: a pattern that is not in the file is
+    refused by the same check."""
+    from bench import symbolic_mutations as sm
+
+    for mutation in sm.MUTATIONS:
+        assert mutation.old != mutation.new, mutation.label
+        text = sm._check_pattern(ROOT, mutation)
+        assert text.replace(mutation.old, mutation.new) != text, mutation.label
+    missing = sm.Mutation("absent", sm.MUTATIONS[0].path, "this text is not in the file", "x")
+    with pytest.raises(SystemExit, match="0 copies"):
+        sm._check_pattern(ROOT, missing)
