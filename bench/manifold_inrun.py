@@ -83,10 +83,7 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, pol
     def read_certificates(model, evaluation):
         # names -> shapes once; the certificates are the last certified step's (this one)
         if not shapes:
-            for opt in optimizers:
-                for index, group in enumerate(opt.param_groups):
-                    for i, p in enumerate(group["params"]):
-                        shapes[opt._name(group, i, index)] = tuple(p.shape)
+            shapes.update((name, tuple(p.shape)) for opt in optimizers for name, p in opt.named_parameters())
         for opt in optimizers:
             for name, ratio in opt.certificates.items():
                 ratios.setdefault(orientation(shapes[name]), []).append(ratio)

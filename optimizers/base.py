@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -144,6 +144,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _name(group: dict, i: int, index: int) -> str:
         names = group.get("param_names")
         return repr(names[i]) if names else f"#{i} of param group {index}"
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter with the name this optimizer's errors, warnings and reports (e.g.
+        :meth:`check_finite`, ``ManifoldMuon.certificates``) give it: the group's
+        ``param_names`` entry quoted, or ``#i of param group k``."""
+        for index, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                yield self._name(group, i, index), p
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

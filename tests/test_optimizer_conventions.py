@@ -347,3 +347,22 @@ def test_step_reads_nothing_back_from_the_device(name, no_host_reads):
             opt.step()
     assert all(torch.isfinite(p).all() for p in [*matrices, vector])
     assert opt.check_finite() == {} and opt._skipped.report(opt, wait=True) == {}
+
+
+def test_named_parameters_gives_the_names_the_reports_use():
+    # the names a report keys by (here: skipped steps) are the ones named_parameters yields,
+    # for named groups and unnamed ones (torch allows one kind per optimizer)
+    gen = torch.Generator().manual_seed(0)
+    for groups, expected in [(lambda ps: [{"params": ps[:2], "param_names": ["a", "b"]}], ["'a'", "'b'"]),
+                             (lambda ps: [{"params": ps[:1]}, {"params": ps[1:2]}],
+                              ["#0 of param group 0", "#0 of param group 1"])]:
+        params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(2)]
+        opt = Muon(groups(params), lr=0.02)
+        names = dict(opt.named_parameters())
+        assert list(names) == expected and all(p is q for p, q in zip(names.values(), params))
+        params[0].grad = torch.randn(4, 3, generator=gen)
+        params[1].grad = torch.full((4, 3), float("nan"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+            assert opt.check_finite() == {expected[1]: 1}
