@@ -23,6 +23,7 @@ Usage::
 
     python bench/manifold_inrun.py --data shakespeare:PATH                 # both manifolds, defaults
     python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi --polish 0 1 2
+    python bench/manifold_inrun.py --manifold stiefel --starts warm cold    # with and without warm starts
     python bench/manifold_inrun.py --quick                                  # seconds: a smoke test
 
 ``--markdown PATH`` writes the table with its provenance (see :mod:`bench.timing`).
@@ -57,7 +58,7 @@ def orientation(shape) -> str:
 
 
 def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int, run: dict, data: str,
-                  seed: int):
+                  seed: int, warm_start: bool = True):
     """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
@@ -71,7 +72,8 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, pol
         for opt in assignment.optimizers.values():
             if isinstance(opt, ManifoldMuon):
                 for group in opt.param_groups:
-                    group.update(certify_every=run["eval_every"], dual_update=update, polish_rounds=polish)
+                    group.update(certify_every=run["eval_every"], dual_update=update, polish_rounds=polish,
+                                 warm_start=warm_start)
                     if dual_steps is not None:
                         group["dual_steps"] = dual_steps
                 optimizers.append(opt)
@@ -105,6 +107,9 @@ def main(argv=None) -> int:
                         help="dual steps per optimizer step (default: ManifoldMuon's for the manifold)")
     parser.add_argument("--polish", type=int, nargs="+", default=[0],
                         help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default 0)")
+    parser.add_argument("--starts", nargs="+", default=["warm"], choices=["warm", "cold"],
+                        help="dual start of each step: the previous step's correction (warm, ManifoldMuon's "
+                             "default) or none (cold: warm_start=False)")
     parser.add_argument("--data", default="embedded", help="training data spec (geomuon pretrain --data)")
     parser.add_argument("--seed", type=int, default=1)
     add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)")
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     from geomuon.manifolds import MatrixManifold
     from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update
 
-    header = ["manifold", "dual update", "dual steps", "polish rounds", "matrices", "certified steps x matrices",
+    header = ["manifold", "dual update", "dual steps", "polish rounds", "start", "matrices", "certified steps x matrices",
               "mean certified ratio", "min"]
     lines = [
         f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
@@ -125,17 +130,19 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
-    for manifold, update, dual, polish in itertools.product(args.manifold, args.update, args.dual, args.polish):
+    for manifold, update, dual, polish, start in itertools.product(args.manifold, args.update, args.dual, args.polish,
+                                                                   args.starts):
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
-        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed)
+        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm")
         shown_update = update or f"{default_dual_update(owner)} (default)"
         shown_dual = str(dual) if dual is not None else f"{default_dual_steps(owner)} (default)"
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
-            lines.append(markdown_row([manifold, shown_update, shown_dual, str(polish), kind, str(len(values)),
+            lines.append(markdown_row([manifold, shown_update, shown_dual, str(polish),
+                                       "warm (default)" if start == "warm" else "cold", kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)
