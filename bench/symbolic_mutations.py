@@ -58,6 +58,9 @@ stiefel gram diagonal 4 -> 2 | n, n), 4.0, | n, n), 2.0,
 stiefel defining map W'W - 2I | return x.mT @ x - eye | return x.mT @ x - 2 * eye
 stiefel retraction steps along -u | return msign(x.to(compute) + u.to(compute) | return msign(x.to(compute) - u.to(compute)
 stiefel retraction with Keller's quintic | u.to(compute), "polar_express" | u.to(compute), "newton_schulz"
+stiefel constraint's sign flipped | return x.mT @ u + u.mT @ x | return x.mT @ u - u.mT @ x
+stiefel projection adds W sym(W'X) | return u - x @ sym(x.mT @ u) | return u + x @ sym(x.mT @ u)
+stiefel wide points not transposed | transposes_wide = True | transposes_wide = False
 ## manifolds/dgram.py
 dgram Off keeps the diagonal | return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1)) | return S
 dgram adjoint keeps the diagonal | return 2 * x @ _off_diagonal(sym(lam)) | return 2 * x @ sym(lam)
@@ -66,6 +69,12 @@ dgram gram diagonal doubled | return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2)) |
 dgram retraction forgets the column norms' root | (polar * d2.sqrt().unsqueeze(-2)) | (polar * d2.unsqueeze(-2))
 dgram retraction steps along -u | y = x.to(compute) + u.to(compute) | y = x.to(compute) - u.to(compute)
 dgram retraction rescales by the point's column norms | d2 = self._squared_column_norms(y, "the retraction target x + u") | d2 = self._squared_column_norms(x.to(compute), "the retraction target x + u")
+dgram constraint's sign flipped | return _off_diagonal(x.mT @ u + u.mT @ x) | return _off_diagonal(x.mT @ u - u.mT @ x)
+dgram defining map keeps the diagonal | return _off_diagonal(x.mT @ x) | return x.mT @ x
+dgram projection adds W Sigma | return u - x @ sigma | return u + x @ sigma
+dgram column norms summed over columns | d2 = x.square().sum(-2) | d2 = x.square().sum(-1)
+dgram projx forgets the column norms' root | return ((U @ Vh) * d2.sqrt().unsqueeze(-2)) | return ((U @ Vh) * d2.unsqueeze(-2))
+dgram wide points not transposed | transposes_wide = True | transposes_wide = False
 ## manifolds/oblique.py
 sphere constraint doubled | return (x * u).sum(dim) | return 2 * (x * u).sum(dim)
 sphere adjoint doubled | return x * lam.unsqueeze(dim) | return 2 * x * lam.unsqueeze(dim)
@@ -73,13 +82,31 @@ sphere projection halved | return u - x * ((x * u) | return u - 0.5 * x * ((x * 
 sphere defining map loses 1/2 | return 0.5 * (x.square().sum(dim) - radius**2) | return (x.square().sum(dim) - radius**2)
 sphere gram diagonal doubled | return x.square().sum(dim) | return 2 * x.square().sum(dim)
 sphere retraction divides by the squared norm | (y * (radius / norms)) | (y * (radius / norms**2))
+sphere retraction steps along -u | y = y + step.to(y.dtype) | y = y - step.to(y.dtype)
+oblique projection on rows | return sphere_proju(x, u, -2) | return sphere_proju(x, u, -1)
+oblique projx normalizes rows | return sphere_normalize(x, 1.0, -2, "Oblique.projx") | return sphere_normalize(x, 1.0, -1, "Oblique.projx")
+oblique retraction normalizes rows | return sphere_normalize(x, 1.0, -2, "Oblique.retr", step=u) | return sphere_normalize(x, 1.0, -1, "Oblique.retr", step=u)
 ## manifolds/lpro.py
 lpro constrains columns | return sphere_constraint(x, u, -1) | return sphere_constraint(x, u, -2)
+lpro projection on columns | return sphere_proju(x, u, -1) | return sphere_proju(x, u, -2)
+lpro defining map at radius 1 | return sphere_defining_map(x, self.radius, -1) | return sphere_defining_map(x, 1.0, -1)
+lpro retraction to radius 1 | sphere_normalize(x, self.radius, -1, "LPRO.retr", step=u) | sphere_normalize(x, 1.0, -1, "LPRO.retr", step=u)
+lpro projx to radius 1 | sphere_normalize(x, self.radius, -1, "LPRO.projx") | sphere_normalize(x, 1.0, -1, "LPRO.projx")
+lpro without radius steps along -u | return x + u | return x - u
 ## manifolds/router.py
 router constraint doubled | return broadcast_pair(x, u)[1].sum(-2) | return 2 * broadcast_pair(x, u)[1].sum(-2)
 router projection does not center | return _centered(broadcast_pair(x, u)[1]) | return broadcast_pair(x, u)[1]
 router gram diagonal uses n | x.size(-1)), x.size(-2)) | x.size(-1)), x.size(-1))
 router retraction steps along -u | _centered(x.to(compute) + u.to(compute)) | _centered(x.to(compute) - u.to(compute))
+router adjoint doubled | return lam.unsqueeze(-2).expand(*batch, *x.shape[-2:]) | return 2 * lam.unsqueeze(-2).expand(*batch, *x.shape[-2:])
+router defining map is the column mean | return x.sum(-2) | return x.mean(-2)
+router centering subtracts row means | return x - x.mean(-2, keepdim=True) | return x - x.mean(-1, keepdim=True)
+router projx does not center | return _centered(x.double()).to(x.dtype) | return x.double().to(x.dtype)
+## manifolds/euclidean.py
+euclidean retraction steps along -u | return x + u | return x - u
+euclidean projection is zero | return broadcast_pair(x, u)[1] | return 0 * broadcast_pair(x, u)[1]
+## manifolds/base.py
+matrix_method does not transpose wide results back | return out.mT if result == "matrix" else out | return out
 ## manifolds/linalg.py
 msign forgets the input scale | clamp_min(floor) * schedule.input_scale) | clamp_min(floor))
 sym loses 1/2 | return 0.5 * (X + X.mT) | return (X + X.mT)
@@ -94,11 +121,23 @@ coupled inverse-sqrt step 3 -> 3.001 | T = 0.5 * (3.0 * eye - Z @ Y) | T = 0.5 *
 coupled inverse-sqrt step 1/2 -> 0.49 | T = 0.5 * (3.0 * eye - Z @ Y) | T = 0.49 * (3.0 * eye - Z @ Y)
 inverse sqrt default 25 -> 20 steps | A: torch.Tensor, steps: int = 25, | A: torch.Tensor, steps: int = 20,
 inverse sqrt forgets the scale's root | return (Z / scale.sqrt()).to(out_dtype) | return (Z / scale).to(out_dtype)
+sym is the skew part | return 0.5 * (X + X.mT) | return 0.5 * (X - X.mT)
+safety factor on b squared (not cubed) | (a / safety, b / safety**3, c / safety**5) | (a / safety, b / safety**2, c / safety**5)
+newton-schulz step halves a | return fma(Y, polynomial, Y, beta=a) | return fma(Y, polynomial, Y, beta=0.5 * a)
+newton-schulz transposed step negates a | return fma(Y.mT, Y.mT, polynomial, beta=a) | return fma(Y.mT, Y.mT, polynomial, beta=-a)
+inverse sqrt starts at Z = 2I | Z = eye.expand_as(A).clone() | Z = 2 * eye.expand_as(A).clone()
+rms scale inverted | return math.sqrt(fan_in / fan_out) | return math.sqrt(fan_out / fan_in)
+nuclear norm from msign'msign | return (X * msign(X, method=method)).sum(dim=(-2, -1)) | return (msign(X, method=method) * msign(X, method=method)).sum(dim=(-2, -1))
 ## manifolds/capabilities.py
 inverse-sqrt series c2 0.375 -> 0.376 | (1.0, -0.5, 0.375, | (1.0, -0.5, 0.376,
 stiefel gram projection drops 1/2 | return 0.5 * (M + M.mT) | return (M + M.mT)
 dgram gram retraction factor inverted | * (root.unsqueeze(-2) / root.unsqueeze(-1)) | * (root.unsqueeze(-1) / root.unsqueeze(-2))
 oblique gram retraction sqrt instead of rsqrt | torch.diag_embed(_diag(YtY).rsqrt()) | torch.diag_embed(_diag(YtY).sqrt())
+inverse-sqrt series c5 -0.24609375 -> -0.2460937 | -0.24609375, | -0.2460937,
+series radius with |c_K| (K + 3/2)/(K + 1) | (terms + 0.5) / (terms + 1) | (terms + 1.5) / (terms + 1)
+stiefel gram newton increment E (not E/2) | return 0.5 * E | return E
+dgram gram constraint keeps the diagonal | return _off_diagonal(M + M.mT)\n | return M + M.mT\n
+dgram gram adjoint keeps the diagonal | return _off_diagonal(lam + lam.mT) | return lam + lam.mT
 ## optimizers/maps.py
 row_norm normalizes columns | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps)
 col_norm normalizes rows | return D / (D.norm(dim=-2, keepdim=True) + eps) | return D / (D.norm(dim=-1, keepdim=True) + eps)
@@ -108,6 +147,13 @@ polar maps: the larger Gram matrix | right = X.size(-2) >= X.size(-1) | right = 
 hybrid normalizes columns | R = row_norm(D, eps=eps) | R = col_norm(D, eps=eps)
 centered map does not re-center | return _center_rows(update(_center_rows(D), **kwargs)) | return update(_center_rows(D), **kwargs)
 centered map does not center its input | return _center_rows(update(_center_rows(D), **kwargs)) | return _center_rows(update(D, **kwargs))
+centering subtracts row means | return D - D.mean(dim=-2, keepdim=True) | return D - D.mean(dim=-1, keepdim=True)
+row_norm divides by the squared norm | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-1, keepdim=True) + eps) ** 2
+col_norm divides by the squared norm | return D / (D.norm(dim=-2, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps) ** 2
+sign map doubled | return torch.sign(D) | return 2 * torch.sign(D)
+spectral map with Keller's quintic | D: torch.Tensor,\n    *,\n    method: str = "polar_express", | D: torch.Tensor,\n    *,\n    method: str = "newton_schulz",
+hybrid nuclear norm from msign'msign | nuclear = (R * Q).sum | nuclear = (Q * Q).sum
+hybrid nuclear norm squared | return Q * nuclear.pow(alpha) | return Q * nuclear.pow(2 * alpha)
 ## optimizers/gram.py
 gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr)
 gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)
@@ -120,6 +166,8 @@ soft-cap threshold 62/81 -> 61/81 | SOFT_CAP_MIN_RATIO = 62.0 / 81.0 | SOFT_CAP_
 soft-cap root h(beta) with -2 beta^2 | return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4 | return 1.0 - 2.0 * beta**2 + 3.0 * beta**3 - beta**4
 soft-cap polynomial g - alpha g^3 |     return g + alpha * g**3 |     return g - alpha * g**3
 eta from the grid maximum, not the enclosure | return math.nextafter(float(high), math.inf) | return float(high) * (1 - 1e-6)
+muon update norm without adjust_lr inverts the shape factor | shape_factor = math.sqrt(fan_out / fan_in) | shape_factor = math.sqrt(fan_in / fan_out)
+soft-cap inner cubic g = sigma + alpha sigma^3 | g = sigma - alpha * sigma**3 | g = sigma + alpha * sigma**3
 """
 
 

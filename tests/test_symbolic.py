@@ -26,7 +26,7 @@ from geomuon.theory.symbolic import (
     certify_gram_space_identity,
     certify_manifold,
     certify_map_row,
-    certify_equivariance,
+    certify_equivariance_every_size,
     certify_every_size,
     certify_newton_schulz_equivariance,
     certify_newton_schulz_retraction,
@@ -45,6 +45,11 @@ from geomuon.theory.symbolic import (
     certify_projection,
     certify_residual_lipschitz,
     certify_retraction,
+    certify_dualizer,
+    certify_projx,
+    certify_projx_float64,
+    certify_rms_scale,
+    hybrid_map_reference,
     certify_soft_cap_coupling,
     certify_soft_cap_monotone,
     certify_soft_cap_root_unique,
@@ -147,6 +152,32 @@ def test_polar_maps_match_the_exact_polar_factor(shape, alpha, update):
     assert error <= 1e-13
 
 
+_VALUE_SHAPES = [(3, 2), (2, 3), (2, 2)]
+
+
+@pytest.mark.parametrize("shape", _VALUE_SHAPES, ids=[f"{m}x{n}" for m, n in _VALUE_SHAPES])
+def test_spectral_hybrid_and_nuclear_norm_match_exact_values(shape):
+    from geomuon.manifolds.linalg import nuclear_norm
+
+    def to_float(M):
+        return torch.tensor(np.array(M.evalf(30).tolist(), dtype=float))
+
+    # Budget as for the polar maps: Polar Express's certified scalar error is <= 3e-16 on
+    # normalized singular values in [1e-3, 1/1.01] (test_polar_express_value_and_slope_
+    # enclosures), these lie in [0.47, 0.82]; float64 round-off of 12 steps at condition
+    # <= 3 adds a few 1e-15: 1e-13 is 30x that. Keller's quintic is 0.34 off.
+    D, polar = polar_map_reference(shape, 0)
+    assert float((maps.spectral(D) - to_float(polar)).norm() / to_float(polar).norm()) <= 1e-13
+    for alpha in (0, 1, 0.5):
+        case = hybrid_map_reference(shape, alpha)
+        assert case["x_min"] >= sp.Rational(1, 1000)
+        expected = to_float(case["update"])
+        # eps = 0: the row normalization of D is exactly R (unit rows by construction)
+        error = float((maps.hybrid(case["D"], alpha=alpha, eps=0) - expected).norm() / expected.norm())
+        assert error <= 1e-13, alpha
+    assert abs(float(nuclear_norm(case["R"])) - float(case["nuclear"])) <= 1e-13 * float(case["nuclear"])
+
+
 # ----------------------------------------------------------------------- constants
 
 
@@ -181,6 +212,25 @@ def test_library_soft_cap_threshold_is_the_certified_one():
     soft_cap_alpha(w_max, 0.0, largest_eta * (1 - 1e-9))
     with pytest.raises(ValueError, match="too large"):
         soft_cap_alpha(w_max, 0.0, largest_eta * (1 + 1e-9))
+
+
+def test_rms_scale_is_the_rms_operator_norm_and_eta_uses_it(monkeypatch):
+    from geomuon.optimizers.muon import muon_shape_factor
+
+    certificate = certify_rms_scale()
+    assert certificate.holds, certificate.witness
+    bound = ns_output_bound(KELLER_QUINTIC)
+    for (m, n), (norm, _) in certificate.witness.items():
+        # adjust_lr=None: an update already of unit RMS->RMS norm, eta = lr * bound * margin
+        assert muon_update_norm(1.0, (m, n), adjust_lr=None, margin=1.0) == pytest.approx(bound, rel=1e-15)
+        # "original": the update lr * s(m, n) * O has RMS->RMS norm <= lr * s * rms-norm * bound
+        expected = float(sp.N(norm, 30)) * muon_shape_factor(m, n, "original") * bound
+        assert muon_update_norm(1.0, (m, n), adjust_lr="original", margin=1.0) == pytest.approx(expected, rel=1e-15)
+    # control: the inverse scale is not the RMS->RMS norm
+    import geomuon.manifolds.linalg as linalg
+
+    monkeypatch.setattr(linalg, "rms_scale", lambda shape: math.sqrt(shape[-2] / shape[-1]))
+    assert not certify_rms_scale().holds
 
 
 def test_muon_update_norm_uses_the_rigorous_enclosure():
@@ -346,6 +396,49 @@ def test_manifold_certificate(shape, name):
     assert certificate.witness["gram_diag_positive"]
 
 
+def test_projx_certificate_rejects_wrong_projections():
+    class ObliqueByRows(Oblique):  # normalizes rows: off the manifold
+        @matrix_method()
+        def projx(self, x):
+            return x / x.norm(dim=-1, keepdim=True)
+
+    class RouterUncentered(CenteredRouterSpace):
+        @matrix_method()
+        def projx(self, x):
+            return x
+
+    class LPROScaled(LPRO):  # on the manifold, but not the nearest point
+        @matrix_method()
+        def projx(self, x):
+            y = x + x[..., :1, :]
+            return 1.5 * y / y.norm(dim=-1, keepdim=True)
+
+    for wrong, name in ((ObliqueByRows(), "Oblique"), (RouterUncentered(), "CenteredRouterSpace"), (LPROScaled(radius=1.5), "LPRO")):
+        _, W = _POINTS[(3, 2)][name]
+        assert not certify_projx(wrong, W).holds, name
+
+
+@pytest.mark.parametrize("shape", _VALUE_SHAPES, ids=[f"{m}x{n}" for m, n in _VALUE_SHAPES])
+def test_svd_projx_is_the_documented_map(shape):
+    for manifold in (Stiefel(), DGram()):
+        certificate = certify_projx_float64(manifold, shape)
+        assert certificate.holds, (manifold, certificate.witness)
+
+    class DGramSquaredNorms(DGram):
+        @matrix_method()
+        def projx(self, x):
+            U, _, Vh = torch.linalg.svd(x.double(), full_matrices=False)
+            return ((U @ Vh) * x.square().sum(-2).unsqueeze(-2)).to(x.dtype)
+
+    class StiefelQR(Stiefel):  # a frame, but not the polar factor
+        @matrix_method()
+        def projx(self, x):
+            return torch.linalg.qr(x)[0]
+
+    assert not certify_projx_float64(DGramSquaredNorms(), shape).holds
+    assert not certify_projx_float64(StiefelQR(), shape).holds
+
+
 def _dgram_projection_keeping_the_diagonal(W, X):
     d2 = W.square().sum(-2)
     S = W.mT @ X + X.mT @ W
@@ -387,12 +480,13 @@ def _zero(residual) -> bool:
 
 # ----------------------------------------------------------------------- retractions
 
-_EXACT_RETRACTIONS = [(s, n) for s in [(3, 2), (2, 3)] for n in ("Oblique", "LPRO", "CenteredRouterSpace", "Euclidean")]
+_EXACT_RETRACTIONS = [(s, n) for s in [(3, 2), (2, 3)] for n in ("Oblique", "LPRO", "CenteredRouterSpace", "Euclidean", "LPRO()")]
 
 
 @pytest.mark.parametrize("shape, name", _EXACT_RETRACTIONS, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _EXACT_RETRACTIONS])
 def test_retraction_series(shape, name):
-    manifold, W = _POINTS[shape][name]
+    # LPRO() without a radius is the unconstrained space, at the Euclidean point
+    manifold, W = (LPRO(), _POINTS[shape]["Euclidean"][1]) if name == "LPRO()" else _POINTS[shape][name]
     certificate = certify_retraction(manifold, W, name)
     assert certificate.holds, certificate.witness
 
@@ -561,14 +655,44 @@ def test_dgram_retraction_at_zero_and_first_order(shape):
     assert not certify_newton_schulz_retraction(lambda W, U: dgram.retr(W, -U), W, V, expected).holds
 
 
-_GRAM_FORMS = [(s, n) for s in [(3, 2)] for n, (m, _) in _POINTS[s].items() if getattr(m, "gram_form", None) is not None]
+# certify_gram_form: the Gram-space form agrees with the manifold and retracts (3x2);
+# certify_projx: projx lands on the manifold with X - projx(X) normal (every exact shape).
+_POINT_CERTIFICATES = (
+    [(certify_gram_form, s, n) for s in [(3, 2)] for n, (m, _) in _POINTS[s].items() if getattr(m, "gram_form", None) is not None]
+    + [(certify_projx, s, n) for s in _POINTS for n in ("Oblique", "LPRO", "CenteredRouterSpace", "Euclidean")]
+)
 
 
-@pytest.mark.parametrize("shape, name", _GRAM_FORMS, ids=[f"{n}-{s[0]}x{s[1]}" for s, n in _GRAM_FORMS])
-def test_gram_form_agrees_with_the_manifold_and_retracts(shape, name):
+@pytest.mark.parametrize("certify, shape, name", _POINT_CERTIFICATES,
+                         ids=[f"{c.__name__}-{n}-{s[0]}x{s[1]}" for c, s, n in _POINT_CERTIFICATES])
+def test_point_certificate(certify, shape, name):
     manifold, W = _POINTS[shape][name]
-    certificate = certify_gram_form(manifold, W, name)
+    certificate = certify(manifold, W, name)
     assert certificate.holds, certificate.witness
+
+
+def test_gram_form_certificate_rejects_a_wrong_newton_increment():
+    from geomuon.manifolds.capabilities import OrthonormalGram
+
+    class FullIncrement(OrthonormalGram):
+        def newton_increment(self, D, E):
+            return E
+
+    class StiefelFullIncrement(Stiefel):
+        gram_form = FullIncrement()
+
+    _, W = _POINTS[(3, 2)]["Stiefel"]
+    certificate = certify_gram_form(StiefelFullIncrement(), W)
+    assert not certificate.holds
+    assert not _zero(certificate.witness["S(newton_increment(D, E)) = E for symmetric E"])
+
+
+def test_series_radius_certificate_rejects_a_wrong_radius(monkeypatch):
+    import geomuon.manifolds.capabilities as capabilities
+
+    radius = capabilities.series_radius
+    monkeypatch.setattr(capabilities, "series_radius", lambda terms, dtype: radius(terms, dtype) * 1.01)
+    assert not certify_inverse_sqrt_series().holds
 
 
 def test_dgram_sorted_sigma_map_does_not_fix_points():
@@ -589,13 +713,47 @@ def test_declared_map_row_is_certified(declaration):
     assert certificate.holds, (certificate.claim, certificate.witness)
 
 
-def test_equivariance_certificate_rejects_maps_declared_equivariant_wrongly():
+_DUALIZERS = [(f, norm, s) for f, norm in ((maps.row_norm, "row"), (maps.col_norm, "column"), (maps.sign, "max"))
+              for s in ((3, 2), (2, 3))]
+
+
+@pytest.mark.parametrize("update, norm, shape", _DUALIZERS, ids=[f"{f.__name__}-{s[0]}x{s[1]}" for f, _, s in _DUALIZERS])
+def test_elementwise_maps_are_the_dualizers_of_their_norms(update, norm, shape):
+    certificate = certify_dualizer(update, norm, shape)
+    assert certificate.holds, certificate.witness
+
+
+def test_dualizer_certificate_rejects_wrong_scales_and_axes():
+    # each of these is as equivariant as the library's map, and none is its dualizer
+    def squared_rows(D, eps=0.0):
+        return D / (D.norm(dim=-1, keepdim=True) + eps) ** 2
+
+    def doubled_sign(D):
+        return 2 * maps.sign(D)
+
+    assert not certify_dualizer(squared_rows, "row", (3, 2)).holds
+    assert not certify_dualizer(doubled_sign, "max", (3, 2)).holds
+    assert not certify_dualizer(maps.col_norm, "row", (3, 2)).holds
+
+
+@pytest.mark.parametrize("orientation", ["tall", "square", "wide"])
+def test_equivariance_certificate_rejects_maps_declared_equivariant_wrongly(orientation):
+    from geomuon.theory.symbolic import _centered_stages, _hybrid_stages
+
+    def rejected(update, group):
+        return not certify_equivariance_every_size(update, group, orientation).holds
+
     # row_norm and sign are not O_m x O_n-equivariant; row_norm is not shift-invariant.
-    assert not certify_equivariance(maps.row_norm, BiOrthogonal(), (2, 2)).holds
-    assert not certify_equivariance(maps.sign, BiOrthogonal(), (2, 2)).holds
-    assert not certify_equivariance(maps.row_norm, RouterShift(), (2, 2)).holds
-    # col_norm under S_m x O_n: the right rotation mixes columns.
-    assert not certify_equivariance(maps.col_norm, LeftPermRightOrth(), (2, 2)).holds
+    assert rejected(maps.row_norm, BiOrthogonal())
+    assert rejected(maps.sign, BiOrthogonal())
+    assert rejected(maps.row_norm, RouterShift())
+    # col_norm under S_m x O_n: the right rotation mixes columns; hybrid's row stage
+    # under O_m x O_n; a centering that removes half the mean.
+    assert rejected(maps.col_norm, LeftPermRightOrth())
+    assert rejected(_hybrid_stages, BiOrthogonal())
+    assert rejected(lambda D: D - 0.5 * D.mean(dim=-2, keepdim=True), RouterShift())
+    # positive control: the library's centered(spectral) stages are accepted
+    assert not rejected(_centered_stages(maps.spectral), RouterShift())
 
 
 def test_newton_schulz_equivariance_is_of_the_library_step():

@@ -13,8 +13,10 @@ unchanged on sympy-valued stand-ins for ``torch.Tensor``, *tensor-like* in torch
   $\operatorname{Diag}(W^\top W) \to I$, $\mathbf 1^\top W \to 0$), and the rules of the
   diagonal-part operator, the Sylvester solve $E \oslash (d_i + d_j)$ and a ones letter
   (:class:`FreeAlgebra`), which carry the entrywise formulas of DGram, Oblique, LPRO and
-  the router. An identity reduced to zero here holds **at every size** of the orientation
-  (tall, square, wide), every batch.
+  the router; signed-permutation letters and opaque entrywise functions (row and column
+  norms, their reciprocals, signs) carry the elementwise update maps. An identity reduced
+  to zero here holds **at every size** of the orientation (tall, square, wide; at least
+  two rows, any number of columns), every batch.
 * :class:`ExactTensor` — a concrete-size array of sympy expressions with the slice of the
   torch API the manifolds and maps use. Entries are symbols, so an identity checked here
   holds for every point of a family (symbolic Cayley frames, symbolic column norms) at
@@ -36,7 +38,9 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   $\langle L_W(A), \Lambda\rangle = \langle A, L_W^*(\Lambda)\rangle$;
   ``constraint_gram_diag`` is the diagonal of $L_WL_W^*$ on the range of $L_W$;
   $P_W = I - L_W^*(L_WL_W^*)^{-1}L_W$, idempotent, tangent, fixing every tangent vector:
-  $\operatorname{range}(P_W) = T_W$.
+  $\operatorname{range}(P_W) = T_W$; ``projx`` lands on the manifold with
+  $X - \operatorname{projx}(X)$ normal there (:func:`certify_projx`, exactly), Stiefel's
+  and DGram's SVD-based ``projx`` are their documented maps (:func:`certify_projx_float64`).
 * **Retractions**: $R_W(0) = W$ and $\tfrac{d}{dt}R_W(tV)|_{0} = V$ from Taylor
   coefficients (:func:`certify_retraction` exactly at fixed sizes;
   :func:`certify_stiefel_retraction` on ``Stiefel.retr`` at symbolic $m$ in series mode,
@@ -47,8 +51,13 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   step's certified action :func:`certify_dgram_step_expansion`, and in float64,
   :func:`certify_newton_schulz_retraction`).
 * **Update maps** (:func:`certify_map_row`): every ``map`` row of
-  :mod:`geomuon.theory.declared` — a proof on generators of the group for ``holds``
-  rows, an exact counterexample for ``fails`` rows.
+  :mod:`geomuon.theory.declared` — a proof at every size for ``holds`` rows
+  (:func:`certify_equivariance_every_size`, one free letter for every group element;
+  the Newton–Schulz and inverse-square-root steps by their own every-size proofs), an
+  exact counterexample for ``fails`` rows; the elementwise maps are the dualizers of
+  their norms (:func:`certify_dualizer`), and the spectral, hybrid and polar maps' values
+  match exact polar factors in float64 (:func:`hybrid_map_reference`,
+  :func:`polar_map_reference`).
 * **Coefficient tables and constants**: every row of both Polar Express tables is the
   recentred minimax quintic of its cushioned design interval
   (:func:`certify_polar_express_table`, interval arithmetic), the coupled
@@ -56,8 +65,9 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   (:func:`certify_inverse_sqrt_iteration`, :func:`inverse_sqrt_error_bound`), the GELU
   Lipschitz constant, the soft-cap root's uniqueness and the $62/81$ threshold, rigorous
   Newton–Schulz output ranges (the $\eta$ of
-  :func:`geomuon.optimizers.regulate.muon_update_norm`), and the engine's dual Gram
-  identity (:func:`certify_gram_space_identity` on ``gram.dual_gram``).
+  :func:`geomuon.optimizers.regulate.muon_update_norm`, with its RMS→RMS scale
+  :func:`certify_rms_scale`), the Gram-form series' radius and Newton increment, and the
+  engine's dual Gram identity (:func:`certify_gram_space_identity` on ``gram.dual_gram``).
 
 ``bench/symbolic_mutations.py`` breaks these formulas one at a time in a copy of the
 repository and checks that ``tests/test_symbolic.py`` fails on each.
@@ -102,7 +112,12 @@ __all__ = [
     "certify_newton_schulz_equivariance",
     "certify_inverse_sqrt_equivariance",
     "certify_sorted_sigma_map_fails",
-    "certify_equivariance",
+    "certify_equivariance_every_size",
+    "certify_dualizer",
+    "certify_rms_scale",
+    "certify_projx",
+    "certify_projx_float64",
+    "hybrid_map_reference",
     "certify_map_row",
     "certify_gram_space_identity",
     "certify_gram_form",
@@ -510,6 +525,15 @@ class FreeAlgebra:
       ($K_{ii} = E_{ii}/2d_i$);
     * ``ones`` names an $m\times1$ letter $\mathbf 1$ with $\mathbf 1^\top\mathbf 1 \to m$
       (column sums are $\mathbf 1^\top M$);
+    * ``monomial`` letters are signed permutation matrices $P$: $P^\top P \to I$,
+      $PP^\top \to I$, and $\operatorname{Diag}(PMP^\top) = P\operatorname{Diag}(M)P^\top$
+      (conjugating a diagonal by $P$ permutes its entries);
+    * :meth:`entrywise` applies a scalar function entry by entry: to a diagonal matrix
+      (``sqrt``, ``inv``: a new diagonal letter, with $f(P\Delta P^\top) = Pf(\Delta)P^\top$
+      for monomial $P$) or, for ``sign``, to any matrix (odd and invariant under positive
+      scaling: $\operatorname{sign}(PMQ^\top) = P\operatorname{sign}(M)Q^\top$ for monomial
+      $P, Q$ and $\operatorname{sign}(\Lambda M\Lambda') = \operatorname{sign}(M)$ for
+      ``positive`` diagonal letters $\Lambda, \Lambda'$);
     * ``shapes`` gives letters symbolic sizes (sympy expressions), which a
       :class:`FreeMatrix` reports as its ``shape`` (the library's validation and its
       wide/tall decisions read them; sympy decides $m < n$ from the symbols'
@@ -520,11 +544,12 @@ class FreeAlgebra:
     """
 
     def __init__(self, letters: Mapping[str, str], *, diagonal: Iterable[str] = (),
-                 shapes: Mapping[str, tuple] | None = None, ones: tuple[str, Any] | None = None):
+                 shapes: Mapping[str, tuple] | None = None, ones: tuple[str, Any] | None = None,
+                 monomial: Iterable[str] = (), positive: Iterable[str] = ()):
         self.transpose_of: dict[str, str] = {}
         for a, b in letters.items():
             self.transpose_of[a], self.transpose_of[b] = b, a
-        self.diagonal: set[str] = set(diagonal)
+        self.diagonal: set[str] = set(diagonal) | set(positive)
         for d in self.diagonal:
             self.transpose_of[d] = d
         self.shapes: dict[str, tuple] = {}
@@ -545,6 +570,13 @@ class FreeAlgebra:
         self.norms_above_floors = False
         #: Diag(word) named by a plain diagonal letter (:meth:`name_diagonal`)
         self.named_diagonals: dict[Word, str] = {}
+        #: signed permutation letters (and their transposes) and positive diagonal letters
+        self.monomial: set[str] = set()
+        for P in monomial:
+            self.monomial |= {P, self.transpose_of[P]}
+            self.rules[(self.transpose_of[P], P)] = {(): sp.Integer(1)}
+            self.rules[(P, self.transpose_of[P])] = {(): sp.Integer(1)}
+        self.positive: set[str] = set(positive)
         if ones is not None:
             name, size = ones
             self.transpose_of[name], self.transpose_of[name + "'"] = name + "'", name
@@ -670,19 +702,56 @@ class FreeAlgebra:
         r"""$\operatorname{Diag}(M) = I \odot M$ (see the class docstring for its rules)."""
         out: list[tuple[Word, sp.Expr]] = []
         for word, coefficient in M.terms.items():
-            i, j = 0, len(word)
-            while i < j and word[i] in self.diagonal:
-                i += 1
-            while j > i and word[j - 1] in self.diagonal:
-                j -= 1
-            core = word[i:j]
-            if not core:
-                out.append((word, coefficient))
-                continue
-            atom = self._diag_atom(core)
-            if atom is not None:
-                out.append((word[:i] + (atom,) + word[j:], coefficient))
+            diagonal = self._diag_word(word)
+            if diagonal is not None:
+                out.append((diagonal, coefficient))
         return FreeMatrix(out, self)
+
+    def _diag_word(self, word: Word) -> Word | None:
+        r"""$\operatorname{Diag}$ of one word (``None``: zero): diagonal letters at the ends
+        come out, a conjugation by a monomial letter comes out, the rest is an atom."""
+        i, j = 0, len(word)
+        while i < j and word[i] in self.diagonal:
+            i += 1
+        while j > i and word[j - 1] in self.diagonal:
+            j -= 1
+        core = word[i:j]
+        if not core:
+            return word
+        for P in sorted(self.monomial):
+            inner = self._unconjugate(core, P)
+            if inner is not None:
+                inner = self._diag_word(inner)
+                return None if inner is None else word[:i] + (P,) + inner + (self.transpose_of[P],) + word[j:]
+        atom = self._diag_atom(core)
+        return None if atom is None else word[:i] + (atom,) + word[j:]
+
+    def _unconjugate(self, word: Word, P: str) -> Word | None:
+        r"""The word $u$ with $P u P^\top = $ ``word`` for the monomial letter $P$, or ``None``:
+        ``word`` starts with $P$ (or with $\mathbf 1$ when $P^\top\mathbf 1 = \mathbf 1$) and
+        ends with $P^\top$ (or $\mathbf 1^\top$ when $\mathbf 1^\top P = \mathbf 1^\top$),
+        at least one end being the letter itself."""
+        if len(word) < 2:
+            return None
+        Pt, one = self.transpose_of[P], self.ones
+        left = word[0] == P
+        right = word[-1] == Pt
+        if one is not None:
+            left = left or (word[0] == one and self.rules.get((Pt, one)) == {(one,): 1})
+            right = right or (word[-1] == one + "'" and self.rules.get((one + "'", P)) == {(one + "'",): 1})
+        if not (left and right) or (word[0] != P and word[-1] != Pt):
+            return None
+        inner = word[1:] if word[0] == P else word
+        return inner[:-1] if word[-1] == Pt else inner
+
+    def _invariant_atom(self, word: Word) -> bool:
+        r"""Whether ``word`` is one diagonal atom $\operatorname{Diag}(\mathbf 1 u\mathbf 1^\top)$
+        (unchanged by a permutation that fixes $\mathbf 1$)."""
+        if len(word) != 1 or self.atoms.get(word[0], ("",))[0] != "diag" or self.ones is None:
+            return False
+        inner = self.atoms[word[0]][1]
+        return {inner[0], inner[-1]} == {self.ones, self.ones + "'"} and all(
+            self.rules.get((P, self.ones)) == {(self.ones,): 1} for P in self.monomial)
 
     def _diag_atom(self, core: Word) -> str | None:
         if len(core) == 1 and self.atoms.get(core[0], ("",))[0] == "sylvester":
@@ -719,6 +788,55 @@ class FreeAlgebra:
                 self.rules[(D, name)] = {**terms, (name, D): sp.Integer(-1)}
         self.transpose_of[names[0]], self.transpose_of[names[1]] = names[1], names[0]
         return FreeMatrix({(names[0],): sp.Integer(1)}, self)
+
+    def entrywise(self, name: str, M: "FreeMatrix") -> "FreeMatrix":
+        r"""The entrywise function ``name`` of $M$ (see the class docstring): ``"sqrt"`` and
+        ``"inv"`` of a diagonal $M$ (a combination of words of diagonal letters, or such a
+        combination conjugated by one monomial letter; the identity is $PP^\top$), whose
+        value is a new diagonal letter ``name[M]``; ``"sign"`` of any $M$, a new letter
+        ``sign[M]`` after the monomial and positive diagonal letters at both ends of every
+        word are taken out. The new letters are opaque (no rule relates them to $M$), so
+        every identity reduced with them holds for every value of the function."""
+        terms = M.terms
+        if name == "sign":
+            for end in (0, -1):
+                heads = {w[end] if w else None for w in terms}
+                if len(heads) != 1 or None in heads:
+                    continue
+                (head,) = heads
+                if head in self.positive or head in self.monomial:
+                    stripped = FreeMatrix({(w[1:] if end == 0 else w[:-1]): c for w, c in terms.items()}, self)
+                    inner = self.entrywise(name, stripped)
+                    if head in self.positive:
+                        return inner
+                    return self(head) @ inner if end == 0 else inner @ self(head)
+            return self._entrywise_atom(name, M, diagonal=False)
+        for P in sorted(self.monomial):
+            inner = {w: self._unconjugate(w, P) for w in terms}
+            if any(inner.values()) and all(u is not None or not w or self._invariant_atom(w) for w, u in inner.items()):
+                unconjugated = FreeMatrix({(u if u is not None else w): c for (w, u), c in zip(inner.items(), terms.values())}, self)
+                return self(P) @ self.entrywise(name, unconjugated) @ self(self.transpose_of[P])
+        if not all(x in self.diagonal for w in terms for x in w):
+            raise NotImplementedError(f"FreeAlgebra.entrywise: {name} of the non-diagonal {M!r}")
+        return self._entrywise_atom(name, M, diagonal=True)
+
+    def _entrywise_atom(self, name: str, M: "FreeMatrix", diagonal: bool) -> "FreeMatrix":
+        key = f"{name}[{sorted(M.terms.items(), key=repr)!r}]"
+        if key not in self.atoms:
+            self.atoms[key] = ("entrywise", (name, M))
+            shape = M._shape
+            if diagonal:
+                self.diagonal.add(key)
+                self.transpose_of[key] = key
+            else:
+                transposed = f"{name}[{sorted(M.mT.terms.items(), key=repr)!r}]"
+                self.atoms[transposed] = ("entrywise", (name, M.mT))
+                self.transpose_of[key], self.transpose_of[transposed] = transposed, key
+                if shape is not None:
+                    self.shapes[transposed] = shape[::-1]
+            if shape is not None:
+                self.shapes[key] = shape
+        return FreeMatrix({(key,): sp.Integer(1)}, self, M._shape)
 
     def trace(self, M: "FreeMatrix") -> dict[Word, sp.Expr]:
         r"""Normal form of $\operatorname{tr}(M)$: words up to cyclic rotation and
@@ -874,15 +992,22 @@ class FreeMatrix:
 
     @property
     def shape(self) -> tuple:
+        """``(1, m, n)``: a batch of one matrix, as ``reshape(-1, m, n)`` leaves it (so
+        ``msign``'s question whether it holds a single matrix gets torch's answer)."""
         if self._shape is None:
             raise ValueError("FreeMatrix: no letter of this expression has a declared shape")
-        return tuple(SymbolicSize(s) for s in self._shape)
+        return tuple(SymbolicSize(s) for s in (1, *self._shape))
 
     def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[dim]
 
     def dim(self) -> int:
-        return 2
+        return 3
+
+    def __getitem__(self, index):
+        if index != 0:
+            raise NotImplementedError("FreeMatrix: only the batch's one matrix, [0]")
+        return self
 
     def is_floating_point(self) -> bool:
         return True
@@ -903,11 +1028,16 @@ class FreeMatrix:
         r"""$\|M\|_F = \sqrt{\operatorname{tr}(M^	op M)}$ as a :class:`FreeScalar`: the trace
         normal form, with $\operatorname{tr}(I) = n$ (the column count) and every other
         closed word a positive symbol ``tr(w)``."""
+        if dim in (-1, -2):
+            # row (dim=-1) or column norms: the entrywise root of Diag(M M') or Diag(M'M)
+            gram = self @ self.mT if dim == -1 else self.mT @ self
+            side = ("left" if dim == -1 else "right") if keepdim else None
+            return FreeVector(self.algebra.entrywise("sqrt", self.algebra.diag(gram)), side)
         if dim not in (None, (-2, -1)):
-            raise NotImplementedError("FreeMatrix.norm: only the Frobenius norm of the whole matrix")
+            raise NotImplementedError("FreeMatrix.norm: the Frobenius norm of the whole matrix, or of rows or columns")
         value = 0
         for word, c in self.algebra.trace(self.mT @ self).items():
-            value += c * (_size_expr(self.shape[1]) if not word else sp.Symbol(f"tr({''.join(word)})", positive=True))
+            value += c * (_size_expr(self.shape[-1]) if not word else sp.Symbol(f"tr({''.join(word)})", positive=True))
         return FreeScalar(value, self.algebra) ** sp.Rational(1, 2)
 
     def new_full(self, shape, value, **kwargs):
@@ -1011,6 +1141,8 @@ class FreeMatrix:
             return FreeVector(args[0].algebra.diag(args[0]))
         if func is torch.diag_embed:
             return args[0].matrix
+        if func is torch.sign:
+            return args[0].algebra.entrywise("sign", args[0])
         raise NotImplementedError(f"FreeMatrix: torch function {getattr(func, '__name__', func)} is not supported")
 
     def __repr__(self) -> str:
@@ -1050,8 +1182,8 @@ class FreeScalar:
         mode = self.algebra.series_mode
         at_zero = self.value.subs(mode[0], 0) if mode else self.value
         provable = bool(sp.sympify(at_zero - exact(floor)).is_positive)
-        # a hypothesis of the certificate (stated there): the positive value is above the floor
-        assumed = self.algebra.norms_above_floors and bool(sp.sympify(at_zero).is_positive)
+        # a hypothesis of the certificate (stated there): the norm is above the floor
+        assumed = self.algebra.norms_above_floors
         if not (provable or assumed):
             raise NotImplementedError(f"FreeScalar.clamp_min: cannot show {at_zero} > {floor}")
         return self
@@ -1141,6 +1273,9 @@ class FreeVector(_Wrapped):
         terms = self.matrix.terms
         if set(terms) == {()}:
             return (1 / terms[()]) * self.algebra.identity()
+        if any(self.algebra.atoms.get(x, ("",))[0] == "entrywise" for w in terms for x in w):
+            # 1/(|d_i| + eps) of an entrywise root: an entrywise function itself
+            return self.algebra.entrywise("inv", self.matrix)
         raise NotImplementedError(f"FreeVector: no inverse of {self.matrix!r}")
 
     def __truediv__(self, other):
@@ -1514,6 +1649,70 @@ def certify_projection(project: Callable, manifold, W: ExactTensor, name: str = 
     return Certificate(f"{name} is the orthogonal tangent projection at the {m}x{n} point", ok, residual)
 
 
+def certify_projx(manifold, W: ExactTensor, name: str = "") -> Certificate:
+    r"""``projx`` lands on the manifold at a critical point of the distance, exactly, at
+    the size of the exact point ``W``: for a matrix $X$ of symbols, $Y = \operatorname{projx}(X)$ has
+    $F(Y) = 0$ (it lies on the manifold; skipped for a manifold without a defining map)
+    and $P_Y(X - Y) = 0$ ($X - Y$ is normal at $Y$: $Y$ is a critical point of
+    $\|X - \cdot\|_F$ on the manifold), and $\operatorname{projx}(W) = W$. For the
+    manifolds whose ``projx`` is entrywise (Oblique, LPRO, the router, Euclidean);
+    Stiefel's and DGram's take an SVD: :func:`certify_projx_float64`. ``witness``: the
+    reduced residuals."""
+    m, n = W.shape[-2:]
+    X = symbols_matrix("x", m, n)
+    Y = manifold.projx(X)
+    residuals = {"P_Y(X - Y) = 0": manifold.proju(Y, X - Y), "projx(W) = W": manifold.projx(W) - W}
+    if manifold.has_defining_map:
+        residuals["F(projx(X)) = 0"] = manifold.defining_map(Y)
+    checked = {k: _zero_tensor(v) for k, v in residuals.items()}
+    return Certificate(
+        f"{name or type(manifold).__name__} {m}x{n}: projx lands on the manifold, X - projx(X) is normal, points are fixed",
+        all(ok for ok, _ in checked.values()),
+        {k: r for k, (_, r) in checked.items()},
+    )
+
+
+def certify_projx_float64(manifold, shape: tuple[int, int], tolerance: float = 1e-13) -> Certificate:
+    r"""Stiefel's and DGram's ``projx`` (a float64 SVD) against the characterization of
+    their documented maps, in **float64**, at $D = Q\operatorname{diag}(3/2, 1)R^\top$
+    (:func:`polar_map_reference`, condition number $3/2$), in the tall orientation (a wide
+    point's formulas are the transposed ones):
+
+    * Stiefel, $Y = \operatorname{projx}(D)$ is the polar factor: $Y^\top Y = I$ and
+      $Y^\top D$ symmetric positive definite (the metric projection onto the frames);
+    * DGram, $Y = \operatorname{msign}(D)\operatorname{diag}(\|d_j\|)$: $Y$ keeps every column
+      norm of $D$ and its normalized columns $Q_Y$ are the polar factor of $D$
+      ($Q_Y^\top Q_Y = I$, $Q_Y^\top D$ symmetric positive definite);
+    * both: $\operatorname{projx}(Y) = Y$ (points are fixed).
+
+    Tolerance: the SVD is backward stable, so at condition $3/2$ each residual is a few
+    $\varepsilon \approx 2\cdot10^{-16}$ times small constants; $10^{-13}$ leaves a margin
+    of over 100. ``witness``: the largest residual of each condition."""
+    from geomuon.manifolds import DGram
+
+    D = polar_map_reference(shape, 0)[0]
+    tall = shape[0] >= shape[1]
+    orient = (lambda M: M) if tall else (lambda M: M.mT)  # noqa: E731
+    Y = manifold.projx(D)
+    Dt, Yt = orient(D), orient(Y)
+    residuals = {}
+    if isinstance(manifold, DGram):
+        norms = Dt.norm(dim=-2)
+        residuals["column norms of projx(D) = those of D"] = float((Yt.norm(dim=-2) - norms).abs().max())
+        Yt = Yt / norms
+    eye = torch.eye(Yt.size(-1), dtype=Yt.dtype)
+    cross = Yt.mT @ Dt
+    residuals["Q'Q = I"] = float((Yt.mT @ Yt - eye).abs().max())
+    residuals["Q'D symmetric"] = float((cross - cross.mT).abs().max())
+    positive = bool(torch.linalg.eigvalsh(0.5 * (cross + cross.mT)).min() > 0)
+    residuals["projx(Y) = Y"] = float((manifold.projx(Y) - Y).abs().max())
+    return Certificate(
+        f"{type(manifold).__name__} {shape[0]}x{shape[1]}: projx is its documented map (float64)",
+        positive and all(r <= tolerance for r in residuals.values()),
+        {"Q'D positive definite": positive, **residuals},
+    )
+
+
 # ======================================================================================
 # Every manifold at symbolic size: the public methods on free letters
 
@@ -1589,7 +1788,9 @@ def _free_point(manifold, orientation: str) -> _FreePoint:
         raise ValueError(f"_free_point: no symbolic point model of {name}")
     algebra = FreeAlgebra(letters, diagonal=diagonal, shapes=shapes, ones=ones)
     W, V = algebra("W"), algebra("V")
-    wide = bool(m < n) and manifold.transposes_wide
+    # The definition, not the code's flag: a wide Stiefel or DGram point has orthogonal
+    # rows (the class docstrings), so its defining equations are on W W^T.
+    wide = bool(m < n) and name in ("Stiefel", "DGram")
     # The side the constraint acts on: W^T W (columns) or W W^T (rows of a wide point).
     gram, cross = (W @ W.mT, V @ W.mT) if wide else (W.mT @ W, V.mT @ W)
     if name == "Stiefel":
@@ -1783,9 +1984,8 @@ def _dgram_algebra(orientation: str, t: sp.Symbol) -> tuple[FreeAlgebra, FreeMat
     $W, V$ with $W^\top W = S^2$ ($S$ a positive diagonal letter, the column norms) and
     $V^\top W = -W^\top V + 2E$, $E = \operatorname{Diag}(W^\top V)$; $S$ and $S^{-1}$ are
     declared roots of $S^2$; exact series mode of order 2 in ``t``. Returns the algebra
-    and the body's letters $(W_b, V_b)$ ($W, V$, or their transposes when wide). Tall
-    sizes have $n \ge 2$ here (``msign`` asks whether the short side is 1)."""
-    m, n = ORIENTATIONS[orientation] if orientation != "tall" else (_a + _b + 3, _a + 2)
+    and the body's letters $(W_b, V_b)$ ($W, V$, or their transposes when wide)."""
+    m, n = ORIENTATIONS[orientation]
     algebra = FreeAlgebra({"W": "W'", "V": "V'"}, diagonal=("S",), shapes={"W": (m, n), "V": (m, n)})
     W, V = algebra("W"), algebra("V")
     wide = orientation == "wide"
@@ -1843,8 +2043,8 @@ def certify_dgram_step_expansion() -> Certificate:
     every row of ``POLAR_EXPRESS`` (the retraction's table), on the first-order family of a
     DGram point $W$ ($W^\top W = S^2$, $S$ positive diagonal) and tangent $V$
     ($\operatorname{Off}(W^\top V + V^\top W) = 0$, $E = \operatorname{Diag}(W^\top V)$),
-    for arbitrary diagonal $F, G$ (free diagonal letters), **every size** (tall with
-    $n \ge 2$ and square; wide is tall with the letters transposed), both forms the iteration uses ($X = FW^\top + t(FV^\top + GW^\top)$ on the
+    for arbitrary diagonal $F, G$ (free diagonal letters), **every size** (tall, one
+    column included, and square; wide is tall with the letters transposed), both forms the iteration uses ($X = FW^\top + t(FV^\top + GW^\top)$ on the
     transposed tall matrix, $X = WF + t(VF + WG)$ otherwise) and ``transposed=True``:
 
     $$\text{step}(X) = X' \text{ of the same form with } F'S = p(FS),\quad
@@ -2073,17 +2273,34 @@ def certify_inverse_sqrt_series() -> Certificate:
     the Taylor polynomial $\sum_{k \le K}\binom{-1/2}{k}e^k$ exactly (the matrix case is
     the same polynomial in $E$). Since $|\binom{-1/2}{k}|$ decreases, the truncation error
     is at most $|\binom{-1/2}{K+1}|\,\|E\|^{K+1}/(1 - \|E\|)$, the docstring's bound.
-    ``witness``: per $K$ the difference of the coefficient lists."""
-    from geomuon.manifolds.capabilities import _INV_SQRT_SERIES, inv_sqrt_near_identity
+
+    And :func:`~geomuon.manifolds.capabilities.series_radius` (where DGram's Gram-form
+    retraction switches from the series to ``eigh``) is the radius $r$ at which that bound
+    equals the dtype's unit round-off: $|\binom{-1/2}{K+1}|\,r^{K+1} = \varepsilon(1 - r)$,
+    checked for every $K$ and float32/float64 to a relative residual $10^{-12}$ (the
+    library's fixed-point iteration contracts by about $1/(K+1)$ per step and runs 50
+    steps: it ends at float64 round-off, $10^{-16}$).
+    ``witness``: per $K$ the difference of the coefficient lists, per $(K, \text{dtype})$
+    the radius' relative residual."""
+    from geomuon.manifolds.capabilities import _INV_SQRT_SERIES, inv_sqrt_near_identity, series_radius
 
     e = sp.Symbol("e")
-    witness = {}
+    witness: dict[Any, Any] = {}
+    holds = True
     for terms in range(1, len(_INV_SQRT_SERIES)):
         value = sp.expand(inv_sqrt_near_identity(ExactTensor([[e]]), terms).a[0, 0])
         taylor = sp.expand(sp.series((1 + e) ** sp.Rational(-1, 2), e, 0, terms + 1).removeO())
         witness[terms] = sp.expand(value - taylor)
-    return Certificate("inv_sqrt_near_identity is the binomial series of (1 + E)^(-1/2)",
-                       all(r == 0 for r in witness.values()), witness)
+        holds &= witness[terms] == 0
+        for dtype in (torch.float32, torch.float64):
+            r = exact(series_radius(terms, dtype))
+            eps = exact(torch.finfo(dtype).eps)
+            bound = abs(sp.binomial(sp.Rational(-1, 2), terms + 1)) * r ** (terms + 1)
+            residual = abs(bound / (eps * (1 - r)) - 1)
+            witness[(terms, str(dtype))] = float(residual)
+            holds &= residual <= sp.Rational(1, 10**12)
+    return Certificate("inv_sqrt_near_identity is the binomial series of (1 + E)^(-1/2); series_radius its round-off radius",
+                       holds, witness)
 
 
 def certify_newton_schulz_step_expansion() -> Certificate:
@@ -2182,58 +2399,72 @@ def certify_newton_schulz_retraction(retraction, W: torch.Tensor, V: torch.Tenso
 # Equivariance of the update maps
 
 
-def _generators(kind: str, k: int, prefix: str) -> list[sp.Matrix]:
-    r"""Exact generators of a side group of size ``k``: ``"orthogonal"`` — a symbolic
-    Cayley rotation (dense in $SO(k)$; equivariance is a closed condition) and one
-    reflection; ``"permutation"`` — adjacent transpositions; ``"signed_permutation"`` —
-    those and one sign flip; ``"identity"`` — none."""
-    flip = sp.diag(-1, *([1] * (k - 1)))
-    transpositions = []
-    for i in range(k - 1):
-        P = sp.eye(k)
-        P[i, i] = P[i + 1, i + 1] = 0
-        P[i, i + 1] = P[i + 1, i] = 1
-        transpositions.append(P)
-    if kind == "orthogonal":
-        return ([cayley(skew(k, prefix))] if k > 1 else []) + [flip]
-    if kind == "permutation":
-        return transpositions
-    if kind == "signed_permutation":
-        return transpositions + [flip]
-    if kind == "identity":
-        return []
-    if kind == "positive_diagonal":  # one generic element: every positive diagonal
-        return [sp.diag(*sp.symbols(f"{prefix}p0:{k}", positive=True))]
-    raise ValueError(f"_generators: unknown side group {kind!r}")
-
-
-def certify_equivariance(update: Callable, group, shape: tuple[int, int], *, D: ExactTensor | None = None) -> Certificate:
-    r"""$U(g\cdot D) = g\cdot U(D)$ for a matrix $D$ of symbols of the given ``shape``
-    and every generator $g$ of ``group`` (a two-sided group of
-    :mod:`geomuon.theory.groups`: $D \mapsto PDQ^\top$, plus $D \mapsto D + \mathbf 1v^\top$
-    with symbolic $v$ when it has shifts, under which $U$ must be invariant). The set of
-    $g$ satisfying the identity for all $D$ is a group, so generators suffice: a proof at
-    that size. ``update`` is the library's map, run on :class:`ExactTensor`.
-
-    ``holds`` is false as soon as one generator breaks the identity; ``witness`` maps
-    each generator to its reduced residual."""
-    m, n = shape
-    D = D if D is not None else symbols_matrix("D", m, n)
-    image = update(D)
-    residuals: dict[str, Any] = {}
-    for side, kind, size in (("left", group.left, m), ("right", group.right, n)):
-        for k, G in enumerate(_generators(kind, size, f"g{side[0]}")):
-            P, Q = (G, sp.eye(n)) if side == "left" else (sp.eye(m), G)
-            acted = update(ExactTensor(P) @ D @ ExactTensor(Q.T))
-            expected = image if getattr(group, "invariant", False) else ExactTensor(P) @ image @ ExactTensor(Q.T)
-            residuals[f"{side} {kind} #{k}"] = _zero_tensor(acted - expected)
-    if getattr(group, "shift", False):
-        v = ExactTensor([[sp.Symbol(f"v{j}", real=True) for j in range(n)]])
-        residuals["shift 1 v^T"] = _zero_tensor(update(D + ExactTensor(sp.ones(m, 1)) @ v) - image)
+def certify_equivariance_every_size(update: Callable, group, orientation: str = "tall") -> Certificate:
+    r"""$U(g\cdot D) = g\cdot U(D)$ (or $U(g\cdot D) = U(D)$ for an invariance group) at
+    **every size** of the orientation (:data:`ORIENTATIONS`): the library's map runs on a
+    free letter $D$ of symbolic size $m\times n$, and each side of ``group`` is one free
+    letter standing for **every** element of it — an orthogonal $L$ ($L^\top L = LL^\top
+    = I$), a signed permutation $P$ (a ``monomial`` letter, which also covers the
+    permutations), a positive diagonal $\Lambda$ — acting on $D$ alone ($(g, h)\cdot D =
+    g\cdot(h\cdot D)$, so the two sides compose). A group with shifts adds a free row $v$
+    and the ones letter ($\mathbf 1^\top\mathbf 1 = m$; a left permutation fixes it,
+    $P\mathbf 1 = P^\top\mathbf 1 = \mathbf 1$), and $U(D + \mathbf 1v) = U(D)$ is checked
+    too. Row and column norms are the entrywise
+    roots of $\operatorname{Diag}(DD^\top)$, $\operatorname{Diag}(D^\top D)$, and the maps'
+    quotients and signs are opaque entrywise functions (:meth:`FreeAlgebra.entrywise`):
+    the identity is proved for every value of them. ``witness``: per side the reduced
+    residual (empty)."""
+    m, n = ORIENTATIONS[orientation]
+    letters, monomial, positive, shapes = {"D": "D'"}, [], [], {"D": (m, n)}
+    shift = getattr(group, "shift", False)
+    if shift:
+        if group.left != "permutation":
+            raise ValueError("certify_equivariance_every_size: shifts need a left side that fixes 1 (permutations)")
+        letters["v"], shapes["v"] = "v'", (1, n)
+    sides = {}
+    for side, kind, size, letter in (("left", group.left, m, "G"), ("right", group.right, n, "H")):
+        if kind == "identity":
+            continue
+        if kind not in ("orthogonal", "permutation", "signed_permutation", "positive_diagonal"):
+            raise ValueError(f"certify_equivariance_every_size: unknown side group {kind!r}")
+        shapes[letter] = (size, size)
+        if kind == "positive_diagonal":
+            positive.append(letter)
+        else:
+            letters[letter] = letter + "'"
+            if kind != "orthogonal":
+                monomial.append(letter)
+        sides[side] = (kind, letter)
+    algebra = FreeAlgebra(letters, shapes=shapes, monomial=monomial, positive=positive,
+                          ones=("1", m) if shift else None)
+    for kind, letter in sides.values():
+        if kind == "orthogonal":
+            G = algebra(letter)
+            algebra.rule(G.mT @ G, algebra.identity())
+            algebra.rule(G @ G.mT, algebra.identity())
+    if shift:
+        G, one = algebra(sides["left"][1]), algebra("1")
+        for g in (G, G.mT):
+            algebra.rule(g @ one, one)
+            algebra.rule(one.mT @ g, one.mT)
+    # msign's normalization (hybrid with 0 steps) compares ||D||_F with its floor
+    algebra.norms_above_floors = True
+    D = algebra("D")
+    invariant = getattr(group, "invariant", False)
+    residuals = {}
+    with _FreeFactories(algebra):
+        image = update(D)
+        for side, (kind, letter) in sides.items():
+            G = algebra(letter)
+            acted = update(G @ D) if side == "left" else update(D @ G.mT)
+            expected = image if invariant else (G @ image if side == "left" else image @ G.mT)
+            residuals[f"{side} {kind}"] = (acted - expected).terms
+        if shift:
+            residuals["shift 1 v"] = (update(D + algebra("1") @ algebra("v")) - image).terms
     return Certificate(
-        f"{getattr(update, '__name__', update)} is {group.name}-equivariant at {m}x{n}",
-        all(ok for ok, _ in residuals.values()),
-        {k: r for k, (_, r) in residuals.items()},
+        f"{getattr(update, '__name__', update)} is {group.name}-{'invariant' if invariant else 'equivariant'}, every {orientation} size",
+        all(not r for r in residuals.values()),
+        residuals,
     )
 
 
@@ -2317,34 +2548,32 @@ def certify_inverse_sqrt_equivariance() -> Certificate:
     )
 
 
-def _shift_probe_certificate(shape=(3, 2)) -> Certificate:
-    r"""The library's :func:`~geomuon.optimizers.maps.centered` wrapper: the inner map sees
-    $\Pi^\perp(PDQ^\top + \mathbf 1v^\top) = P\,\Pi^\perp D\,Q^\top$ for permutations $P$,
-    orthogonal $Q$ and every shift $v$, the output re-centering commutes with $(P, Q)$, and
-    the output is centered ($\mathbf 1^\top U_c = 0$) whatever the inner map returns.
-    With the inner map $S_m\times O_n$-equivariant this gives
+def _shift_probe_certificate(orientation: str = "tall") -> Certificate:
+    r"""The library's :func:`~geomuon.optimizers.maps.centered` wrapper, at every size of
+    the orientation: run on an identity probe it is $S_m \times O_n$-equivariant and
+    shift-invariant (:func:`certify_equivariance_every_size`; so the inner map sees
+    $\Pi^\perp(PDQ^\top + \mathbf 1v^\top) = P\,\Pi^\perp D\,Q^\top$ and the output
+    re-centering commutes with $(P, Q)$), and its output is centered,
+    $\mathbf 1^\top U_c = 0$, whatever the inner map returns (a free letter $U$). With the
+    inner map $S_m\times O_n$-equivariant this gives
     $U_c(PDQ^\top + \mathbf 1v^\top) = P\,U_c(D)\,Q^\top$."""
     from geomuon.optimizers import maps
     from geomuon.theory.groups import RouterShift
 
-    seen: list = []
-
     def probe(D):
-        seen.append(D)
         return D
 
     centered_probe = maps.centered(probe)
     centered_probe.__name__ = "centered(identity probe)"
-    certificate = certify_equivariance(centered_probe, RouterShift(), shape)
-    # The output is centered whatever the inner map returns (row scaling breaks 1'U = 0):
-    # a probe returning a fresh matrix of symbols.
-    m, n = shape
-    free_output = maps.centered(lambda D: symbols_matrix("u", m, n))(symbols_matrix("D", m, n))
-    column_sums = _zero_tensor(ExactTensor(np.array(free_output.sum(-2).a, dtype=object).reshape(1, n)))
+    certificate = certify_equivariance_every_size(centered_probe, RouterShift(), orientation)
+    m, n = ORIENTATIONS[orientation]
+    algebra = FreeAlgebra({"D": "D'", "U": "U'"}, shapes={"D": (m, n), "U": (m, n)}, ones=("1", m))
+    column_sums = (algebra("1").mT @ maps.centered(lambda D: algebra("U"))(algebra("D"))).terms
     return Certificate(
-        "centered(.) feeds the inner map Pi(g D) = g Pi(D) and kills shifts; re-centering commutes with g; 1'U_c = 0",
-        certificate.holds and column_sums[0],
-        {**certificate.witness, "1'U_c(D) for any inner output": column_sums[1]},
+        f"centered(.) feeds the inner map Pi(g D) = g Pi(D) and kills shifts; re-centering commutes with g; "
+        f"1'U_c = 0; every {orientation} size",
+        certificate.holds and not column_sums,
+        {**certificate.witness, "1'U_c(D) for any inner output": column_sums},
     )
 
 
@@ -2356,21 +2585,21 @@ def _hybrid_stages(D):
     return maps.hybrid(D, steps=0, alpha=0)
 
 
-@functools.lru_cache(maxsize=1)
-def _hybrid_stage_certificate() -> Certificate:
-    r""":func:`_hybrid_stages` is $S_m^\pm \times O_n$-equivariant at $2\times2$ (cached:
-    three rows use it)."""
-    from geomuon.theory.groups import LeftPermRightOrth
-
-    return certify_equivariance(_hybrid_stages, LeftPermRightOrth(), (2, 2))
-
-
-def _centered_spectral_stages(D):
-    """``centered(spectral)`` with no Newton–Schulz step: the centering and msign's
-    normalization of the library's code, exactly."""
+def _centered_stages(inner: Callable, **kwargs) -> Callable:
+    """``centered(inner)`` of the library, its inner map run with no Newton–Schulz step
+    (``spectral``, and ``hybrid`` without its nuclear scale: the centering, the row
+    normalization and msign's normalization, exactly)."""
     from geomuon.optimizers import maps
 
-    return maps.centered(maps.spectral)(D, steps=0)
+    def stages(D):
+        return maps.centered(inner)(D, steps=0, **kwargs)
+
+    stages.__name__ = f"centered({inner.__name__}) with 0 Newton-Schulz steps"
+    return stages
+
+
+def _orientations(declaration) -> list[str]:
+    return ["tall", "square", "wide"] if declaration.orientation == "any" else [declaration.orientation]
 
 
 def _declared_rows():
@@ -2382,10 +2611,11 @@ def _declared_rows():
 def certify_map_row(declaration) -> Certificate:
     r"""The exact certificate of one ``map`` row of :mod:`geomuon.theory.declared`.
 
-    ``holds`` rows: a proof (:func:`certify_equivariance` on the library's map for the
-    elementwise maps at $3\times2$ and $2\times3$; the free-algebra certificates for
-    the Newton–Schulz / inverse-square-root stages, every size; compositions combine
-    them). ``fails`` rows: an exact counterexample for the library's map where it is
+    ``holds`` rows: a proof at every size (:func:`certify_equivariance_every_size` on the
+    library's map for the elementwise maps, on its stages with no Newton–Schulz step for
+    ``hybrid`` and the centered maps, on an identity probe for ``centered``; the
+    free-algebra certificates of the Newton–Schulz and inverse-square-root steps;
+    compositions combine them). ``fails`` rows: an exact counterexample for the library's map where it is
     exactly computable (``row_norm``, ``col_norm``, ``sign``), otherwise for the exact map
     the iteration approximates (the polar factor, closed form at $2\times2$).
     The certificate's ``holds`` says whether the *declared* relation was certified
@@ -2401,37 +2631,36 @@ def certify_map_row(declaration) -> Certificate:
     elementwise = {"row_norm": maps.row_norm, "col_norm": maps.col_norm, "sign": maps.sign}
     witness: dict[str, Any] = {}
     if expected == "holds":
+        from geomuon.theory.groups import LeftPermRightOrth, RouterShift
+
+        orientations = _orientations(declaration)
         parts: list[Certificate] = []
         if name in elementwise:
-            parts += [certify_equivariance(elementwise[name], group, s) for s in shapes]
+            parts += [certify_equivariance_every_size(elementwise[name], group, o) for o in orientations]
         elif name in ("spectral", "spectral per matrix"):
             parts.append(certify_newton_schulz_equivariance())
         elif name in ("right_polar", "left_polar"):
             parts.append(certify_inverse_sqrt_equivariance())
         elif name in ("hybrid", "swiglu hybrid stack"):
-            from geomuon.theory.groups import LeftPermRightOrth
-
             # The library's hybrid with 0 Newton-Schulz steps (its row normalization and
-            # msign's normalization, run exactly) is S_m^± x O_n-equivariant; every
-            # Newton-Schulz step is O_m x O_n-equivariant; the SwiGLU stack applies
-            # hybrid to W_gate, W_up (rows permuted) and to W_down^T.
-            parts.append(_hybrid_stage_certificate())
+            # msign's normalization) is S_m^± x O_n-equivariant; every Newton-Schulz step
+            # is O_m x O_n-equivariant; the SwiGLU stack applies hybrid to W_gate, W_up
+            # (rows permuted) and to W_down^T.
+            parts += [certify_equivariance_every_size(_hybrid_stages, LeftPermRightOrth(), o) for o in orientations]
             parts.append(certify_newton_schulz_equivariance())
         elif name.startswith("centered("):
             inner = name[len("centered(") : -1]
-            from geomuon.theory.groups import LeftPermRightOrth, RouterShift
-
-            parts.append(_shift_probe_certificate())
+            parts += [_shift_probe_certificate(o) for o in orientations]
             if inner in elementwise:
-                parts += [certify_equivariance(elementwise[inner], LeftPermRightOrth(), s) for s in shapes]
-            elif inner == "hybrid":
-                parts.append(_hybrid_stage_certificate())
+                parts += [certify_equivariance_every_size(maps.centered(elementwise[inner]), RouterShift(), o) for o in orientations]
+            elif inner in ("spectral", "hybrid"):
+                stages = _centered_stages(maps.spectral) if inner == "spectral" else _centered_stages(maps.hybrid, alpha=0)
+                parts += [certify_equivariance_every_size(stages, RouterShift(), o) for o in orientations]
                 parts.append(certify_newton_schulz_equivariance())
             elif inner == "left_polar":
                 parts.append(certify_inverse_sqrt_equivariance())
             else:
-                parts.append(certify_equivariance(_centered_spectral_stages, RouterShift(), (2, 2)))
-                parts.append(certify_newton_schulz_equivariance())
+                return Certificate(f"no certificate for the map row {declaration.id}", False, None)
         else:
             return Certificate(f"no certificate for the map row {declaration.id}", False, None)
         witness = {p.claim: p.witness for p in parts}
@@ -2926,6 +3155,120 @@ def polar_map_reference(shape: tuple[int, int], alpha) -> tuple[torch.Tensor, sp
     return torch.tensor(np.array(D.evalf(30).tolist(), dtype=float)), exact_update
 
 
+def _polar_and_nuclear(A: sp.Matrix) -> tuple[sp.Matrix, sp.Expr]:
+    r"""Exact polar factor and nuclear norm of a full-rank $A$ with a short side of 2:
+    $\operatorname{msign}(A) = AH^{-1}$ and $\|A\|_* = \operatorname{tr}H$ for the
+    $2\times2$ root $H = (A^\top A)^{1/2}$ (closed form, :func:`_polar_exact`;
+    $\operatorname{tr}H = (\operatorname{tr}M + 2\sqrt{\det M})^{1/2}$, $M = A^\top A$), and
+    the transpose for a wide $A$."""
+    if A.cols != 2:
+        polar, nuclear = _polar_and_nuclear(A.T)
+        return polar.T, nuclear
+    M = A.T * A
+    return _polar_exact(A), sp.sqrt(M.trace() + 2 * sp.sqrt(M.det()))
+
+
+#: Unit rows (Pythagorean triples) for :func:`hybrid_map_reference`, by row length.
+_UNIT_ROWS = {
+    2: [(sp.Rational(3, 5), sp.Rational(4, 5)), (sp.Rational(-5, 13), sp.Rational(12, 13)),
+        (sp.Rational(8, 17), sp.Rational(-15, 17))],
+    3: [(sp.Rational(1, 3), sp.Rational(2, 3), sp.Rational(2, 3)),
+        (sp.Rational(2, 7), sp.Rational(-3, 7), sp.Rational(6, 7))],
+}
+
+
+def hybrid_map_reference(shape: tuple[int, int], alpha) -> dict[str, Any]:
+    r"""An exact test case of the row-then-spectral maps: $D = \operatorname{diag}(c)R$ with
+    positive $c = (2, \tfrac12, 3)$ and a rational $R$ of **unit rows**, so the row
+    normalization of $D$ is $R$ (for $\epsilon = 0$) and
+    $\text{hybrid}(D) = \|R\|_*^\alpha\operatorname{msign}(R)$, with the exact polar factor
+    and nuclear norm of $R$ (:func:`_polar_and_nuclear`). Returns ``D`` (float64), ``R``
+    (float64), and the exact ``polar``, ``nuclear``, ``update`` and the smallest normalized
+    singular value ``x_min`` $= \sigma_{\min}(R)/(1.01\|R\|_F)$ (Polar Express is
+    certified for $x \ge 10^{-3}$)."""
+    m, n = shape
+    R = sp.Matrix(_UNIT_ROWS[n][:m])
+    c = [sp.Integer(2), sp.Rational(1, 2), sp.Integer(3)][:m]
+    D = sp.diag(*c) * R
+    polar, nuclear = _polar_and_nuclear(R)
+    gram = R.T * R if m >= n else R * R.T
+    smallest = (gram.trace() - sp.sqrt(gram.trace() ** 2 - 4 * gram.det())) / 2
+    to_float = lambda M: torch.tensor(np.array(M.evalf(30).tolist(), dtype=float))  # noqa: E731
+    return {"D": to_float(D), "R": to_float(R), "polar": polar, "nuclear": nuclear,
+            "update": nuclear ** exact(alpha) * polar,
+            "x_min": sp.sqrt(smallest) / (sp.Rational(101, 100) * sp.sqrt(gram.trace()))}
+
+
+# ======================================================================================
+# The update maps as dualizers, and the RMS scale
+
+
+def certify_dualizer(update: Callable, norm: str, shape: tuple[int, int]) -> Certificate:
+    r"""The library's map is the **dualizer** of its norm, $U(D) = \arg\max_{\|A\|\le1}
+    \langle D, A\rangle$, on a matrix $D$ of symbols of the given ``shape``, run with
+    $\epsilon = 0$ where the map has a floor:
+
+    * ``norm="row"`` (``row_norm``, $\|A\| = \max_i\|a_i\|$): every row of $U(D)$ has norm
+      1 and $\langle D, U(D)\rangle = \sum_i\|d_i\|$, the dual norm (Cauchy–Schwarz row by
+      row: no $A$ in the ball does better, and equality forces $a_i = d_i/\|d_i\|$);
+    * ``norm="column"`` (``col_norm``): the same for columns;
+    * ``norm="max"`` (``sign``, $\|A\| = \max_{ij}|a_{ij}|$): every $|U_{ij}| = 1$ and
+      $\langle D, U(D)\rangle = \sum_{ij}|d_{ij}|$, on $D_{ij} = s_{ij}p_{ij}$ with positive
+      symbols $p$ and a fixed sign pattern $s$ with both signs in every row and column
+      (every $D$ without zero entries of that pattern).
+
+    Norms, dual norms and $|\cdot|$ come from their definitions; the map is the library's.
+    This pins the map's scale and normalizing axis, which an equivariance certificate
+    does not (a map of the row norms, $D/\|d_i\|^2$, is just as equivariant).
+    ``witness``: the reduced residuals."""
+    m, n = shape
+    if norm == "max":
+        pattern = lambda i, j: 1 if (i + j) % 2 == 0 else -1  # noqa: E731
+        p = [[sp.Symbol(f"p{i}_{j}", positive=True) for j in range(n)] for i in range(m)]
+        D = ExactTensor([[pattern(i, j) * p[i][j] for j in range(n)] for i in range(m)])
+        U = update(D)
+        unit = ExactTensor(np.vectorize(lambda e: sp.Abs(_as_expr(e)) - 1, otypes=[object])(U.a))
+        dual = sum(sp.Abs(_as_expr(e)) for e in D.a.flat)
+    else:
+        D = symbols_matrix("d", m, n)
+        U = update(D, eps=0)
+        axis = -1 if norm == "row" else -2
+        unit = (U * U).sum(axis) - 1
+        dual = sum(_as_expr(e) for e in D.norm(dim=axis).a.flat)
+    residuals = {"||U(D)|| = 1 (every row / column / entry)": _zero_tensor(unit),
+                 "<D, U(D)> = dual norm of D": _zero_tensor(_as_expr((D * U).sum()) - dual)}
+    return Certificate(
+        f"{getattr(update, '__name__', update)} is the dualizer of the {norm} norm at {m}x{n}",
+        all(ok for ok, _ in residuals.values()),
+        {k: r for k, (_, r) in residuals.items()},
+    )
+
+
+def certify_rms_scale(shapes: Sequence[tuple[int, int]] = ((3, 5), (5, 3), (4, 4), (1, 7))) -> Certificate:
+    r""":func:`geomuon.manifolds.linalg.rms_scale` is the RMS→RMS operator norm of an
+    ``[fan_out, fan_in]`` matrix of unit spectral norm: from the definition
+    $\|x\|_{\mathrm{RMS}} = \|x\|_2/\sqrt{\dim x}$,
+    $\sup_x\|Wx\|_{\mathrm{RMS}}/\|x\|_{\mathrm{RMS}} = \sqrt{n/m}\,\sigma_{\max}(W)$, attained
+    at the top right singular vector; here $W = e_1e_1^\top$ and $x = e_1$ (and
+    $\|We_1\|_2 \le \|x\|_2$ bounds every other $x$). ``witness``: per shape the exact
+    norm and the library's float; ``holds`` when they agree to one unit in the last place."""
+    from geomuon.manifolds.linalg import rms_scale
+
+    def rms(v: sp.Matrix) -> sp.Expr:
+        return sp.sqrt(sum(x**2 for x in v) / len(v))
+
+    witness, holds = {}, True
+    for m, n in shapes:
+        W = sp.zeros(m, n)
+        W[0, 0] = 1
+        x = sp.Matrix([1] + [0] * (n - 1))
+        value = rms(W * x) / rms(x)
+        library = rms_scale((m, n))
+        witness[(m, n)] = (value, library)
+        holds &= abs(library - float(sp.N(value, 30))) <= math.ulp(float(sp.N(value, 30)))
+    return Certificate("rms_scale(m, n) is the RMS->RMS norm of a unit-spectral-norm m x n matrix", holds, witness)
+
+
 def soft_cap_polynomial(alpha, sigma=None) -> sp.Expr:
     r"""The spectral soft cap on one singular value, $f_\alpha(\sigma) = g + \alpha g^3$
     with $g = \sigma - \alpha\sigma^3$: the library's
@@ -3098,7 +3441,10 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
       $dR_W(0) = \mathrm{id}$ on $T_W$ (exact Taylor coefficients, the truncated series
       of $\rho$ included), and for *every* direction $X$ the velocity of
       $R(W + tX)$ at $t = 0$ is tangent (the curve stays on the manifold to first order;
-      this sees $\rho$'s first-order term, which a tangent direction does not).
+      this sees $\rho$'s first-order term, which a tangent direction does not);
+    * for a form with a Newton step (``has_newton``): $S(\text{newton\_increment}(D, E)) = E$
+      for every symmetric $E$ (the multiplier increment reproduces the step's $S$-space
+      increment).
     """
     form = manifold.gram_form
     m, n = W.shape[-2:]
@@ -3112,6 +3458,12 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
         "X - W Sigma = P(X)": X - W @ form.project(D, W.mT @ X) - manifold.proju(W, X),
         "g(D) = constraint_gram_diag": ExactTensor(form.gram_diag(D)) - ExactTensor(manifold.constraint_gram_diag(W)),
     }
+    if form.has_newton:
+        # The Newton step's S-space increment E (symmetric) maps to the multiplier
+        # increment newton_increment(D, E), whose S(.) must give E back.
+        L = ExactTensor(lam_all.a[: n * n].reshape(n, n))
+        E = L + L.mT
+        residuals["S(newton_increment(D, E)) = E for symmetric E"] = form.adjoint(form.newton_increment(D, E)) - E
     checked = {k: _zero_tensor(v) for k, v in residuals.items()}
     # The retraction may take square roots: expressions, not field elements.
     Wx = ExactTensor(np.vectorize(_as_expr, otypes=[object])(W.a))
