@@ -223,11 +223,11 @@ def test_manifold_inrun_reads_the_certificates_of_a_real_run(tmp_path):
     markdown = tmp_path / "manifold_inrun.md"
     stdout = run_script("manifold_inrun", markdown)
     rows = parse_table(stdout)
-    # per manifold: one row per orientation the model has, then "all" (their union); DGram
-    # declares no Newton step, so its default update is Jacobi
+    # per manifold: one row per orientation the model has, then "all" (their union); both
+    # forms declare a Newton step (Stiefel's closed form, DGram's conjugate gradients)
     assert [(r["manifold"], r["matrices"]) for r in rows] == [
         (m, kind) for m in ("stiefel", "dgram") for kind in ("square", "tall", "wide", "all")]
-    assert {r["dual update"] for r in rows if r["manifold"] == "dgram"} == {"jacobi (default)"}
+    assert {r["dual update"] for r in rows} == {"newton (default)"}
     for manifold in ("stiefel", "dgram"):
         mine = [r for r in rows if r["manifold"] == manifold]
         # 1 layer: c_attn (tall), c_proj (square), mlp in (tall) and out (wide), certified at
@@ -247,15 +247,19 @@ def test_lipschitz_tightness_table_never_shows_a_violation(tmp_path):
     assert [(r["model"], r["norm"]) for r in rows] == [
         ("2 layers, 2 heads", "per token"), ("2 layers, 2 heads", "whole sequence (T = 4)")]
     for row in rows:
-        simple, tight, estimate = (float(row[key]) for key in ("simple bound", "tight bound", "best estimate"))
-        # the estimate is a lower bound on the constant, each bound an upper bound, and the
-        # tight bound is never above the simple one (4 significant digits printed: 5e-4 relative)
-        assert 0 < estimate <= tight * (1 + 5e-4) and tight <= simple * (1 + 5e-4), row
+        simple, tight, aligned, estimate = (float(row[key]) for key in
+                                            ("simple bound", "tight bound", "aligned bound", "best estimate"))
+        # the estimate is a lower bound on the constant, each bound an upper bound, and each
+        # method is never above the next (4 significant digits printed: 5e-4 relative)
+        assert 0 < estimate <= aligned * (1 + 5e-4), row
+        assert aligned <= tight * (1 + 5e-4) and tight <= simple * (1 + 5e-4), row
         # ratios printed with one decimal
-        assert abs(float(row["tight / estimate"]) - tight / estimate) <= 0.05 + 1e-3 * tight / estimate, row
+        for name, bound in (("tight", tight), ("aligned", aligned)):
+            assert abs(float(row[f"{name} / estimate"]) - bound / estimate) <= 0.05 + 1e-3 * bound / estimate, row
     # the a-priori bound at the cap for the Shakespeare shape is stated, and is far from "below 2"
-    cap = re.search(r"A-priori bound at the cap .*?: simple (\S+), tight (\S+)\.", markdown.read_text())
-    assert cap and float(cap.group(2)) > 2 and float(cap.group(1)) >= float(cap.group(2))
+    cap = re.search(r"A-priori bound at the cap .*?: simple (\S+), tight (\S+)\. Aligned \(the default\): (\S+)\.",
+                    markdown.read_text())
+    assert cap and 2 < float(cap.group(3)) <= float(cap.group(2)) <= float(cap.group(1))
     check_provenance(markdown, "lipschitz_tightness", stdout)
 
 
