@@ -58,7 +58,7 @@ def orientation(shape) -> str:
 
 
 def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int, run: dict, data: str,
-                  seed: int, warm_start: bool = True):
+                  seed: int, warm_start: bool = True, smoothing: float | None = None, alpha: float | None = None):
     """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
@@ -76,6 +76,10 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, pol
                                  warm_start=warm_start)
                     if dual_steps is not None:
                         group["dual_steps"] = dual_steps
+                    if smoothing is not None:
+                        group["dual_smoothing"] = smoothing
+                    if alpha is not None:
+                        group["dual_alpha"] = alpha
                 optimizers.append(opt)
         return assignment
 
@@ -110,17 +114,24 @@ def main(argv=None) -> int:
     parser.add_argument("--starts", nargs="+", default=["warm"], choices=["warm", "cold"],
                         help="dual start of each step: the previous step's correction (warm, ManifoldMuon's "
                              "default) or none (cold: warm_start=False)")
+    parser.add_argument("--smoothing", type=float, nargs="+", default=[None],
+                        help="smoothing of the dual (ManifoldMuon's dual_smoothing; default: ManifoldMuon's)")
+    parser.add_argument("--alpha", type=float, nargs="+", default=[None],
+                        help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the study's 400)")
     parser.add_argument("--data", default="embedded", help="training data spec (geomuon pretrain --data)")
     parser.add_argument("--seed", type=int, default=1)
     add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)")
     args = parser.parse_args(argv)
     run = dict(RUN, **(QUICK_RUN if args.quick else {}))
+    if args.steps is not None:
+        run["steps"] = args.steps
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     from geomuon.manifolds import MatrixManifold
     from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update
 
-    header = ["manifold", "dual update", "dual steps", "polish rounds", "start", "matrices", "certified steps x matrices",
+    header = ["manifold", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start", "matrices", "certified steps x matrices",
               "mean certified ratio", "min"]
     lines = [
         f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
@@ -130,18 +141,19 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
-    for manifold, update, dual, polish, start in itertools.product(args.manifold, args.update, args.dual, args.polish,
-                                                                   args.starts):
+    for manifold, update, dual, polish, start, smoothing, alpha in itertools.product(
+            args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha):
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
-        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm")
+        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha)
         shown_update = update or f"{default_dual_update(owner)} (default)"
         shown_dual = str(dual) if dual is not None else f"{default_dual_steps(owner)} (default)"
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
-            lines.append(markdown_row([manifold, shown_update, shown_dual, str(polish),
+            shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
+            lines.append(markdown_row([manifold, shown_update, shown_dual, *shown, str(polish),
                                        "warm (default)" if start == "warm" else "cold", kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)

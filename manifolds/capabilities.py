@@ -126,10 +126,13 @@ class GramForm:
     Attributes:
         diagonal_gram: whether $W^\top W$ is diagonal at every point of the manifold (then
             the engine takes $D$ from the column norms, with no $m\times n$ product).
-        has_newton: whether the form declares :meth:`newton_increment` (else the engine's
-            dual steps are Jacobi steps).
+        has_newton: whether the form declares :meth:`newton_increment`, the closed-form
+            Newton step (Su's Lyapunov equation solved in $Q$'s eigenbasis, exact for $D = I$).
+        newton_cg_steps: $k > 0$: the form's Newton step is $k$ preconditioned conjugate-gradient
+            iterations on :meth:`newton_operator` (with :meth:`newton_diagonal`), for a form
+            whose $D$ is not the identity; 0: none. A form with neither takes Jacobi steps.
         dual_steps: ManifoldMuon's default dual steps per optimizer step on this manifold
-            (chosen on ``bench/manifold_frontier.py``'s frontier).
+            (chosen on the certificate inside GPT training, ``bench/manifold_inrun.py``).
         retraction_order: the order of the retraction $Y\rho(Y^\top Y)$ (1: a retraction,
             $R_W(tV) = W + tV + O(t^2)$; 2: second order, the curve's acceleration at 0
             is normal).
@@ -141,7 +144,13 @@ class GramForm:
     diagonal_gram = False
     retraction_order = 1
     has_newton = False
+    newton_cg_steps = 0
     dual_steps = 1
+
+    @property
+    def declares_newton(self) -> bool:
+        """Whether the engine's ``"newton"`` update has a Newton step on this form (closed form or CG)."""
+        return self.has_newton or self.newton_cg_steps > 0
 
     def project(self, D: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
         """$\\Sigma$ with $P_W(X) = X - W\\Sigma$, from $D = W^\\top W$ and $M = W^\\top X$."""
@@ -162,6 +171,23 @@ class GramForm:
     def retraction_factor(self, YtY: torch.Tensor, terms: int = 6) -> torch.Tensor:
         r"""$\rho(Y^\top Y)$, so that $R_W(V) = Y\rho(Y^\top Y)$; ``terms`` of the series of
         :func:`inv_sqrt_near_identity` where the form uses one."""
+        raise NotImplementedError
+
+    def newton_operator(self, D: torch.Tensor, lam: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+        r"""The linearized tangency of the dual iterate at a frozen $P = (Z^\top Z)^{-1/2}$, on a
+        multiplier $\Lambda$: $\mathcal A(\Lambda) = \mathcal C(D\,S(\Lambda)\,P)$ (multiplier-shaped).
+
+        The residual $\mathcal C((B_0 + DS)P)$ changes by $\mathcal A(\delta)$ when $\Lambda$ moves by
+        $\delta$ and $P$ is held, so $\mathcal A(\delta) = -\mathcal C(M)$ is Su's fixed-point step
+        (:func:`geomuon.optimizers.gram.newton_update`). Symmetric positive semi-definite in the
+        Frobenius inner product: $\langle\Lambda', \mathcal A(\Lambda)\rangle =
+        \operatorname{tr}(S(\Lambda')\,D\,S(\Lambda)\,P)$. Declared by a form with ``newton_cg_steps``."""
+        raise NotImplementedError
+
+    def newton_diagonal(self, D: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+        """The diagonal of :meth:`newton_operator` on the basis of the multipliers the iteration
+        visits (symmetric ones for an $n\times n$ multiplier), multiplier-shaped and nonnegative:
+        the conjugate-gradient preconditioner of a form with ``newton_cg_steps``."""
         raise NotImplementedError
 
     def newton_increment(self, D: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
@@ -192,7 +218,7 @@ class OrthonormalGram(GramForm):
     diagonal_gram = True
     retraction_order = 2
     has_newton = True
-    dual_steps = 0  # one carried Newton step per optimizer step tracks the optimum (frontier)
+    dual_steps = 1  # in-run certificate (bench/manifold_inrun.py): 0.868 / 0.777 at 0 steps, 0.921 / 0.879 at 1
 
     def project(self, D, M):
         return 0.5 * (M + M.mT)
@@ -236,19 +262,33 @@ class OrthogonalColumnsGram(GramForm):
     ``DGram.retr`` is the other retraction $\operatorname{msign}(Y)\Delta^{1/2}$ (the same map
     when the columns of $Y$ have equal norms).
 
-    No Newton increment: Su's Lyapunov step solves tangency for the full symmetric
-    multiplier, and its off-diagonal part is not DGram's Newton step once column norms
-    differ (the form declared that approximation until it certified 0.16 in a GPT run
-    whose column norms spread to $2\cdot10^{-4}$, where Jacobi kept 0.51 and the spread
-    bounded), so the engine takes Jacobi steps, preconditioned by $2(d_i^2 + d_j^2)$.
+    Newton step: Su's fixed point for DGram's constraint, the off-diagonal symmetric $\delta$ with
+
+    $$\mathcal A(\delta) = \operatorname{Off}(DS(\delta)P + PS(\delta)D) = -\operatorname{Off}(M + M^\top),\qquad
+    S(\delta) = 2\delta,$$
+
+    by ``newton_cg_steps`` conjugate-gradient iterations preconditioned by the operator's
+    diagonal $2(d_i^2P_{jj} + P_{ii}d_j^2)$ (:meth:`newton_diagonal`). The closed form in
+    $Q$'s eigenbasis needs $D = I$: its off-diagonal part, which the form declared until
+    it certified 0.16 in a GPT run whose column norms spread to $2\cdot10^{-4}$, is not this
+    step once column norms differ.
     """
 
     diagonal_gram = True
     retraction_order = 1
+    newton_cg_steps = 5
 
     def project(self, D, M):
         d2 = _diag(D)
         return _off_diagonal(M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+
+    def newton_operator(self, D, lam, P):
+        X = (_diag(D).unsqueeze(-1) * self.adjoint(lam)) @ P
+        return _off_diagonal(X + X.mT)
+
+    def newton_diagonal(self, D, P):
+        d2, p = _diag(D), _diag(P)
+        return _off_diagonal(2 * (d2.unsqueeze(-1) * p.unsqueeze(-2) + p.unsqueeze(-1) * d2.unsqueeze(-2)))
 
     def constraint(self, M):
         return _off_diagonal(M + M.mT)

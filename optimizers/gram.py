@@ -24,8 +24,10 @@ projection) followed by the manifold's retraction:
 
 **Cost** per matrix ($m\times n$ products are the unit): $B$, $Z_0$, $K$, the two products
 of $Y$, $Y^\top Y$ and $Y\rho$ — seven, however many dual steps run — plus per dual
-iteration one $n\times n$ symmetric eigendecomposition and a handful of $n\times n$
-products (DGram's retraction adds one more eigendecomposition per step).
+iteration one $n\times n$ symmetric eigendecomposition and four $n\times n$ products, per
+Newton update four more (Stiefel's closed form, bf16) or one per conjugate-gradient
+iteration (DGram, ``newton_cg_steps`` = 5, fp32), and three for the retraction's series
+(DGram's retraction adds one more eigendecomposition per step).
 
 **Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off,
 $\varepsilon$ the parameter dtype's):
@@ -68,7 +70,7 @@ from geomuon.manifolds.capabilities import GramForm
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
-           "jacobi_update", "polish", "retract", "DUALIZERS", "UPDATES"]
+           "jacobi_update", "newton_cg", "polish", "retract", "DUALIZERS", "UPDATES"]
 
 #: ``GramSettings.dualizer``: exact from the eigendecomposition of $Q$, or Polar Express on
 #: its Cholesky factor (bf16 products, no LAPACK eigensolver).
@@ -103,6 +105,9 @@ class GramSettings:
         polish_rounds: rounds of :func:`polish` of the direction after the dual steps (0:
             none; each costs one $n\times n$ eigendecomposition and about nine $n\times n$
             products).
+        smoothing: $c$ of the smoothed dual $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$,
+            $\sqrt\mu = c\,\|Z\|_*/n$ (:func:`eigen_dualizer`; ``"eigh"`` only; 0: the
+            round-off shift alone). Its optimum certifies $\ge 1 - 0.3c$.
     """
 
     dual_steps: int = 0
@@ -114,12 +119,17 @@ class GramSettings:
     compute_dtype: torch.dtype | None = torch.bfloat16
     retraction_terms: int = 6
     polish_rounds: int = 0
+    smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dual_steps < 0:
             raise ValueError(f"GramSettings: dual_steps must be >= 0, got {self.dual_steps}")
         if self.polish_rounds < 0:
             raise ValueError(f"GramSettings: polish_rounds must be >= 0, got {self.polish_rounds}")
+        if self.smoothing < 0:
+            raise ValueError(f"GramSettings: smoothing must be >= 0, got {self.smoothing}")
+        if self.smoothing and self.dualizer != "eigh":
+            raise ValueError("GramSettings: smoothing needs dualizer='eigh' (mu is read off Q's eigenvalues)")
         if self.msign_steps < 1:
             raise ValueError(f"GramSettings: msign_steps must be >= 1, got {self.msign_steps}")
         if self.dualizer not in DUALIZERS:
@@ -188,7 +198,7 @@ def dual_gram(K: torch.Tensor, B0: torch.Tensor, S: torch.Tensor, DS: torch.Tens
     return K + SF + SF.mT
 
 
-def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor) -> Dualized:
+def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0) -> Dualized:
     r"""The exact dualizer from $Q = V\Lambda V^\top$ (``torch.linalg.eigh``, in ``Q.dtype``):
 
     $$P = V\operatorname{diag}(f)V^\top,\qquad f_i = (\max(\lambda_i, 0) + \delta)^{-1/2},\qquad
@@ -204,10 +214,26 @@ def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor) -> Dualized:
     GPT projection's first step by $3.4\cdot10^{-4}$ under a $1.9\cdot10^{-7}$ relative change
     of its momentum). A zero $Q$ gets $P = 0$. One $n\times n$ product
     ($V$ times $\operatorname{diag}(f)V^\top$).
+
+    ``smoothing`` $c > 0$ raises the shift to $\max(\delta, \mu)$ with
+    $\sqrt\mu = c\,\|Z\|_*/n = c\sum_i\sqrt{\lambda_i}/n$: then $ZP$ is the gradient of the
+    smoothed dual $\phi_\mu = \operatorname{tr}(Z^\top Z + \mu I)^{1/2}$, and at its minimizer over the
+    multiplier $ZP$ is tangent with $\|ZP\|_2 < 1$, so it is feasible and certifies
+
+    $$\frac{\langle G, ZP\rangle}{\|Z\|_*} = \frac{\sum_i\sigma_i^2/\sqrt{\sigma_i^2 + \mu}}{\sum_i\sigma_i}
+    \ \ge\ 1 - 0.3\,c$$
+
+    (each $\sigma_i$ loses $\sigma_i(1 - \sigma_i/\sqrt{\sigma_i^2+\mu}) \le 0.3\sqrt\mu$). Without it the
+    dual is nonsmooth where $Z$ is rank-deficient (a transformer's momentum), and the tangent
+    projection of $\operatorname{msign}$ of even a converged iterate leaves the unit ball. $\mu$ is a
+    spectral function of $Q$, so the map stays equivariant.
     """
     lam, V = torch.linalg.eigh(Q)
     lam = lam.clamp_min(0)
     delta = (Q.size(-1) ** 0.5 * torch.finfo(Q.dtype).eps * scale).unsqueeze(-1)
+    if smoothing:
+        mu = (smoothing / Q.size(-1)) * lam.sqrt().sum(-1, keepdim=True)
+        delta = torch.maximum(delta, mu * mu)
     f = torch.where(delta > 0, (lam + delta).rsqrt(), torch.zeros_like(lam))
     P = (V * f.unsqueeze(-2)) @ V.mT
     return Dualized(P=P, value=(lam * f).sum(-1), frobenius2=(lam * f * f).sum(-1), eigenvectors=V, weights=f)
@@ -289,13 +315,19 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     E = -V\Big[\frac{(V^\top\mathcal C(M)V)_{ij}}{f_i + f_j}\Big]V^\top$$
 
     ($R = V\operatorname{diag}(1/f)V^\top$, the same $f$ as $P$). The form maps $E$ to the
-    multiplier's increment (:meth:`~geomuon.manifolds.capabilities.GramForm.newton_increment`;
-    ``None``: no Newton step declared, and the Jacobi step is taken). The two basis changes
-    (four $n\times n$ products) run in ``low``: they only choose the next iterate, and their
-    error is relative to the step.
+    multiplier's increment (:meth:`~geomuon.manifolds.capabilities.GramForm.newton_increment`).
+    The two basis changes (four $n\times n$ products) run in ``low``: they only choose the
+    next iterate, and their error is relative to the step.
+
+    A form whose $D$ is not the identity (DGram) declares ``newton_cg_steps`` instead: the
+    same fixed point, $EP + PE = -\mathcal C(M)$ generalized to
+    $\mathcal C(DS(\delta)P) = -\mathcal C(M)$, solved for the multiplier increment $\delta$ by
+    :func:`newton_cg` (in ``M.dtype``). A form that declares neither takes the Jacobi step.
     """
-    if dual.eigenvectors is None or not form.has_newton:
+    if dual.eigenvectors is None or not form.declares_newton:
         return jacobi_update(form, D, dual, M, alpha)
+    if not form.has_newton:
+        return (-alpha) * newton_cg(form, D, dual.P, form.constraint(M), form.newton_cg_steps)
     V, f = dual.eigenvectors, dual.weights
     Vl = V.to(low)
     Ht = (Vl.mT @ form.constraint(M).to(low) @ Vl).to(M.dtype)
@@ -303,6 +335,40 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     scale = (-alpha) / (f.unsqueeze(-1) + f.unsqueeze(-2)).clamp_min(torch.finfo(M.dtype).tiny)
     E = (Vl @ (Ht * scale).to(low) @ Vl.mT).to(M.dtype)
     return form.newton_increment(D, E)
+
+
+def newton_cg(form: GramForm, D: torch.Tensor, P: torch.Tensor, H: torch.Tensor, steps: int) -> torch.Tensor:
+    r"""$\mathcal A^{-1}H$ for the form's :meth:`~geomuon.manifolds.capabilities.GramForm.newton_operator`
+    $\mathcal A(\Lambda) = \mathcal C(DS(\Lambda)P)$ by ``steps`` iterations of conjugate gradients from 0,
+    preconditioned by its diagonal (:meth:`~geomuon.manifolds.capabilities.GramForm.newton_diagonal`).
+
+    $\mathcal A$ is symmetric positive semi-definite, and its range holds $H = \mathcal C(M)$, so
+    each iteration lowers the $\mathcal A$-norm of the error. All in ``H.dtype`` (one $n\times n$
+    product per iteration for a ``diagonal_gram`` form); per-matrix inner products and a
+    fixed count, so no value is read back and no matrix depends on its batch-mates. A zero
+    $H$ (or $P$) gives 0.
+    """
+    dims = tuple(range(D.dim() - 2, H.dim()))
+    tiny = torch.finfo(H.dtype).tiny
+    diag = form.newton_diagonal(D, P)
+
+    def precondition(R):
+        return torch.where(diag > 0, R / diag.clamp_min(tiny), torch.zeros_like(R))
+
+    X = torch.zeros_like(H)
+    R = H
+    Y = precondition(R)
+    step = Y
+    ry = (R * Y).sum(dims, keepdim=True)
+    for _ in range(steps):
+        A_step = form.newton_operator(D, step, P)
+        a = ry / (step * A_step).sum(dims, keepdim=True).clamp_min(tiny)
+        X = X + a * step
+        R = R - a * A_step
+        Y = precondition(R)
+        ry, previous = (R * Y).sum(dims, keepdim=True), ry
+        step = Y + (ry / previous.clamp_min(tiny)) * step
+    return X
 
 
 def polish(form: GramForm, mulD: "_PointGram", B0: torch.Tensor, K: torch.Tensor, T1: torch.Tensor,
@@ -411,7 +477,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
         Q = dual_gram(K, B0, S, DS)
         magnitude = trace_K + (S * DS).sum((-2, -1))  # tr K + tr S^T D S >= |tr 2 sym(B0^T S)|
         if settings.dualizer == "eigh":
-            dual = eigen_dualizer(Q, magnitude)
+            dual = eigen_dualizer(Q, magnitude, settings.smoothing)
         else:
             dual = gram_msign(Q, settings.msign_steps, low, magnitude)
         P = dual.P

@@ -71,7 +71,7 @@ def default_dual_update(manifold) -> str:
     dualizer: :data:`DEFAULT_DUAL_UPDATE` where its Gram form declares a Newton step, else
     ``"jacobi"`` (what :func:`geomuon.optimizers.gram.newton_update` falls back to)."""
     form = getattr(manifold, "gram_form", None)
-    return DEFAULT_DUAL_UPDATE if form is not None and form.has_newton else "jacobi"
+    return DEFAULT_DUAL_UPDATE if form is not None and form.declares_newton else "jacobi"
 
 
 def gram_solver(device: torch.device, update: str | None, dualizer: str | None) -> tuple[str, str]:
@@ -126,8 +126,9 @@ class ManifoldMuon(MatrixOptimizer):
             :func:`default_dual_steps` of the matrix's manifold; 0 is the projection
             direction $\Phi(P_W\tilde B)$, plus the carried step when warm-started).
         dual_alpha: dual step size, in units of the full Newton or Jacobi step (default 1).
-        dual_update: the Gram path's dual step: ``"newton"`` (Su's Lyapunov step in
-            $Z^\top Z$'s eigenbasis, where the manifold's Gram form declares one) or
+        dual_update: the Gram path's dual step: ``"newton"`` (Su's fixed point: the Lyapunov
+            step in $Z^\top Z$'s eigenbasis on Stiefel, conjugate gradients on DGram; where the
+            manifold's Gram form declares one) or
             ``"jacobi"`` (:mod:`geomuon.optimizers.gram`); the general path is Jacobi.
             Default ``None``: by the dualizer (:func:`gram_solver`).
         gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (exact) or
@@ -149,6 +150,11 @@ class ManifoldMuon(MatrixOptimizer):
             (:func:`geomuon.optimizers.gram.polish`; default 0). One round raised a DGram MLP
             matrix's certificate in GPT training from 0.889 to 0.938, two to 0.953, for one
             $n\times n$ eigendecomposition each.
+        dual_smoothing: $c$ of the Gram path's smoothed dual
+            $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$, $\sqrt\mu = c\,\|Z\|_*/n$
+            (:func:`geomuon.optimizers.gram.eigen_dualizer`; ``"eigh"`` dualizer only): its
+            optimum's direction is tangent and certifies $\ge 1 - 0.3c$, where the unsmoothed
+            dual is nonsmooth (a rank-spread momentum). Default 0.
         retraction: ``"fused"`` (default: a manifold with a Gram form retracts inside the
             Gram-space assembly with the form's retraction; any other manifold with its
             ``retr``) or ``"manifold"`` (always the general path and ``manifold.retr``).
@@ -197,6 +203,7 @@ class ManifoldMuon(MatrixOptimizer):
         compute_dtype: torch.dtype | None = torch.bfloat16,
         dual_carry: bool = True,
         polish_rounds: int = 0,
+        dual_smoothing: float = 0.0,
         retraction: str = "fused",
         certify_every: int = 0,
         nonfinite: str = "skip",
@@ -208,7 +215,7 @@ class ManifoldMuon(MatrixOptimizer):
             norm=norm, dual_steps=dual_steps, dual_alpha=dual_alpha, dual_update=dual_update,
             gram_dualizer=gram_dualizer, warm_start=warm_start,
             msign_method=msign_method, msign_steps=msign_steps, compute_dtype=compute_dtype,
-            dual_carry=dual_carry, polish_rounds=polish_rounds, retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
+            dual_carry=dual_carry, polish_rounds=polish_rounds, dual_smoothing=dual_smoothing, retraction=retraction, certify_every=certify_every, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
         )
         self._certified: dict[str, torch.Tensor] = {}
         self._checked = False
@@ -241,6 +248,11 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
         if int(group["polish_rounds"]) < 0:
             raise ValueError(f"group {index}: polish_rounds must be >= 0, got {group['polish_rounds']}")
+        if float(group["dual_smoothing"]) < 0:
+            raise ValueError(f"group {index}: dual_smoothing must be >= 0, got {group['dual_smoothing']}")
+        if float(group["dual_smoothing"]) and group["gram_dualizer"] == "polar_express":
+            raise ValueError(f"group {index}: dual_smoothing needs gram_dualizer='eigh' (mu is read off the "
+                             "eigenvalues of Z^T Z)")
         manifold = None
         if group["manifold"] is not None:
             # the group keeps the spec (plain data for state_dict); the live one is derived
@@ -397,6 +409,7 @@ class ManifoldMuon(MatrixOptimizer):
             update=update, dualizer=dualizer,
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
             compute_dtype=group["compute_dtype"], polish_rounds=int(group.get("polish_rounds", 0)),
+            smoothing=float(group.get("dual_smoothing", 0.0)),
         )
         flat = (-1, *shape[-2:])
         if warm is not None:

@@ -208,10 +208,10 @@ def test_manifold_frontier_writes_its_table(tmp_path):
     stdout = run_script("manifold_frontier", markdown, "--clock", "process")
     rows = parse_table(stdout)
     # both dual updates x 0 and 1 dual steps x warm and cold; the default solver (Stiefel:
-    # Newton, no dual step but the carried one, warm) is the one row marked so
+    # Newton, one dual step and the carried one, warm) is the one row marked so
     expected = [(update, dual, start) for update in ("newton", "jacobi") for dual in ("0", "1") for start in ("warm", "cold")]
     assert [(r["dual update"], r["dual steps"], r["start"].replace(" (default)", "")) for r in rows] == expected
-    assert [r for r in rows if r["start"].endswith("(default)")] == [rows[0]]
+    assert [r for r in rows if r["start"].endswith("(default)")] == [rows[2]]
     for row in rows:
         # a certified ratio is primal / dual of a feasible direction: in (0, 1]
         assert 0 < float(row["min"]) <= float(row["mean certified ratio"]) <= 1, row

@@ -11,7 +11,7 @@ import torch
 
 from geomuon.manifolds import DGram, Oblique, Stiefel
 from geomuon.optimizers import ManifoldMuon, steepest_direction
-from geomuon.optimizers.gram import GramSettings, gram_step
+from geomuon.optimizers.gram import GramSettings, eigen_dualizer, gram_step, newton_cg
 from geomuon.optimizers.steepest import certified_ratio
 
 MANIFOLDS = [(Stiefel(), False), (DGram(), True), (Oblique(), False)]
@@ -89,13 +89,15 @@ def test_newton_step_solves_su_lyapunov_equation_on_stiefel():
     assert not torch.allclose(X_jacobi, X_su, atol=1e-3)
 
 
-def test_newton_dual_steps_converge_to_the_optimum_cold():
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS[:2], ids=IDS[:2])
+def test_newton_dual_steps_converge_to_the_optimum_cold(manifold, spread):
     # Su's fixed point converges (linearly) from the projection start on random problems;
     # constant Jacobi steps stall or overshoot. 16 Newton steps certify >= 0.999 in float64
-    # (measured 1.0000; Jacobi 0.95-0.97 after 16 steps). Stiefel is the form that declares it.
-    manifold = Stiefel()
-    assert manifold.gram_form.has_newton
-    W, G = _problem(manifold, 96, 32, seed=5)
+    # (measured 1.0000; Jacobi 0.95-0.97 after 16 steps on Stiefel, 0.9775 on DGram with column
+    # norms over [0.1, 10]). Stiefel declares the closed form, DGram the conjugate-gradient step.
+    assert manifold.gram_form.declares_newton
+    assert manifold.gram_form.has_newton == isinstance(manifold, Stiefel)
+    W, G = _problem(manifold, 96, 32, seed=5, spread=spread)
     ratios = {}
     for update in ("newton", "jacobi"):
         settings = GramSettings(dual_steps=16, carry=False, compute_dtype=None, update=update)
@@ -103,6 +105,68 @@ def test_newton_dual_steps_converge_to_the_optimum_cold():
         ratios[update] = certified_ratio(G, A, Z).item()
     assert ratios["newton"] >= 0.999
     assert ratios["jacobi"] < 0.99  # the comparison is not vacuous
+
+
+def test_dgram_newton_step_solves_the_frozen_tangency_equation():
+    # DGram's Newton step is Su's fixed point for its constraint: the off-diagonal symmetric
+    # delta with Off(D S P + P S D) = -Off(M + M^T), S = S(delta), P frozen, by conjugate
+    # gradients. On n = 6 (15 unknowns) 15 iterations are exact in exact arithmetic; against a
+    # dense solve in float64 the error is round-off times the operator's condition number
+    # (bound: 15 cond eps; measured 1.6e-16 at cond 707).
+    manifold = DGram()
+    form = manifold.gram_form
+    W, G = _problem(manifold, 20, 6, seed=21, spread=True)
+    D = torch.diag((W * W).sum(0))
+    B = W.T @ G
+    B0 = B - D @ form.project(D, B)
+    K = (G - W @ form.project(D, B)).T @ (G - W @ form.project(D, B))
+    P = eigen_dualizer(K, torch.trace(K)).P
+    H = form.constraint(B0 @ P)
+    pairs = [(i, j) for i in range(6) for j in range(i + 1, 6)]
+
+    def unit(i, j):
+        E = torch.zeros(6, 6, dtype=torch.float64)
+        E[i, j] = E[j, i] = 1.0
+        return E
+
+    dense = torch.stack([torch.stack([form.newton_operator(D, unit(i, j), P)[k, l] for k, l in pairs])
+                         for i, j in pairs], dim=1)
+    coef = torch.linalg.solve(dense, torch.stack([-H[k, l] for k, l in pairs]))
+    expected = sum(c * unit(i, j) for c, (i, j) in zip(coef, pairs))
+    delta = -newton_cg(form, D[None], P[None], H[None], len(pairs))[0]
+    bound = len(pairs) * torch.linalg.cond(dense).item() * torch.finfo(torch.float64).eps
+    assert (delta - expected).norm() <= bound * expected.norm()
+    assert form.constraint((B0 + D @ form.adjoint(delta)) @ P).norm() <= bound * H.norm()
+    # negative controls: 3 iterations are not the solve, and neither is the off-diagonal part
+    # of Stiefel's closed form (D = I) once column norms differ (its residual: 575 ||H||)
+    short = -newton_cg(form, D[None], P[None], H[None], 3)[0]
+    assert (short - expected).norm() > 1e-4 * expected.norm()
+    lam, V = torch.linalg.eigh(K)
+    f = lam.clamp_min(0).add(1e-30).rsqrt()
+    closed = -V @ ((V.T @ H @ V) / (f[:, None] + f[None, :])) @ V.T
+    closed = 0.5 * (closed - torch.diag(torch.diag(closed)))
+    assert form.constraint((B0 + D @ form.adjoint(closed)) @ P).norm() > H.norm()
+
+
+def test_smoothed_newton_steps_certify_the_smoothing_bound_on_a_rank_spread_momentum():
+    # A momentum whose singular values spread from 1 to 1e-8 (a transformer's): the dual is
+    # nonsmooth there, and msign of a converged dual iterate is ambiguous on Z's near-null
+    # space, so its tangent projection leaves the unit ball. Newton steps on the smoothed dual
+    # tr((Z^T Z + mu I)^{1/2}), sqrt(mu) = c ||Z||_* / n, converge to a Z whose Z(Z^T Z + mu I)^{-1/2}
+    # is tangent with norm < 1, certifying >= 1 - 0.3 c (each singular value loses at most
+    # max_t t(1 - t/sqrt(1 + t^2)) sqrt(mu) <= 0.3 sqrt(mu)); float64 round-off is far below.
+    # Measured after 32 steps: c = 0.03 -> 0.996, c = 0 -> 0.935 (96 x 32).
+    manifold = Stiefel()
+    W, G = _problem(manifold, 96, 32, seed=3)
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    G = U @ torch.diag(torch.logspace(0, -8, 32, dtype=torch.float64)) @ Vh
+    ratios = {}
+    for c in (0.03, 0.0):
+        settings = GramSettings(dual_steps=32, carry=False, compute_dtype=None, smoothing=c)
+        A, Z, _ = _gram_direction(manifold, W, G, settings)
+        ratios[c] = certified_ratio(G, A, Z).item()
+    assert ratios[0.03] >= 1 - 0.3 * 0.03
+    assert ratios[0.0] < 0.95  # negative control: without smoothing the same steps certify less
 
 
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
