@@ -24,6 +24,7 @@ Usage::
     python bench/manifold_inrun.py --data shakespeare:PATH                 # both manifolds, defaults
     python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi --polish 0 1 2
     python bench/manifold_inrun.py --manifold stiefel --starts warm cold    # with and without warm starts
+    python bench/manifold_inrun.py --manifold stiefel --dual 4 --smoothing 0.03 --alpha 1.5 --steps 200
     python bench/manifold_inrun.py --quick                                  # seconds: a smoke test
 
 ``--markdown PATH`` writes the table with its provenance (see :mod:`bench.timing`).
@@ -147,8 +148,9 @@ def main(argv=None) -> int:
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
         ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha)
-        shown_update = update or f"{default_dual_update(owner)} (default)"
-        shown_dual = str(dual) if dual is not None else f"{default_dual_steps(owner)} (default)"
+        update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
+        shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
+        shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
