@@ -756,6 +756,21 @@ def test_equivariance_certificate_rejects_maps_declared_equivariant_wrongly(orie
     assert not rejected(_centered_stages(maps.spectral), RouterShift())
 
 
+@pytest.mark.parametrize("orientation", ["tall", "square", "wide"])
+def test_polar_maps_composition_is_equivariant_every_size(orientation):
+    from geomuon.theory.symbolic import certify_polar_map_equivariance
+
+    certificate = certify_polar_map_equivariance(orientation=orientation)
+    assert certificate.holds, certificate.witness
+
+    def row_scaled(D, alpha=1.0):  # right_polar, then rows scaled by D's row norms
+        return maps.right_polar(D, alpha=alpha) / (D.norm(dim=-1, keepdim=True) + 1)
+
+    wrong = certify_polar_map_equivariance(row_scaled, orientation)
+    assert not wrong.holds and wrong.witness[("row_scaled", 1, "left")]
+    assert not wrong.witness[("row_scaled", 1, "right")]  # rotating the rows' entries is fine
+
+
 def test_newton_schulz_equivariance_is_of_the_library_step():
     certificate = certify_newton_schulz_equivariance()
     assert certificate.holds and certificate.witness == {"step": {}, "normalization": {}}

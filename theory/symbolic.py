@@ -53,7 +53,8 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
 * **Update maps** (:func:`certify_map_row`): every ``map`` row of
   :mod:`geomuon.theory.declared` — a proof at every size for ``holds`` rows
   (:func:`certify_equivariance_every_size`, one free letter for every group element;
-  the Newton–Schulz and inverse-square-root steps by their own every-size proofs), an
+  the Newton–Schulz and inverse-square-root steps by their own every-size proofs, the
+  polar maps' composition by :func:`certify_polar_map_equivariance`), an
   exact counterexample for ``fails`` rows; the elementwise maps are the dualizers of
   their norms (:func:`certify_dualizer`), and the spectral, hybrid and polar maps' values
   match exact polar factors in float64 (:func:`hybrid_map_reference`,
@@ -75,7 +76,6 @@ repository and checks that ``tests/test_symbolic.py`` fails on each.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -111,6 +111,7 @@ __all__ = [
     "certify_newton_schulz_retraction",
     "certify_newton_schulz_equivariance",
     "certify_inverse_sqrt_equivariance",
+    "certify_polar_map_equivariance",
     "certify_sorted_sigma_map_fails",
     "certify_equivariance_every_size",
     "certify_dualizer",
@@ -1035,10 +1036,7 @@ class FreeMatrix:
             return FreeVector(self.algebra.entrywise("sqrt", self.algebra.diag(gram)), side)
         if dim not in (None, (-2, -1)):
             raise NotImplementedError("FreeMatrix.norm: the Frobenius norm of the whole matrix, or of rows or columns")
-        value = 0
-        for word, c in self.algebra.trace(self.mT @ self).items():
-            value += c * (_size_expr(self.shape[-1]) if not word else sp.Symbol(f"tr({''.join(word)})", positive=True))
-        return FreeScalar(value, self.algebra) ** sp.Rational(1, 2)
+        return _trace_scalar(self.mT @ self, positive=True) ** sp.Rational(1, 2)
 
     def new_full(self, shape, value, **kwargs):
         """A constant array: acts entrywise as the scalar ``value``."""
@@ -1071,7 +1069,7 @@ class FreeMatrix:
             return FreeHadamard(self, scalar)
         if isinstance(scalar, (FreeVector, FreeBroadcastSum)):
             return scalar * self
-        s = exact(scalar)
+        s = scalar.value if isinstance(scalar, FreeScalar) else exact(scalar)
         return FreeMatrix({w: s * c for w, c in self.terms.items()}, self.algebra, self._shape)
 
     __rmul__ = __mul__
@@ -1143,12 +1141,25 @@ class FreeMatrix:
             return args[0].matrix
         if func is torch.sign:
             return args[0].algebra.entrywise("sign", args[0])
+        if func is torch.zeros_like:
+            return FreeMatrix({}, args[0].algebra, args[0]._shape)
         raise NotImplementedError(f"FreeMatrix: torch function {getattr(func, '__name__', func)} is not supported")
 
     def __repr__(self) -> str:
         if not self.terms:
             return "0"
         return " + ".join(f"({c})*{'·'.join(w) or 'I'}" for w, c in sorted(self.terms.items()))
+
+
+def _trace_scalar(M: "FreeMatrix", positive: bool = False) -> "FreeScalar":
+    r"""$\operatorname{tr}(M)$ of a square free matrix as a :class:`FreeScalar`: the trace
+    normal form, $\operatorname{tr}(I)$ = the size, every other closed word a symbol
+    ``tr(w)`` (positive for the words of a Gram matrix $M^\top M$, ``positive=True``)."""
+    value = 0
+    for word, c in M.algebra.trace(M).items():
+        name = f"tr({''.join(word)})"
+        value += c * (_size_expr(M.shape[-1]) if not word else sp.Symbol(name, positive=True) if positive else sp.Symbol(name, real=True))
+    return FreeScalar(value, M.algebra)
 
 
 class FreeScalar:
@@ -1187,6 +1198,13 @@ class FreeScalar:
         if not (provable or assumed):
             raise NotImplementedError(f"FreeScalar.clamp_min: cannot show {at_zero} > {floor}")
         return self
+
+    pow = __pow__
+
+    def __gt__(self, other) -> "_FreeTruth":
+        """``norm > 0``: true when provable, or under the hypothesis that norms exceed the
+        floors (:attr:`FreeAlgebra.norms_above_floors`, floors are nonnegative)."""
+        return _FreeTruth(bool(sp.sympify(self.value - exact(other)).is_positive) or self.algebra.norms_above_floors)
 
     def __repr__(self) -> str:
         return f"FreeScalar({self.value})"
@@ -1336,6 +1354,13 @@ class _FreeTruth:
     def __bool__(self) -> bool:
         return self.value
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.where:  # torch.where(truth, x, y): the branch the truth selects
+            condition, x, y = args
+            return x if condition.value else y
+        raise NotImplementedError(f"_FreeTruth: torch function {getattr(func, '__name__', func)} is not supported")
+
 
 class FreeBroadcastSum:
     r"""$a\mathbf 1^\top + \mathbf 1b^\top$ for diagonal $a = \operatorname{Diag}(\alpha)$
@@ -1382,7 +1407,9 @@ class FreeHadamard:
             return FreeVector(algebra.diag(self.left.mT @ self.right), "right" if keepdim else None)
         if dim == -1:
             return FreeVector(algebra.diag(self.left @ self.right.mT), "left" if keepdim else None)
-        raise NotImplementedError(f"FreeHadamard.sum: dim must be -2 or -1, got {dim}")
+        if dim == (-2, -1):
+            return _trace_scalar(self.left.mT @ self.right)
+        raise NotImplementedError(f"FreeHadamard.sum: dim must be -2, -1 or (-2, -1), got {dim}")
 
 
 class FreeRow(_Wrapped):
@@ -1446,11 +1473,6 @@ def _free_inner(a, b) -> dict[Word, sp.Expr]:
     if isinstance(a, FreeRow):
         return a.algebra.trace(a.row.mT @ b.row)
     return a.algebra.trace(a.mT @ b)
-
-
-def _raw(method):
-    """The undecorated method body (``matrix_method`` wraps it with validation)."""
-    return getattr(method, "__wrapped__", method)
 
 
 def _half_powers_reduced(e):
@@ -2548,6 +2570,64 @@ def certify_inverse_sqrt_equivariance() -> Certificate:
     )
 
 
+def certify_polar_map_equivariance(update: Callable | None = None, orientation: str = "tall") -> Certificate:
+    r"""The library's one-sided polar maps (``right_polar``, ``left_polar``: the choice of
+    the smaller Gram matrix, the product with its inverse square root, the nuclear norm
+    read off that product, the scale $\|D\|_*^\alpha$ and the zero guard) are
+    $O_m\times O_n$-equivariant at **every size** of the orientation, for
+    $\alpha \in \{0, \tfrac12, 1\}$: the map runs on $LDR^\top$ (free letters,
+    $L^\top L = LL^\top = I$, $R^\top R = RR^\top = I$) and on $D$, with
+    :func:`~geomuon.manifolds.linalg.inv_sqrt_psd` replaced by a probe that accepts only
+    the conjugated Gram matrix $Q\,G\,Q^\top$ ($G = D^\top D$ or $DD^\top$, $Q$ one of
+    $L, R$ or none) and returns $Q\,f(G)\,Q^\top$ for a symmetric letter $f(G)$ — the
+    action :func:`certify_inverse_sqrt_equivariance` proves of the real iteration. The
+    nuclear norm $\operatorname{tr}(X^\top X f(X^\top X))$ is a trace, compared in normal
+    form; hypothesis: $D \ne 0$ (the guard keeps the map, and the nuclear norm is $\ge 0$,
+    so ``clamp_min(0)`` keeps it). ``update`` defaults to both library maps (a negative
+    control passes another). ``witness``: per map, $\alpha$ and side the residual."""
+    from geomuon.optimizers import maps
+
+    m, n = ORIENTATIONS[orientation]
+    algebra = FreeAlgebra({"D": "D'", "L": "L'", "R": "R'", "F": "F", "G": "G"},
+                          shapes={"D": (m, n), "L": (m, m), "R": (n, n), "F": (n, n), "G": (m, m)})
+    D, L, R = algebra("D"), algebra("L"), algebra("R")
+    for Q in (L, R):
+        algebra.rule(Q.mT @ Q, algebra.identity())
+        algebra.rule(Q @ Q.mT, algebra.identity())
+    algebra.norms_above_floors = True
+    roots = {(D.mT @ D).terms.__repr__(): algebra("F"), (D @ D.mT).terms.__repr__(): algebra("G")}
+
+    def probe(gram, eps=None):
+        for Q in (None, L, R):
+            if Q is not None and sp.sympify(Q._shape[0] - gram._shape[0]) != 0:
+                continue
+            inner = gram if Q is None else Q.mT @ gram @ Q
+            if Q is not None and (Q @ inner @ Q.mT - gram).terms:
+                continue
+            if repr(inner.terms) in roots:
+                root = roots[repr(inner.terms)]
+                return root if Q is None else Q @ root @ Q.mT
+        raise NotImplementedError(f"inv_sqrt_psd probe: {gram!r} is not a conjugated Gram matrix of D")
+
+    residuals = {}
+    library = maps.inv_sqrt_psd
+    maps.inv_sqrt_psd = probe
+    try:
+        with _FreeFactories(algebra):
+            for polar_map in ([update] if update else [maps.right_polar, maps.left_polar]):
+                for alpha in (0, 0.5, 1):
+                    image = polar_map(D, alpha=alpha)
+                    for side, acted, expected in (("left", L @ D, L @ image), ("right", D @ R.mT, image @ R.mT),
+                                                  ("both", L @ D @ R.mT, L @ image @ R.mT)):
+                        residuals[(polar_map.__name__, alpha, side)] = (polar_map(acted, alpha=alpha) - expected).terms
+    except (NotImplementedError, ValueError) as error:
+        return Certificate(f"polar maps, every {orientation} size: not certified", False, {"error": str(error)})
+    finally:
+        maps.inv_sqrt_psd = library
+    return Certificate(f"the one-sided polar maps are O_m x O_n-equivariant, every {orientation} size",
+                       all(not r for r in residuals.values()), residuals)
+
+
 def _shift_probe_certificate(orientation: str = "tall") -> Certificate:
     r"""The library's :func:`~geomuon.optimizers.maps.centered` wrapper, at every size of
     the orientation: run on an identity probe it is $S_m \times O_n$-equivariant and
@@ -2602,20 +2682,15 @@ def _orientations(declaration) -> list[str]:
     return ["tall", "square", "wide"] if declaration.orientation == "any" else [declaration.orientation]
 
 
-def _declared_rows():
-    from geomuon.theory import declared
-
-    return [d for d in declared.declarations() if d.kind == "map"]
-
-
 def certify_map_row(declaration) -> Certificate:
     r"""The exact certificate of one ``map`` row of :mod:`geomuon.theory.declared`.
 
     ``holds`` rows: a proof at every size (:func:`certify_equivariance_every_size` on the
     library's map for the elementwise maps, on its stages with no Newton–Schulz step for
-    ``hybrid`` and the centered maps, on an identity probe for ``centered``; the
-    free-algebra certificates of the Newton–Schulz and inverse-square-root steps;
-    compositions combine them). ``fails`` rows: an exact counterexample for the library's map where it is
+    ``hybrid`` and the centered maps, on an identity probe for ``centered``; the polar
+    maps' composition with the inverse square root's certified action
+    (:func:`certify_polar_map_equivariance`); the free-algebra certificates of the
+    Newton–Schulz and inverse-square-root steps; compositions combine them). ``fails`` rows: an exact counterexample for the library's map where it is
     exactly computable (``row_norm``, ``col_norm``, ``sign``), otherwise for the exact map
     the iteration approximates (the polar factor, closed form at $2\times2$).
     The certificate's ``holds`` says whether the *declared* relation was certified
@@ -2640,6 +2715,7 @@ def certify_map_row(declaration) -> Certificate:
         elif name in ("spectral", "spectral per matrix"):
             parts.append(certify_newton_schulz_equivariance())
         elif name in ("right_polar", "left_polar"):
+            parts += [certify_polar_map_equivariance(getattr(maps, name), o) for o in orientations]
             parts.append(certify_inverse_sqrt_equivariance())
         elif name in ("hybrid", "swiglu hybrid stack"):
             # The library's hybrid with 0 Newton-Schulz steps (its row normalization and
@@ -2658,6 +2734,7 @@ def certify_map_row(declaration) -> Certificate:
                 parts += [certify_equivariance_every_size(stages, RouterShift(), o) for o in orientations]
                 parts.append(certify_newton_schulz_equivariance())
             elif inner == "left_polar":
+                parts += [certify_polar_map_equivariance(maps.left_polar, o) for o in orientations]
                 parts.append(certify_inverse_sqrt_equivariance())
             else:
                 return Certificate(f"no certificate for the map row {declaration.id}", False, None)
