@@ -593,6 +593,24 @@ def test_dgram_retraction_series_rejects_wrong_retractions():
         assert not certificate.holds, type(wrong).__name__
 
 
+@pytest.mark.parametrize("orientation", ["tall", "square", "wide"])
+def test_dgram_projection_and_retraction_commute_with_its_group_every_size(orientation):
+    from geomuon.manifolds.linalg import msign
+    from geomuon.theory.symbolic import certify_dgram_symmetry
+
+    certificate = certify_dgram_symmetry(orientation)
+    assert certificate.holds, certificate.witness
+
+    class DGramRowNorms(DGram):  # rescales by the target's row norms: breaks O_m
+        @matrix_method("u")
+        def retr(self, x, u):
+            y = x + u
+            return msign(y, "polar_express") * y.norm(dim=-1, keepdim=True)
+
+    wrong = certify_dgram_symmetry(orientation, DGramRowNorms())
+    assert not wrong.holds and wrong.witness["R_gW(gV) = g R_W(V)"] and not wrong.witness["P_gW(gX) = g P_W(X)"]
+
+
 def test_gram_engine_retract_is_the_forms_retraction():
     certificate = certify_gram_retract()
     assert certificate.holds, certificate.witness

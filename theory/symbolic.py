@@ -40,7 +40,9 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   $P_W = I - L_W^*(L_WL_W^*)^{-1}L_W$, idempotent, tangent, fixing every tangent vector:
   $\operatorname{range}(P_W) = T_W$; ``projx`` lands on the manifold with
   $X - \operatorname{projx}(X)$ normal there (:func:`certify_projx`, exactly), Stiefel's
-  and DGram's SVD-based ``projx`` are their documented maps (:func:`certify_projx_float64`).
+  and DGram's SVD-based ``projx`` are their documented maps (:func:`certify_projx_float64`);
+  DGram's ``proju`` and ``retr`` commute with its symmetry group at every size
+  (:func:`certify_dgram_symmetry`).
 * **Retractions**: $R_W(0) = W$ and $\tfrac{d}{dt}R_W(tV)|_{0} = V$ from Taylor
   coefficients (:func:`certify_retraction` exactly at fixed sizes;
   :func:`certify_stiefel_retraction` on ``Stiefel.retr`` at symbolic $m$ in series mode,
@@ -112,6 +114,7 @@ __all__ = [
     "certify_newton_schulz_equivariance",
     "certify_inverse_sqrt_equivariance",
     "certify_polar_map_equivariance",
+    "certify_dgram_symmetry",
     "certify_sorted_sigma_map_fails",
     "certify_equivariance_every_size",
     "certify_dualizer",
@@ -1314,13 +1317,16 @@ class FreeVector(_Wrapped):
     def sqrt(self) -> "FreeVector":
         r"""$\sqrt{Q + R} = \sqrt Q + 	frac12 RQ^{-1/2} + O(t^2)$ for a declared square
         $Q$ (:meth:`FreeAlgebra.square_root`) and $R = O(t)$: exact in series mode of
-        order 2 (first-order Taylor coefficients), refused otherwise."""
+        order 2 (first-order Taylor coefficients). Outside series mode, any other diagonal
+        is rooted by the opaque entrywise square root (:meth:`FreeAlgebra.entrywise`)."""
         algebra, terms = self.algebra, self.matrix.terms
         mode = algebra.series_mode
         at_zero = {w: c.subs(mode[0], 0) if mode else c for w, c in terms.items()}
         at_zero = {w: c for w, c in at_zero.items() if c != 0}
         roots = algebra.square_roots
         if len(at_zero) != 1 or next(iter(at_zero)) not in roots or not next(iter(at_zero.values())).is_positive:
+            if mode is None:
+                return FreeVector(algebra.entrywise("sqrt", self.matrix), self.side)
             raise NotImplementedError(f"FreeVector.sqrt: {self.matrix!r} is not a declared square + O(t)")
         ((word, c),) = at_zero.items()
         root, inverse = (algebra(x) for x in roots[word])
@@ -1383,9 +1389,15 @@ class FreeBroadcastSum:
     def divide(self, M: FreeMatrix) -> FreeMatrix:
         """``M / self``: the Sylvester solve (see the class docstring)."""
         ((word, c),) = self.left.terms.items() if len(self.left.terms) == 1 else ((None, None),)
+        algebra = self.algebra
+        if word is not None and len(word) == 3 and word[0] in algebra.monomial and word[2] == algebra.transpose_of[word[0]] \
+                and self.right.terms == self.left.terms:
+            # a diagonal conjugated by a signed permutation: Syl_{PDP'}(M) = P Syl_D(P'MP) P'
+            P = algebra(word[0])
+            return P @ algebra.sylvester(P.mT @ M @ P, word[1]) @ P.mT / c
         if word is None or len(word) != 1 or self.right.terms != self.left.terms:
             raise NotImplementedError(f"FreeBroadcastSum: no quotient by {self.left!r} (+) {self.right!r}")
-        return self.algebra.sylvester(M, word[0]) / c
+        return algebra.sylvester(M, word[0]) / c
 
     def positive(self) -> bool:
         """Whether both parts are a positive multiple of one positive diagonal letter."""
@@ -2434,8 +2446,9 @@ def certify_equivariance_every_size(update: Callable, group, orientation: str = 
     too. Row and column norms are the entrywise
     roots of $\operatorname{Diag}(DD^\top)$, $\operatorname{Diag}(D^\top D)$, and the maps'
     quotients and signs are opaque entrywise functions (:meth:`FreeAlgebra.entrywise`):
-    the identity is proved for every value of them. ``witness``: per side the reduced
-    residual (empty)."""
+    the identity is proved for every value of them. Hypothesis (for maps that call
+    ``msign``): the matrix it normalizes has Frobenius norm above msign's floor, so the
+    floor is never taken. ``witness``: per side the reduced residual (empty)."""
     m, n = ORIENTATIONS[orientation]
     letters, monomial, positive, shapes = {"D": "D'"}, [], [], {"D": (m, n)}
     shift = getattr(group, "shift", False)
@@ -2625,6 +2638,77 @@ def certify_polar_map_equivariance(update: Callable | None = None, orientation: 
     finally:
         maps.inv_sqrt_psd = library
     return Certificate(f"the one-sided polar maps are O_m x O_n-equivariant, every {orientation} size",
+                       all(not r for r in residuals.values()), residuals)
+
+
+def certify_dgram_symmetry(orientation: str = "tall", dgram=None) -> Certificate:
+    r"""DGram's projection and retraction commute with its symmetry group at **every
+    size**: $O_m \times$ signed column permutations for tall and square points
+    ($g\cdot W = LWP^\top$), signed row permutations $\times\,O_n$ for wide ones
+    ($g\cdot W = PWL^\top$), one free letter for every element of each side ($L$
+    orthogonal, $P$ a monomial letter):
+
+    * ``proju``: $P_{gW}(gX) = g\,P_W(X)$, at a generic point ($W^\top W = D$ diagonal,
+      or $WW^\top = D$ wide) and any $X$; the Hadamard quotient by $d_i^2 + d_j^2$ of the
+      acted point is the Sylvester solve for the conjugated diagonal $PDP^\top$,
+      $\operatorname{Syl}_{PDP^\top}(M) = P\operatorname{Syl}_D(P^\top MP)P^\top$;
+    * ``retr``: $R_{gW}(gV) = g\,R_W(V)$ for any $W, V$ (hypothesis: the norm of $W + V$ is
+      above msign's floor), the library's method with each Newton–Schulz step replaced by a
+      probe that accepts $AZB$ with $A, B$ group letters (or none) and returns
+      $A\,N(Z)\,B$ for a fresh letter $N(Z)$ (its transpose for the ``transposed`` last
+      step) — the action :func:`certify_newton_schulz_equivariance` proves of the real
+      step for orthogonal factors, which signed permutations are; the column norms of the
+      acted target are $P\operatorname{Diag}(Y^\top Y)P^\top$ and their root
+      $P\sqrt{\cdot}P^\top$ (entrywise).
+
+    ``dgram`` defaults to the library's ``DGram()`` (a negative control passes another).
+    ``witness``: the residuals."""
+    import geomuon.manifolds.linalg as linalg
+    from geomuon.manifolds import DGram
+
+    dgram = dgram if dgram is not None else DGram()
+    m, n = ORIENTATIONS[orientation]
+    wide = orientation == "wide"
+    short = m if wide else n
+    orthogonal, monomial = (n, m) if wide else (m, n)
+    algebra = FreeAlgebra({"W": "W'", "X": "X'", "L": "L'", "P": "P'"}, diagonal=("D",), monomial=("P",),
+                          shapes={"W": (m, n), "X": (m, n), "L": (orthogonal, orthogonal),
+                                  "P": (monomial, monomial), "D": (short, short)})
+    W, X, L, P, D = (algebra(x) for x in "WXLPD")
+    algebra.rule(L.mT @ L, algebra.identity())
+    algebra.rule(L @ L.mT, algebra.identity())
+    algebra.rule(W @ W.mT if wide else W.mT @ W, D)
+    algebra.norms_above_floors = True
+    group = {"L", "L'", "P", "P'"}
+
+    def act(M):
+        return P @ M @ L.mT if wide else L @ M @ P.mT
+
+    def probe(Y, a, b, c, *, transposed=False):
+        heads = {w[0] for w in Y.terms}
+        tails = {w[-1] for w in Y.terms}
+        A = next(iter(heads)) if len(heads) == 1 and heads <= group else None
+        B = next(iter(tails)) if len(tails) == 1 and tails <= group else None
+        inner = FreeMatrix({w[(A is not None):len(w) - (B is not None)]: cf for w, cf in Y.terms.items()}, algebra)
+        name = f"N[{a},{b},{c}]({sorted(inner.terms.items(), key=repr)!r})"
+        if name not in algebra.transpose_of:
+            algebra.transpose_of[name], algebra.transpose_of[name + "'"] = name + "'", name
+            algebra.shapes[name], algebra.shapes[name + "'"] = inner._shape, inner._shape[::-1]
+        out = (algebra(A) if A else algebra.identity()) @ algebra(name) @ (algebra(B) if B else algebra.identity())
+        return out.mT if transposed else out
+
+    residuals = {}
+    step = linalg.newton_schulz_step
+    linalg.newton_schulz_step = probe
+    try:
+        with _FreeFactories(algebra):
+            residuals["P_gW(gX) = g P_W(X)"] = (dgram.proju(act(W), act(X)) - act(dgram.proju(W, X))).terms
+            residuals["R_gW(gV) = g R_W(V)"] = (dgram.retr(act(W), act(X)) - act(dgram.retr(W, X))).terms
+    except (NotImplementedError, ValueError, TypeError) as error:
+        return Certificate(f"DGram's symmetry, every {orientation} size: not certified", False, {"error": str(error)})
+    finally:
+        linalg.newton_schulz_step = step
+    return Certificate(f"DGram's proju and retr commute with O x signed permutations, every {orientation} size",
                        all(not r for r in residuals.values()), residuals)
 
 
