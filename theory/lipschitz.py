@@ -53,8 +53,9 @@ $\sigma_{vh}\sigma_{kh}$; see :func:`attention_lipschitz`, :func:`residual_mlp_b
 (:func:`certify_domain`); for the float32/bf16 network add the rounding term of
 :func:`rounding_error_bound`.
 
-Dtypes: norms are computed in float64 by SVD (a certificate must not rely on a
-power-iteration lower bound); the estimator runs in the input's dtype (use float64).
+Dtypes: norms are computed in float64 by SVD and the alignments $\nu_h$ by float64
+``eigvalsh`` at an explicit $\tau$ (a certificate must not rely on a power-iteration lower
+bound); the estimator runs in the input's dtype (use float64).
 """
 
 from __future__ import annotations
