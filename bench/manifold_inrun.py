@@ -25,6 +25,7 @@ Usage::
     python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi --polish 0 1 2
     python bench/manifold_inrun.py --manifold stiefel --starts warm cold    # with and without warm starts
     python bench/manifold_inrun.py --manifold stiefel --dual 4 --smoothing 0.03 --alpha 1.5 --steps 200
+    python bench/manifold_inrun.py --dualizer polar_express --update newton jacobi  # CUDA's dualizer, on the CPU
     python bench/manifold_inrun.py --quick                                  # seconds: a smoke test
 
 ``--markdown PATH`` writes the table with its provenance (see :mod:`bench.timing`).
@@ -59,7 +60,8 @@ def orientation(shape) -> str:
 
 
 def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int, run: dict, data: str,
-                  seed: int, warm_start: bool = True, smoothing: float | None = None, alpha: float | None = None):
+                  seed: int, warm_start: bool = True, smoothing: float | None = None, alpha: float | None = None,
+                  dualizer: str | None = None):
     """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
@@ -81,6 +83,8 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, pol
                         group["dual_smoothing"] = smoothing
                     if alpha is not None:
                         group["dual_alpha"] = alpha
+                    if dualizer is not None:
+                        group["gram_dualizer"] = dualizer
                 optimizers.append(opt)
         return assignment
 
@@ -119,6 +123,9 @@ def main(argv=None) -> int:
                         help="smoothing of the dual (ManifoldMuon's dual_smoothing; default: ManifoldMuon's)")
     parser.add_argument("--alpha", type=float, nargs="+", default=[None],
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's)")
+    parser.add_argument("--dualizer", nargs="+", default=[None], choices=["eigh", "polar_express"],
+                        help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: by device, eigh on "
+                             "the CPU, polar_express on CUDA)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the study's 400)")
     parser.add_argument("--data", default="embedded", help="training data spec (geomuon pretrain --data)")
     parser.add_argument("--seed", type=int, default=1)
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
     from geomuon.manifolds import MatrixManifold
     from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update
 
-    header = ["manifold", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start", "matrices", "certified steps x matrices",
+    header = ["manifold", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start", "matrices", "certified steps x matrices",
               "mean certified ratio", "min"]
     lines = [
         f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
@@ -142,12 +149,14 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
-    for manifold, update, dual, polish, start, smoothing, alpha in itertools.product(
-            args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha):
+    for manifold, update, dual, polish, start, smoothing, alpha, dualizer in itertools.product(
+            args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha,
+            args.dualizer):
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
-        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha)
+        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha,
+                               dualizer)
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
             shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
-            lines.append(markdown_row([manifold, shown_update, shown_dual, *shown, str(polish),
+            lines.append(markdown_row([manifold, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, str(polish),
                                        "warm (default)" if start == "warm" else "cold", kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)

@@ -127,10 +127,12 @@ class GramForm:
         diagonal_gram: whether $W^\top W$ is diagonal at every point of the manifold (then
             the engine takes $D$ from the column norms, with no $m\times n$ product).
         has_newton: whether the form declares :meth:`newton_increment`, the closed-form
-            Newton step (Su's Lyapunov equation solved in $Q$'s eigenbasis, exact for $D = I$).
-        newton_cg_steps: $k > 0$: the form's Newton step is $k$ preconditioned conjugate-gradient
-            iterations on :meth:`newton_operator` (with :meth:`newton_diagonal`), for a form
-            whose $D$ is not the identity; 0: none. A form with neither takes Jacobi steps.
+            Newton step (Su's Lyapunov equation solved in $Q$'s eigenbasis, exact for $D = I$;
+            it needs the eigenvectors of the ``"eigh"`` dualizer).
+        newton_cg_steps: $k > 0$: the form's Newton step can be taken as $k$ preconditioned
+            conjugate-gradient iterations on :meth:`newton_operator` (with
+            :meth:`newton_diagonal`): the step of a form whose $D$ is not the identity, and of
+            every dualizer without eigenvectors; 0: none. A form with neither takes Jacobi steps.
         dual_steps: ManifoldMuon's default dual steps per optimizer step on this manifold
             (chosen on the certificate inside GPT training, ``bench/manifold_inrun.py``).
         retraction_order: the order of the retraction $Y\rho(Y^\top Y)$ (1: a retraction,
@@ -207,6 +209,23 @@ def gram_retraction(form: GramForm, x: torch.Tensor, u: torch.Tensor, terms: int
     return Y @ form.retraction_factor(Y.mT @ Y, terms)
 
 
+def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
+    return S - torch.diag_embed(_diag(S))
+
+
+def _lyapunov(D: torch.Tensor, S: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    r"""$DSP + PSD$ for a diagonal $D$ and symmetric $S$, $P$ (one $n\times n$ product)."""
+    X = (_diag(D).unsqueeze(-1) * S) @ P
+    return X + X.mT
+
+
+def _lyapunov_diagonal(D: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    r"""$2(d_i^2P_{jj} + P_{ii}d_j^2)$: the diagonal of $\Lambda \mapsto DSP + PSD$, $S = \Lambda + \Lambda^\top$,
+    on the basis of symmetric $\Lambda$."""
+    d2, p = _diag(D), _diag(P)
+    return 2 * (d2.unsqueeze(-1) * p.unsqueeze(-2) + p.unsqueeze(-1) * d2.unsqueeze(-2))
+
+
 class OrthonormalGram(GramForm):
     r"""Stiefel: $\mathcal C(M) = M + M^\top$, $S(\Lambda) = 2\operatorname{sym}\Lambda$,
     $\Sigma = \operatorname{sym}(M)$, $\operatorname{diag}(LL^*) = 4$, and the polar retraction
@@ -218,6 +237,7 @@ class OrthonormalGram(GramForm):
     diagonal_gram = True
     retraction_order = 2
     has_newton = True
+    newton_cg_steps = 5  # the Newton step of the Polar Express dualizer (no eigenvectors)
     dual_steps = 1  # in-run certificate (bench/manifold_inrun.py): 0.868 / 0.777 at 0 steps, 0.921 / 0.879 at 1
 
     def project(self, D, M):
@@ -239,9 +259,13 @@ class OrthonormalGram(GramForm):
     def newton_increment(self, D, E):
         return 0.5 * E
 
+    def newton_operator(self, D, lam, P):
+        return _lyapunov(D, self.adjoint(lam), P)
 
-def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
-    return S - torch.diag_embed(_diag(S))
+    def newton_diagonal(self, D, P):
+        return _lyapunov_diagonal(D, P)
+
+
 
 
 class OrthogonalColumnsGram(GramForm):
@@ -283,12 +307,10 @@ class OrthogonalColumnsGram(GramForm):
         return _off_diagonal(M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
     def newton_operator(self, D, lam, P):
-        X = (_diag(D).unsqueeze(-1) * self.adjoint(lam)) @ P
-        return _off_diagonal(X + X.mT)
+        return _off_diagonal(_lyapunov(D, self.adjoint(lam), P))
 
     def newton_diagonal(self, D, P):
-        d2, p = _diag(D), _diag(P)
-        return _off_diagonal(2 * (d2.unsqueeze(-1) * p.unsqueeze(-2) + p.unsqueeze(-1) * d2.unsqueeze(-2)))
+        return _off_diagonal(_lyapunov_diagonal(D, P))
 
     def constraint(self, M):
         return _off_diagonal(M + M.mT)

@@ -90,9 +90,10 @@ class GramSettings:
         carry: take one more dual step after the last iterate, into the returned
             correction only (the next step's warm start): the dual ascent then advances
             one step per optimizer step without another dualization.
-        update: ``"newton"`` (:func:`newton_update`; needs ``dualizer="eigh"`` and a form
-            with :meth:`~geomuon.manifolds.capabilities.GramForm.newton_increment`; other
-            forms fall back to Jacobi) or ``"jacobi"`` (:func:`jacobi_update`).
+        update: ``"newton"`` (:func:`newton_update`: the closed form in $Q$'s eigenbasis
+            where the form declares it and the dualizer is ``"eigh"``, else conjugate
+            gradients where the form declares ``newton_cg_steps``, else Jacobi) or
+            ``"jacobi"`` (:func:`jacobi_update`).
         alpha: the dual step size (1: the full Newton or Jacobi step).
         dualizer: ``"eigh"`` (:func:`eigen_dualizer`) or ``"polar_express"``
             (:func:`gram_msign`).
@@ -136,9 +137,6 @@ class GramSettings:
             raise ValueError(f"GramSettings: dualizer must be one of {DUALIZERS}, got {self.dualizer!r}")
         if self.update not in UPDATES:
             raise ValueError(f"GramSettings: update must be one of {UPDATES}, got {self.update!r}")
-        if self.update == "newton" and self.dualizer != "eigh":
-            raise ValueError("GramSettings: update='newton' needs dualizer='eigh' (the Lyapunov solve uses "
-                             "Q's eigenvectors); use update='jacobi' with dualizer='polar_express'")
 
 
 @dataclass
@@ -319,15 +317,16 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     The two basis changes (four $n\times n$ products) run in ``low``: they only choose the
     next iterate, and their error is relative to the step.
 
-    A form whose $D$ is not the identity (DGram) declares ``newton_cg_steps`` instead: the
-    same fixed point, $EP + PE = -\mathcal C(M)$ generalized to
-    $\mathcal C(DS(\delta)P) = -\mathcal C(M)$, solved for the multiplier increment $\delta$ by
-    :func:`newton_cg` (in ``M.dtype``). A form that declares neither takes the Jacobi step.
+    A form whose $D$ is not the identity (DGram), and every form under a dualizer without
+    eigenvectors (``"polar_express"``), takes the same fixed point, $EP + PE = -\mathcal C(M)$
+    generalized to $\mathcal C(DS(\delta)P) = -\mathcal C(M)$, solved for the multiplier increment
+    $\delta$ by :func:`newton_cg` (``newton_cg_steps`` iterations, in ``M.dtype``; it needs only
+    $P$). A form that declares neither takes the Jacobi step.
     """
-    if dual.eigenvectors is None or not form.declares_newton:
+    if not (form.has_newton and dual.eigenvectors is not None):
+        if form.newton_cg_steps:
+            return (-alpha) * newton_cg(form, D, dual.P, form.constraint(M), form.newton_cg_steps)
         return jacobi_update(form, D, dual, M, alpha)
-    if not form.has_newton:
-        return (-alpha) * newton_cg(form, D, dual.P, form.constraint(M), form.newton_cg_steps)
     V, f = dual.eigenvectors, dual.weights
     Vl = V.to(low)
     Ht = (Vl.mT @ form.constraint(M).to(low) @ Vl).to(M.dtype)

@@ -67,8 +67,8 @@ def default_dual_steps(manifold) -> int:
 
 
 def default_dual_update(manifold) -> str:
-    """The dual update ManifoldMuon's Gram path takes on ``manifold`` with the CPU's default
-    dualizer: :data:`DEFAULT_DUAL_UPDATE` where its Gram form declares a Newton step, else
+    """The dual update ManifoldMuon's Gram path takes on ``manifold`` by default (either
+    dualizer): :data:`DEFAULT_DUAL_UPDATE` where its Gram form declares a Newton step, else
     ``"jacobi"`` (what :func:`geomuon.optimizers.gram.newton_update` falls back to)."""
     form = getattr(manifold, "gram_form", None)
     return DEFAULT_DUAL_UPDATE if form is not None and form.declares_newton else "jacobi"
@@ -83,15 +83,14 @@ def gram_solver(device: torch.device, update: str | None, dualizer: str | None) 
     elsewhere: on CUDA ``torch.linalg.eigh`` synchronizes the device with the host (it
     checks its convergence flag; see the ``torch.linalg.eigh`` documentation), which the
     step must not do, and solves batched $n > 32$ problems one matrix at a time, while Polar
-    Express is matrix products only. Newton needs the eigenvectors, so asking for it selects
-    ``"eigh"``; the update then defaults to :data:`DEFAULT_DUAL_UPDATE` with ``"eigh"`` and to
-    ``"jacobi"`` with ``"polar_express"``.
+    Express is matrix products only. The update defaults to :data:`DEFAULT_DUAL_UPDATE` with
+    either: with ``"eigh"`` Stiefel's Newton step is the closed form in the eigenbasis, with
+    ``"polar_express"`` every form's is conjugate gradients on its frozen tangency equation
+    (:func:`geomuon.optimizers.gram.newton_update`).
     """
     if dualizer is None:
-        dualizer = "eigh" if update == "newton" or device.type == "cpu" else "polar_express"
-    if update is None:
-        update = DEFAULT_DUAL_UPDATE if dualizer == "eigh" else "jacobi"
-    return update, dualizer
+        dualizer = "eigh" if device.type == "cpu" else "polar_express"
+    return update or DEFAULT_DUAL_UPDATE, dualizer
 
 
 def resolve_manifold(spec, where: str):
@@ -127,12 +126,12 @@ class ManifoldMuon(MatrixOptimizer):
             direction $\Phi(P_W\tilde B)$, plus the carried step when warm-started).
         dual_alpha: dual step size, in units of the full Newton or Jacobi step (default 1).
         dual_update: the Gram path's dual step: ``"newton"`` (Su's fixed point: the Lyapunov
-            step in $Z^\top Z$'s eigenbasis on Stiefel, conjugate gradients on DGram; where the
-            manifold's Gram form declares one) or
+            step in $Z^\top Z$'s eigenbasis on Stiefel with ``"eigh"``, conjugate gradients on
+            DGram and with ``"polar_express"``; where the manifold's Gram form declares one) or
             ``"jacobi"`` (:mod:`geomuon.optimizers.gram`); the general path is Jacobi.
-            Default ``None``: by the dualizer (:func:`gram_solver`).
+            Default ``None``: ``"newton"`` (:func:`gram_solver`).
         gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (exact) or
-            ``"polar_express"`` (Polar Express on the Cholesky factor; Jacobi steps only).
+            ``"polar_express"`` (Polar Express on the Cholesky factor).
             Default ``None``: ``"eigh"`` on the CPU, ``"polar_express"`` on other devices
             (:func:`gram_solver`: CUDA's ``eigh`` synchronizes with the host).
         warm_start: start each step's dual from the previous correction (default True).
@@ -241,9 +240,6 @@ class ManifoldMuon(MatrixOptimizer):
         if group["gram_dualizer"] not in (*DUALIZERS, None):
             raise ValueError(f"group {index}: gram_dualizer must be one of {DUALIZERS} (or None: by the device), "
                              f"got {group['gram_dualizer']!r}")
-        if group["dual_update"] == "newton" and group["gram_dualizer"] == "polar_express":
-            raise ValueError(f"group {index}: dual_update='newton' needs gram_dualizer='eigh' (the Lyapunov step "
-                             "uses the eigenvectors); choose dual_update='jacobi' with 'polar_express'")
         if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
         if int(group["polish_rounds"]) < 0:
