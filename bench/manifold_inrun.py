@@ -59,7 +59,7 @@ def orientation(shape) -> str:
     return "tall" if m > n else "wide" if m < n else "square"
 
 
-def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int, run: dict, data: str,
+def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int | None, run: dict, data: str,
                   seed: int, warm_start: bool = True, smoothing: float | None = None, alpha: float | None = None,
                   dualizer: str | None = None):
     """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
@@ -114,8 +114,9 @@ def main(argv=None) -> int:
                         help="dual update (default: ManifoldMuon's for the manifold)")
     parser.add_argument("--dual", type=int, nargs="+", default=[None],
                         help="dual steps per optimizer step (default: ManifoldMuon's for the manifold)")
-    parser.add_argument("--polish", type=int, nargs="+", default=[0],
-                        help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default 0)")
+    parser.add_argument("--polish", type=int, nargs="+", default=[None],
+                        help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default: ManifoldMuon's "
+                             "for the manifold and dualizer)")
     parser.add_argument("--starts", nargs="+", default=["warm"], choices=["warm", "cold"],
                         help="dual start of each step: the previous step's correction (warm, ManifoldMuon's "
                              "default) or none (cold: warm_start=False)")
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     from geomuon.manifolds import MatrixManifold
-    from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update
+    from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, default_polish_rounds
 
     header = ["manifold", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start", "matrices", "certified steps x matrices",
               "mean certified ratio", "min"]
@@ -160,11 +161,14 @@ def main(argv=None) -> int:
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")
+        default_polish = default_polish_rounds(owner, dualizer or "eigh")
+        polish = default_polish if polish is None else polish
+        shown_polish = str(polish) + (" (default)" if polish == default_polish else "")
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
             shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
-            lines.append(markdown_row([manifold, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, str(polish),
+            lines.append(markdown_row([manifold, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, shown_polish,
                                        "warm (default)" if start == "warm" else "cold", kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)

@@ -105,7 +105,7 @@ class GramSettings:
             (:func:`geomuon.manifolds.capabilities.inv_sqrt_near_identity`).
         polish_rounds: rounds of :func:`polish` of the direction after the dual steps (0:
             none; each costs one $n\times n$ eigendecomposition and about nine $n\times n$
-            products).
+            products; ManifoldMuon's default is the form's ``polish_rounds`` with ``"eigh"``).
         smoothing: $c$ of the smoothed dual $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$,
             $\sqrt\mu = c\,\|Z\|_*/n$ (:func:`eigen_dualizer`; ``"eigh"`` only; 0: the
             round-off shift alone). Its optimum certifies $\ge 1 - 0.3c$.

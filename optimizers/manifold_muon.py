@@ -44,7 +44,8 @@ from .base import MatrixOptimizer, OffManifoldError
 from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_dual_update", "gram_solver", "DEFAULT_DUAL_STEPS",
+__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_polish_rounds", "default_dual_update",
+           "gram_solver", "DEFAULT_DUAL_STEPS",
            "DEFAULT_DUAL_UPDATE"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
@@ -64,6 +65,15 @@ def default_dual_steps(manifold) -> int:
     :data:`DEFAULT_DUAL_STEPS`."""
     form = getattr(manifold, "gram_form", None)
     return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
+
+
+def default_polish_rounds(manifold, dualizer: str = "eigh") -> int:
+    """ManifoldMuon's default ``polish_rounds`` on ``manifold`` with the Gram path's
+    ``dualizer``: its Gram form's ``polish_rounds`` (chosen on the certificate inside GPT
+    training) with ``"eigh"``, else 0: a polish round is an ``eigh``, which synchronizes a CUDA
+    device with the host, and the general path has no polish."""
+    form = getattr(manifold, "gram_form", None)
+    return form.polish_rounds if form is not None and dualizer == "eigh" else 0
 
 
 def default_dual_update(manifold) -> str:
@@ -146,7 +156,8 @@ class ManifoldMuon(MatrixOptimizer):
             with ``dual_steps=0``, for the price of two $n\times n$ products).
         polish_rounds: rounds of alternating projection of the Gram path's direction onto
             the unit spectral ball and the tangent space
-            (:func:`geomuon.optimizers.gram.polish`; default 0). One round raised a DGram MLP
+            (:func:`geomuon.optimizers.gram.polish`; default ``None``: :func:`default_polish_rounds`
+            of the matrix's manifold). One round raised a DGram MLP
             matrix's certificate in GPT training from 0.889 to 0.938, two to 0.953, for one
             $n\times n$ eigendecomposition each.
         dual_smoothing: $c$ of the Gram path's smoothed dual
@@ -201,7 +212,7 @@ class ManifoldMuon(MatrixOptimizer):
         msign_steps: int | None = 6,
         compute_dtype: torch.dtype | None = torch.bfloat16,
         dual_carry: bool = True,
-        polish_rounds: int = 0,
+        polish_rounds: int | None = None,
         dual_smoothing: float = 0.0,
         retraction: str = "fused",
         certify_every: int = 0,
@@ -242,7 +253,7 @@ class ManifoldMuon(MatrixOptimizer):
                              f"got {group['gram_dualizer']!r}")
         if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
-        if int(group["polish_rounds"]) < 0:
+        if group["polish_rounds"] is not None and int(group["polish_rounds"]) < 0:
             raise ValueError(f"group {index}: polish_rounds must be >= 0, got {group['polish_rounds']}")
         if float(group["dual_smoothing"]) < 0:
             raise ValueError(f"group {index}: dual_smoothing must be >= 0, got {group['dual_smoothing']}")
@@ -375,10 +386,10 @@ class ManifoldMuon(MatrixOptimizer):
             # only feed round-off into the warm start, which the next direction amplifies by
             # 1/sigma_min(P_W G) (measured: 1e-2 weight drift in 20 fp32 steps of a GPT's
             # square attention projection from a reordered batch sum).
-            solver, warm = dict(solver, dual_steps=0, dual_carry=False), None
+            solver, warm = dict(solver, dual_steps=0, dual_carry=False, polish_rounds=0), None
         form = self._gram_form(group, manifold, W.shape)
         if form is not None:
-            point, correction, ratio = self._gram_path(solver, form, W, G, lr, shrink, warm, certify)
+            point, correction, ratio = self._gram_path(solver, manifold, form, W, G, lr, shrink, warm, certify)
         else:
             point, correction, ratio = self._general_path(solver, manifold, W, G, lr, shrink, warm, certify)
         point = torch.where(moving.reshape(-1, *(1,) * (point.dim() - 1)), point, W)
@@ -395,16 +406,18 @@ class ManifoldMuon(MatrixOptimizer):
                 self._certified[self._name(group, position, index)] = value
         return point
 
-    def _gram_path(self, group, form, W, G, lr, shrink, warm, certify):
+    def _gram_path(self, group, manifold, form, W, G, lr, shrink, warm, certify):
         flip = W.size(-2) < W.size(-1)  # transposed geometry for wide points
         Wt, Gt = (W.mT, G.mT) if flip else (W, G)
         shape = Wt.shape
         update, dualizer = gram_solver(W.device, group["dual_update"], group["gram_dualizer"])
+        polish = group.get("polish_rounds")  # (absent from a group saved before it existed: the default)
+        polish = default_polish_rounds(manifold, dualizer) if polish is None else int(polish)
         settings = GramSettings(
             dual_steps=int(group["dual_steps"]), carry=bool(group["dual_carry"]), alpha=float(group["dual_alpha"]),
             update=update, dualizer=dualizer,
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
-            compute_dtype=group["compute_dtype"], polish_rounds=int(group.get("polish_rounds", 0)),
+            compute_dtype=group["compute_dtype"], polish_rounds=polish,
             smoothing=float(group.get("dual_smoothing", 0.0)),
         )
         flat = (-1, *shape[-2:])

@@ -222,6 +222,31 @@ def test_the_gram_solver_defaults_by_device():
     assert gram_solver(cpu, None, "polar_express") == ("newton", "polar_express")
 
 
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
+def test_the_default_polish_is_the_forms_with_eigh_and_none_with_polar_express(manifold):
+    """The default ``polish_rounds`` steps bitwise as the form's count named explicitly under
+    ``eigh`` (CPU) and as 0 under Polar Express (a polish round is an ``eigh``, a host sync on
+    CUDA); control: under ``eigh`` the default is not the unpolished step."""
+    from geomuon.optimizers.manifold_muon import default_polish_rounds
+
+    def run(**options):
+        gen = torch.Generator().manual_seed(4)
+        W = torch.nn.Parameter(manifold.random(48, 16, generator=gen).data)
+        opt = ManifoldMuon([W], lr=0.05, manifold=manifold, **options)
+        for _ in range(3):
+            W.grad = torch.randn(48, 16, generator=gen)
+            opt.step()
+        return W.detach().clone()
+
+    rounds = manifold.gram_form.polish_rounds
+    assert rounds >= 1 and default_polish_rounds(manifold, "eigh") == rounds
+    assert default_polish_rounds(manifold, "polar_express") == 0
+    default = run()
+    assert torch.equal(default, run(polish_rounds=rounds))
+    assert not torch.equal(default, run(polish_rounds=0))
+    assert torch.equal(run(gram_dualizer="polar_express"), run(gram_dualizer="polar_express", polish_rounds=0))
+
+
 def test_the_default_gram_solver_on_the_cpu_is_newton_with_eigh():
     """Leaving the solver to its default steps exactly as naming ``newton``/``eigh`` on the
     CPU (bitwise); control: Polar Express with Jacobi steps moves the weights differently."""
