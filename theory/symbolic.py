@@ -15,8 +15,8 @@ unchanged on sympy-valued stand-ins for ``torch.Tensor``, *tensor-like* in torch
   (:class:`FreeAlgebra`), which carry the entrywise formulas of DGram, Oblique, LPRO and
   the router; signed-permutation letters and opaque entrywise functions (row and column
   norms, their reciprocals, signs) carry the elementwise update maps. An identity reduced
-  to zero here holds **at every size** of the orientation (tall, square, wide; at least
-  two rows, any number of columns), every batch.
+  to zero here holds **at every size** of the orientation (tall, square, wide with at
+  least two rows, a single row; one column included), every batch.
 * :class:`ExactTensor` — a concrete-size array of sympy expressions with the slice of the
   torch API the manifolds and maps use. Entries are symbols, so an identity checked here
   holds for every point of a family (symbolic Cayley frames, symbolic column norms) at
@@ -1750,12 +1750,19 @@ def certify_projx_float64(manifold, shape: tuple[int, int], tolerance: float = 1
 # ======================================================================================
 # Every manifold at symbolic size: the public methods on free letters
 
-#: Sizes of the three orientations, with symbols $a, b \ge 0$: tall $m = a + b + 2 > n = a + 1$,
+#: Sizes of the orientations, with symbols $a, b \ge 0$: tall $m = a + b + 2 > n = a + 1$,
 #: square $m = n = a + 2$, wide $m = a + 2 < n = a + b + 3$ (every size with at least two
-#: rows, which the router needs; sympy decides the library's ``m < n`` and ``m < 2`` tests
-#: from these assumptions).
+#: rows, which the router needs), and a single row $1 \times (a + 2)$ (every $1\times n$,
+#: $n \ge 2$); sympy decides the library's ``m < n`` and ``m < 2`` tests from these
+#: assumptions.
 _a, _b = sp.symbols("a b", integer=True, nonnegative=True)
-ORIENTATIONS = {"tall": (_a + _b + 2, _a + 1), "square": (_a + 2, _a + 2), "wide": (_a + 2, _a + _b + 3)}
+ORIENTATIONS = {"tall": (_a + _b + 2, _a + 1), "square": (_a + 2, _a + 2), "wide": (_a + 2, _a + _b + 3),
+                "row": (sp.Integer(1), _a + 2)}
+
+
+def _is_wide(orientation: str) -> bool:
+    m, n = ORIENTATIONS[orientation]
+    return bool(sp.sympify(m < n))
 
 
 class _FreeFactories(torch.overrides.TorchFunctionMode):
@@ -1799,7 +1806,7 @@ def _free_point(manifold, orientation: str) -> _FreePoint:
     * CenteredRouterSpace: $\mathbf 1^\top W = 0$, $\mathbf 1^\top V = 0$ ($\mathbf 1^\top\mathbf 1 = m$).
     """
     m, n = ORIENTATIONS[orientation]
-    short = n if orientation != "wide" else m
+    short = m if _is_wide(orientation) else n
     # The model of the nearest built-in class (a subclass overriding a formula, such as the
     # suite's negative controls, keeps its parent's definition of a point).
     known = ("Stiefel", "DGram", "Oblique", "LPRO", "CenteredRouterSpace")
@@ -2022,7 +2029,7 @@ def _dgram_algebra(orientation: str, t: sp.Symbol) -> tuple[FreeAlgebra, FreeMat
     m, n = ORIENTATIONS[orientation]
     algebra = FreeAlgebra({"W": "W'", "V": "V'"}, diagonal=("S",), shapes={"W": (m, n), "V": (m, n)})
     W, V = algebra("W"), algebra("V")
-    wide = orientation == "wide"
+    wide = _is_wide(orientation)
     Wb, Vb = (W.mT, V.mT) if wide else (W, V)
     short = m if wide else n
     algebra.shapes["S"] = (short, short)
@@ -2163,7 +2170,7 @@ def _probed_retraction(manifold, orientation: str) -> dict:
     original = linalg.newton_schulz_step
     linalg.newton_schulz_step = probe
     try:
-        W, V = (Wb.mT, Vb.mT) if orientation == "wide" else (Wb, Vb)
+        W, V = (Wb.mT, Vb.mT) if _is_wide(orientation) else (Wb, Vb)
         with _FreeFactories(algebra):
             R = manifold.retr(W, t * V)
     except (ValueError, TypeError, NotImplementedError) as error:
@@ -2184,7 +2191,7 @@ def _probed_retraction(manifold, orientation: str) -> dict:
         problems.append(f"the normalized column norms are {x!r}, not ||W_i|| / (1.01 ||W||_F)")
     K = len(steps)
     return {"t": t, "algebra": algebra, "Wb": Wb, "Vb": Vb, "steps": steps, "problems": problems, "x": x,
-            "x'": xdot, "R": R.mT if orientation == "wide" else R, "F": algebra(f"F{K:02d}"), "G": algebra(f"G{K:02d}")}
+            "x'": xdot, "R": R.mT if _is_wide(orientation) else R, "F": algebra(f"F{K:02d}"), "G": algebra(f"G{K:02d}")}
 
 
 def certify_dgram_retraction(orientation: str = "tall", dgram=None) -> Certificate:
@@ -2668,7 +2675,7 @@ def certify_dgram_symmetry(orientation: str = "tall", dgram=None) -> Certificate
 
     dgram = dgram if dgram is not None else DGram()
     m, n = ORIENTATIONS[orientation]
-    wide = orientation == "wide"
+    wide = _is_wide(orientation)
     short = m if wide else n
     orthogonal, monomial = (n, m) if wide else (m, n)
     algebra = FreeAlgebra({"W": "W'", "X": "X'", "L": "L'", "P": "P'"}, diagonal=("D",), monomial=("P",),
@@ -2763,7 +2770,9 @@ def _centered_stages(inner: Callable, **kwargs) -> Callable:
 
 
 def _orientations(declaration) -> list[str]:
-    return ["tall", "square", "wide"] if declaration.orientation == "any" else [declaration.orientation]
+    if declaration.orientation == "any":
+        return list(ORIENTATIONS)
+    return ["tall", "square"] if declaration.orientation == "tall" else ["wide", "row"]
 
 
 def certify_map_row(declaration) -> Certificate:
