@@ -205,11 +205,11 @@ def test_optimizer_step_writes_its_table(tmp_path):
 
 def test_manifold_frontier_writes_its_table(tmp_path):
     markdown = tmp_path / "manifold_frontier.md"
-    stdout = run_script("manifold_frontier", markdown, "--clock", "process")
+    stdout = run_script("manifold_frontier", markdown, "--clock", "process", "--dual", "0", "2")
     rows = parse_table(stdout)
-    # both dual updates x 0 and 1 dual steps x warm and cold; the default solver (Stiefel:
-    # Newton, one dual step and the carried one, warm) is the one row marked so
-    expected = [(update, dual, start) for update in ("newton", "jacobi") for dual in ("0", "1") for start in ("warm", "cold")]
+    # both dual updates x 0 and 2 dual steps x warm and cold; the default solver (Stiefel:
+    # Newton, two dual steps and the carried one, warm) is the one row marked so
+    expected = [(update, dual, start) for update in ("newton", "jacobi") for dual in ("0", "2") for start in ("warm", "cold")]
     assert [(r["dual update"], r["dual steps"], r["start"].replace(" (default)", "")) for r in rows] == expected
     assert [r for r in rows if r["start"].endswith("(default)")] == [rows[2]]
     for row in rows:
