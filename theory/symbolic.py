@@ -2783,9 +2783,10 @@ def certify_map_row(declaration) -> Certificate:
     ``hybrid`` and the centered maps, on an identity probe for ``centered``; the polar
     maps' composition with the inverse square root's certified action
     (:func:`certify_polar_map_equivariance`); the free-algebra certificates of the
-    Newton–Schulz and inverse-square-root steps; compositions combine them). ``fails`` rows: an exact counterexample for the library's map where it is
-    exactly computable (``row_norm``, ``col_norm``, ``sign``), otherwise for the exact map
-    the iteration approximates (the polar factor, closed form at $2\times2$).
+    Newton–Schulz and inverse-square-root steps; compositions combine them). ``fails``
+    rows: an exact counterexample for the library's map where it is exactly computable
+    (``row_norm``, ``col_norm``, ``sign``, ``hybrid`` with no step), otherwise for the
+    exact map the iteration approximates (the polar factor, closed form at $2\times2$).
     The certificate's ``holds`` says whether the *declared* relation was certified
     (proof found for ``holds``, counterexample found for ``fails``)."""
     from geomuon.optimizers import maps
