@@ -81,6 +81,7 @@ __all__ = [
     "ResidualMLPBound",
     "residual_mlp_bound",
     "METHODS",
+    "DEFAULT_METHOD",
     "TransformerBound",
     "transformer_lipschitz_bound",
     "EmpiricalLipschitz",
@@ -97,6 +98,12 @@ GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.p
 
 #: The divisor the Lipschitz model applies to GELU (the reference code's rounded constant).
 REFERENCE_GELU_DIVISOR = 1.1289
+
+
+#: The bounds of this module, tightest first: ``"aligned"`` (the default), ``"tight"``, ``"simple"``.
+METHODS = ("aligned", "tight", "simple")
+#: The bound every function of this module computes unless told otherwise: the tightest.
+DEFAULT_METHOD = METHODS[0]
 
 
 def rms_operator_norm(W: torch.Tensor) -> float:
@@ -172,7 +179,7 @@ def attention_lipschitz(
     score_scale: float,
     attention_scale: float = 1.0 / 3.0,
     radius: float = 1.0,
-    method: str = "aligned",
+    method: str = DEFAULT_METHOD,
 ) -> AttentionBound:
     r"""Lipschitz bound of multi-head causal attention (RoPE allowed) on inputs with token RMS
     $\le r$ (``radius``).
@@ -332,10 +339,6 @@ def _value_key_alignment(v_heads: torch.Tensor, k_heads: torch.Tensor, product: 
     return torch.minimum(half_lambda_max((low + high) / 2), product)
 
 
-#: The bounds of this module, tightest first: ``"aligned"`` (the default), ``"tight"``, ``"simple"``.
-METHODS = ("aligned", "tight", "simple")
-
-
 def _check_method(method: str, where: str) -> None:
     if method not in METHODS:
         raise ValueError(f"{where}: method must be one of {METHODS}, got {method!r}")
@@ -362,7 +365,7 @@ def residual_mlp_bound(
     residual_weight: float,
     gelu_scale: float = 1.0 / REFERENCE_GELU_DIVISOR,
     radius: float = 1.0,
-    method: str = "aligned",
+    method: str = DEFAULT_METHOD,
 ) -> ResidualMLPBound:
     r"""Lipschitz constant and output radius of the residual MLP sub-layer, per token.
 
@@ -418,11 +421,11 @@ class TransformerBound:
     residuals: list[float]
     radii: list[float]
     head: float
-    method: str = "aligned"
+    method: str = DEFAULT_METHOD
 
 
 def transformer_lipschitz_bound(
-    weights: Mapping, *, sequence_length: int | None = None, method: str = "aligned"
+    weights: Mapping, *, sequence_length: int | None = None, method: str = DEFAULT_METHOD
 ) -> TransformerBound:
     r"""Certified Lipschitz bound of the Lipschitz transformer from its weights.
 

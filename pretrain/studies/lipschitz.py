@@ -24,6 +24,7 @@ import math
 import torch
 
 from geomuon.pretrain.provenance import markdown_table
+from geomuon.theory.lipschitz import DEFAULT_METHOD
 
 from . import common
 from .common import Size, Variant
@@ -139,7 +140,7 @@ def report(results, size, meta, figure_dir) -> str:
         "and are not comparable in level. Our certified bound is also not the paper's formula: it is "
         "proved for multi-head attention, where the paper's one-head formula applied to the full "
         "matrices can understate the constant, and counts GELU's Lipschitz constant once "
-        "(`geomuon.theory.lipschitz`, the tight bound). "
+        f"(`geomuon.theory.lipschitz`, its default bound, `method=\"{DEFAULT_METHOD}\"`). "
         "What the runs do show is the ordering at equal compute: the accuracy each method reaches "
         "and the bound and activation scale it pays for it."
     )
