@@ -138,6 +138,10 @@ series radius with |c_K| (K + 3/2)/(K + 1) | (terms + 0.5) / (terms + 1) | (term
 stiefel gram newton increment E (not E/2) | return 0.5 * E | return E
 dgram gram constraint keeps the diagonal | return _off_diagonal(M + M.mT)\n | return M + M.mT\n
 dgram gram adjoint keeps the diagonal | return _off_diagonal(lam + lam.mT) | return lam + lam.mT
+engine: Lyapunov operator X + X (not X + X') | return X + X.mT | return X + X
+engine: Newton diagonal d_i^2 P_ii + P_jj d_j^2 | return 2 * (d2.unsqueeze(-1) * p.unsqueeze(-2) + p.unsqueeze(-1) * d2.unsqueeze(-2)) | return 2 * (d2.unsqueeze(-1) * p.unsqueeze(-1) + p.unsqueeze(-2) * d2.unsqueeze(-2))
+engine: DGram Newton operator keeps the diagonal | return _off_diagonal(_lyapunov(D, self.adjoint(lam), P)) | return _lyapunov(D, self.adjoint(lam), P)
+engine: Lyapunov operator without D | X = (_diag(D).unsqueeze(-1) * S) @ P | X = S @ P
 ## optimizers/maps.py
 row_norm normalizes columns | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps)
 col_norm normalizes rows | return D / (D.norm(dim=-2, keepdim=True) + eps) | return D / (D.norm(dim=-1, keepdim=True) + eps)
@@ -159,6 +163,20 @@ gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr
 gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)
 gram dual Gram forgets S'F's transpose | return K + SF + SF.mT | return K + 2 * SF
 gram dual Gram drops DS's 1/2 | torch.add(B0, DS, alpha=0.5) | torch.add(B0, DS, alpha=1.0)
+engine: polish drops the tangent projection | T1 = T1 - form.project(mulD.D, mulD(T1) + B0 @ T2) | T1 = T1
+engine: polish projects with W'(W T1) only | mulD(T1) + B0 @ T2) | mulD(T1))
+engine: polish clips T1 only | T1, T2 = T1 @ clip, T2 @ clip | T1, T2 = T1 @ clip, T2
+engine: polish's Gram cross term untransposed | cross + cross.mT | 2 * cross
+engine: polish clips at spectral norm 2 | lam.clamp_min(1.0).rsqrt() | lam.clamp_min(4.0).rsqrt()
+engine: CG residual update sign | R = R - a * A_step | R = R + a * A_step
+engine: CG without conjugation (steepest descent) | step = Y + (ry / previous.clamp_min(tiny)) * step | step = Y
+engine: CG step length halved | a = ry / (step * A_step) | a = 0.5 * ry / (step * A_step)
+engine: Newton closed form divides by f_i f_j | (f.unsqueeze(-1) + f.unsqueeze(-2)) | (f.unsqueeze(-1) * f.unsqueeze(-2))
+engine: Newton closed form in the wrong basis | Ht = (Vl.mT @ form.constraint(M).to(low) @ Vl) | Ht = (Vl @ form.constraint(M).to(low) @ Vl.mT)
+engine: Newton CG step along +H | return (-alpha) * newton_cg( | return alpha * newton_cg(
+engine: Jacobi sigma over |A|_F (not |A|_F^2) | sigma = dual.value / dual.frobenius2.clamp_min(tiny) | sigma = dual.value / dual.frobenius2.clamp_min(tiny).sqrt()
+engine: Jacobi divides by the root of diag(LL*) | H / diag.clamp_min(tiny) | H / diag.clamp_min(tiny).sqrt()
+engine: dualizer value tr(PQP) for tr(QP) | value=(lam * f).sum(-1) | value=(lam * f * f).sum(-1)
 ## theory/lipschitz.py
 GELU constant: e^-1 -> e^-1/2 | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi) | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-0.5) / math.sqrt(math.pi)
 ## optimizers/regulate.py

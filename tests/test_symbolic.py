@@ -809,3 +809,69 @@ def test_newton_schulz_equivariance_is_of_the_library_step():
     assert step(L * X * R.T) == L * step(X) * R.T
     not_orthogonal = sp.Matrix([[1, 1], [0, 1]])
     assert step(not_orthogonal * X * R.T) != not_orthogonal * step(X) * R.T
+
+
+# The Gram engine's polish, Newton and Jacobi dual steps (float64, on the library's
+# functions; wide pairs run transposed, as ManifoldMuon runs them).
+_ENGINE_SHAPES = [(7, 4), (4, 4), (4, 7)]
+
+
+def _engine_pair(manifold, shape, seed=0):
+    """A float64 point (DGram: column norms in [1, 2], unsorted) and a generic momentum."""
+    generator = torch.Generator().manual_seed(seed)
+    W = torch.as_tensor(manifold.random(*shape, dtype=torch.float64, generator=generator)).clone()
+    if isinstance(manifold, DGram):
+        tall = shape[0] >= shape[1]
+        norms = 1 + torch.rand(min(shape), generator=generator, dtype=torch.float64)
+        W = W * (norms.unsqueeze(-2) if tall else norms.unsqueeze(-1)) / W.norm(dim=-2 if tall else -1, keepdim=True)
+    return W, torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", _ENGINE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["Stiefel", "DGram"])
+def test_gram_engine_polish_newton_and_jacobi_steps(manifold, shape):
+    from geomuon.theory.symbolic import certify_gram_jacobi_step, certify_gram_newton_step, certify_gram_polish
+
+    W, G = _engine_pair(manifold, shape)
+    for certify in (certify_gram_polish, certify_gram_newton_step, certify_gram_jacobi_step):
+        certificate = certify(manifold, W, G)
+        assert certificate.holds, (certify.__name__, certificate.witness)
+
+
+def test_gram_engine_certificates_reject_wrong_formulas():
+    from geomuon.manifolds.capabilities import OrthogonalColumnsGram, OrthonormalGram
+    from geomuon.theory.symbolic import certify_gram_jacobi_step, certify_gram_newton_step, certify_gram_polish
+
+    class NoTangentProjection(OrthogonalColumnsGram):  # polish without its tangent step
+        def project(self, D, M):
+            return 0 * M
+
+    class OperatorXPlusX(OrthogonalColumnsGram):  # Off(X + X) instead of Off(X + X^T), X = D S P
+        def newton_operator(self, D, lam, P):
+            X = (torch.diagonal(D, dim1=-2, dim2=-1).unsqueeze(-1) * self.adjoint(lam)) @ P
+            return 2 * (X - torch.diag_embed(torch.diagonal(X, dim1=-2, dim2=-1)))
+
+    class FullIncrement(OrthonormalGram):  # the closed form's E instead of E/2
+        def newton_increment(self, D, E):
+            return E
+
+    class DoubledJacobi(OrthogonalColumnsGram):  # diag(L L*) doubled
+        def gram_diag(self, D):
+            return 2 * super().gram_diag(D)
+
+    for shape in ((7, 4), (4, 7)):
+        W, G = _engine_pair(DGram(), shape)
+        polish = certify_gram_polish(DGram(), W, G, form=NoTangentProjection())
+        assert not polish.holds
+        tangency, _, _, tol = polish.witness["round 1: |L_W(A)|, |A - P_W(Pi(A_prev))|, |A|_F - |A_prev|_F, tol"]
+        assert tangency > 1e3 * tol
+        operator = certify_gram_newton_step(DGram(), W, G, form=OperatorXPlusX())
+        assert not operator.holds
+        residual, tol = operator.witness["CG, 6 steps: |L_W((Z + L*d) P)|, tol"]
+        assert residual > 1e3 * tol
+        jacobi = certify_gram_jacobi_step(DGram(), W, G, form=DoubledJacobi())
+        assert not jacobi.holds and jacobi.witness["|d * g + alpha sigma L_W(A)|, tol"][0] > 1e-3
+        W, G = _engine_pair(Stiefel(), shape)
+        increment = certify_gram_newton_step(Stiefel(), W, G, form=FullIncrement())
+        residual, tol = increment.witness["closed form: |L_W((Z + L*d) P)|, tol"]
+        assert not increment.holds and residual > 1e3 * tol

@@ -71,6 +71,16 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   :func:`geomuon.optimizers.regulate.muon_update_norm`, with its RMS→RMS scale
   :func:`certify_rms_scale`), the Gram-form series' radius and Newton increment, and the
   engine's dual Gram identity (:func:`certify_gram_space_identity` on ``gram.dual_gram``).
+* **The fast engine's polish and dual steps**, in float64 on the library's functions at
+  $7\times4$, $4\times4$, $4\times7$ (Stiefel, DGram; wide pairs transposed as the engine
+  runs them), tolerances derived from $\varepsilon$ and the conditioning $\|P\|_F$:
+  ``gram.polish`` alternates $\Pi_{\|\cdot\|_2\le1}$ and $P_W$, ends tangent, tends to the
+  ball and fixes the intersection (:func:`certify_gram_polish`); the Newton increment
+  solves the frozen tangency $L_W((Z + L_W^*\delta)P) = 0$, the forms' ``newton_operator``
+  is $\mathcal C(DS(\cdot)P)$, symmetric positive semi-definite with ``newton_diagonal`` its
+  diagonal, and CG's $\mathcal A$-norm error does not increase
+  (:func:`certify_gram_newton_step`); ``jacobi_update`` is
+  $-\alpha\sigma L_W(ZP)\oslash\operatorname{diag}(L_WL_W^*)$ (:func:`certify_gram_jacobi_step`).
 
 ``bench/symbolic_mutations.py`` breaks these formulas one at a time in a copy of the
 repository and checks that ``tests/test_symbolic.py`` fails on each.
@@ -145,6 +155,9 @@ __all__ = [
     "soft_cap_coupling_roots",
     "certify_soft_cap_monotone",
     "certify_residual_lipschitz",
+    "certify_gram_polish",
+    "certify_gram_newton_step",
+    "certify_gram_jacobi_step",
 ]
 
 
@@ -3657,3 +3670,319 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
         all(ok for ok, _ in checked.values()),
         {k: r for k, (_, r) in checked.items()},
     )
+
+
+# ======================================================================================
+# The fast engine's dual steps and polish, in float64 on the library's own functions
+
+
+class _PointGramOf:
+    r"""$X \mapsto DX$ for a given $D$: the multiplication the engine's ``polish`` takes
+    (:class:`geomuon.optimizers.gram._PointGram`'s interface, ``D`` and a call)."""
+
+    def __init__(self, D: torch.Tensor) -> None:
+        self.D = D
+
+    def __call__(self, X: torch.Tensor) -> torch.Tensor:
+        return self.D @ X
+
+
+@dataclass
+class _EngineFrame:
+    """The engine's tall frame of a float64 point $W$ and momentum $G$ (a wide pair is
+    transposed, as ``ManifoldMuon`` hands it to :func:`~geomuon.optimizers.gram.gram_step`)."""
+
+    manifold: Any
+    W: torch.Tensor  # the point in its own orientation, [m, n]
+    flip: bool
+    Wt: torch.Tensor  # [1, M, N], M >= N
+    Z0: torch.Tensor
+    S: torch.Tensor
+    T1: torch.Tensor
+    T2: torch.Tensor
+    D: torch.Tensor
+    B0: torch.Tensor
+    K: torch.Tensor
+
+    def point_layout(self, X: torch.Tensor) -> torch.Tensor:
+        """A tall ``[1, M, N]`` matrix back in the point's orientation, ``[m, n]``."""
+        return X[0].mT if self.flip else X[0]
+
+    def tall_layout(self, X: torch.Tensor) -> torch.Tensor:
+        return (X.mT if self.flip else X).unsqueeze(0)
+
+
+def _engine_frame(manifold, W: torch.Tensor, G: torch.Tensor, dual_steps: int = 1) -> _EngineFrame:
+    r"""Run the library's :func:`~geomuon.optimizers.gram.gram_step` (float64 products,
+    ``dual_steps`` Newton dual steps, no carry, no polish) on $W, G$ and return its factors
+    $T_1, T_2, Z_0, S$ with the Gram data $D = \operatorname{Diag}(W^\top W)$ (the engine's
+    diagonal $D$ of a ``diagonal_gram`` form), $B_0 = W^\top Z_0$, $K = Z_0^\top Z_0$."""
+    from geomuon.optimizers.gram import GramSettings, gram_step
+
+    flip = manifold.transposes_wide and W.size(-2) < W.size(-1)
+    Wt = (W.mT if flip else W).unsqueeze(0).contiguous()
+    Gt = (G.mT if flip else G).unsqueeze(0).contiguous()
+    form = manifold.gram_form
+    settings = GramSettings(dual_steps=dual_steps, carry=False, update="newton", dualizer="eigh",
+                            compute_dtype=torch.float64, polish_rounds=0, smoothing=0.0)
+    T1, T2, Z0, S = gram_step(form, Wt, Gt, 0.1, None, settings).direction_factors
+    D = torch.diag_embed(Wt.square().sum(-2)) if form.diagonal_gram else Wt.mT @ Wt
+    return _EngineFrame(manifold, W, flip, Wt, Z0, S, T1, T2, D, Wt.mT @ Z0, Z0.mT @ Z0)
+
+
+def _spectral(X: torch.Tensor) -> float:
+    return float(torch.linalg.matrix_norm(X, 2).max())
+
+
+def certify_gram_polish(manifold, W: torch.Tensor, G: torch.Tensor, form=None, rounds: int = 3,
+                        converge: int = 32) -> Certificate:
+    r"""The engine's :func:`geomuon.optimizers.gram.polish` does what its docstring says, in
+    **float64** on the engine's own direction $\hat A_0 = WT_1 + Z_0T_2$ of ``gram_step``
+    (one Newton dual step) at the float64 point $W$ with momentum $G$ (a wide pair runs
+    transposed, as ``ManifoldMuon`` runs it; every residual is read in the point's own
+    orientation through the manifold's public methods). With $\hat A_k$ the direction after
+    $k$ rounds, assembled from the returned $(T_1, T_2)$:
+
+    * **each round is the two projections**: $\hat A_{k+1} = P_W\big(\Pi(\hat A_k)\big)$ for
+      each of the first ``rounds`` rounds, where $\Pi(A) = U\min(\Sigma, 1)V^\top$ is the nearest point of the
+      unit spectral ball in the Frobenius metric (from ``torch.linalg.svd``, the definition,
+      not the engine's $A\phi(A^\top A)$) and $P_W$ the manifold's ``proju``;
+    * **tangent**: $\|L_W(\hat A_k)\|_F \le \tau$ (the manifold's ``constraint``) after
+      each of those rounds and after ``converge`` rounds;
+    * **toward the unit ball**: the excess $e_k = \max(\|\hat A_k\|_2 - 1, 0)$ does
+      not increase over those rounds (from $k = 0$) and is at most $10^{-6}$ after ``converge``
+      (alternating projections onto a subspace and a ball that meet in the ball's interior
+      converge linearly, Bauschke–Borwein); and $\|\hat A_{k+1}\|_F \le \|\hat A_k\|_F$
+      (both maps are projections onto convex sets holding $0$, so nonexpansive toward it);
+    * **fixed points**: a tangent direction of spectral norm $< 1$ (the direction after
+      ``converge`` rounds, scaled to norm $0.9$) is returned unchanged by one round.
+
+    Tolerance (float64, $\varepsilon = 2^{-52}$): a product of inner dimension $k$ errs by
+    at most $k\varepsilon$ times the product of the factors' magnitudes (Higham's
+    $\gamma_k$). $\hat A = WT_1 + Z_0T_2$ is read through $W^\top\hat A = DT_1 + B_0T_2$,
+    whose factors' magnitudes are $\|W\|_F\|T_1\|_F$ and $\|Z_0\|_F\|T_2\|_F$: the
+    conditioning enters as $\|T_2\|_F = \|P\|_F \approx \sigma_{\min}(Z)^{-1}$ (241 on the
+    square DGram test point, where $Z_0$ is tangent only to $\varepsilon\|G\|$, so the
+    engine's own unpolished direction is off the tangent space by $4\cdot10^{-13}$). With the
+    inner dimensions $m$ ($W^\top\cdot$) and $n$ (the round's products; ``eigh`` and ``svd``
+    are backward stable with constants $\lesssim n$) and $W$'s own feasibility error
+    ($\varepsilon\|W\|_F^2$),
+
+    $$\tau = 8(m + n)\,\varepsilon\,\|W\|_F\,\big(\|W\|_F\|T_1\|_F + \|Z_0\|_F\|T_2\|_F\big),$$
+
+    a margin of 8 over the first-order bound (measured residuals $10^{-16}$–$4\cdot10^{-13}$,
+    at least 30 times below $\tau$); the same $\tau$ bounds the round's deviation from the
+    SVD reference. ``witness``: every residual with its tolerance.
+    """
+    from geomuon.optimizers.gram import polish
+
+    frame = _engine_frame(manifold, W, G)
+    form = manifold.gram_form if form is None else form
+    mulD = _PointGramOf(frame.D)
+    m, n = W.shape[-2:]
+    eps = torch.finfo(torch.float64).eps
+
+    def run(T1, T2, k):
+        U1, U2 = polish(form, mulD, frame.B0, frame.K, T1, T2, k)
+        tall = frame.Wt @ U1 + frame.Z0 @ U2
+        scale = float(frame.Wt.norm() * (frame.Wt.norm() * U1.norm() + frame.Z0.norm() * U2.norm()))
+        return frame.point_layout(tall), 8 * (m + n) * eps * scale
+
+    def ball(A):
+        U, s, Vh = torch.linalg.svd(A, full_matrices=False)
+        return (U * s.clamp_max(1.0)) @ Vh
+
+    witness: dict[str, Any] = {}
+    holds = True
+    previous, _ = run(frame.T1, frame.T2, 0)
+    excess = [max(_spectral(previous) - 1, 0.0)]
+    for k in range(1, rounds + 1):
+        A, tol = run(frame.T1, frame.T2, k)
+        tangency = float(manifold.constraint(W, A).norm())
+        deviation = float((A - manifold.proju(W, ball(previous))).norm())
+        frobenius = float(A.norm() - previous.norm())
+        witness[f"round {k}: |L_W(A)|, |A - P_W(Pi(A_prev))|, |A|_F - |A_prev|_F, tol"] = (tangency, deviation, frobenius, tol)
+        holds &= tangency <= tol and deviation <= tol and frobenius <= tol
+        excess.append(max(_spectral(A) - 1, 0.0))
+        previous = A
+    witness["excess over the unit ball, rounds 0.."] = excess
+    holds &= all(b <= a + 1e-15 for a, b in zip(excess, excess[1:]))
+    A, tol = run(frame.T1, frame.T2, converge)
+    tangency, limit = float(manifold.constraint(W, A).norm()), max(_spectral(A) - 1, 0.0)
+    witness[f"{converge} rounds: |L_W(A)|, excess, tol"] = (tangency, limit, tol)
+    holds &= tangency <= tol and limit <= 1e-6
+    U1, U2 = polish(form, mulD, frame.B0, frame.K, frame.T1, frame.T2, converge)
+    c = 0.9 / _spectral(frame.tall_layout(A))
+    fixed, tol = run(c * U1, c * U2, 1)
+    moved = float((fixed - c * A).norm())
+    witness["a tangent direction of norm 0.9: |polish(A) - A|, tol"] = (moved, tol)
+    holds &= moved <= tol
+    return Certificate(f"{type(manifold).__name__} {m}x{n}: gram.polish alternates the unit-ball and tangent "
+                       "projections, ends tangent, tends to the ball, fixes the intersection (float64)", holds, witness)
+
+
+def _symmetric_basis(n: int, off_diagonal: bool) -> list[tuple[int, int, torch.Tensor]]:
+    """$E_{ij} + E_{ji}$ ($i < j$) and, unless ``off_diagonal``, $E_{ii}$: the multipliers the
+    Newton iteration visits, ``[n, n]`` float64."""
+    out = []
+    for i in range(n):
+        for j in range(i + (1 if off_diagonal else 0), n):
+            B = torch.zeros(n, n, dtype=torch.float64)
+            B[i, j] = B[j, i] = 1.0
+            out.append((i, j, B))
+    return out
+
+
+def certify_gram_newton_step(manifold, W: torch.Tensor, G: torch.Tensor, form=None) -> Certificate:
+    r"""The engine's Newton dual step solves the frozen tangency equation, in **float64** on
+    the library's functions, at the dual iterate $Z = Z_0 + WS$ of ``gram_step`` (one Newton
+    dual step) from the float64 point $W$ and momentum $G$ (wide pairs transposed, as the
+    engine runs them), with $P$ = ``eigen_dualizer``$(Z^\top Z)$ and $M = W^\top ZP$:
+
+    * **the operator** (:meth:`~geomuon.manifolds.capabilities.GramForm.newton_operator`) is
+      the change of the residual with $P$ frozen, $\mathcal A(\Lambda) = \mathcal C(DS(\Lambda)P)$
+      with the form's ``constraint`` $\mathcal C$ and ``adjoint`` $S$, on every basis
+      multiplier; it is symmetric, $\langle B_k, \mathcal A(B_l)\rangle = \langle B_l,
+      \mathcal A(B_k)\rangle$, and positive semi-definite; ``newton_diagonal`` is its
+      diagonal $\langle B_k, \mathcal A(B_k)\rangle/\langle B_k, B_k\rangle$ on the basis
+      $B_k \in \{E_{ij} + E_{ji}, E_{ii}\}$ of the multipliers the iteration visits
+      (symmetric; off-diagonal for DGram);
+    * **frozen tangency** read through the manifold's public methods in the point's
+      orientation: the increment $\delta$ satisfies
+      $L_W\big((Z + L_W^*(\delta))\,P\big) = 0$, i.e. $\mathcal A(\delta) = -\mathcal C(M)$ (Su's fixed point, J. Su, kexue.fm/archives/11221):
+      for ``newton_update`` itself where it takes the closed form (Stiefel, $D = I$:
+      $EP + PE = -\mathcal C(M)$ for $E = S(\delta)$, solved in $Q$'s eigenbasis), and for
+      ``newton_cg`` run for $N$ steps, $N$ the dimension of the multiplier space
+      ($n(n+1)/2$ Stiefel, $n(n-1)/2$ DGram): conjugate gradients on a symmetric positive
+      semi-definite operator with $H$ in its range terminate there in exact arithmetic;
+    * **the documented accuracy of the default**: ``newton_update`` under a dualizer without
+      eigenvectors (Stiefel) or with $D \ne I$ (DGram) is $-$``newton_cg`` with the form's
+      ``newton_cg_steps``, and the $\mathcal A$-norm of the CG error
+      $\|x_k - x_N\|_{\mathcal A}$ does not increase with $k$ (each iteration lowers it).
+
+    Tolerance (float64, $\varepsilon = 2^{-52}$; Higham's $\gamma_k \le k\varepsilon$ per product of
+    inner dimension $k$): the residual $L_W((Z + L_W^*\delta)P)$ is a product of inner
+    dimensions $m$ and $n$ of factors of magnitudes $\|W\|_F$, $\|Z\|_F + \|L_W^*\delta\|_F$
+    and $\|P\|_F$ (the conditioning: $\|P\|_F \approx \sigma_{\min}(Z)^{-1}$), and the
+    eigendecomposition (closed form) or the $N$ CG steps (each a backward-stable
+    $n\times n$ product; their loss of conjugacy is of the order of $\varepsilon\kappa(\mathcal A)$ relative
+    to $\|\mathcal C(M)\|$, and $\kappa(\mathcal A) \le \kappa(P)\kappa(D)$) add at most the same
+    order:
+
+    $$\tau = 8(m + n)\,\varepsilon\,\|W\|_F\,\big(\|Z\|_F + \|L_W^*\delta\|_F\big)\,\|P\|_F\,\kappa,\qquad
+    \kappa = \kappa(P)\,\kappa(D)$$
+
+    ($\kappa = 1$ for the closed form); the operator identities take
+    $\tau_{\mathcal A} = 8n\varepsilon\|D\|_F\|P\|_F$ per basis element, the $\mathcal A$-norm's
+    monotonicity $\tau_{\mathcal A}\|x\|_F^2$. ``witness``: each residual with its tolerance.
+    """
+    from geomuon.optimizers.gram import eigen_dualizer, gram_msign, newton_cg, newton_update
+
+    frame = _engine_frame(manifold, W, G)
+    form = manifold.gram_form if form is None else form
+    m, n = W.shape[-2:]
+    N = frame.Wt.size(-1)
+    eps = torch.finfo(torch.float64).eps
+    Z = frame.Z0 + frame.Wt @ frame.S
+    Q = Z.mT @ Z
+    dual = eigen_dualizer(Q, torch.diagonal(Q, dim1=-2, dim2=-1).sum(-1))
+    P, D = dual.P, frame.D
+    M = frame.Wt.mT @ Z @ P
+    H = form.constraint(M)
+    witness: dict[str, Any] = {}
+    holds = True
+
+    # The operator, its symmetry and its diagonal on the basis of visited multipliers.
+    off = not form.constraint(torch.eye(N, dtype=torch.float64).unsqueeze(0)).abs().sum() > 0  # Off(2I) = 0: DGram
+    basis = _symmetric_basis(N, off)
+    tol_op = 8 * N * eps * float(D.norm() * P.norm())
+    images = [form.newton_operator(D, B.unsqueeze(0), P)[0] for _, _, B in basis]
+    defining = max(float((A - form.constraint(D @ form.adjoint(B.unsqueeze(0)) @ P)[0]).norm()) for (_, _, B), A in zip(basis, images))
+    gram = torch.tensor([[float((Bk * A).sum()) for A in images] for _, _, Bk in basis], dtype=torch.float64)
+    asymmetry = float((gram - gram.mT).abs().max())
+    lowest = float(torch.linalg.eigvalsh(0.5 * (gram + gram.mT)).min())
+    diagonal = form.newton_diagonal(D, P)[0]
+    diag_gap = max(abs(float(diagonal[i, j]) - float((B * A).sum() / B.square().sum()))
+                   for (i, j, B), A in zip(basis, images))
+    witness["A(lam) - C(D S(lam) P), asymmetry, min eigenvalue, diagonal gap, tol"] = (defining, asymmetry, lowest, diag_gap, tol_op)
+    holds &= defining <= tol_op and asymmetry <= tol_op and lowest >= -tol_op and diag_gap <= tol_op
+
+    def frozen_residual(delta, kappa):
+        shift = frame.tall_layout(manifold.constraint_adjoint(W, delta[0]))
+        residual = manifold.constraint(W, frame.point_layout((Z + shift) @ P))
+        scale = float(frame.Wt.norm() * (Z.norm() + shift.norm()) * P.norm()) * kappa
+        return float(residual.norm()), 8 * (m + n) * eps * scale
+
+    kappa = float(torch.linalg.cond(P[0]) * torch.linalg.cond(D[0]))
+    steps = len(basis)
+    if form.has_newton:
+        witness["closed form: |L_W((Z + L*d) P)|, tol"] = closed = frozen_residual(newton_update(form, D, dual, M, 1.0, torch.float64), 1.0)
+        holds &= closed[0] <= closed[1]
+    if form.newton_cg_steps:
+        full = newton_cg(form, D, P, H, steps)
+        witness[f"CG, {steps} steps: |L_W((Z + L*d) P)|, tol"] = exact_solve = frozen_residual(-full, kappa)
+        holds &= exact_solve[0] <= exact_solve[1]
+        without_eigenvectors = gram_msign(Q, 6, torch.float64) if form.has_newton else dual
+        dispatched = newton_update(form, D, without_eigenvectors, M, 1.0, torch.float64)
+        expected = -newton_cg(form, D, without_eigenvectors.P, H, form.newton_cg_steps)
+        witness["newton_update = -newton_cg(newton_cg_steps)"] = gap = float((dispatched - expected).norm())
+        holds &= gap <= 8 * N * eps * float(expected.norm())
+        energies = []
+        for k in range(steps + 1):
+            error = newton_cg(form, D, P, H, k) - full
+            energies.append(float((error * form.newton_operator(D, error, P)).sum()))
+        witness["A-norm^2 of the CG error, steps 0.."] = energies
+        holds &= all(b <= a + tol_op * float(full.square().sum()) for a, b in zip(energies, energies[1:]))
+        holds &= energies[form.newton_cg_steps] <= energies[0]
+    return Certificate(f"{type(manifold).__name__} {m}x{n}: the Newton dual step solves the frozen tangency equation "
+                       "L_W((Z + L*d) P) = 0 (float64)", holds, witness)
+
+
+def certify_gram_jacobi_step(manifold, W: torch.Tensor, G: torch.Tensor, form=None, alpha: float = 0.5) -> Certificate:
+    r"""The engine's :func:`~geomuon.optimizers.gram.jacobi_update` is its documented step
+    $\delta = -\alpha\,\sigma\,L_W(A)\oslash\operatorname{diag}(L_WL_W^*)$, $A = ZP$,
+    $\sigma = \langle Z, A\rangle/\langle A, A\rangle$, in **float64** at the dual iterate
+    of ``gram_step`` (as :func:`certify_gram_newton_step`), every ingredient read through
+    the manifold's public methods in the point's orientation: $L_W$ = ``constraint``,
+    $\operatorname{diag}(L_WL_W^*)$ = ``constraint_gram_diag`` (entries where it is
+    positive), $\sigma$ from the assembled $m\times n$ matrices $Z$ and $A$ (not from the
+    dualizer's $\operatorname{tr}(QP)$ and $\operatorname{tr}(PQP)$ the engine reads). And it is
+    homogeneous of degree one in the momentum: $G \to 2G$ doubles $\delta$ (the multiplier
+    scales with $G$, the reason for $\sigma$).
+
+    Tolerance: $\tau = 8(m + n)\,\varepsilon\,|\sigma|\,\|W\|_F\|Z\|_F\|P\|_F\,\kappa(P)$ on
+    $\|\delta\odot g + \alpha\sigma L_W(A)\|_F$ (the products of inner dimensions $m$, $n$ and the
+    eigendecomposition of $Q$, conditioned by $P$), and $8(m + n)\varepsilon\kappa(P)\|\delta\|_F$ on the
+    homogeneity. ``witness``: the residuals and tolerances."""
+    from geomuon.optimizers.gram import eigen_dualizer, jacobi_update
+
+    form = manifold.gram_form if form is None else form
+    m, n = W.shape[-2:]
+    eps = torch.finfo(torch.float64).eps
+
+    def step(G):
+        frame = _engine_frame(manifold, W, G)
+        Z = frame.Z0 + frame.Wt @ frame.S
+        Q = Z.mT @ Z
+        dual = eigen_dualizer(Q, torch.diagonal(Q, dim1=-2, dim2=-1).sum(-1))
+        M = frame.Wt.mT @ Z @ dual.P
+        return frame, Z, dual.P, jacobi_update(form, frame.D, dual, M, alpha)
+
+    frame, Z, P, delta = step(G)
+    A = frame.point_layout(Z @ P)
+    Zp = frame.point_layout(Z)
+    sigma = float((Zp * A).sum() / A.square().sum())
+    g = manifold.constraint_gram_diag(W)
+    L = manifold.constraint(W, A)
+    positive = g > 0
+    residual = float(torch.where(positive, delta[0] * g + alpha * sigma * L, torch.zeros_like(L)).norm())
+    kappa = float(torch.linalg.cond(P[0]))
+    tol = 8 * (m + n) * eps * abs(sigma) * float(frame.Wt.norm() * Z.norm() * P.norm()) * kappa
+    doubled = step(2 * G)[3]
+    homogeneity = float((doubled - 2 * delta).norm())
+    tol_h = 8 * (m + n) * eps * kappa * float(delta.norm())
+    return Certificate(f"{type(manifold).__name__} {m}x{n}: jacobi_update = -alpha sigma L_W(ZP) / diag(L L*), "
+                       "sigma = <Z, ZP>/<ZP, ZP> (float64)",
+                       residual <= tol and homogeneity <= tol_h and sigma > 0,
+                       {"|d * g + alpha sigma L_W(A)|, tol": (residual, tol), "sigma": sigma,
+                        "|d(2G) - 2 d(G)|, tol": (homogeneity, tol_h)})
