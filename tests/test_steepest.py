@@ -255,13 +255,13 @@ def _ulp_run(manifold, shape, seed=3, steps=3, lr=0.02):
     W0 = manifold.random(*shape, generator=gen).detach()
     grads = [torch.randn(shape, generator=gen) for _ in range(steps)]
     a, points = _trajectory(manifold, W0, grads, lr)
-    b, _ = _trajectory(manifold, W0, [_ulp_apart(grads[0], gen)] + grads[1:], lr)
+    b, points_b = _trajectory(manifold, W0, [_ulp_apart(grads[0], gen)] + grads[1:], lr)
     # condition of the steepest direction (the polar factor of the tangent part Z = P_W G has
     # absolute condition 2/(sigma_{n-1} + sigma_n) <= 1/sigma_min, Higham, "Functions of
     # Matrices", Thm 8.9), relative to the gradient's size, worst over the run
     kappa = max((g.double().norm() / torch.linalg.svdvals(manifold.proju(w.double(), g.double()))[-1]).item()
                 for w, g in zip(points, grads))
-    return a, b, kappa
+    return a, b, kappa, (points, points_b)
 
 
 @pytest.mark.parametrize("manifold,shape", ULP_CASES, ids=["stiefel-tall", "stiefel-square", "dgram-tall", "dgram-wide"])
@@ -273,21 +273,24 @@ def test_one_ulp_of_the_gradient_moves_the_steps_by_ulp_times_condition(manifold
     # / sigma_min; the input error is eps ||G||, the backward error of its four m-term fp32
     # products (W^T G, Z0^T Z0, the assembly, the retraction's Gram) at most 4 m eps ||G||,
     # m the long side: c = 4 max(m, n) + 1. Measured ratios d / (steps lr eps kappa): 3-33.
-    a, b, kappa = _ulp_run(manifold, shape)
+    a, b, kappa, _ = _ulp_run(manifold, shape)
     eps, steps, lr = torch.finfo(torch.float32).eps, 3, 0.02
     bound = steps * lr * (4 * max(shape) + 1) * eps * kappa
     assert 0 < (a - b).norm().item() <= bound
 
 
 def test_the_ulp_test_catches_a_data_dependent_branch(monkeypatch):
-    # negative control: a discrete switch that the two runs straddle (here: "closed form" when
-    # the point's entry sum exceeds a threshold between the two runs' values at step 2)
+    # negative control: a discrete switch that the two runs straddle (here: "closed form" once
+    # the point's entry sum has crossed, from the start's side, a threshold between the two
+    # runs' points after step 1; step 1 itself takes the default path in both runs)
     manifold, shape = Stiefel(), (48, 16)
-    a, b, kappa = _ulp_run(manifold, shape, steps=1)
-    first, second = a.double().sum().item(), b.double().sum().item()
+    _, _, _, (points_a, points_b) = _ulp_run(manifold, shape)
+    start, first, second = (x.double().sum().item() for x in (points_a[0], points_a[1], points_b[1]))
     assert first != second
     threshold = (first + second) / 2
-    monkeypatch.setattr(Stiefel, "dualizer_keeps_tangent", lambda self, x, norm: x.double().sum().item() > threshold)
-    a, b, kappa = _ulp_run(manifold, shape)
+    start_above = start > threshold
+    monkeypatch.setattr(Stiefel, "dualizer_keeps_tangent",
+                        lambda self, x, norm: (x.double().sum().item() > threshold) != start_above)
+    a, b, kappa, _ = _ulp_run(manifold, shape)
     eps, steps, lr = torch.finfo(torch.float32).eps, 3, 0.02
     assert (a - b).norm().item() > steps * lr * (4 * max(shape) + 1) * eps * kappa
