@@ -273,8 +273,6 @@ class OrthonormalGram(GramForm):
         return _lyapunov_diagonal(D, P)
 
 
-
-
 class OrthogonalColumnsGram(GramForm):
     r"""DGram: $\mathcal C(M) = \operatorname{Off}(M + M^\top)$,
     $S(\Lambda) = 2\operatorname{Off}(\operatorname{sym}\Lambda)$,

@@ -3014,8 +3014,6 @@ def certify_sorted_sigma_map_fails(column_norms: Sequence = (1, 2)) -> Certifica
     )
 
 
-
-
 def ns_fixed_points(coefficients: Sequence) -> list[sp.Expr]:
     r"""Nonnegative real fixed points of $p(\sigma) = a\sigma + b\sigma^3 + c\sigma^5$:
     $\sigma = 0$ and $\sigma = \sqrt{\tau}$ for the real roots $\tau \ge 0$ of
