@@ -101,7 +101,7 @@ def test_study_writes_page_figures_and_record(study_run):
     for name in figures:
         assert (tmp_path / "results" / study.NAME / name).read_bytes()[:8] == PNG_MAGIC
 
-    record = json.loads((tmp_path / "results" / study.NAME / "results.json").read_text())
+    record = common.read_results(tmp_path / "results" / study.NAME)
     assert record["size"] == "tiny" and record["config"]["steps"] == study.SIZES["tiny"].steps
     assert list(record["runs"]) == variant_names
     for name, runs in record["runs"].items():
@@ -183,7 +183,7 @@ def test_mapping_variants_register_nothing_and_keep_their_table(run_once):
     study, tmp_path, code = run_once(symmetry_study)
     assert code == 0
     assert frozenset(STRATEGIES) == REGISTERED_STRATEGIES
-    variants = json.loads((tmp_path / "results" / study.NAME / "results.json").read_text())["variants"]
+    variants = common.read_results(tmp_path / "results" / study.NAME)["variants"]
     table = variants["router AdamW"]["assignment"]
     assert table.startswith("strategy: custom (") and "router" not in table.splitlines()[0]
     assert re.search(r"h\.0\.mlp\.router\.weight .* router +adamw$", table, re.MULTILINE)
@@ -529,7 +529,7 @@ def test_the_peer_rows_train_torchs_muon_and_adamw(run_once):
     study, tmp_path, code = run_once(long_study)
     assert code == 0
     tables = {name: v["assignment"] for name, v in
-              json.loads((tmp_path / "results" / study.NAME / "results.json").read_text())["variants"].items()}
+              common.read_results(tmp_path / "results" / study.NAME)["variants"].items()}
     assert re.search(r"^h\.0\.attn\.c_attn\.weight .* attn_qkv +torch_muon$", tables["torch_muon"], re.MULTILINE)
     assert re.search(r"^h\.0\.attn\.c_attn\.weight .* attn_qkv +muon$", tables["unconstrained"], re.MULTILINE)
     assert re.search(r"^wte\.weight .* embedding +adamw$", tables["torch_muon"], re.MULTILINE)

@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gzip
 import hashlib
 import json
 import math
@@ -450,10 +451,20 @@ def plot_panels(results: dict[str, list[dict]], per_layer: Callable[[dict], dict
 # ----------------------------------------------------------------------------- page
 
 
+#: a published study's records, next to its page: ``<NAME>/results.json.gz``
+RESULTS = "results.json.gz"
+
+
+def read_results(path: str | Path) -> dict:
+    """The payload :func:`write_page` stored: a page folder (``docs/results/NAME``) or the file itself."""
+    path = Path(path)
+    return json.loads(gzip.decompress((path / RESULTS if path.is_dir() else path).read_bytes()))
+
+
 def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir: Path,
                results: dict[str, list[dict]], variants: dict[str, Variant]) -> Path:
     """``<out_dir>/<NAME>.md`` (title, status, the study's body, config, provenance) and
-    ``<out_dir>/<NAME>/results.json`` (every run's record)."""
+    ``<out_dir>/<NAME>/results.json.gz`` (every run's record; see :func:`read_results`)."""
     figure_dir = out_dir / study.NAME
     figure_dir.mkdir(parents=True, exist_ok=True)
     # the per-parameter assignment table is the same for every seed: stored once per variant
@@ -462,7 +473,9 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
     runs = {name: [{k: v for k, v in r.items() if k != "assignment"} for r in records] for name, records in results.items()}
     payload = {"study": study.NAME, "size": size_name, "config": dataclasses.asdict(size), **meta,
                "variants": identities, "runs": runs}
-    (figure_dir / "results.json").write_text(json.dumps(payload, default=str))
+    # gzip: every run's per-step losses and per-evaluation observables are megabytes of JSON
+    # (4x smaller compressed); mtime=0 makes the file a function of its content alone
+    (figure_dir / RESULTS).write_bytes(gzip.compress(json.dumps(payload, default=str).encode(), mtime=0))
     if size_name == "full":
         status = (f"Measured at the study's full default size (`--size full`): {meta['n_runs']} runs "
                   f"({len(results)} variants, seeds as listed), {size.steps} steps each.")
@@ -486,9 +499,10 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
         status,
         body.strip(),
         "## Configuration\n\nEvery variant uses these settings (the variants' own changes are listed "
-        "above and in `results.json`):\n\n```json\n" + config + "\n```",
+        "above and in `" + RESULTS + "`):\n\n```json\n" + config + "\n```",
         "## Provenance\n\n" + provenance + f"\n\nEvery run's record (losses, evaluations, the per-parameter "
-        f"assignment table) is in [`{study.NAME}/results.json`]({study.NAME}/results.json).",
+        f"assignment table) is in [`{study.NAME}/{RESULTS}`]({study.NAME}/{RESULTS}) (gzip-compressed JSON; "
+        f"`geomuon.pretrain.studies.common.read_results` reads it).",
     ]) + "\n"
     path = out_dir / f"{study.NAME}.md"
     path.write_text(text)
