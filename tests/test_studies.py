@@ -11,7 +11,6 @@ the studies' numbers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import types
