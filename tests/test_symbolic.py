@@ -421,9 +421,11 @@ def test_projx_certificate_rejects_wrong_projections():
 
 @pytest.mark.parametrize("shape", _VALUE_SHAPES, ids=[f"{m}x{n}" for m, n in _VALUE_SHAPES])
 def test_svd_projx_is_the_documented_map(shape):
-    for manifold in (Stiefel(), DGram()):
-        certificate = certify_projx_float64(manifold, shape)
+    for manifold, keeps_column_norms in ((Stiefel(), False), (DGram(), True)):
+        certificate = certify_projx_float64(manifold, shape, keeps_column_norms)
         assert certificate.holds, (manifold, certificate.witness)
+        # each manifold held to the other's documented map: D's column norms are not 1
+        assert not certify_projx_float64(manifold, shape, not keeps_column_norms).holds, manifold
 
     class DGramSquaredNorms(DGram):
         @matrix_method()
@@ -436,8 +438,8 @@ def test_svd_projx_is_the_documented_map(shape):
         def projx(self, x):
             return torch.linalg.qr(x)[0]
 
-    assert not certify_projx_float64(DGramSquaredNorms(), shape).holds
-    assert not certify_projx_float64(StiefelQR(), shape).holds
+    assert not certify_projx_float64(DGramSquaredNorms(), shape, True).holds
+    assert not certify_projx_float64(StiefelQR(), shape, False).holds
 
 
 def _dgram_projection_keeping_the_diagonal(W, X):
