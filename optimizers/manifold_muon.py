@@ -51,8 +51,8 @@ __all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_po
 #: Default dual steps per optimizer step, chosen on the measured frontier
 #: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
 DEFAULT_DUAL_STEPS = 1
-#: Default dual update of the Gram path where its dualizer is ``"eigh"`` (``"newton"`` or
-#: ``"jacobi"``), chosen on the same frontier; with ``"polar_express"`` it is ``"jacobi"``.
+#: Default dual update of the Gram path (``"newton"`` or ``"jacobi"``) on a form that declares a
+#: Newton step, with either dualizer (:func:`default_dual_update`), chosen on the same frontier.
 DEFAULT_DUAL_UPDATE = "newton"
 _RETRACTIONS = ("fused", "manifold")
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",

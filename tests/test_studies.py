@@ -533,3 +533,17 @@ def test_the_peer_rows_train_torchs_muon_and_adamw(run_once):
     assert re.search(r"^h\.0\.attn\.c_attn\.weight .* attn_qkv +muon$", tables["unconstrained"], re.MULTILINE)
     assert re.search(r"^wte\.weight .* embedding +adamw$", tables["torch_muon"], re.MULTILINE)
     assert not re.search(r" (torch_muon|muon)$", tables["adamw"], re.MULTILINE)
+
+
+def test_the_manifolds_page_describes_the_solver_the_optimizer_defaults_to(monkeypatch):
+    """The page's sentence on Manifold Muon's solver is read off the optimizer's defaults: a
+    form declaring other defaults changes it (a page once described one Jacobi step while the
+    engine took two Newton steps and two polish rounds)."""
+    from geomuon.manifolds.capabilities import OrthonormalGram
+
+    before = manifolds_study.engine_defaults()
+    monkeypatch.setattr(OrthonormalGram, "dual_steps", 3)
+    monkeypatch.setattr(OrthonormalGram, "polish_rounds", 1)
+    after = manifolds_study.engine_defaults()
+    assert after.startswith("Stiefel 3 warm-started newton dual steps and 1 polish round; DGram ")
+    assert after != before and after.split("; ")[1:] == before.split("; ")[1:]  # DGram's part unchanged

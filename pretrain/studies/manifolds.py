@@ -29,10 +29,11 @@ import types
 
 import torch
 
-from geomuon.manifolds import DGram, MatrixManifold
+from geomuon.manifolds import DGram, MatrixManifold, Stiefel
 from geomuon.manifolds.base import matrix_method
 from geomuon.manifolds.linalg import msign
 from geomuon.optimizers import ManifoldMuon
+from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, default_polish_rounds
 from geomuon.pretrain.provenance import markdown_table
 
 from . import common
@@ -308,8 +309,7 @@ def report(results, size, meta, figure_dir) -> str:
         f"small GPT and character-level tiny Shakespeare for {steps} steps, with the same hyperparameters "
         f"for every variant (Manifold Muon and Muon lr {size.lr:g} with momentum 0.95 Nesterov, as in the "
         f"paper; AdamW lr {size.adamw_lr:g} on embeddings, head and LayerNorm gains, not tuned; warmup "
-        "then cosine decay; Manifold Muon with the library's defaults: one warm-started, "
-        "Jacobi-preconditioned dual step in bf16, fp32 polishing retraction).",
+        f"then cosine decay; Manifold Muon with the library's defaults: {engine_defaults()}).",
         "## Variants\n\n" + labels + "\n\n" + init,
         "## Results\n\nMean ± sample standard deviation over seeds, at the last step, on the same "
         "validation windows for every run. The mechanism columns are the largest value over layers.\n\n"
@@ -323,6 +323,18 @@ def report(results, size, meta, figure_dir) -> str:
         "DGram attention, and whether the softmax Jacobian shrinks), which the figures below track.",
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
+
+
+def engine_defaults() -> str:
+    """ManifoldMuon's default solver on the CPU for Stiefel and DGram, in words, read off the
+    optimizer's defaults (so a page never describes an engine it did not run)."""
+    def plural(count: int, noun: str) -> str:
+        return f"{count} {noun}{'' if count == 1 else 's'}"
+
+    return "; ".join(
+        f"{type(m).__name__} {plural(default_dual_steps(m), 'warm-started ' + default_dual_update(m) + ' dual step')} "
+        f"and {plural(default_polish_rounds(m), 'polish round')}" for m in (Stiefel(), DGram())
+    ) + " (the CPU's eigendecomposition dualizer, Gram-space fp32 retraction)"
 
 
 #: ``geomuon study manifolds-sweep``: every arm above at its own learning rate.
