@@ -11,7 +11,8 @@ import torch
 
 from geomuon.manifolds import DGram, Oblique, Stiefel
 from geomuon.optimizers import ManifoldMuon, steepest_direction
-from geomuon.optimizers.gram import GramSettings, eigen_dualizer, gram_step, newton_cg, newton_update
+from geomuon.optimizers.gram import (GramSettings, eigen_dualizer, exact_unit_ball, gram_step, newton_cg, newton_update,
+                                     polynomial_unit_ball)
 from geomuon.optimizers.steepest import certified_ratio
 
 MANIFOLDS = [(Stiefel(), False), (DGram(), True), (Oblique(), False)]
@@ -209,8 +210,9 @@ def test_gram_space_step_is_the_manifolds_retraction_of_that_direction(manifold,
     assert torch.allclose(out.point[0], expected, atol=tol)
 
 
+@pytest.mark.parametrize("dualizer", ["eigh", "polar_express"])
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS[:2], ids=IDS[:2])
-def test_polish_brings_the_direction_into_the_unit_ball_and_keeps_it_tangent(manifold, spread):
+def test_polish_brings_the_direction_into_the_unit_ball_and_keeps_it_tangent(manifold, spread, dualizer):
     # A momentum whose singular values spread from 1 to 1e-8 (as a transformer's do): one
     # Jacobi dual step leaves the tangent projection of msign(Z) at spectral norm 1.15
     # (Stiefel) / 1.31 (DGram), and the certificate divides by it. Alternating projections
@@ -221,7 +223,8 @@ def test_polish_brings_the_direction_into_the_unit_ball_and_keeps_it_tangent(man
     G = U @ torch.diag(torch.logspace(0, -8, 32, dtype=torch.float64)) @ Vh
     ratios, norms = [], []
     for rounds in (0, 1, 4):
-        settings = GramSettings(dual_steps=1, carry=False, compute_dtype=None, update="jacobi", polish_rounds=rounds)
+        settings = GramSettings(dual_steps=1, carry=False, compute_dtype=None, update="jacobi", polish_rounds=rounds,
+                                dualizer=dualizer)
         A, Z, _ = _gram_direction(manifold, W, G, settings)
         # float64 tangent projection: residual <= 8 n eps ||W||_2^2 ||A||_2 (column norms up to 10)
         bound = 8 * 32 * torch.finfo(torch.float64).eps * torch.linalg.matrix_norm(W, 2).item() ** 2 * 2
@@ -233,6 +236,45 @@ def test_polish_brings_the_direction_into_the_unit_ball_and_keeps_it_tangent(man
     assert ratios[0] <= ratios[1] <= ratios[2]
     if spread:  # DGram: the certificate rises visibly
         assert ratios[2] - ratios[0] > 0.03
+
+
+def _clip_problem(n, seed, dtype=torch.float32):
+    r"""$\hat A = U\operatorname{diag}(s)V^\top$ ($3n\times n$) with $s$ log-spaced over $[10^{-6}, 0.95]$ on
+    half the columns and uniform over $[1.05, 1.3]$ on the rest, and its Gram in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(3 * n, n, generator=gen, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))[0]
+    s = torch.cat([torch.logspace(-6, 0, n // 2, dtype=torch.float64) * 0.95,
+                   1.05 + 0.25 * torch.rand(n - n // 2, generator=gen, dtype=torch.float64)])
+    A = ((U * s) @ V.mT).to(dtype)[None]  # a batch of one: the engine's kernels take [B, n, n]
+    return A, A.mT @ A, s.clamp_max(1.0)
+
+
+@pytest.mark.parametrize("n", [16, 96])
+def test_the_polynomial_unit_ball_is_the_clip_and_takes_no_eigendecomposition(n, monkeypatch, no_host_reads):
+    # The kernel in its real dtype (fp32). Tolerance: away from sigma = 1 (here |sigma - 1| >=
+    # 0.05, so the sign's normalized inputs are >= 0.05 / ||Gamma - I||_F >= 1e-3, the range the
+    # Polar Express table is built for) the 8-step sign and Gamma^{-1/2} are within the table's
+    # 6-step interval [0.9935, 1.0012] squared by the two repeated cubic steps (~1e-4), plus fp32
+    # rounding of n x n products and of Gamma itself, ~ n eps_32 ||A||^2 = 2e-5 at n = 96; a
+    # clipped singular value moves by at most the sum of the two errors: 1e-3 holds them with a
+    # margin of 3-5 (measured 3e-4 at n = 384).
+    A, gram, clipped = _clip_problem(n, seed=n)
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **k: pytest.fail("polynomial_unit_ball called eigh"))
+    with no_host_reads():
+        phi = polynomial_unit_ball(gram)
+    monkeypatch.undo()
+    tolerance = 1e-3
+    singular = torch.linalg.svdvals((A @ phi).double())[0]
+    assert singular.max().item() <= 1 + tolerance
+    assert torch.allclose(singular.sort().values, clipped.sort().values, atol=tolerance, rtol=0)
+    exact = torch.linalg.svdvals((A @ exact_unit_ball(gram)).double())[0]
+    assert torch.allclose(exact.sort().values, clipped.sort().values, atol=tolerance, rtol=0)
+    # negative controls: no clip at all (phi = I), and too few steps for the sign to converge
+    unclipped = torch.linalg.svdvals(A.double())[0]
+    assert not torch.allclose(unclipped.sort().values, clipped.sort().values, atol=tolerance, rtol=0)
+    coarse = torch.linalg.svdvals((A @ polynomial_unit_ball(gram, steps=2)).double())[0]
+    assert not torch.allclose(coarse.sort().values, clipped.sort().values, atol=tolerance, rtol=0)
 
 
 def _stepped(manifold, shapes, seed, steps=3, **kwargs):
