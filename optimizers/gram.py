@@ -313,22 +313,24 @@ def polynomial_unit_ball(gram: torch.Tensor, steps: int = UNIT_BALL_STEPS) -> to
     a Cholesky factorization and a triangular solve: no host read on CUDA), all in
     ``gram.dtype``:
 
-    $$\phi = E_- + P E_+,\qquad E_\pm = \tfrac12\bigl(I \pm \operatorname{sign}(\Gamma - I)\bigr),
-    \qquad P \approx \Gamma^{-1/2},$$
+    $$\phi = E_- + N^{-1/2}E_+,\qquad E_\pm = \tfrac12\bigl(I \pm \operatorname{sign}(\Gamma - I)\bigr),
+    \qquad N = I + (\Gamma - I)E_+ = I + (\Gamma - I)_+,$$
 
-    with the sign of the symmetric $\Gamma - I$ by Polar Express (its polar factor) and $P$ by
-    :func:`gram_msign`. Both are functions of $\Gamma$, so they commute: on an eigenvector
-    $\phi = 1$ below 1 and $\lambda^{-1/2}$ above. Where the sign is inaccurate
-    ($\lambda \approx 1$) both branches are $\approx 1$, so the blend costs little; where
-    $\lambda \ll 1$, $P$ is large (up to the shift's $\delta^{-1/2}$) but the singular value
-    $\sigma\phi$ of $\hat A\phi$ moves by at most $\sigma P\,|E_+| \le |E_+|$, the sign's error.
-    Measured accuracy: :data:`UNIT_BALL_STEPS`. Cost: $6\cdot$``steps`` $n\times n$ products.
+    with the sign of the symmetric $\Gamma - I$ by Polar Express (its polar factor) and
+    $N^{-1/2}$ by :func:`gram_msign`. All are functions of $\Gamma$, so they commute: on an
+    eigenvector $\phi = 1$ below 1 and $\lambda^{-1/2}$ above. $N$ has eigenvalues
+    $\max(1, \lambda)$, so its factorization is well conditioned however singular $\Gamma$ is
+    (a rank-deficient direction's $\Gamma$ is indefinite by round-off: inverting $\Gamma$
+    itself failed there and zeroed the direction). Where the sign is inaccurate
+    ($\lambda \approx 1$) both branches are $\approx 1$, so the blend costs little; and
+    $\phi$ stays between 1 and $\lambda^{-1/2}$, so a singular value below 1 never leaves the
+    ball. Measured accuracy: :data:`UNIT_BALL_STEPS`. Cost: $6\cdot$``steps`` $+ 2$ $n\times n$ products.
     """
     eye = torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
     M = gram - eye
     norm = torch.linalg.matrix_norm(M).clamp_min(torch.finfo(M.dtype).tiny).reshape(*M.shape[:-2], 1, 1)
     upper = 0.5 * (eye + _polar_express(M / (norm * POLAR_EXPRESS.input_scale), steps))
-    return (eye - upper) + gram_msign(gram, steps, gram.dtype).P @ upper
+    return (eye - upper) + gram_msign(eye + M @ upper, steps, gram.dtype).P @ upper
 
 
 #: ``GramSettings.dualizer`` -> the unit-ball factor of :func:`polish`: exact with the exact

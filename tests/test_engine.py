@@ -11,8 +11,8 @@ import torch
 
 from geomuon.manifolds import DGram, Oblique, Stiefel
 from geomuon.optimizers import ManifoldMuon, steepest_direction
-from geomuon.optimizers.gram import (GramSettings, eigen_dualizer, exact_unit_ball, gram_step, newton_cg, newton_update,
-                                     polynomial_unit_ball)
+from geomuon.optimizers.gram import (UNIT_BALL_STEPS, GramSettings, eigen_dualizer, exact_unit_ball, gram_msign,
+                                     gram_step, newton_cg, newton_update, polynomial_unit_ball)
 from geomuon.optimizers.steepest import certified_ratio
 
 MANIFOLDS = [(Stiefel(), False), (DGram(), True), (Oblique(), False)]
@@ -275,6 +275,23 @@ def test_the_polynomial_unit_ball_is_the_clip_and_takes_no_eigendecomposition(n,
     assert not torch.allclose(unclipped.sort().values, clipped.sort().values, atol=tolerance, rtol=0)
     coarse = torch.linalg.svdvals((A @ polynomial_unit_ball(gram, steps=2)).double())[0]
     assert not torch.allclose(coarse.sort().values, clipped.sort().values, atol=tolerance, rtol=0)
+
+
+def test_the_polynomial_unit_ball_survives_a_gram_made_indefinite_by_round_off():
+    # A rank-deficient direction (square DGram in training) has Gamma = A'A with eigenvalues
+    # a few 1e-4 below zero after fp32 rounding. Gamma's own Cholesky fails there (control:
+    # gram_msign gives P = 0, which zeroed the clipped direction: certificates of 0.33 in
+    # training); N = I + (Gamma - I)_+ has eigenvalues >= 1. Tolerance as in the test above.
+    A, gram, clipped = _clip_problem(32, seed=5)
+    V = torch.linalg.eigh(gram.double())[1]
+    lam = torch.linalg.eigvalsh(gram.double())
+    lam[..., :3] = torch.tensor([-5e-4, -1e-4, 0.0], dtype=torch.float64)  # the null space, rounded
+    gram = ((V * lam.unsqueeze(-2)) @ V.mT).float()
+    expected = lam.clamp_min(0).sqrt() * lam.clamp_min(1).rsqrt()  # sqrt(lambda) min(1, lambda^-1/2)
+    assert not gram_msign(gram, UNIT_BALL_STEPS, torch.float32).P.any()
+    phi = polynomial_unit_ball(gram).double()
+    singular = torch.linalg.eigvalsh(phi.mT @ gram.double() @ phi).clamp_min(0).sqrt()
+    assert torch.allclose(singular.sort().values, expected.sort().values, atol=1e-3, rtol=0)
 
 
 def _stepped(manifold, shapes, seed, steps=3, **kwargs):
