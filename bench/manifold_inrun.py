@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")
-        default_polish = default_polish_rounds(owner, dualizer or "eigh")
+        default_polish = default_polish_rounds(owner)
         polish = default_polish if polish is None else polish
         shown_polish = str(polish) + (" (default)" if polish == default_polish else "")
         groups = dict(sorted(ratios.items()))

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "series_radius", "gram_retraction"]
+__all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "series_radius",
+           "gram_retraction"]
 
 #: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
 _INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)
@@ -80,15 +81,24 @@ def series_radius(terms: int, dtype: torch.dtype) -> float:
     return r
 
 
-def inv_sqrt_unit_diagonal(N: torch.Tensor, terms: int = 6) -> torch.Tensor:
+def exact_inverse_sqrt(N: torch.Tensor) -> torch.Tensor:
+    r"""$V\operatorname{diag}(\lambda^{-1/2})V^\top$ of symmetric positive definite ``N`` from
+    ``torch.linalg.eigh`` (in ``N.dtype``; eigenvalues clamped at the dtype's ``tiny``). On
+    CUDA ``eigh`` reads its convergence flag back to the host."""
+    lam, V = torch.linalg.eigh(N)
+    return (V * lam.clamp_min(torch.finfo(N.dtype).tiny).rsqrt().unsqueeze(-2)) @ V.mT
+
+
+def inv_sqrt_unit_diagonal(N: torch.Tensor, terms: int = 6, far=exact_inverse_sqrt) -> torch.Tensor:
     r"""$N^{-1/2}$ for symmetric positive definite ``N`` ``[..., n, n]`` near the identity, in ``N.dtype``.
 
     Per matrix: the series :func:`inv_sqrt_near_identity` in $E = N - I$ where
     $\|E\|_F \le$ :func:`series_radius` (its truncation is below round-off there; the norm
-    bounds $\|E\|_2$), else the exact $V\operatorname{diag}(\lambda^{-1/2})V^\top$ from
-    ``torch.linalg.eigh``; selected with ``torch.where`` (no host read on CPU; on CUDA
-    ``eigh`` reads its convergence flag back). Both are spectral functions of $N$, so the map
-    commutes with every orthogonal change of basis. The series alone diverges for
+    bounds $\|E\|_2$), else ``far`` $(N)$ (any $R$ with $R^\top NR = I$; default
+    :func:`exact_inverse_sqrt`, an eigendecomposition; the engine passes a matrix-product one
+    with its Polar Express dualizer, :func:`geomuon.optimizers.gram.polynomial_inverse_sqrt`);
+    selected with ``torch.where`` (no host read on CPU). The series and the exact map are
+    spectral functions of $N$, so the map commutes with every orthogonal change of basis. The series alone diverges for
     $\|E\|_2 \ge 1$: a DGram retraction meets that when a column norm falls to the order of
     the step ($N$'s off-diagonal entries are $O(\eta^2/(d_id_j))$).
 
@@ -102,9 +112,7 @@ def inv_sqrt_unit_diagonal(N: torch.Tensor, terms: int = 6) -> torch.Tensor:
     if not isinstance(N, torch.Tensor):
         return series
     near = torch.linalg.matrix_norm(E) <= series_radius(terms, N.dtype)
-    lam, V = torch.linalg.eigh(N)
-    exact = (V * lam.clamp_min(torch.finfo(N.dtype).tiny).rsqrt().unsqueeze(-2)) @ V.mT
-    return torch.where(near.unsqueeze(-1).unsqueeze(-1), series, exact)
+    return torch.where(near.unsqueeze(-1).unsqueeze(-1), series, far(N))
 
 
 def _diag(M: torch.Tensor) -> torch.Tensor:
@@ -173,9 +181,10 @@ class GramForm:
         """Diagonal of $L_WL_W^*$ from $D$ (multiplier-shaped, positive)."""
         raise NotImplementedError
 
-    def retraction_factor(self, YtY: torch.Tensor, terms: int = 6) -> torch.Tensor:
+    def retraction_factor(self, YtY: torch.Tensor, terms: int = 6, far=exact_inverse_sqrt) -> torch.Tensor:
         r"""$\rho(Y^\top Y)$, so that $R_W(V) = Y\rho(Y^\top Y)$; ``terms`` of the series of
-        :func:`inv_sqrt_near_identity` where the form uses one."""
+        :func:`inv_sqrt_near_identity` where the form uses one, and ``far`` the inverse square
+        root beyond its radius where the form needs one (:func:`inv_sqrt_unit_diagonal`)."""
         raise NotImplementedError
 
     def newton_operator(self, D: torch.Tensor, lam: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
@@ -202,14 +211,16 @@ class GramForm:
         raise NotImplementedError
 
 
-def gram_retraction(form: GramForm, x: torch.Tensor, u: torch.Tensor, terms: int = 6) -> torch.Tensor:
+def gram_retraction(form: GramForm, x: torch.Tensor, u: torch.Tensor, terms: int = 6,
+                    far=exact_inverse_sqrt) -> torch.Tensor:
     r"""The form's retraction materialized: $Y\rho(Y^\top Y)$, $Y = x + u$ (tall ``[..., m, n]``).
 
     What the engine folds into its assembly, for tests and for callers that hold a
-    direction; computed in ``x.dtype`` (the Gram product in that dtype).
+    direction; computed in ``x.dtype`` (the Gram product in that dtype); ``far`` as in
+    :meth:`GramForm.retraction_factor`.
     """
     Y = x + u
-    return Y @ form.retraction_factor(Y.mT @ Y, terms)
+    return Y @ form.retraction_factor(Y.mT @ Y, terms, far)
 
 
 def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
@@ -259,7 +270,7 @@ class OrthonormalGram(GramForm):
     def gram_diag(self, D):
         return torch.full_like(D, 4.0)
 
-    def retraction_factor(self, YtY, terms=6):
+    def retraction_factor(self, YtY, terms=6, far=exact_inverse_sqrt):
         eye = torch.eye(YtY.size(-1), dtype=YtY.dtype, device=YtY.device)
         return inv_sqrt_near_identity(YtY - eye, terms)
 
@@ -328,10 +339,10 @@ class OrthogonalColumnsGram(GramForm):
         d2 = _diag(D)
         return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
-    def retraction_factor(self, YtY, terms=6):
+    def retraction_factor(self, YtY, terms=6, far=exact_inverse_sqrt):
         root = _diag(YtY).sqrt()
         N = YtY / (root.unsqueeze(-1) * root.unsqueeze(-2))
-        return inv_sqrt_unit_diagonal(N, terms) * (root.unsqueeze(-2) / root.unsqueeze(-1))
+        return inv_sqrt_unit_diagonal(N, terms, far) * (root.unsqueeze(-2) / root.unsqueeze(-1))
 
 
 class UnitColumnsGram(GramForm):
@@ -354,5 +365,5 @@ class UnitColumnsGram(GramForm):
     def gram_diag(self, D):
         return _diag(D)
 
-    def retraction_factor(self, YtY, terms=6):
+    def retraction_factor(self, YtY, terms=6, far=exact_inverse_sqrt):
         return torch.diag_embed(_diag(YtY).rsqrt())

@@ -54,11 +54,9 @@ Everything is a polynomial in, an eigendecomposition of, or a conjugation of the
 matrices, so the map is equivariant under the manifold's symmetry group (up to
 round-off), and no step reads a value back to the host on CPU: the iteration counts are
 fixed by the settings. (On CUDA, ``torch.linalg.eigh`` reads its convergence flag back;
-``dualizer="polar_express"`` has no such read, in the dual steps or in the polish
-(:func:`polynomial_unit_ball`), but DGram's retraction keeps one: it
-computes the exact $N^{-1/2}$ by ``eigh`` for every matrix and takes it where the
-normalized Gram is beyond its series' radius,
-:func:`geomuon.manifolds.capabilities.inv_sqrt_unit_diagonal`.)
+``dualizer="polar_express"`` calls no ``eigh``: its dual steps take :func:`gram_msign`, its
+polish :func:`polynomial_unit_ball`, and DGram's retraction beyond its series' radius
+:func:`polynomial_inverse_sqrt`, :func:`geomuon.manifolds.capabilities.inv_sqrt_unit_diagonal`.)
 """
 
 from __future__ import annotations
@@ -67,12 +65,12 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import GramForm
+from geomuon.manifolds.capabilities import GramForm, exact_inverse_sqrt, inv_sqrt_near_identity
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
-           "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball", "retract", "DUALIZERS",
-           "UPDATES", "UNIT_BALLS"]
+           "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball", "polynomial_inverse_sqrt",
+           "retract", "DUALIZERS", "UPDATES", "UNIT_BALLS", "FAR_INVERSE_SQRTS"]
 
 #: ``GramSettings.dualizer``: exact from the eigendecomposition of $Q$, or Polar Express on
 #: its Cholesky factor (bf16 products, no LAPACK eigensolver).
@@ -333,9 +331,31 @@ def polynomial_unit_ball(gram: torch.Tensor, steps: int = UNIT_BALL_STEPS) -> to
     return (eye - upper) + gram_msign(eye + M @ upper, steps, gram.dtype).P @ upper
 
 
+def polynomial_inverse_sqrt(N: torch.Tensor, steps: int = UNIT_BALL_STEPS, terms: int = 6) -> torch.Tensor:
+    r"""$R$ with $R^\top NR = I$ for symmetric positive definite ``N`` ``[B, n, n]``, close to
+    $N^{-1/2}$, with no eigendecomposition (the far branch of DGram's retraction under the Polar
+    Express dualizer, :func:`geomuon.manifolds.capabilities.inv_sqrt_unit_diagonal`), in ``N.dtype``:
+
+    $$R_0 = C^{-1}X,\quad X \approx \operatorname{msign}(C),\qquad R = R_0\,(X^\top X)^{-1/2}$$
+
+    with :func:`gram_msign` ($N + \delta I = C^\top C$, $X$ by Polar Express, so $R_0 = N^{-1/2}$
+    up to its accuracy) and the last factor by the series
+    :func:`~geomuon.manifolds.capabilities.inv_sqrt_near_identity` in $X^\top X - I$ (of the order of
+    Polar Express's error, inside the series' radius): $R^\top NR = I$ to the series' accuracy,
+    since $R_0^\top NR_0 = X^\top X$ exactly up to the shift. $R$ differs from the symmetric
+    $N^{-1/2}$ by a rotation of the order of Polar Express's error. Cost: a Cholesky
+    factorization, a triangular solve and $3\cdot$``steps`` $+ 5$ $n\times n$ products."""
+    eye = torch.eye(N.size(-1), dtype=N.dtype, device=N.device)
+    dual = gram_msign(N, steps, N.dtype)
+    X_gram = dual.P.mT @ N @ dual.P  # = X^T X (the polar iterate's Gram) up to the shift
+    return dual.P @ inv_sqrt_near_identity(0.5 * (X_gram + X_gram.mT) - eye, terms)
+
+
 #: ``GramSettings.dualizer`` -> the unit-ball factor of :func:`polish`: exact with the exact
 #: dualizer, matrix products only with Polar Express (no eigendecomposition on CUDA).
 UNIT_BALLS = {"eigh": exact_unit_ball, "polar_express": polynomial_unit_ball}
+#: ``GramSettings.dualizer`` -> the inverse square root of a retraction beyond its series' radius.
+FAR_INVERSE_SQRTS = {"eigh": exact_inverse_sqrt, "polar_express": polynomial_inverse_sqrt}
 
 
 def jacobi_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -472,16 +492,18 @@ def _scale(X: torch.Tensor, c: float | torch.Tensor) -> torch.Tensor:
 
 
 def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor, T2: torch.Tensor,
-            lr: float | torch.Tensor, shrink: float | torch.Tensor = 1.0, terms: int = 6) -> torch.Tensor:
+            lr: float | torch.Tensor, shrink: float | torch.Tensor = 1.0, terms: int = 6,
+            far=exact_inverse_sqrt) -> torch.Tensor:
     r"""$R_{W'}(-\eta\hat A) = Y\rho(Y^\top Y)$ with $Y = W' - \eta(W'T_1 + Z_0T_2) = W\,c(I - \eta T_1) - \eta Z_0T_2$,
     $W' = cW$: the $m\times n$ assembly, the measured Gram $Y^\top Y$ and the right factor, all
     in ``W.dtype`` (see the module docstring for why the Gram is measured). ``lr`` and
-    ``shrink`` are floats or 0-dim tensors (see :func:`gram_step`).
+    ``shrink`` are floats or 0-dim tensors (see :func:`gram_step`); ``far``: the inverse square
+    root beyond the series' radius (:data:`FAR_INVERSE_SQRTS`).
     """
     eye = torch.eye(T1.size(-1), dtype=T1.dtype, device=T1.device)
     N1 = _axpy(eye, T1, -lr)
     Y = _baddbmm(W @ _scale(N1, shrink), Z0, T2, -lr)
-    return Y @ form.retraction_factor(Y.mT @ Y, terms)
+    return Y @ form.retraction_factor(Y.mT @ Y, terms, far)
 
 
 def _normal_only(tangent2: torch.Tensor, normal2: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -550,7 +572,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     T1 = (SP - form.project(D, M)) * keep
     T2 = P * keep
     T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds, UNIT_BALLS[settings.dualizer])
-    point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms)
+    point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms, FAR_INVERSE_SQRTS[settings.dualizer])
     return GramStep(point=point, correction=delta, direction_factors=(T1, T2, Z0, S))
 
 

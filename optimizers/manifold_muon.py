@@ -67,13 +67,13 @@ def default_dual_steps(manifold) -> int:
     return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
 
 
-def default_polish_rounds(manifold, dualizer: str = "eigh") -> int:
-    """ManifoldMuon's default ``polish_rounds`` on ``manifold`` with the Gram path's
-    ``dualizer``: its Gram form's ``polish_rounds`` (chosen on the certificate inside GPT
-    training) with ``"eigh"``, else 0: a polish round is an ``eigh``, which synchronizes a CUDA
-    device with the host, and the general path has no polish."""
+def default_polish_rounds(manifold) -> int:
+    """ManifoldMuon's default ``polish_rounds`` on ``manifold``: its Gram form's
+    ``polish_rounds`` (chosen on the certificate inside GPT training), with either dualizer
+    (``"eigh"`` clips by an eigendecomposition, ``"polar_express"`` by matrix products:
+    :data:`geomuon.optimizers.gram.UNIT_BALLS`); 0 off the Gram path, which has no polish."""
     form = getattr(manifold, "gram_form", None)
-    return form.polish_rounds if form is not None and dualizer == "eigh" else 0
+    return form.polish_rounds if form is not None else 0
 
 
 def default_dual_update(manifold) -> str:
@@ -159,7 +159,8 @@ class ManifoldMuon(MatrixOptimizer):
             (:func:`geomuon.optimizers.gram.polish`; default ``None``: :func:`default_polish_rounds`
             of the matrix's manifold). One round raised a DGram MLP
             matrix's certificate in GPT training from 0.889 to 0.938, two to 0.953, for one
-            $n\times n$ eigendecomposition each.
+            $n\times n$ eigendecomposition each (``"eigh"``) or about 50 $n\times n$ products
+            (``"polar_express"``, no host sync).
         dual_smoothing: $c$ of the Gram path's smoothed dual
             $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$, $\sqrt\mu = c\,\|Z\|_*/n$
             (:func:`geomuon.optimizers.gram.eigen_dualizer`; ``"eigh"`` dualizer only): its
@@ -412,7 +413,7 @@ class ManifoldMuon(MatrixOptimizer):
         shape = Wt.shape
         update, dualizer = gram_solver(W.device, group["dual_update"], group["gram_dualizer"])
         polish = group.get("polish_rounds")  # (absent from a group saved before it existed: the default)
-        polish = default_polish_rounds(manifold, dualizer) if polish is None else int(polish)
+        polish = default_polish_rounds(manifold) if polish is None else int(polish)
         settings = GramSettings(
             dual_steps=int(group["dual_steps"]), carry=bool(group["dual_carry"]), alpha=float(group["dual_alpha"]),
             update=update, dualizer=dualizer,

@@ -2305,7 +2305,7 @@ def certify_gram_retract() -> Certificate:
     seen: list = []
 
     class Probe(GramForm):
-        def retraction_factor(self, YtY, terms=6):
+        def retraction_factor(self, YtY, terms=6, far=None):
             seen.append(YtY)
             return rho
 
