@@ -8,7 +8,6 @@ a results page (Markdown, figures, a JSON record of every run):
 |---|---|---|
 | ``manifolds`` | different layers, different manifolds (Stiefel vs DGram attention and MLP) | :mod:`geomuon.pretrain.studies.manifolds` |
 | ``manifolds-sweep`` | every arm of ``manifolds`` at its own learning rate (log grid, extended at the edge) | :mod:`geomuon.pretrain.studies.sweep` |
-| ``manifolds-dgram-sweep`` | the arms of ``manifolds-sweep`` with a DGram matrix, swept alone (after a DGram-only engine change) | :mod:`geomuon.pretrain.studies.manifolds` |
 | ``manifolds-width-sweep`` | ``unconstrained`` and ``hetero`` swept at twice the width: does the best rate move? | :mod:`geomuon.pretrain.studies.manifolds` |
 | ``manifolds-long`` | the longer standard configuration: the library's Muon beside ``torch.optim.Muon`` and AdamW | :mod:`geomuon.pretrain.studies.manifolds_long` |
 | ``manifolds-long-arms`` | unconstrained, all-Stiefel and hetero at that configuration | :mod:`geomuon.pretrain.studies.manifolds_long_arms` |
@@ -30,7 +29,7 @@ from . import common, lipschitz, manifolds, manifolds_long, manifolds_long_arms,
 
 #: study name → study (a module, or a :class:`~geomuon.pretrain.studies.sweep.LearningRateSweep`).
 STUDIES = {study.NAME: study for study in (
-    manifolds, manifolds.SWEEP, manifolds.DGRAM_SWEEP, manifolds.WIDTH_SWEEP, manifolds_long, manifolds_long_arms,
+    manifolds, manifolds.SWEEP, manifolds.WIDTH_SWEEP, manifolds_long, manifolds_long_arms,
     lipschitz,
     symmetry, symmetry.SWEEP,
 )}

@@ -347,28 +347,6 @@ SWEEP = LearningRateSweep(
                  ("hetero_inv+colcap", "hetero_inv"), ("hetero_inv+reference", "hetero_inv")])
 
 
-#: The arms with a DGram matrix, whose numbers the DGram fixes of the engine moved.
-DGRAM_ARMS = ("all_dgram", "hetero", "hetero_inv", "hetero_inv+colcap")
-
-
-def dgram_variants(size: Size) -> list[Variant]:
-    """The arms of :data:`DGRAM_ARMS` (``unconstrained``, ``all_stiefel`` and
-    ``hetero_inv+reference`` take no DGram step of the Gram engine)."""
-    return [v for v in variants(size) if v.name in DGRAM_ARMS]
-
-
-#: ``geomuon study manifolds-dgram-sweep``: the DGram arms of ``manifolds-sweep`` alone, for
-#: re-measuring them after a change that only DGram steps see (a third of the full sweep's cost).
-DGRAM_SWEEP = LearningRateSweep(
-    types.SimpleNamespace(NAME=NAME, SIZES=SIZES, variants=dgram_variants), "manifolds-dgram-sweep",
-    "Different layers, different manifolds: the DGram arms at their own learning rates",
-    grids={"full": Grid(max_extensions=1), "tiny": GRIDS["tiny"]},
-    comparisons=[("hetero", "all_dgram"), ("hetero", "hetero_inv"), ("hetero_inv+colcap", "hetero_inv")],
-    note="The arms without a DGram matrix (`unconstrained`, `all_stiefel`, `hetero_inv+reference`) are on the "
-         "`manifolds-sweep` page; compare across the two pages only where both name the same engine for those "
-         "arms.")
-
-
 def wide_variants(size: Size) -> list[Variant]:
     """``unconstrained`` and ``hetero`` at twice the size's width (same depth, heads and context):
     whether the best learning rate moves when the width doubles."""

@@ -9,9 +9,8 @@ embeddings, head and gains), with the rows
 * ``all_stiefel``: Manifold Muon, Stiefel attention and MLP;
 * ``hetero``: Manifold Muon, Stiefel attention, DGram MLP;
 
-each at its own tuned matrix rate, the best point of the 400-step sweeps
-(``geomuon study manifolds-sweep`` and ``manifolds-dgram-sweep``: 0.04 for all three, grid
-spacing ×2), so that the question is whether the ordering of the arms *at their best* holds
+each at its own tuned matrix rate, the best point of the 400-step sweep
+(``geomuon study manifolds-sweep``, grid spacing ×2: :data:`TUNED_LR`), so that the question is whether the ordering of the arms *at their best* holds
 when the run is longer. The rate is tuned at 400 steps, not at 1000: a longer run may prefer
 a smaller one, which the page states beside the numbers. The remaining seed-000 arms are left
 out so that the study fits about an hour on two cores.
@@ -39,7 +38,7 @@ COMPARISONS = [
 ]
 
 
-# The best matrix rate of each arm in the 400-step sweeps (their pages' "best rate" column).
+#: The best matrix rate of each arm in the 400-step sweep (its page's "best rate" column).
 TUNED_LR = {"unconstrained": 0.04, "all_stiefel": 0.04, "hetero": 0.04}
 
 
@@ -58,8 +57,8 @@ def report(results, size, meta, figure_dir) -> str:
                common.plot_panels(results, lambda e: e["qk_sigma_product"], "σ_max(W_Q)·σ_max(W_K) per layer",
                                   "σ(W_Q)σ(W_K)", figure_dir, "qk_sigma_product.png", logy=True)]
     note = ("The same arms at 400 steps (3 × 128, context 64, batch 16), at the same tuned rates, are on the "
-            "[manifolds-sweep](manifolds-sweep.md) and [manifolds-dgram-sweep](manifolds-dgram-sweep.md) pages; "
-            "whether their ordering holds at 1000 steps is read off those pages' best-point tables and this one. "
+            "[manifolds-sweep](manifolds-sweep.md) page; whether their ordering holds at 1000 steps is read off its "
+            "best-point table and this one. "
             "The rates were tuned at 400 steps; the [longer configuration's page](manifolds-long.md) has the "
             "library's Muon at the default 0.02 at this size, beside torch.optim.Muon and AdamW.")
     return manifolds_long.page(sys.modules[__name__], results, size, figure_dir, COMPARISONS, note, figures)

@@ -236,7 +236,6 @@ class LearningRateSweep:
         three seeds, and the comparisons there."""
         g = self.grid(size)
         found = self.arm_sweeps(results, size)
-        by_name = {a.arm.name: a for a in found}
         best = {a.arm.name: [r["final_val_loss"] for r in a.runs(a.best, g.best_seeds)] for a in found}
         sections = []
         for a in found:
