@@ -44,7 +44,8 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import CLOCKS, Provenance, add_arguments, interleaved_medians, markdown_table  # noqa: E402
+from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, interleaved_medians,  # noqa: E402
+                          markdown_table, synchronizer)
 
 #: ``--quick``: one block of width 64 (seconds; checks the script, not a result).
 QUICK = {"layers": 1, "width": 64, "repeats": 3}
@@ -74,16 +75,16 @@ def state_mib(optimizer: torch.optim.Optimizer) -> float:
     return total / 2**20
 
 
-def build(shapes, seed: int):
-    """Every optimizer under test, each on its own copy of the parameters."""
+def build(shapes, seed: int, device: str = "cpu"):
+    """Every optimizer under test, each on its own copy of the parameters (on ``device``)."""
     import geoopt
 
     from geomuon.manifolds import DGram, Stiefel
     from geomuon.optimizers import ManifoldMuon, Muon
 
     gen = torch.Generator().manual_seed(seed)
-    base = [torch.randn(s, generator=gen) / s[1] ** 0.5 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
+    base = [(torch.randn(s, generator=gen) / s[1] ** 0.5).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-2).to(device) for s in shapes]
 
     def params(manifold=None):
         ps = []
@@ -105,8 +106,9 @@ def build(shapes, seed: int):
 
 
 def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=time.perf_counter,
-            warmup: int = 1) -> dict:
-    """Median ``step()`` seconds of each optimizer, interleaved, every step on the same gradients."""
+            warmup: int = 1, device: str = "cpu") -> dict:
+    """Median ``step()`` seconds of each optimizer, interleaved, every step on the same gradients
+    (on CUDA each step ends with a synchronize, so the clock sees its kernels)."""
 
     def set_grads():
         for opt in optimizers.values():
@@ -114,7 +116,15 @@ def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=tim
             for p, g in zip(params, grads):
                 p.grad = g.clone()
 
-    steps = {name: opt.step for name, opt in optimizers.items()}
+    sync = synchronizer(device)
+
+    def stepper(opt):
+        def step():
+            opt.step()
+            sync()
+        return step
+
+    steps = {name: stepper(opt) for name, opt in optimizers.items()}
     return interleaved_medians(steps, repeats, clock, warmup, before_round=set_grads)
 
 
@@ -166,16 +176,19 @@ def main(argv=None) -> int:
     add_arguments(parser, repeats=7, threads=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
-                        help="also profile one step of each ManifoldMuon row: where the time goes")
+                        help="also profile one step of each ManifoldMuon row: where the time goes (CPU only)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    if torch.device(args.device).type != "cpu" and (args.clock != "wall" or args.profile):
+        parser.error(f"--device {args.device} times with --clock wall and has no --profile (a CPU op profile)")
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()
-    optimizers, grads = build(shapes, args.seed)
-    medians = measure(optimizers, grads, args.repeats, CLOCKS[args.clock])
+    optimizers, grads = build(shapes, args.seed, args.device)
+    medians = measure(optimizers, grads, args.repeats, CLOCKS[args.clock], device=args.device)
     params_mib = sum(s[0] * s[1] for s in shapes) * 4 / 2**20
     baselines = {
         "torch.optim.Muon": "torch.optim.Muon",
@@ -189,7 +202,8 @@ def main(argv=None) -> int:
     described = f"{args.layers} layers x {args.width}" if args.set == "gpt" else "one GPT-2-small block, d = 768"
     text = (
         f"{len(shapes)} matrices ({described}), {params_mib:.1f} MiB of fp32 "
-        f"weights, {args.threads} threads, {args.clock} clock, median of {args.repeats} interleaved rounds\n\n"
+        f"weights on {args.device}, {args.threads} threads, {args.clock} clock, median of {args.repeats} "
+        f"interleaved rounds\n\n"
         + markdown_table(["optimizer", "step (ms)", "ratio", "vs", "state (MiB)"], rows)
     )
     if args.profile:

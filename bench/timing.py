@@ -28,7 +28,7 @@ from typing import Callable
 
 from geomuon.pretrain.provenance import git_commit, machine, markdown_row, markdown_table
 
-__all__ = ["add_arguments", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
+__all__ = ["add_arguments", "add_device_argument", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
            "git_commit", "machine", "markdown_row", "markdown_table"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser, *, repeats: int, threads: int
     parser.add_argument("--markdown", metavar="PATH", default=None,
                         help=f"also write the table with its provenance to PATH (the docs include "
                              f"{RESULTS_DIR.relative_to(REPO)}/<script>.md)")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device`` for the scripts that can run on an accelerator (``cpu``, ``cuda``, ``cuda:1``)."""
+    parser.add_argument("--device", default="cpu",
+                        help="where the tensors live (default cpu); on cuda every timed call ends with "
+                             "torch.cuda.synchronize() and --clock must be wall")
+
+
+def synchronizer(device: str) -> Callable[[], object]:
+    """What a timed call on ``device`` ends with so the clock sees its kernels finish:
+    ``torch.cuda.synchronize`` on CUDA, nothing on the CPU."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
 def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int, clock=time.perf_counter,
@@ -97,9 +112,9 @@ class Provenance:
             ("command", f"`{self.command}`"),
             ("commit", f"`{self.commit}`"),
             ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
-            ("machine", machine()),
+            ("machine", machine() + _accelerator(getattr(args, "device", "cpu"))),
             # The step ratios depend on it: the fp32 products a step keeps cost this many bf16 ones.
-            ("bf16 / fp32 matmul rate", matmul_rate_ratio()),
+            ("bf16 / fp32 matmul rate", matmul_rate_ratio(device=getattr(args, "device", "cpu"))),
             # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
             # parallel ops: ManifoldMuon/Muon on 2 threads measured 7.0 instead of 5.1.
             ("environment", ", ".join(f"{k}={os.environ[k]}" for k in _ENVIRONMENT if k in os.environ)
@@ -139,21 +154,47 @@ def _load(averages: tuple[float, float, float]) -> str:
     return ", ".join(f"{a:.2f}" for a in averages)
 
 
-def matmul_rate_ratio(size: int = 1024, repeats: int = 5) -> str:
-    """The machine's bf16 and fp32 matmul rates (GFLOP/s, ``size``-square products, the
-    current torch thread count, process clock, best of ``repeats``) and their ratio."""
+def _accelerator(device: str) -> str:
     import torch
 
+    if torch.device(device).type != "cuda":
+        return ""
+    return f", {torch.cuda.get_device_name(torch.device(device))}"
+
+
+def matmul_rate_ratio(size: int = 1024, repeats: int = 5, device: str = "cpu") -> str:
+    """The bf16 and fp32 matmul rates of ``device`` (GFLOP/s, ``size``-square products, best
+    of ``repeats``; on the CPU the current torch thread count and the process clock, on CUDA
+    8192-square products, the wall clock and a synchronize) and their ratio."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    size = 8192 if cuda else size
+    timed = _timed_on(device) if cuda else _timed
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(size, size).to(dtype)
-        a @ a  # first-call setup
-        best = min(_timed(lambda: a @ a) for _ in range(repeats))
+        a = torch.randn(size, size, device=device).to(dtype)
+        timed(lambda: a @ a)  # first-call setup
+        best = min(timed(lambda: a @ a) for _ in range(repeats))
         rates[dtype] = 2 * size**3 / best / 1e9
     ratio = rates[torch.bfloat16] / rates[torch.float32]
     # two significant digits: a CPU without bf16 units emulates it (measured 0.019x, which
     # one decimal printed as 0.0x)
     return f"{ratio:.2g}x ({rates[torch.bfloat16]:.3g} vs {rates[torch.float32]:.3g} GFLOP/s, {size}^3 products)"
+
+
+def _timed_on(device: str) -> Callable[[Callable[[], object]], float]:
+    """Wall seconds of ``run()`` on ``device``, its kernels finished (:func:`synchronizer`)."""
+    sync = synchronizer(device)
+
+    def timed(run) -> float:
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        return max(time.perf_counter() - start, 1e-9)
+
+    return timed
 
 
 def _timed(run) -> float:

@@ -203,6 +203,31 @@ def test_optimizer_step_writes_its_table(tmp_path):
     check_provenance(markdown, "optimizer_step", stdout)
 
 
+def test_the_device_check_counts_host_reads_and_trains(tmp_path):
+    """``bench/device_check.py --quick`` on the CPU (what a GPU session runs with ``--device
+    cuda``): the optimizers' matrix work reads nothing back, both pretraining smokes lower
+    their loss; control: the counter it relies on counts a read."""
+    from bench import device_check
+
+    counter = [0]
+    with device_check.counting_host_reads("cpu", counter):
+        torch.ones(3).sum().item()
+        bool(torch.ones(1))
+    assert counter == [2]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--out", str(tmp_path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = (tmp_path / "device_check.md").read_text()
+    tables = re.findall(r"(?:^\|.*\|$\n?)+", report, re.MULTILINE)
+    reads = parse_table(tables[0])
+    assert [r["optimizer"] for r in reads] == ["Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram"]
+    assert all(r["matrix work (must be 0)"] == "0" for r in reads)
+    smoke = parse_table(tables[-1])
+    assert [(r["strategy"], r["finite and lower"]) for r in smoke] == [("unconstrained", "yes"), ("hetero", "yes")]
+    assert (tmp_path / "optimizer_step_cpu.md").exists()
+
+
 def test_manifold_frontier_writes_its_table(tmp_path):
     markdown = tmp_path / "manifold_frontier.md"
     stdout = run_script("manifold_frontier", markdown, "--clock", "process", "--dual", "0", "2")
