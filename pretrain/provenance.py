@@ -85,8 +85,24 @@ def code_fingerprint() -> str:
 
 
 def machine() -> str:
-    """``"x86_64 Linux, 2 CPU(s)"``: what every table and study page says it ran on."""
-    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)"
+    """``"x86_64 Linux, 2 CPU(s), Intel(R) Xeon(R) Processor"``: what every table and study page
+    says it ran on. The CPU model matters for digit-for-digit reproduction: the math libraries
+    pick kernels (and so rounding) by instruction set, so a run on another CPU kind agrees only
+    to within the seed spread."""
+    model = _cpu_model()
+    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)" + (f", {model}" if model else "")
+
+
+def _cpu_model() -> str:
+    """The first ``model name`` of ``/proc/cpuinfo`` (Linux), else ``platform.processor()`` (may be empty)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def markdown_row(cells: list[str]) -> str:
