@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "series_radius",
-           "gram_retraction"]
+__all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
+           "series_radius", "gram_retraction"]
 
 #: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
 _INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)
@@ -81,12 +81,18 @@ def series_radius(terms: int, dtype: torch.dtype) -> float:
     return r
 
 
+def spectral_function(S: torch.Tensor, f) -> torch.Tensor:
+    r"""$V\operatorname{diag}(f(\lambda))V^\top$ for symmetric ``S`` $= V\Lambda V^\top$
+    (``torch.linalg.eigh`` in ``S.dtype``; ``f`` maps the eigenvalues ``[..., n]``). On CUDA
+    ``eigh`` reads its convergence flag back to the host."""
+    lam, V = torch.linalg.eigh(S)
+    return (V * f(lam).unsqueeze(-2)) @ V.mT
+
+
 def exact_inverse_sqrt(N: torch.Tensor) -> torch.Tensor:
-    r"""$V\operatorname{diag}(\lambda^{-1/2})V^\top$ of symmetric positive definite ``N`` from
-    ``torch.linalg.eigh`` (in ``N.dtype``; eigenvalues clamped at the dtype's ``tiny``). On
-    CUDA ``eigh`` reads its convergence flag back to the host."""
-    lam, V = torch.linalg.eigh(N)
-    return (V * lam.clamp_min(torch.finfo(N.dtype).tiny).rsqrt().unsqueeze(-2)) @ V.mT
+    r"""$N^{-1/2}$ of symmetric positive definite ``N`` by :func:`spectral_function` (eigenvalues
+    clamped at the dtype's ``tiny``)."""
+    return spectral_function(N, lambda lam: lam.clamp_min(torch.finfo(N.dtype).tiny).rsqrt())
 
 
 def inv_sqrt_unit_diagonal(N: torch.Tensor, terms: int = 6, far=exact_inverse_sqrt) -> torch.Tensor:

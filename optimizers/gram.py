@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import GramForm, exact_inverse_sqrt, inv_sqrt_near_identity
+from geomuon.manifolds.capabilities import GramForm, exact_inverse_sqrt, inv_sqrt_near_identity, spectral_function
 from geomuon.manifolds.linalg import POLAR_EXPRESS
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
@@ -302,8 +302,7 @@ def exact_unit_ball(gram: torch.Tensor) -> torch.Tensor:
     $\Gamma = \hat A^\top\hat A = V\Lambda V^\top$ (``torch.linalg.eigh`` in ``gram.dtype``), so that
     $\hat A\phi(\Gamma)$ is the nearest point of the unit spectral ball to $\hat A$ (Frobenius
     metric: every singular value above 1 clipped to 1)."""
-    lam, V = torch.linalg.eigh(gram)
-    return (V * lam.clamp_min(1.0).rsqrt().unsqueeze(-2)) @ V.mT
+    return spectral_function(gram, lambda lam: lam.clamp_min(1.0).rsqrt())
 
 
 def polynomial_unit_ball(gram: torch.Tensor, steps: int = UNIT_BALL_STEPS) -> torch.Tensor:
@@ -342,9 +341,10 @@ def polynomial_inverse_sqrt(N: torch.Tensor, steps: int = UNIT_BALL_STEPS, terms
     up to its accuracy) and the last factor by the series
     :func:`~geomuon.manifolds.capabilities.inv_sqrt_near_identity` in $X^\top X - I$ (of the order of
     Polar Express's error, inside the series' radius): $R^\top NR = I$ to the series' accuracy,
-    since $R_0^\top NR_0 = X^\top X$ exactly up to the shift. $R$ differs from the symmetric
-    $N^{-1/2}$ by a rotation of the order of Polar Express's error. Cost: a Cholesky
-    factorization, a triangular solve and $3\cdot$``steps`` $+ 5$ $n\times n$ products."""
+    since $R_0^\top NR_0 = X^\top X$ exactly up to the shift. Polar Express maps $C = U\Sigma V^\top$
+    to $Up(\Sigma)V^\top$, so $R_0 = q(N)$ and $R$ are functions of $N$: $R$ is the symmetric
+    $N^{-1/2}$ up to round-off, not a rotation of it. Cost: a Cholesky factorization, a
+    triangular solve and $3\cdot$``steps`` $+ 5$ $n\times n$ products."""
     eye = torch.eye(N.size(-1), dtype=N.dtype, device=N.device)
     dual = gram_msign(N, steps, N.dtype)
     X_gram = dual.P.mT @ N @ dual.P  # = X^T X (the polar iterate's Gram) up to the shift
