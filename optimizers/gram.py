@@ -434,10 +434,12 @@ def newton_cg(form: GramForm, D: torch.Tensor, P: torch.Tensor, H: torch.Tensor,
     Y = precondition(R)
     step = Y
     ry = (R * Y).sum(dims, keepdim=True)
-    for _ in range(steps):
+    for iteration in range(steps):
         A_step = form.newton_operator(D, step, P)
         a = ry / (step * A_step).sum(dims, keepdim=True).clamp_min(tiny)
         X = X + a * step
+        if iteration == steps - 1:  # the next search direction would go unused
+            break
         R = R - a * A_step
         Y = precondition(R)
         ry, previous = (R * Y).sum(dims, keepdim=True), ry
