@@ -150,17 +150,21 @@ def profile_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
     the profiled ops' total in ms (self CPU time of the leaf ops; the profiler's own
     overhead inflates small ops).
 
-    A discarded profiled step runs first: the first profiler session of a process with
-    ``record_shapes`` ran every elementwise op about ten times slower (torch 2.13 CPU
-    build: 26.7 s for a DGram step whose timed median is 2.4 s, 2.45 s when profiled again).
+    The profiler is the autograd one without Kineto, after a discarded profiled step: with
+    ``record_shapes`` (the split needs the products' shapes), the Kineto profiler ran every
+    elementwise op of this torch 2.13 CPU build 5-10 times slower in every session of a
+    process (a DGram step timed at 2.4 s took 13-26 s profiled: the profile read 84 %
+    elementwise), and the autograd profiler did in its first session only (26.1 s, then
+    2.55 s). The caption prints the profiled total next to the timed median, so an
+    inflated profile shows.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.autograd.profiler import profile
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for _ in range(2):  # the first is the warm-up; the second is read
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with profile(record_shapes=True, use_kineto=False) as prof:
             optimizer.step()
     totals: dict[str, float] = {}
     for event in prof.key_averages(group_by_input_shape=True):
