@@ -16,7 +16,10 @@ Protocol (see ``CONTRIBUTING.md``): a regulator is a callable
 ``reg(W, *, lr, state=None) -> W'``. ``lr`` is the learning rate of the step just taken
 (lr-coupled regulators and the soft cap's coupling read it); ``state`` is an optional
 per-parameter ``dict`` (an optimizer passes ``self.state[p]``) where power-iteration
-regulators keep their warm-start vector. Regulators are functional: they never write
+regulators keep their warm-start vector. ``lr`` is a float, or a 0-dim tensor (a schedule
+on the device): a tensor is an operand, never read back, so no regulator reads a value
+to the host (except ``hard_cap`` with adaptive ``levels``, which reads one bound), and
+it is not validated either (a float is: finite and $\ge 0$). Regulators are functional: they never write
 into ``W``; the optimizer copies the result into the parameter.
 :func:`make_regulator` builds one from ``None | str | dict | Regulator | callable |
 list`` (a list is applied in order).
@@ -80,6 +83,7 @@ __all__ = [
     "make_regulator",
     "regulator_spec",
     "soft_cap_alpha",
+    "soft_cap_alpha_tensor",
     "soft_cap_polynomial",
     "ns_output_max",
     "ns_output_bound",
@@ -230,14 +234,18 @@ class Regulator:
             )
         return self.unchecked(W, lr=lr, state=state)
 
-    def unchecked(self, W: torch.Tensor, *, lr: float, state: dict | None = None) -> torch.Tensor:
+    def unchecked(self, W: torch.Tensor, *, lr: float | torch.Tensor, state: dict | None = None) -> torch.Tensor:
         """:meth:`__call__` without its finiteness test (a host read of the weight): what an
         optimizer step runs, whose weights stay finite because a non-finite gradient makes
-        the step of its matrix a no-op on the device."""
+        the step of its matrix a no-op on the device. A tensor ``lr`` is passed on as a
+        0-dim tensor, unread."""
         _check_weight(W, type(self).__name__)
-        lr = float(lr)
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {lr}")
+        if isinstance(lr, torch.Tensor):
+            lr = lr.reshape(())
+        else:
+            lr = float(lr)
+            if not math.isfinite(lr) or lr < 0:
+                raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {lr}")
         scale = rms_scale(W.shape)
         M = W.detach().to(fp32_or_fp64(W.dtype)) * scale
         out = self.regulate(M, lr=lr, state=state)
@@ -273,7 +281,7 @@ class WeightDecay(Regulator):
 
     def regulate(self, M, *, lr, state):
         factor = 1.0 - lr * self.weight_decay
-        if factor < 0:
+        if not isinstance(factor, torch.Tensor) and factor < 0:
             raise ValueError(
                 f"WeightDecay: lr * weight_decay = {lr * self.weight_decay} > 1 would flip the "
                 "weights' sign; lower lr or weight_decay"
@@ -360,7 +368,7 @@ class SpectralWeightDecay(Regulator):
 
     def regulate(self, M, *, lr, state):
         shrink = lr * self.weight_decay
-        if shrink > 1:
+        if not isinstance(shrink, torch.Tensor) and shrink > 1:
             raise ValueError(
                 f"SpectralWeightDecay: lr * weight_decay = {shrink} > 1 would flip the top "
                 "singular direction; lower lr or weight_decay"
@@ -441,9 +449,7 @@ def soft_cap_alpha(w_max: float, wd: float, eta: float) -> float:
             "w_max), or the exact 'hard_cap' regulator."
         )
 
-    def h(beta: float) -> float:
-        return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4
-
+    h = _soft_cap_ratio
     lo, hi = 0.0, 1.0 / 3.0  # h(lo) >= ratio >= h(hi)
     for _ in range(200):
         mid = 0.5 * (lo + hi)
@@ -455,6 +461,39 @@ def soft_cap_alpha(w_max: float, wd: float, eta: float) -> float:
             hi = mid
     beta = lo if abs(h(lo) - ratio) <= abs(h(hi) - ratio) else hi
     return beta / k**2
+
+
+def _soft_cap_ratio(beta):
+    r"""$h(\beta) = f_\alpha(k)/k = 1 - 3\beta^2 + 3\beta^3 - \beta^4$, $\beta = \alpha k^2$ (floats or tensors)."""
+    return 1.0 - 3.0 * beta**2 + 3.0 * beta**3 - beta**4
+
+
+#: bisection steps of :func:`soft_cap_alpha_tensor`: $2^{-64}/3$ is below float64's
+#: resolution of $\beta \le 1/3$, as the host bisection's stopping rule reaches.
+SOFT_CAP_BISECTION_STEPS = 64
+
+
+def soft_cap_alpha_tensor(w_max: float, wd: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+    r""":func:`soft_cap_alpha` for a learning rate that lives on the device: ``wd`` and ``eta``
+    are tensors (broadcast together), the result a float64 tensor, and nothing is read back
+    (a fixed :data:`SOFT_CAP_BISECTION_STEPS`-step bisection of the same quartic, in float64).
+
+    The checks that need a value on the host cannot raise here: $k \le w_{\max}$ gives 0 as
+    there, and an $\eta$ too large for a monotone cap ($w_{\max}/k < 62/81$, where
+    :func:`soft_cap_alpha` raises) gives the strongest monotone cap $\beta = 1/3$, which
+    maps $k$ to $\tfrac{62}{81}k > w_{\max}$: the bound is then lost. Check a schedule's peak
+    rate with :func:`soft_cap_alpha` once on the host.
+    """
+    k = (w_max * (1.0 - wd) + eta).to(torch.float64)
+    ratio = w_max / k
+    # h < 1 on (0, 1/3]: a ratio >= 1 (no cap needed) keeps lo = 0; a ratio below 62/81
+    # moves lo up to 1/3
+    lo, hi = torch.zeros_like(k), torch.full_like(k, 1.0 / 3.0)
+    for _ in range(SOFT_CAP_BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        above = _soft_cap_ratio(mid) > ratio
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    return lo / k**2
 
 
 def ns_output_max(schedule: NSSchedule = KELLER_QUINTIC, steps: int | None = None) -> float:
@@ -544,7 +583,8 @@ def muon_update_norm(
             f"muon_update_norm: adjust_lr must be 'original', 'match_rms_adamw' or None, "
             f"got {adjust_lr!r}"
         )
-    return float(lr) * ns_output_bound(schedule) * margin * rms_scale(shape) * shape_factor
+    lr = lr if isinstance(lr, torch.Tensor) else float(lr)
+    return lr * ns_output_bound(schedule) * margin * rms_scale(shape) * shape_factor
 
 
 EtaSpec = Union[float, Callable[[float, tuple], float], None]
@@ -598,23 +638,32 @@ class SoftCap(Regulator):
             self.eta = float(self.eta)
         self.guard_steps = int(self.guard_steps)
 
-    def eta_for(self, lr: float, shape: tuple[int, ...]) -> float:
+    def eta_for(self, lr: float | torch.Tensor, shape: tuple[int, ...]) -> float | torch.Tensor:
+        r"""$\eta$ at this ``lr``: a float, or a tensor where ``lr`` is one (never read back)."""
         if self.eta is None:
             return muon_update_norm(lr, shape)
         if callable(self.eta):
-            return float(self.eta(lr, tuple(shape)))
+            eta = self.eta(lr, tuple(shape))
+            return eta if isinstance(eta, torch.Tensor) else float(eta)
         return self.eta
 
     def regulate(self, M, *, lr, state):
         wd = lr * self.weight_decay
         eta = self.eta_for(lr, tuple(M.shape))
-        alpha = soft_cap_alpha(self.w_max, wd, eta)
-        if alpha == 0.0:
-            return M
+        if isinstance(wd, torch.Tensor) or isinstance(eta, torch.Tensor):
+            # a rate on the device: alpha there too (alpha = 0 leaves X as it is: X + 0 * Y = X)
+            alpha = soft_cap_alpha_tensor(self.w_max, torch.as_tensor(wd), torch.as_tensor(eta)).to(M.device)
+        else:
+            alpha = soft_cap_alpha(self.w_max, wd, eta)
+            if alpha == 0.0:
+                return M
         if self.guard_steps > 0:
             k = self.w_max * (1.0 - wd) + eta
             sigma, _ = power_iteration(M, steps=self.guard_steps)
-            M = M / (sigma / k).clamp_min(1.0)[..., None, None]
+            excess = (sigma / k).clamp_min(1.0)
+            if isinstance(alpha, torch.Tensor):  # alpha = 0 keeps the weight as it is, as the float path returns it
+                excess = torch.where(alpha > 0, excess, torch.ones_like(excess))
+            M = M / excess[..., None, None]
         wide = M.size(-2) < M.size(-1)
         X = M.mT if wide else M
         for coefficient in (-alpha, alpha):
@@ -662,17 +711,25 @@ class HardCap(Regulator):
         sign_steps: Polar Express steps for the symmetric sign (20: eigenvalues down to
             about $10^{-7}$ of the Frobenius norm are resolved in float64).
         ratio: level ratio $\rho$ of one pass.
+        levels: 0 (default): $J$ adaptive as above, which reads the bound back to the host
+            once per call (a device sync on a GPU); $J \ge 1$: always the $J$ levels
+            $c\rho^{J-1}, \dots, c$, no host read, each level a no-op (the matrix kept
+            bitwise) on a matrix whose bound is at or below it. The same cap wherever the
+            bound is at most $c\rho^J$; above that the top level's sign is not resolved,
+            and the cap is not guaranteed.
 
     Cost per pass: one msign of the $m\times n$ matrix, one of an $n\times n$ symmetric
     matrix and 4 matmuls (about 3 Muon orthogonalizations); one pass whenever
     $\sigma_{\max} \le \rho c / n^{1/8}$, which covers a weight capped at the previous
-    step plus one optimizer update.
+    step plus one optimizer update (``levels=1`` in an optimizer's loop: every step pays
+    that pass, the adaptive cap only when the bound exceeds $c$).
     """
 
     w_max: float = 1.0
     method: str = "polar_express"
     sign_steps: int = 20
     ratio: float = 16.0
+    levels: int = 0
     name = "hard_cap"
 
     def __post_init__(self):
@@ -681,13 +738,23 @@ class HardCap(Regulator):
         self.ratio = float(self.ratio)
         if not self.ratio > 1:
             raise ValueError(f"HardCap: ratio must be > 1, got {self.ratio}")
+        self.levels = int(self.levels)
+        if self.levels < 0:
+            raise ValueError(f"HardCap: levels must be >= 0 (0: adaptive), got {self.levels}")
 
     def regulate(self, M, *, lr, state):
         wide = M.size(-2) < M.size(-1)
         X = M.mT if wide else M
         gram = X.mT @ X
         # Schatten-8 norm: an upper bound on sigma_max within a factor n^(1/8).
-        bound = (gram @ gram).norm(dim=(-2, -1)).amax().sqrt().sqrt().item()
+        bound = (gram @ gram).norm(dim=(-2, -1)).sqrt().sqrt()
+        if self.levels:
+            for level in reversed(range(self.levels)):
+                c = self.w_max * self.ratio**level
+                X = torch.where((bound > c)[..., None, None], self._cap_once(X, gram, c), X)
+                gram = X.mT @ X
+            return X.mT if wide else X
+        bound = bound.amax().item()
         if bound <= self.w_max:
             return M
         passes = math.ceil(math.log(bound / self.w_max) / math.log(self.ratio))

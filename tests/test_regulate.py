@@ -27,6 +27,7 @@ from geomuon.optimizers.regulate import (
     rms_scale,
     rms_spectral_norm,
     soft_cap_alpha,
+    soft_cap_alpha_tensor,
     soft_cap_polynomial,
 )
 from geomuon.theory.groups import haar_orthogonal
@@ -88,6 +89,27 @@ def test_soft_cap_alpha_solves_the_coupling(w_max, wd, eta):
     # independent root finder (companion-matrix eigenvalues); the root is simple
     # (h'(beta) < 0), so both agree to the conditioning of the quartic, ~1e-13 relative.
     assert alpha == pytest.approx(numpy_smallest_nonnegative_root(w_max, wd, eta), rel=1e-10)
+
+
+@pytest.mark.parametrize("w_max, wd, eta", COUPLING_POINTS)
+def test_soft_cap_alpha_on_the_device_solves_the_same_coupling(w_max, wd, eta, no_host_reads):
+    # The device bisection (a fixed step count, no host read) and the host one both stop
+    # where rounding decides h(beta) > w_max / k: h is evaluated to about 4 eps64 (four
+    # terms of size <= 1), so each beta is within 4 eps64 / |h'(beta)| of the root, and the
+    # two within twice that: relative to beta, 8 eps64 / (|h'(beta)| beta).
+    with no_host_reads():
+        on_device = soft_cap_alpha_tensor(w_max, torch.tensor(wd, dtype=torch.float64),
+                                          torch.tensor(eta, dtype=torch.float64))
+    alpha = soft_cap_alpha(w_max, wd, eta)
+    k = w_max * (1 - wd) + eta
+    beta = alpha * k**2
+    slope = beta * (6 - 9 * beta + 4 * beta**2)  # |h'(beta)|
+    assert abs(on_device.item() - alpha) <= 8 * F64_EPS / (slope * beta) * alpha
+    # no cap needed: 0, as on the host; beyond the monotone limit (where the host raises):
+    # the strongest monotone cap, beta = 1/3
+    assert soft_cap_alpha_tensor(w_max, torch.tensor(0.5), torch.tensor(0.1 * w_max)).item() == 0.0
+    too_large = soft_cap_alpha_tensor(w_max, torch.tensor(0.0), torch.tensor(w_max))
+    assert too_large.item() * (2 * w_max) ** 2 == pytest.approx(1 / 3, rel=4 * F64_EPS)
 
 
 @pytest.mark.parametrize("w_max, wd, eta", COUPLING_POINTS)
@@ -477,3 +499,54 @@ def test_unregulated_muon_exceeds_w_max():
     # negative control: without regulation the same runs leave the ball, so the checks
     # above measure the regulators, not the data.
     assert max(muon_run(1.0, None, steps=200)) > 1.5
+
+
+# ----------------------------------------------------------------------------- no host reads
+
+
+@pytest.mark.parametrize("name", sorted(REGULATORS))
+def test_regulation_at_a_device_learning_rate_reads_nothing_back(name, no_host_reads):
+    # lr as a 0-dim tensor (a schedule on the device): Muon's step with every regulator
+    # (hard_cap with fixed levels) reads nothing back, and lands where the float lr does.
+    # They differ only where lr * wd and eta are rounded (float32 products of the tensor
+    # instead of float64 ones): a few eps32 of the soft cap's k, which moves alpha by at
+    # most ~20x as much (d ln alpha / d ln k = (w/k) / (2 (1 - w/k)) ~ 20 at k = 1.025 w)
+    # and the weights by alpha sigma^3 <= 0.05 of that: 8 eps32 of the largest entry.
+    spec = {"name": name, "levels": 2} if name == "hard_cap" else {"name": name}
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(s, generator=gen) / 4 for s in [(32, 16), (16, 32), (24, 24)]]
+    grads = [torch.randn(w.shape, generator=gen) for w in start]
+    results = []
+    for lr in (0.02, torch.tensor(0.02)):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = Muon([{"params": params, "regulate": spec}], lr=lr)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        with no_host_reads():
+            optimizer.step()
+        results.append([p.detach() for p in params])
+    for p, q, w in zip(*results, start):
+        assert (p - q).abs().max() <= 8 * F32_EPS * p.abs().max()
+        assert not torch.equal(p, w)
+
+
+def test_the_adaptive_hard_cap_reads_its_bound_back(no_host_reads):
+    # control for the test above: the default (adaptive levels) reads one bound per call
+    W = torch.randn(24, 16, dtype=torch.float64)
+    with no_host_reads(), pytest.raises(RuntimeError, match="host read"):
+        HardCap(w_max=1.0)(W, lr=0.0)
+
+
+def test_hard_cap_fixed_levels_are_the_adaptive_cap_within_their_range():
+    # Schatten-8 bound ~1.3e4 (sigma_max 1e4): the adaptive cap descends 4 levels of 16, so
+    # 4 or more fixed levels are the same computation (bitwise); one level cannot resolve
+    # the sign around c next to 1e4 c, and leaves the weight above the cap (the documented
+    # range matters).
+    gen = torch.Generator().manual_seed(5)
+    W = with_rms_spectrum((16, 10), [1e4, 50.0, 3.0, 1.01, 0.99, 0.5, 0, 0, 0, 0], gen)
+    adaptive = HardCap(w_max=1.0)(W, lr=0.0)
+    for levels in (4, 5):
+        assert torch.equal(HardCap(w_max=1.0, levels=levels)(W, lr=0.0), adaptive)
+    assert rms_spectral_norm(HardCap(w_max=1.0, levels=1)(W, lr=0.0)).item() > 1.1
+    with pytest.raises(ValueError, match="levels"):
+        HardCap(levels=-1)
