@@ -111,6 +111,10 @@ class GramSettings:
         smoothing: $c$ of the smoothed dual $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$,
             $\sqrt\mu = c\,\|Z\|_*/n$ (:func:`eigen_dualizer`; ``"eigh"`` only; 0: the
             round-off shift alone). Its optimum certifies $\ge 1 - 0.3c$.
+        shift_eps: a floor on the unit round-off $\varepsilon$ of :func:`eigen_dualizer`'s shift
+            (``None``: the dtype's own), so that a float64 step can keep float32's
+            regularization (ManifoldMuon's choice,
+            :data:`~geomuon.optimizers.manifold_muon.DUALIZER_SHIFT_EPS`).
     """
 
     dual_steps: int = 0
@@ -123,6 +127,7 @@ class GramSettings:
     retraction_terms: int = 6
     polish_rounds: int = 0
     smoothing: float = 0.0
+    shift_eps: float | None = None
 
     def __post_init__(self) -> None:
         if self.dual_steps < 0:
@@ -198,7 +203,8 @@ def dual_gram(K: torch.Tensor, B0: torch.Tensor, S: torch.Tensor, DS: torch.Tens
     return K + SF + SF.mT
 
 
-def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0) -> Dualized:
+def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0,
+                   shift_eps: float | None = None) -> Dualized:
     r"""The exact dualizer from $Q = V\Lambda V^\top$ (``torch.linalg.eigh``, in ``Q.dtype``):
 
     $$P = V\operatorname{diag}(f)V^\top,\qquad f_i = (\max(\lambda_i, 0) + \delta)^{-1/2},\qquad
@@ -206,7 +212,8 @@ def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0)
 
     with ``scale`` $t$ the sum of the traces of the terms $Q$ was summed from (a bound on
     their entries' size; $\sqrt n\,\varepsilon t$ bounds the spectral norm of the rounding of
-    $Q$, the same shift as :func:`gram_msign`'s): eigenvalues below it are rounding. The
+    $Q$, the same shift as :func:`gram_msign`'s): eigenvalues below it are rounding
+    (``shift_eps`` raises $\varepsilon$ to at least that value). The
     shift is a Tikhonov regularization: it maps a singular value $\sigma$ of $Z$ to
     $\sigma/\sqrt{\sigma^2 + \delta}$ (a factor $1 - \delta/(2\sigma^2)$ for $\sigma \gg
     \sqrt\delta$) and bounds the map's slope by $\delta^{-1/2}$, so a rank-deficient momentum
@@ -230,7 +237,8 @@ def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0)
     """
     lam, V = torch.linalg.eigh(Q)
     lam = lam.clamp_min(0)
-    delta = (Q.size(-1) ** 0.5 * torch.finfo(Q.dtype).eps * scale).unsqueeze(-1)
+    eps = max(torch.finfo(Q.dtype).eps, shift_eps or 0.0)
+    delta = (Q.size(-1) ** 0.5 * eps * scale).unsqueeze(-1)
     if smoothing:
         mu = (smoothing / Q.size(-1)) * lam.sqrt().sum(-1, keepdim=True)
         delta = torch.maximum(delta, mu * mu)
@@ -555,7 +563,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
         Q = dual_gram(K, B0, S, DS)
         magnitude = trace_K + (S * DS).sum((-2, -1))  # tr K + tr S^T D S >= |tr 2 sym(B0^T S)|
         if settings.dualizer == "eigh":
-            dual = eigen_dualizer(Q, magnitude, settings.smoothing)
+            dual = eigen_dualizer(Q, magnitude, settings.smoothing, settings.shift_eps)
         else:
             dual = gram_msign(Q, settings.msign_steps, low, magnitude)
         P = dual.P

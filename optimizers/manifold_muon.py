@@ -46,7 +46,7 @@ from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
 __all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_polish_rounds", "default_dual_update",
            "gram_solver", "DEFAULT_DUAL_STEPS",
-           "DEFAULT_DUAL_UPDATE"]
+           "DEFAULT_DUAL_UPDATE", "DUALIZER_SHIFT_EPS"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
 #: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
@@ -54,6 +54,14 @@ DEFAULT_DUAL_STEPS = 1
 #: Default dual update of the Gram path (``"newton"`` or ``"jacobi"``) on a form that declares a
 #: Newton step, with either dualizer (:func:`default_dual_update`), chosen on the same frontier.
 DEFAULT_DUAL_UPDATE = "newton"
+#: The Gram path's floor on the unit round-off of the exact dualizer's shift
+#: (``GramSettings.shift_eps``): float32's in every dtype. The shift regularizes the dual
+#: as well as absorbing round-off, and DGram's Newton step needs it: replaying the certified
+#: steps of a GPT run's square DGram matrices (singular values of the momentum spread over
+#: ten decades), the default step certified 0.61 mean / 0.03 min in float64 with float64's
+#: shift (0.12 / 0.05 with 8 dual steps) against 0.82 / 0.71 in float32, and the same as
+#: float32 to three digits with this floor.
+DUALIZER_SHIFT_EPS = torch.finfo(torch.float32).eps
 _RETRACTIONS = ("fused", "manifold")
 _REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
              "check_point_on_manifold")
@@ -419,7 +427,7 @@ class ManifoldMuon(MatrixOptimizer):
             update=update, dualizer=dualizer,
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
             compute_dtype=group["compute_dtype"], polish_rounds=polish,
-            smoothing=float(group.get("dual_smoothing", 0.0)),
+            smoothing=float(group.get("dual_smoothing", 0.0)), shift_eps=DUALIZER_SHIFT_EPS,
         )
         flat = (-1, *shape[-2:])
         if warm is not None:
