@@ -111,9 +111,9 @@ class GramSettings:
         smoothing: $c$ of the smoothed dual $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$,
             $\sqrt\mu = c\,\|Z\|_*/n$ (:func:`eigen_dualizer`; ``"eigh"`` only; 0: the
             round-off shift alone). Its optimum certifies $\ge 1 - 0.3c$.
-        shift_eps: a floor on the unit round-off $\varepsilon$ of :func:`eigen_dualizer`'s shift
-            (``None``: the dtype's own), so that a float64 step can keep float32's
-            regularization (ManifoldMuon's choice,
+        shift_eps: a floor on the unit round-off $\varepsilon$ of the dualizer's shift
+            (:func:`eigen_dualizer`, :func:`gram_msign`; ``None``: the dtype's own), so that a
+            float64 step can keep float32's regularization (ManifoldMuon's choice,
             :data:`~geomuon.optimizers.manifold_muon.DUALIZER_SHIFT_EPS`).
     """
 
@@ -247,7 +247,8 @@ def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0,
     return Dualized(P=P, value=(lam * f).sum(-1), frobenius2=(lam * f * f).sum(-1), eigenvectors=V, weights=f)
 
 
-def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tensor | None = None) -> Dualized:
+def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tensor | None = None,
+               shift_eps: float | None = None) -> Dualized:
     r"""$P \approx Q^{-1/2}$ (to Polar Express's accuracy) by Polar Express on the Cholesky factor of $Q$.
 
     With the Cholesky factor $Q + \delta I = C^\top C$ ($C$ upper triangular, $n\times n$),
@@ -266,7 +267,8 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tenso
     semi-definite or zero $Q$ and for the rounding of a $Q$ formed as a sum of larger terms:
     ``scale`` $t$ is the sum of the traces of those terms (default $\operatorname{tr}Q$); it
     damps singular values below about $(n^{3/2}\varepsilon)^{1/2}\sigma_{\max}$ ($0.02$ at
-    $n = 384$ in fp32), the price of a factorization that must succeed. A matrix whose
+    $n = 384$ in fp32), the price of a factorization that must succeed (``shift_eps`` raises
+    $\varepsilon$ to at least that value, as in :func:`eigen_dualizer`). A matrix whose
     factorization still fails gets $P = 0$ (a zero step) rather than NaN.
     Dtypes: Cholesky and the triangular solve in ``Q.dtype`` (fp32/fp64), the Polar Express
     products in ``low``. No host read: the failure flag selects on the device.
@@ -276,7 +278,8 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tenso
     trace = _trace(Q)
     finfo = torch.finfo(Q.dtype)
     scale = trace if scale is None else scale
-    shift = (n**0.5 * finfo.eps * scale + finfo.tiny ** 0.5).reshape(*trace.shape, 1, 1)
+    eps = max(finfo.eps, shift_eps or 0.0)
+    shift = (n**0.5 * eps * scale + finfo.tiny ** 0.5).reshape(*trace.shape, 1, 1)
     C, info = torch.linalg.cholesky_ex(Q + shift * eye, upper=True)
     norm = (trace.reshape(*trace.shape, 1, 1) + n * shift).sqrt()  # ||C||_F
     X = _polar_express((C / (norm * POLAR_EXPRESS.input_scale)).to(low), steps).to(Q.dtype)
@@ -565,7 +568,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
         if settings.dualizer == "eigh":
             dual = eigen_dualizer(Q, magnitude, settings.smoothing, settings.shift_eps)
         else:
-            dual = gram_msign(Q, settings.msign_steps, low, magnitude)
+            dual = gram_msign(Q, settings.msign_steps, low, magnitude, settings.shift_eps)
         P = dual.P
         SP = S @ P
         M = torch.baddbmm(mulD(SP), B0, P)
