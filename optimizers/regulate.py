@@ -19,8 +19,8 @@ per-parameter ``dict`` (an optimizer passes ``self.state[p]``) where power-itera
 regulators keep their warm-start vector. ``lr`` is a float, or a 0-dim tensor (a schedule
 on the device): a tensor is an operand, never read back, so no regulator reads a value
 to the host (except ``hard_cap`` with adaptive ``levels``, which reads one bound), and
-it is not validated either (a float is: finite and $\ge 0$). Regulators are functional: they never write
-into ``W``; the optimizer copies the result into the parameter.
+it is not validated either (a float is: finite and $\ge 0$). Regulators are functional:
+they never write into ``W``; the optimizer copies the result into the parameter.
 :func:`make_regulator` builds one from ``None | str | dict | Regulator | callable |
 list`` (a list is applied in order).
 
