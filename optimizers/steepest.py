@@ -259,17 +259,17 @@ def _ratio(primal: torch.Tensor, dual: torch.Tensor) -> torch.Tensor:
     return torch.where(dual > tiny, primal / dual.clamp_min(tiny), torch.ones_like(dual))
 
 
-def certified_ratio(G: torch.Tensor, direction: torch.Tensor, iterate: torch.Tensor) -> torch.Tensor:
+def certified_ratio(G: torch.Tensor, direction: torch.Tensor, *iterates: torch.Tensor) -> torch.Tensor:
     r"""The exact spectral-norm certificate of a tangent ``direction``: primal over dual,
 
-    $$\frac{\langle G, \hat A\rangle / \max(1, \|\hat A\|_2)}{\|Z\|_*},$$
+    $$\frac{\langle G, \hat A\rangle / \max(1, \|\hat A\|_2)}{\min_k \|Z_k\|_*},$$
 
-    where ``iterate`` $Z = G + L_W^*(\Lambda)$ is any dual iterate (so $\|Z\|_*$ bounds the
-    optimum from above). A zero optimum (zero $G$) reports 1. SVD-based, in the inputs'
-    dtype; ``[...]``.
+    where each of ``iterates`` $Z_k = G + L_W^*(\Lambda_k)$ is a dual iterate (so each
+    $\|Z_k\|_*$ bounds the optimum from above, and the smallest is the tightest). A zero
+    optimum (zero $G$) reports 1. SVD-based, in the inputs' dtype; ``[...]``.
     """
     primal = _inner(G, direction) / _spectral_value(direction, True).clamp_min(1.0)
-    return _ratio(primal, _nuclear(iterate))
+    return _ratio(primal, torch.stack([_nuclear(Z) for Z in iterates]).amin(0))
 
 
 def certificate(G: torch.Tensor, direction: torch.Tensor, X: torch.Tensor, A: torch.Tensor, norm: Norm,

@@ -253,6 +253,7 @@ def test_manifold_inrun_reads_the_certificates_of_a_real_run(tmp_path):
     assert [(r["manifold"], r["matrices"]) for r in rows] == [
         (m, kind) for m in ("stiefel", "dgram") for kind in ("square", "tall", "wide", "all")]
     assert {r["dual update"] for r in rows} == {"newton (default)"}
+    assert {r["reference dual steps"] for r in rows} == {"0"}  # the step's own dual iterate
     for manifold in ("stiefel", "dgram"):
         mine = [r for r in rows if r["manifold"] == manifold]
         # 1 layer: c_attn (tall), c_proj (square), mlp in (tall) and out (wide), certified at

@@ -388,3 +388,31 @@ def test_float64_steps_keep_float32s_dualizer_shift(dualizer, monkeypatch):
     assert abs(_rank_spread_certificate(torch.float64, dualizer) - in_float32) <= 0.002
     monkeypatch.setattr(manifold_muon, "DUALIZER_SHIFT_EPS", None)  # control: float64's own shift
     assert _rank_spread_certificate(torch.float64, dualizer) < in_float32 - 0.01
+
+
+def test_a_reference_solve_tightens_the_certificate_and_changes_nothing_else():
+    # certify_reference runs a longer dual solve of the same problem at certified steps: the
+    # step is bitwise the same, and the certificate divides by the smaller dual value, so it
+    # rises, on a rank-spread momentum where one dual step leaves a dual gap, yet stays a
+    # certificate: at most 1 (primal <= optimum <= any dual value) up to the float32 SVDs'
+    # rounding of the two norms, 8 eps32 relative.
+    from geomuon.theory.groups import haar_orthogonal
+
+    gen = torch.Generator().manual_seed(1)
+    n = 48
+    W = DGram().projx(torch.randn(n, n, generator=gen))
+    spectrum = torch.logspace(0, -4, n)
+    spectrum[n // 4:] *= 1e-6
+    G = (haar_orthogonal(n, gen).float() * spectrum) @ haar_orthogonal(n, gen).float().T
+    results = []
+    for reference in (0, 32):
+        p = torch.nn.Parameter(W.clone())
+        opt = ManifoldMuon([p], manifold="dgram", lr=0.02, certify_every=1, certify_reference=reference)
+        p.grad = G.clone()
+        opt.step()
+        results.append((p.detach(), next(iter(opt.certificates.values()))))
+    (own_point, own), (point, tightened) = results
+    assert torch.equal(point, own_point)
+    assert own + 0.01 < tightened <= 1 + 8 * torch.finfo(torch.float32).eps
+    with pytest.raises(ValueError, match="certify_reference"):
+        ManifoldMuon([torch.nn.Parameter(W.clone())], manifold="dgram", certify_reference=-1)
