@@ -749,19 +749,25 @@ class HardCap(Regulator):
         # Schatten-8 norm: an upper bound on sigma_max within a factor n^(1/8).
         bound = (gram @ gram).norm(dim=(-2, -1)).sqrt().sqrt()
         if self.levels:
-            for level in reversed(range(self.levels)):
-                c = self.w_max * self.ratio**level
-                X = torch.where((bound > c)[..., None, None], self._cap_once(X, gram, c), X)
-                gram = X.mT @ X
+            X = self._descend(X, gram, self.levels, bound)
             return X.mT if wide else X
-        bound = bound.amax().item()
-        if bound <= self.w_max:
+        top = bound.amax().item()
+        if top <= self.w_max:
             return M
-        passes = math.ceil(math.log(bound / self.w_max) / math.log(self.ratio))
-        for level in reversed(range(passes)):
-            X = self._cap_once(X, gram, self.w_max * self.ratio**level)
-            gram = X.mT @ X
+        X = self._descend(X, gram, math.ceil(math.log(top / self.w_max) / math.log(self.ratio)))
         return X.mT if wide else X
+
+    def _descend(self, X, gram, levels, bound=None):
+        r"""The passes at $c\rho^{J-1}, \dots, c$ ($J$ = ``levels``) on the tall ``X`` with Gram
+        ``gram``; with a per-matrix ``bound``, a pass at a level at or above it keeps the
+        matrix as it is (selected on the device)."""
+        for level in reversed(range(levels)):
+            c = self.w_max * self.ratio**level
+            capped = self._cap_once(X, gram, c)
+            X = capped if bound is None else torch.where((bound > c)[..., None, None], capped, X)
+            if level:  # the last pass's Gram would go unused
+                gram = X.mT @ X
+        return X
 
     def _cap_once(self, X, gram, c):
         eye = torch.eye(X.size(-1), dtype=X.dtype, device=X.device)
