@@ -44,6 +44,7 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from geomuon.manifolds.linalg import EIGH_WORKERS_EVENT  # noqa: E402
 from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, interleaved_medians,  # noqa: E402
                           markdown_table, synchronizer)
 
@@ -132,7 +133,8 @@ def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=tim
 _PRODUCTS = ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm", "aten::matmul")
 #: ``--profile``: profiled steps per optimizer, of which the table shows the least perturbed
 PROFILED_STEPS = 3
-_EIGEN = ("aten::_linalg_eigh", "aten::linalg_eigh", "aten::linalg_cholesky_ex", "aten::linalg_solve_triangular")
+_EIGEN = ("aten::_linalg_eigh", "aten::linalg_eigh", "aten::linalg_cholesky_ex", "aten::linalg_solve_triangular",
+          EIGH_WORKERS_EVENT)
 
 
 def _category(name: str, shapes, short_side: int) -> str | None:
@@ -171,7 +173,7 @@ def profile_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
             optimizer.step()
         totals: dict[str, float] = {}
         for event in prof.key_averages(group_by_input_shape=True):
-            if event.key.startswith("Optimizer.") or not event.key.startswith("aten::"):
+            if event.key.startswith("Optimizer.") or not event.key.startswith(("aten::", EIGH_WORKERS_EVENT)):
                 continue
             category = _category(event.key, event.input_shapes or [], short_side)
             if category is not None:

@@ -62,15 +62,14 @@ stiefel constraint's sign flipped | return x.mT @ u + u.mT @ x | return x.mT @ u
 stiefel projection adds W sym(W'X) | return u - x @ sym(x.mT @ u) | return u + x @ sym(x.mT @ u)
 stiefel wide points not transposed | transposes_wide = True | transposes_wide = False
 ## manifolds/dgram.py
-dgram Off keeps the diagonal | return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1)) | return S
-dgram adjoint keeps the diagonal | return 2 * x @ _off_diagonal(sym(lam)) | return 2 * x @ sym(lam)
+dgram adjoint keeps the diagonal | return 2 * x @ off_diagonal(sym(lam)) | return 2 * x @ sym(lam)
 dgram projection divides by 2 d_i^2 | u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | u.mT @ x) / (2 * d2.unsqueeze(-1))
 dgram gram diagonal doubled | return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | return 4 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 dgram retraction forgets the column norms' root | (polar * d2.sqrt().unsqueeze(-2)) | (polar * d2.unsqueeze(-2))
 dgram retraction steps along -u | y = x.to(compute) + u.to(compute) | y = x.to(compute) - u.to(compute)
 dgram retraction rescales by the point's column norms | d2 = self._squared_column_norms(y, "the retraction target x + u") | d2 = self._squared_column_norms(x.to(compute), "the retraction target x + u")
-dgram constraint's sign flipped | return _off_diagonal(x.mT @ u + u.mT @ x) | return _off_diagonal(x.mT @ u - u.mT @ x)
-dgram defining map keeps the diagonal | return _off_diagonal(x.mT @ x) | return x.mT @ x
+dgram constraint's sign flipped | return off_diagonal(x.mT @ u + u.mT @ x) | return off_diagonal(x.mT @ u - u.mT @ x)
+dgram defining map keeps the diagonal | return off_diagonal(x.mT @ x) | return x.mT @ x
 dgram projection adds W Sigma | return u - x @ sigma | return u + x @ sigma
 dgram column norms summed over columns | d2 = x.square().sum(-2) | d2 = x.square().sum(-1)
 dgram projx forgets the column norms' root | return ((U @ Vh) * d2.sqrt().unsqueeze(-2)) | return ((U @ Vh) * d2.unsqueeze(-2))
@@ -108,6 +107,7 @@ euclidean projection is zero | return broadcast_pair(x, u)[1] | return 0 * broad
 ## manifolds/base.py
 matrix_method does not transpose wide results back | return out.mT if result == "matrix" else out | return out
 ## manifolds/linalg.py
+off_diagonal keeps the diagonal | return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1)) | return S
 msign forgets the input scale | clamp_min(floor) * schedule.input_scale) | clamp_min(floor))
 sym loses 1/2 | return 0.5 * (X + X.mT) | return (X + X.mT)
 newton-schulz step swaps b and c | polynomial = fma(S, S, S, beta=b, alpha=c) | polynomial = fma(S, S, S, beta=c, alpha=b)
@@ -136,11 +136,11 @@ oblique gram retraction sqrt instead of rsqrt | torch.diag_embed(_diag(YtY).rsqr
 inverse-sqrt series c5 -0.24609375 -> -0.2460937 | -0.24609375, | -0.2460937,
 series radius with |c_K| (K + 3/2)/(K + 1) | (terms + 0.5) / (terms + 1) | (terms + 1.5) / (terms + 1)
 stiefel gram newton increment E (not E/2) | return 0.5 * E | return E
-dgram gram constraint keeps the diagonal | return _off_diagonal(M + M.mT)\n | return M + M.mT\n
-dgram gram adjoint keeps the diagonal | return _off_diagonal(lam + lam.mT) | return lam + lam.mT
+dgram gram constraint keeps the diagonal | return off_diagonal(M + M.mT)\n | return M + M.mT\n
+dgram gram adjoint keeps the diagonal | return off_diagonal(lam + lam.mT) | return lam + lam.mT
 engine: Lyapunov operator X + X (not X + X') | return X + X.mT | return X + X
 engine: Newton diagonal d_i^2 P_ii + P_jj d_j^2 | return 2 * (d2.unsqueeze(-1) * p.unsqueeze(-2) + p.unsqueeze(-1) * d2.unsqueeze(-2)) | return 2 * (d2.unsqueeze(-1) * p.unsqueeze(-1) + p.unsqueeze(-2) * d2.unsqueeze(-2))
-engine: DGram Newton operator keeps the diagonal | return _off_diagonal(_lyapunov(D, self.adjoint(lam), P)) | return _lyapunov(D, self.adjoint(lam), P)
+engine: DGram Newton operator keeps the diagonal | return off_diagonal(_lyapunov(D, self.adjoint(lam), P)) | return _lyapunov(D, self.adjoint(lam), P)
 engine: Lyapunov operator without D | X = (_diag(D).unsqueeze(-1) * S) @ P | X = S @ P
 ## optimizers/maps.py
 row_norm normalizes columns | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps)

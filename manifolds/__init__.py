@@ -22,6 +22,7 @@ from .linalg import (
     inv_sqrt_psd,
     msign,
     nuclear_norm,
+    off_diagonal,
     power_iteration,
     spectral_norm,
     sym,
@@ -51,5 +52,6 @@ __all__ = [
     "power_iteration",
     "nuclear_norm",
     "spectral_norm",
+    "off_diagonal",
     "sym",
 ]

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .linalg import eigh, off_diagonal
+
 __all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
            "series_radius", "gram_retraction"]
 
@@ -83,9 +85,9 @@ def series_radius(terms: int, dtype: torch.dtype) -> float:
 
 def spectral_function(S: torch.Tensor, f) -> torch.Tensor:
     r"""$V\operatorname{diag}(f(\lambda))V^\top$ for symmetric ``S`` $= V\Lambda V^\top$
-    (``torch.linalg.eigh`` in ``S.dtype``; ``f`` maps the eigenvalues ``[..., n]``). On CUDA
-    ``eigh`` reads its convergence flag back to the host."""
-    lam, V = torch.linalg.eigh(S)
+    (:func:`geomuon.manifolds.linalg.eigh` in ``S.dtype``; ``f`` maps the eigenvalues ``[..., n]``).
+    On CUDA ``eigh`` reads its convergence flag back to the host."""
+    lam, V = eigh(S)
     return (V * f(lam).unsqueeze(-2)) @ V.mT
 
 
@@ -229,10 +231,6 @@ def gram_retraction(form: GramForm, x: torch.Tensor, u: torch.Tensor, terms: int
     return Y @ form.retraction_factor(Y.mT @ Y, terms, far)
 
 
-def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
-    return S - torch.diag_embed(_diag(S))
-
-
 def _lyapunov(D: torch.Tensor, S: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     r"""$DSP + PSD$ for a diagonal $D$ and symmetric $S$, $P$ (one $n\times n$ product)."""
     X = (_diag(D).unsqueeze(-1) * S) @ P
@@ -327,19 +325,19 @@ class OrthogonalColumnsGram(GramForm):
 
     def project(self, D, M):
         d2 = _diag(D)
-        return _off_diagonal(M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+        return off_diagonal(M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
     def newton_operator(self, D, lam, P):
-        return _off_diagonal(_lyapunov(D, self.adjoint(lam), P))
+        return off_diagonal(_lyapunov(D, self.adjoint(lam), P))
 
     def newton_diagonal(self, D, P):
-        return _off_diagonal(_lyapunov_diagonal(D, P))
+        return off_diagonal(_lyapunov_diagonal(D, P))
 
     def constraint(self, M):
-        return _off_diagonal(M + M.mT)
+        return off_diagonal(M + M.mT)
 
     def adjoint(self, lam):
-        return _off_diagonal(lam + lam.mT)
+        return off_diagonal(lam + lam.mT)
 
     def gram_diag(self, D):
         d2 = _diag(D)

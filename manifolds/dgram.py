@@ -6,13 +6,9 @@ import torch
 
 from .base import MatrixManifold, matrix_method
 from .capabilities import OrthogonalColumnsGram
-from .linalg import fp32_or_fp64, msign, sym
+from .linalg import fp32_or_fp64, msign, off_diagonal, sym
 
 __all__ = ["DGram"]
-
-
-def _off_diagonal(S: torch.Tensor) -> torch.Tensor:
-    return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
 
 
 class DGram(MatrixManifold):
@@ -66,11 +62,11 @@ class DGram(MatrixManifold):
 
     @matrix_method("u", result="multiplier")
     def constraint(self, x, u):
-        return _off_diagonal(x.mT @ u + u.mT @ x)
+        return off_diagonal(x.mT @ u + u.mT @ x)
 
     @matrix_method()
     def constraint_adjoint(self, x, lam):
-        return 2 * x @ _off_diagonal(sym(lam))
+        return 2 * x @ off_diagonal(sym(lam))
 
     @matrix_method(result="multiplier")
     def constraint_gram_diag(self, x):
@@ -81,12 +77,12 @@ class DGram(MatrixManifold):
 
     @matrix_method(result="multiplier")
     def defining_map(self, x):
-        return _off_diagonal(x.mT @ x)
+        return off_diagonal(x.mT @ x)
 
     @matrix_method("u")
     def proju(self, x, u):
         d2 = self._squared_column_norms(x, "x")
-        sigma = _off_diagonal(x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+        sigma = off_diagonal(x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
         return u - x @ sigma
 
     @matrix_method()
@@ -117,6 +113,6 @@ class DGram(MatrixManifold):
         # Scale-free: nonzero columns whose normalized columns are orthonormal (cosines vanish).
         d = x.norm(dim=-2)
         q = x / d.unsqueeze(-2)
-        cosines = _off_diagonal(q.mT @ q)
+        cosines = off_diagonal(q.mT @ q)
         close = torch.isclose(cosines, torch.zeros_like(cosines), atol=atol, rtol=rtol)
         return (d != 0).all(-1) & close.flatten(x.dim() - 2).all(-1)

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from geomuon.manifolds.capabilities import GramForm, exact_inverse_sqrt, inv_sqrt_near_identity, spectral_function
-from geomuon.manifolds.linalg import POLAR_EXPRESS
+from geomuon.manifolds.linalg import POLAR_EXPRESS, eigh
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
            "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball", "polynomial_inverse_sqrt",
@@ -205,7 +205,7 @@ def dual_gram(K: torch.Tensor, B0: torch.Tensor, S: torch.Tensor, DS: torch.Tens
 
 def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0,
                    shift_eps: float | None = None) -> Dualized:
-    r"""The exact dualizer from $Q = V\Lambda V^\top$ (``torch.linalg.eigh``, in ``Q.dtype``):
+    r"""The exact dualizer from $Q = V\Lambda V^\top$ (:func:`geomuon.manifolds.linalg.eigh`, in ``Q.dtype``):
 
     $$P = V\operatorname{diag}(f)V^\top,\qquad f_i = (\max(\lambda_i, 0) + \delta)^{-1/2},\qquad
     \delta = \sqrt n\,\varepsilon\,t,$$
@@ -235,7 +235,7 @@ def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0,
     projection of $\operatorname{msign}$ of even a converged iterate leaves the unit ball. $\mu$ is a
     spectral function of $Q$, so the map stays equivariant.
     """
-    lam, V = torch.linalg.eigh(Q)
+    lam, V = eigh(Q)
     lam = lam.clamp_min(0)
     eps = max(torch.finfo(Q.dtype).eps, shift_eps or 0.0)
     delta = (Q.size(-1) ** 0.5 * eps * scale).unsqueeze(-1)
@@ -436,9 +436,11 @@ def newton_cg(form: GramForm, D: torch.Tensor, P: torch.Tensor, H: torch.Tensor,
     dims = tuple(range(D.dim() - 2, H.dim()))
     tiny = torch.finfo(H.dtype).tiny
     diag = form.newton_diagonal(D, P)
+    # one division per iteration: an infinite divisor zeroes the entries outside the operator's range
+    divisor = torch.where(diag > 0, diag.clamp_min(tiny), torch.full_like(diag, float("inf")))
 
     def precondition(R):
-        return torch.where(diag > 0, R / diag.clamp_min(tiny), torch.zeros_like(R))
+        return R / divisor
 
     X = torch.zeros_like(H)
     R = H

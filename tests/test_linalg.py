@@ -6,7 +6,10 @@ Kernel tests run in the kernel's real dtype (float32 for msign); references in f
 import pytest
 import torch
 
-from geomuon.manifolds.linalg import inv_sqrt_psd, msign, nuclear_norm, power_iteration, spectral_norm
+import threading
+
+from geomuon.manifolds import linalg
+from geomuon.manifolds.linalg import eigh, inv_sqrt_psd, msign, nuclear_norm, off_diagonal, power_iteration, spectral_norm
 
 
 def synthesized(shape, singular_values, seed=0):
@@ -155,3 +158,93 @@ def test_kernels_reject_vectors_and_integers(kernel):
 def test_msign_rejects_unknown_method():
     with pytest.raises(ValueError, match="unknown method"):
         msign(torch.randn(4, 3), method="qr")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _symmetric_stack(batch, n, dtype, seed=0):
+    A = torch.randn(batch, n, n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return A @ A.mT
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eigh_at_two_threads_is_bitwise_the_one_thread_result(dtype, two_threads):
+    """The split stack (odd, so the parts differ in size; batch dims kept) equals LAPACK on
+    one thread bit for bit, and each matrix equals its own decomposition alone. Control: the
+    stack's matrices are distinct, so a misordered reassembly fails the comparison."""
+    S = _symmetric_stack(5, 96, dtype).reshape(5, 1, 96, 96)
+    values, vectors = eigh(S)
+    torch.set_num_threads(1)
+    one_values, one_vectors = torch.linalg.eigh(S)
+    torch.set_num_threads(2)
+    assert values.shape == (5, 1, 96) and vectors.shape == (5, 1, 96, 96)
+    assert torch.equal(values, one_values) and torch.equal(vectors, one_vectors)
+    for i in range(5):
+        alone_values, alone_vectors = eigh(S[i])
+        assert torch.equal(alone_values, values[i]) and torch.equal(alone_vectors, vectors[i])
+    assert not torch.equal(values.flip(0), values)
+
+
+def test_eigh_runs_in_one_thread_workers_and_leaves_the_thread_count(two_threads, monkeypatch):
+    """At 2 threads a stack is decomposed by the worker threads, one intra-op thread each; the
+    caller keeps 2 threads and a thread started afterwards gets 2. Control: the hazard is
+    real — a worker's torch.set_num_threads(1) alone hands a later thread 1."""
+    seen = []
+    one_thread_eigh = linalg._one_thread_eigh
+
+    def spy(S):
+        out = one_thread_eigh(S)
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return out
+
+    monkeypatch.setattr(linalg, "_one_thread_eigh", spy)
+    eigh(_symmetric_stack(4, 32, torch.float32))
+    assert len(seen) == 2 and all(name.startswith("geomuon-eigh") and count == 1 for name, count in seen)
+    assert torch.get_num_threads() == 2
+
+    def count_in_new_thread():
+        counts = []
+        thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return counts[0]
+
+    assert count_in_new_thread() == 2
+    worker = threading.Thread(target=lambda: torch.set_num_threads(1))
+    worker.start()
+    worker.join()
+    assert count_in_new_thread() == 1  # the control: what eigh's restore prevents
+
+
+def test_eigh_takes_one_call_at_one_thread(monkeypatch):
+    """No workers at one thread (control: at two threads a lone matrix does go to one, so
+    that its result is the one-thread result there too)."""
+    calls = []
+    monkeypatch.setattr(linalg, "_one_thread_eigh", lambda S: calls.append(S) or torch.linalg.eigh(S))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        eigh(_symmetric_stack(3, 16, torch.float64))
+        assert calls == []
+        torch.set_num_threads(2)
+        eigh(_symmetric_stack(1, 16, torch.float64))
+        assert len(calls) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_off_diagonal_is_exactly_the_subtraction_of_the_diagonal():
+    """The one-pass select equals S - Diag(S) bit for bit on a batch (float32: the
+    subtraction is exact, x - x = +0). Control: the diagonal was nonzero, so a map that kept
+    it would fail."""
+    S = torch.randn(3, 7, 7, generator=torch.Generator().manual_seed(1))
+    reference = S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
+    out = off_diagonal(S)
+    assert torch.equal(out.view(torch.int32), reference.view(torch.int32))
+    assert torch.diagonal(S, dim1=-2, dim2=-1).abs().min() > 0
