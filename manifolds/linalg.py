@@ -189,12 +189,14 @@ def eigh(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch = S.shape[:-2].numel()
     if S.device.type != "cpu" or threads < 2 or batch == 0:
         return torch.linalg.eigh(S)
-    flat = S.reshape(batch, *S.shape[-2:])
-    with torch.profiler.record_function(EIGH_WORKERS_EVENT):  # the workers' ops are not in this thread's profile
-        parts = [_eigh_workers(threads).submit(_one_thread_eigh, part) for part in flat.tensor_split(min(threads, batch))]
-        results = [part.result() for part in parts]
-    # torch.set_num_threads in a worker also set the count that threads started later take: restore it
-    torch.set_num_threads(threads)
+    parts = S.reshape(batch, *S.shape[-2:]).tensor_split(min(threads, batch))
+    workers = _eigh_workers(threads)
+    try:
+        with torch.profiler.record_function(EIGH_WORKERS_EVENT):  # the workers' ops are not in this thread's profile
+            results = [future.result() for future in [workers.submit(_one_thread_eigh, part) for part in parts]]
+    finally:
+        # torch.set_num_threads in a worker also set the count that threads started later take: restore it
+        torch.set_num_threads(threads)
     values = torch.cat([values for values, _ in results]).reshape(S.shape[:-1])
     return values, torch.cat([vectors for _, vectors in results]).reshape(S.shape)
 

@@ -222,6 +222,23 @@ def test_eigh_runs_in_one_thread_workers_and_leaves_the_thread_count(two_threads
     assert count_in_new_thread() == 1  # the control: what eigh's restore prevents
 
 
+def test_eigh_passes_a_worker_error_on_and_still_restores_the_thread_count(two_threads, monkeypatch):
+    """A failure inside a worker reaches the caller, and threads started afterwards still get
+    the caller's count (control above: without the restore they would get 1)."""
+    def failing(S):
+        torch.set_num_threads(1)
+        raise torch.linalg.LinAlgError("worker failed")
+
+    monkeypatch.setattr(linalg, "_one_thread_eigh", failing)
+    with pytest.raises(torch.linalg.LinAlgError, match="worker failed"):
+        eigh(_symmetric_stack(2, 8, torch.float64))
+    counts = []
+    thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert counts == [2]
+
+
 def test_eigh_takes_one_call_at_one_thread(monkeypatch):
     """No workers at one thread (control: at two threads a lone matrix does go to one, so
     that its result is the one-thread result there too)."""
