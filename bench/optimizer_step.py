@@ -30,7 +30,9 @@ Usage::
 ``--profile`` adds, for each ManifoldMuon row, one profiled step (``torch.profiler``, after
 the timed rounds) split into the work the engine's cost model counts: $m\times n$
 products (an operand has the long side), $n\times n$ products, the symmetric
-eigendecompositions, and everything else (elementwise passes, copies, reductions).
+eigendecompositions, and everything else (elementwise passes, copies, reductions). The
+profiled steps run on one thread: with more, ManifoldMuon's batches run in worker threads,
+whose ops the profiler of the calling thread does not record.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from geomuon.manifolds.linalg import EIGH_WORKERS_EVENT  # noqa: E402
 from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, interleaved_medians,  # noqa: E402
                           markdown_table, synchronizer)
 
@@ -133,8 +134,7 @@ def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=tim
 _PRODUCTS = ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm", "aten::matmul")
 #: ``--profile``: profiled steps per optimizer, of which the table shows the least perturbed
 PROFILED_STEPS = 3
-_EIGEN = ("aten::_linalg_eigh", "aten::linalg_eigh", "aten::linalg_cholesky_ex", "aten::linalg_solve_triangular",
-          EIGH_WORKERS_EVENT)
+_EIGEN = ("aten::_linalg_eigh", "aten::linalg_eigh", "aten::linalg_cholesky_ex", "aten::linalg_solve_triangular")
 
 
 def _category(name: str, shapes, short_side: int) -> str | None:
@@ -160,20 +160,26 @@ def profile_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
     84 % elementwise), the autograd profiler without Kineto used here 10x in the first
     session and 2x in the second (26.1 s, then 4.2 s for a 2.0 s Stiefel step), none after.
     Hence the smallest total of several; the caption prints it next to the timed median,
-    so an inflated profile shows.
+    so an inflated profile shows. The steps run on one thread (restored after): at more,
+    ManifoldMuon's batches run in worker threads the profiler of this thread does not see.
     """
     from torch.autograd.profiler import profile
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     profiles = []
+    threads = torch.get_num_threads()
     for _ in range(PROFILED_STEPS):
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        with profile(record_shapes=True, use_kineto=False) as prof:
-            optimizer.step()
+        torch.set_num_threads(1)
+        try:
+            with profile(record_shapes=True, use_kineto=False) as prof:
+                optimizer.step()
+        finally:
+            torch.set_num_threads(threads)
         totals: dict[str, float] = {}
         for event in prof.key_averages(group_by_input_shape=True):
-            if event.key.startswith("Optimizer.") or not event.key.startswith(("aten::", EIGH_WORKERS_EVENT)):
+            if event.key.startswith("Optimizer.") or not event.key.startswith("aten::"):
                 continue
             category = _category(event.key, event.input_shapes or [], short_side)
             if category is not None:
@@ -230,8 +236,9 @@ def main(argv=None) -> int:
         short = min(min(s) for s in shapes)
         for name in (n for n in optimizers if n.startswith("ManifoldMuon")):
             rows, total = profile_step(optimizers[name], grads, short)
-            text += (f"\n\nWhere the time goes: one profiled step of {name} (default solver), self CPU time "
-                     f"of its ops ({total:.0f} ms in all; timed median {1e3 * medians[name]:.0f} ms)\n\n"
+            text += (f"\n\nWhere the time goes: one profiled step of {name} (default solver) on one thread, "
+                     f"self CPU time of its ops ({total:.0f} ms in all; timed median at {args.threads} "
+                     f"threads {1e3 * medians[name]:.0f} ms)\n\n"
                      + markdown_table(["work", "ms", "share"], rows))
     return provenance.finish(text)
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 __all__ = [
     "NSSchedule",
@@ -37,6 +41,7 @@ __all__ = [
     "off_diagonal",
     "sym",
     "eigh",
+    "in_one_thread_workers",
     "check_matrix",
     "fp32_or_fp64",
     "rms_scale",
@@ -166,22 +171,54 @@ def off_diagonal(S: torch.Tensor) -> torch.Tensor:
     return torch.where(eye, torch.zeros((), dtype=S.dtype, device=S.device), S)
 
 
-#: The profiler event that spans :func:`eigh`'s wait for its worker threads.
-EIGH_WORKERS_EVENT = "geomuon::eigh_workers"
+def in_one_thread_workers(calls: list[Callable[[], T]]) -> list[T]:
+    r"""Run ``calls`` in worker threads that run torch on one intra-op thread each, $k$ at a
+    time for the caller's $k$ threads; their results in order.
+
+    For independent work whose torch ops scale poorly across threads (LAPACK's eigensolver
+    at transformer sizes; the many small elementwise ops of an optimizer step): one thread
+    per call scales almost linearly instead, and each call computes exactly what it computes
+    on one thread, so its result is the same at every thread count. The workers take the
+    caller's grad mode. Every call finishes before this returns; the first failure is then
+    raised. ``torch.set_num_threads(1)`` in a worker sets its own OpenMP and MKL counts but
+    also ATen's process-wide count, which threads started later inherit, so the caller's
+    count is restored. The pool is per process (a forked child has none of its parent's
+    threads) and thread count. Profilers of the caller's thread do not see the workers' ops.
+    """
+    threads = torch.get_num_threads()
+    grad = torch.is_grad_enabled()
+
+    def one_thread(call):
+        torch.set_num_threads(1)
+        with torch.set_grad_enabled(grad):
+            return call()
+
+    key = (os.getpid(), threads)
+    if key not in _WORKERS:
+        _WORKERS[key] = ThreadPoolExecutor(threads, thread_name_prefix="geomuon-worker")
+    futures = [_WORKERS[key].submit(one_thread, call) for call in calls]
+    try:
+        wait(futures)
+        return [future.result() for future in futures]
+    finally:
+        torch.set_num_threads(threads)
+
+
+_WORKERS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def eigh(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``torch.linalg.eigh`` of symmetric ``S`` ``[..., n, n]``: eigenvalues ``[..., n]``
     (ascending) and eigenvectors ``[..., n, n]``, in ``S.dtype``.
 
-    On the CPU with $k > 1$ intra-op threads, the stack is split into up to $k$ parts, each
-    decomposed by a worker thread that runs LAPACK on one thread. LAPACK's eigensolver
-    scales poorly across threads at transformer sizes while independent matrices scale
-    almost linearly (a stack of 12 matrices $384\times384$, fp32, 2 threads: 58 ms in one
-    call, 39 ms split; 80 ms on one thread), and every matrix's result is then bitwise its
-    one-thread result: the same at every thread count and whatever its batch-mates (a lone
-    matrix too goes to a worker, though LAPACK's threads would be faster for it). On one
-    thread, on CUDA and inside ``torch.compile`` (whose graph holds the one op) it is one call.
+    On the CPU with $k > 1$ intra-op threads, the stack is split into up to $k$ parts
+    decomposed by :func:`in_one_thread_workers`. LAPACK's eigensolver scales poorly across
+    threads at transformer sizes while independent matrices scale almost linearly (a stack
+    of 12 matrices $384\times384$, fp32, 2 threads: 58 ms in one call, 39 ms split; 80 ms
+    on one thread), and every matrix's result is then bitwise its one-thread result: the
+    same at every thread count and whatever its batch-mates (a lone matrix too goes to a
+    worker, though LAPACK's threads would be faster for it). On one thread, on CUDA and
+    inside ``torch.compile`` (whose graph holds the one op) it is one call.
     """
     if torch.compiler.is_compiling():
         return torch.linalg.eigh(S)
@@ -190,32 +227,9 @@ def eigh(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if S.device.type != "cpu" or threads < 2 or batch == 0:
         return torch.linalg.eigh(S)
     parts = S.reshape(batch, *S.shape[-2:]).tensor_split(min(threads, batch))
-    workers = _eigh_workers(threads)
-    try:
-        with torch.profiler.record_function(EIGH_WORKERS_EVENT):  # the workers' ops are not in this thread's profile
-            results = [future.result() for future in [workers.submit(_one_thread_eigh, part) for part in parts]]
-    finally:
-        # torch.set_num_threads in a worker also set the count that threads started later take: restore it
-        torch.set_num_threads(threads)
+    results = in_one_thread_workers([partial(torch.linalg.eigh, part) for part in parts])
     values = torch.cat([values for values, _ in results]).reshape(S.shape[:-1])
     return values, torch.cat([vectors for _, vectors in results]).reshape(S.shape)
-
-
-def _one_thread_eigh(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.set_num_threads(1)  # this worker thread's own OpenMP and MKL counts
-    return torch.linalg.eigh(S)
-
-
-_EIGH_WORKERS: dict[tuple[int, int], ThreadPoolExecutor] = {}
-
-
-def _eigh_workers(threads: int) -> ThreadPoolExecutor:
-    """The worker threads of :func:`eigh`, one pool per process (a forked child has none of
-    its parent's threads) and thread count."""
-    key = (os.getpid(), threads)
-    if key not in _EIGH_WORKERS:
-        _EIGH_WORKERS[key] = ThreadPoolExecutor(threads, thread_name_prefix="geomuon-eigh")
-    return _EIGH_WORKERS[key]
 
 
 def sym(X: torch.Tensor) -> torch.Tensor:

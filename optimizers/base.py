@@ -55,12 +55,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from geomuon.manifolds import MatrixManifold
-from geomuon.manifolds.linalg import fp32_or_fp64
+from geomuon.manifolds.linalg import fp32_or_fp64, in_one_thread_workers
 
 from .regulate import make_regulator, regulator_spec, unchecked_regulation
 from . import distributed as _distributed
@@ -81,6 +82,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
     """
 
     matrix_update = "matrix"
+    #: Whether the same-shape batches of a step run in one-thread worker threads on a CPU with
+    #: several threads (:meth:`_matrix_steps`): for updates dominated by work that scales poorly
+    #: across threads. An update that depends on nothing but its own matrix and state is then
+    #: bitwise the one-thread one (ManifoldMuon: unless a batch mixes warm-started matrices with
+    #: ones that have no warm start yet, which cold-starts the whole batch but not every part).
+    parallel_batches = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         lr = defaults.get("lr")
@@ -200,8 +207,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if group["update"] == "adamw":
                 self._adamw(group, params, lr, self._keep(group, index, params, positions, keep))
             else:
-                for batch in self._batches(group, params):
-                    self._matrix_step(group, batch, lr, self._keep(group, index, batch, positions, keep))
+                batches = [(batch, self._keep(group, index, batch, positions, keep))
+                           for batch in self._batches(group, params)]
+                self._matrix_steps(group, batches, lr)
             regulator = self._regulators[index]
             if regulator is not None:
                 for p in params:
@@ -310,6 +318,28 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if group["matrix_view"] == "flatten":
             return (p.shape[0], p[0].numel())
         return tuple(p.shape)
+
+    def _matrix_steps(self, group: dict, batches: list[tuple[list[torch.Tensor], torch.Tensor | None]],
+                      lr: float | torch.Tensor) -> None:
+        """:meth:`_matrix_step` of every ``(batch, keep)``: one after the other, or, with
+        :attr:`parallel_batches` on a CPU with $k > 1$ threads, each batch cut into up to $k$
+        parts run by :func:`~geomuon.manifolds.linalg.in_one_thread_workers` (sharded
+        parameters step in order: their steps communicate)."""
+        threads = torch.get_num_threads()
+        params = [p for batch, _ in batches for p in batch]
+        if (not self.parallel_batches or threads < 2 or not params or params[0].device.type != "cpu"
+                or any(_distributed.is_sharded(p) for p in params)):
+            for batch, keep in batches:
+                self._matrix_step(group, batch, lr, keep)
+            return
+        calls = []
+        for batch, keep in batches:
+            parts = min(threads, len(batch))
+            bounds = [len(batch) * i // parts for i in range(parts + 1)]
+            for start, stop in zip(bounds, bounds[1:]):
+                calls.append(partial(self._matrix_step, group, batch[start:stop], lr,
+                                     None if keep is None else keep[start:stop]))
+        in_one_thread_workers(calls)
 
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
         """Dtype of the stacked momentum handed to :meth:`_direction` (default: ``p``'s)."""

@@ -7,6 +7,7 @@ reproducible and fast) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``, or
 
 import contextlib
 import os
+import threading
 
 # Spinning OpenMP workers steal the other core from concurrent processes (DDP tests,
 # subprocess CLI tests); passive waiting costs nothing measurable here. Must be set
@@ -43,22 +44,34 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 _READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+_ORIGINAL_READS = {name: getattr(torch.Tensor, name) for name in _READS}
+# The guard patches torch.Tensor for the whole process, and optimizer steps enter it from
+# several worker threads at once (ManifoldMuon's batches on a multi-threaded CPU): a count
+# of the threads inside, under a lock, so the last one out restores the true methods.
+_guard_lock = threading.Lock()
+_guard_depth = 0
 
 
 @contextlib.contextmanager
 def _no_host_reads():
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+    global _guard_depth
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("host read of a tensor's value where none is allowed")
 
+    with _guard_lock:
+        if _guard_depth == 0:
+            for name in _READS:
+                setattr(torch.Tensor, name, refuse)
+        _guard_depth += 1
     try:
-        for name in _READS:
-            setattr(torch.Tensor, name, refuse)
         yield
     finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
+        with _guard_lock:
+            _guard_depth -= 1
+            if _guard_depth == 0:
+                for name, method in _ORIGINAL_READS.items():
+                    setattr(torch.Tensor, name, method)
 
 
 @pytest.fixture

@@ -336,6 +336,23 @@ def test_the_sync_guard_catches_a_read_back(no_host_reads):
             read()
 
 
+def test_the_sync_guard_holds_until_the_last_overlapping_user_leaves(no_host_reads):
+    # ManifoldMuon's worker threads enter and leave the guard in any order: here the first
+    # one in leaves first. A guard that saved and restored the methods it found would let
+    # reads through while the second is inside, and leave them refused for good after.
+    x = torch.ones(2)
+    first, second = no_host_reads(), no_host_reads()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    try:
+        with pytest.raises(RuntimeError, match="host read"):
+            x.sum().item()
+    finally:
+        second.__exit__(None, None, None)
+    assert x.sum().item() == 2.0
+
+
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
 def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypatch, no_host_reads):
     # The per-batch work of every step (momentum, the engine, the retraction, the state

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import threading
+import time
 
 from geomuon.manifolds import linalg
-from geomuon.manifolds.linalg import eigh, inv_sqrt_psd, msign, nuclear_norm, off_diagonal, power_iteration, spectral_norm
+from geomuon.manifolds.linalg import (eigh, in_one_thread_workers, inv_sqrt_psd, msign, nuclear_norm, off_diagonal,
+                                      power_iteration, spectral_norm)
 
 
 def synthesized(shape, singular_values, seed=0):
@@ -191,59 +193,60 @@ def test_eigh_at_two_threads_is_bitwise_the_one_thread_result(dtype, two_threads
     assert not torch.equal(values.flip(0), values)
 
 
-def test_eigh_runs_in_one_thread_workers_and_leaves_the_thread_count(two_threads, monkeypatch):
-    """At 2 threads a stack is decomposed by the worker threads, one intra-op thread each; the
-    caller keeps 2 threads and a thread started afterwards gets 2. Control: the hazard is
-    real — a worker's torch.set_num_threads(1) alone hands a later thread 1."""
-    seen = []
-    one_thread_eigh = linalg._one_thread_eigh
-
-    def spy(S):
-        out = one_thread_eigh(S)
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return out
-
-    monkeypatch.setattr(linalg, "_one_thread_eigh", spy)
-    eigh(_symmetric_stack(4, 32, torch.float32))
-    assert len(seen) == 2 and all(name.startswith("geomuon-eigh") and count == 1 for name, count in seen)
-    assert torch.get_num_threads() == 2
-
-    def count_in_new_thread():
-        counts = []
-        thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        return counts[0]
-
-    assert count_in_new_thread() == 2
-    worker = threading.Thread(target=lambda: torch.set_num_threads(1))
-    worker.start()
-    worker.join()
-    assert count_in_new_thread() == 1  # the control: what eigh's restore prevents
-
-
-def test_eigh_passes_a_worker_error_on_and_still_restores_the_thread_count(two_threads, monkeypatch):
-    """A failure inside a worker reaches the caller, and threads started afterwards still get
-    the caller's count (control above: without the restore they would get 1)."""
-    def failing(S):
-        torch.set_num_threads(1)
-        raise torch.linalg.LinAlgError("worker failed")
-
-    monkeypatch.setattr(linalg, "_one_thread_eigh", failing)
-    with pytest.raises(torch.linalg.LinAlgError, match="worker failed"):
-        eigh(_symmetric_stack(2, 8, torch.float64))
+def _count_in_new_thread():
     counts = []
     thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
     thread.start()
     thread.join()
-    assert counts == [2]
+    return counts[0]
+
+
+def test_workers_run_one_thread_each_in_the_callers_grad_mode_and_leave_the_thread_count(two_threads):
+    """At 2 threads the calls run in the workers, one intra-op thread each, with the caller's
+    grad mode; the caller keeps 2 threads and a thread started afterwards gets 2. Control:
+    the hazard is real — a worker's torch.set_num_threads(1) alone hands a later thread 1."""
+    def report():
+        return threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()
+
+    with torch.no_grad():
+        seen = in_one_thread_workers([report, report, report])
+    assert all(name.startswith("geomuon-worker") and count == 1 and not grad for name, count, grad in seen)
+    assert in_one_thread_workers([report])[0][2] is True
+    assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2
+    worker = threading.Thread(target=lambda: torch.set_num_threads(1))
+    worker.start()
+    worker.join()
+    assert _count_in_new_thread() == 1  # the control: what the restore prevents
+
+
+def test_workers_finish_every_call_then_raise_the_first_failure_and_restore_the_count(two_threads):
+    """A failing call does not leave others running behind the caller's back, its error
+    reaches the caller, and later threads still get the caller's count."""
+    finished = []
+
+    def slow():
+        time.sleep(0.2)
+        finished.append("slow")
+
+    def failing():
+        raise torch.linalg.LinAlgError("worker failed")
+
+    with pytest.raises(torch.linalg.LinAlgError, match="worker failed"):
+        in_one_thread_workers([failing, slow])
+    assert finished == ["slow"]
+    assert _count_in_new_thread() == 2
 
 
 def test_eigh_takes_one_call_at_one_thread(monkeypatch):
     """No workers at one thread (control: at two threads a lone matrix does go to one, so
     that its result is the one-thread result there too)."""
     calls = []
-    monkeypatch.setattr(linalg, "_one_thread_eigh", lambda S: calls.append(S) or torch.linalg.eigh(S))
+
+    def spy(batch):
+        calls.append(len(batch))
+        return [call() for call in batch]
+
+    monkeypatch.setattr(linalg, "in_one_thread_workers", spy)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -251,7 +254,7 @@ def test_eigh_takes_one_call_at_one_thread(monkeypatch):
         assert calls == []
         torch.set_num_threads(2)
         eigh(_symmetric_stack(1, 16, torch.float64))
-        assert len(calls) == 1
+        assert calls == [1]
     finally:
         torch.set_num_threads(before)
 

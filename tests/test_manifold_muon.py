@@ -416,3 +416,47 @@ def test_a_reference_solve_tightens_the_certificate_and_changes_nothing_else():
     assert own + 0.01 < tightened <= 1 + 8 * torch.finfo(torch.float32).eps
     with pytest.raises(ValueError, match="certify_reference"):
         ManifoldMuon([torch.nn.Parameter(W.clone())], manifold="dgram", certify_reference=-1)
+
+
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_steps(manifold, dtype, monkeypatch):
+    """At 2 threads ManifoldMuon's batches (two shapes, three matrices each: cut into 2 + 2
+    parts) run in the workers, and three steps land bit for bit where they land on one
+    thread. Controls: Muon (``parallel_batches`` off) uses no workers, and the two-thread
+    run really stepped (the points moved)."""
+    import geomuon.optimizers.base as base
+
+    workers = []
+    real = base.in_one_thread_workers
+    monkeypatch.setattr(base, "in_one_thread_workers", lambda calls: workers.append(len(calls)) or real(calls))
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(48, 16)] * 3 + [(16, 40)] * 3
+    start = [manifold.projx(torch.randn(s, generator=gen, dtype=dtype)) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(3)]
+
+    def run(threads, optimizer=ManifoldMuon, **kw):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            ps = [geoopt.ManifoldParameter(w.clone(), manifold=manifold) for w in start]
+            opt = optimizer(ps, lr=0.05, **kw)
+            for step in grads:
+                for p, g in zip(ps, step):
+                    p.grad = g.clone()
+                opt.step()
+            return [p.detach() for p in ps]
+        finally:
+            torch.set_num_threads(before)
+
+    one = run(1)
+    assert workers == []
+    two = run(2)
+    assert workers == [4, 4, 4]
+    assert all(torch.equal(a.view(torch.int64 if dtype == torch.float64 else torch.int32),
+                           b.view(torch.int64 if dtype == torch.float64 else torch.int32)) for a, b in zip(one, two))
+    assert not any(torch.equal(a, w) for a, w in zip(two, start))
+    from geomuon.optimizers import Muon
+    workers.clear()
+    run(2, Muon)
+    assert workers == []
