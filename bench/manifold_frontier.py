@@ -14,7 +14,9 @@ GPT-2 block shapes of ``bench/optimizer_step.py``).
 The measured table, with how it was produced, is on the docs' Results page
 (``--markdown docs/results/benchmarks/manifold_frontier.md`` writes it); the row of
 ManifoldMuon's default (:func:`geomuon.optimizers.manifold_muon.default_dual_steps`, warm) is
-marked there.
+marked there. A warm row's first step has no warm start and takes
+:func:`~geomuon.optimizers.manifold_muon.default_cold_dual_steps` (the column says where that
+is more than the row's dual steps).
 
 Usage::
 
@@ -143,7 +145,8 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
-    from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, resolve_manifold
+    from geomuon.optimizers.manifold_muon import (default_cold_dual_steps, default_dual_steps, default_dual_update,
+                                                  resolve_manifold)
 
     solver = {}
     if args.msign:
@@ -185,7 +188,9 @@ def main(argv=None) -> int:
         where = f"{set_name} ({len(shapes)} matrices)"
         path = "Gram space" if retraction == "fused" else "general"
         update = update if retraction == "fused" else "jacobi"
-        lines.append(markdown_row([where, manifold_name, path, update, str(dual_steps), start, f"{mean:.4f}", f"{low:.4f}", cost]))
+        cold = default_cold_dual_steps(manifold, dual_steps)
+        steps = f"{dual_steps} (first: {cold})" if warm and cold != dual_steps else str(dual_steps)
+        lines.append(markdown_row([where, manifold_name, path, update, steps, start, f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)
 

@@ -45,7 +45,7 @@ from .base import MatrixOptimizer, OffManifoldError
 from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_polish_rounds", "default_dual_update",
+__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_cold_dual_steps", "default_polish_rounds", "default_dual_update",
            "gram_solver", "DEFAULT_DUAL_STEPS",
            "DEFAULT_DUAL_UPDATE", "DUALIZER_SHIFT_EPS"]
 
@@ -75,6 +75,14 @@ def default_dual_steps(manifold) -> int:
     :data:`DEFAULT_DUAL_STEPS`."""
     form = getattr(manifold, "gram_form", None)
     return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
+
+
+def default_cold_dual_steps(manifold, dual_steps: int) -> int:
+    """ManifoldMuon's default dual steps, with warm starts on, in a step that has no warm
+    start yet: ``dual_steps``, or the Gram form's ``cold_dual_steps`` where it declares
+    more."""
+    form = getattr(manifold, "gram_form", None)
+    return dual_steps if form is None else max(dual_steps, form.cold_dual_steps)
 
 
 def default_polish_rounds(manifold) -> int:
@@ -144,6 +152,10 @@ class ManifoldMuon(MatrixOptimizer):
         dual_steps: dual-ascent steps per optimizer step (default ``None``:
             :func:`default_dual_steps` of the matrix's manifold; 0 is the projection
             direction $\Phi(P_W\tilde B)$, plus the carried step when warm-started).
+        cold_dual_steps: with ``warm_start``, the dual steps of a step that has no warm start
+            yet (the first step; after loading a state saved without one). Default ``None``:
+            :func:`default_cold_dual_steps` (DGram: at least 2, where one certified its
+            first step at 0.918 of the optimum on ``bench/manifold_frontier.py``'s GPT set).
         dual_alpha: dual step size, in units of the full Newton or Jacobi step (default 1).
         dual_update: the Gram path's dual step: ``"newton"`` (Su's fixed point: the Lyapunov
             step in $Z^\top Z$'s eigenbasis on Stiefel with ``"eigh"``, conjugate gradients on
@@ -223,6 +235,7 @@ class ManifoldMuon(MatrixOptimizer):
         manifold=None,
         norm: str = "spectral",
         dual_steps: int | None = None,
+        cold_dual_steps: int | None = None,
         dual_alpha: float = 1.0,
         dual_update: str | None = None,
         gram_dualizer: str | None = None,
@@ -242,7 +255,7 @@ class ManifoldMuon(MatrixOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, manifold=manifold,
-            norm=norm, dual_steps=dual_steps, dual_alpha=dual_alpha, dual_update=dual_update,
+            norm=norm, dual_steps=dual_steps, cold_dual_steps=cold_dual_steps, dual_alpha=dual_alpha, dual_update=dual_update,
             gram_dualizer=gram_dualizer, warm_start=warm_start,
             msign_method=msign_method, msign_steps=msign_steps, compute_dtype=compute_dtype,
             dual_carry=dual_carry, polish_rounds=polish_rounds, dual_smoothing=dual_smoothing, retraction=retraction, certify_every=certify_every, certify_reference=certify_reference, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
@@ -273,6 +286,8 @@ class ManifoldMuon(MatrixOptimizer):
                              f"got {group['gram_dualizer']!r}")
         if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
             raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
+        if group["cold_dual_steps"] is not None and int(group["cold_dual_steps"]) < 0:
+            raise ValueError(f"group {index}: cold_dual_steps must be >= 0, got {group['cold_dual_steps']}")
         if group["polish_rounds"] is not None and int(group["polish_rounds"]) < 0:
             raise ValueError(f"group {index}: polish_rounds must be >= 0, got {group['polish_rounds']}")
         if int(group.get("certify_reference", 0)) < 0:
@@ -402,6 +417,10 @@ class ManifoldMuon(MatrixOptimizer):
         solver = group
         if group["dual_steps"] is None:
             solver = dict(group, dual_steps=default_dual_steps(manifold))
+        if group["warm_start"] and warm is None:
+            cold = group.get("cold_dual_steps")  # (absent from a group saved before it existed: the default)
+            cold = default_cold_dual_steps(manifold, int(solver["dual_steps"])) if cold is None else int(cold)
+            solver = dict(solver, dual_steps=cold)
         if manifold.dualizer_keeps_tangent(W, group["norm"]):
             # A closed form (square Stiefel, the centered router): the direction is
             # Phi(P_W G) with no dual step. Its dual gradient is round-off, so dual steps would

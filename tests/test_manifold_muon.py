@@ -275,6 +275,62 @@ def test_the_default_polish_is_the_forms_with_either_dualizer(manifold, dualizer
         assert torch.equal(run(), default)
 
 
+@pytest.mark.parametrize("manifold,options,expected", [
+    (DGram(), {}, [2, 1, 1]),  # the form's floor on the cold first step, then its default
+    (DGram(), {"cold_dual_steps": 4}, [4, 1, 1]),
+    (DGram(), {"dual_steps": 3}, [3, 3, 3]),  # a floor below the dual steps changes nothing
+    (DGram(), {"warm_start": False}, [1, 1, 1]),  # no warm starts: every step takes dual_steps
+    (Stiefel(), {}, [2, 2, 2]),  # a form that declares no floor
+], ids=["dgram", "dgram-explicit", "dgram-more-steps", "dgram-no-warm-start", "stiefel"])
+def test_a_step_without_a_warm_start_takes_the_cold_dual_steps(manifold, options, expected, monkeypatch):
+    from geomuon.optimizers import manifold_muon
+
+    taken = []
+
+    def settings(**fields):
+        taken.append(fields["dual_steps"])
+        return real(**fields)
+
+    real = manifold_muon.GramSettings
+    monkeypatch.setattr(manifold_muon, "GramSettings", settings)
+    gen = torch.Generator().manual_seed(6)
+    W = torch.nn.Parameter(manifold.random(48, 16, generator=gen).data)
+    opt = ManifoldMuon([W], lr=0.05, manifold=manifold, **options)
+    for _ in range(3):
+        W.grad = torch.randn(48, 16, generator=gen)
+        opt.step()
+    assert taken == expected
+
+
+def test_dgrams_cold_first_step_is_the_two_step_solve_and_certifies_higher():
+    """The default first step on DGram is bitwise the 2-dual-step solve (its form's
+    ``cold_dual_steps``) and certifies more than 1 step would; control: forcing 1 cold step
+    moves the weights differently."""
+    gen = torch.Generator().manual_seed(7)
+    start = DGram().projx(torch.randn(96, 32, generator=gen) * torch.logspace(-1, 1, 32))
+    grad = torch.randn(96, 32, generator=gen) * torch.logspace(0, -2, 32)
+
+    def first_step(**options):
+        W = torch.nn.Parameter(start.clone())
+        opt = ManifoldMuon([W], lr=0.05, manifold="dgram", certify_every=1, **options)
+        W.grad = grad.clone()
+        opt.step()
+        return W.detach(), next(iter(opt.certificates.values()))
+
+    default, certified = first_step()
+    two, _ = first_step(dual_steps=2, warm_start=False)
+    one, certified_one = first_step(cold_dual_steps=1)
+    assert torch.equal(default, two)
+    assert not torch.equal(default, one)
+    assert certified > certified_one
+
+
+def test_a_negative_cold_dual_step_count_is_refused_by_name():
+    W = torch.nn.Parameter(DGram().random(8, 4).data)
+    with pytest.raises(ValueError, match="cold_dual_steps must be >= 0"):
+        ManifoldMuon([W], manifold="dgram", cold_dual_steps=-1)
+
+
 def test_the_default_gram_solver_on_the_cpu_is_newton_with_eigh():
     """Leaving the solver to its default steps exactly as naming ``newton``/``eigh`` on the
     CPU (bitwise); control: Polar Express with Jacobi steps moves the weights differently."""
