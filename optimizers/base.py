@@ -326,9 +326,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         parts run by :func:`~geomuon.manifolds.linalg.in_one_thread_workers` (sharded
         parameters step in order: their steps communicate)."""
         threads = torch.get_num_threads()
-        params = [p for batch, _ in batches for p in batch]
-        if (not self.parallel_batches or threads < 2 or not params or params[0].device.type != "cpu"
-                or any(_distributed.is_sharded(p) for p in params)):
+        if not (self.parallel_batches and threads > 1 and all(
+                p.device.type == "cpu" and not _distributed.is_sharded(p) for batch, _ in batches for p in batch)):
             for batch, keep in batches:
                 self._matrix_step(group, batch, lr, keep)
             return

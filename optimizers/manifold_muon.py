@@ -45,9 +45,8 @@ from .base import MatrixOptimizer, OffManifoldError
 from .gram import DUALIZERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
-__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_cold_dual_steps", "default_polish_rounds", "default_dual_update",
-           "gram_solver", "DEFAULT_DUAL_STEPS",
-           "DEFAULT_DUAL_UPDATE", "DUALIZER_SHIFT_EPS"]
+__all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_cold_dual_steps", "default_polish_rounds",
+           "default_dual_update", "gram_solver", "DEFAULT_DUAL_STEPS", "DEFAULT_DUAL_UPDATE", "DUALIZER_SHIFT_EPS"]
 
 #: Default dual steps per optimizer step, chosen on the measured frontier
 #: (``bench/manifold_frontier.py``; the table is on the docs' Results page).
