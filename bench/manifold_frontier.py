@@ -81,7 +81,7 @@ class Regression:
             p.grad = X.mT @ (X @ p.detach() - Y) / batch
 
 
-def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: int, alpha: float, **solver):
+def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: int, alpha: float | None, **solver):
     from geomuon.optimizers import ManifoldMuon
 
     task = Regression(shapes, manifold, seed=seed)
@@ -96,7 +96,7 @@ def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: 
     return statistics.mean(ratios), min(ratios)
 
 
-def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, seed: int, alpha: float,
+def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, seed: int, alpha: float | None,
                 clock=time.perf_counter, **solver):
     """Median step time of ManifoldMuon (no certificate) and of our Muon, interleaved."""
     from geomuon.optimizers import ManifoldMuon, Muon
@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="training steps per configuration")
     parser.add_argument("--dual", type=int, nargs="+", default=list(range(9)))
     parser.add_argument("--starts", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])
-    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's, by manifold and update)")
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
     parser.add_argument("--msign-steps", type=int, default=None)
     parser.add_argument("--retraction", nargs="+", default=["fused"], choices=["fused", "manifold"],
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         solver["gram_dualizer"] = args.dualizer
     header = ["set", "manifold", "path", "dual update", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
     lines = [
-        f"{args.steps} steps per configuration, alpha={args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
+        f"{args.steps} steps per configuration, alpha={"ManifoldMuon's" if args.alpha is None else args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
         f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
         f"{args.repeats} interleaved rounds; start \"(default)\": ManifoldMuon's default solver",
         "",
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
             cost = f"{ratio:.2f}"
         start = "warm" if warm else "cold"
         if (dual_steps == default_dual_steps(manifold) and warm and not solver and retraction == "fused"
-                and update == default_dual_update(manifold)):
+                and update == default_dual_update(manifold) and args.alpha is None):
             start += " (default)"
         where = f"{set_name} ({len(shapes)} matrices)"
         path = "Gram space" if retraction == "fused" else "general"
