@@ -157,8 +157,9 @@ def main(argv=None) -> int:
     if args.dualizer:
         solver["gram_dualizer"] = args.dualizer
     header = ["set", "manifold", "path", "dual update", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
+    alpha = "ManifoldMuon's" if args.alpha is None else args.alpha
     lines = [
-        f"{args.steps} steps per configuration, alpha={"ManifoldMuon's" if args.alpha is None else args.alpha}, lr=0.02, bf16 dual iterations, dualizer "
+        f"{args.steps} steps per configuration, alpha={alpha}, lr=0.02, bf16 dual iterations, dualizer "
         f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
         f"{args.repeats} interleaved rounds; start \"(default)\": ManifoldMuon's default solver",
         "",
