@@ -26,6 +26,7 @@ Usage::
     python bench/optimizer_step.py --repeats 3 --layers 2 --width 256 --threads 1
     python bench/optimizer_step.py --quick         # 1 x 64, seconds: a smoke test
     python bench/optimizer_step.py --threads 1 --clock process --profile   # + where the time goes
+    python bench/optimizer_step.py --dualizer default polar_express   # + ManifoldMuon under Polar Express
 
 ``--profile`` adds, for each ManifoldMuon row, one profiled step (``torch.profiler``, after
 the timed rounds) split into the work the engine's cost model counts: $m\times n$
@@ -77,8 +78,9 @@ def state_mib(optimizer: torch.optim.Optimizer) -> float:
     return total / 2**20
 
 
-def build(shapes, seed: int, device: str = "cpu"):
-    """Every optimizer under test, each on its own copy of the parameters (on ``device``)."""
+def build(shapes, seed: int, device: str = "cpu", dualizers=(None,)):
+    """Every optimizer under test, each on its own copy of the parameters (on ``device``);
+    ManifoldMuon once per entry of ``dualizers`` (``None``: its default, by device)."""
     import geoopt
 
     from geomuon.manifolds import DGram, Stiefel
@@ -100,10 +102,12 @@ def build(shapes, seed: int, device: str = "cpu"):
     optimizers = {
         "torch.optim.Muon": torch.optim.Muon(params(), lr=0.02),
         "Muon (ours)": Muon(params(), lr=0.02),
-        "ManifoldMuon Stiefel": ManifoldMuon(params(stiefel), lr=0.02),
-        "ManifoldMuon DGram": ManifoldMuon(params(dgram), lr=0.02),
-        "RiemannianAdam Stiefel": geoopt.optim.RiemannianAdam(params(stiefel), lr=1e-3),
     }
+    for dualizer in dualizers:
+        for name, manifold in (("Stiefel", stiefel), ("DGram", dgram)):
+            label = f"ManifoldMuon {name}" + (f", {dualizer}" if dualizer else "")
+            optimizers[label] = ManifoldMuon(params(manifold), lr=0.02, gram_dualizer=dualizer)
+    optimizers["RiemannianAdam Stiefel"] = geoopt.optim.RiemannianAdam(params(stiefel), lr=1e-3)
     return optimizers, grads
 
 
@@ -203,6 +207,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of each ManifoldMuon row: where the time goes (CPU only)")
+    parser.add_argument("--dualizer", nargs="+", default=["default"], choices=["default", "eigh", "polar_express"],
+                        help="ManifoldMuon rows, one pair per dualizer (gram_dualizer; default: ManifoldMuon's, "
+                             "eigh on the CPU): on a CPU whose bf16 products are fast, compare polar_express")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cpu" and (args.clock != "wall" or args.profile):
@@ -213,16 +220,13 @@ def main(argv=None) -> int:
     provenance = Provenance(__file__, args, argv)
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()
-    optimizers, grads = build(shapes, args.seed, args.device)
+    dualizers = [None if d == "default" else d for d in args.dualizer]
+    optimizers, grads = build(shapes, args.seed, args.device, dualizers)
     medians = measure(optimizers, grads, args.repeats, CLOCKS[args.clock], device=args.device)
     params_mib = sum(s[0] * s[1] for s in shapes) * 4 / 2**20
-    baselines = {
-        "torch.optim.Muon": "torch.optim.Muon",
-        "Muon (ours)": "torch.optim.Muon",
-        "ManifoldMuon Stiefel": "Muon (ours)",
-        "ManifoldMuon DGram": "Muon (ours)",
-        "RiemannianAdam Stiefel": "Muon (ours)",
-    }
+    # the Muons against torch's, everything else against ours
+    baselines = {name: "torch.optim.Muon" if name in ("torch.optim.Muon", "Muon (ours)") else "Muon (ours)"
+                 for name in optimizers}
     rows = [[name, f"{1e3 * median:.1f}", f"{median / medians[baselines[name]]:.2f}", baselines[name],
              f"{state_mib(optimizers[name]):.1f}"] for name, median in medians.items()]
     described = f"{args.layers} layers x {args.width}" if args.set == "gpt" else "one GPT-2-small block, d = 768"
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
         short = min(min(s) for s in shapes)
         for name in (n for n in optimizers if n.startswith("ManifoldMuon")):
             rows, total = profile_step(optimizers[name], grads, short)
-            text += (f"\n\nWhere the time goes: one profiled step of {name} (default solver) on one thread, "
+            solver = "default solver" if "," not in name else f"{name.split(', ')[1]} dualizer"
+            text += (f"\n\nWhere the time goes: one profiled step of {name} ({solver}) on one thread, "
                      f"self CPU time of its ops ({total:.0f} ms in all; timed median at {args.threads} "
                      f"threads {1e3 * medians[name]:.0f} ms)\n\n"
                      + markdown_table(["work", "ms", "share"], rows))

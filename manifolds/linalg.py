@@ -241,19 +241,18 @@ def newton_schulz_step(Y: torch.Tensor, a: float, b: float, c: float, *, transpo
     r"""One quintic Newton–Schulz step on wide ``[B, m, n]`` or ``[m, n]`` matrices ($m \le n$):
     $S = YY^\top$, $Y \leftarrow aY + (bS + cS^2)Y$.
 
-    Fused products, one kernel each for the whole stack ($bS + cS^2$, then
-    $aY + (\cdot)Y$): torch.optim.Muon's form, so a bf16 Muon step rounds exactly as
-    torch's. Computed in ``Y.dtype``. The symbolic certificates
-    (:mod:`geomuon.theory.symbolic`) evaluate this very function on non-commuting
-    matrix symbols.
+    Fused products, one kernel each ($bS + cS^2$, then $aY + (\cdot)Y$): torch.optim.Muon's
+    form, so a bf16 Muon step rounds exactly as torch's. A stack takes one batched kernel per
+    product (:func:`msign` hands the CPU one matrix at a time: see there). Computed in
+    ``Y.dtype``. The symbolic certificates (:mod:`geomuon.theory.symbolic`) evaluate this very
+    function on non-commuting matrix symbols.
 
     ``transposed=True`` returns the step's transpose $aY^\top + Y^\top(bS + cS^2)$ ($bS + cS^2$
     is symmetric), written contiguous: the last step of a tall matrix's iteration, whose
     result is then added to the parameter without a strided pass (on CPU a strided bf16
     ``add_`` is ~3x slower than a contiguous one).
     """
-    # a single 2-D matrix takes addmm: on CPU a batch of one's Gram Y Y^T through bmm is ~35%
-    # slower than mm (measured at 768x3072 bf16); tensor-likes (the symbolic stand-ins) batch
+    # a 2-D matrix takes addmm; a stack (and the symbolic stand-ins) baddbmm
     fma = torch.addmm if isinstance(Y, torch.Tensor) and Y.dim() == 2 else torch.baddbmm
     S = Y @ Y.mT
     polynomial = fma(S, S, S, beta=b, alpha=c)
@@ -323,15 +322,25 @@ def msign(
     # Normalize before transposing: elementwise passes over a transposed view are ~10x slower.
     Y = Y / (Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor) * schedule.input_scale)
     Y = Y if wide else Y.mT
-    if Y.size(0) == 1:
-        Y = Y[0]  # one matrix: the 2-D products of newton_schulz_step
     coefficients = schedule.step_coefficients(n_steps)
-    for k, (a, b, c) in enumerate(coefficients):
-        # a tall matrix's last step comes out transposed back, contiguous
-        last_of_tall = not wide and k == len(coefficients) - 1
-        Y = newton_schulz_step(Y, a, b, c, transposed=last_of_tall)
-    Y = Y if wide or coefficients else Y.mT
-    return Y.reshape(shape).to(out_dtype)  # (a 2-D single matrix reshapes back to the batch)
+
+    def iterate(Y):
+        for k, (a, b, c) in enumerate(coefficients):
+            # a tall matrix's last step comes out transposed back, contiguous
+            last_of_tall = not wide and k == len(coefficients) - 1
+            Y = newton_schulz_step(Y, a, b, c, transposed=last_of_tall)
+        return Y if wide or coefficients else Y.mT
+
+    if isinstance(Y, torch.Tensor) and Y.device.type == "cpu":
+        # One matrix at a time on the CPU, then one stacking copy: batched bf16 baddbmm is
+        # slower there than a loop of addmm (Muon's step, 6 x 384 GPT stack, AMD EPYC with
+        # bf16 4.4x fp32: 1.30x torch.optim.Muon batched, 1.08x looped, median of 4 runs at
+        # 2 threads; a batch of one's Gram Y Y^T through bmm is ~35% slower than mm at
+        # 768x3072 on an Intel Xeon).
+        Y = torch.stack([iterate(y) for y in Y])
+    else:
+        Y = iterate(Y)
+    return Y.reshape(shape).to(out_dtype)
 
 
 def _msign_svd(X: torch.Tensor) -> torch.Tensor:
