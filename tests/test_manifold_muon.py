@@ -1,5 +1,7 @@
 """ManifoldMuon: known optimum, staying on the manifold, certified quality in a run."""
 
+from functools import partial
+
 import geoopt
 import pytest
 import torch
@@ -248,6 +250,17 @@ def test_the_gram_solver_defaults_by_device():
     assert gram_solver(cpu, None, "polar_express") == ("newton", "polar_express")
 
 
+def _three_random_steps(manifold, seed, **options):
+    """The weights after three ManifoldMuon steps on random gradients from a random 48x16 point."""
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.nn.Parameter(manifold.random(48, 16, generator=gen).data)
+    opt = ManifoldMuon([W], lr=0.05, manifold=manifold, **options)
+    for _ in range(3):
+        W.grad = torch.randn(48, 16, generator=gen)
+        opt.step()
+    return W.detach().clone()
+
+
 @pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
 @pytest.mark.parametrize("dualizer", ["eigh", "polar_express"])
 def test_the_default_polish_is_the_forms_with_either_dualizer(manifold, dualizer, monkeypatch):
@@ -256,15 +269,7 @@ def test_the_default_polish_is_the_forms_with_either_dualizer(manifold, dualizer
     to fail); control: the default is not the unpolished step."""
     from geomuon.optimizers.manifold_muon import default_polish_rounds
 
-    def run(**options):
-        gen = torch.Generator().manual_seed(4)
-        W = torch.nn.Parameter(manifold.random(48, 16, generator=gen).data)
-        opt = ManifoldMuon([W], lr=0.05, manifold=manifold, gram_dualizer=dualizer, **options)
-        for _ in range(3):
-            W.grad = torch.randn(48, 16, generator=gen)
-            opt.step()
-        return W.detach().clone()
-
+    run = partial(_three_random_steps, manifold, 4, gram_dualizer=dualizer)
     rounds = manifold.gram_form.polish_rounds
     assert rounds >= 1 and default_polish_rounds(manifold) == rounds
     default = run()
@@ -341,15 +346,7 @@ def test_the_default_dual_step_size_is_the_forms_for_its_newton_update(manifold,
     where the default is not 1, naming 1 moves the weights differently."""
     from geomuon.optimizers.manifold_muon import default_dual_alpha
 
-    def run(**options):
-        gen = torch.Generator().manual_seed(8)
-        W = torch.nn.Parameter(manifold.random(48, 16, generator=gen).data)
-        opt = ManifoldMuon([W], lr=0.05, manifold=manifold, dual_update=update, **options)
-        for _ in range(3):
-            W.grad = torch.randn(48, 16, generator=gen)
-            opt.step()
-        return W.detach().clone()
-
+    run = partial(_three_random_steps, manifold, 8, dual_update=update)
     assert default_dual_alpha(manifold, update or "newton") == alpha
     default = run()
     assert torch.equal(default, run(dual_alpha=alpha))
