@@ -333,10 +333,10 @@ def msign(
 
     if isinstance(Y, torch.Tensor) and Y.device.type == "cpu":
         # One matrix at a time on the CPU, then one stacking copy: batched bf16 baddbmm is
-        # slower there than a loop of addmm (Muon's step, 6 x 384 GPT stack, AMD EPYC with
-        # bf16 4.4x fp32: 1.30x torch.optim.Muon batched, 1.08x looped, median of 4 runs at
-        # 2 threads; a batch of one's Gram Y Y^T through bmm is ~35% slower than mm at
-        # 768x3072 on an Intel Xeon).
+        # slower there than a loop of addmm (a profiled Muon step, 6 x 384 GPT stack, AMD
+        # EPYC with bf16 4.4x fp32: 147 ms of baddbmm against torch.optim.Muon's 127 ms of
+        # addmm; a batch of one's Gram Y Y^T through bmm is ~35% slower than mm at 768x3072
+        # on an Intel Xeon).
         Y = torch.stack([iterate(y) for y in Y])
     else:
         Y = iterate(Y)
