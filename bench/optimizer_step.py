@@ -240,7 +240,8 @@ def main(argv=None) -> int:
         short = min(min(s) for s in shapes)
         for name in (n for n in optimizers if n.startswith("ManifoldMuon")):
             rows, total = profile_step(optimizers[name], grads, short)
-            solver = "default solver" if "," not in name else f"{name.split(', ')[1]} dualizer"
+            dualizer = optimizers[name].defaults["gram_dualizer"]
+            solver = f"{dualizer} dualizer" if dualizer else "default solver"
             text += (f"\n\nWhere the time goes: one profiled step of {name} ({solver}) on one thread, "
                      f"self CPU time of its ops ({total:.0f} ms in all; timed median at {args.threads} "
                      f"threads {1e3 * medians[name]:.0f} ms)\n\n"

@@ -331,15 +331,17 @@ def msign(
             Y = newton_schulz_step(Y, a, b, c, transposed=last_of_tall)
         return Y if wide or coefficients else Y.mT
 
-    if isinstance(Y, torch.Tensor) and Y.device.type == "cpu":
+    if not (isinstance(Y, torch.Tensor) and Y.device.type == "cpu" and Y.size(0) > 0):
+        Y = iterate(Y)  # one batched kernel per product (and an empty stack stays one)
+    elif Y.size(0) == 1:
+        Y = iterate(Y[0])  # (reshaped back to the batch below: no copy)
+    else:
         # One matrix at a time on the CPU, then one stacking copy: batched bf16 baddbmm is
         # slower there than a loop of addmm (a profiled Muon step, 6 x 384 GPT stack, AMD
         # EPYC with bf16 4.4x fp32: 147 ms of baddbmm against torch.optim.Muon's 127 ms of
         # addmm; a batch of one's Gram Y Y^T through bmm is ~35% slower than mm at 768x3072
         # on an Intel Xeon).
         Y = torch.stack([iterate(y) for y in Y])
-    else:
-        Y = iterate(Y)
     return Y.reshape(shape).to(out_dtype)
 
 

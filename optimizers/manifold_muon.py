@@ -502,7 +502,8 @@ class ManifoldMuon(MatrixOptimizer):
 
     def _general_path(self, group, manifold, W, G, lr, shrink, warm, certify):
         W = W if not isinstance(shrink, torch.Tensor) and shrink == 1.0 else W * shrink
-        alpha = 1.0 if group["dual_alpha"] is None else float(group["dual_alpha"])
+        alpha = group["dual_alpha"]
+        alpha = default_dual_alpha(manifold, "jacobi") if alpha is None else float(alpha)  # its dual steps are Jacobi's
         settings = FAST.replace(steps=int(group["dual_steps"]), alpha=alpha,
                                 msign_method=group["msign_method"], msign_steps=group["msign_steps"],
                                 compute_dtype=group["compute_dtype"], certify="exact" if certify else None)

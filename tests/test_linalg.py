@@ -95,6 +95,21 @@ def test_msign_of_zero_is_zero_and_keeps_dtype(method, dtype):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("shape", [(0, 12, 5), (1, 12, 5), (3, 12, 5), (3, 5, 12)],
+                         ids=["empty", "one", "tall", "wide"])
+def test_msign_of_a_stack_is_each_matrixs_own(shape):
+    """On the CPU a stack is iterated one matrix at a time and stacked again: every entry is
+    bitwise its matrix's own msign, in order, an empty stack stays empty; control: the first
+    entry is not the second matrix's msign."""
+    X = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = msign(X, method="newton_schulz")
+    assert out.shape == shape and out.dtype == X.dtype
+    for x, o in zip(X, out):
+        assert torch.equal(o, msign(x, method="newton_schulz"))
+    if shape[0] > 1:
+        assert not torch.equal(out[0], msign(X[1], method="newton_schulz"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_msign_keeps_dtype_with_a_compute_dtype(dtype):
     X = torch.randn(16, 8, dtype=dtype)
