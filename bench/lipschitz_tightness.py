@@ -24,8 +24,8 @@ reaches there from inputs in the domain: what a tighter reachable-set radius cou
 It also prints the a-priori bound at the cap: every matrix of seed 003's Shakespeare shape
 (3 blocks, width 256, 4 heads, vocabulary 65) with all RMS→RMS singular values at $w_{\max} = 2$.
 
-``python bench/lipschitz_tightness.py --threads 1 --markdown docs/results/benchmarks/lipschitz_tightness.md``
-(about 10 minutes on one quiet core, nearly all of it the searches; the five trainings take
+``python bench/lipschitz_tightness.py --threads 2 --markdown docs/results/benchmarks/lipschitz_tightness.md``
+(about 36 minutes at two threads on a 2-core AMD EPYC, nearly all of it the searches; the five trainings take
 about four minutes); ``--quick`` trains one small model for a few steps.
 """
 
@@ -84,7 +84,7 @@ CATALOGUE = {
     "quick": [Model(2, 2, 30)],
 }
 SEARCH = {
-    "full": Search(lengths=(3, 4, 8, 16), sequence_length=16, restarts=8, steps=300, power_steps=30),
+    "full": Search(lengths=(3, 4, 8, 16, 64), sequence_length=16, restarts=16, steps=1200, power_steps=30),
     "quick": Search(lengths=(4,), sequence_length=4, restarts=2, steps=20, power_steps=5),
 }
 
