@@ -415,6 +415,7 @@ def test_results_pages_written_by_studies_join_the_navigation(tmp_path):
 BENCHMARKS = {"polar_kernels": "polar_kernels", "optimizer_step": "optimizer_step",
               "optimizer_step_2threads": "optimizer_step", "optimizer_step_gpt2_small": "optimizer_step",
               "optimizer_step_fast_bf16": "optimizer_step", "optimizer_step_fast_bf16_2threads": "optimizer_step",
+              "optimizer_step_gpt2_small_fast_bf16": "optimizer_step",
               "manifold_frontier": "manifold_frontier", "manifold_frontier_polar_express": "manifold_frontier",
               "manifold_frontier_jacobi": "manifold_frontier",
               "manifold_inrun": "manifold_inrun", "manifold_inrun_reference": "manifold_inrun"}
