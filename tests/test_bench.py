@@ -273,19 +273,19 @@ def test_lipschitz_tightness_table_never_shows_a_violation(tmp_path):
     assert [(r["model"], r["norm"]) for r in rows] == [
         ("2 layers, 2 heads", "per token"), ("2 layers, 2 heads", "whole sequence (T = 4)")]
     for row in rows:
-        simple, tight, aligned, estimate = (float(row[key]) for key in
-                                            ("simple bound", "tight bound", "aligned bound", "best estimate"))
+        simple, tight, aligned, joint, estimate = (float(row[key]) for key in (
+            "simple bound", "tight bound", "aligned bound", "joint bound", "best estimate"))
         # the estimate is a lower bound on the constant, each bound an upper bound, and each
-        # method is never above the next (4 significant digits printed: 5e-4 relative)
-        assert 0 < estimate <= aligned * (1 + 5e-4), row
-        assert aligned <= tight * (1 + 5e-4) and tight <= simple * (1 + 5e-4), row
+        # method is never above the one before (4 significant digits printed: 5e-4 relative)
+        assert 0 < estimate <= joint * (1 + 5e-4), row
+        assert joint <= aligned * (1 + 5e-4) and aligned <= tight * (1 + 5e-4) and tight <= simple * (1 + 5e-4), row
         # ratios printed with one decimal
-        for name, bound in (("tight", tight), ("aligned", aligned)):
+        for name, bound in (("tight", tight), ("aligned", aligned), ("joint", joint)):
             assert abs(float(row[f"{name} / estimate"]) - bound / estimate) <= 0.05 + 1e-3 * bound / estimate, row
     # the a-priori bound at the cap for the Shakespeare shape is stated, and is far from "below 2"
-    cap = re.search(r"A-priori bound at the cap .*?: simple (\S+), tight (\S+)\. Aligned \(the default\): (\S+)\.",
-                    markdown.read_text())
-    assert cap and 2 < float(cap.group(3)) <= float(cap.group(2)) <= float(cap.group(1))
+    cap = re.search(r"A-priori bound at the cap .*?: simple (\S+), tight (\S+), aligned (\S+), joint (\S+) \(joint is "
+                    r"the default\)", markdown.read_text())
+    assert cap and 2 < float(cap.group(4)) <= float(cap.group(3)) <= float(cap.group(2)) <= float(cap.group(1))
     check_provenance(markdown, "lipschitz_tightness", stdout)
 
 

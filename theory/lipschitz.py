@@ -43,11 +43,16 @@ Composition rules (each proved in its function's docstring):
 Every constant above is the **simple** bound (``method="simple"``). ``method="tight"``
 shares the query between heads in attention's score path (up to $\sqrt H$ smaller),
 centres the MLP's Jacobian at $\text{GELU}' = 1/2$, and bounds the whole-sequence norm by
-$\sqrt T$ times the per-token bound. The default ``method="aligned"`` is the tight bound
+$\sqrt T$ times the per-token bound. ``method="aligned"`` is the tight bound
 with the query path's value–key cross-covariance bounded by the alignment
 $\nu_h = \max_u\|W_v^hu\|\|W_k^hu\|$ of each head's value and key slices instead of
 $\sigma_{vh}\sigma_{kh}$; see :func:`attention_lipschitz`, :func:`residual_mlp_bound`,
 :func:`transformer_lipschitz_bound`. Each is never above the next (``METHODS`` order).
+
+The default ``method="joint"`` does not multiply: it follows the set of reachable token vectors
+and of their perturbations through the network (:func:`transformer_lipschitz_bound`), so a
+direction one layer amplifies counts in the next only as far as the next layer's weights
+amplify *that* direction.
 
 **Exact arithmetic.** Every bound is about the real-valued network on the domain
 (:func:`certify_domain`); for the float32/bf16 network add the rounding term of
@@ -100,8 +105,9 @@ GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.p
 REFERENCE_GELU_DIVISOR = 1.1289
 
 
-#: The bounds of this module, tightest first: ``"aligned"`` (the default), ``"tight"``, ``"simple"``.
-METHODS = ("aligned", "tight", "simple")
+#: The bounds of this module, tightest first: ``"joint"`` (the default), ``"aligned"``, ``"tight"``,
+#: ``"simple"``. ``"joint"`` is a composition rule: a single sub-layer's constant under it is the aligned one.
+METHODS = ("joint", "aligned", "tight", "simple")
 #: The bound every function of this module computes unless told otherwise: the tightest.
 DEFAULT_METHOD = METHODS[0]
 
@@ -154,12 +160,14 @@ def mlp_lipschitz(
 @dataclass
 class AttentionBound:
     """Constants of one attention sub-layer for inputs of token RMS $\\le$ ``radius``:
-    ``lipschitz`` (the tight bound unless ``method="simple"``), ``output_radius``, and the
-    per-head terms of the simple bound."""
+    ``lipschitz`` (the tight bound unless ``method="simple"``), ``output_radius``, the
+    per-head terms of the simple bound, and the value–key alignments $\\nu_h$ of the aligned
+    bound (empty for the others)."""
 
     lipschitz: float
     output_radius: float
     head_terms: list[float] = field(default_factory=list)
+    alignments: list[float] = field(default_factory=list)
 
 
 def _head_slices(W: torch.Tensor, n_head: int, what: str) -> torch.Tensor:
@@ -214,7 +222,7 @@ def attention_lipschitz(
 
     $$L^\text{simple}_\text{att} = c\,\|W_o\|\sqrt{\textstyle\sum_h \sigma_{vh}^2\bigl(1 + 2\varsigma d\,r^2\sigma_{qh}\sigma_{kh}\bigr)^2}.$$
 
-    **Tight bound** (default): the heads share one query. Stacked over heads, the query
+    **Tight bound** (``method="tight"``): the heads share one query. Stacked over heads, the query
     path is $\varsigma\operatorname{blockdiag}_h(C^h)\,W_q\delta x_t$, of norm
     $\le \varsigma\,\mu\, d r^2\,\sigma_q\sqrt d\,\|\delta X\|$ with
     $\mu = \max_h\sigma_{vh}\sigma_{kh}$; the key path is, head by head,
@@ -230,8 +238,9 @@ def attention_lipschitz(
     which gains up to $\sqrt H$ when the slices have similar norms (a head slice of a
     near-isometric $W_q$ has $\sigma_{qh} \approx \sigma_q$).
 
-    **Aligned bound** (default, ``method="aligned"``): the query path's cross-covariance is
-    bounded by the *alignment* of the value and key slices rather than the product of their
+    **Aligned bound** (``method="aligned"``, and ``"joint"`` for one sub-layer): the query
+    path's cross-covariance is bounded by the *alignment* of the value and key slices rather
+    than the product of their
     norms. With $A_h = W_v^{h\top}W_v^h$, $B_h = W_k^{h\top}W_k^h$ and
     $M = \mathbb E_p[x_sx_s^\top]$ ($\operatorname{tr}M \le d r^2$,
     $\operatorname{Cov}_p x \preceq M$), for unit $a, b$ and any $\tau > 0$, writing
@@ -278,7 +287,7 @@ def attention_lipschitz(
     """
     if n_head < 1:
         raise ValueError(f"attention_lipschitz: n_head must be >= 1, got {n_head}")
-    _check_method(method, "attention_lipschitz")
+    method = _sublayer_method(method, "attention_lipschitz")
     d = q.size(1)
     sigma = {
         name: torch.linalg.matrix_norm(_head_slices(W, n_head, name), ord=2)
@@ -292,12 +301,14 @@ def attention_lipschitz(
         lipschitz = outer * head_terms.pow(2).sum().sqrt().item()
     else:
         key_path = _score_path_factor(sigma["v"] * sigma["k"], sigma["q"], q)
-        query_path = key_path
+        query_path, alignments = key_path, None
         if method == "aligned":
-            query_path = _score_path_factor(
-                _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"), sigma["v"] * sigma["k"]),
-                sigma["q"], q)
+            alignments = _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"),
+                                              sigma["v"] * sigma["k"])
+            query_path = _score_path_factor(alignments, sigma["q"], q)
         lipschitz = outer * (values + score / 2 * (query_path + key_path))
+        if alignments is not None:
+            return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist(), alignments.tolist())
     return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist())
 
 
@@ -344,6 +355,12 @@ def _check_method(method: str, where: str) -> None:
         raise ValueError(f"{where}: method must be one of {METHODS}, got {method!r}")
 
 
+def _sublayer_method(method: str, where: str) -> str:
+    """The method one sub-layer's constant uses: ``"joint"`` composes, and bounds each sub-layer as ``"aligned"``."""
+    _check_method(method, where)
+    return "aligned" if method == "joint" else method
+
+
 def _sigma(W: torch.Tensor) -> float:
     return torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
 
@@ -377,7 +394,8 @@ def residual_mlp_bound(
     **Simple** (``method="simple"``): $(1-a) + a\,s\,g_+\|W_\text{out}\|\|W_\text{in}\|$ and
     radius $(1-a)r + a\,s\|W_\text{out}\|\|W_\text{in}\|r$ ($|\text{GELU}(z)| \le |z|$).
 
-    **Tight** (``method="tight"`` and the default ``"aligned"``, which share it). *Lipschitz:* the Jacobian is $(1-a)I + a s W_\text{out}DW_\text{in}$
+    **Tight** (``method="tight"``, ``"aligned"`` and ``"joint"``, which share it). *Lipschitz:*
+    the Jacobian is $(1-a)I + a s W_\text{out}DW_\text{in}$
     with $D = \operatorname{diag}\text{GELU}'(z)$, $g_- \le D \le g_+$. With the midpoint
     $m = (g_+ + g_-)/2 = 1/2$ and $\rho = (g_+ - g_-)/2 = g_+ - 1/2$, $\|D - mI\| \le \rho$, so
 
@@ -392,7 +410,7 @@ def residual_mlp_bound(
     Both are at most the simple constants (triangle inequality on the first term), and
     gain when $P$ is not aligned with the identity.
     """
-    _check_method(method, "residual_mlp_bound")
+    method = _sublayer_method(method, "residual_mlp_bound")
     a = residual_weight
     gain = rms_operator_norm(w_out) * rms_operator_norm(w_in) * gelu_scale
     if method == "simple":
@@ -450,9 +468,53 @@ def transformer_lipschitz_bound(
     with $L^\text{res} = (1-a) + aL_\text{att}$ (:func:`attention_lipschitz`) and the MLP's
     residual constant from :func:`residual_mlp_bound`. The radius of the activations
     entering each sub-layer is propagated with the sub-layers' output radii and feeds each
-    attention's bound. ``method="aligned"`` (default) uses the aligned attention bound and
-    the tight MLP bound, ``method="tight"`` the tight ones, ``method="simple"`` the
-    per-head, triangle-inequality ones (both kept to compare).
+    attention's bound. ``method="aligned"`` uses the aligned attention bound and the tight
+    MLP bound, ``method="tight"`` the tight ones, ``method="simple"`` the per-head,
+    triangle-inequality ones (all kept to compare).
+
+    **Joint bound** (``method="joint"``, the default): the smaller of the aligned product
+    and a bound that follows *sets* of token vectors through the whole network instead of
+    multiplying worst cases. A token set is $K = \sum_iA_i\mathbb B$ (a Minkowski sum of linear
+    images of the unit $\ell_2$ ball; convex and symmetric). Two sets are propagated in
+    $\ell_2$ units: $X_\ell$ holds every activation token $x_t$ entering sub-layer $\ell$
+    ($X_0 = \sqrt d\,r_0\mathbb B$), and $G_\ell$ holds every token $\delta x_t$ of
+    $J_\ell\cdots J_1\,\delta X$, the Jacobian product at any point of the domain applied to a
+    perturbation of max token RMS $\le 1$ ($G_0 = \sqrt d\,\mathbb B$). The rules, for every
+    token $t$ at once:
+
+    * *Attention values.* $\sum_sp_{ts}W_v^hz_s \in W_v^hK$ whenever every $z_s \in K$ (a
+      convex combination of points of a convex set), whatever the attention weights; heads
+      and the residual add, so $(1-a)z_t + a\,c\sum_hW_o^h\sum_sp^h_{ts}W_v^hz_s \in
+      (1-a)K + a\sum_h cW_o^hW_v^hK$: the generators become $(1-a)A_i$ and $a\,cW_o^hW_v^hA_i$.
+      This is what a product of norms cannot see: $\|W_v^{h'}W_o^hW_v^h\|$ along a path, not
+      $\|W_v^{h'}\|\|W_o^h\|\|W_v^h\|$.
+    * *Attention scores* (perturbations only). With $R_{xh} = \sup_{X}\|W_x^hx\|$ and
+      $D_{xh} = \sup_{G}\|W_x^h\delta\|$ (each capped by $\sigma_{xh}$ times the radius), the
+      proof of :func:`attention_lipschitz` gives $\|\operatorname{Cov}_p(v^h, k^h)\| \le
+      \gamma_h = \min(R_{vh}R_{kh},\ \nu_h\sup_X\|x\|^2)$, so head $h$'s score path is
+      $\varsigma(\gamma_h\|W_q^h\delta x_t\| + R_{vh}D_{kh}\|W_q^hx_t\|)$ and, stacked over heads,
+      at most $\varsigma(\sup_G\|\Gamma W_q\delta\| + \sup_X\|\mathrm K W_q x\|)$ with
+      $\Gamma = \operatorname{blockdiag}(\gamma_hI)$, $\mathrm K = \operatorname{blockdiag}(R_{vh}D_{kh}I)$
+      (or the shared-query and per-head forms, whichever is smaller). This ball, mapped by
+      $a\,cW_o$, is one more generator of $G$.
+    * *MLP.* The Jacobian is $M + as\,W_\text{out}(D - \tfrac12)W_\text{in}$ with
+      $M = (1-a)I + \tfrac{as}2W_\text{out}W_\text{in}$ and $\|D - \tfrac12\| \le \rho$, so
+      $G \mapsto MG + as\rho\,(\sup_G\|W_\text{in}\delta\|)\,W_\text{out}\mathbb B$; and
+      $\text{GELU}(z) = \tfrac z2 + (\Phi(z) - \tfrac12)z$ with $|\Phi - \tfrac12| \le \tfrac12$ gives
+      $X \mapsto MX + \tfrac{as}2(\sup_X\|W_\text{in}x\|)\,W_\text{out}\mathbb B$.
+
+    Every $\sup$ over a set is bounded from above by the semidefinite relaxation of
+    :meth:`_TokenSet.sup_norm`. The domain is convex, so
+    $f(y) - f(x) = \int_0^1J(x + \tau(y-x))(y-x)\,d\tau$ has every token in the convex set
+    $\|y - x\|\,W_\text{head}G_\text{last}$, and
+
+    $$L_\text{joint} = \sup_{g\in G_\text{last}}\|W_\text{head}g\|_2/\sqrt V.$$
+
+    Attention multiplies the number of generators by $1 + H$; above 256 they are merged into
+    one ellipsoid containing their sum (:func:`_merged`). ``radii`` are then the smaller of the
+    aligned and the joint radii ($\sup_X\|x\|$); ``sublayers`` and ``residuals`` stay the aligned
+    ones. The sets are of token vectors, so the whole-sequence norm uses the per-token joint
+    bound times $\sqrt T$ (rule (ii) below).
 
     **Exact arithmetic.** The certificate is a statement about the real-valued network.
     A float32 or bf16 evaluation adds rounding error that is not proportional to
@@ -494,40 +556,71 @@ def transformer_lipschitz_bound(
     return _propagate(weights, blocks, 1.0, method)
 
 
+@dataclass(frozen=True)
+class _Architecture:
+    """The scalars of the Lipschitz model that every composition reads (see
+    :func:`transformer_lipschitz_bound` for the keys and their defaults)."""
+
+    d: int
+    n_head: int
+    residual_weight: float
+    score_scale: float
+    attention_scale: float
+    gelu_scale: float
+    input_radius: float
+
+    @classmethod
+    def of(cls, weights: Mapping, blocks: list) -> "_Architecture":
+        d = blocks[0]["q"].size(1)
+        n_head = _n_head(weights, d)
+        radius = float(weights.get("input_radius", 1.0))
+        if not radius > 0:
+            raise ValueError(f"transformer_lipschitz_bound: input_radius must be positive, got {radius}")
+        for index, block in enumerate(blocks):
+            missing = {"q", "k", "v", "o", "mlp_in", "mlp_out"} - set(block)
+            if missing:
+                raise ValueError(f"transformer_lipschitz_bound: block {index} lacks {sorted(missing)}")
+        return cls(
+            d=d,
+            n_head=n_head,
+            residual_weight=float(weights.get("residual_weight", 1.0 / (2 * len(blocks)))),
+            score_scale=float(weights.get("score_scale", n_head / blocks[0]["q"].size(0))),
+            attention_scale=float(weights.get("attention_scale", 1.0 / 3.0)),
+            gelu_scale=float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR)),
+            input_radius=radius,
+        )
+
+
 def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> TransformerBound:
-    d = blocks[0]["q"].size(1)
-    n_head = _n_head(weights, d)
-    a = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
-    score_scale = float(weights.get("score_scale", n_head / blocks[0]["q"].size(0)))
-    attention_scale = float(weights.get("attention_scale", 1.0 / 3.0))
-    gelu_scale = float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR))
-    radius = float(weights.get("input_radius", 1.0))
-    if not radius > 0:
-        raise ValueError(f"transformer_lipschitz_bound: input_radius must be positive, got {radius}")
-    sublayers, residuals, radii = [], [], []
+    arch = _Architecture.of(weights, blocks)
+    a, radius = arch.residual_weight, arch.input_radius
+    sublayers, residuals, radii, alignments = [], [], [], []
     bound = 1.0
-    for index, block in enumerate(blocks):
-        missing = {"q", "k", "v", "o", "mlp_in", "mlp_out"} - set(block)
-        if missing:
-            raise ValueError(f"transformer_lipschitz_bound: block {index} lacks {sorted(missing)}")
+    for block in blocks:
         attention = attention_lipschitz(
-            block["q"], block["k"], block["v"], block["o"], n_head=n_head,
-            score_scale=score_scale, attention_scale=attention_scale, radius=radius, method=method,
+            block["q"], block["k"], block["v"], block["o"], n_head=arch.n_head,
+            score_scale=arch.score_scale, attention_scale=arch.attention_scale, radius=radius, method=method,
         )
         radii.append(radius)
+        alignments.append(attention.alignments)
         sublayers.append(spread * attention.lipschitz)
         residuals.append(residual_lipschitz(a, sublayers[-1]))
         radius = (1.0 - a) * radius + a * attention.output_radius
-        mlp = residual_mlp_bound(block["mlp_in"], block["mlp_out"], residual_weight=a, gelu_scale=gelu_scale,
+        mlp = residual_mlp_bound(block["mlp_in"], block["mlp_out"], residual_weight=a, gelu_scale=arch.gelu_scale,
                                  radius=radius, method=method)
         radii.append(radius)
-        sublayers.append(mlp_lipschitz(block["mlp_in"], block["mlp_out"], gelu_scale))
+        sublayers.append(mlp_lipschitz(block["mlp_in"], block["mlp_out"], arch.gelu_scale))
         residuals.append(mlp.lipschitz)
         radius = mlp.output_radius
         bound *= residuals[-2] * residuals[-1]
     radii.append(radius)
     head = rms_operator_norm(weights["head"])
-    return TransformerBound(bound * head, sublayers, residuals, radii, head, method)
+    result = TransformerBound(bound * head, sublayers, residuals, radii, head, method)
+    if method == "joint" and spread == 1.0:
+        joint, joint_radii = _joint_bound(weights, blocks, arch, radii, alignments)
+        result.bound = min(result.bound, joint)
+        result.radii = [min(r, j) for r, j in zip(radii, joint_radii)]
+    return result
 
 
 def _n_head(weights: Mapping, d: int) -> int:
@@ -546,6 +639,154 @@ def _n_head(weights: Mapping, d: int) -> int:
             f"{weights['score_scale']} and d={d}; pass weights['n_head']"
         )
     return n_head
+
+
+# --------------------------------------------------------------------------------------
+# the joint composition: reachable token sets
+
+#: Generators a token set keeps before they are merged into one ellipsoid (attention multiplies
+#: their number by $1 + H$; the merge keeps memory and time bounded on deep models, at some tightness).
+_MAX_GENERATORS = 256
+#: Most reweighting steps of :meth:`_TokenSet.sup_norm`; every step's value is a bound, the smallest is kept.
+_SUP_STEPS = 30
+#: Relative gap below the top eigenvalue within which :meth:`_TokenSet.sup_norm` treats
+#: eigenvectors as tied.
+_TOP_EIGENSPACE = 1e-9
+#: :meth:`_TokenSet.sup_norm` stops once a step improves its bound by less than this (relative).
+_SUP_STALL = 1e-12
+
+
+def _gram_root(A: torch.Tensor) -> torch.Tensor:
+    r"""$(AA^\top)^{1/2}$ (float64, ``[d, d]`` for ``A`` of ``[d, k]``): the same set $A\mathbb B$
+    ($\|A^\top u\| = \|(AA^\top)^{1/2}u\|$ for every $u$), as a square generator."""
+    eigenvalues, vectors = torch.linalg.eigh(A @ A.transpose(-1, -2))
+    return (vectors * eigenvalues.clamp_min(0).sqrt().unsqueeze(-2)) @ vectors.transpose(-1, -2)
+
+
+class _TokenSet:
+    r"""A convex symmetric set of token vectors $K = \sum_iA_i\mathbb B$: the Minkowski sum of
+    the images of the unit $\ell_2$ ball $\mathbb B$ under the square ``generators`` $A_i$
+    (``[N, d, d]``, float64). Its Gram matrices $A_iA_i^\top$ are computed once and shared by
+    every :meth:`sup_norm` on it."""
+
+    def __init__(self, generators: torch.Tensor):
+        self.generators = _merged(generators)
+        self.gram = self.generators @ self.generators.transpose(-1, -2)
+
+    def map(self, M: torch.Tensor) -> torch.Tensor:
+        """The generators of $MK$ (``M`` ``[d, d]``)."""
+        return M @ self.generators
+
+    def sup_norm(self, W: torch.Tensor | None = None) -> float:
+        r"""An upper bound on $\sup_{y\in K}\|Wy\|_2$ ($W$ ``[m, d]``; the identity when ``None``).
+
+        $\sup_{y\in K}\|Wy\| = \max_{\|u\|=1}\sum_i\|A_i^\top W^\top u\|$ (the support function
+        of a Minkowski sum is the sum of the support functions). For any weights $w_i > 0$,
+        Cauchy–Schwarz gives $\sum_i\|A_i^\top W^\top u\| \le \bigl(\sum_iw_i\bigr)^{1/2}
+        \bigl(u^\top WS_wW^\top u\bigr)^{1/2}$ with $S_w = \sum_iA_iA_i^\top/w_i$, so
+
+        $$\sup_{y\in K}\|Wy\| \le \Bigl(\textstyle\sum_iw_i\;\lambda_{\max}(WS_wW^\top)\Bigr)^{1/2}$$
+
+        for every $w$ (a semidefinite relaxation of the maximum; for a maximiser $u$ the best
+        $w$ is $w_i = \|A_i^\top W^\top u\|$). Starting from $w_i = \|WA_i\|_F$, each step moves $w_i$ halfway
+        (geometrically) to $\bigl(\sum_k\|A_i^\top W^\top u_k\|^2\bigr)^{1/2}$ over the top
+        eigenvectors $u_k$ of the last $WS_wW^\top$ (ties are common: symmetric sets); the
+        smallest value is returned. $\lambda_{\max}$ is float64 ``eigh``'s, of $WS_wW^\top$ or,
+        when $m > d$, of the same spectrum's $S_w^{1/2}W^\top WS_w^{1/2}$."""
+        gram = self.gram
+        metric = None if W is None else W.transpose(-1, -2) @ W
+        size = (gram.diagonal(dim1=-2, dim2=-1).sum(-1) if W is None
+                else torch.einsum("nij,ji->n", gram, metric)).clamp_min(0).sqrt()  # ||W A_i||_F
+        if not size.max() > 0:
+            return 0.0
+        wide = W is not None and W.size(0) > W.size(1)
+        weights = size.clamp_min(size.max() * 1e-12)
+        best = math.inf
+        for _ in range(_SUP_STEPS):
+            S = torch.tensordot(weights.reciprocal(), gram, dims=1)
+            if wide:  # the d x d form S^{1/2} W^T W S^{1/2}; u_k = W S^{1/2} z_k, so W^T u_k = W^T W S^{1/2} z_k
+                eigenvalues, vectors = torch.linalg.eigh(S)
+                root = (vectors * eigenvalues.clamp_min(0).sqrt()) @ vectors.T
+                top_values, top_vectors = torch.linalg.eigh(root @ metric @ root)
+                lift = metric @ root
+            elif W is None:
+                top_values, top_vectors = torch.linalg.eigh(S)
+                lift = None
+            else:
+                top_values, top_vectors = torch.linalg.eigh(W @ S @ W.T)
+                lift = W.T
+            value = math.sqrt(weights.sum().item() * max(top_values[-1].item(), 0.0))
+            if value >= best * (1 - _SUP_STALL):
+                best = min(best, value)
+                break
+            best = value
+            top = top_vectors[:, top_values >= top_values[-1] * (1 - _TOP_EIGENSPACE)]
+            directions = top if lift is None else lift @ top  # the W^T u_k
+            spread = ((gram @ directions) * directions).sum((-2, -1)).clamp_min(0).sqrt()
+            if not spread.max() > 0:
+                break
+            weights = (weights * spread.clamp_min(spread.max() * 1e-12)).sqrt()  # damped: ties can oscillate
+        return best
+
+
+def _merged(generators: torch.Tensor) -> torch.Tensor:
+    r"""``generators`` if at most :data:`_MAX_GENERATORS`, else one ellipsoid containing their
+    sum: $\sum_iA_i\mathbb B \subseteq Q^{1/2}\mathbb B$ with $Q = \sum_iA_iA_i^\top/w_i$,
+    $\sum_iw_i = 1$ (Cauchy–Schwarz on the support functions, as in :meth:`_TokenSet.sup_norm`),
+    and $w_i \propto \|A_i\|_F$, which minimises $\operatorname{tr}Q$."""
+    if generators.size(0) <= _MAX_GENERATORS:
+        return generators
+    size = torch.linalg.matrix_norm(generators).clamp_min(torch.finfo(generators.dtype).tiny)
+    weights = size / size.sum()
+    gram = (generators @ generators.transpose(-1, -2) / weights[:, None, None]).sum(0)
+    return _gram_root(gram)[None]
+
+
+def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: list[float],
+                 alignments: list[list[float]]) -> tuple[float, list[float]]:
+    r"""The joint bound (``method="joint"``) and the radii it propagates; see
+    :func:`transformer_lipschitz_bound`. ``radii`` and each block's value–key ``alignments``
+    $\nu_h$ are the aligned propagation's (the radii also hold, and cap these)."""
+    d, H, a, c, varsigma = arch.d, arch.n_head, arch.residual_weight, arch.attention_scale, arch.score_scale
+    s, rho = arch.gelu_scale, GELU_LIPSCHITZ - 0.5
+    identity = torch.eye(d, dtype=torch.float64)
+    rms = math.sqrt(d)  # the l2 norm of a token of RMS 1
+    X = _TokenSet((rms * arch.input_radius * identity)[None])  # activations
+    G = _TokenSet((rms * identity)[None])  # their perturbations, per unit of input perturbation
+    joint_radii = []
+
+    def sup_heads(K: _TokenSet, W_heads: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([K.sup_norm(W) for W in W_heads], dtype=torch.float64)
+
+    for index, block in enumerate(blocks):
+        q, k, v, o = (block[name].detach().double() for name in ("q", "k", "v", "o"))
+        x_radius = min(X.sup_norm(), rms * radii[2 * index])
+        joint_radii.append(x_radius / rms)
+        slices = {name: _head_slices(W, H, name) for name, W in (("q", q), ("k", k), ("v", v))}
+        sigma = {name: torch.linalg.matrix_norm(W, ord=2) for name, W in slices.items()}
+        reach = {name: torch.minimum(sup_heads(X, W_heads), sigma[name] * x_radius)
+                 for name, W_heads in slices.items()}
+        # ||Cov_p(v^h, k^h)|| <= R_vh R_kh, and <= nu_h |x|^2 (the aligned bound's step)
+        coupling = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
+        query_path = min(coupling.max().item() * G.sup_norm(q),
+                         G.sup_norm(coupling.repeat_interleave(d // H)[:, None] * q))
+        key_weight = reach["v"] * sup_heads(G, slices["k"])
+        key_path = min(key_weight.max().item() * X.sup_norm(q), (key_weight * reach["q"]).norm().item(),
+                       X.sup_norm(key_weight.repeat_interleave(d // H)[:, None] * q))
+        values = c * o.reshape(d, H, d // H).transpose(0, 1) @ slices["v"]  # [H, d, d]: c W_o^h W_v^h
+        X = _TokenSet(torch.cat([(1 - a) * X.generators, a * (values[:, None] @ X.generators[None]).flatten(0, 1)]))
+        G = _TokenSet(torch.cat([(1 - a) * G.generators, a * (values[:, None] @ G.generators[None]).flatten(0, 1),
+                                 (a * c * varsigma * (query_path + key_path) * _gram_root(o))[None]]))
+        x_radius = min(X.sup_norm(), rms * radii[2 * index + 1])
+        joint_radii.append(x_radius / rms)
+        w_in, w_out = block["mlp_in"].detach().double(), block["mlp_out"].detach().double()
+        linear = (1 - a) * identity + a * s * 0.5 * (w_out @ w_in)
+        out = _gram_root(w_out)
+        X, G = (_TokenSet(torch.cat([K.map(linear), (a * s * slope * K.sup_norm(w_in) * out)[None]]))
+                for K, slope in ((X, 0.5), (G, rho)))
+    joint_radii.append(min(X.sup_norm(), rms * radii[-1]) / rms)
+    head = weights["head"].detach().double()
+    return G.sup_norm(head) / math.sqrt(head.size(0)), joint_radii
 
 
 # --------------------------------------------------------------------------------------
