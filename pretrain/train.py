@@ -552,7 +552,12 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         cfg = replace(cfg, out_dir=outcome)
         stop = _StopRequest() if cfg.out_dir is not None else contextlib.nullcontext(_StopRequest())
         with stop as request:
-            return _train(cfg, data, ddp, build_assignment, extra_metrics, request)
+            result = _train(cfg, data, ddp, build_assignment, extra_metrics, request)
+        # every rank past its last collective before any rank tears the group down: a rank
+        # destroying it while a peer's gloo work is in flight can abort that peer ("terminate
+        # called without an active exception"); on an exception no barrier (a peer may be gone)
+        ddp.barrier()
+        return result
     finally:
         ddp.close()
 
