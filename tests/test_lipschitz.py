@@ -1,7 +1,8 @@
-"""Lipschitz bounds of the seed-003 transformer (geomuon.theory.lipschitz): every bound (aligned,
-tight, simple) is never below the empirical estimate (random and trained models) -- and the
-estimator is strong enough that a bound made 2x too small fails these checks --, the simple bound
-equals the hand formula for unit-norm weights and each method never exceeds the next, the
+"""Lipschitz bounds of the seed-003 transformer (geomuon.theory.lipschitz): every bound (joint,
+aligned, tight, simple) is never below the empirical estimate (random and trained models) -- and
+the estimator is strong enough that a bound made 2x too small fails these checks --, the simple
+bound equals the hand formula for unit-norm weights and each method never exceeds the next, the
+joint bound's set relaxation is exact where it should be and gains only from misaligned paths, the
 value-key alignment is the best antipodal pair's constant, the two corrections
 to the reference formula (per-head norms, GELU counted once) are necessary, the rounding term
 covers the float32 one-ulp counterexample, and uncovered configurations are refused."""
@@ -333,6 +334,60 @@ def test_sup_norm_relaxation_is_exact_on_orthogonal_generators_and_never_below_t
     assert best <= bound * (1 + 1e-12)
     assert bound < torch.linalg.matrix_norm(W @ A, ord=2).sum().item()
     assert bound < 1.05 * best
+
+
+def test_sup_norm_of_a_generator_the_map_annihilates_is_not_lost_to_round_off():
+    # A generator W kills (W A = 0 up to round-off) next to ones it keeps: the sup over the sum
+    # is at least the sup without it. Forming W (sum_i A_i A_i^T / w_i) W^T, the tiny weight of
+    # the killed generator divided ||W||^2 ||A||^2 round-off and lost up to 100 % (a regression:
+    # sup 0.0 against 26.0); the products W A_i are formed first now.
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        d = 8
+        Q = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+        W = torch.randn([4, 5, 30][trial % 3], d - 3, generator=gen, dtype=torch.float64) @ Q[:, 3:].T
+        killed = 10.0 ** (trial % 7) * Q[:, :3] @ torch.randn(3, d, generator=gen, dtype=torch.float64)
+        kept = torch.randn(3, d, d, generator=gen, dtype=torch.float64)
+        with_killed = _TokenSet(torch.cat([killed[None], kept])).sup_norm(W)
+        # float64: the killed generator's image is round-off, ~1e-16 of its norm (up to 1e6 here)
+        assert with_killed >= _TokenSet(kept).sup_norm(W) * (1 - 1e-9), trial
+
+
+def rotated_projection_model(beta, vocab, seed):
+    """One one-head block with q = k = 0 and a zero MLP, c W_o W_v = beta R P R^T (a rotated
+    projection), and a head that reads only R (I - P) R^T: the value path never reaches the
+    logits, and the constant is (1 - a)^2 ||W_head|| (a = 1/2), reached by the constant pair +-u."""
+    d = 16
+    gen = torch.Generator().manual_seed(seed)
+    model = GPT(lipschitz_config(n_head=1, n_layer=1, d=d, vocab=vocab)).double()
+    R = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+    P = torch.diag((torch.arange(d) < d // 2).double())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.h[0].attn.c_proj.weight.copy_(torch.eye(d, dtype=torch.float64))
+        model.h[0].attn.v.weight.copy_(3 * beta * R @ P @ R.T)
+        model.lm_head.weight.copy_(torch.randn(vocab, d, generator=gen, dtype=torch.float64)
+                                   @ R @ (torch.eye(d, dtype=torch.float64) - P) @ R.T)
+    return model
+
+
+@pytest.mark.parametrize("beta, vocab", [(1.0, 16), (1000.0, 32), (1e5, 32)])
+def test_joint_bound_holds_where_the_head_annihilates_the_value_path(beta, vocab):
+    # measured before the fix: the joint bound 3.6 % below the pair's ratio at beta = 1000
+    model = rotated_projection_model(beta, vocab, seed=0)
+    head = model.lm_head.weight.detach()
+    u = torch.linalg.svd(head)[2][0]
+    x = (u / u.pow(2).mean().sqrt()).expand(1, 4, 16)  # every token RMS 1
+    with torch.no_grad():
+        ratio = (token_rms_max(body(model)(-x) - body(model)(x)) / token_rms_max(-2 * x)).item()
+    exact = 0.25 * rms_operator_norm(head)
+    # the pair reaches the constant up to float64 round-off: the head cancels a value path of
+    # size beta, leaving ~eps * beta (a few ulps per entry; 4.8e-12 measured at beta = 1e5)
+    assert ratio == pytest.approx(exact, rel=64 * F64_EPS * max(1.0, beta))
+    joint = transformer_lipschitz_bound(model.lipschitz_weights()).bound
+    # the bound is the constant up to the relaxation's float64 round-off
+    assert exact * (1 - 1e-12) <= joint <= exact * (1 + 1e-9)
 
 
 def test_merged_ellipsoid_contains_the_sum():

@@ -488,8 +488,8 @@ def transformer_lipschitz_bound(
       (1-a)K + a\sum_h cW_o^hW_v^hK$: the generators become $(1-a)A_i$ and $a\,cW_o^hW_v^hA_i$.
       This is what a product of norms cannot see: $\|W_v^{h'}W_o^hW_v^h\|$ along a path, not
       $\|W_v^{h'}\|\|W_o^h\|\|W_v^h\|$.
-    * *Attention scores* (perturbations only). With $R_{xh} = \sup_{X}\|W_x^hx\|$ and
-      $D_{xh} = \sup_{G}\|W_x^h\delta\|$ (each capped by $\sigma_{xh}$ times the radius), the
+    * *Attention scores* (perturbations only). With $R_{xh} = \sup_{X}\|W_x^hx\|$ (capped by
+      $\sigma_{xh}$ times the aligned radius) and $D_{xh} = \sup_{G}\|W_x^h\delta\|$, the
       proof of :func:`attention_lipschitz` gives $\|\operatorname{Cov}_p(v^h, k^h)\| \le
       \gamma_h = \min(R_{vh}R_{kh},\ \nu_h\sup_X\|x\|^2)$, so head $h$'s score path is
       $\varsigma(\gamma_h\|W_q^h\delta x_t\| + R_{vh}D_{kh}\|W_q^hx_t\|)$ and, stacked over heads,
@@ -654,24 +654,30 @@ _SUP_STEPS = 30
 _TOP_EIGENSPACE = 1e-9
 #: :meth:`_TokenSet.sup_norm` stops once a step improves its bound by less than this (relative).
 _SUP_STALL = 1e-12
+#: Floor of :meth:`_TokenSet.sup_norm`'s weights relative to the largest (keeps $1/w_i$ finite).
+_SMALLEST_WEIGHT = 1e-12
 
 
-def _gram_root(A: torch.Tensor) -> torch.Tensor:
-    r"""$(AA^\top)^{1/2}$ (float64, ``[d, d]`` for ``A`` of ``[d, k]``): the same set $A\mathbb B$
-    ($\|A^\top u\| = \|(AA^\top)^{1/2}u\|$ for every $u$), as a square generator."""
-    eigenvalues, vectors = torch.linalg.eigh(A @ A.transpose(-1, -2))
-    return (vectors * eigenvalues.clamp_min(0).sqrt().unsqueeze(-2)) @ vectors.transpose(-1, -2)
+def _square_generator(A: torch.Tensor) -> torch.Tensor:
+    r"""A ``[d, d]`` generator of the set $A\mathbb B$ for ``A`` of ``[d, k]`` (float64): ``A``
+    padded with zero columns when $k \le d$ (exact), else $R^\top$ from the QR factorization
+    $A^\top = QR$ ($Q$ has orthonormal columns, so $Q^\top\mathbb B_k = \mathbb B_d$ and
+    $A\mathbb B = R^\top\mathbb B$; Householder QR is backward stable, so the set moves by
+    round-off of $\|A\|$ only, where a matrix square root of $AA^\top$ would move it by
+    $\sqrt u\,\|A\|$)."""
+    d, k = A.shape[-2:]
+    if k <= d:
+        return torch.nn.functional.pad(A, (0, d - k))
+    return torch.linalg.qr(A.transpose(-1, -2), mode="r").R.transpose(-1, -2)
 
 
 class _TokenSet:
     r"""A convex symmetric set of token vectors $K = \sum_iA_i\mathbb B$: the Minkowski sum of
     the images of the unit $\ell_2$ ball $\mathbb B$ under the square ``generators`` $A_i$
-    (``[N, d, d]``, float64). Its Gram matrices $A_iA_i^\top$ are computed once and shared by
-    every :meth:`sup_norm` on it."""
+    (``[N, d, d]``, float64)."""
 
     def __init__(self, generators: torch.Tensor):
         self.generators = _merged(generators)
-        self.gram = self.generators @ self.generators.transpose(-1, -2)
 
     def map(self, M: torch.Tensor) -> torch.Tensor:
         """The generators of $MK$ (``M`` ``[d, d]``)."""
@@ -680,66 +686,62 @@ class _TokenSet:
     def sup_norm(self, W: torch.Tensor | None = None) -> float:
         r"""An upper bound on $\sup_{y\in K}\|Wy\|_2$ ($W$ ``[m, d]``; the identity when ``None``).
 
-        $\sup_{y\in K}\|Wy\| = \max_{\|u\|=1}\sum_i\|A_i^\top W^\top u\|$ (the support function
-        of a Minkowski sum is the sum of the support functions). For any weights $w_i > 0$,
-        Cauchy–Schwarz gives $\sum_i\|A_i^\top W^\top u\| \le \bigl(\sum_iw_i\bigr)^{1/2}
-        \bigl(u^\top WS_wW^\top u\bigr)^{1/2}$ with $S_w = \sum_iA_iA_i^\top/w_i$, so
+        $\sup_{y\in K}\|Wy\| = \max_{\|u\|=1}\sum_i\|B_i^\top u\|$ with $B_i = WA_i$ (the support
+        function of a Minkowski sum is the sum of the support functions). For any weights
+        $w_i > 0$, Cauchy–Schwarz gives $\sum_i\|B_i^\top u\| \le \bigl(\sum_iw_i\bigr)^{1/2}
+        \bigl(u^\top\textstyle\sum_iB_iB_i^\top/w_i\,u\bigr)^{1/2}$, so
 
-        $$\sup_{y\in K}\|Wy\| \le \Bigl(\textstyle\sum_iw_i\;\lambda_{\max}(WS_wW^\top)\Bigr)^{1/2}$$
+        $$\sup_{y\in K}\|Wy\| \le \Bigl(\textstyle\sum_iw_i\;\lambda_{\max}\bigl(\sum_iB_iB_i^\top/w_i\bigr)\Bigr)^{1/2}$$
 
         for every $w$ (a semidefinite relaxation of the maximum; for a maximiser $u$ the best
-        $w$ is $w_i = \|A_i^\top W^\top u\|$). Starting from $w_i = \|WA_i\|_F$, each step moves $w_i$ halfway
-        (geometrically) to $\bigl(\sum_k\|A_i^\top W^\top u_k\|^2\bigr)^{1/2}$ over the top
-        eigenvectors $u_k$ of the last $WS_wW^\top$ (ties are common: symmetric sets); the
-        smallest value is returned. $\lambda_{\max}$ is float64 ``eigh``'s, of $WS_wW^\top$ or,
-        when $m > d$, of the same spectrum's $S_w^{1/2}W^\top WS_w^{1/2}$."""
-        gram = self.gram
-        metric = None if W is None else W.transpose(-1, -2) @ W
-        size = (gram.diagonal(dim1=-2, dim2=-1).sum(-1) if W is None
-                else torch.einsum("nij,ji->n", gram, metric)).clamp_min(0).sqrt()  # ||W A_i||_F
+        $w$ is $w_i = \|B_i^\top u\|$). Starting from $w_i = \|B_i\|_F$, each step moves $w_i$
+        halfway (geometrically) to $\bigl(\sum_k\|B_i^\top u_k\|^2\bigr)^{1/2}$ over the top
+        eigenvectors $u_k$ (ties are common: symmetric sets); the smallest value is returned.
+
+        *Round-off.* The products $B_i$ are formed first and the sum is of the computed
+        $B_iB_i^\top$, each positive semidefinite to round-off of its own size, so a small
+        weight $w_i$ divides only the round-off of a small $B_i$ (forming
+        $W(\sum_iA_iA_i^\top/w_i)W^\top$ instead divides that of $\|W\|^2\|A_i\|^2$, which
+        cancels to a wrong, even negative, top eigenvalue when $W$ annihilates $A_i$). A $W$
+        with more rows than columns is first replaced by the $R$ of its QR factorization
+        ($\|Wy\| = \|Ry\|$). $\lambda_{\max}$ is float64 ``eigh``'s."""
+        if W is None:
+            products = self.generators
+        else:
+            if W.size(0) > W.size(1):
+                W = torch.linalg.qr(W, mode="r").R
+            products = W @ self.generators  # B_i
+        grams = products @ products.transpose(-1, -2)
+        size = grams.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # ||B_i||_F
         if not size.max() > 0:
             return 0.0
-        wide = W is not None and W.size(0) > W.size(1)
-        weights = size.clamp_min(size.max() * 1e-12)
+        weights = size.clamp_min(size.max() * _SMALLEST_WEIGHT)
         best = math.inf
         for _ in range(_SUP_STEPS):
-            S = torch.tensordot(weights.reciprocal(), gram, dims=1)
-            if wide:  # the d x d form S^{1/2} W^T W S^{1/2}; u_k = W S^{1/2} z_k, so W^T u_k = W^T W S^{1/2} z_k
-                eigenvalues, vectors = torch.linalg.eigh(S)
-                root = (vectors * eigenvalues.clamp_min(0).sqrt()) @ vectors.T
-                top_values, top_vectors = torch.linalg.eigh(root @ metric @ root)
-                lift = metric @ root
-            elif W is None:
-                top_values, top_vectors = torch.linalg.eigh(S)
-                lift = None
-            else:
-                top_values, top_vectors = torch.linalg.eigh(W @ S @ W.T)
-                lift = W.T
+            top_values, top_vectors = torch.linalg.eigh(torch.tensordot(weights.reciprocal(), grams, dims=1))
             value = math.sqrt(weights.sum().item() * max(top_values[-1].item(), 0.0))
             if value >= best * (1 - _SUP_STALL):
-                best = min(best, value)
                 break
             best = value
-            top = top_vectors[:, top_values >= top_values[-1] * (1 - _TOP_EIGENSPACE)]
-            directions = top if lift is None else lift @ top  # the W^T u_k
-            spread = ((gram @ directions) * directions).sum((-2, -1)).clamp_min(0).sqrt()
+            top = top_vectors[:, top_values >= top_values[-1] * (1 - _TOP_EIGENSPACE)]  # the u_k
+            spread = (products.transpose(-1, -2) @ top).square().sum((-2, -1)).sqrt()
             if not spread.max() > 0:
                 break
-            weights = (weights * spread.clamp_min(spread.max() * 1e-12)).sqrt()  # damped: ties can oscillate
+            weights = (weights * spread.clamp_min(spread.max() * _SMALLEST_WEIGHT)).sqrt()  # damped: ties oscillate
         return best
 
 
 def _merged(generators: torch.Tensor) -> torch.Tensor:
     r"""``generators`` if at most :data:`_MAX_GENERATORS`, else one ellipsoid containing their
-    sum: $\sum_iA_i\mathbb B \subseteq Q^{1/2}\mathbb B$ with $Q = \sum_iA_iA_i^\top/w_i$,
-    $\sum_iw_i = 1$ (Cauchy–Schwarz on the support functions, as in :meth:`_TokenSet.sup_norm`),
-    and $w_i \propto \|A_i\|_F$, which minimises $\operatorname{tr}Q$."""
+    sum: $\sum_iA_i\mathbb B \subseteq C\mathbb B$ with $C = [A_1/\sqrt{w_1}, \dots, A_N/\sqrt{w_N}]$,
+    $\sum_iw_i = 1$ (its support function $\|C^\top u\| = (\sum_i\|A_i^\top u\|^2/w_i)^{1/2} \ge
+    \sum_i\|A_i^\top u\|$ by Cauchy–Schwarz), $w_i \propto \|A_i\|_F$, which minimises
+    $\|C\|_F$; as one square generator by :func:`_square_generator`."""
     if generators.size(0) <= _MAX_GENERATORS:
         return generators
     size = torch.linalg.matrix_norm(generators).clamp_min(torch.finfo(generators.dtype).tiny)
-    weights = size / size.sum()
-    gram = (generators @ generators.transpose(-1, -2) / weights[:, None, None]).sum(0)
-    return _gram_root(gram)[None]
+    scaled = generators / (size / size.sum()).sqrt()[:, None, None]
+    return _square_generator(torch.cat(list(scaled), dim=-1))[None]
 
 
 def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: list[float],
@@ -760,6 +762,7 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
 
     for index, block in enumerate(blocks):
         q, k, v, o = (block[name].detach().double() for name in ("q", "k", "v", "o"))
+        d_head = q.size(0) // H
         x_radius = min(X.sup_norm(), rms * radii[2 * index])
         joint_radii.append(x_radius / rms)
         slices = {name: _head_slices(W, H, name) for name, W in (("q", q), ("k", k), ("v", v))}
@@ -769,21 +772,21 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
         # ||Cov_p(v^h, k^h)|| <= R_vh R_kh, and <= nu_h |x|^2 (the aligned bound's step)
         coupling = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
         query_path = min(coupling.max().item() * G.sup_norm(q),
-                         G.sup_norm(coupling.repeat_interleave(d // H)[:, None] * q))
+                         G.sup_norm(coupling.repeat_interleave(d_head)[:, None] * q))
         key_weight = reach["v"] * sup_heads(G, slices["k"])
         key_path = min(key_weight.max().item() * X.sup_norm(q), (key_weight * reach["q"]).norm().item(),
-                       X.sup_norm(key_weight.repeat_interleave(d // H)[:, None] * q))
-        values = c * o.reshape(d, H, d // H).transpose(0, 1) @ slices["v"]  # [H, d, d]: c W_o^h W_v^h
+                       X.sup_norm(key_weight.repeat_interleave(d_head)[:, None] * q))
+        values = c * o.reshape(d, H, d_head).transpose(0, 1) @ slices["v"]  # [H, d, d]: c W_o^h W_v^h
         X = _TokenSet(torch.cat([(1 - a) * X.generators, a * (values[:, None] @ X.generators[None]).flatten(0, 1)]))
         G = _TokenSet(torch.cat([(1 - a) * G.generators, a * (values[:, None] @ G.generators[None]).flatten(0, 1),
-                                 (a * c * varsigma * (query_path + key_path) * _gram_root(o))[None]]))
+                                 (a * c * varsigma * (query_path + key_path) * _square_generator(o))[None]]))
         x_radius = min(X.sup_norm(), rms * radii[2 * index + 1])
         joint_radii.append(x_radius / rms)
         w_in, w_out = block["mlp_in"].detach().double(), block["mlp_out"].detach().double()
         linear = (1 - a) * identity + a * s * 0.5 * (w_out @ w_in)
-        out = _gram_root(w_out)
-        X, G = (_TokenSet(torch.cat([K.map(linear), (a * s * slope * K.sup_norm(w_in) * out)[None]]))
-                for K, slope in ((X, 0.5), (G, rho)))
+        out = _square_generator(w_out)
+        X = _TokenSet(torch.cat([X.map(linear), (a * s * 0.5 * X.sup_norm(w_in) * out)[None]]))
+        G = _TokenSet(torch.cat([G.map(linear), (a * s * rho * G.sup_norm(w_in) * out)[None]]))
     joint_radii.append(min(X.sup_norm(), rms * radii[-1]) / rms)
     head = weights["head"].detach().double()
     return G.sup_norm(head) / math.sqrt(head.size(0)), joint_radii
