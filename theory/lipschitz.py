@@ -504,7 +504,7 @@ def transformer_lipschitz_bound(
       $X \mapsto MX + \tfrac{as}2(\sup_X\|W_\text{in}x\|)\,W_\text{out}\mathbb B$.
 
     Every $\sup$ over a set is bounded from above by the semidefinite relaxation of
-    :meth:`_TokenSet.sup_norm`. The domain is convex, so
+    :func:`_relaxed_sup`. The domain is convex, so
     $f(y) - f(x) = \int_0^1J(x + \tau(y-x))(y-x)\,d\tau$ has every token in the convex set
     $\|y - x\|\,W_\text{head}G_\text{last}$, and
 
@@ -647,14 +647,13 @@ def _n_head(weights: Mapping, d: int) -> int:
 #: Generators a token set keeps before they are merged into one ellipsoid (attention multiplies
 #: their number by $1 + H$; the merge keeps memory and time bounded on deep models, at some tightness).
 _MAX_GENERATORS = 256
-#: Most reweighting steps of :meth:`_TokenSet.sup_norm`; every step's value is a bound, the smallest is kept.
+#: Most reweighting steps of :func:`_relaxed_sup`; every step's value is a bound, the smallest is kept.
 _SUP_STEPS = 30
-#: Relative gap below the top eigenvalue within which :meth:`_TokenSet.sup_norm` treats
-#: eigenvectors as tied.
+#: Relative gap below the top eigenvalue within which :func:`_relaxed_sup` treats eigenvectors as tied.
 _TOP_EIGENSPACE = 1e-9
-#: :meth:`_TokenSet.sup_norm` stops once a step improves its bound by less than this (relative).
+#: :func:`_relaxed_sup` stops once a step improves its bound by less than this (relative).
 _SUP_STALL = 1e-12
-#: Floor of :meth:`_TokenSet.sup_norm`'s weights relative to the largest (keeps $1/w_i$ finite).
+#: Floor of :func:`_relaxed_sup`'s weights relative to the largest (keeps $1/w_i$ finite).
 _SMALLEST_WEIGHT = 1e-12
 
 
@@ -680,55 +679,59 @@ class _TokenSet:
         self.generators = _merged(generators)
 
     def map(self, M: torch.Tensor) -> torch.Tensor:
-        """The generators of $MK$ (``M`` ``[d, d]``)."""
+        """The generators $MA_i$ of $MK$ (``M`` ``[m, d]``; ``[N, m, d]``). Any rows of them, or
+        rows scaled, generate the image under the same rows of $M$: what :func:`_relaxed_sup`
+        bounds the norm of."""
         return M @ self.generators
 
     def sup_norm(self, W: torch.Tensor | None = None) -> float:
-        r"""An upper bound on $\sup_{y\in K}\|Wy\|_2$ ($W$ ``[m, d]``; the identity when ``None``).
-
-        $\sup_{y\in K}\|Wy\| = \max_{\|u\|=1}\sum_i\|B_i^\top u\|$ with $B_i = WA_i$ (the support
-        function of a Minkowski sum is the sum of the support functions). For any weights
-        $w_i > 0$, Cauchy–Schwarz gives $\sum_i\|B_i^\top u\| \le \bigl(\sum_iw_i\bigr)^{1/2}
-        \bigl(u^\top\textstyle\sum_iB_iB_i^\top/w_i\,u\bigr)^{1/2}$, so
-
-        $$\sup_{y\in K}\|Wy\| \le \Bigl(\textstyle\sum_iw_i\;\lambda_{\max}\bigl(\sum_iB_iB_i^\top/w_i\bigr)\Bigr)^{1/2}$$
-
-        for every $w$ (a semidefinite relaxation of the maximum; for a maximiser $u$ the best
-        $w$ is $w_i = \|B_i^\top u\|$). Starting from $w_i = \|B_i\|_F$, each step moves $w_i$
-        halfway (geometrically) to $\bigl(\sum_k\|B_i^\top u_k\|^2\bigr)^{1/2}$ over the top
-        eigenvectors $u_k$ (ties are common: symmetric sets); the smallest value is returned.
-
-        *Round-off.* The products $B_i$ are formed first and the sum is of the computed
-        $B_iB_i^\top$, each positive semidefinite to round-off of its own size, so a small
-        weight $w_i$ divides only the round-off of a small $B_i$ (forming
-        $W(\sum_iA_iA_i^\top/w_i)W^\top$ instead divides that of $\|W\|^2\|A_i\|^2$, which
-        cancels to a wrong, even negative, top eigenvalue when $W$ annihilates $A_i$). A $W$
-        with more rows than columns is first replaced by the $R$ of its QR factorization
-        ($\|Wy\| = \|Ry\|$). $\lambda_{\max}$ is float64 ``eigh``'s."""
+        r"""An upper bound on $\sup_{y\in K}\|Wy\|_2$ ($W$ ``[m, d]``; the identity when ``None``):
+        :func:`_relaxed_sup` of the $WA_i$, or of the $RA_i$ for the QR factor $R$ of a $W$ with
+        more rows than columns ($\|Wy\| = \|Ry\|$: smaller products)."""
         if W is None:
-            products = self.generators
-        else:
-            if W.size(0) > W.size(1):
-                W = torch.linalg.qr(W, mode="r").R
-            products = W @ self.generators  # B_i
-        grams = products @ products.transpose(-1, -2)
-        size = grams.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # ||B_i||_F
-        if not size.max() > 0:
-            return 0.0
-        weights = size.clamp_min(size.max() * _SMALLEST_WEIGHT)
-        best = math.inf
-        for _ in range(_SUP_STEPS):
-            top_values, top_vectors = torch.linalg.eigh(torch.tensordot(weights.reciprocal(), grams, dims=1))
-            value = math.sqrt(weights.sum().item() * max(top_values[-1].item(), 0.0))
-            if value >= best * (1 - _SUP_STALL):
-                break
-            best = value
-            top = top_vectors[:, top_values >= top_values[-1] * (1 - _TOP_EIGENSPACE)]  # the u_k
-            spread = (products.transpose(-1, -2) @ top).square().sum((-2, -1)).sqrt()
-            if not spread.max() > 0:
-                break
-            weights = (weights * spread.clamp_min(spread.max() * _SMALLEST_WEIGHT)).sqrt()  # damped: ties oscillate
-        return best
+            return _relaxed_sup(self.generators)
+        return _relaxed_sup(self.map(torch.linalg.qr(W, mode="r").R if W.size(0) > W.size(1) else W))
+
+
+def _relaxed_sup(products: torch.Tensor) -> float:
+    r"""An upper bound on $\sup_{y\in K}\|y\|_2$ for $K = \sum_iB_i\mathbb B$, ``products`` $B_i$
+    (``[N, m, d]``, float64).
+
+    The supremum is $\max_{\|u\|=1}\sum_i\|B_i^\top u\|$ (the support function of a Minkowski
+    sum is the sum of the support functions). For any weights $w_i > 0$, Cauchy–Schwarz gives
+    $\sum_i\|B_i^\top u\| \le \bigl(\sum_iw_i\bigr)^{1/2}\bigl(u^\top\textstyle\sum_iB_iB_i^\top/w_i\,u\bigr)^{1/2}$,
+    so
+
+    $$\sup_{y\in K}\|y\| \le \Bigl(\textstyle\sum_iw_i\;\lambda_{\max}\bigl(\sum_iB_iB_i^\top/w_i\bigr)\Bigr)^{1/2}$$
+
+    for every $w$ (a semidefinite relaxation of the maximum; for a maximiser $u$ the best $w$
+    is $w_i = \|B_i^\top u\|$). Starting from $w_i = \|B_i\|_F$, each step moves $w_i$ halfway
+    (geometrically) to $\bigl(\sum_k\|B_i^\top u_k\|^2\bigr)^{1/2}$ over the top eigenvectors
+    $u_k$ (ties are common: symmetric sets); the smallest value is returned.
+
+    *Round-off.* The sum is of the computed $B_iB_i^\top$, each positive semidefinite to
+    round-off of its own size, so a small weight divides only the round-off of a small $B_i$
+    (forming $W(\sum_iA_iA_i^\top/w_i)W^\top$ instead divides that of $\|W\|^2\|A_i\|^2$, which
+    cancels to a wrong, even negative, top eigenvalue when $W$ annihilates $A_i$).
+    $\lambda_{\max}$ is float64 ``eigh``'s."""
+    grams = products @ products.transpose(-1, -2)
+    size = grams.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # ||B_i||_F
+    if not size.max() > 0:
+        return 0.0
+    weights = size.clamp_min(size.max() * _SMALLEST_WEIGHT)
+    best = math.inf
+    for _ in range(_SUP_STEPS):
+        top_values, top_vectors = torch.linalg.eigh(torch.tensordot(weights.reciprocal(), grams, dims=1))
+        value = math.sqrt(weights.sum().item() * max(top_values[-1].item(), 0.0))
+        if value >= best * (1 - _SUP_STALL):
+            break
+        best = value
+        top = top_vectors[:, top_values >= top_values[-1] * (1 - _TOP_EIGENSPACE)]  # the u_k
+        spread = (products.transpose(-1, -2) @ top).square().sum((-2, -1)).sqrt()
+        if not spread.max() > 0:
+            break
+        weights = (weights * spread.clamp_min(spread.max() * _SMALLEST_WEIGHT)).sqrt()  # damped: ties oscillate
+    return best
 
 
 def _merged(generators: torch.Tensor) -> torch.Tensor:
@@ -748,7 +751,8 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
                  alignments: list[list[float]]) -> tuple[float, list[float]]:
     r"""The joint bound (``method="joint"``) and the radii it propagates; see
     :func:`transformer_lipschitz_bound`. ``radii`` and each block's value–key ``alignments``
-    $\nu_h$ are the aligned propagation's (the radii also hold, and cap these)."""
+    $\nu_h$ are the aligned propagation's (the radii also hold, and cap these). Each of
+    $W_q, W_k, W_v$ maps each set once; heads are row blocks of those images."""
     d, H, a, c, varsigma = arch.d, arch.n_head, arch.residual_weight, arch.attention_scale, arch.score_scale
     s, rho = arch.gelu_scale, GELU_LIPSCHITZ - 0.5
     identity = torch.eye(d, dtype=torch.float64)
@@ -757,26 +761,30 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
     G = _TokenSet((rms * identity)[None])  # their perturbations, per unit of input perturbation
     joint_radii = []
 
-    def sup_heads(K: _TokenSet, W_heads: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([K.sup_norm(W) for W in W_heads], dtype=torch.float64)
+    def per_head(products: torch.Tensor) -> torch.Tensor:
+        """The relaxed sup of each head's row block of ``products`` (``[N, H d_head, d]``)."""
+        return torch.tensor([_relaxed_sup(rows) for rows in products.chunk(H, dim=-2)], dtype=torch.float64)
+
+    def heads_scaled(products: torch.Tensor, scale: torch.Tensor) -> float:
+        """The relaxed sup of ``products`` with head h's rows scaled by ``scale[h]``."""
+        return _relaxed_sup(scale.repeat_interleave(products.size(-2) // H)[:, None] * products)
 
     for index, block in enumerate(blocks):
         q, k, v, o = (block[name].detach().double() for name in ("q", "k", "v", "o"))
-        d_head = q.size(0) // H
         x_radius = min(X.sup_norm(), rms * radii[2 * index])
         joint_radii.append(x_radius / rms)
         slices = {name: _head_slices(W, H, name) for name, W in (("q", q), ("k", k), ("v", v))}
         sigma = {name: torch.linalg.matrix_norm(W, ord=2) for name, W in slices.items()}
-        reach = {name: torch.minimum(sup_heads(X, W_heads), sigma[name] * x_radius)
-                 for name, W_heads in slices.items()}
+        on_X = {name: X.map(W) for name, W in (("q", q), ("k", k), ("v", v))}
+        q_on_G, k_on_G = G.map(q), G.map(k)
+        reach = {name: torch.minimum(per_head(on_X[name]), sigma[name] * x_radius) for name in on_X}
         # ||Cov_p(v^h, k^h)|| <= R_vh R_kh, and <= nu_h |x|^2 (the aligned bound's step)
         coupling = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
-        query_path = min(coupling.max().item() * G.sup_norm(q),
-                         G.sup_norm(coupling.repeat_interleave(d_head)[:, None] * q))
-        key_weight = reach["v"] * sup_heads(G, slices["k"])
-        key_path = min(key_weight.max().item() * X.sup_norm(q), (key_weight * reach["q"]).norm().item(),
-                       X.sup_norm(key_weight.repeat_interleave(d_head)[:, None] * q))
-        values = c * o.reshape(d, H, d_head).transpose(0, 1) @ slices["v"]  # [H, d, d]: c W_o^h W_v^h
+        query_path = min(coupling.max().item() * _relaxed_sup(q_on_G), heads_scaled(q_on_G, coupling))
+        key_weight = reach["v"] * per_head(k_on_G)
+        key_path = min(key_weight.max().item() * _relaxed_sup(on_X["q"]), (key_weight * reach["q"]).norm().item(),
+                       heads_scaled(on_X["q"], key_weight))
+        values = c * o.reshape(d, H, -1).transpose(0, 1) @ slices["v"]  # [H, d, d]: c W_o^h W_v^h
         X = _TokenSet(torch.cat([(1 - a) * X.generators, a * (values[:, None] @ X.generators[None]).flatten(0, 1)]))
         G = _TokenSet(torch.cat([(1 - a) * G.generators, a * (values[:, None] @ G.generators[None]).flatten(0, 1),
                                  (a * c * varsigma * (query_path + key_path) * _square_generator(o))[None]]))
