@@ -391,7 +391,7 @@ def test_joint_bound_holds_where_the_head_annihilates_the_value_path(beta, vocab
 
 
 def test_merged_ellipsoid_contains_the_sum():
-    # support functions: sum_i |A_i^T z| <= |Q^{1/2} z| for every direction z
+    # support functions: sum_i |A_i^T z| <= |C^T z| = |R z| for every direction z (merged = R^T)
     gen = torch.Generator().manual_seed(13)
     A = torch.randn(_MAX_GENERATORS + 1, 5, 5, generator=gen, dtype=torch.float64)
     merged = _merged(A)

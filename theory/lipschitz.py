@@ -297,19 +297,18 @@ def attention_lipschitz(
     head_terms = sigma["v"] * (1.0 + score * sigma["q"] * sigma["k"])
     outer = attention_scale * rms_operator_norm(o)
     values = sigma["v"].pow(2).sum().sqrt().item()
+    alignments = []
     if method == "simple":
         lipschitz = outer * head_terms.pow(2).sum().sqrt().item()
     else:
         key_path = _score_path_factor(sigma["v"] * sigma["k"], sigma["q"], q)
-        query_path, alignments = key_path, None
+        query_path = key_path
         if method == "aligned":
-            alignments = _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"),
-                                              sigma["v"] * sigma["k"])
-            query_path = _score_path_factor(alignments, sigma["q"], q)
+            nu = _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"),
+                                      sigma["v"] * sigma["k"])
+            query_path, alignments = _score_path_factor(nu, sigma["q"], q), nu.tolist()
         lipschitz = outer * (values + score / 2 * (query_path + key_path))
-        if alignments is not None:
-            return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist(), alignments.tolist())
-    return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist())
+    return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist(), alignments)
 
 
 def _score_path_factor(coupling: torch.Tensor, sigma_q: torch.Tensor, q: torch.Tensor) -> float:
@@ -684,6 +683,10 @@ class _TokenSet:
         bounds the norm of."""
         return M @ self.generators
 
+    def residual_values(self, a: float, values: torch.Tensor) -> torch.Tensor:
+        r"""The generators of $(1-a)K + a\sum_hV_hK$ (``values`` ``[H, d, d]``; ``[N(1 + H), d, d]``)."""
+        return torch.cat([(1 - a) * self.generators, a * (values[:, None] @ self.generators[None]).flatten(0, 1)])
+
     def sup_norm(self, W: torch.Tensor | None = None) -> float:
         r"""An upper bound on $\sup_{y\in K}\|Wy\|_2$ ($W$ ``[m, d]``; the identity when ``None``):
         :func:`_relaxed_sup` of the $WA_i$, or of the $RA_i$ for the QR factor $R$ of a $W$ with
@@ -785,8 +788,8 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
         key_path = min(key_weight.max().item() * _relaxed_sup(on_X["q"]), (key_weight * reach["q"]).norm().item(),
                        heads_scaled(on_X["q"], key_weight))
         values = c * o.reshape(d, H, -1).transpose(0, 1) @ slices["v"]  # [H, d, d]: c W_o^h W_v^h
-        X = _TokenSet(torch.cat([(1 - a) * X.generators, a * (values[:, None] @ X.generators[None]).flatten(0, 1)]))
-        G = _TokenSet(torch.cat([(1 - a) * G.generators, a * (values[:, None] @ G.generators[None]).flatten(0, 1),
+        X = _TokenSet(X.residual_values(a, values))
+        G = _TokenSet(torch.cat([G.residual_values(a, values),
                                  (a * c * varsigma * (query_path + key_path) * _square_generator(o))[None]]))
         x_radius = min(X.sup_norm(), rms * radii[2 * index + 1])
         joint_radii.append(x_radius / rms)
