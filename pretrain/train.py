@@ -88,6 +88,7 @@ from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, com
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.parallel import dcp_folder, dcp_folders, load_distributed, read_record, save_distributed
+from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
 
 
 @dataclass
@@ -353,6 +354,7 @@ class Evaluation:
     block_size: int
     seed: int
     device: torch.device
+    lipschitz_bound: str = DEFAULT_METHOD  # the certified bound of a Lipschitz model ("off": none)
 
     def windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x, y)`` token batches ``[batch_size, block_size]`` (int64) on ``device``."""
@@ -364,7 +366,8 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext) -> dict:
     """Validation metrics on ``evaluation``'s windows: loss, accuracy, max activation,
-    attention logits and softmax Jacobian (and the certified bound of a Lipschitz model)."""
+    attention logits and softmax Jacobian (and the certified bound of a Lipschitz model, by the
+    method ``evaluation.lipschitz_bound`` names)."""
     from geomuon.pretrain import monitoring
 
     model.eval()
@@ -390,10 +393,9 @@ def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext
         "attn_logit": {k: r.max_logit for k, r in attention.items()},
         "softmax_jacobian": {k: r.mean_jacobian_norm for k, r in attention.items()},
     }
-    if model.config.lipschitz:
-        from geomuon.theory.lipschitz import transformer_lipschitz_bound
-
-        metrics["lipschitz_bound"] = transformer_lipschitz_bound(model.lipschitz_weights()).bound
+    if model.config.lipschitz and evaluation.lipschitz_bound != "off":
+        metrics["lipschitz_bound"] = transformer_lipschitz_bound(model.lipschitz_weights(),
+                                                                 method=evaluation.lipschitz_bound).bound
     return metrics
 
 
@@ -693,7 +695,8 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         if ddp.main:
             final = step == cfg.steps and cfg.final_eval_batches is not None
             batches = cfg.final_eval_batches if final else cfg.eval_batches
-            evaluation = Evaluation(step, data, batches, cfg.batch_size, block_size, val_seed, device)
+            evaluation = Evaluation(step, data, batches, cfg.batch_size, block_size, val_seed, device,
+                                    cfg.lipschitz_bound)
             record = {"kind": "eval", "step": step, "time": time.perf_counter() - t0,
                       **evaluate(evaluated, evaluation, autocast), **weight_metrics(assignment, evaluated)}
             if extra_metrics is not None:

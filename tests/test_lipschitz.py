@@ -32,7 +32,8 @@ from geomuon.theory.lipschitz import (
     token_rms_max,
     transformer_lipschitz_bound,
 )
-from geomuon.theory.lipschitz import _MAX_GENERATORS, _TokenSet, _merged, _value_key_alignment
+from geomuon.theory import lipschitz as lipschitz_module
+from geomuon.theory.lipschitz import _MAX_GENERATORS, _TokenSet, _generator_cap, _merged, _value_key_alignment
 
 F64_EPS = torch.finfo(torch.float64).eps
 
@@ -206,11 +207,12 @@ def split_value_key_attention(generator, d=16, key_scale=2.0):
     return layer
 
 
-def test_value_key_alignment_is_the_best_antipodal_pair():
+@pytest.mark.parametrize("d_head", [4, 8])  # 2 d_head < d: the 2 d_head x 2 d_head eigenproblem; else d x d
+def test_value_key_alignment_is_the_best_antipodal_pair(d_head):
     # nu = min_tau lambda_max(tau A + B / tau) / 2 equals max_u |W_v u| |W_k u| (Brickman + minimax):
     # gradient ascent over u reaches it from below, and it never exceeds sigma_v sigma_k.
     gen = torch.Generator().manual_seed(11)
-    v_heads, k_heads = (torch.randn(3, 4, 12, generator=gen, dtype=torch.float64) for _ in range(2))
+    v_heads, k_heads = (torch.randn(3, d_head, 12, generator=gen, dtype=torch.float64) for _ in range(2))
     product = torch.linalg.matrix_norm(v_heads, ord=2) * torch.linalg.matrix_norm(k_heads, ord=2)
     nu = _value_key_alignment(v_heads, k_heads, product)
     u = torch.randn(3, 64, 12, generator=gen, dtype=torch.float64).requires_grad_(True)
@@ -400,6 +402,26 @@ def test_merged_ellipsoid_contains_the_sum():
     z = torch.randn(200, 5, generator=gen, dtype=torch.float64)
     support = (z @ A).norm(dim=-1).sum(0)
     assert torch.all(support <= (z @ merged[0]).norm(dim=-1) * (1 + 1e-12))
+
+
+def test_token_sets_merge_before_attention_multiplies_them_past_the_budget(monkeypatch):
+    # the cap falls as 2^24 / d^2 past d = 256 (GPT-2 small: 28); a set whose N (1 + H) value images
+    # would pass it is merged first, and the result still contains the exact image
+    assert [_generator_cap(d) for d in (32, 256, 384, 768, 5000)] == [_MAX_GENERATORS, 256, 113, 28, 1]
+    monkeypatch.setattr(lipschitz_module, "_MAX_SET_ENTRIES", 4 * 6 * 6)  # cap 4 at d = 6
+    gen = torch.Generator().manual_seed(17)
+    A = torch.randn(3, 6, 6, generator=gen, dtype=torch.float64)
+    values = torch.randn(2, 6, 6, generator=gen, dtype=torch.float64)
+    exact = torch.cat([0.75 * A, 0.25 * (values[:, None] @ A[None]).flatten(0, 1)])  # 9 generators
+    within = _TokenSet(A[:1]).residual_values(0.25, values)  # 1 x 3 <= 4: no merge
+    assert torch.equal(within, torch.cat([0.75 * A[:1], 0.25 * (values @ A[:1])]))
+    merged = _TokenSet(A).residual_values(0.25, values)
+    assert merged.shape == (3, 6, 6)  # merged to one, then its 1 + H images
+    z = torch.randn(300, 6, generator=gen, dtype=torch.float64)
+    support = (z @ exact).norm(dim=-1).sum(0)
+    merged_support = (z @ merged).norm(dim=-1).sum(0)
+    assert torch.all(support <= merged_support * (1 + 1e-12))
+    assert not torch.allclose(support, merged_support)  # the merge costs tightness: it did happen
 
 
 def projected_value_model(beta, second_half):

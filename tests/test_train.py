@@ -54,6 +54,21 @@ def test_training_logs_every_metric(tmp_path):
     assert 0 < last["val_acc"] < 1 and last["lipschitz_bound"] > 0
 
 
+def test_the_logged_lipschitz_bound_is_the_method_asked_for(tmp_path):
+    from geomuon.theory.lipschitz import transformer_lipschitz_bound
+
+    bounds = {}
+    for method in ("simple", "joint", "off"):
+        result = train(tiny(tmp_path / method, model="cpu-lipschitz", steps=2, eval_every=2, warmup_steps=1,
+                                  lipschitz_bound=method))
+        bounds[method] = result.evals[-1].get("lipschitz_bound")
+        weights = result.model.lipschitz_weights()
+        if method != "off":
+            assert bounds[method] == transformer_lipschitz_bound(weights, method=method).bound
+    assert bounds["off"] is None  # not computed
+    assert bounds["joint"] < bounds["simple"]  # a different bound of the same (seeded) model
+
+
 def test_bad_configs_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"--strategy 'stiefel' is unknown.*all_stiefel"):
         train(tiny(tmp_path, strategy="stiefel"))

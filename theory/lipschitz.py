@@ -60,7 +60,8 @@ amplify *that* direction.
 
 Dtypes: norms are computed in float64 by SVD and the alignments $\nu_h$ by float64
 ``eigvalsh`` at an explicit $\tau$ (a certificate must not rely on a power-iteration lower
-bound); the estimator runs in the input's dtype (use float64).
+bound); :func:`transformer_lipschitz_bound` copies the weights to float64 on the CPU first, whatever
+their dtype and device. The estimator runs in the input's dtype and device (use float64).
 """
 
 from __future__ import annotations
@@ -329,16 +330,31 @@ def _value_key_alignment(v_heads: torch.Tensor, k_heads: torch.Tensor, product: 
     r"""$\nu_h = \min_{\tau>0}\tfrac12\lambda_{\max}(\tau W_v^{h\top}W_v^h + W_k^{h\top}W_k^h/\tau)$ per head
     (float64), capped at ``product`` $=\sigma_{vh}\sigma_{kh}$ (its value at $\tau = \sigma_{kh}/\sigma_{vh}$);
     see :func:`attention_lipschitz`. Any $\tau$ bounds $\nu_h$ from above, so the search's
-    accuracy affects tightness, never soundness."""
-    A = v_heads.transpose(-1, -2) @ v_heads
-    B = k_heads.transpose(-1, -2) @ k_heads
-    sigma_v = torch.linalg.matrix_norm(v_heads, ord=2).clamp_min(torch.finfo(A.dtype).tiny)
-    sigma_k = torch.linalg.matrix_norm(k_heads, ord=2).clamp_min(torch.finfo(A.dtype).tiny)
+    accuracy affects tightness, never soundness.
+
+    The $d\times d$ matrix is $N_\tau^\top N_\tau$ with $N_\tau = [\sqrt\tau\,W_v^h;\ W_k^h/\sqrt\tau]$
+    ($2d_h\times d$), and $N_\tau^\top N_\tau$ and $N_\tau N_\tau^\top =
+    \bigl[\begin{smallmatrix}\tau W_vW_v^\top & W_vW_k^\top\\ W_kW_v^\top & W_kW_k^\top/\tau\end{smallmatrix}\bigr]$
+    have the same nonzero eigenvalues: each step takes the smaller of the two ($2d_h \times 2d_h$
+    once $2d_h < d$, which is every model with more than two heads)."""
+    d_head, d = v_heads.shape[-2:]
+    if 2 * d_head < d:
+        first, second = v_heads @ v_heads.transpose(-1, -2), k_heads @ k_heads.transpose(-1, -2)
+        cross = v_heads @ k_heads.transpose(-1, -2)
+
+        def gram(tau):  # N N^T
+            return torch.cat([torch.cat([tau * first, cross], -1), torch.cat([cross.transpose(-1, -2), second / tau], -1)], -2)
+    else:
+        first, second = v_heads.transpose(-1, -2) @ v_heads, k_heads.transpose(-1, -2) @ k_heads
+
+        def gram(tau):  # N^T N
+            return tau * first + second / tau
+    sigma_v = torch.linalg.matrix_norm(v_heads, ord=2).clamp_min(torch.finfo(first.dtype).tiny)
+    sigma_k = torch.linalg.matrix_norm(k_heads, ord=2).clamp_min(torch.finfo(first.dtype).tiny)
     centre = (sigma_k / sigma_v).log().clamp(-_LOG_TAU_RANGE, _LOG_TAU_RANGE)  # finite tau for zero slices
 
     def half_lambda_max(log_tau):
-        tau = log_tau.exp().reshape(-1, 1, 1)
-        return 0.5 * torch.linalg.eigvalsh(tau * A + B / tau)[..., -1]
+        return 0.5 * torch.linalg.eigvalsh(gram(log_tau.exp().reshape(-1, 1, 1)))[..., -1]
 
     golden = (math.sqrt(5) - 1) / 2
     low, high = centre - 4.0, centre + 4.0
@@ -539,9 +555,10 @@ def transformer_lipschitz_bound(
             "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (see the docstring)"
         )
     _check_method(method, "transformer_lipschitz_bound")
-    blocks = list(weights["blocks"])
-    if not blocks:
+    if not list(weights["blocks"]):
         raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
+    weights = _float64_on_cpu(weights)
+    blocks = weights["blocks"]
     if sequence_length is not None and int(sequence_length) < 1:
         raise ValueError(f"transformer_lipschitz_bound: sequence_length must be >= 1, got {sequence_length}")
     if sequence_length is not None:
@@ -553,6 +570,22 @@ def transformer_lipschitz_bound(
             return per_token
         return through_sequence
     return _propagate(weights, blocks, 1.0, method)
+
+
+def _float64_on_cpu(weights: Mapping) -> dict:
+    """``weights`` with every tensor detached and copied to float64 on the CPU: the certificate's
+    arithmetic (SVDs, eigendecompositions, the token sets) is float64 whatever the training dtype
+    and device, so a model training on a GPU is certified by the same computation as on the CPU."""
+
+    def converted(value):
+        return value.detach().to("cpu", torch.float64) if isinstance(value, torch.Tensor) else value
+
+    result = {key: converted(value) for key, value in weights.items()}
+    result["blocks"] = [
+        {name: converted(value) for name, value in block.items()} if isinstance(block, Mapping) else block
+        for block in weights["blocks"]
+    ]
+    return result
 
 
 @dataclass(frozen=True)
@@ -646,6 +679,15 @@ def _n_head(weights: Mapping, d: int) -> int:
 #: Generators a token set keeps before they are merged into one ellipsoid (attention multiplies
 #: their number by $1 + H$; the merge keeps memory and time bounded on deep models, at some tightness).
 _MAX_GENERATORS = 256
+#: Entries of a token set's generators (float64: 128 MiB) past which it is merged: the cap on their
+#: number falls as $2^{24}/d^2$ beyond $d = 256$, so the work per set operation, $N d^3$, stays
+#: within $2^{24}d$ multiply-adds (GPT-2 small, $d = 768$: 28 generators).
+_MAX_SET_ENTRIES = 2**24
+
+
+def _generator_cap(d: int) -> int:
+    """The most generators a token set of dimension ``d`` keeps (at least 1)."""
+    return max(1, min(_MAX_GENERATORS, _MAX_SET_ENTRIES // (d * d)))
 #: Most reweighting steps of :func:`_relaxed_sup`; every step's value is a bound, the smallest is kept.
 _SUP_STEPS = 30
 #: Relative gap below the top eigenvalue within which :func:`_relaxed_sup` treats eigenvectors as tied.
@@ -684,8 +726,13 @@ class _TokenSet:
         return M @ self.generators
 
     def residual_values(self, a: float, values: torch.Tensor) -> torch.Tensor:
-        r"""The generators of $(1-a)K + a\sum_hV_hK$ (``values`` ``[H, d, d]``; ``[N(1 + H), d, d]``)."""
-        return torch.cat([(1 - a) * self.generators, a * (values[:, None] @ self.generators[None]).flatten(0, 1)])
+        r"""The generators of $(1-a)K + a\sum_hV_hK$ (``values`` ``[H, d, d]``; ``[N(1 + H), d, d]``).
+        A set whose $N(1 + H)$ would pass the cap is merged into one ellipsoid first (:func:`_merged`),
+        so the products are never formed beyond it and the $H$ value images stay apart."""
+        generators = self.generators
+        if generators.size(0) * (1 + values.size(0)) > _generator_cap(generators.size(-1)):
+            generators = _merged(generators, cap=1)
+        return torch.cat([(1 - a) * generators, a * (values[:, None] @ generators[None]).flatten(0, 1)])
 
     def sup_norm(self, W: torch.Tensor | None = None) -> float:
         r"""An upper bound on $\sup_{y\in K}\|Wy\|_2$ ($W$ ``[m, d]``; the identity when ``None``):
@@ -737,13 +784,13 @@ def _relaxed_sup(products: torch.Tensor) -> float:
     return best
 
 
-def _merged(generators: torch.Tensor) -> torch.Tensor:
-    r"""``generators`` if at most :data:`_MAX_GENERATORS`, else one ellipsoid containing their
+def _merged(generators: torch.Tensor, cap: int | None = None) -> torch.Tensor:
+    r"""``generators`` if at most ``cap`` (default :func:`_generator_cap`), else one ellipsoid containing their
     sum: $\sum_iA_i\mathbb B \subseteq C\mathbb B$ with $C = [A_1/\sqrt{w_1}, \dots, A_N/\sqrt{w_N}]$,
     $\sum_iw_i = 1$ (its support function $\|C^\top u\| = (\sum_i\|A_i^\top u\|^2/w_i)^{1/2} \ge
     \sum_i\|A_i^\top u\|$ by Cauchy–Schwarz), $w_i \propto \|A_i\|_F$, which minimises
     $\|C\|_F$; as one square generator by :func:`_square_generator`."""
-    if generators.size(0) <= _MAX_GENERATORS:
+    if generators.size(0) <= (_generator_cap(generators.size(-1)) if cap is None else cap):
         return generators
     size = torch.linalg.matrix_norm(generators).clamp_min(torch.finfo(generators.dtype).tiny)
     scaled = generators / (size / size.sum()).sqrt()[:, None, None]
