@@ -19,7 +19,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, TypeVar
 
 import torch
@@ -404,13 +404,18 @@ def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tens
     return Y @ T, T @ Z
 
 
-def _default_start(X: torch.Tensor) -> torch.Tensor:
+@lru_cache(maxsize=64)
+def _start_vector(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # A fixed pseudo-random start: deterministic across runs, and (unlike a constant
     # vector) not orthogonal to the top singular vector of structured matrices such as
-    # centered routers.
+    # centered routers. Drawn on the CPU and cached per device: a host-to-device copy
+    # waits for the device, so a step that called power_iteration without v0 would sync.
     gen = torch.Generator(device="cpu").manual_seed(0x5EED)
-    v = torch.randn(X.size(-1), generator=gen, dtype=torch.float64)
-    return v.to(dtype=X.dtype, device=X.device).expand(*X.shape[:-2], X.size(-1)).clone()
+    return torch.randn(n, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def _default_start(X: torch.Tensor) -> torch.Tensor:
+    return _start_vector(X.size(-1), X.dtype, X.device).expand(*X.shape[:-2], X.size(-1)).clone()
 
 
 def power_iteration(

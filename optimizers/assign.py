@@ -418,11 +418,13 @@ def _move_onto(manifold, params: list[torch.Tensor]) -> None:
     (``orthogonal_``: fp32 QR, the distribution of the polar factor of a Gaussian matrix),
     which lies on Stiefel and DGram alike, so the Stiefel/DGram strategies all start from the
     same kind of point; other manifolds project it with ``projx``. (A float64 SVD
-    ``projx`` of every GPT-2 matrix costs minutes on a CPU; the QR costs seconds.)"""
+    ``projx`` of every GPT-2 matrix costs minutes on a CPU; the QR costs seconds.) The point
+    is drawn on the CPU with torch's CPU generator whatever the device, so a seed starts the
+    same weights on the CPU and on a GPU."""
     for p in params:
         if manifold.check_point_on_manifold(p.detach().float()):
             continue
-        point = torch.nn.init.orthogonal_(torch.empty(p.shape, dtype=torch.float32, device=p.device))
+        point = torch.nn.init.orthogonal_(torch.empty(p.shape, dtype=torch.float32)).to(p.device)
         if not manifold.check_point_on_manifold(point):
             point = manifold.projx(point)
         p.copy_(point.to(p.dtype))

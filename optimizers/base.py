@@ -602,7 +602,7 @@ class _SkippedSteps:
                 entry["host"] = torch.zeros(len(positions), dtype=torch.int64, pin_memory=True)
             entry["host"].copy_(entry["counts"], non_blocking=True)
             entry["event"] = torch.cuda.Event()
-            entry["event"].record()
+            entry["event"].record(torch.cuda.current_stream(ok.device))  # the copy's stream, whatever device is current
 
     def report(self, optimizer, wait: bool) -> dict[str, int]:
         news: dict[str, dict[str, int]] = {}

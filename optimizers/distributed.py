@@ -95,6 +95,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .regulate import unchecked_regulation
+
 __all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "local_rows", "as_shard", "shard_rows",
            "sharded_matrix_step", "sharding_stats", "matrix_owner"]
 
@@ -195,11 +197,13 @@ def _layout(p: torch.Tensor, where: str) -> tuple[list[int], int]:
 
 
 def _all_to_all(outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[tuple, torch.dtype]]],
-                group, rank: int, stats: ShardingStats) -> list[list[torch.Tensor]]:
+                group, rank: int, stats: ShardingStats, device: torch.device) -> list[list[torch.Tensor]]:
     """Send ``outgoing[d]`` (tensors) to rank ``d``; receive tensors of the (shape, dtype)
-    list ``incoming[s]`` from rank ``s``. One ``all_to_all_single`` on a byte buffer."""
+    list ``incoming[s]`` from rank ``s``. One ``all_to_all_single`` on a byte buffer on
+    ``device`` (the parameters': NCCL takes no CPU buffer, even an empty one from a rank
+    that sends nothing)."""
     pieces = [t.contiguous().reshape(-1).view(torch.uint8) for chunks in outgoing for t in chunks]
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     send_sizes = [sum(t.numel() * t.element_size() for t in chunks) for chunks in outgoing]
     nbytes = [[math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
               for specs in incoming]
@@ -310,7 +314,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     incoming = [[((rows[s], *tail) if kind == "rows" else (1,), kind_dtype)
                  for i in mine for kind, kind_dtype, _ in fields[i]] for s in range(world)]
     group_handle = params[0].device_mesh.get_group()
-    received = _all_to_all(outgoing, incoming, group_handle, rank, stats)
+    received = _all_to_all(outgoing, incoming, group_handle, rank, stats, params[0].device)
     pieces, offset = [], 0  # pieces[j][f]: field f of the j-th owned matrix, one tensor per rank
     for i in mine:
         pieces.append([[received[s][offset + f] for s in range(world)] for f in range(len(fields[i]))])
@@ -335,7 +339,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     starts = [sum(rows[:r]) for r in range(world)]
     outgoing = [[r[starts[d]:starts[d] + rows[d]] for r in results] for d in range(world)]
     incoming = [[((rows[rank], *tail), back_dtype) for i in range(len(params)) if owner[i] == s] for s in range(world)]
-    back = _all_to_all(outgoing, incoming, group_handle, rank, stats)
+    back = _all_to_all(outgoing, incoming, group_handle, rank, stats, params[0].device)
     local = [None] * len(params)
     for s in range(world):
         for piece, i in zip(back[s], [i for i in range(len(params)) if owner[i] == s]):
@@ -400,7 +404,7 @@ def _owner_step(optimizer, group: dict, owned: list[torch.Tensor], pieces: list,
         optimizer._apply(group, points, update, lr)
         if regulator is not None:
             for q in points:
-                q.copy_(regulator(q, lr=lr, state=optimizer.state[q]))
+                q.copy_(unchecked_regulation(regulator, q, lr=lr, state=optimizer.state[q]))
     for p, s, old in zip(owned, stale, kept_state):  # whole-matrix state the step replaced
         state = optimizer.state[p]
         for key, value in (old or {}).items():

@@ -110,7 +110,8 @@ def default_dual_update(manifold) -> str:
     return DEFAULT_DUAL_UPDATE if form is not None and form.declares_newton else "jacobi"
 
 
-def gram_solver(device: torch.device, update: str | None, dualizer: str | None) -> tuple[str, str]:
+def gram_solver(device: torch.device, update: str | None, dualizer: str | None,
+                smoothing: float = 0.0) -> tuple[str, str]:
     """The Gram path's ``(dual update, dualizer)`` for matrices on ``device``, where the group
     left either as ``None``.
 
@@ -122,10 +123,11 @@ def gram_solver(device: torch.device, update: str | None, dualizer: str | None) 
     Express is matrix products only. The update defaults to :data:`DEFAULT_DUAL_UPDATE` with
     either: with ``"eigh"`` Stiefel's Newton step is the closed form in the eigenbasis, with
     ``"polar_express"`` every form's is conjugate gradients on its frozen tangency equation
-    (:func:`geomuon.optimizers.gram.newton_update`).
+    (:func:`geomuon.optimizers.gram.newton_update`). ``smoothing`` $> 0$ needs the eigenvalues
+    (:func:`geomuon.optimizers.gram.eigen_dualizer`), so it takes ``"eigh"`` on every device.
     """
     if dualizer is None:
-        dualizer = "eigh" if device.type == "cpu" else "polar_express"
+        dualizer = "eigh" if device.type == "cpu" or smoothing else "polar_express"
     return update or DEFAULT_DUAL_UPDATE, dualizer
 
 
@@ -465,7 +467,8 @@ class ManifoldMuon(MatrixOptimizer):
         flip = W.size(-2) < W.size(-1)  # transposed geometry for wide points
         Wt, Gt = (W.mT, G.mT) if flip else (W, G)
         shape = Wt.shape
-        update, dualizer = gram_solver(W.device, group["dual_update"], group["gram_dualizer"])
+        update, dualizer = gram_solver(W.device, group["dual_update"], group["gram_dualizer"],
+                                       float(group.get("dual_smoothing", 0.0)))
         polish = group.get("polish_rounds")  # (absent from a group saved before it existed: the default)
         polish = default_polish_rounds(manifold) if polish is None else int(polish)
         alpha = group["dual_alpha"]

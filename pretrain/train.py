@@ -151,7 +151,10 @@ class Distributed:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.enabled = self.world > 1 or (parallel != "none" and "MASTER_ADDR" in os.environ)
         if self.enabled and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+            nccl = device.startswith("cuda")
+            if nccl:  # before the first collective: NCCL runs each rank's on its current device
+                torch.cuda.set_device(self.local_rank)
+            dist.init_process_group(backend="nccl" if nccl else "gloo")
 
     @property
     def main(self) -> bool:
@@ -396,6 +399,7 @@ def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext
     if model.config.lipschitz and evaluation.lipschitz_bound != "off":
         metrics["lipschitz_bound"] = transformer_lipschitz_bound(model.lipschitz_weights(),
                                                                  method=evaluation.lipschitz_bound).bound
+        metrics["lipschitz_method"] = evaluation.lipschitz_bound
     return metrics
 
 
@@ -737,7 +741,12 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": assignment.state_dict(), **record})
 
     def stop_if_asked(step: int) -> None:
-        """After a signal (on any rank): checkpoint the ``step`` steps done, then stop."""
+        """After a signal (on any rank): checkpoint the ``step`` steps done, then stop. Under
+        torchrun the ranks agree by an all-reduce read back to the host (a synchronisation), so
+        they ask once every ``log_every`` steps, as often as the losses come to the host, not at
+        every step."""
+        if ddp.enabled and step % cfg.log_every:
+            return
         signum = ddp.largest(request.signum)
         if signum:
             if on_disk:

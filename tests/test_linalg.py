@@ -153,6 +153,22 @@ def test_power_iteration_matches_the_top_singular_value_and_warm_starts():
     assert not torch.allclose(cold, spectral_norm(X), rtol=1e-12)  # the warm start matters
 
 
+def test_power_iteration_draws_its_default_start_once_per_shape_and_device(monkeypatch):
+    # a regulator calls power_iteration without v0 at every step: the start is drawn (on the CPU,
+    # then copied: a host sync on a GPU) once, and every later call reuses it, the same vector
+    X = synthesized((2, 40, 31), torch.logspace(0, -1, 31, dtype=torch.float64), seed=8)
+    first, v = power_iteration(X, steps=3)
+
+    def no_draw(*args, **kwargs):
+        raise AssertionError("power_iteration drew a new start vector")
+
+    monkeypatch.setattr(torch, "randn", no_draw)
+    again, v_again = power_iteration(X, steps=3)
+    assert torch.equal(first, again) and torch.equal(v, v_again)
+    with pytest.raises(AssertionError, match="drew a new start"):  # a new shape draws (the control)
+        power_iteration(X[..., :30], steps=3)
+
+
 @pytest.mark.parametrize("method,rtol", [("svd", 1e-12), ("polar_express", 1e-6)])
 def test_nuclear_norm_matches_the_sum_of_singular_values(method, rtol):
     X = synthesized((2, 40, 24), torch.logspace(0, -2, 24, dtype=torch.float64), seed=5)

@@ -415,6 +415,8 @@ def test_token_sets_merge_before_attention_multiplies_them_past_the_budget(monke
     exact = torch.cat([0.75 * A, 0.25 * (values[:, None] @ A[None]).flatten(0, 1)])  # 9 generators
     within = _TokenSet(A[:1]).residual_values(0.25, values)  # 1 x 3 <= 4: no merge
     assert torch.equal(within, torch.cat([0.75 * A[:1], 0.25 * (values @ A[:1])]))
+    at_cap = _TokenSet(A[:2]).residual_values(0.25, values[:1])  # 2 x 2 = the cap: kept
+    assert torch.equal(at_cap, torch.cat([0.75 * A[:2], 0.25 * (values[:1] @ A[:2])]))
     merged = _TokenSet(A).residual_values(0.25, values)
     assert merged.shape == (3, 6, 6)  # merged to one, then its 1 + H images
     z = torch.randn(300, 6, generator=gen, dtype=torch.float64)
@@ -422,6 +424,37 @@ def test_token_sets_merge_before_attention_multiplies_them_past_the_budget(monke
     merged_support = (z @ merged).norm(dim=-1).sum(0)
     assert torch.all(support <= merged_support * (1 + 1e-12))
     assert not torch.allclose(support, merged_support)  # the merge costs tightness: it did happen
+
+
+def test_joint_bound_under_a_small_budget_stays_between_the_uncapped_and_the_aligned(monkeypatch):
+    # every merge enlarges a set, so the bound under a cap of one generator is no tighter than the
+    # uncapped one and never above the aligned product (the joint bound returns their minimum)
+    gen = torch.Generator().manual_seed(2)
+    model = GPT(lipschitz_config(n_head=4, n_layer=3)).double()
+    set_spectra_by_role(model, 1.0, 1.0, gen)
+    weights = model.lipschitz_weights()
+    uncapped = transformer_lipschitz_bound(weights).bound
+    aligned = transformer_lipschitz_bound(weights, method="aligned").bound
+    d = model.config.n_embd
+    monkeypatch.setattr(lipschitz_module, "_MAX_SET_ENTRIES", d * d)  # cap 1 at this width
+    capped = transformer_lipschitz_bound(weights).bound
+    assert uncapped * (1 - 1e-12) <= capped <= aligned
+    assert capped > uncapped * (1 + 1e-6)  # the merges did happen and cost tightness
+
+
+def test_bound_reads_weights_of_any_dtype_and_blocks_of_any_iterable():
+    # the weights are taken to float64 on the CPU first: float32 weights (rounded by 2^-24
+    # relative) and 0-d tensor scalars give the float64 bound to ~1e-6, and a generator of
+    # blocks is read once
+    gen = torch.Generator().manual_seed(2)
+    model = GPT(lipschitz_config(n_head=2)).double()
+    set_spectra_by_role(model, 1.0, 1.0, gen)
+    weights = model.lipschitz_weights()
+    reference = transformer_lipschitz_bound(weights).bound
+    single = {key: value.float() if isinstance(value, torch.Tensor) else value for key, value in weights.items()}
+    single["blocks"] = ({name: W.float() for name, W in block.items()} for block in weights["blocks"])
+    single["n_head"] = torch.tensor(weights["n_head"])
+    assert transformer_lipschitz_bound(single).bound == pytest.approx(reference, rel=1e-5)
 
 
 def projected_value_model(beta, second_half):

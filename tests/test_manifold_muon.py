@@ -248,6 +248,9 @@ def test_the_gram_solver_defaults_by_device():
     assert gram_solver(cuda, "jacobi", None) == ("jacobi", "polar_express")
     assert gram_solver(cpu, "jacobi", None) == ("jacobi", "eigh")
     assert gram_solver(cpu, None, "polar_express") == ("newton", "polar_express")
+    # smoothing reads Q's eigenvalues: a CUDA group that asks for it and leaves the dualizer
+    # open gets "eigh" (Polar Express would make the step raise, as an explicit choice is refused)
+    assert gram_solver(cuda, None, None, smoothing=0.03) == ("newton", "eigh")
 
 
 def _three_random_steps(manifold, seed, **options):

@@ -1,5 +1,6 @@
 """The GPT of ``geomuon.pretrain.model``: sizes, variants, observables, bad configs."""
 
+import contextlib
 import math
 
 import pytest
@@ -99,6 +100,24 @@ def test_observe_records_attention_logits():
     assert records["h.0.attn"].max_logit == pytest.approx(scores.max().item(), rel=1e-6)
     assert 0 < records["h.0.attn"].mean_jacobian_norm < 2**-0.5
     assert all(layer.record is None for layer in model.attention_layers().values())
+
+
+def test_observed_attention_metrics_stay_fp32_under_a_bf16_autocast():
+    # evaluation runs the model under autocast on a GPU: from the same fp32 q, k, v the logit and
+    # Jacobian metrics and the output must be the fp32 ones (bf16 scores move them by ~2^-8)
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny")).eval()
+    attn = model.h[0].attn
+    q, k, v = (torch.randn(2, attn.n_head, 12, model.config.n_embd // attn.n_head) for _ in range(3))
+    results = []
+    for context in (contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16)):
+        with model.observe() as records, context:
+            y = attn._observed_attention(q, k, v)
+        record = records["h.0.attn"]
+        results.append((y, record.max_logit, record.mean_jacobian_norm))
+    (y, logit, jacobian), (y_auto, logit_auto, jacobian_auto) = results
+    assert y_auto.dtype == torch.float32 and torch.equal(y_auto, y)
+    assert logit_auto == logit and jacobian_auto == jacobian
 
 
 def test_moe_balanced_router_has_unit_aux_loss():

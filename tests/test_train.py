@@ -65,7 +65,8 @@ def test_the_logged_lipschitz_bound_is_the_method_asked_for(tmp_path):
         weights = result.model.lipschitz_weights()
         if method != "off":
             assert bounds[method] == transformer_lipschitz_bound(weights, method=method).bound
-    assert bounds["off"] is None  # not computed
+            assert result.evals[-1]["lipschitz_method"] == method  # the log says which bound it holds
+    assert bounds["off"] is None and "lipschitz_method" not in result.evals[-1]  # not computed
     assert bounds["joint"] < bounds["simple"]  # a different bound of the same (seeded) model
 
 

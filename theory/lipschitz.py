@@ -432,7 +432,7 @@ def residual_mlp_bound(
         return ResidualMLPBound(residual_lipschitz(a, gain * GELU_LIPSCHITZ), ((1 - a) + a * gain) * radius)
     P = w_out.detach().double() @ w_in.detach().double()
     # the same centred linear part serves both: GELU' and GELU(z)/z both have midpoint 1/2
-    centred = _sigma((1 - a) * torch.eye(P.size(0), dtype=P.dtype) + a * gelu_scale * 0.5 * P)
+    centred = _sigma((1 - a) * torch.eye(P.size(0), dtype=P.dtype, device=P.device) + a * gelu_scale * 0.5 * P)
     return ResidualMLPBound(centred + a * (GELU_LIPSCHITZ - 0.5) * gain, (centred + a * 0.5 * gain) * radius)
 
 
@@ -525,8 +525,9 @@ def transformer_lipschitz_bound(
 
     $$L_\text{joint} = \sup_{g\in G_\text{last}}\|W_\text{head}g\|_2/\sqrt V.$$
 
-    Attention multiplies the number of generators by $1 + H$; above 256 they are merged into
-    one ellipsoid containing their sum (:func:`_merged`). ``radii`` are then the smaller of the
+    Attention multiplies the number of generators by $1 + H$; a set that would pass
+    $\min(256, 2^{24}/d^2)$ of them (:func:`_generator_cap`) is merged into one ellipsoid containing
+    its sum first (:func:`_merged`), and so is a set that the score or MLP ball takes past it. ``radii`` are then the smaller of the
     aligned and the joint radii ($\sup_X\|x\|$); ``sublayers`` and ``residuals`` stay the aligned
     ones. The sets are of token vectors, so the whole-sequence norm uses the per-token joint
     bound times $\sqrt T$ (rule (ii) below).
@@ -555,10 +556,10 @@ def transformer_lipschitz_bound(
             "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (see the docstring)"
         )
     _check_method(method, "transformer_lipschitz_bound")
-    if not list(weights["blocks"]):
-        raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
     weights = _float64_on_cpu(weights)
     blocks = weights["blocks"]
+    if not blocks:
+        raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
     if sequence_length is not None and int(sequence_length) < 1:
         raise ValueError(f"transformer_lipschitz_bound: sequence_length must be >= 1, got {sequence_length}")
     if sequence_length is not None:
@@ -573,7 +574,8 @@ def transformer_lipschitz_bound(
 
 
 def _float64_on_cpu(weights: Mapping) -> dict:
-    """``weights`` with every tensor detached and copied to float64 on the CPU: the certificate's
+    """``weights`` (``"blocks"`` any iterable) with every tensor detached and in float64 on the CPU (a copy
+    unless it is one already; nothing here writes to it): the certificate's
     arithmetic (SVDs, eigendecompositions, the token sets) is float64 whatever the training dtype
     and device, so a model training on a GPU is certified by the same computation as on the CPU."""
 
@@ -681,13 +683,10 @@ def _n_head(weights: Mapping, d: int) -> int:
 _MAX_GENERATORS = 256
 #: Entries of a token set's generators (float64: 128 MiB) past which it is merged: the cap on their
 #: number falls as $2^{24}/d^2$ beyond $d = 256$, so the work per set operation, $N d^3$, stays
-#: within $2^{24}d$ multiply-adds (GPT-2 small, $d = 768$: 28 generators).
+#: within $2^{24}d$ multiply-adds (GPT-2 small, $d = 768$: 28 generators) while the cap is at least
+#: $1 + H$; below that (GPT-2 medium, $d = 1024$, $H = 16$: cap 16) a merged set's $1 + H$ value
+#: images are formed and merged again at every attention.
 _MAX_SET_ENTRIES = 2**24
-
-
-def _generator_cap(d: int) -> int:
-    """The most generators a token set of dimension ``d`` keeps (at least 1)."""
-    return max(1, min(_MAX_GENERATORS, _MAX_SET_ENTRIES // (d * d)))
 #: Most reweighting steps of :func:`_relaxed_sup`; every step's value is a bound, the smallest is kept.
 _SUP_STEPS = 30
 #: Relative gap below the top eigenvalue within which :func:`_relaxed_sup` treats eigenvectors as tied.
@@ -696,6 +695,11 @@ _TOP_EIGENSPACE = 1e-9
 _SUP_STALL = 1e-12
 #: Floor of :func:`_relaxed_sup`'s weights relative to the largest (keeps $1/w_i$ finite).
 _SMALLEST_WEIGHT = 1e-12
+
+
+def _generator_cap(d: int) -> int:
+    """The most generators a token set of dimension ``d`` keeps (at least 1)."""
+    return max(1, min(_MAX_GENERATORS, _MAX_SET_ENTRIES // (d * d)))
 
 
 def _square_generator(A: torch.Tensor) -> torch.Tensor:
