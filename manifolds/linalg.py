@@ -36,6 +36,7 @@ __all__ = [
     "inv_sqrt_psd",
     "coupled_newton_schulz_step",
     "power_iteration",
+    "fixed_start",
     "nuclear_norm",
     "spectral_norm",
     "off_diagonal",
@@ -405,17 +406,18 @@ def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tens
 
 
 @lru_cache(maxsize=64)
-def _start_vector(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # A fixed pseudo-random start: deterministic across runs, and (unlike a constant
-    # vector) not orthogonal to the top singular vector of structured matrices such as
-    # centered routers. Drawn on the CPU and cached per device: a host-to-device copy
-    # waits for the device, so a step that called power_iteration without v0 would sync.
+def fixed_start(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fixed pseudo-random start of ``shape`` for power and subspace iterations (never write
+    to it: it is cached). Deterministic across runs, and (unlike a constant vector) not
+    orthogonal to the top singular vectors of structured matrices such as centered routers.
+    Drawn in float64 on the CPU once and cached per ``(shape, dtype, device)``: a host-to-device
+    copy waits for the device, so a step that drew it every time would synchronize."""
     gen = torch.Generator(device="cpu").manual_seed(0x5EED)
-    return torch.randn(n, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
 
 
 def _default_start(X: torch.Tensor) -> torch.Tensor:
-    return _start_vector(X.size(-1), X.dtype, X.device).expand(*X.shape[:-2], X.size(-1)).clone()
+    return fixed_start((X.size(-1),), X.dtype, X.device).expand(*X.shape[:-2], X.size(-1)).clone()
 
 
 def power_iteration(

@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from geomuon.optimizers import Muon
 from geomuon.optimizers.regulate import (
+    _top_ritz_vector,
     REGULATORS,
     ColumnCap,
     HardCap,
@@ -550,3 +551,29 @@ def test_hard_cap_fixed_levels_are_the_adaptive_cap_within_their_range():
     assert rms_spectral_norm(HardCap(w_max=1.0, levels=1)(W, lr=0.0)).item() > 1.1
     with pytest.raises(ValueError, match="levels"):
         HardCap(levels=-1)
+
+
+@pytest.mark.parametrize("gap", [0.5, 1e-2, 1e-4])
+def test_top_ritz_vector_is_the_top_eigenvector_without_an_eigensolver(gap, monkeypatch):
+    # float64 Ritz matrices with eigenvalue ratio lambda_2 / lambda_1 = 1 - gap (8 x 8, batched):
+    # the squarings raise it to the power 2^32 (e^(-4e5) at gap 1e-4), so the vector matches
+    # eigh's to round-off, and T v = lambda_1 v
+    gen = torch.Generator().manual_seed(3)
+    Q = torch.linalg.qr(torch.randn(4, 8, 8, generator=gen, dtype=torch.float64)).Q
+    lam = torch.tensor([1.0, 1 - gap, 0.7, 0.5, 0.3, 0.2, 0.1, 0.0], dtype=torch.float64)
+    T = (Q * lam) @ Q.mT
+    reference = Q[..., 0]  # eigh's top eigenvector, up to sign
+    monkeypatch.setattr(torch.linalg, "eigh", None)  # products only: any eigensolver call fails
+    v = _top_ritz_vector(T)
+    assert torch.allclose((v * reference).sum(-1).abs(), torch.ones(4, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(T @ v.unsqueeze(-1), v.unsqueeze(-1), atol=1e-12)
+    # a tie at the top (a capped weight's flat spectrum): a unit vector of the top eigenspace
+    tied = (Q * torch.tensor([1.0, 1.0, 1.0, 0.5, 0.3, 0.2, 0.1, 0.0], dtype=torch.float64)) @ Q.mT
+    w = _top_ritz_vector(tied)
+    assert torch.allclose(w.norm(dim=-1), torch.ones(4, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(tied @ w.unsqueeze(-1), w.unsqueeze(-1), atol=1e-12)
+    assert torch.equal(_top_ritz_vector(torch.zeros(2, 8, 8)), torch.zeros(2, 8))  # zero: zero, not NaN
+    # the spectral regulators run without an eigensolver too (on CUDA eigh reads back to the host)
+    W = torch.randn(3, 48, 32, generator=gen)
+    for regulator in (SpectralNormalize(w_max=0.5), SpectralHammer(w_max=0.5), SpectralWeightDecay()):
+        assert torch.isfinite(regulator(W, lr=0.1)).all()
