@@ -9,11 +9,14 @@ tests/test_distributed_train.py``).
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -78,6 +81,39 @@ def processes(world: int, cfg, dump=None) -> dict | None:
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     return _assembled(dump, world) if dump else None
+
+
+INTERRUPTIBLE = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+    from geomuon.pretrain.train import TrainConfig, TrainingInterrupted, train
+    try:
+        train(TrainConfig(**eval(sys.argv[1])))
+    except TrainingInterrupted as stop:
+        print(f"interrupted at step {stop.step}")
+""")
+
+
+def test_a_signal_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
+    # the ranks agree on stopping by an all-reduce read back to the host, once every log_every
+    # steps (not every step: on a GPU each read waits for the device); a SIGTERM to rank 1 alone
+    # stops both ranks at one such step, checkpointed there
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=5000, eval_every=5000, log_every=4)
+    fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE, repr(fields)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    log, deadline = tmp_path / "run" / "log.jsonl", time.time() + 120
+    while time.time() < deadline and not (log.exists() and '"step": 8,' in log.read_text()):
+        time.sleep(0.01)
+    assert all(p.poll() is None for p in procs), "the run ended before it could be interrupted"
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    steps = [int(re.search(r"interrupted at step (\d+)", out).group(1)) for out in outputs]
+    assert steps[0] == steps[1] and steps[0] % 4 == 0 and 8 < steps[0] < 5000, outputs
+    assert steps[0] in [step for step, _ in dcp_folders(str(tmp_path / "run"))]
 
 
 def relative_difference(a: dict, b: dict) -> float:
