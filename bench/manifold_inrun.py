@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's)")
     parser.add_argument("--dualizer", nargs="+", default=[None], choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: by device, eigh on "
-                             "the CPU, polar_express on CUDA)")
+                             "the CPU, polar_express on CUDA; eigh with --smoothing > 0)")
     parser.add_argument("--reference", type=int, default=0,
                         help="dual steps of a reference solve at each certified step (ManifoldMuon's "
                              "certify_reference): the certificate divides by the smaller dual value, so it "

@@ -178,7 +178,8 @@ class ManifoldMuon(MatrixOptimizer):
         gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (exact) or
             ``"polar_express"`` (Polar Express on the Cholesky factor).
             Default ``None``: ``"eigh"`` on the CPU, ``"polar_express"`` on other devices
-            (:func:`gram_solver`: CUDA's ``eigh`` synchronizes with the host).
+            (:func:`gram_solver`: CUDA's ``eigh`` synchronizes with the host), ``"eigh"``
+            everywhere with ``dual_smoothing`` > 0 (it reads the eigenvalues).
         warm_start: start each step's dual from the previous correction (default True).
         msign_method: the spectral dualizer's kernel, a method of
             :func:`geomuon.manifolds.linalg.msign` (default ``"polar_express"``).

@@ -129,7 +129,8 @@ def rms_spectral_norm(W: torch.Tensor) -> torch.Tensor:
 
 #: Squarings of the Ritz matrix in :func:`_top_ritz_vector`: its $2^{32}$-th power keeps only the
 #: eigenvalues within a factor $1 - 5\cdot10^{-9}$ of the largest, below the round-off of a float32
-#: Gram, so the result is the top eigenvector wherever the dtype can tell it apart.
+#: Gram (float64 ties closer than that are taken as ties: a vector of their span, whose Rayleigh
+#: quotient is within $5\cdot10^{-9}$ of the top, far inside the subspace iteration's own error).
 _RITZ_SQUARINGS = 32
 
 
@@ -141,9 +142,12 @@ def _top_ritz_vector(T: torch.Tensor) -> torch.Tensor:
     $T^{2^k}/\|T^{2^k}\|_F$ by :data:`_RITZ_SQUARINGS` normalized squarings tends to the
     projector on the top eigenspace (each eigenvalue ratio $\lambda_i/\lambda_1$ is raised to
     the power $2^k$), whose column of largest norm is a top eigenvector (it has norm at least
-    $b^{-1/2}$ of the projector's). A zero ``T`` gives a zero vector."""
+    $b^{-1/2}$ of the projector's). ``T`` is first divided by its largest entry (a diagonal one,
+    at most $\lambda_1$), so no norm below over- or underflows whatever the weight's scale. A zero
+    ``T`` gives a zero vector."""
     tiny = torch.finfo(T.dtype).tiny
-    P = T / torch.linalg.matrix_norm(T).clamp_min(tiny)[..., None, None]
+    largest = T.abs().amax((-2, -1), keepdim=True)
+    P = T / torch.where(largest > 0, largest, torch.ones_like(largest))
     for _ in range(_RITZ_SQUARINGS):
         P = P @ P
         P = 0.5 * (P + P.mT) / torch.linalg.matrix_norm(P).clamp_min(tiny)[..., None, None]

@@ -45,7 +45,11 @@ on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --para
 * **Interrupts.** SIGINT (Ctrl-C) or SIGTERM lets the current step finish, writes a
   checkpoint and raises :class:`TrainingInterrupted`; the command line prints
   ``interrupted at step N; resume with: …`` and exits with 128 + the signal number
-  (130, 143). A second signal stops at once (the last checkpoint stays intact).
+  (130, 143). A second signal stops at once (the last checkpoint stays intact). Under
+  torchrun the ranks agree on stopping by an all-reduce read back to the host, once every
+  ``log_every`` steps (right after the losses come to the host), so a signal to any rank stops
+  every rank within ``log_every`` steps; one in the last ``log_every - 1`` steps lets the run
+  finish, with its end checkpoint.
 * **Metrics** at each eval (rank 0, unwrapped model, fixed val batches): val loss and
   accuracy, max |activation| per block, max attention logit and mean softmax-Jacobian
   norm per layer, σ_max and column-norm spread per matrix, the Lipschitz bound for the
@@ -578,7 +582,8 @@ def _outcome(function, *args):
 
 class _StopRequest:
     """While entered (in the main thread), SIGINT and SIGTERM only record the signal in
-    ``signum``; the loop stops at the end of its step. The first signal restores the
+    ``signum``; the loop stops at the end of its step (under torchrun at the next step the
+    ranks agree on: see the module docstring). The first signal restores the
     previous handlers, so a second one acts at once."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -708,6 +713,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             result.evals.append(record)
             log.write(record)
             result.diverged |= not math.isfinite(record["val_loss"])
+        # rank 0 evaluated: every rank stops alike (a rank that saved or stepped on alone would
+        # wait for its peers in a collective forever)
+        result.diverged = bool(ddp.largest(int(result.diverged)))
 
     def flush() -> bool:
         """Bring the pending losses to the host (one synchronisation) and log them; False
@@ -741,15 +749,15 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": assignment.state_dict(), **record})
 
     def stop_if_asked(step: int) -> None:
-        """After a signal (on any rank): checkpoint the ``step`` steps done, then stop. Under
-        torchrun the ranks agree by an all-reduce read back to the host (a synchronisation), so
-        they ask once every ``log_every`` steps, as often as the losses come to the host, not at
-        every step."""
-        if ddp.enabled and step % cfg.log_every:
+        """After a signal (on any rank): checkpoint the ``step`` steps done, with their losses,
+        then stop. Under torchrun the ranks agree by an all-reduce read back to the host (a
+        synchronisation), so they ask only right after a step whose losses came to the host
+        (``step - 1`` a multiple of ``log_every``), not at every step."""
+        if ddp.enabled and (step - 1) % cfg.log_every:
             return
         signum = ddp.largest(request.signum)
         if signum:
-            if on_disk:
+            if on_disk and flush():  # a run found diverged saves nothing, as at its other checkpoints
                 save(step)
             raise TrainingInterrupted(step, signum, cfg.out_dir)
 

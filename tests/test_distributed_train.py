@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from geomuon.pretrain.data import load_data
-from geomuon.pretrain.parallel import dcp_folders, load_distributed, read_distributed
+from geomuon.pretrain.parallel import dcp_folders, load_distributed, read_distributed, read_record
 from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, load_checkpoint, resolve_out_dir, train
 
 STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HALF and the STEPS one
@@ -97,7 +97,7 @@ INTERRUPTIBLE = textwrap.dedent("""
 def test_a_signal_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
     # the ranks agree on stopping by an all-reduce read back to the host, once every log_every
     # steps (not every step: on a GPU each read waits for the device); a SIGTERM to rank 1 alone
-    # stops both ranks at one such step, checkpointed there
+    # stops both ranks at one such step, checkpointed there with the losses of every step before
     cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=5000, eval_every=5000, log_every=4)
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
@@ -112,8 +112,11 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     steps = [int(re.search(r"interrupted at step (\d+)", out).group(1)) for out in outputs]
-    assert steps[0] == steps[1] and steps[0] % 4 == 0 and 8 < steps[0] < 5000, outputs
-    assert steps[0] in [step for step, _ in dcp_folders(str(tmp_path / "run"))]
+    stop = steps[0]
+    # right after a step whose losses came to the host: step - 1 a multiple of log_every
+    assert steps[1] == stop and (stop - 1) % 4 == 0 and 8 < stop < 5000, outputs
+    folder = dict((step, path) for step, path in dcp_folders(str(tmp_path / "run")))[stop]
+    assert sorted(read_record(folder)["losses"]) == list(range(stop))  # every step's loss, none pending
 
 
 def relative_difference(a: dict, b: dict) -> float:

@@ -253,6 +253,25 @@ def test_the_gram_solver_defaults_by_device():
     assert gram_solver(cuda, None, None, smoothing=0.03) == ("newton", "eigh")
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.03])
+def test_a_step_asks_the_gram_solver_with_its_groups_smoothing(smoothing, monkeypatch):
+    # what picks "eigh" for a smoothed group on CUDA is the step passing its smoothing on
+    from geomuon.optimizers import manifold_muon
+
+    asked = []
+
+    def recording(device, update, dualizer, smoothing=0.0):
+        asked.append(smoothing)
+        return original(device, update, dualizer, smoothing)
+
+    original = manifold_muon.gram_solver
+    monkeypatch.setattr(manifold_muon, "gram_solver", recording)
+    W = torch.nn.Parameter(Stiefel().random(24, 8, generator=torch.Generator().manual_seed(0)).data)
+    W.grad = torch.randn(24, 8)
+    ManifoldMuon([W], manifold="stiefel", lr=0.01, dual_smoothing=smoothing).step()
+    assert asked and set(asked) == {smoothing}
+
+
 def _three_random_steps(manifold, seed, **options):
     """The weights after three ManifoldMuon steps on random gradients from a random 48x16 point."""
     gen = torch.Generator().manual_seed(seed)

@@ -573,7 +573,20 @@ def test_top_ritz_vector_is_the_top_eigenvector_without_an_eigensolver(gap, monk
     assert torch.allclose(w.norm(dim=-1), torch.ones(4, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(tied @ w.unsqueeze(-1), w.unsqueeze(-1), atol=1e-12)
     assert torch.equal(_top_ritz_vector(torch.zeros(2, 8, 8)), torch.zeros(2, 8))  # zero: zero, not NaN
-    # the spectral regulators run without an eigensolver too (on CUDA eigh reads back to the host)
+    # float32 at any scale: the Ritz matrix of a weight of RMS norm 1e-13 or 1e10 has entries near
+    # 1e-26 or 1e20, whose Frobenius norm under- or overflows unless T is scaled first
+    for scale in (1e-26, 1.0, 1e20):
+        single = _top_ritz_vector((scale * T).float())
+        assert torch.allclose((single.double() * reference).sum(-1).abs(), torch.ones(4, dtype=torch.float64), atol=1e-5)
+    # the spectral regulators run without an eigensolver too (on CUDA eigh reads back to the host),
+    # and normalize a huge weight to w_max (a lost top vector would leave it as it is)
     W = torch.randn(3, 48, 32, generator=gen)
     for regulator in (SpectralNormalize(w_max=0.5), SpectralHammer(w_max=0.5), SpectralWeightDecay()):
         assert torch.isfinite(regulator(W, lr=0.1)).all()
+    for scale in (1e-12, 1.0, 1e12):
+        normalized = SpectralNormalize(w_max=0.5)(scale * W, lr=0.0)
+        # min(sigma, w_max): the block iteration's sigma-hat is exact to float32 round-off on a
+        # Gaussian matrix (its top singular values are apart)
+        expected = rms_spectral_norm(scale * W).clamp_max(0.5)
+        assert torch.allclose(rms_spectral_norm(normalized), expected, rtol=1e-4)
+        assert scale < 1 or torch.allclose(expected, torch.full((3,), 0.5, dtype=torch.float64))

@@ -158,6 +158,32 @@ def test_sigterm_before_the_first_checkpoint_still_leaves_one(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler is gone with it
 
 
+def test_a_signal_between_loss_logs_checkpoints_the_loss_of_every_step(tmp_path):
+    # losses come to the host every log_every steps; a signal during step 5 (steps 4 and 8 are
+    # logged) stops before step 6 and the checkpoint holds the losses of steps 0-5, step 5's too
+    from geomuon.optimizers.assign import assign
+
+    def build(model, hyper):
+        assignment = assign(model, "adamw", hyper)
+        plain_step, calls = assignment.step, []
+
+        def step():
+            plain_step()
+            calls.append(None)
+            if len(calls) == 6:
+                signal.raise_signal(signal.SIGTERM)
+
+        assignment.step = step
+        return assignment
+
+    cfg = config(tmp_path / "run", strategy="adamw", log_every=4, ckpt_every=100)
+    with pytest.raises(TrainingInterrupted) as stop:
+        train(cfg, build_assignment=build)
+    assert stop.value.step == 6
+    saved = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert saved["step"] == 6 and sorted(saved["losses"]) == list(range(6))
+
+
 def test_resumed_log_has_the_fields_and_order_of_an_uninterrupted_one(tmp_path):
     """Stopped between evaluations with the loss logged every 3 steps, then resumed: the
     records, every field and their order, are those of one uninterrupted run (the old
