@@ -119,6 +119,40 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert sorted(read_record(folder)["losses"]) == list(range(stop))  # every step's loss, none pending
 
 
+NAN_AT_SIX = textwrap.dedent("""
+    import math, sys, torch
+    torch.set_num_threads(1)
+    from geomuon.pretrain import train as training
+    plain = training.evaluate
+
+    def evaluate(model, evaluation, autocast):  # rank 0 evaluates; at step 6 it sees a non-finite loss
+        metrics = plain(model, evaluation, autocast)
+        return {**metrics, "val_loss": math.nan} if evaluation.step == 6 else metrics
+
+    training.evaluate = evaluate
+    result = training.train(training.TrainConfig(**eval(sys.argv[1])))
+    print(f"diverged {result.diverged} after step {result.last_step}")
+""")
+
+
+def test_a_divergence_found_at_an_evaluation_stops_every_rank(tmp_path):
+    # only rank 0 evaluates: the ranks agree on its verdict, so none goes on alone into the next
+    # step's collectives (the run would hang) or skips the checkpoint its peers write
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw")
+    fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", NAN_AT_SIX, repr(fields)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    assert all("diverged True after step 6" in out for out in outputs), outputs
+
+
 def relative_difference(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
