@@ -199,20 +199,17 @@ class CausalSelfAttention(nn.Module):
         return y / 3.0 if self.lipschitz else y
 
     def _observed_attention(self, q, k, v):
-        with torch.autocast(q.device.type, enabled=False):  # the metrics in fp32 under a bf16 autocast too
-            return self._observed_attention_fp32(q, k, v)
-
-    def _observed_attention_fp32(self, q, k, v):
-        T = q.size(-2)
-        scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        record = self.record
-        record.max_logit = max(record.max_logit, scores.masked_fill(~causal, -math.inf).max().item())
-        p = scores.masked_fill(~causal, -math.inf).softmax(dim=-1)
-        jac = softmax_jacobian_frobenius(p)
-        record.jacobian_sum += jac.sum().item()
-        record.rows += jac.numel()
-        return (p @ v.float()).to(v.dtype)
+        with torch.autocast(q.device.type, enabled=False):  # the metrics in fp32 under evaluation's bf16 autocast too
+            T = q.size(-2)
+            scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            record = self.record
+            record.max_logit = max(record.max_logit, scores.masked_fill(~causal, -math.inf).max().item())
+            p = scores.masked_fill(~causal, -math.inf).softmax(dim=-1)
+            jac = softmax_jacobian_frobenius(p)
+            record.jacobian_sum += jac.sum().item()
+            record.rows += jac.numel()
+            return (p @ v.float()).to(v.dtype)
 
 
 # --------------------------------------------------------------------------------------

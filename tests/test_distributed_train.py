@@ -70,14 +70,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def processes(world: int, cfg, dump=None) -> dict | None:
-    """Run ``cfg`` on ``world`` gloo processes; the final whole weights when ``dump`` (a path)."""
+def spawn(world: int, script: str, cfg, *args: str) -> list[subprocess.Popen]:
+    """``script`` (given ``repr`` of ``cfg``'s fields and ``args``) as ``world`` torchrun-like gloo ranks."""
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, repr(fields), *([str(dump)] if dump else [])],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    return [subprocess.Popen([sys.executable, "-c", script, repr(fields), *args],
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for r in range(world)]
+
+
+def processes(world: int, cfg, dump=None) -> dict | None:
+    """Run ``cfg`` on ``world`` gloo processes; the final whole weights when ``dump`` (a path)."""
+    procs = spawn(world, WORKER, cfg, *([str(dump)] if dump else []))
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     return _assembled(dump, world) if dump else None
@@ -99,11 +104,7 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
     # steps (not every step: on a GPU each read waits for the device); a SIGTERM to rank 1 alone
     # stops both ranks at one such step, checkpointed there with the losses of every step before
     cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=5000, eval_every=5000, log_every=4)
-    fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE, repr(fields)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = spawn(2, INTERRUPTIBLE, cfg)
     log, deadline = tmp_path / "run" / "log.jsonl", time.time() + 120
     while time.time() < deadline and not (log.exists() and '"step": 8,' in log.read_text()):
         time.sleep(0.01)
@@ -138,12 +139,7 @@ NAN_AT_SIX = textwrap.dedent("""
 def test_a_divergence_found_at_an_evaluation_stops_every_rank(tmp_path):
     # only rank 0 evaluates: the ranks agree on its verdict, so none goes on alone into the next
     # step's collectives (the run would hang) or skips the checkpoint its peers write
-    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw")
-    fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", NAN_AT_SIX, repr(fields)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = spawn(2, NAN_AT_SIX, config(tmp_path / "run", parallel="ddp", strategy="adamw"))
     try:
         outputs = [p.communicate(timeout=60)[0] for p in procs]
     finally:

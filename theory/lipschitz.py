@@ -823,8 +823,8 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
         """The relaxed sup of ``products`` with head h's rows scaled by ``scale[h]``."""
         return _relaxed_sup(scale.repeat_interleave(products.size(-2) // H)[:, None] * products)
 
-    for index, block in enumerate(blocks):
-        q, k, v, o = (block[name].detach().double() for name in ("q", "k", "v", "o"))
+    for index, block in enumerate(blocks):  # float64 on the CPU already (_float64_on_cpu)
+        q, k, v, o = (block[name] for name in ("q", "k", "v", "o"))
         x_radius = min(X.sup_norm(), rms * radii[2 * index])
         joint_radii.append(x_radius / rms)
         slices = {name: _head_slices(W, H, name) for name, W in (("q", q), ("k", k), ("v", v))}
@@ -844,13 +844,13 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
                                  (a * c * varsigma * (query_path + key_path) * _square_generator(o))[None]]))
         x_radius = min(X.sup_norm(), rms * radii[2 * index + 1])
         joint_radii.append(x_radius / rms)
-        w_in, w_out = block["mlp_in"].detach().double(), block["mlp_out"].detach().double()
+        w_in, w_out = block["mlp_in"], block["mlp_out"]
         linear = (1 - a) * identity + a * s * 0.5 * (w_out @ w_in)
         out = _square_generator(w_out)
         X = _TokenSet(torch.cat([X.map(linear), (a * s * 0.5 * X.sup_norm(w_in) * out)[None]]))
         G = _TokenSet(torch.cat([G.map(linear), (a * s * rho * G.sup_norm(w_in) * out)[None]]))
     joint_radii.append(min(X.sup_norm(), rms * radii[-1]) / rms)
-    head = weights["head"].detach().double()
+    head = weights["head"]
     return G.sup_norm(head) / math.sqrt(head.size(0)), joint_radii
 
 
