@@ -157,7 +157,7 @@ class TrainConfig:
     lipschitz_bound: str = option(
         DEFAULT_METHOD, "certified Lipschitz bound logged at each evaluation of a Lipschitz model (off: none); "
         "joint is the tightest and the slowest (one CPU thread, GPT-2 small's shape d = 768, 12 layers, "
-        "12 heads: joint about 2.6 min, aligned about 26 s)", choices=lambda: ("off", *METHODS))
+        "12 heads: joint about 3.4 min, aligned about 26 s)", choices=lambda: ("off", *METHODS))
     eval_every: int = option(50, "evaluate every this many steps (and at the end)", unit="steps", at_least=1)
     eval_batches: int = option(4, "validation batches per evaluation", unit="batches", at_least=1)
     final_eval_batches: int | None = option(None, "validation batches of the last evaluation "

@@ -506,7 +506,11 @@ def transformer_lipschitz_bound(
     * *Attention scores* (perturbations only). With $R_{xh} = \sup_{X}\|W_x^hx\|$ (capped by
       $\sigma_{xh}$ times the aligned radius) and $D_{xh} = \sup_{G}\|W_x^h\delta\|$, the
       proof of :func:`attention_lipschitz` gives $\|\operatorname{Cov}_p(v^h, k^h)\| \le
-      \gamma_h = \min(R_{vh}R_{kh},\ \nu_h\sup_X\|x\|^2)$, so head $h$'s score path is
+      \tfrac12\mathbb E_p\|N_\tau x_s\|^2$ for every $\tau > 0$, $N_\tau = [\sqrt\tau\,W_v^h;\ W_k^h/\sqrt\tau]$,
+      with every $x_s \in X$, so $\|\operatorname{Cov}_p(v^h, k^h)\| \le
+      \gamma_h = \min(R_{vh}R_{kh},\ \nu_h\sup_X\|x\|^2,\ \min_\tau\tfrac12\sup_X\|N_\tau x\|^2)$ (the last
+      is the alignment measured on the set, :func:`_set_alignment`; the first two are its values
+      for the ball around $X$ and at $\tau = R_{kh}/R_{vh}$), and head $h$'s score path is
       $\varsigma(\gamma_h\|W_q^h\delta x_t\| + R_{vh}D_{kh}\|W_q^hx_t\|)$ and, stacked over heads,
       at most $\varsigma(\sup_G\|\Gamma W_q\delta\| + \sup_X\|\mathrm K W_q x\|)$ with
       $\Gamma = \operatorname{blockdiag}(\gamma_hI)$, $\mathrm K = \operatorname{blockdiag}(R_{vh}D_{kh}I)$
@@ -749,7 +753,13 @@ class _TokenSet:
 
 def _relaxed_sup(products: torch.Tensor) -> float:
     r"""An upper bound on $\sup_{y\in K}\|y\|_2$ for $K = \sum_iB_i\mathbb B$, ``products`` $B_i$
-    (``[N, m, d]``, float64).
+    (``[N, m, d]``, float64): :func:`_relaxed_sup_of_grams` of their Grams $B_iB_i^\top$."""
+    return _relaxed_sup_of_grams(products @ products.transpose(-1, -2))
+
+
+def _relaxed_sup_of_grams(grams: torch.Tensor) -> float:
+    r"""An upper bound on $\sup_{y\in K}\|y\|_2$ for $K = \sum_iB_i\mathbb B$ from the Grams
+    $B_iB_i^\top$ (``grams`` ``[N, m, m]``, float64).
 
     The supremum is $\max_{\|u\|=1}\sum_i\|B_i^\top u\|$ (the support function of a Minkowski
     sum is the sum of the support functions). For any weights $w_i > 0$, Cauchy–Schwarz gives
@@ -768,7 +778,6 @@ def _relaxed_sup(products: torch.Tensor) -> float:
     (forming $W(\sum_iA_iA_i^\top/w_i)W^\top$ instead divides that of $\|W\|^2\|A_i\|^2$, which
     cancels to a wrong, even negative, top eigenvalue when $W$ annihilates $A_i$).
     $\lambda_{\max}$ is float64 ``eigh``'s."""
-    grams = products @ products.transpose(-1, -2)
     size = grams.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # ||B_i||_F
     if not size.max() > 0:
         return 0.0
@@ -781,10 +790,61 @@ def _relaxed_sup(products: torch.Tensor) -> float:
             break
         best = value
         top = top_vectors[:, top_values >= top_values[-1] * (1 - _TOP_EIGENSPACE)]  # the u_k
-        spread = (products.transpose(-1, -2) @ top).square().sum((-2, -1)).sqrt()
+        spread = ((grams @ top) * top).sum((-2, -1)).clamp_min(0).sqrt()  # (sum_k u_k^T B_i B_i^T u_k)^(1/2)
         if not spread.max() > 0:
             break
         weights = (weights * spread.clamp_min(spread.max() * _SMALLEST_WEIGHT)).sqrt()  # damped: ties oscillate
+    return best
+
+
+#: Golden-section steps of :func:`_set_alignment` (a bracket of width 8 in $\log\tau$ shrinks to $4\cdot10^{-4}$).
+_SET_ALIGNMENT_STEPS = 20
+
+
+def _set_alignment(values: torch.Tensor, keys: torch.Tensor, reach_v: float, reach_k: float) -> float:
+    r"""An upper bound on $\sup_{x\in K}\|W_v^hx\|\,\|W_k^hx\|$ over a token set $K$ from the images
+    ``values`` $W_v^hA_i$ and ``keys`` $W_k^hA_i$ of its generators (``[N, d_h, d]``, float64) and the
+    sups ``reach_v`` $\ge R_v$, ``reach_k`` $\ge R_k$ of their norms:
+
+    $$\min_{\tau>0}\tfrac12\sup_{x\in K}\|N_\tau x\|^2,\qquad N_\tau = \bigl[\sqrt\tau\,W_v^h;\ W_k^h/\sqrt\tau\bigr],$$
+
+    each sup bounded by :func:`_relaxed_sup_of_grams` (the Grams of the generators' images under
+    $N_\tau$ are those of $[W_v^hA_i; W_k^hA_i]$ conjugated by $\operatorname{diag}(\sqrt\tau, 1/\sqrt\tau)$,
+    so one product serves every $\tau$). This is the value–key alignment $\nu_h$ of
+    :func:`attention_lipschitz` measured on the set instead of its enclosing ball:
+    $\tfrac12\|N_\tau x\|^2 = \tfrac12(\tau\|W_v^hx\|^2 + \|W_k^hx\|^2/\tau) \ge \|W_v^hx\|\|W_k^hx\|$,
+    and $\sup_K\|N_\tau x\|^2 \le \lambda_{\max}(N_\tau^\top N_\tau)\sup_K\|x\|^2$ and
+    $\le \tau R_v^2 + R_k^2/\tau$, so before relaxation it is at most both
+    $\nu_h\sup_K\|x\|^2$ and $R_vR_k$ (at $\tau = R_k/R_v$); the set's shape is what it adds. Every
+    $\tau$ gives a valid bound: the golden-section search over $\log\tau$ (centred at $R_k/R_v$; the
+    least value it meets is returned) affects tightness only."""
+    if not reach_v * reach_k > 0:
+        return 0.0
+    stacked = torch.cat([values, keys], dim=-2)
+    grams = stacked @ stacked.transpose(-1, -2)
+    d_head = values.size(-2)
+
+    def half_square(log_tau: float) -> float:
+        root = math.exp(log_tau / 2)
+        scale = torch.cat([torch.full((d_head,), root, dtype=grams.dtype), torch.full((d_head,), 1 / root, dtype=grams.dtype)])
+        return 0.5 * _relaxed_sup_of_grams(grams * scale[:, None] * scale[None, :]) ** 2
+
+    centre = max(-_LOG_TAU_RANGE, min(_LOG_TAU_RANGE, math.log(reach_k / reach_v)))
+    golden = (math.sqrt(5) - 1) / 2
+    low, high = centre - 4.0, centre + 4.0
+    left, right = high - golden * (high - low), low + golden * (high - low)
+    at_left, at_right = half_square(left), half_square(right)
+    best = min(at_left, at_right)
+    for _ in range(_SET_ALIGNMENT_STEPS):  # one new point per step; every value is a bound, the least is kept
+        if at_left > at_right:
+            low, left, at_left = left, right, at_right
+            right = low + golden * (high - low)
+            at_right = half_square(right)
+        else:
+            high, right, at_right = right, left, at_left
+            left = high - golden * (high - low)
+            at_left = half_square(left)
+        best = min(best, at_left, at_right)
     return best
 
 
@@ -832,8 +892,11 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
         on_X = {name: X.map(W) for name, W in (("q", q), ("k", k), ("v", v))}
         q_on_G, k_on_G = G.map(q), G.map(k)
         reach = {name: torch.minimum(per_head(on_X[name]), sigma[name] * x_radius) for name in on_X}
-        # ||Cov_p(v^h, k^h)|| <= R_vh R_kh, and <= nu_h |x|^2 (the aligned bound's step)
+        # ||Cov_p(v^h, k^h)|| <= R_vh R_kh, <= nu_h |x|^2 (the aligned bound's step), and <= its alignment on X
         coupling = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
+        on_set = [_set_alignment(v_rows, k_rows, r_v, r_k) for v_rows, k_rows, r_v, r_k in
+                  zip(on_X["v"].chunk(H, dim=-2), on_X["k"].chunk(H, dim=-2), reach["v"].tolist(), reach["k"].tolist())]
+        coupling = torch.minimum(coupling, torch.tensor(on_set, dtype=torch.float64))
         query_path = min(coupling.max().item() * _relaxed_sup(q_on_G), heads_scaled(q_on_G, coupling))
         key_weight = reach["v"] * per_head(k_on_G)
         key_path = min(key_weight.max().item() * _relaxed_sup(on_X["q"]), (key_weight * reach["q"]).norm().item(),
