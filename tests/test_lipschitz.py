@@ -243,13 +243,16 @@ def test_value_key_alignment_is_the_best_antipodal_pair(d_head):
 def test_set_alignment_is_exact_on_an_ellipse_where_the_ball_loses_half():
     # K = diag(1, e) B in the plane, W_v = e_1^T, W_k = e_2^T: sup_K |x_1||x_2| = e/2 (at
     # x = (1, e)/sqrt 2). Each tau has sup_K |N_tau x|^2 = max(tau, e^2/tau) exactly (one
-    # generator: the relaxation is exact), minimized at tau = e. The search brackets log tau
-    # to 8 * 0.618^20 = 5e-4 and the value is V-shaped in log tau, so it is within e^(5e-4) - 1
-    # < 1e-3 of e/2, and never below it (every tau is a bound).
+    # generator: the relaxation is exact), least at tau = e. The reach passed for the key, 1,
+    # is a valid but loose upper bound on R_k = e, so the search starts at log tau = 0, 2.3 away
+    # from the optimum; its bracket shrinks to 8 * 0.618^20 = 5.3e-4 in log tau and the value is
+    # V-shaped in log tau, so it ends within e^(5.3e-4) - 1 < 1e-3 of e/2, and never below it.
     eps = 0.1
     generator = torch.diag(torch.tensor([1.0, eps], dtype=torch.float64))[None]
-    values, keys = torch.tensor([[1.0, 0.0]], dtype=torch.float64) @ generator, torch.tensor([[0.0, 1.0]], dtype=torch.float64) @ generator
-    on_set = _set_alignment(values, keys, 1.0, eps)
+    values = torch.tensor([[1.0, 0.0]], dtype=torch.float64) @ generator
+    keys = torch.tensor([[0.0, 1.0]], dtype=torch.float64) @ generator
+    one = torch.ones(1, dtype=torch.float64)
+    on_set = _set_alignment(values, keys, one, one).item()
     assert eps / 2 * (1 - 1e-12) <= on_set <= eps / 2 * (1 + 1e-3)
     # negative control: the coupling the joint bound had without it, min(R_v R_k, nu sup|x|^2)
     # = min(e, 1/2 * 1), is twice the true value here
@@ -261,11 +264,12 @@ def test_set_alignment_is_never_below_an_ascent_of_the_pair_over_the_set():
     # |W_v x||W_k x| over x = sum_i A_i u_i, |u_i| <= 1, stays below the set alignment, which in
     # turn is below the product of the separate sups R_v R_k (random slices: strictly).
     gen = torch.Generator().manual_seed(13)
-    A = torch.randn(3, 10, 10, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 0.5, 0.1], dtype=torch.float64)[:, None, None]
+    scales = torch.tensor([1.0, 0.5, 0.1], dtype=torch.float64)[:, None, None]
+    A = torch.randn(3, 10, 10, generator=gen, dtype=torch.float64) * scales
     W_v, W_k = (torch.randn(3, 10, generator=gen, dtype=torch.float64) for _ in range(2))
     K = _TokenSet(A)
-    reach_v, reach_k = K.sup_norm(W_v), K.sup_norm(W_k)
-    on_set = _set_alignment(K.map(W_v), K.map(W_k), reach_v, reach_k)
+    reach_v, reach_k = (torch.tensor([K.sup_norm(W)], dtype=torch.float64) for W in (W_v, W_k))
+    on_set = _set_alignment(K.map(W_v), K.map(W_k), reach_v, reach_k).item()
     u = torch.randn(64, 3, 10, generator=gen, dtype=torch.float64).requires_grad_(True)
     optimizer = torch.optim.Adam([u], lr=0.02)
     for _ in range(1500):
@@ -278,8 +282,39 @@ def test_set_alignment_is_never_below_an_ascent_of_the_pair_over_the_set():
     best = pair.detach().max().item()
     # float64 eigh round-off (~1e-15 relative) is the only slack below the bound
     assert best <= on_set * (1 + 1e-12)
-    assert on_set < reach_v * reach_k
+    assert on_set < (reach_v * reach_k).item()
     assert on_set < 1.05 * best  # informative: measured 1.015x the ascent, where the product is 1.80x
+
+
+def test_joint_bound_couples_each_head_by_its_own_value_and_key_slices(monkeypatch):
+    # The wiring of the set alignment into the joint bound: in the first attention the token set
+    # is the ball X_0 = sqrt(d) r B (d = 8, r = 1, sup |x|^2 = 8), where the alignment is exact:
+    # gamma_h = 8 max_u |W_v^h u||W_k^h u|, reached by the antipodal pair +-sqrt(8) u with p = 1/2
+    # each (Cov_p = 8 u u^T). Head 0 reads e_0..e_3 with W_v = 2 W_k: gamma = 8 * 2 = 16; head 1's
+    # value reads e_0..e_3 and its key e_4..e_7: gamma = 8 * 1/2 = 4 (u = (e_0 + e_4)/sqrt 2).
+    # Swapped heads, slices taken along the wrong axis or a scaled result all miss (16, 4); the
+    # search's bracket leaves 5.3e-4 relative (see the ellipse test), and it never goes below.
+    eye = torch.eye(8, dtype=torch.float64)
+    v = torch.cat([2 * eye[:4], eye[:4]])
+    k = torch.cat([eye[:4], eye[4:]])
+    gen = torch.Generator().manual_seed(14)
+    block = dict(q=eye.clone(), k=k, v=v, o=eye.clone(),
+                 mlp_in=0.3 * torch.randn(32, 8, generator=gen, dtype=torch.float64),
+                 mlp_out=0.3 * torch.randn(8, 32, generator=gen, dtype=torch.float64))
+    weights = dict(blocks=[block, dict(block)], head=eye.clone(), n_head=2)
+    recorded = []
+    set_alignment = lipschitz_module._set_alignment
+
+    def recording(*args):
+        recorded.append(set_alignment(*args))
+        return recorded[-1]
+
+    monkeypatch.setattr(lipschitz_module, "_set_alignment", recording)
+    transformer_lipschitz_bound(weights, method="joint")
+    assert len(recorded) == 2  # one call per attention, every head at once
+    exact = torch.tensor([16.0, 4.0], dtype=torch.float64)
+    assert torch.all(recorded[0] >= exact * (1 - 1e-12))
+    assert torch.all(recorded[0] <= exact * (1 + 1e-3))
 
 
 def test_aligned_attention_bound_holds_where_it_gains():

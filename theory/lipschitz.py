@@ -251,7 +251,11 @@ def attention_lipschitz(
 
     $$|a^\top C^h b| \le \sum_s p_{ts}|\langle\alpha, x_s - \bar x\rangle|\,\|W_k^hx_s\|
     \le \tfrac12\operatorname{tr}\bigl(M(\tau\,W_v^{h\top}aa^\top W_v^h + B_h/\tau)\bigr)
+    \le \tfrac12\operatorname{tr}\bigl(M(\tau A_h + B_h/\tau)\bigr) = \tfrac12\,\mathbb E_p\|N_\tau x_s\|^2
     \le \tfrac12\,d r^2\,\lambda_{\max}(\tau A_h + B_h/\tau),$$
+
+    with $N_\tau = [\sqrt\tau\,W_v^h;\ W_k^h/\sqrt\tau]$ ($aa^\top \preceq I$; the joint bound of
+    :func:`transformer_lipschitz_bound` stops before the last step and takes the sup over its token set),
 
     so $\|C^h\| \le \nu_h\,d r^2$ with
     $\nu_h = \min_{\tau>0}\tfrac12\lambda_{\max}(\tau A_h + B_h/\tau) \le \sigma_{vh}\sigma_{kh}$
@@ -349,20 +353,37 @@ def _value_key_alignment(v_heads: torch.Tensor, k_heads: torch.Tensor, product: 
 
         def gram(tau):  # N^T N
             return tau * first + second / tau
-    sigma_v = torch.linalg.matrix_norm(v_heads, ord=2).clamp_min(torch.finfo(first.dtype).tiny)
-    sigma_k = torch.linalg.matrix_norm(k_heads, ord=2).clamp_min(torch.finfo(first.dtype).tiny)
-    centre = (sigma_k / sigma_v).log().clamp(-_LOG_TAU_RANGE, _LOG_TAU_RANGE)  # finite tau for zero slices
+    sigma_v = torch.linalg.matrix_norm(v_heads, ord=2)
+    sigma_k = torch.linalg.matrix_norm(k_heads, ord=2)
 
     def half_lambda_max(log_tau):
         return 0.5 * torch.linalg.eigvalsh(gram(log_tau.exp().reshape(-1, 1, 1)))[..., -1]
 
+    return torch.minimum(_least_over_log_tau(half_lambda_max, sigma_v, sigma_k, _ALIGNMENT_STEPS), product)
+
+
+def _least_over_log_tau(f, reach_v: torch.Tensor, reach_k: torch.Tensor, steps: int) -> torch.Tensor:
+    r"""The least value of ``f`` (``[H]`` values of $\log	au$ to ``[H]`` values) met by a golden-section
+    search for its minimum over $\log	au$, per entry, in the bracket $\log(R_k/R_v) \pm 4$ (``reach_v``,
+    ``reach_k``: $R_v$, $R_k$ ``[H]``, float64; the centre clamped to $\pm$:data:`_LOG_TAU_RANGE`,
+    so a zero slice keeps $	au$ finite). Each step evaluates ``f`` once. The alignments it serves
+    are bounds at every $	au$, so the least value met is one, and the search's accuracy affects
+    tightness only."""
+    tiny = torch.finfo(reach_v.dtype).tiny
+    centre = (reach_k.clamp_min(tiny).log() - reach_v.clamp_min(tiny).log()).clamp(-_LOG_TAU_RANGE, _LOG_TAU_RANGE)
     golden = (math.sqrt(5) - 1) / 2
     low, high = centre - 4.0, centre + 4.0
-    for _ in range(_ALIGNMENT_STEPS):
-        left, right = high - golden * (high - low), low + golden * (high - low)
-        go_right = half_lambda_max(left) > half_lambda_max(right)
+    left, right = high - golden * (high - low), low + golden * (high - low)
+    at_left, at_right = f(left), f(right)
+    least = torch.minimum(at_left, at_right)
+    for _ in range(steps):
+        go_right = at_left > at_right  # the minimum is right of `left`: the bracket becomes [left, high]
         low, high = torch.where(go_right, left, low), torch.where(go_right, high, right)
-    return torch.minimum(half_lambda_max((low + high) / 2), product)
+        left, right = torch.where(go_right, right, high - golden * (high - low)), torch.where(go_right, low + golden * (high - low), left)
+        fresh = f(torch.where(go_right, right, left))
+        at_left, at_right = torch.where(go_right, at_right, fresh), torch.where(go_right, fresh, at_left)
+        least = torch.minimum(least, fresh)
+    return least
 
 
 def _check_method(method: str, where: str) -> None:
@@ -691,13 +712,13 @@ _MAX_GENERATORS = 256
 #: $1 + H$; below that (GPT-2 medium, $d = 1024$, $H = 16$: cap 16) a merged set's $1 + H$ value
 #: images are formed and merged again at every attention.
 _MAX_SET_ENTRIES = 2**24
-#: Most reweighting steps of :func:`_relaxed_sup`; every step's value is a bound, the smallest is kept.
+#: Most reweighting steps of :func:`_relaxed_sup_of_grams`; every step's value is a bound, the smallest is kept.
 _SUP_STEPS = 30
-#: Relative gap below the top eigenvalue within which :func:`_relaxed_sup` treats eigenvectors as tied.
+#: Relative gap below the top eigenvalue within which :func:`_relaxed_sup_of_grams` treats eigenvectors as tied.
 _TOP_EIGENSPACE = 1e-9
-#: :func:`_relaxed_sup` stops once a step improves its bound by less than this (relative).
+#: :func:`_relaxed_sup_of_grams` stops once a step improves its bound by less than this (relative).
 _SUP_STALL = 1e-12
-#: Floor of :func:`_relaxed_sup`'s weights relative to the largest (keeps $1/w_i$ finite).
+#: Floor of :func:`_relaxed_sup_of_grams`'s weights relative to the largest (keeps $1/w_i$ finite).
 _SMALLEST_WEIGHT = 1e-12
 
 
@@ -778,6 +799,8 @@ def _relaxed_sup_of_grams(grams: torch.Tensor) -> float:
     (forming $W(\sum_iA_iA_i^\top/w_i)W^\top$ instead divides that of $\|W\|^2\|A_i\|^2$, which
     cancels to a wrong, even negative, top eigenvalue when $W$ annihilates $A_i$).
     $\lambda_{\max}$ is float64 ``eigh``'s."""
+    if not torch.isfinite(grams).all():
+        return math.inf  # no bound (never the smallest value): a non-finite weight reached this set
     size = grams.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # ||B_i||_F
     if not size.max() > 0:
         return 0.0
@@ -797,55 +820,42 @@ def _relaxed_sup_of_grams(grams: torch.Tensor) -> float:
     return best
 
 
-#: Golden-section steps of :func:`_set_alignment` (a bracket of width 8 in $\log\tau$ shrinks to $4\cdot10^{-4}$).
+#: Golden-section steps of :func:`_set_alignment` (a bracket of width 8 in $\log\tau$ shrinks to $5\cdot10^{-4}$).
 _SET_ALIGNMENT_STEPS = 20
 
 
-def _set_alignment(values: torch.Tensor, keys: torch.Tensor, reach_v: float, reach_k: float) -> float:
-    r"""An upper bound on $\sup_{x\in K}\|W_v^hx\|\,\|W_k^hx\|$ over a token set $K$ from the images
-    ``values`` $W_v^hA_i$ and ``keys`` $W_k^hA_i$ of its generators (``[N, d_h, d]``, float64) and the
-    sups ``reach_v`` $\ge R_v$, ``reach_k`` $\ge R_k$ of their norms:
+def _set_alignment(values: torch.Tensor, keys: torch.Tensor, reach_v: torch.Tensor, reach_k: torch.Tensor) -> torch.Tensor:
+    r"""Per head $h$, a bound $\gamma_h \ge \|\operatorname{Cov}_p(v^h, k^h)\|$ for attention reading tokens of a
+    set $K$ (see :func:`attention_lipschitz`'s aligned step, which ends in $\tfrac12\mathbb E_p\|N_\tau x_s\|^2$):
 
-    $$\min_{\tau>0}\tfrac12\sup_{x\in K}\|N_\tau x\|^2,\qquad N_\tau = \bigl[\sqrt\tau\,W_v^h;\ W_k^h/\sqrt\tau\bigr],$$
+    $$\gamma_h = \min_{\tau>0}\tfrac12\sup_{x\in K}\|N_\tau x\|^2,\qquad N_\tau = \bigl[\sqrt\tau\,W_v^h;\ W_k^h/\sqrt\tau\bigr],$$
 
-    each sup bounded by :func:`_relaxed_sup_of_grams` (the Grams of the generators' images under
-    $N_\tau$ are those of $[W_v^hA_i; W_k^hA_i]$ conjugated by $\operatorname{diag}(\sqrt\tau, 1/\sqrt\tau)$,
-    so one product serves every $\tau$). This is the value–key alignment $\nu_h$ of
-    :func:`attention_lipschitz` measured on the set instead of its enclosing ball:
-    $\tfrac12\|N_\tau x\|^2 = \tfrac12(\tau\|W_v^hx\|^2 + \|W_k^hx\|^2/\tau) \ge \|W_v^hx\|\|W_k^hx\|$,
-    and $\sup_K\|N_\tau x\|^2 \le \lambda_{\max}(N_\tau^\top N_\tau)\sup_K\|x\|^2$ and
-    $\le \tau R_v^2 + R_k^2/\tau$, so before relaxation it is at most both
-    $\nu_h\sup_K\|x\|^2$ and $R_vR_k$ (at $\tau = R_k/R_v$); the set's shape is what it adds. Every
-    $\tau$ gives a valid bound: the golden-section search over $\log\tau$ (centred at $R_k/R_v$; the
-    least value it meets is returned) affects tightness only."""
-    if not reach_v * reach_k > 0:
-        return 0.0
-    stacked = torch.cat([values, keys], dim=-2)
-    grams = stacked @ stacked.transpose(-1, -2)
-    d_head = values.size(-2)
+    from the images of $K$'s generators ``values`` $W_vA_i$ and ``keys`` $W_kA_i$ (``[N, H d_h, d]``,
+    float64; head $h$ is row block $h$) and upper bounds ``reach_v``, ``reach_k`` (``[H]``) on
+    $R_{vh} = \sup_K\|W_v^hx\|$, $R_{kh}$; returns ``[H]`` float64. Each sup is bounded by
+    :func:`_relaxed_sup_of_grams`: the Grams of the images under $N_\tau$ are those of
+    $[W_v^hA_i; W_k^hA_i]$ conjugated by $\operatorname{diag}(\sqrt\tau, 1/\sqrt\tau)$, so one product
+    serves every $\tau$; :func:`_least_over_log_tau` searches $\tau$ (any $\tau$ is a bound).
 
-    def half_square(log_tau: float) -> float:
-        root = math.exp(log_tau / 2)
-        scale = torch.cat([torch.full((d_head,), root, dtype=grams.dtype), torch.full((d_head,), 1 / root, dtype=grams.dtype)])
-        return 0.5 * _relaxed_sup_of_grams(grams * scale[:, None] * scale[None, :]) ** 2
+    This is the value–key alignment $\nu_h$ measured on the set instead of the ball around it:
+    before relaxation it is at most $\nu_h\sup_K\|x\|^2$ (as $\sup_K\|N_\tau x\|^2 \le
+    \lambda_{\max}(N_\tau^\top N_\tau)\sup_K\|x\|^2$) and $R_{vh}R_{kh}$ (at $\tau = R_{kh}/R_{vh}$). It is at least
+    $\sup_K\|W_v^hx\|\,\|W_k^hx\|$, and above it on sets that are not ellipsoids: the proof needs the
+    $\tau$ form, not that product. A head with $R_{vh}R_{kh} = 0$ gets 0."""
+    heads = reach_v.numel()
+    stacked = [torch.cat([v, k], dim=-2) for v, k in zip(values.chunk(heads, dim=-2), keys.chunk(heads, dim=-2))]
+    grams = [rows @ rows.transpose(-1, -2) for rows in stacked]
+    d_head = values.size(-2) // heads
 
-    centre = max(-_LOG_TAU_RANGE, min(_LOG_TAU_RANGE, math.log(reach_k / reach_v)))
-    golden = (math.sqrt(5) - 1) / 2
-    low, high = centre - 4.0, centre + 4.0
-    left, right = high - golden * (high - low), low + golden * (high - low)
-    at_left, at_right = half_square(left), half_square(right)
-    best = min(at_left, at_right)
-    for _ in range(_SET_ALIGNMENT_STEPS):  # one new point per step; every value is a bound, the least is kept
-        if at_left > at_right:
-            low, left, at_left = left, right, at_right
-            right = low + golden * (high - low)
-            at_right = half_square(right)
-        else:
-            high, right, at_right = right, left, at_left
-            left = high - golden * (high - low)
-            at_left = half_square(left)
-        best = min(best, at_left, at_right)
-    return best
+    def half_squares(log_tau: torch.Tensor) -> torch.Tensor:
+        out = []
+        for gram, t in zip(grams, log_tau.tolist()):
+            scale = torch.tensor([math.exp(t / 2)] * d_head + [math.exp(-t / 2)] * d_head, dtype=gram.dtype)
+            out.append(0.5 * _relaxed_sup_of_grams(gram * scale[:, None] * scale[None, :]) ** 2)
+        return torch.tensor(out, dtype=torch.float64)
+
+    least = _least_over_log_tau(half_squares, reach_v, reach_k, _SET_ALIGNMENT_STEPS)
+    return torch.where((reach_v == 0) | (reach_k == 0), torch.zeros_like(least), least)
 
 
 def _merged(generators: torch.Tensor, cap: int | None = None) -> torch.Tensor:
@@ -892,11 +902,9 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
         on_X = {name: X.map(W) for name, W in (("q", q), ("k", k), ("v", v))}
         q_on_G, k_on_G = G.map(q), G.map(k)
         reach = {name: torch.minimum(per_head(on_X[name]), sigma[name] * x_radius) for name in on_X}
-        # ||Cov_p(v^h, k^h)|| <= R_vh R_kh, <= nu_h |x|^2 (the aligned bound's step), and <= its alignment on X
-        coupling = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
-        on_set = [_set_alignment(v_rows, k_rows, r_v, r_k) for v_rows, k_rows, r_v, r_k in
-                  zip(on_X["v"].chunk(H, dim=-2), on_X["k"].chunk(H, dim=-2), reach["v"].tolist(), reach["k"].tolist())]
-        coupling = torch.minimum(coupling, torch.tensor(on_set, dtype=torch.float64))
+        # ||Cov_p(v^h, k^h)|| <= the alignment on X, <= R_vh R_kh and <= nu_h |x|^2 (the aligned bound's step)
+        ball = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
+        coupling = torch.minimum(ball, _set_alignment(on_X["v"], on_X["k"], reach["v"], reach["k"]))
         query_path = min(coupling.max().item() * _relaxed_sup(q_on_G), heads_scaled(q_on_G, coupling))
         key_weight = reach["v"] * per_head(k_on_G)
         key_path = min(key_weight.max().item() * _relaxed_sup(on_X["q"]), (key_weight * reach["q"]).norm().item(),
