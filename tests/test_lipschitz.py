@@ -214,8 +214,9 @@ def test_value_key_alignment_is_the_best_antipodal_pair(d_head):
     # gradient ascent over u reaches it from below, and it never exceeds sigma_v sigma_k.
     gen = torch.Generator().manual_seed(11)
     v_heads, k_heads = (torch.randn(3, d_head, 12, generator=gen, dtype=torch.float64) for _ in range(2))
-    product = torch.linalg.matrix_norm(v_heads, ord=2) * torch.linalg.matrix_norm(k_heads, ord=2)
-    nu = _value_key_alignment(v_heads, k_heads, product)
+    sigma_v, sigma_k = (torch.linalg.matrix_norm(W, ord=2) for W in (v_heads, k_heads))
+    product = sigma_v * sigma_k
+    nu = _value_key_alignment(v_heads, k_heads, sigma_v, sigma_k)
     u = torch.randn(3, 64, 12, generator=gen, dtype=torch.float64).requires_grad_(True)
     optimizer = torch.optim.Adam([u], lr=0.02)
     for _ in range(1500):
@@ -232,11 +233,11 @@ def test_value_key_alignment_is_the_best_antipodal_pair(d_head):
     assert torch.all(nu < product)  # random slices are not aligned: a strict gain
     # negative control: orthogonal row spaces give exactly half the product
     layer = split_value_key_attention(gen)
-    halves = _value_key_alignment(*(W.weight.detach().reshape(2, 8, 16) for W in (layer.v, layer.k)),
-                                  torch.full((2,), 2.0, dtype=torch.float64))
+    slices = [W.weight.detach().reshape(2, 8, 16) for W in (layer.v, layer.k)]  # sigma_v = 1, sigma_k = 2
+    halves = _value_key_alignment(*slices, *(torch.linalg.matrix_norm(W, ord=2) for W in slices))
     assert torch.allclose(halves, torch.ones(2, dtype=torch.float64), rtol=1e-12)
     # a zero key slice: nu = 0, finite (tau stays finite)
-    zero = _value_key_alignment(v_heads, torch.zeros_like(k_heads), torch.zeros(3, dtype=torch.float64))
+    zero = _value_key_alignment(v_heads, torch.zeros_like(k_heads), sigma_v, torch.zeros(3, dtype=torch.float64))
     assert torch.equal(zero, torch.zeros(3, dtype=torch.float64))
 
 

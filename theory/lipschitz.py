@@ -309,8 +309,7 @@ def attention_lipschitz(
         key_path = _score_path_factor(sigma["v"] * sigma["k"], sigma["q"], q)
         query_path = key_path
         if method == "aligned":
-            nu = _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"),
-                                      sigma["v"] * sigma["k"])
+            nu = _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"), sigma["v"], sigma["k"])
             query_path, alignments = _score_path_factor(nu, sigma["q"], q), nu.tolist()
         lipschitz = outer * (values + score / 2 * (query_path + key_path))
     return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist(), alignments)
@@ -330,9 +329,11 @@ _ALIGNMENT_STEPS = 60
 _LOG_TAU_RANGE = 20.0
 
 
-def _value_key_alignment(v_heads: torch.Tensor, k_heads: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
+def _value_key_alignment(v_heads: torch.Tensor, k_heads: torch.Tensor, sigma_v: torch.Tensor,
+                         sigma_k: torch.Tensor) -> torch.Tensor:
     r"""$\nu_h = \min_{\tau>0}\tfrac12\lambda_{\max}(\tau W_v^{h\top}W_v^h + W_k^{h\top}W_k^h/\tau)$ per head
-    (float64), capped at ``product`` $=\sigma_{vh}\sigma_{kh}$ (its value at $\tau = \sigma_{kh}/\sigma_{vh}$);
+    (float64), from the slices ``[H, d_h, d]`` and their spectral norms $\sigma_{vh}$, $\sigma_{kh}$ ``[H]``
+    (the search's centre), capped at $\sigma_{vh}\sigma_{kh}$ (its value at $\tau = \sigma_{kh}/\sigma_{vh}$);
     see :func:`attention_lipschitz`. Any $\tau$ bounds $\nu_h$ from above, so the search's
     accuracy affects tightness, never soundness.
 
@@ -353,21 +354,18 @@ def _value_key_alignment(v_heads: torch.Tensor, k_heads: torch.Tensor, product: 
 
         def gram(tau):  # N^T N
             return tau * first + second / tau
-    sigma_v = torch.linalg.matrix_norm(v_heads, ord=2)
-    sigma_k = torch.linalg.matrix_norm(k_heads, ord=2)
-
     def half_lambda_max(log_tau):
         return 0.5 * torch.linalg.eigvalsh(gram(log_tau.exp().reshape(-1, 1, 1)))[..., -1]
 
-    return torch.minimum(_least_over_log_tau(half_lambda_max, sigma_v, sigma_k, _ALIGNMENT_STEPS), product)
+    return torch.minimum(_least_over_log_tau(half_lambda_max, sigma_v, sigma_k, _ALIGNMENT_STEPS), sigma_v * sigma_k)
 
 
 def _least_over_log_tau(f, reach_v: torch.Tensor, reach_k: torch.Tensor, steps: int) -> torch.Tensor:
-    r"""The least value of ``f`` (``[H]`` values of $\log	au$ to ``[H]`` values) met by a golden-section
-    search for its minimum over $\log	au$, per entry, in the bracket $\log(R_k/R_v) \pm 4$ (``reach_v``,
+    r"""The least value of ``f`` (``[H]`` values of $\log\tau$ to ``[H]`` values) met by a golden-section
+    search for its minimum over $\log\tau$, per entry, in the bracket $\log(R_k/R_v) \pm 4$ (``reach_v``,
     ``reach_k``: $R_v$, $R_k$ ``[H]``, float64; the centre clamped to $\pm$:data:`_LOG_TAU_RANGE`,
-    so a zero slice keeps $	au$ finite). Each step evaluates ``f`` once. The alignments it serves
-    are bounds at every $	au$, so the least value met is one, and the search's accuracy affects
+    so a zero slice keeps $\tau$ finite). Each step evaluates ``f`` once. The alignments it serves
+    are bounds at every $\tau$, so the least value met is one, and the search's accuracy affects
     tightness only."""
     tiny = torch.finfo(reach_v.dtype).tiny
     centre = (reach_k.clamp_min(tiny).log() - reach_v.clamp_min(tiny).log()).clamp(-_LOG_TAU_RANGE, _LOG_TAU_RANGE)
