@@ -417,6 +417,18 @@ def test_sup_norm_relaxation_is_exact_on_orthogonal_generators_and_never_below_t
     assert bound < 1.05 * best
 
 
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_generator_gives_no_bound(bad):
+    # One non-finite entry anywhere in a generator makes the relaxed sup inf (no bound, never the
+    # smallest of several), found from the Grams' diagonals alone; a finite copy stays finite.
+    gen = torch.Generator().manual_seed(5)
+    A = torch.randn(3, 4, 4, generator=gen, dtype=torch.float64)
+    assert math.isfinite(_TokenSet(A).sup_norm())
+    A[1, 2, 3] = bad
+    assert _TokenSet(A).sup_norm() == math.inf
+    assert _TokenSet(A).sup_norm(torch.ones(2, 4, dtype=torch.float64)) == math.inf
+
+
 def test_sup_norm_of_a_generator_the_map_annihilates_is_not_lost_to_round_off():
     # A generator W kills (W A = 0 up to round-off) next to ones it keeps: the sup over the sum
     # is at least the sup without it. Forming W (sum_i A_i A_i^T / w_i) W^T, the tiny weight of
@@ -627,8 +639,9 @@ def test_jacobian_power_iteration_strengthens_the_pair_search():
 
 def test_jacobian_ascent_strengthens_the_power_iteration():
     # Moving the power iteration's centre up the local slope finds steeper points: measured
-    # 16.56 against 14.50 with the centre fixed (4 heads, bound 23.4). Both stay below the bound
-    # (a validity check of the stronger search too).
+    # 16.56 against 14.50 with the centre fixed (4 heads, bound 23.4); over generator seeds 1-6
+    # the gain was 1.07-1.18x, hence 1.05. Both stay below the bound (a validity check of the
+    # stronger search too). Breaks it fails on: no Adam step, the loss's sign flipped (both 14.50).
     gen = torch.Generator().manual_seed(4)
     layer = attention_only(4, 3.0, gen)
     x0 = unit_rms_tokens(8, 16, gen)
@@ -638,7 +651,7 @@ def test_jacobian_ascent_strengthens_the_power_iteration():
     fixed = empirical_lipschitz(layer, x0, restarts=3, steps=150)
     ascended = empirical_lipschitz(layer, x0, restarts=3, steps=150, ascent_steps=600)
     assert ascended.by_search["jacobian"] == ascended.estimate
-    assert 1.1 * fixed.estimate < ascended.estimate <= bound
+    assert 1.05 * fixed.estimate < ascended.estimate <= bound
     # the reported pair is admissible and reproduces the estimate
     pair = torch.stack([ascended.x, ascended.y])
     assert token_rms_max(pair).max() <= 1 + 1e-12
