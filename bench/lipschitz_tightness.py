@@ -26,8 +26,8 @@ It also prints the a-priori bound at the cap: every matrix of seed 003's Shakesp
 (3 blocks, width 256, 4 heads, vocabulary 65) with all RMS→RMS singular values at $w_{\max} = 2$.
 
 ``python bench/lipschitz_tightness.py --threads 2 --markdown docs/results/benchmarks/lipschitz_tightness.md``
-(27–36 minutes at two threads on a 2-core AMD EPYC, nearly all of it the searches; the five
-trainings take about four minutes); ``--quick`` trains one small model for a few steps.
+(about an hour on one thread of an AMD EPYC: 59 min at ``5c0faee``, nearly all of it the searches, of
+which the Jacobian ascent about 40 %; the five trainings take about four minutes); ``--quick`` trains one small model for a few steps.
 """
 
 from __future__ import annotations
