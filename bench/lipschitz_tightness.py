@@ -84,6 +84,11 @@ class Search:
     power_steps: int
     ascent_steps: int  # Jacobian ascent steps after the power iteration (the centre moves too)
 
+    def budget(self) -> dict:
+        """The keyword arguments of :func:`~geomuon.theory.lipschitz.empirical_lipschitz` this search sets."""
+        return dict(restarts=self.restarts, steps=self.steps, power_steps=self.power_steps,
+                    ascent_steps=self.ascent_steps)
+
 
 CATALOGUE = {
     "full": [Model(2, 2, 100), Model(2, 2, 1000), Model(2, 4, 1000), Model(3, 4, 100), Model(3, 4, 1000)],
@@ -156,9 +161,7 @@ def sublayer_product(model: GPT, search: Search, seed: int) -> float:
             x0 = torch.randn(T, d, generator=generator, dtype=torch.float64)
             x0 = radius * x0 / x0.pow(2).mean(-1, keepdim=True).sqrt()
             estimate = empirical_lipschitz(lambda x, f=branch: (1 - a) * x + a * f(x), x0, radius=radius,
-                                           restarts=search.restarts, steps=search.steps,
-                                           power_steps=search.power_steps, ascent_steps=search.ascent_steps,
-                                           generator=generator)
+                                           generator=generator, **search.budget())
             if estimate.estimate > bound.residuals[2 * index + offset]:
                 raise SystemExit(f"block {index} sub-layer {offset}: estimate {estimate.estimate} above its "
                                  f"bound {bound.residuals[2 * index + offset]}: a violation")
@@ -204,9 +207,7 @@ def attack(model: GPT, search: Search, length: int, norm, seed: int):
     idx = torch.randint(0, model.config.vocab_size, (1, length), generator=generator)
     with torch.no_grad():
         x0 = model.embed(idx)[0]
-    return empirical_lipschitz(body(model), x0, restarts=search.restarts, steps=search.steps,
-                               power_steps=search.power_steps, ascent_steps=search.ascent_steps, in_norm=norm,
-                               out_norm=norm, generator=generator)
+    return empirical_lipschitz(body(model), x0, in_norm=norm, out_norm=norm, generator=generator, **search.budget())
 
 
 def capped_shakespeare_bounds() -> dict[str, float]:

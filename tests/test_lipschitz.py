@@ -659,6 +659,11 @@ def test_jacobian_ascent_strengthens_the_power_iteration():
     assert slope.item() == pytest.approx(ascended.estimate, rel=1e-12)
 
 
+def root_per_token(X):
+    """``token_rms_max``'s form before 5c0faee (the root per token, then the max): the controls'."""
+    return X.pow(2).mean(-1).sqrt().reshape(X.size(0), -1).amax(-1)
+
+
 def test_max_token_rms_has_a_finite_gradient_where_a_token_does_not_move():
     # The ascent differentiates the max-token norm of an output change whose first tokens are
     # exactly 0 (causal attention; a direction that leaves early tokens alone). The root taken
@@ -668,7 +673,7 @@ def test_max_token_rms_has_a_finite_gradient_where_a_token_does_not_move():
     X = torch.randn(2, 5, 8, generator=gen, dtype=torch.float64)
     X[:, :2] = 0.0
     X.requires_grad_(True)
-    per_token_root = X.pow(2).mean(-1).sqrt().amax(-1)
+    per_token_root = root_per_token(X)
     assert torch.equal(token_rms_max(X), per_token_root)
     (grad,) = torch.autograd.grad(token_rms_max(X).sum(), X)
     assert torch.isfinite(grad).all() and grad[:, 2:].abs().sum() > 0
@@ -684,10 +689,6 @@ def test_single_token_search_climbs():
     gen = torch.Generator().manual_seed(4)
     layer = attention_only(4, 3.0, gen)
     x0 = unit_rms_tokens(8, 16, gen)
-
-    def root_per_token(X):
-        return X.pow(2).mean(-1).sqrt().reshape(X.size(0), -1).amax(-1)
-
     options = dict(restarts=3, steps=150, searches=("token",), power_steps=0)
     assert empirical_lipschitz(layer, x0, **options).estimate > 5.0
     control = empirical_lipschitz(layer, x0, in_norm=root_per_token, out_norm=root_per_token, **options)
