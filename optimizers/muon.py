@@ -72,6 +72,10 @@ class Muon(MatrixOptimizer):
     """
 
     matrix_update = "muon"
+    cpu_stack_size = 1  # msign's CPU kernel iterates one matrix at a time
+    # two one-thread workers, one matrix each at a time: 0.85-0.97x torch.optim.Muon's
+    # two-thread step on the 6 x 384 GPT stack (AMD EPYC), bitwise the one-thread update
+    parallel_batches = True
 
     def __init__(
         self,

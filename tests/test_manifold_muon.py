@@ -557,8 +557,8 @@ def test_a_reference_solve_tightens_the_certificate_and_changes_nothing_else():
 def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_steps(manifold, dtype, monkeypatch):
     """At 2 threads ManifoldMuon's batches (two shapes, three matrices each: cut into 2 + 2
     parts) run in the workers, and three steps land bit for bit where they land on one
-    thread. Controls: Muon (``parallel_batches`` off) uses no workers, and the two-thread
-    run really stepped (the points moved)."""
+    thread. Controls: an optimizer with ``parallel_batches`` off uses no workers, and the
+    two-thread run really stepped (the points moved)."""
     import geomuon.optimizers.base as base
 
     workers = []
@@ -591,6 +591,10 @@ def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_ste
                            b.view(torch.int64 if dtype == torch.float64 else torch.int32)) for a, b in zip(one, two))
     assert not any(torch.equal(a, w) for a, w in zip(two, start))
     from geomuon.optimizers import Muon
+
+    class SequentialMuon(Muon):
+        parallel_batches = False
+
     workers.clear()
-    run(2, Muon)
+    run(2, SequentialMuon)
     assert workers == []

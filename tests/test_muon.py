@@ -77,7 +77,14 @@ def test_torch_conformance_refusals(error_input):
             Muon(params, **optim_input.kwargs)
 
 
-def test_same_shape_matrices_share_one_newton_schulz_call(monkeypatch):
+class WholeBatchMuon(Muon):
+    """Muon stacking whole same-shape batches on the CPU too, as it does on an accelerator."""
+
+    cpu_stack_size = None
+    parallel_batches = False
+
+
+def _counting_msign(monkeypatch):
     calls = []
     original = muon_module.msign
 
@@ -86,13 +93,50 @@ def test_same_shape_matrices_share_one_newton_schulz_call(monkeypatch):
         return original(X, *args, **kwargs)
 
     monkeypatch.setattr(muon_module, "msign", counting)
-    _train(Muon, steps=1, lr=0.02)
+    return calls
+
+
+def test_same_shape_matrices_share_one_newton_schulz_call(monkeypatch):
+    calls = _counting_msign(monkeypatch)
+    _train(WholeBatchMuon, steps=1, lr=0.02)
     # five matrices, four distinct shapes: (64, 32) twice in one stack
     assert sorted(calls) == sorted([(2, 64, 32), (1, 32, 64), (1, 48, 48), (1, 96, 16)])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_steps_one_matrix_at_a_time_bitwise_as_whole_batches(threads, monkeypatch):
+    """On the CPU Muon stacks one matrix at a time (``cpu_stack_size``), in one-thread workers
+    at 2 threads (``parallel_batches``), and lands bit for bit where whole-batch stacking on
+    one thread lands: msign's CPU kernel iterates one matrix at a time either way. Controls:
+    the whole-batch run did stack, and the points moved."""
+    import geomuon.optimizers.base as base
+
+    workers = []
+    real = base.in_one_thread_workers
+    monkeypatch.setattr(base, "in_one_thread_workers", lambda calls: workers.append(len(calls)) or real(calls))
+    calls = _counting_msign(monkeypatch)
+
+    def train(optimizer, threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return _train(optimizer, steps=3, lr=0.02)
+        finally:
+            torch.set_num_threads(before)
+
+    whole = train(WholeBatchMuon, 1)
+    assert (2, 64, 32) in calls and workers == []
+    calls.clear()
+    ours = train(Muon, threads)
+    assert set(calls) == {(1, *s) for s in SHAPES}
+    assert workers == ([len(SHAPES)] * 3 if threads > 1 else [])
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(whole, ours))
+    start = _train(Muon, steps=0)
+    assert not any(torch.equal(a, w) for a, w in zip(ours, start))
+
+
 def test_batched_step_equals_one_matrix_at_a_time():
-    batched = _train(Muon, steps=3, lr=0.02, compute_dtype=torch.float64)
+    batched = _train(WholeBatchMuon, steps=3, lr=0.02, compute_dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
     targets = [torch.randn(s, generator=gen) for s in SHAPES]
