@@ -110,6 +110,29 @@ def test_msign_of_a_stack_is_each_matrixs_own(shape):
         assert not torch.equal(out[0], msign(X[1], method="newton_schulz"))
 
 
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (8, 8), (3, 12, 5), (2, 5, 12)],
+                         ids=["tall", "wide", "square", "tall-stack", "wide-stack"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_msign_with_scratch_buffers_is_bitwise_msign_and_returns_fresh_memory(shape, dtype):
+    """With :class:`ScratchBuffers` msign runs the same kernels into reused memory: bitwise the
+    result without them, the buffers reused by a second call (none added, none moved), and
+    nothing returned aliases them: the first result is untouched by the second call (a last
+    step written into a buffer breaks exactly this). Control: the second input's msign differs."""
+    gen = torch.Generator().manual_seed(7)
+    X, X2 = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))
+    buffers = linalg.ScratchBuffers()
+    first = msign(X, method="polar_express", buffers=buffers)
+    kept = first.clone()
+    assert torch.equal(first, msign(X, method="polar_express"))
+    memory = {key: t.data_ptr() for key, t in buffers._tensors.items()}
+    assert memory  # the iterations did use the buffers
+    second = msign(X2, method="polar_express", buffers=buffers)
+    assert torch.equal(second, msign(X2, method="polar_express"))
+    assert {key: t.data_ptr() for key, t in buffers._tensors.items()} == memory
+    assert torch.equal(first, kept)
+    assert not torch.equal(first, second)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_msign_keeps_dtype_with_a_compute_dtype(dtype):
     X = torch.randn(16, 8, dtype=dtype)

@@ -135,6 +135,47 @@ def test_cpu_steps_one_matrix_at_a_time_bitwise_as_whole_batches(threads, monkey
     assert not any(torch.equal(a, w) for a, w in zip(ours, start))
 
 
+def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind():
+    """On the CPU a step's stacked momentum, sanitized gradient and Newton–Schulz iterates
+    live in the thread's scratch buffers: a second step adds none and moves none (fresh
+    memory each step costs page faults); they are not state: ``state_dict`` and a deep copy
+    do not carry them. Off the CPU a temporary is fresh memory (control: two calls give two
+    tensors there, one here)."""
+    import copy
+
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    opt = Muon(params, lr=0.02)
+
+    def step():
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+    def memory():
+        return {(thread, key): t.data_ptr() for thread, buffers in opt._scratch_by_thread.items()
+                for key, t in buffers._tensors.items()}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, so one set of buffers (workers each keep their own)
+    try:
+        step()
+        first = memory()
+        step()
+    finally:
+        torch.set_num_threads(before)
+    roles = {key[0] for _, key in first}
+    assert {"stack", "gradient", "gram", "polynomial", "input", "iterate0"} <= roles
+    assert memory() == first
+    assert "_scratch_by_thread" not in vars(copy.deepcopy(opt))
+    assert all(isinstance(v, (torch.Tensor, int, float)) for state in opt.state_dict()["state"].values()
+               for v in state.values())
+    cpu = [opt._temporary("probe", (2, 3), torch.float32, torch.device("cpu")) for _ in range(2)]
+    assert cpu[0] is cpu[1]
+    meta = [opt._temporary("probe", (2, 3), torch.float32, torch.device("meta")) for _ in range(2)]
+    assert meta[0] is not meta[1]
+
+
 def test_batched_step_equals_one_matrix_at_a_time():
     batched = _train(WholeBatchMuon, steps=3, lr=0.02, compute_dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
