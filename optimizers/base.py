@@ -360,10 +360,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _scratch(self) -> ScratchBuffers:
         """The calling thread's reused temporaries (steps run in worker threads with
-        :attr:`parallel_batches`); made on first use, so a loaded or copied optimizer starts
-        without them."""
-        by_thread = self.__dict__.setdefault("_scratch_by_thread", {})
-        return by_thread.setdefault(threading.get_ident(), ScratchBuffers())
+        :attr:`parallel_batches`), freed with the thread; made on first use, so a loaded or
+        copied optimizer starts without them."""
+        local = self.__dict__.setdefault("_scratch_local", threading.local())
+        if not hasattr(local, "buffers"):
+            local.buffers = ScratchBuffers()
+        return local.buffers
 
     def _temporary(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Memory for a temporary of the step: on a CPU the thread's :meth:`_scratch` buffer

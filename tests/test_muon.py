@@ -139,8 +139,8 @@ def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind():
     """On the CPU a step's stacked momentum, sanitized gradient and Newton–Schulz iterates
     live in the thread's scratch buffers: a second step adds none and moves none (fresh
     memory each step costs page faults); they are not state: ``state_dict`` and a deep copy
-    do not carry them. Off the CPU a temporary is fresh memory (control: two calls give two
-    tensors there, one here)."""
+    do not carry them; each thread has its own, freed with it. Off the CPU a temporary is
+    fresh memory (control: two calls give two tensors there, one here)."""
     import copy
 
     gen = torch.Generator().manual_seed(2)
@@ -153,8 +153,7 @@ def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind():
         opt.step()
 
     def memory():
-        return {(thread, key): t.data_ptr() for thread, buffers in opt._scratch_by_thread.items()
-                for key, t in buffers._tensors.items()}
+        return {key: t.data_ptr() for key, t in opt._scratch()._tensors.items()}
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread, so one set of buffers (workers each keep their own)
@@ -164,10 +163,22 @@ def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind():
         step()
     finally:
         torch.set_num_threads(before)
-    roles = {key[0] for _, key in first}
+    roles = {key[0] for key in first}
     assert {"stack", "gradient", "gram", "polynomial", "input", "iterate0"} <= roles
     assert memory() == first
-    assert "_scratch_by_thread" not in vars(copy.deepcopy(opt))
+    assert "_scratch_local" not in vars(copy.deepcopy(opt))
+    # another thread gets its own buffers, freed with it (control: this thread's stay)
+    import gc
+    import threading
+    import weakref
+
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(weakref.ref(opt._scratch())))
+    worker.start()
+    worker.join()
+    gc.collect()
+    assert theirs and theirs[0]() is None
+    assert opt._scratch() is opt._scratch() and memory() == first
     assert all(isinstance(v, (torch.Tensor, int, float)) for state in opt.state_dict()["state"].values()
                for v in state.values())
     cpu = [opt._temporary("probe", (2, 3), torch.float32, torch.device("cpu")) for _ in range(2)]
