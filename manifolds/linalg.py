@@ -258,8 +258,9 @@ class ScratchBuffers:
         self._tensors: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The buffer for ``role`` of ``shape``, ``dtype`` and ``device``; its content is undefined."""
-        key = (role, tuple(shape), dtype, torch.device(device))
+        """The buffer for ``role`` of ``shape``, ``dtype`` and ``device`` (a ``torch.device``);
+        its content is undefined."""
+        key = (role, tuple(shape), dtype, device)
         if key not in self._tensors:
             self._tensors[key] = torch.empty(shape, dtype=dtype, device=device)
         return self._tensors[key]

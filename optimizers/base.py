@@ -375,7 +375,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         few matrices per shape between steps (Muon at the 6 x 384 GPT set: 18.6 MiB per
         thread beside 40.5 MiB of weights; the same per thread for a deeper stack of those
         shapes)."""
-        if torch.device(device).type == "cpu":
+        if device.type == "cpu":
             return self._scratch()(role, shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device)
 
