@@ -5,9 +5,10 @@ The hidden matrices of a GPT-2-style model scaled to a CPU (default 6 layers × 
 ``[d, 4d]``, PyTorch ``[out, in]`` layout) get fixed random gradients, and each
 optimizer's ``step()`` is timed. Repeats are **interleaved** (one step of every
 optimizer per round, so a change in machine load hits all of them alike) and the table
-reports medians as ratios to a baseline, plus the optimizer state in MiB
-(:func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes the table with its
-provenance, see :mod:`bench.timing`).
+reports medians as ratios to a baseline, plus the optimizer state in MiB and the median
+minor page faults of a timed step (:func:`minor_page_faults`: on a CPU they say how much of a
+step was its allocator's; :func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes
+the table with its provenance, see :mod:`bench.timing`).
 
 Rows: ``torch.optim.Muon`` and our :class:`geomuon.optimizers.Muon` (same settings, bf16
 Newton–Schulz); :class:`geomuon.optimizers.ManifoldMuon` on Stiefel and on DGram with its
@@ -39,6 +40,7 @@ whose ops the profiler of the calling thread does not record.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -111,10 +113,25 @@ def build(shapes, seed: int, device: str = "cpu", dualizers=(None,)):
     return optimizers, grads
 
 
+def minor_page_faults() -> int:
+    """This process's minor page faults so far, every thread's (``getrusage``; 0 where the
+    platform has no ``resource`` module)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=time.perf_counter,
-            warmup: int = 1, device: str = "cpu") -> dict:
+            warmup: int = 1, device: str = "cpu") -> tuple[dict, dict]:
     """Median ``step()`` seconds of each optimizer, interleaved, every step on the same gradients
-    (on CUDA each step ends with a synchronize, so the clock sees its kernels)."""
+    (on CUDA each step ends with a synchronize, so the clock sees its kernels), and the median
+    minor page faults of its timed steps: on a CPU, freshly allocated memory is faulted in page
+    by page, and how often depends on what the process allocated before (glibc hands large
+    freed blocks back to the system), so the count tells a step's own cost from its
+    allocator's."""
+    faults: dict[str, list[int]] = {name: [] for name in optimizers}
 
     def set_grads():
         for opt in optimizers.values():
@@ -124,14 +141,17 @@ def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=tim
 
     sync = synchronizer(device)
 
-    def stepper(opt):
+    def stepper(name, opt):
         def step():
+            before = minor_page_faults()
             opt.step()
             sync()
+            faults[name].append(minor_page_faults() - before)
         return step
 
-    steps = {name: stepper(opt) for name, opt in optimizers.items()}
-    return interleaved_medians(steps, repeats, clock, warmup, before_round=set_grads)
+    steps = {name: stepper(name, opt) for name, opt in optimizers.items()}
+    medians = interleaved_medians(steps, repeats, clock, warmup, before_round=set_grads)
+    return medians, {name: statistics.median(counts[warmup:]) for name, counts in faults.items()}
 
 
 #: ``--profile``: op name -> cost-model category (products are split by their operands' shapes).
@@ -222,19 +242,19 @@ def main(argv=None) -> int:
     shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()
     dualizers = [None if d == "default" else d for d in args.dualizer]
     optimizers, grads = build(shapes, args.seed, args.device, dualizers)
-    medians = measure(optimizers, grads, args.repeats, CLOCKS[args.clock], device=args.device)
+    medians, faults = measure(optimizers, grads, args.repeats, CLOCKS[args.clock], device=args.device)
     params_mib = sum(s[0] * s[1] for s in shapes) * 4 / 2**20
     # the Muons against torch's, everything else against ours
     baselines = {name: "torch.optim.Muon" if name in ("torch.optim.Muon", "Muon (ours)") else "Muon (ours)"
                  for name in optimizers}
     rows = [[name, f"{1e3 * median:.1f}", f"{median / medians[baselines[name]]:.2f}", baselines[name],
-             f"{state_mib(optimizers[name]):.1f}"] for name, median in medians.items()]
+             f"{state_mib(optimizers[name]):.1f}", f"{faults[name]:.0f}"] for name, median in medians.items()]
     described = f"{args.layers} layers x {args.width}" if args.set == "gpt" else "one GPT-2-small block, d = 768"
     text = (
         f"{len(shapes)} matrices ({described}), {params_mib:.1f} MiB of fp32 "
         f"weights on {args.device}, {args.threads} threads, {args.clock} clock, median of {args.repeats} "
         f"interleaved rounds\n\n"
-        + markdown_table(["optimizer", "step (ms)", "ratio", "vs", "state (MiB)"], rows)
+        + markdown_table(["optimizer", "step (ms)", "ratio", "vs", "state (MiB)", "page faults / step"], rows)
     )
     if args.profile:
         short = min(min(s) for s in shapes)

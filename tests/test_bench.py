@@ -200,7 +200,21 @@ def test_optimizer_step_writes_its_table(tmp_path):
     # Muon keeps one momentum buffer per matrix; Adam two moments.
     assert state["Muon (ours)"] == state["torch.optim.Muon"] > 0
     assert state["RiemannianAdam Stiefel"] == pytest.approx(2 * state["Muon (ours)"], abs=0.1)
+    assert all(float(r["page faults / step"]) >= 0 for r in rows)
     check_provenance(markdown, "optimizer_step", stdout)
+
+
+def test_minor_page_faults_count_fresh_memory_touched():
+    """The step table's fault counter sees memory faulted in: 64 MiB of fresh pages written
+    raise it (by 16k with 4 KiB pages, fewer with huge pages, never none); control: reading
+    it twice in a row costs at most a few."""
+    from bench.optimizer_step import minor_page_faults
+
+    quiet = minor_page_faults()
+    assert minor_page_faults() - quiet <= 8
+    before = minor_page_faults()
+    fresh = torch.ones(16 * 2**20)
+    assert minor_page_faults() > before and fresh.sum() > 0
 
 
 def test_the_device_check_counts_host_reads_and_trains(tmp_path):
