@@ -86,8 +86,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
     #: Whether the same-shape batches of a step run in one-thread worker threads on a CPU with
     #: several threads (:meth:`_matrix_steps`): for updates dominated by work that scales poorly
     #: across threads. An update that depends on nothing but its own matrix and state is then
-    #: bitwise the one-thread one (ManifoldMuon: unless a batch mixes warm-started matrices with
-    #: ones that have no warm start yet, which cold-starts the whole batch but not every part).
+    #: bitwise the one-thread one (with whole-batch stacks, ManifoldMuon's would not be where a
+    #: batch mixes warm-started matrices with ones that have no warm start yet: that cold-starts
+    #: the whole stack, but not every part; its CPU stacks hold one matrix).
     parallel_batches = False
     #: Matrices per stacked step on a CPU (``None``: the whole same-shape batch). Stacking
     #: pays on an accelerator (one kernel per product for the batch); on a CPU an update

@@ -75,6 +75,16 @@ def _no_host_reads():
 
 
 @pytest.fixture
+def one_thread():
+    """The test runs torch on one intra-op thread (so no optimizer step uses worker threads);
+    the thread count is restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def no_host_reads():
     """A context manager under which every read of a tensor's value into Python
     (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``) raises ``RuntimeError``

@@ -308,20 +308,32 @@ def _run(optimizer, params, grads):
         optimizer.step()
 
 
+class WholeBatchManifoldMuon(ManifoldMuon):
+    """ManifoldMuon stacking whole same-shape batches on the CPU too, in one thread, as an
+    accelerator does (the CPU default steps one matrix per stack)."""
+
+    cpu_stack_size = None
+    parallel_batches = False
+
+
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
-def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread):
-    # Three same-shape matrices of very different gradient scales in one batch, against
-    # each alone. Every map of the step is per matrix (no batch-wide maximum, no shared
-    # stopping rule), so the results are bitwise equal.
+def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread, monkeypatch, one_thread):
+    # Three same-shape matrices of very different gradient scales in one stack, against
+    # each alone, both on one thread (no workers). Every map of the step is per matrix (no
+    # batch-wide maximum, no shared stopping rule), so the results are bitwise equal.
     shapes = [(24, 8)] * 3
     params, grads = _stepped(manifold, shapes, seed=11)
     grads = [[g * scale for g, scale in zip(gs, (1e-3, 1.0, 1e3))] for gs in grads]
     alone = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    together = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05)
+    together = WholeBatchManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05)
     assert [len(b) for b in together._batches(together.param_groups[0], params)] == [3]
+    stacks = []
+    inner = together._matrix_step
+    monkeypatch.setattr(together, "_matrix_step", lambda group, batch, *a: stacks.append(len(batch)) or inner(group, batch, *a))
     _run(together, params, grads)
     for i, p in enumerate(alone):
         _run(ManifoldMuon([{"params": [p], "manifold": manifold}], lr=0.05), [p], [[gs[i]] for gs in grads])
+    assert stacks and set(stacks) == {3}  # the three really were stepped as one stack
     for p, q in zip(params, alone):
         assert torch.equal(p.detach(), q.detach())
     # the matrices did move, and differently (a batch-coupled step could not hide here)
@@ -353,8 +365,9 @@ def test_the_sync_guard_holds_until_the_last_overlapping_user_leaves(no_host_rea
     assert x.sum().item() == 2.0
 
 
+@pytest.mark.parametrize("optimizer_class", [ManifoldMuon, WholeBatchManifoldMuon], ids=["cpu-stacks", "whole-batch"])
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
-def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypatch, no_host_reads):
+def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, optimizer_class, monkeypatch, no_host_reads):
     # The per-batch work of every step (momentum, the engine, the retraction, the state
     # writes) runs under the guard, tall and wide, warm-started, with weight decay. The base
     # class's non-finite check before it reads one flag per param group (it names the
@@ -363,7 +376,7 @@ def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, monkeypat
     # columns, a read-back: the Gram path is what this test holds to no syncs)
     shapes = [(24, 8), (24, 8)] + ([(8, 24)] if manifold.transposes_wide else [])
     params, grads = _stepped(manifold, shapes, seed=12, steps=3)
-    optimizer = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05, weight_decay=0.1)
+    optimizer = optimizer_class([{"params": params, "manifold": manifold}], lr=0.05, weight_decay=0.1)
     _run(optimizer, params, grads[:1])  # the first step checks every weight is on its manifold
     inner = optimizer._matrix_step
 

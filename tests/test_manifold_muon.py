@@ -555,8 +555,8 @@ def test_a_reference_solve_tightens_the_certificate_and_changes_nothing_else():
 @pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_steps(manifold, dtype, monkeypatch):
-    """At 2 threads ManifoldMuon's batches (two shapes, three matrices each: cut into 2 + 2
-    parts) run in the workers, and three steps land bit for bit where they land on one
+    """At 2 threads ManifoldMuon's batches (two shapes, three matrices each: one matrix per
+    CPU stack, six parts) run in the workers, and three steps land bit for bit where they land on one
     thread. Controls: an optimizer with ``parallel_batches`` off uses no workers, and the
     two-thread run really stepped (the points moved)."""
     import geomuon.optimizers.base as base
@@ -586,7 +586,7 @@ def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_ste
     one = run(1)
     assert workers == []
     two = run(2)
-    assert workers == [4, 4, 4]
+    assert workers == [6, 6, 6]
     assert all(torch.equal(a.view(torch.int64 if dtype == torch.float64 else torch.int32),
                            b.view(torch.int64 if dtype == torch.float64 else torch.int32)) for a, b in zip(one, two))
     assert not any(torch.equal(a, w) for a, w in zip(two, start))
