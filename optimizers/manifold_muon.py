@@ -237,9 +237,10 @@ class ManifoldMuon(MatrixOptimizer):
 
     matrix_update = "manifold_muon"
     parallel_batches = True  # eigendecompositions and n x n elementwise work: 1.5x, not 2x, from a 2nd thread
-    # one matrix per CPU stack: a whole batch's temporaries cost page faults every step (GPT-2
-    # small block, one thread: Stiefel 42-53k faults and 2318-2327 ms per step -> 0 and
-    # 2243-2247 ms; DGram 62-186k and 3699-4114 ms -> 0 and 3601-3737 ms), the same bits
+    # one matrix per CPU stack, the same bits: fewer page faults where the process has not
+    # allocated much else (GPT-2-small block, one thread, paired runs: Stiefel 42-53k faults
+    # and 2318-2327 ms per step -> 0 and 2243-2247 ms; DGram 62-186k and 3699-4114 ms -> 0
+    # and 3601-3737 ms); in the step benchmark's process the faults stay (87k, 153k)
     cpu_stack_size = 1
 
     def __init__(
