@@ -47,6 +47,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import resource  # page-fault counts (POSIX)
+except ImportError:
+    resource = None
+
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, interleaved_medians,  # noqa: E402
@@ -116,11 +121,7 @@ def build(shapes, seed: int, device: str = "cpu", dualizers=(None,)):
 def minor_page_faults() -> int:
     """This process's minor page faults so far, every thread's (``getrusage``; 0 where the
     platform has no ``resource`` module)."""
-    try:
-        import resource
-    except ImportError:
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def measure(optimizers: dict, grads: list[torch.Tensor], repeats: int, clock=time.perf_counter,

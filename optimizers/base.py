@@ -422,9 +422,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 else:
                     out.copy_(b.reshape(shape))
         else:
+            grad = params[0].grad  # one sanitized copy at a time, in one buffer (a batch shares shape and dtype)
+            clean = self._temporary("gradient", grad.shape, grad.dtype, grad.device)
             for out, p, b, r in zip(stacked, params, bufs, keep.to(bufs[0].dtype) * (1 - momentum)):
-                g = torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0,
-                                     out=self._temporary("gradient", p.grad.shape, p.grad.dtype, p.device))
+                g = torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0, out=clean)
                 b.lerp_(g, r)
                 # the Nesterov lerp in place, then one rounding copy (a mixed-dtype lerp is ~2x slower)
                 out.copy_((g.lerp_(b, momentum) if group["nesterov"] else b).reshape(shape))

@@ -74,14 +74,28 @@ def _no_host_reads():
                     setattr(torch.Tensor, name, method)
 
 
+@contextlib.contextmanager
+def _torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def torch_threads():
+    """``with torch_threads(k):`` runs torch on ``k`` intra-op threads, restoring the count
+    after (an optimizer step with ``parallel_batches`` uses worker threads only at ``k > 1``)."""
+    return _torch_threads
+
+
 @pytest.fixture
 def one_thread():
-    """The test runs torch on one intra-op thread (so no optimizer step uses worker threads);
-    the thread count is restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """The test runs torch on one intra-op thread (no optimizer step uses worker threads)."""
+    with _torch_threads(1):
+        yield
 
 
 @pytest.fixture

@@ -554,7 +554,8 @@ def test_a_reference_solve_tightens_the_certificate_and_changes_nothing_else():
 
 @pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_steps(manifold, dtype, monkeypatch):
+def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_steps(manifold, dtype, monkeypatch,
+                                                                                   torch_threads):
     """At 2 threads ManifoldMuon's batches (two shapes, three matrices each: one matrix per
     CPU stack, six parts) run in the workers, and three steps land bit for bit where they land on one
     thread. Controls: an optimizer with ``parallel_batches`` off uses no workers, and the
@@ -570,9 +571,7 @@ def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_ste
     grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(3)]
 
     def run(threads, optimizer=ManifoldMuon, **kw):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             ps = [geoopt.ManifoldParameter(w.clone(), manifold=manifold) for w in start]
             opt = optimizer(ps, lr=0.05, **kw)
             for step in grads:
@@ -580,8 +579,6 @@ def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_ste
                     p.grad = g.clone()
                 opt.step()
             return [p.detach() for p in ps]
-        finally:
-            torch.set_num_threads(before)
 
     one = run(1)
     assert workers == []

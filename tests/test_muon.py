@@ -104,7 +104,7 @@ def test_same_shape_matrices_share_one_newton_schulz_call(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_steps_one_matrix_at_a_time_bitwise_as_whole_batches(threads, monkeypatch):
+def test_cpu_steps_one_matrix_at_a_time_bitwise_as_whole_batches(threads, monkeypatch, torch_threads):
     """On the CPU Muon stacks one matrix at a time (``cpu_stack_size``), in one-thread workers
     at 2 threads (``parallel_batches``), and lands bit for bit where whole-batch stacking on
     one thread lands: msign's CPU kernel iterates one matrix at a time either way. Controls:
@@ -117,12 +117,8 @@ def test_cpu_steps_one_matrix_at_a_time_bitwise_as_whole_batches(threads, monkey
     calls = _counting_msign(monkeypatch)
 
     def train(optimizer, threads):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             return _train(optimizer, steps=3, lr=0.02)
-        finally:
-            torch.set_num_threads(before)
 
     whole = train(WholeBatchMuon, 1)
     assert (2, 64, 32) in calls and workers == []
@@ -135,7 +131,7 @@ def test_cpu_steps_one_matrix_at_a_time_bitwise_as_whole_batches(threads, monkey
     assert not any(torch.equal(a, w) for a, w in zip(ours, start))
 
 
-def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind():
+def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind(one_thread):
     """On the CPU a step's stacked momentum, sanitized gradient and Newton–Schulz iterates
     live in the thread's scratch buffers: a second step adds none and moves none (fresh
     memory each step costs page faults); they are not state: ``state_dict`` and a deep copy
@@ -155,14 +151,9 @@ def test_cpu_step_reuses_its_temporaries_and_copies_leave_them_behind():
     def memory():
         return {key: t.data_ptr() for key, t in opt._scratch()._tensors.items()}
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread, so one set of buffers (workers each keep their own)
-    try:
-        step()
-        first = memory()
-        step()
-    finally:
-        torch.set_num_threads(before)
+    step()  # on one thread (the fixture), so one set of buffers: workers each keep their own
+    first = memory()
+    step()
     roles = {key[0] for key in first}
     assert {"stack", "gradient", "gram", "polynomial", "input", "iterate0"} <= roles
     assert memory() == first
