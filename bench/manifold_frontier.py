@@ -8,6 +8,11 @@ primal $\langle G, \hat A\rangle/\max(1,\|\hat A\|_2)$ over dual $\|G + L^*\Lamb
 and the table reports its mean over steps and matrices, with the step time (without
 the certificate) as a ratio to our Muon on the same matrices, timed interleaved.
 
+``--solver projected`` adds rows of ManifoldMuon's projected solver (no dual; one row per
+``--polish`` rounds). Its own dual iterate is the projection start, whose nuclear norm lies
+several percent above the optimum inside training, so compare solvers with ``--reference K``
+(every certificate then divides by the smaller of that and a K-step reference solve's dual value).
+
 Sets: ``384x128`` (one 384×128 matrix) and ``gpt`` (2 layers × width 384 of the
 GPT-2 block shapes of ``bench/optimizer_step.py``).
 
@@ -22,6 +27,7 @@ Usage::
 
     python bench/manifold_frontier.py --set 384x128 --manifold stiefel --steps 40
     python bench/manifold_frontier.py --set 384x128 gpt --manifold stiefel dgram --dual 0 1 2 4
+    python bench/manifold_frontier.py --set gpt --solver dual projected --reference 32
     python bench/manifold_frontier.py --quick      # seconds: a smoke test
 
 Timing uses :func:`bench.timing.interleaved_medians`; ``--markdown PATH`` writes the
@@ -81,13 +87,14 @@ class Regression:
             p.grad = X.mT @ (X @ p.detach() - Y) / batch
 
 
-def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: int, alpha: float | None, **solver):
+def run_config(shapes, manifold, dual_steps: int, warm: bool, steps: int, seed: int, alpha: float | None,
+               reference: int = 0, **solver):
     from geomuon.optimizers import ManifoldMuon
 
     task = Regression(shapes, manifold, seed=seed)
     params = [torch.nn.Parameter(w.clone()) for w in task.start]
     opt = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.02, dual_steps=dual_steps,
-                       warm_start=warm, dual_alpha=alpha, certify_every=1, **solver)
+                       warm_start=warm, dual_alpha=alpha, certify_every=1, certify_reference=reference, **solver)
     ratios = []
     for _ in range(steps):
         task.grads(params)
@@ -137,6 +144,15 @@ def main(argv=None) -> int:
                              "always takes Jacobi steps")
     parser.add_argument("--dualizer", default=None, choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: its default)")
+    parser.add_argument("--solver", nargs="+", default=["dual"], choices=["dual", "projected"],
+                        help="ManifoldMuon's solver: dual (the rows above, per dual steps, update and start) "
+                             "and/or projected (no dual: one row per --polish)")
+    parser.add_argument("--polish", type=int, nargs="+", default=[0, 1, 2],
+                        help="polish rounds of the projected solver's rows")
+    parser.add_argument("--reference", type=int, default=0,
+                        help="dual steps of a reference solve at every certified step (ManifoldMuon's "
+                             "certify_reference; default 0: each row's own last dual iterate, which for the "
+                             "projected solver is the projection start)")
     add_arguments(parser, repeats=3, threads=2, repeats_help="timed rounds per configuration (0: no timing)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -169,6 +185,8 @@ def main(argv=None) -> int:
     starts = [start == "warm" for start in args.starts]
     # (0 dual steps warm and cold differ: a warm start carries one dual step from the last step)
     combinations = itertools.product(args.set, args.manifold, args.retraction, args.update, args.dual, starts)
+    if "dual" not in args.solver:
+        combinations = ()
     for set_name, manifold_name, retraction, update, dual_steps, warm in combinations:
         if retraction == "manifold" and update != args.update[0]:
             continue  # the general path has one dual update
@@ -177,7 +195,8 @@ def main(argv=None) -> int:
         if retraction == "fused" and update == "newton" and default_dual_update(manifold) != "newton":
             continue  # the form declares no Newton step (it would take Jacobi steps: the Jacobi rows)
         options = dict(solver, retraction=retraction, dual_update=update)
-        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, **options)
+        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, args.reference,
+                               **options)
         cost = "-"
         if args.repeats:
             ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha, clock,
@@ -193,6 +212,18 @@ def main(argv=None) -> int:
         cold = default_cold_dual_steps(manifold, dual_steps)
         steps = f"{dual_steps} (first: {cold})" if warm and cold != dual_steps else str(dual_steps)
         lines.append(markdown_row([where, manifold_name, path, update, steps, start, f"{mean:.4f}", f"{low:.4f}", cost]))
+        print(lines[-1], flush=True)
+    projected = itertools.product(args.set, args.manifold, args.polish) if "projected" in args.solver else ()
+    for set_name, manifold_name, polish in projected:
+        shapes = problem_shapes(set_name)
+        manifold = resolve_manifold(manifold_name, "--manifold")
+        options = dict(solver, solver="projected", polish_rounds=polish)
+        mean, low = run_config(shapes, manifold, 0, False, args.steps, args.seed, None, args.reference, **options)
+        cost = "-"
+        if args.repeats:
+            cost = f"{time_config(shapes, manifold, 0, False, args.repeats, args.seed, None, clock, **options):.2f}"
+        lines.append(markdown_row([f"{set_name} ({len(shapes)} matrices)", manifold_name, "Gram space, projected",
+                                   "-", f"0 (polish {polish})", "projection", f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)
     return provenance.finish("\n".join(lines), printed=True)
 

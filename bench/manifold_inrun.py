@@ -29,6 +29,7 @@ Usage::
     python bench/manifold_inrun.py --manifold stiefel --dual 4 --smoothing 0.03 --alpha 1.5 --steps 200
     python bench/manifold_inrun.py --dualizer polar_express --update newton jacobi  # CUDA's dualizer, on the CPU
     python bench/manifold_inrun.py --reference 32   # certificates against a 32-step reference solve's dual
+    python bench/manifold_inrun.py --solver dual projected --polish 0 1 2 --reference 32   # both solvers
     python bench/manifold_inrun.py --quick                                  # seconds: a smoke test
 
 ``--markdown PATH`` writes the table with its provenance (see :mod:`bench.timing`).
@@ -64,7 +65,7 @@ def orientation(shape) -> str:
 
 def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int | None, run: dict, data: str,
                   seed: int, warm_start: bool = True, smoothing: float | None = None, alpha: float | None = None,
-                  dualizer: str | None = None, reference: int = 0):
+                  dualizer: str | None = None, reference: int = 0, solver: str = "dual"):
     """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
@@ -79,6 +80,7 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, pol
             if isinstance(opt, ManifoldMuon):
                 for group in opt.param_groups:
                     group.update(certify_every=run["eval_every"], certify_reference=reference, dual_update=update,
+                                 solver=solver,
                                  polish_rounds=polish, warm_start=warm_start)
                     if dual_steps is not None:
                         group["dual_steps"] = dual_steps
@@ -130,6 +132,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dualizer", nargs="+", default=[None], choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: by device, eigh on "
                              "the CPU, polar_express on CUDA; eigh with --smoothing > 0)")
+    parser.add_argument("--solver", nargs="+", default=["dual"], choices=["dual", "projected"],
+                        help="ManifoldMuon's solver (projected: no dual; the dual options do not apply, and its "
+                             "own dual iterate is the projection start: certify it with --reference)")
     parser.add_argument("--reference", type=int, default=0,
                         help="dual steps of a reference solve at each certified step (ManifoldMuon's "
                              "certify_reference): the certificate divides by the smaller dual value, so it "
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
     from geomuon.manifolds import MatrixManifold
     from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, default_polish_rounds
 
-    header = ["manifold", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start",
+    header = ["manifold", "solver", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start",
               "reference dual steps", "matrices", "certified steps x matrices", "mean certified ratio", "min"]
     lines = [
         f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
@@ -157,14 +162,14 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
-    for manifold, update, dual, polish, start, smoothing, alpha, dualizer in itertools.product(
-            args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha,
+    for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in itertools.product(
+            args.solver, args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha,
             args.dualizer):
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
         ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha,
-                               dualizer, args.reference)
+                               dualizer, args.reference, solver)
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
         groups["all"] = [r for values in ratios.values() for r in values]
         for kind, values in groups.items():
             shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
-            lines.append(markdown_row([manifold, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, shown_polish,
+            lines.append(markdown_row([manifold, solver, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, shown_polish,
                                        "warm (default)" if start == "warm" else "cold", str(args.reference),
                                        kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))

@@ -12,7 +12,7 @@ the table with its provenance, see :mod:`bench.timing`).
 
 Rows: ``torch.optim.Muon`` and our :class:`geomuon.optimizers.Muon` (same settings, bf16
 Newton–Schulz); :class:`geomuon.optimizers.ManifoldMuon` on Stiefel and on DGram with its
-default solver; ``geoopt.optim.RiemannianAdam`` on Stiefel (our ``geomuon.manifolds.Stiefel``
+default solver and with ``solver="projected"`` (``--solver``); ``geoopt.optim.RiemannianAdam`` on Stiefel (our ``geomuon.manifolds.Stiefel``
 through geoopt's ``ManifoldParameter``).
 
 Run it with OpenMP's default thread settings (the header records any ``OMP_*``): with
@@ -85,9 +85,10 @@ def state_mib(optimizer: torch.optim.Optimizer) -> float:
     return total / 2**20
 
 
-def build(shapes, seed: int, device: str = "cpu", dualizers=(None,)):
+def build(shapes, seed: int, device: str = "cpu", dualizers=(None,), solvers=("dual",)):
     """Every optimizer under test, each on its own copy of the parameters (on ``device``);
-    ManifoldMuon once per entry of ``dualizers`` (``None``: its default, by device)."""
+    ManifoldMuon once per entry of ``dualizers`` (``None``: its default, by device) and of
+    ``solvers`` (its ``solver``)."""
     import geoopt
 
     from geomuon.manifolds import DGram, Stiefel
@@ -110,10 +111,11 @@ def build(shapes, seed: int, device: str = "cpu", dualizers=(None,)):
         "torch.optim.Muon": torch.optim.Muon(params(), lr=0.02),
         "Muon (ours)": Muon(params(), lr=0.02),
     }
-    for dualizer in dualizers:
-        for name, manifold in (("Stiefel", stiefel), ("DGram", dgram)):
-            label = f"ManifoldMuon {name}" + (f", {dualizer}" if dualizer else "")
-            optimizers[label] = ManifoldMuon(params(manifold), lr=0.02, gram_dualizer=dualizer)
+    for solver in solvers:
+        for dualizer in dualizers:
+            for name, manifold in (("Stiefel", stiefel), ("DGram", dgram)):
+                label = f"ManifoldMuon {name}" + "".join(f", {o}" for o in (dualizer, solver) if o not in (None, "dual"))
+                optimizers[label] = ManifoldMuon(params(manifold), lr=0.02, gram_dualizer=dualizer, solver=solver)
     optimizers["RiemannianAdam Stiefel"] = geoopt.optim.RiemannianAdam(params(stiefel), lr=1e-3)
     return optimizers, grads
 
@@ -231,6 +233,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dualizer", nargs="+", default=["default"], choices=["default", "eigh", "polar_express"],
                         help="ManifoldMuon rows, one pair per dualizer (gram_dualizer; default: ManifoldMuon's, "
                              "eigh on the CPU): on a CPU whose bf16 products are fast, compare polar_express")
+    parser.add_argument("--solver", nargs="+", default=["dual", "projected"], choices=["dual", "projected"],
+                        help="ManifoldMuon rows, one set per solver (its solver key; the rows' labels name it "
+                             "unless it is the default, dual)")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cpu" and (args.clock != "wall" or args.profile):
@@ -242,7 +247,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()
     dualizers = [None if d == "default" else d for d in args.dualizer]
-    optimizers, grads = build(shapes, args.seed, args.device, dualizers)
+    optimizers, grads = build(shapes, args.seed, args.device, dualizers, args.solver)
     medians, faults = measure(optimizers, grads, args.repeats, CLOCKS[args.clock], device=args.device)
     params_mib = sum(s[0] * s[1] for s in shapes) * 4 / 2**20
     # the Muons against torch's, everything else against ours
@@ -261,8 +266,9 @@ def main(argv=None) -> int:
         short = min(min(s) for s in shapes)
         for name in (n for n in optimizers if n.startswith("ManifoldMuon")):
             rows, total = profile_step(optimizers[name], grads, short)
-            dualizer = optimizers[name].defaults["gram_dualizer"]
-            solver = f"{dualizer} dualizer" if dualizer else "default solver"
+            defaults = optimizers[name].defaults
+            solver = f"{defaults['solver']} solver, " + (f"{defaults['gram_dualizer']} dualizer" if
+                                                         defaults["gram_dualizer"] else "default dualizer")
             text += (f"\n\nWhere the time goes: one profiled step of {name} ({solver}) on one thread, "
                      f"self CPU time of its ops ({total:.0f} ms in all; timed median at {args.threads} "
                      f"threads {1e3 * medians[name]:.0f} ms)\n\n"

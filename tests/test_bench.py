@@ -188,7 +188,8 @@ def test_optimizer_step_writes_its_table(tmp_path):
     stdout = run_script("optimizer_step", markdown, "--clock", "process")
     rows = parse_table(stdout)
     assert [r["optimizer"] for r in rows] == [
-        "torch.optim.Muon", "Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram", "RiemannianAdam Stiefel",
+        "torch.optim.Muon", "Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram",
+        "ManifoldMuon Stiefel, projected", "ManifoldMuon DGram, projected", "RiemannianAdam Stiefel",
     ]
     steps = {r["optimizer"]: float(r["step (ms)"]) for r in rows}
     for row in rows:
@@ -244,13 +245,17 @@ def test_the_device_check_counts_host_reads_and_trains(tmp_path):
 
 def test_manifold_frontier_writes_its_table(tmp_path):
     markdown = tmp_path / "manifold_frontier.md"
-    stdout = run_script("manifold_frontier", markdown, "--clock", "process", "--dual", "0", "2")
+    stdout = run_script("manifold_frontier", markdown, "--clock", "process", "--dual", "0", "2",
+                        "--solver", "dual", "projected", "--polish", "0", "2", "--reference", "4")
     rows = parse_table(stdout)
-    # both dual updates x 0 and 2 dual steps x warm and cold; the default solver (Stiefel:
-    # Newton, two dual steps and the carried one, warm) is the one row marked so
+    # both dual updates x 0 and 2 dual steps x warm and cold, then the projected solver's
+    # rows by polish rounds; the default solver (Stiefel: Newton, two dual steps and the
+    # carried one, warm) is the one row marked so
     expected = [(update, dual, start) for update in ("newton", "jacobi") for dual in ("0", "2") for start in ("warm", "cold")]
+    expected += [("-", "0 (polish 0)", "projection"), ("-", "0 (polish 2)", "projection")]
     assert [(r["dual update"], r["dual steps"], r["start"].replace(" (default)", "")) for r in rows] == expected
     assert [r for r in rows if r["start"].endswith("(default)")] == [rows[2]]
+    assert [r["path"] for r in rows[-2:]] == ["Gram space, projected"] * 2
     for row in rows:
         # a certified ratio is primal / dual of a feasible direction: in (0, 1]
         assert 0 < float(row["min"]) <= float(row["mean certified ratio"]) <= 1, row

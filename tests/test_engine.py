@@ -11,8 +11,9 @@ import torch
 
 from geomuon.manifolds import DGram, Oblique, Stiefel
 from geomuon.optimizers import ManifoldMuon, steepest_direction
+from geomuon.manifolds.capabilities import gram_retraction
 from geomuon.optimizers.gram import (UNIT_BALL_STEPS, GramSettings, eigen_dualizer, exact_unit_ball, gram_msign,
-                                     gram_step, newton_cg, newton_update, polynomial_unit_ball)
+                                     gram_step, newton_cg, newton_update, polynomial_unit_ball, projected_step)
 from geomuon.optimizers.steepest import certified_ratio
 
 MANIFOLDS = [(Stiefel(), False), (DGram(), True), (Oblique(), False)]
@@ -238,6 +239,68 @@ def test_polish_brings_the_direction_into_the_unit_ball_and_keeps_it_tangent(man
         assert ratios[2] - ratios[0] > 0.03
 
 
+def _tangent(manifold, W, X):
+    return X - W @ manifold.gram_form.project(W.mT @ W, W.mT @ X)
+
+
+def _projected_reference(manifold, W, G, rounds):
+    """The projected solver's map written out plainly in float64: the exact polar factor
+    (SVD) of the projected momentum, projected, then ``rounds`` clips to the unit ball (every
+    singular value above 1 set to 1) each followed by the tangent projection."""
+    U, _, Vh = torch.linalg.svd(_tangent(manifold, W, G), full_matrices=False)
+    A = _tangent(manifold, W, U @ Vh)
+    for _ in range(rounds):
+        U, sigma, Vh = torch.linalg.svd(A, full_matrices=False)
+        A = _tangent(manifold, W, U @ torch.diag(sigma.clamp_max(1.0)) @ Vh)
+    return A
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_the_projected_step_is_the_polished_projection_of_the_projected_polar_factor(manifold, spread, rounds):
+    # float64 throughout (compute_dtype None), 40 Polar Express steps (the table's last
+    # quintic repeats: converged to round-off on a Gaussian 48 x 16 momentum, condition
+    # about 3). Control: the reference with one round fewer or more is far (the rounds are
+    # really taken, and each one moves the direction).
+    W, G = _problem(manifold, 48, 16, seed=7, spread=spread)
+    settings = GramSettings(solver="projected", polish_rounds=rounds, msign_steps=40, compute_dtype=None)
+    out = projected_step(manifold.gram_form, W[None], G[None], 0.05, settings)
+    direction = out.direction(W)[0]
+    expected = _projected_reference(manifold, W, G, rounds)
+    # the polar factor to ~1e-12, then O(1)-conditioned projections and clips: 1e-9 of O(1) entries
+    assert torch.allclose(direction, expected, atol=1e-9)
+    for other in {max(rounds - 1, 0), rounds + 1} - {rounds}:
+        assert (direction - _projected_reference(manifold, W, G, other)).abs().max() > 1e-4
+    # the dual iterate it certifies against is the projection start, and the point is the
+    # form's retraction of the step (the retraction measures Y^T Y: exact to round-off)
+    assert torch.allclose(out.dual_iterate(W)[0], _tangent(manifold, W, G), atol=1e-12)
+    assert torch.allclose(out.point[0], gram_retraction(manifold.gram_form, W, -0.05 * direction), atol=1e-12)
+    assert out.correction is None
+
+
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS[:2], ids=IDS[:2])
+def test_the_projected_step_does_not_step_on_its_own_rounding(manifold, spread):
+    # In the default dtypes (fp32 points, bf16 products) a momentum that is normal to the
+    # manifold has a tangent part of round-off only: its step is zero, not a unit step in a
+    # rounding direction. Control: a tangent part of 0.1 % of the momentum (above the
+    # 4 eps_bf16^2 = 0.024 % floor; one bf16 projection alone leaves ~0.4 % of normal
+    # residual, which would swamp it) is stepped, and close to the exact direction.
+    W, G = _problem(manifold, 96, 32, seed=5, spread=spread, dtype=torch.float32)
+    normal = G - _tangent(manifold, W, G)
+    settings = GramSettings(solver="projected", polish_rounds=1)
+    out = projected_step(manifold.gram_form, W[None], normal[None], 0.05, settings)
+    assert torch.equal(out.direction(W)[0], torch.zeros_like(W))
+    tangent = _tangent(manifold, W, G)
+    mixed = normal + 1e-3 * tangent * normal.norm() / tangent.norm()
+    out = projected_step(manifold.gram_form, W[None], mixed[None], 0.05, settings)
+    step = out.direction(W)[0].double()
+    exact = _projected_reference(manifold, W.double(), mixed.double(), 1)
+    assert torch.linalg.matrix_norm(step, 2) > 0.5
+    cosine = (step * exact).sum() / (step.norm() * exact.norm())
+    # refined residual u |Z0| + u^2 |G| = (0.4 % + 1.5 % ) of the tangent part, plus the bf16 polar factor's
+    assert cosine > 0.95
+
+
 def _clip_problem(n, seed, dtype=torch.float32):
     r"""$\hat A = U\operatorname{diag}(s)V^\top$ ($3n\times n$) with $s$ log-spaced over $[10^{-6}, 0.95]$ on
     half the columns and uniform over $[1.05, 1.3]$ on the rest, and its Gram in ``dtype``."""
@@ -316,8 +379,9 @@ class WholeBatchManifoldMuon(ManifoldMuon):
     parallel_batches = False
 
 
+@pytest.mark.parametrize("solver", ["dual", "projected"])
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
-def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread, monkeypatch, one_thread):
+def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread, solver, monkeypatch, one_thread):
     # Three same-shape matrices of very different gradient scales in one stack, against
     # each alone, both on one thread (no workers). Every map of the step is per matrix (no
     # batch-wide maximum, no shared stopping rule), so the results are bitwise equal.
@@ -325,14 +389,14 @@ def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread, monk
     params, grads = _stepped(manifold, shapes, seed=11)
     grads = [[g * scale for g, scale in zip(gs, (1e-3, 1.0, 1e3))] for gs in grads]
     alone = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    together = WholeBatchManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05)
+    together = WholeBatchManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05, solver=solver)
     assert [len(b) for b in together._batches(together.param_groups[0], params)] == [3]
     stacks = []
     inner = together._matrix_step
     monkeypatch.setattr(together, "_matrix_step", lambda group, batch, *a: stacks.append(len(batch)) or inner(group, batch, *a))
     _run(together, params, grads)
     for i, p in enumerate(alone):
-        _run(ManifoldMuon([{"params": [p], "manifold": manifold}], lr=0.05), [p], [[gs[i]] for gs in grads])
+        _run(ManifoldMuon([{"params": [p], "manifold": manifold}], lr=0.05, solver=solver), [p], [[gs[i]] for gs in grads])
     assert stacks and set(stacks) == {3}  # the three really were stepped as one stack
     for p, q in zip(params, alone):
         assert torch.equal(p.detach(), q.detach())
@@ -365,9 +429,11 @@ def test_the_sync_guard_holds_until_the_last_overlapping_user_leaves(no_host_rea
     assert x.sum().item() == 2.0
 
 
+@pytest.mark.parametrize("solver", ["dual", "projected"])
 @pytest.mark.parametrize("optimizer_class", [ManifoldMuon, WholeBatchManifoldMuon], ids=["cpu-stacks", "whole-batch"])
 @pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
-def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, optimizer_class, monkeypatch, no_host_reads):
+def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, optimizer_class, solver, monkeypatch,
+                                                     no_host_reads):
     # The per-batch work of every step (momentum, the engine, the retraction, the state
     # writes) runs under the guard, tall and wide, warm-started, with weight decay. The base
     # class's non-finite check before it reads one flag per param group (it names the
@@ -376,7 +442,7 @@ def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, optimizer
     # columns, a read-back: the Gram path is what this test holds to no syncs)
     shapes = [(24, 8), (24, 8)] + ([(8, 24)] if manifold.transposes_wide else [])
     params, grads = _stepped(manifold, shapes, seed=12, steps=3)
-    optimizer = optimizer_class([{"params": params, "manifold": manifold}], lr=0.05, weight_decay=0.1)
+    optimizer = optimizer_class([{"params": params, "manifold": manifold}], lr=0.05, weight_decay=0.1, solver=solver)
     _run(optimizer, params, grads[:1])  # the first step checks every weight is on its manifold
     inner = optimizer._matrix_step
 
@@ -386,7 +452,10 @@ def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, optimizer
 
     monkeypatch.setattr(optimizer, "_matrix_step", guarded)
     _run(optimizer, params, grads[1:])
-    assert all("dual_correction" in optimizer.state[p] for p in params)
+    # the dual solver keeps its warm start; the projected one has none (a wide Oblique point
+    # takes the general path, which has one whatever the solver)
+    gram_path = [p for p in params if p.shape[0] >= p.shape[1] or manifold.transposes_wide]
+    assert all(("dual_correction" in optimizer.state[p]) == (solver == "dual") for p in gram_path)
     assert optimizer.check_on_manifold() == []
 
 

@@ -12,12 +12,13 @@ from geomuon.optimizers import ManifoldMuon, msign
 from geomuon.optimizers.gram import gram_msign, polynomial_inverse_sqrt
 
 
-def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold():
+@pytest.mark.parametrize("solver", ["dual", "projected"])
+def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold(solver):
     # min ||W - M||_F^2 over W^T W = I has the known solution msign(M).
     gen = torch.Generator().manual_seed(0)
     M = torch.randn(8, 4, generator=gen)
     W = torch.nn.Parameter(Stiefel().random(8, 4, generator=gen).data)
-    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05)
+    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05, solver=solver)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5000, eta_min=1e-4)
     for _ in range(5000):
         W.grad = 2 * (W.detach() - M)
@@ -32,12 +33,13 @@ def test_stiefel_projection_problem_converges_to_msign_and_stays_on_the_manifold
     assert (Wd - target).abs().max().item() <= 1e-3
 
 
-def test_dgram_iterates_stay_on_dgram():
+@pytest.mark.parametrize("solver", ["dual", "projected"])
+def test_dgram_iterates_stay_on_dgram(solver):
     gen = torch.Generator().manual_seed(1)
     # targets with column norms over [0.1, 10]
     M = torch.randn(16, 6, generator=gen) * torch.logspace(-1, 1, 6)
     W = torch.nn.Parameter(DGram().random(16, 6, generator=gen).data)
-    opt = ManifoldMuon([W], manifold="dgram", lr=0.05)
+    opt = ManifoldMuon([W], manifold="dgram", lr=0.05, solver=solver)
     cosine_max = 0.0
     for _ in range(1000):
         W.grad = 2 * (W.detach() - M)
@@ -71,6 +73,30 @@ def test_default_settings_certify_095_along_a_training_run(manifold):
     ratios = _regression_run(manifold, (192, 64), steps=15)
     # the exact (SVD) certificate of every step's direction, averaged over the run
     assert sum(ratios) / len(ratios) >= 0.95
+
+
+@pytest.mark.parametrize("manifold,floor", [(Stiefel(), 0.97), (DGram(), 0.92)], ids=["stiefel", "dgram"])
+def test_the_projected_solver_certifies_against_a_reference_solve_along_a_training_run(manifold, floor):
+    # Its own dual iterate is the projection start, several percent above the optimum;
+    # against a 32-step reference solve's dual the same directions certify (measured: Stiefel
+    # 0.978 own / 0.983 reference, DGram 0.934 / 0.944, mean over 15 steps of a 192 x 64
+    # regression). Control: the reference really tightens the certificate.
+    own = _regression_run(manifold, (192, 64), steps=15, solver="projected")
+    tight = _regression_run(manifold, (192, 64), steps=15, solver="projected", certify_reference=32)
+    assert sum(tight) / len(tight) >= floor
+    assert all(b >= a for a, b in zip(own, tight)) and sum(tight) > sum(own)
+
+
+def test_the_projected_solver_is_refused_where_the_gram_path_does_not_serve():
+    with pytest.raises(ValueError, match="solver must be one of"):
+        ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="newton")
+    with pytest.raises(ValueError, match="solver='projected'.*norm='spectral'"):
+        ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="projected", norm="row")
+    with pytest.raises(ValueError, match="needs a manifold with a Gram form.*Euclidean"):
+        ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold=Euclidean(), solver="projected")
+    # control: the same parameters are accepted with a Gram-form manifold, and by the dual solver
+    ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="projected")
+    ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold=Euclidean(), solver="dual")
 
 
 def test_dual_steps_improve_the_certificate_in_a_run():

@@ -283,6 +283,12 @@ def declarations() -> list[Declaration]:
                     "are O_m × O_n-equivariant, and the polar retraction commutes with both rotations.",
                     _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=Stiefel(), compute_dtype=None),
                           "ManifoldMuon[Stiefel]", Stiefel()), "tall"),
+        Declaration("ManifoldMuon[Stiefel, projected]", "step", BO, H,
+                    "The projected solver: momentum, the tangent projection, Polar Express on the projected "
+                    "momentum, unit-ball clips of the direction's Gram eigenvalues and the measured polar "
+                    "retraction, each O_m × O_n-equivariant.",
+                    _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=Stiefel(), compute_dtype=None, solver="projected"),
+                          "ManifoldMuon[Stiefel, projected]", Stiefel()), "tall"),
     ]
     return rows
 
