@@ -162,12 +162,17 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
+    projected_runs = set()
     for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in itertools.product(
             args.solver, args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha,
             args.dualizer):
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
+        if solver == "projected":  # one run per manifold, polish rounds and dualizer: the dual options do not apply
+            if (manifold, polish, dualizer) in projected_runs:
+                continue
+            projected_runs.add((manifold, polish, dualizer))
         ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha,
                                dualizer, args.reference, solver)
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
@@ -178,10 +183,13 @@ def main(argv=None) -> int:
         shown_polish = str(polish) + (" (default)" if polish == default_polish else "")
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
+        shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
+        shown_start = "warm (default)" if start == "warm" else "cold"
+        if solver == "projected":  # no dual: its options do not apply
+            shown_update, shown_dual, shown, shown_start = "-", "0", ["-", "-"], "projection"
         for kind, values in groups.items():
-            shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
             lines.append(markdown_row([manifold, solver, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, shown_polish,
-                                       "warm (default)" if start == "warm" else "cold", str(args.reference),
+                                       shown_start, str(args.reference),
                                        kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)

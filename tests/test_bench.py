@@ -11,6 +11,7 @@ round-off.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -265,16 +266,19 @@ def test_manifold_frontier_writes_its_table(tmp_path):
 
 def test_manifold_inrun_reads_the_certificates_of_a_real_run(tmp_path):
     markdown = tmp_path / "manifold_inrun.md"
-    stdout = run_script("manifold_inrun", markdown)
+    stdout = run_script("manifold_inrun", markdown, "--solver", "dual", "projected")
     rows = parse_table(stdout)
-    # per manifold: one row per orientation the model has, then "all" (their union); both
-    # forms declare a Newton step (Stiefel's closed form, DGram's conjugate gradients)
-    assert [(r["manifold"], r["matrices"]) for r in rows] == [
-        (m, kind) for m in ("stiefel", "dgram") for kind in ("square", "tall", "wide", "all")]
-    assert {r["dual update"] for r in rows} == {"newton (default)"}
+    # per solver and manifold: one row per orientation the model has, then "all" (their
+    # union); both forms declare a Newton step (Stiefel's closed form, DGram's conjugate
+    # gradients), which the projected solver does not take
+    assert [(r["solver"], r["manifold"], r["matrices"]) for r in rows] == [
+        (s, m, kind) for s in ("dual", "projected") for m in ("stiefel", "dgram") for kind in ("square", "tall", "wide", "all")]
+    assert {r["dual update"] for r in rows if r["solver"] == "dual"} == {"newton (default)"}
+    assert {(r["dual update"], r["dual steps"], r["start"]) for r in rows if r["solver"] == "projected"} == {
+        ("-", "0", "projection")}
     assert {r["reference dual steps"] for r in rows} == {"0"}  # the step's own dual iterate
-    for manifold in ("stiefel", "dgram"):
-        mine = [r for r in rows if r["manifold"] == manifold]
+    for solver, manifold in itertools.product(("dual", "projected"), ("stiefel", "dgram")):
+        mine = [r for r in rows if (r["solver"], r["manifold"]) == (solver, manifold)]
         # 1 layer: c_attn (tall), c_proj (square), mlp in (tall) and out (wide), certified at
         # steps 2 and 4 of 4: 2 x (2 tall, 1 square, 1 wide)
         assert [int(r["certified steps x matrices"]) for r in mine] == [2, 4, 2, 8]
