@@ -74,9 +74,10 @@ def counting_host_reads(device: str, counter: list[int]):
 
 def host_reads(device: str, shapes: list[tuple[int, int]]) -> list[list[str]]:
     """Rows ``[optimizer, reads per step(), reads in the matrix work]`` after two warm-up steps."""
-    optimizers, grads = optimizer_step.build(shapes, seed=0, device=device)
+    optimizers, grads = optimizer_step.build(shapes, seed=0, device=device, solvers=("dual", "projected"))
     rows = []
-    for name in ("Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram"):
+    for name in ("Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram", "ManifoldMuon Stiefel, projected",
+                 "ManifoldMuon DGram, projected"):
         opt = optimizers[name]
         params = [p for group in opt.param_groups for p in group["params"]]
         whole, inner = [0], [0]

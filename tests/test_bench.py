@@ -237,7 +237,8 @@ def test_the_device_check_counts_host_reads_and_trains(tmp_path):
     report = (tmp_path / "device_check.md").read_text()
     tables = re.findall(r"(?:^\|.*\|$\n?)+", report, re.MULTILINE)
     reads = parse_table(tables[0])
-    assert [r["optimizer"] for r in reads] == ["Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram"]
+    assert [r["optimizer"] for r in reads] == ["Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram",
+                                                "ManifoldMuon Stiefel, projected", "ManifoldMuon DGram, projected"]
     assert all(r["matrix work (must be 0)"] == "0" for r in reads)
     smoke = parse_table(tables[-1])
     assert [(r["strategy"], r["finite and lower"]) for r in smoke] == [("unconstrained", "yes"), ("hetero", "yes")]
