@@ -418,7 +418,9 @@ BENCHMARKS = {"polar_kernels": "polar_kernels", "optimizer_step": "optimizer_ste
               "optimizer_step_gpt2_small_fast_bf16": "optimizer_step",
               "manifold_frontier": "manifold_frontier", "manifold_frontier_polar_express": "manifold_frontier",
               "manifold_frontier_jacobi": "manifold_frontier",
-              "manifold_inrun": "manifold_inrun", "manifold_inrun_reference": "manifold_inrun"}
+              "manifold_frontier_projected": "manifold_frontier",
+              "manifold_inrun": "manifold_inrun", "manifold_inrun_reference": "manifold_inrun",
+              "manifold_inrun_projected": "manifold_inrun"}
 
 
 def test_benchmark_tables_are_included_as_their_scripts_wrote_them(site):
