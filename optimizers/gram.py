@@ -649,12 +649,12 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
 
     Why no dual step: inside GPT training (``bench/manifold_inrun.py``, Stiefel, 400 steps,
     mean / min certified fraction of the optimal descent against a 32-step reference solve)
-    this direction with 0, 1 and 2 polish rounds reaches 0.945 / 0.911, 0.965 / 0.948 and
-    0.970 / 0.956, where :func:`gram_step`'s warm-started dual with 0 or 1 dual steps reaches
-    0.868 / 0.777 and 0.921 / 0.879 (no polish) and its default, 2 dual steps and 2 rounds,
-    0.978 / 0.954: a warm start lags the momentum it was computed for, the projection start
-    does not. On DGram the dual steps matter more (2 rounds: 0.864 / 0.786 after 80 steps,
-    against the default's 0.894 / 0.800).
+    this direction with 0, 1 and 2 polish rounds reaches 0.945 / 0.911, 0.964 / 0.948 and
+    0.969 / 0.956, where :func:`gram_step`'s warm-started dual without polish reaches
+    0.911 / 0.844 with 0 dual steps and 0.933 / 0.898 with 1 (a warm start lags the momentum
+    it was computed for; the projection start does not), and its default, 2 dual steps and 2
+    rounds, 0.982 / 0.966 at about twice the cost. On DGram the dual steps matter more (2
+    rounds: 0.916 / 0.790, the dual default 0.935 / 0.799).
 
     **Precision** ($u$ = the unit round-off of ``settings.compute_dtype``, bf16 by default; a
     product in ``compute_dtype`` rounds its inputs and its output to it, so it resolves
