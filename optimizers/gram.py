@@ -632,8 +632,8 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
                    shrink: float | torch.Tensor = 1.0) -> GramStep:
     r"""The projected solver: no dual step, Muon's kernel on the $m\times n$ matrix, then polish.
 
-    With $W' = cW$ and $P_W(X) = X - W'\,\mathrm{project}(D, W'^\top X)$ (the form's tangent
-    projection, $D = W'^\top W'$),
+    With $W' = cW$ and $P_W(X) = X - W\,\mathrm{project}(D, W^\top X)$ (the form's tangent
+    projection at $W$, $D = W^\top W$; $cW$ has the same normal space),
 
     $$Z_0 = P_WG,\qquad \hat A_0 = P_W\operatorname{msign}(Z_0),\qquad
     \hat A_{k+1} = P_W\big(\hat A_k\,\phi(\hat A_k^\top\hat A_k)\big),\qquad
@@ -660,16 +660,17 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     product in ``compute_dtype`` rounds its inputs and its output to it, so it resolves
     nothing below $u$ times its output's size):
 
-    * $Z_0$: $\Sigma_0 = \mathrm{project}(D, W'^\top G)$ with the product in ``compute_dtype``,
-      then $G - W'\Sigma_0$ in ``W.dtype``, so that the rounding of $\Sigma_0$ (about $u\|G\|_F$)
+    * $Z_0$: $\Sigma_0 = \mathrm{project}(D, W^\top G)$ with the product in ``compute_dtype``,
+      then $G - W\Sigma_0$ in ``W.dtype``, so that the rounding of $\Sigma_0$ (about $u\|G\|_F$)
       becomes a normal vector, which one more projection in ``compute_dtype`` removes to
       $u\|Z_0\|_F + u^2\|G\|_F$ (its output is that small). Near a constrained optimum the
       momentum is mostly normal and its tangent part is all that matters: a projection in
       ``compute_dtype`` alone would leave a residual of $u\|G\|_F$ that swamps it. A matrix
       whose tangent part is below $4\varepsilon_{\rm low}^2\|G\|_F$ ($\varepsilon_{\rm low}$ the
-      machine epsilon of ``compute_dtype``: $2.4\cdot10^{-4}\|G\|_F$ in bf16) cannot be told
-      from the rounding; its direction is set to zero (:func:`gram_step` resolves down to
-      $8\sqrt{\max(m,n)}\,\varepsilon\,\|G\|_F$ in fp32).
+      machine epsilon of ``compute_dtype``: $2.4\cdot10^{-4}\|G\|_F$ in bf16; with
+      ``compute_dtype`` as precise as the points, :func:`gram_step`'s floor
+      $8\sqrt{\max(m,n)}\,\varepsilon\,\|G\|_F$) cannot be told from the rounding; its direction
+      is set to zero.
     * The polar factor, the projections of the direction and the polish's Gram
       $\hat A^\top\hat A$ (rounded to ``compute_dtype`` before its eigendecomposition in
       ``W.dtype``) only choose the direction: it is tangent to about $u$.
@@ -680,8 +681,8 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
 
     Cost per tall $m\times n$ matrix (products of $m\times n$ by $n\times n$ are the unit): the
     polar factor (two per Polar Express step, as Muon), five more in ``compute_dtype``
-    ($W'^\top G$, the refinement's two, the projection of the polar factor's two), three in
-    ``W.dtype`` ($W'\Sigma_0$, $Y^\top Y$, $Y\rho$), and per polish round four in
+    ($W^\top G$, the refinement's two, the projection of the polar factor's two), three in
+    ``W.dtype`` ($W\Sigma_0$, $Y^\top Y$, $Y\rho$), and per polish round four in
     ``compute_dtype`` and one eigendecomposition. All
     per matrix with fixed iteration counts: no host read, and no matrix depends on its
     batch-mates. Every map is a polynomial in, a spectral function of or a projection by
@@ -689,26 +690,29 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     equivariance (up to round-off).
     """
     low = settings.compute_dtype or W.dtype
-    point = _scale(W, shrink)
-    D = _PointGram(form, point, 1.0).D
-    point_low = point.to(low)
+    # projections at W itself: cW has the same normal space, and a form may read D as the
+    # point's Gram on the manifold (Stiefel's projection takes D = I)
+    D = _PointGram(form, W, 1.0).D
+    W_low = W.to(low)
 
     def multiplier(X: torch.Tensor) -> torch.Tensor:  # project(D, W^T X), the product in compute_dtype
-        return form.project(D, (point_low.mT @ X.to(low)).to(W.dtype))
+        return form.project(D, (W_low.mT @ X.to(low)).to(W.dtype))
 
     def tangent(X: torch.Tensor) -> torch.Tensor:  # P_W X of an X in compute_dtype, in compute_dtype
-        return X - point_low @ multiplier(X).to(low)
+        return X - W_low @ multiplier(X).to(low)
 
-    Z0 = G - point @ multiplier(G)  # exact W: the multiplier's rounding error is a normal vector
-    Z0 = Z0 - (point_low @ multiplier(Z0).to(low)).to(W.dtype)  # which one refinement removes to u^2 |G|
-    level = (4 * torch.finfo(low).eps ** 2) ** 2
-    resolved = Z0.square().sum((-2, -1), keepdim=True) > level * G.square().sum((-2, -1), keepdim=True)
+    Z0 = G - W @ multiplier(G)  # exact W: the multiplier's rounding error is a normal vector
+    Z0 = Z0 - (W_low @ multiplier(Z0).to(low)).to(W.dtype)  # which one refinement removes to u^2 |G|
+    # the rounding left: u^2 |G| from the products, or the subtraction's own in W.dtype
+    # (gram_step's floor, 8 sqrt(max(m, n)) eps |G|) when compute_dtype is as precise
+    floor = max(4 * torch.finfo(low).eps ** 2, 8 * max(W.shape[-2:]) ** 0.5 * torch.finfo(W.dtype).eps)
+    resolved = Z0.square().sum((-2, -1), keepdim=True) > floor**2 * G.square().sum((-2, -1), keepdim=True)
     A = tangent(msign(Z0.to(low), coefficients=POLAR_EXPRESS, steps=settings.msign_steps))
     unit_ball = UNIT_BALLS[settings.dualizer]
     for _ in range(settings.polish_rounds):
         A = tangent(A @ unit_ball((A.mT @ A).to(W.dtype)).to(low))
     A = A.to(W.dtype) * resolved
-    Y = _axpy(point, A, -lr)
+    Y = _axpy(_scale(W, shrink), A, -lr)
     new_point = Y @ form.retraction_factor(Y.mT @ Y, settings.retraction_terms, FAR_INVERSE_SQRTS[settings.dualizer])
     zero, eye = torch.zeros_like(D), torch.eye(W.size(-1), dtype=W.dtype, device=W.device).expand_as(D)
     return GramStep(point=new_point, correction=None, direction_factors=(zero, eye, A, zero), start=Z0)

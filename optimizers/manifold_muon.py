@@ -360,12 +360,21 @@ class ManifoldMuon(MatrixOptimizer):
                     f"ManifoldMuon: parameter {name} is a ManifoldParameter on {type(own).__name__} "
                     f"but its group says {type(manifold).__name__}"
                 )
-            if group["solver"] == "projected" and getattr(own if manifold is None else manifold, "gram_form", None) is None:
-                raise ValueError(
-                    f"ManifoldMuon: parameter {name}: solver='projected' needs a manifold with a Gram form "
-                    f"(Stiefel, DGram, Oblique), not {type(own if manifold is None else manifold).__name__}; "
-                    "use solver='dual'"
-                )
+            if group["solver"] == "projected":
+                self._check_projected(group, p, own if manifold is None else manifold, name)
+
+    def _check_projected(self, group: dict, p: torch.Tensor, manifold, name: str) -> None:
+        """Refuse, before any step, a matrix that ``solver="projected"`` cannot step: the solver
+        is the Gram path's, which needs the manifold's Gram form and, for a wide matrix, a
+        manifold that steps wide points transposed."""
+        if getattr(manifold, "gram_form", None) is None:
+            raise ValueError(f"ManifoldMuon: parameter {name}: solver='projected' needs a manifold with a Gram "
+                             f"form (Stiefel, DGram, Oblique), not {type(manifold).__name__}; use solver='dual'")
+        rows, cols = self._matrix_shape(group, p)[-2:]
+        if rows < cols and not manifold.transposes_wide:
+            raise ValueError(f"ManifoldMuon: parameter {name} is wide ({rows} x {cols}) on "
+                             f"{type(manifold).__name__}, which does not step wide points transposed: "
+                             "solver='projected' serves tall and square ones only; use solver='dual'")
 
     def _rebuild_derived_state(self) -> None:
         super()._rebuild_derived_state()
@@ -530,9 +539,11 @@ class ManifoldMuon(MatrixOptimizer):
                 iterates.append(gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, solve,
                                           shrink).dual_iterate(Wf))
             # the tangent part, in the points' dtype: the projected solver's direction is tangent
-            # only to its compute dtype, and its normal part is not a step (the retraction removes it)
+            # only to its compute dtype, and its normal part is not a step (the retraction removes
+            # it); projected at W itself (cW has the same normal space; Stiefel's form takes D = I)
             direction = out.direction(Wf)
-            direction = direction - Wf @ form.project(Wf.mT @ Wf, Wf.mT @ direction)
+            W_flat = Wt.reshape(flat)
+            direction = direction - W_flat @ form.project(W_flat.mT @ W_flat, W_flat.mT @ direction)
             ratio = certified_ratio(Gt.reshape(flat), direction, *iterates).reshape(shape[:-2])
         # a wide point leaves in its own layout: the transposing copy is blocked, while the
         # caller's keep-or-move selection would read a transposed view entry by entry

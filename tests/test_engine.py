@@ -278,16 +278,19 @@ def test_the_projected_step_is_the_polished_projection_of_the_projected_polar_fa
     assert out.correction is None
 
 
-@pytest.mark.parametrize("manifold,spread", MANIFOLDS[:2], ids=IDS[:2])
-def test_the_projected_step_does_not_step_on_its_own_rounding(manifold, spread):
-    # In the default dtypes (fp32 points, bf16 products) a momentum that is normal to the
-    # manifold has a tangent part of round-off only: its step is zero, not a unit step in a
-    # rounding direction. Control: a tangent part of 0.1 % of the momentum (above the
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("manifold,spread", MANIFOLDS, ids=IDS)
+def test_the_projected_step_does_not_step_on_its_own_rounding(manifold, spread, compute_dtype):
+    # In the default dtypes (fp32 points, bf16 products) and in fp32 alone, a momentum that is
+    # normal to the manifold has a tangent part of round-off only: its step is zero, not a unit
+    # step in a rounding direction. Control: a tangent part of 0.1 % of the momentum (above the
     # 4 eps_bf16^2 = 0.024 % floor; one bf16 projection alone leaves ~0.4 % of normal
     # residual, which would swamp it) is stepped, and close to the exact direction.
+    # With products as precise as the points (fp32) the floor is gram_step's,
+    # 8 sqrt(max(m, n)) eps_fp32 = 9e-6 of the momentum, below the control's 0.1 %.
     W, G = _problem(manifold, 96, 32, seed=5, spread=spread, dtype=torch.float32)
     normal = G - _tangent(manifold, W, G)
-    settings = GramSettings(solver="projected", polish_rounds=1)
+    settings = GramSettings(solver="projected", polish_rounds=1, compute_dtype=compute_dtype)
     out = projected_step(manifold.gram_form, W[None], normal[None], 0.05, settings)
     assert torch.equal(out.direction(W)[0], torch.zeros_like(W))
     tangent = _tangent(manifold, W, G)
