@@ -258,7 +258,8 @@ def _lyapunov_diagonal(D: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
 
 class OrthonormalGram(GramForm):
     r"""Stiefel: $\mathcal C(M) = M + M^\top$, $S(\Lambda) = 2\operatorname{sym}\Lambda$,
-    $\Sigma = \operatorname{sym}(M)$, $\operatorname{diag}(LL^*) = 4$, and the polar retraction
+    $\Sigma_{ij} = (M + M^\top)_{ij}/(d_i^2 + d_j^2)$ ($\operatorname{sym}(M)$ on the manifold, where
+    $d_i^2 = D_{ii} = 1$; exact also at a point $cW$ scaled by weight decay), $\operatorname{diag}(LL^*) = 4$, and the polar retraction
     $\rho(Y^\top Y) = (Y^\top Y)^{-1/2}$ (second order; by the series of
     :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a step of
     length $\eta$ from a point on the manifold). The Newton increment is exact Su's fixed
@@ -275,7 +276,10 @@ class OrthonormalGram(GramForm):
     polish_rounds = 2
 
     def project(self, D, M):
-        return 0.5 * (M + M.mT)
+        # sym(M) at D = I; dividing by d_i^2 + d_j^2 keeps the projection exact at a point
+        # scaled by weight decay (D = c^2 I), where sym(M) left (1 - c^2) of the normal part
+        d2 = _diag(D)
+        return (M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
     def constraint(self, M):
         return M + M.mT

@@ -690,8 +690,7 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     equivariance (up to round-off).
     """
     low = settings.compute_dtype or W.dtype
-    # projections at W itself: cW has the same normal space, and a form may read D as the
-    # point's Gram on the manifold (Stiefel's projection takes D = I)
+    # projections at W itself (cW has the same normal space)
     D = _PointGram(form, W, 1.0).D
     W_low = W.to(low)
 

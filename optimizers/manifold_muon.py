@@ -540,7 +540,7 @@ class ManifoldMuon(MatrixOptimizer):
                                           shrink).dual_iterate(Wf))
             # the tangent part, in the points' dtype: the projected solver's direction is tangent
             # only to its compute dtype, and its normal part is not a step (the retraction removes
-            # it); projected at W itself (cW has the same normal space; Stiefel's form takes D = I)
+            # it); projected at W itself (cW has the same normal space)
             direction = out.direction(Wf)
             W_flat = Wt.reshape(flat)
             direction = direction - W_flat @ form.project(W_flat.mT @ W_flat, W_flat.mT @ direction)

@@ -107,16 +107,17 @@ def test_the_projected_solver_is_refused_where_the_gram_path_does_not_serve():
     ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold=Euclidean(), solver="dual")
 
 
-@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
-def test_the_projected_solver_with_weight_decay_does_not_step_on_a_normal_gradient(compute_dtype):
+@pytest.mark.parametrize("solver,compute_dtype", [("projected", torch.bfloat16), ("projected", None),
+                                                   ("dual", torch.bfloat16)], ids=["projected-bf16", "projected-fp32", "dual"])
+def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient(solver, compute_dtype):
     # grad = 2W is normal to Stiefel at W (the gradient of ||W||_F^2, constant on it): no step,
-    # with weight decay too (the decayed point cW has W's normal space; a projection taken at cW
-    # with Stiefel's D = I form left (1 - c^2) of the gradient, and moved W by 0.3 in 3 steps).
-    # Control: a tangent gradient moves it.
+    # with weight decay too. The decayed point cW has W's normal space, but Stiefel's form once
+    # projected as if D = I there, leaving (1 - c^2) of the gradient: it moved W by 0.3 in 3
+    # steps (both solvers). Control: a tangent gradient moves it.
     gen = torch.Generator().manual_seed(4)
     W = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen).data)
     start = W.detach().clone()
-    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05, weight_decay=0.4, solver="projected",
+    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05, weight_decay=0.4, solver=solver,
                        compute_dtype=compute_dtype)
     for _ in range(3):
         W.grad = 2 * W.detach()
