@@ -130,7 +130,7 @@ rms scale inverted | return math.sqrt(fan_in / fan_out) | return math.sqrt(fan_o
 nuclear norm from msign'msign | return (X * msign(X, method=method)).sum(dim=(-2, -1)) | return (msign(X, method=method) * msign(X, method=method)).sum(dim=(-2, -1))
 ## manifolds/capabilities.py
 inverse-sqrt series c2 0.375 -> 0.376 | (1.0, -0.5, 0.375, | (1.0, -0.5, 0.376,
-stiefel gram projection drops 1/2 | return 0.5 * (M + M.mT) | return (M + M.mT)
+stiefel gram projection divides by d_i^2 alone (twice sym at D = I) | return (M + M.mT) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | return (M + M.mT) / d2.unsqueeze(-1)
 dgram gram retraction factor inverted | * (root.unsqueeze(-2) / root.unsqueeze(-1)) | * (root.unsqueeze(-1) / root.unsqueeze(-2))
 oblique gram retraction sqrt instead of rsqrt | torch.diag_embed(_diag(YtY).rsqrt()) | torch.diag_embed(_diag(YtY).sqrt())
 inverse-sqrt series c5 -0.24609375 -> -0.2460937 | -0.24609375, | -0.2460937,
