@@ -182,11 +182,19 @@ def main(argv=None) -> int:
         markdown_table(header, []),
     ]
     print("\n".join(lines))
+    def measure(shapes, manifold, dual_steps, warm, alpha, options):
+        """A row's certified ratios (mean, min) and its step cost against Muon ("-" untimed)."""
+        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, alpha, args.reference,
+                               **options)
+        if not args.repeats:
+            return mean, low, "-"
+        ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, alpha, clock, **options)
+        return mean, low, f"{ratio:.2f}"
+
     starts = [start == "warm" for start in args.starts]
     # (0 dual steps warm and cold differ: a warm start carries one dual step from the last step)
-    combinations = itertools.product(args.set, args.manifold, args.retraction, args.update, args.dual, starts)
-    if "dual" not in args.solver:
-        combinations = ()
+    combinations = itertools.product(args.set, args.manifold, args.retraction, args.update, args.dual,
+                                     starts) if "dual" in args.solver else ()
     for set_name, manifold_name, retraction, update, dual_steps, warm in combinations:
         if retraction == "manifold" and update != args.update[0]:
             continue  # the general path has one dual update
@@ -195,13 +203,7 @@ def main(argv=None) -> int:
         if retraction == "fused" and update == "newton" and default_dual_update(manifold) != "newton":
             continue  # the form declares no Newton step (it would take Jacobi steps: the Jacobi rows)
         options = dict(solver, retraction=retraction, dual_update=update)
-        mean, low = run_config(shapes, manifold, dual_steps, warm, args.steps, args.seed, args.alpha, args.reference,
-                               **options)
-        cost = "-"
-        if args.repeats:
-            ratio = time_config(shapes, manifold, dual_steps, warm, args.repeats, args.seed, args.alpha, clock,
-                                **options)
-            cost = f"{ratio:.2f}"
+        mean, low, cost = measure(shapes, manifold, dual_steps, warm, args.alpha, options)
         start = "warm" if warm else "cold"
         if (dual_steps == default_dual_steps(manifold) and warm and not solver and retraction == "fused"
                 and update == default_dual_update(manifold) and args.alpha is None):
@@ -218,10 +220,7 @@ def main(argv=None) -> int:
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")
         options = dict(solver, solver="projected", polish_rounds=polish)
-        mean, low = run_config(shapes, manifold, 0, False, args.steps, args.seed, None, args.reference, **options)
-        cost = "-"
-        if args.repeats:
-            cost = f"{time_config(shapes, manifold, 0, False, args.repeats, args.seed, None, clock, **options):.2f}"
+        mean, low, cost = measure(shapes, manifold, 0, False, None, options)
         lines.append(markdown_row([f"{set_name} ({len(shapes)} matrices)", manifold_name, "Gram space, projected",
                                    "-", f"0 (polish {polish})", "projection", f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)
