@@ -74,7 +74,8 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import GramForm, exact_inverse_sqrt, inv_sqrt_near_identity, spectral_function
+from geomuon.manifolds.capabilities import (GramForm, exact_inverse_sqrt, gram_retraction, inv_sqrt_near_identity,
+                                            spectral_function)
 from geomuon.manifolds.linalg import POLAR_EXPRESS, eigh, msign
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "projected_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
@@ -711,8 +712,8 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     for _ in range(settings.polish_rounds):
         A = tangent(A @ unit_ball((A.mT @ A).to(W.dtype)).to(low))
     A = A.to(W.dtype) * resolved
-    Y = _axpy(_scale(W, shrink), A, -lr)
-    new_point = Y @ form.retraction_factor(Y.mT @ Y, settings.retraction_terms, FAR_INVERSE_SQRTS[settings.dualizer])
+    new_point = gram_retraction(form, _scale(W, shrink), -lr * A, settings.retraction_terms,
+                                FAR_INVERSE_SQRTS[settings.dualizer])
     zero, eye = torch.zeros_like(D), torch.eye(W.size(-1), dtype=W.dtype, device=W.device).expand_as(D)
     return GramStep(point=new_point, correction=None, direction_factors=(zero, eye, A, zero), start=Z0)
 
