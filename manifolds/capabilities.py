@@ -108,7 +108,10 @@ def inv_sqrt_unit_diagonal(N: torch.Tensor, terms: int = 6, far=exact_inverse_sq
     selected with ``torch.where`` (no host read on CPU). The series and the exact map are
     spectral functions of $N$, so the map commutes with every orthogonal change of basis. The series alone diverges for
     $\|E\|_2 \ge 1$: a DGram retraction meets that when a column norm falls to the order of
-    the step ($N$'s off-diagonal entries are $O(\eta^2/(d_id_j))$).
+    the step ($N$'s off-diagonal entries are $O(\eta^2/(d_id_j))$), a Stiefel retraction
+    when the step's length nears one. ``far=None``: the caller has bounded $\|E\|_2$
+    within the radius a priori (:meth:`GramForm.series_covers`); the series alone, with no
+    eigendecomposition.
 
     An array of exact expressions (:class:`geomuon.theory.symbolic.ExactTensor`, the Taylor
     expansion at $E = 0$ that the symbolic certificates take) gets the series, which is
@@ -117,7 +120,7 @@ def inv_sqrt_unit_diagonal(N: torch.Tensor, terms: int = 6, far=exact_inverse_sq
     eye = torch.eye(N.size(-1), dtype=N.dtype, device=N.device)
     E = N - eye
     series = inv_sqrt_near_identity(E, terms)
-    if not isinstance(N, torch.Tensor):
+    if far is None or not isinstance(N, torch.Tensor):
         return series
     near = torch.linalg.matrix_norm(E) <= series_radius(terms, N.dtype)
     return torch.where(near.unsqueeze(-1).unsqueeze(-1), series, far(N))
@@ -204,8 +207,20 @@ class GramForm:
     def retraction_factor(self, YtY: torch.Tensor, terms: int = 6, far=exact_inverse_sqrt) -> torch.Tensor:
         r"""$\rho(Y^\top Y)$, so that $R_W(V) = Y\rho(Y^\top Y)$; ``terms`` of the series of
         :func:`inv_sqrt_near_identity` where the form uses one, and ``far`` the inverse square
-        root beyond its radius where the form needs one (:func:`inv_sqrt_unit_diagonal`)."""
+        root beyond its radius where the form needs one (:func:`inv_sqrt_unit_diagonal`;
+        ``None`` where :meth:`series_covers` holds for the step)."""
         raise NotImplementedError
+
+    def series_covers(self, step: float, normal: float, shrink: float, terms: int, dtype: torch.dtype) -> bool:
+        r"""Whether every retraction of a step $V$ with $\|V\|_2 \le$ ``step`` and
+        $\|\mathcal C(W^\top V)\|_2 \le$ ``normal`` (its normal part) from a point $cW$
+        (``shrink`` $c$, $W$ on the manifold) keeps its Gram within the radius where the
+        series of :meth:`retraction_factor` is exact to round-off, a priori: the caller may
+        then pass ``far=None`` and no step pays for the branch beyond the radius (an
+        eigendecomposition). Floats from the settings, no tensor read. ``False`` (the
+        default) where the form has no such bound (DGram: its Gram is normalized by column
+        norms that may fall to the step's order)."""
+        return False
 
     def newton_operator(self, D: torch.Tensor, lam: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
         r"""The linearized tangency of the dual iterate at a frozen $P = (Z^\top Z)^{-1/2}$, on a
@@ -261,8 +276,10 @@ class OrthonormalGram(GramForm):
     $\Sigma_{ij} = (M + M^\top)_{ij}/(d_i^2 + d_j^2)$ ($\operatorname{sym}(M)$ on the manifold, where
     $d_i^2 = D_{ii} = 1$; exact also at a point $cW$ scaled by weight decay), $\operatorname{diag}(LL^*) = 4$, and the polar retraction
     $\rho(Y^\top Y) = (Y^\top Y)^{-1/2}$ (second order; by the series of
-    :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a step of
-    length $\eta$ from a point on the manifold). The Newton increment is exact Su's fixed
+    :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a tangent
+    step of length $\eta$ from a point on the manifold, and beyond the series' radius by
+    ``far``, :func:`inv_sqrt_unit_diagonal`, unless :meth:`series_covers` bounds the step
+    within it). The Newton increment is exact Su's fixed
     point: with $S = \Lambda + \Lambda^\top$, an increment $E$ of $S$ is $E/2$ of $\Lambda$."""
 
     diagonal_gram = True
@@ -291,8 +308,14 @@ class OrthonormalGram(GramForm):
         return torch.full_like(D, 4.0)
 
     def retraction_factor(self, YtY, terms=6, far=exact_inverse_sqrt):
-        eye = torch.eye(YtY.size(-1), dtype=YtY.dtype, device=YtY.device)
-        return inv_sqrt_near_identity(YtY - eye, terms)
+        return inv_sqrt_unit_diagonal(YtY, terms, far)
+
+    def series_covers(self, step, normal, shrink, terms, dtype):
+        # Y^T Y - I = (c^2 - 1) I + c^2 (W^T W - I) + c C(W^T V) + V^T V: the step's terms get half
+        # the radius, the other half is left to the point's own feasibility error (a point the
+        # engine retracted is off by round-off; one ManifoldMuon admits, by at most 1e-5 an entry)
+        deviation = abs(shrink * shrink - 1) + shrink * normal + step * step
+        return deviation <= 0.5 * series_radius(terms, dtype)
 
     def newton_increment(self, D, E):
         return 0.5 * E

@@ -27,7 +27,8 @@ of $Y$, $Y^\top Y$ and $Y\rho$ — seven, however many dual steps run — plus p
 iteration one $n\times n$ symmetric eigendecomposition and four $n\times n$ products, per
 Newton update four more (Stiefel's closed form, bf16) or one per conjugate-gradient
 iteration (DGram, ``newton_cg_steps`` = 5, fp32), and three for the retraction's series
-(DGram's retraction adds one more eigendecomposition per step).
+(DGram's retraction adds one more eigendecomposition per step; Stiefel's only for a step
+longer than :func:`far_inverse_sqrt`'s bound).
 
 **Precision** (the dtype of every product; $u = 2^{-8}$ is bf16's unit round-off,
 $\varepsilon$ the parameter dtype's):
@@ -80,7 +81,8 @@ from geomuon.manifolds.linalg import POLAR_EXPRESS, eigh, msign
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "projected_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
            "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball", "polynomial_inverse_sqrt",
-           "retract", "DUALIZERS", "UPDATES", "SOLVERS", "UNIT_BALLS", "FAR_INVERSE_SQRTS"]
+           "retract", "far_inverse_sqrt", "DUALIZERS", "UPDATES", "SOLVERS", "UNIT_BALLS", "FAR_INVERSE_SQRTS",
+           "DIRECTION_NORM", "DIRECTION_NORMAL"]
 
 #: ``GramSettings.dualizer``: exact from the eigendecomposition of $Q$, or Polar Express on
 #: its Cholesky factor (bf16 products, no LAPACK eigensolver).
@@ -402,6 +404,31 @@ UNIT_BALLS = {"eigh": exact_unit_ball, "polar_express": polynomial_unit_ball}
 #: ``GramSettings.dualizer`` -> the inverse square root of a retraction beyond its series' radius.
 FAR_INVERSE_SQRTS = {"eigh": exact_inverse_sqrt, "polar_express": polynomial_inverse_sqrt}
 
+#: A-priori bounds on the directions $\hat A$ both solvers retract along, per unit step length:
+#: $\|\hat A\|_2$ (Stiefel's tangent projection $W\operatorname{skew}(W^\top X) + (I - WW^\top)X$ of
+#: a matrix $X$ of the unit ball has norm at most $\sqrt2$, less after the polish's clip;
+#: measured at most 1.16, with Polar Express's overshoot and bf16 rounding) and $\|\mathcal C(W^\top\hat A)\|_2$, its normal part
+#: (round-off of the tangent projection: measured at most $8\cdot10^{-3}$ from the projected
+#: solver's bf16 products and $2\cdot10^{-5}$ from the dual solver's fp32 ones, at $n \le 768$).
+#: :func:`far_inverse_sqrt` passes them to :meth:`~geomuon.manifolds.capabilities.GramForm.series_covers`.
+DIRECTION_NORM, DIRECTION_NORMAL = 1.5, 0.05
+
+
+def far_inverse_sqrt(form: GramForm, settings: "GramSettings", lr: float | torch.Tensor,
+                     shrink: float | torch.Tensor, dtype: torch.dtype):
+    r"""The retraction's inverse square root beyond its series' radius (:data:`FAR_INVERSE_SQRTS`
+    by the dualizer), or ``None`` where the form bounds every step of length ``lr`` within the
+    radius a priori (:meth:`~geomuon.manifolds.capabilities.GramForm.series_covers` with
+    :data:`DIRECTION_NORM` and :data:`DIRECTION_NORMAL`): then no step computes the branch
+    (Stiefel: one $n\times n$ eigendecomposition per matrix saved, up to $\eta \approx 0.156$ in
+    fp32 and $0.030$ in fp64 without weight decay). A 0-dim tensor ``lr`` or ``shrink`` has no
+    value on the host: the branch is kept."""
+    far = FAR_INVERSE_SQRTS[settings.dualizer]
+    if isinstance(lr, torch.Tensor) or isinstance(shrink, torch.Tensor):
+        return far
+    covered = form.series_covers(DIRECTION_NORM * lr, DIRECTION_NORMAL * lr, shrink, settings.retraction_terms, dtype)
+    return None if covered else far
+
 
 def jacobi_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tensor, alpha: float) -> torch.Tensor:
     r"""The Jacobi-preconditioned dual step $-\alpha\,\sigma\,\mathcal C(M)\oslash\operatorname{diag}(LL^*)$.
@@ -547,7 +574,7 @@ def retract(form: GramForm, W: torch.Tensor, Z0: torch.Tensor, T1: torch.Tensor,
     $W' = cW$: the $m\times n$ assembly, the measured Gram $Y^\top Y$ and the right factor, all
     in ``W.dtype`` (see the module docstring for why the Gram is measured). ``lr`` and
     ``shrink`` are floats or 0-dim tensors (see :func:`gram_step`); ``far``: the inverse square
-    root beyond the series' radius (:data:`FAR_INVERSE_SQRTS`).
+    root beyond the series' radius (:func:`far_inverse_sqrt`; ``None``: the series alone).
     """
     eye = torch.eye(T1.size(-1), dtype=T1.dtype, device=T1.device)
     N1 = _axpy(eye, T1, -lr)
@@ -624,7 +651,8 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     T1 = (SP - form.project(D, M)) * keep
     T2 = P * keep
     T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds, UNIT_BALLS[settings.dualizer])
-    point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms, FAR_INVERSE_SQRTS[settings.dualizer])
+    point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms,
+                    far_inverse_sqrt(form, settings, lr, shrink, W.dtype))
     return GramStep(point=point, correction=delta, direction_factors=(T1, T2, Z0, S))
 
 
@@ -713,7 +741,7 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
         A = tangent(A @ unit_ball((A.mT @ A).to(W.dtype)).to(low))
     A = A.to(W.dtype) * resolved
     new_point = gram_retraction(form, _scale(W, shrink), -lr * A, settings.retraction_terms,
-                                FAR_INVERSE_SQRTS[settings.dualizer])
+                                far_inverse_sqrt(form, settings, lr, shrink, W.dtype))
     zero, eye = torch.zeros_like(D), torch.eye(W.size(-1), dtype=W.dtype, device=W.device).expand_as(D)
     return GramStep(point=new_point, correction=None, direction_factors=(zero, eye, A, zero), start=Z0)
 

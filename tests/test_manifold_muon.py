@@ -8,7 +8,7 @@ import torch
 
 from geomuon.manifolds import DGram, Euclidean, Oblique, Stiefel
 from geomuon.manifolds.capabilities import gram_retraction, inv_sqrt_near_identity, series_radius
-from geomuon.optimizers import ManifoldMuon, msign
+from geomuon.optimizers import ManifoldMuon, gram, msign
 from geomuon.optimizers.gram import gram_msign, polynomial_inverse_sqrt
 
 
@@ -279,6 +279,70 @@ def test_gram_form_retraction_is_the_manifold_retraction_on_stiefel_and_oblique(
         W = manifold.random(20, 6, generator=gen, dtype=torch.float64)
         V = 0.05 * manifold.proju(W, torch.randn(20, 6, generator=gen, dtype=torch.float64))
         assert torch.allclose(gram_retraction(manifold.gram_form, W, V, terms=6), manifold.retr(W, V), atol=1e-12)
+
+
+@pytest.mark.parametrize("solver", ["dual", "projected"])
+def test_stiefel_steps_of_any_length_stay_on_the_manifold(solver, monkeypatch):
+    # A step of length eta leaves ||Y^T Y - I|| ~ eta^2: the retraction's series diverges
+    # beyond 1 (lr = 1 had put W^T W off by 0.3, then 117, then 2e35), so long steps take the
+    # branch beyond the series' radius. After three fp32 steps W^T W = I to the 1e-5 of the
+    # 5,000-step test (one retraction's round-off is ~ sqrt(n) eps ~ 1e-6).
+    def run(lr):
+        gen = torch.Generator().manual_seed(3)
+        W = torch.nn.Parameter(Stiefel().random(64, 32, generator=gen).data)
+        opt = ManifoldMuon([W], manifold="stiefel", lr=lr, solver=solver)
+        for _ in range(3):
+            W.grad = torch.randn(64, 32, generator=gen)
+            opt.step()
+        return (W.detach().T @ W.detach() - torch.eye(32)).abs().max().item()
+
+    for lr in (0.5, 1.0, 2.0):
+        assert run(lr) <= 1e-5, lr
+    # control: the series alone at every length fails at lr = 1
+    monkeypatch.setattr(gram, "far_inverse_sqrt", lambda *args: None)
+    assert not run(1.0) <= 1e-2
+
+
+@pytest.mark.parametrize("solver", ["dual", "projected"])
+def test_stiefel_steps_within_the_series_radius_take_no_eigendecomposition(solver, monkeypatch):
+    # series_covers bounds ||Y^T Y - I|| a priori from lr: at the default lr the retraction
+    # never computes the branch beyond the radius (an n x n eigh per matrix); at lr = 0.5 it does
+    def far(N):
+        raise AssertionError("the far branch was computed")
+
+    monkeypatch.setitem(gram.FAR_INVERSE_SQRTS, "eigh", far)
+    gen = torch.Generator().manual_seed(4)
+    for lr, computed in ((0.02, False), (0.1, False), (0.5, True)):
+        W = torch.nn.Parameter(Stiefel().random(48, 16, generator=gen).data)
+        opt = ManifoldMuon([W], manifold="stiefel", lr=lr, solver=solver, gram_dualizer="eigh")
+        W.grad = torch.randn(48, 16, generator=gen)
+        if computed:
+            with pytest.raises(AssertionError, match="far branch"):
+                opt.step()
+        else:
+            opt.step()
+
+
+def test_stiefel_series_bound_holds_for_the_engines_directions():
+    # The a-priori bound of series_covers at the largest lr it admits, against the measured
+    # ||Y^T Y - I||_2 of both solvers' steps on GPT-like momenta (low rank, noise, a large
+    # normal part), fp32: within the half radius the bound gives the step's terms.
+    form = Stiefel().gram_form
+    radius = series_radius(6, torch.float32)
+    lr = max(k / 1000 for k in range(1, 1000)
+             if form.series_covers(gram.DIRECTION_NORM * k / 1000, gram.DIRECTION_NORMAL * k / 1000, 1.0, 6,
+                                   torch.float32))
+    assert lr >= 0.1  # the default lr 0.02 and the tuned 0.04 are far inside
+    gen = torch.Generator().manual_seed(6)
+    for m, n in ((192, 48), (64, 64)):
+        W = Stiefel().random(2, m, n, generator=gen).data
+        G = (torch.randn(2, m, 4, generator=gen) @ torch.randn(2, 4, n, generator=gen)
+             + 0.1 * torch.randn(2, m, n, generator=gen) + 3 * W @ torch.randn(2, n, n, generator=gen))
+        for settings in (gram.GramSettings(dual_steps=2, polish_rounds=2), gram.GramSettings(solver="projected")):
+            A = gram.gram_step(form, W, G, lr, None, settings).direction(W)
+            Y = W - lr * A
+            deviation = torch.linalg.matrix_norm(Y.mT @ Y - torch.eye(n), 2).max().item()
+            assert deviation <= radius / 2, (m, n, settings.solver, deviation)
 
 
 def test_state_is_small():
