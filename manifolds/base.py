@@ -471,6 +471,7 @@ class MatrixManifold(geoopt.Manifold):
     def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Vector transport by projection: $P_y(v)$."""
         self.validate_vector(x, y, "y")
+        self.validate_vector(y, v, "v")  # before proju, whose message would call it u
         return self.proju(y, v)
 
     def random(self, *size, dtype=None, device=None, generator=None) -> geoopt.ManifoldTensor:

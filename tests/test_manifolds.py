@@ -309,6 +309,9 @@ def test_mismatched_vector_shape_is_rejected(name):
         manifold.proju(x, torch.randn(4, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="do not broadcast"):
         manifold.retr(x.expand(2, 6, 4), torch.zeros(3, 6, 4, dtype=torch.float64))
+    # transp's vector is named v in its message (it had been proju's u)
+    with pytest.raises(ValueError, match=r": v of shape \(6, 5\) does not match"):
+        manifold.transp(x, x, torch.randn(6, 5, dtype=torch.float64))
 
 
 def test_wrong_shapes_and_types_are_rejected():
