@@ -755,7 +755,14 @@ def test_model_weights_protocol():
      (lambda w: {**w, "blocks": [{"q": w["blocks"][0]["q"]}]}, "lacks"),
      (lambda w: {k: v for k, v in w.items() if k not in ("score_scale", "n_head")}, "n_head"),
      (lambda w: {**w, "n_head": 3}, "not divisible"),
-    (lambda w: {**w, "input_radius": 0.0}, "input_radius")],
+    (lambda w: {**w, "input_radius": 0.0}, "input_radius"),
+    # entries of a model the bound does not cover, in a hand-built dict (they had been ignored)
+    (lambda w: {**w, "n_embd": 15}, "n_embd = 15 but"),
+    (lambda w: {**w, "wpe": torch.zeros(8, 16)}, r"wpe not modelled"),
+    (lambda w: {**w, "blocks": [{**w["blocks"][0], "q_bias": torch.zeros(16)}, *w["blocks"][1:]]},
+     r"blocks\[0\]\['q_bias'\] not modelled"),
+    (lambda w: {**w, "blocks": [*w["blocks"][:-1], {**w["blocks"][-1], "ln_1": torch.ones(16)}]},
+     r"\['ln_1'\] not modelled")],
 )
 def test_bad_weights_are_rejected(mutate, match):
     weights = GPT(lipschitz_config(n_head=2)).lipschitz_weights()

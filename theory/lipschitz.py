@@ -491,6 +491,7 @@ def transformer_lipschitz_bound(
     * ``"head"``: ``[vocab, d]``;
     * ``"n_head"``: heads per block. If absent, inferred from the Lipschitz model's
       convention ``score_scale`` $= 1/d_\text{head}$ as $d\cdot$``score_scale``;
+      ``"n_embd"`` (optional): the width $d$, checked against the weights;
     * ``"residual_weight"`` $a$ (default $1/(2N)$), ``"attention_scale"`` (default 1/3),
       ``"score_scale"`` (default $1/d_\text{head}$), ``"gelu_scale"`` (default 1/1.1289),
       ``"input_radius"`` $r_0$ (default 1).
@@ -581,7 +582,8 @@ def transformer_lipschitz_bound(
             "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (see the docstring)"
         )
     _check_method(method, "transformer_lipschitz_bound")
-    weights = _float64_on_cpu(weights)
+    weights = _float64_on_cpu(weights)  # (blocks may be a generator: read once, here)
+    _refuse_unmodelled(weights)
     blocks = weights["blocks"]
     if not blocks:
         raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
@@ -596,6 +598,29 @@ def transformer_lipschitz_bound(
             return per_token
         return through_sequence
     return _propagate(weights, blocks, 1.0, method)
+
+
+#: The keys :func:`transformer_lipschitz_bound` models: the weights' and the architecture's.
+_MODEL_KEYS = {"blocks", "head", "n_embd", "n_head", "residual_weight", "attention_scale", "score_scale",
+               "gelu_scale", "input_radius"}
+_BLOCK_KEYS = {"q", "k", "v", "o", "mlp_in", "mlp_out"}
+
+
+def _refuse_unmodelled(weights: Mapping) -> None:
+    """Refuse a weights dict with entries the bound does not model (a position table, biases,
+    LayerNorm gains, ...: a hand-built dict of such a model would otherwise get a bound that
+    ignores them), naming them."""
+    extra = sorted(set(weights) - _MODEL_KEYS)
+    for index, block in enumerate(weights["blocks"]):
+        if isinstance(block, Mapping):
+            extra += [f"blocks[{index}][{key!r}]" for key in sorted(set(block) - _BLOCK_KEYS)]
+    if extra:
+        raise ValueError(
+            f"transformer_lipschitz_bound: {', '.join(map(str, extra))} not modelled by the bound (it covers "
+            f"the Lipschitz model's {sorted(_BLOCK_KEYS)} per block, 'head' and the scalars "
+            f"{sorted(_MODEL_KEYS - {'blocks', 'head'})}); a learned position table, biases or LayerNorm are "
+            "outside it: train with the Lipschitz configuration (GPT.lipschitz_weights())"
+        )
 
 
 def _float64_on_cpu(weights: Mapping) -> dict:
@@ -631,6 +656,9 @@ class _Architecture:
     @classmethod
     def of(cls, weights: Mapping, blocks: list) -> "_Architecture":
         d = blocks[0]["q"].size(1)
+        if "n_embd" in weights and int(weights["n_embd"]) != d:
+            raise ValueError(f"transformer_lipschitz_bound: n_embd = {weights['n_embd']} but the blocks' "
+                             f"matrices are {d} wide")
         n_head = _n_head(weights, d)
         radius = float(weights.get("input_radius", 1.0))
         if not radius > 0:
