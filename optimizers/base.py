@@ -22,7 +22,10 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
 * **Non-finite gradients** (group key ``nonfinite``), with no host read in the step: a
   matrix whose gradient is non-finite, or whose Frobenius norm overflows its dtype (fp32
   entries beyond $\sim10^{19}$; one fused norm per batch decides), gets a no-op step on
-  the device — weights, momentum, dual correction and step count unchanged — and is
+  the device — weights, momentum, dual correction and step count unchanged (one exception:
+  a ManifoldMuon matrix skipped on its very first step keeps a zero warm start, so its next
+  step takes the warm dual steps, not the cold ones: whether it moved is known only on the
+  device) — and is
   reported, naming the parameter, at the start of the next :meth:`MatrixOptimizer.step`
   (whatever has reached the host by then; on CPU, everything) or at
   :meth:`MatrixOptimizer.check_finite` (which reads it now): ``"skip"`` (default) warns,
@@ -64,7 +67,7 @@ import torch
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import ScratchBuffers, fp32_or_fp64, in_one_thread_workers
 
-from .regulate import make_regulator, regulator_spec, unchecked_regulation
+from .regulate import make_regulator, regulator_spec, requires_matrices, unchecked_regulation
 from . import distributed as _distributed
 
 __all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
@@ -126,16 +129,31 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # the live regulator is derived from the spec and kept beside the groups.
         group["regulate"] = regulator_spec(group.get("regulate"))
         self._validate_group(group, index)
-        self._regulators.append(make_regulator(group["regulate"]))
+        regulator = make_regulator(group["regulate"])
+        if requires_matrices(regulator):  # refused now, not after the step's other groups moved
+            self._refuse_vectors(group, index, f"its group's regulate={group['regulate']!r} acts on matrices "
+                                               "(a vector has no spectral norm): set regulate=None in its param group")
+        self._regulators.append(regulator)
+
+    def _refuse_vectors(self, group: dict, index: int, why: str) -> None:
+        """Raise ``ValueError`` naming the first parameter of ``group`` below 2-D, and ``why``."""
+        for i, p in enumerate(group["params"]):
+            if p.dim() < 2:
+                raise ValueError(f"{type(self).__name__}: parameter {self._name(group, i, index)} has shape "
+                                 f"{tuple(p.shape)}; {why}")
 
     def _validate_group(self, group: dict, index: int) -> None:
         for key in ("lr", "weight_decay"):
-            value = group.get(key, 0.0)
-            if not 0.0 <= float(value):
-                raise ValueError(f"group {index}: {key} should be >= 0 but is: {value}")
+            require_number(index, key, group[key], lambda x: x >= 0, "a finite number >= 0")
         if group["nonfinite"] not in _NONFINITE:
             raise ValueError(f"group {index}: nonfinite must be one of {_NONFINITE}, got {group['nonfinite']!r}")
         if group["update"] == "adamw":
+            betas = group["betas"]
+            if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+                raise ValueError(f"group {index}: betas must be a pair (beta1, beta2), got {betas!r}")
+            for k, beta in enumerate(betas):
+                require_number(index, f"betas[{k}]", beta, lambda x: 0 <= x < 1, "a number in [0, 1)")
+            require_number(index, "eps", group["eps"], lambda x: x >= 0, "a finite number >= 0")
             return
         if group["update"] != self.matrix_update:
             raise ValueError(
@@ -144,19 +162,28 @@ class MatrixOptimizer(torch.optim.Optimizer):
             )
         if group["matrix_view"] not in MATRIX_VIEWS:
             raise ValueError(f"group {index}: matrix_view must be one of {MATRIX_VIEWS}, got {group['matrix_view']!r}")
+        require_number(index, "momentum", group["momentum"], lambda x: 0 <= x < 1, "a number in [0, 1)")
+        if "compute_dtype" in group:
+            require_dtype(group, index, "compute_dtype")
+        self._refuse_vectors(group, index, "a tensor below 2-D has no matrix update. Put it in a param group "
+                                           "with update='adamw' (or a separate optimizer)")
         for i, p in enumerate(group["params"]):
-            if p.dim() < 2:
-                raise ValueError(
-                    f"{type(self).__name__}: parameter {self._name(group, i, index)} has shape "
-                    f"{tuple(p.shape)}; a {p.dim()}-D tensor has no matrix update. Put it in a "
-                    "param group with update='adamw' (or a separate optimizer)"
-                )
             if p.dim() > 2 and group["matrix_view"] == "strict":
                 raise ValueError(
                     f"{type(self).__name__} only supports 2D parameters whereas we found a parameter "
                     f"with size: {p.size()} ({self._name(group, i, index)}); set matrix_view='batch' "
                     "(stacked matrices [..., m, n]) or 'flatten' (conv kernels) in its group"
                 )
+
+    def _regulated(self, group: dict, regulator, W: torch.Tensor, lr: float | torch.Tensor,
+                   state: dict) -> torch.Tensor:
+        """The group's regulator on ``W`` (a whole parameter) as the group steps it: a matrix
+        group's regulator sees the matrices of its ``matrix_view`` (a flattened kernel's
+        ``[out, -1]``, not its ``[kh, kw]`` slices); returned in ``W``'s shape."""
+        if group["update"] == "adamw":
+            return unchecked_regulation(regulator, W, lr=lr, state=state)
+        matrices = W.reshape(self._matrix_shape(group, W))
+        return unchecked_regulation(regulator, matrices, lr=lr, state=state).reshape(W.shape)
 
     @staticmethod
     def _name(group: dict, i: int, index: int) -> str:
@@ -173,7 +200,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # torch casts every floating state entry but "step" to its parameter's dtype; an entry
+        # kept in another precision (:meth:`_state_dtype`) is taken from the saved tensor
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                dtype = self._state_dtype(key, p)
+                if dtype is not None and isinstance(value, torch.Tensor) and not _distributed.is_sharded(value):
+                    self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
         self._rebuild_derived_state()
+
+    def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype of state entry ``key`` of ``p`` where it is not ``p``'s (``None``: ``p``'s,
+        as torch's ``load_state_dict`` casts it)."""
+        return None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.__getstate__ (pickle, copy.deepcopy) keeps only defaults, state and
@@ -227,7 +268,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     if _distributed.is_sharded(p) and group["update"] != "adamw":
                         continue  # a sharded matrix was regulated whole, on the rank that mapped it
                     whole = _distributed.whole(p)
-                    out = unchecked_regulation(regulator, whole, lr=lr, state=self.state[p])
+                    out = self._regulated(group, regulator, whole, lr, self.state[p])
                     _distributed.write_whole(p, out if id(p) not in keep else torch.where(keep[id(p)], out, whole))
         return loss
 
@@ -496,8 +537,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             state["exp_avg"].lerp_(g, (1 - beta1) * kept)
             state["exp_avg_sq"].mul_(_where_kept(kept, beta2)).addcmul_(g, g, value=1 - beta2)
             counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
-            bias1 = 1 - beta1**counted
-            bias2_sqrt = (1 - beta2**counted).sqrt()
+            bias1, bias2 = _bias_correction(beta1, counted, p.dtype), _bias_correction(beta2, counted, p.dtype)
+            bias2_sqrt = bias2.sqrt()
             denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(group["eps"])
             p.addcdiv_(state["exp_avg"] * (-lr * kept / bias1), denom)
 
@@ -581,6 +622,37 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
+
+
+def require_number(index: int, name: str, value, admissible, what: str) -> None:
+    """Refuse, at construction, option ``name`` of param group ``index`` whose ``value`` is not
+    a finite number with ``admissible(value)`` (NaN and infinities are never admissible: they
+    reach the weights as NaN, or as a silent no-op step); the message names the group, the
+    option and ``what`` it must be."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        number = math.nan
+    if not (math.isfinite(number) and admissible(number)):
+        raise ValueError(f"group {index}: {name} must be {what}, got {value!r}")
+
+
+def require_dtype(group: dict, index: int, key: str) -> None:
+    """Refuse a group's ``key`` (a compute dtype) that is neither ``None`` nor a floating
+    ``torch.dtype`` (a string such as ``"bfloat16"`` had failed inside the step)."""
+    value = group[key]
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"group {index}: {key} must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
+                         f"got {value!r}")
+
+
+def _bias_correction(beta: float, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r"""Adam's $1 - \beta^t$ from the step count tensor (no host read), as
+    $-\operatorname{expm1}(t\ln\beta)$ in the parameter's precision (fp32 for bf16/fp16): in
+    fp32, $1 - \beta^t$ itself cancels ($1 - 0.999$ kept 5 digits, an update 7e-6 off
+    ``torch.optim.AdamW``'s, which computes it on the host in float64)."""
+    log_beta = math.log(beta) if beta > 0 else -math.inf  # beta = 0: 1 - 0^t = 1 for t >= 1
+    return -torch.expm1(step.to(fp32_or_fp64(dtype)) * log_beta)
 
 
 def _where_kept(kept: torch.Tensor, value: float) -> torch.Tensor:

@@ -95,7 +95,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .regulate import unchecked_regulation
 
 __all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "local_rows", "as_shard", "shard_rows",
            "sharded_matrix_step", "sharding_stats", "matrix_owner"]
@@ -404,7 +403,7 @@ def _owner_step(optimizer, group: dict, owned: list[torch.Tensor], pieces: list,
         optimizer._apply(group, points, update, lr)
         if regulator is not None:
             for q in points:
-                q.copy_(unchecked_regulation(regulator, q, lr=lr, state=optimizer.state[q]))
+                q.copy_(optimizer._regulated(group, regulator, q, lr, optimizer.state[q]))
     for p, s, old in zip(owned, stale, kept_state):  # whole-matrix state the step replaced
         state = optimizer.state[p]
         for key, value in (old or {}).items():

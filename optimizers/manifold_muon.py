@@ -38,10 +38,10 @@ import torch
 
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import fp32_or_fp64
-from geomuon.manifolds.linalg import POLAR_EXPRESS
+from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS
 
 from . import distributed as _distributed
-from .base import MatrixOptimizer, OffManifoldError
+from .base import MatrixOptimizer, OffManifoldError, require_number
 from .gram import DUALIZERS, SOLVERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
@@ -305,6 +305,14 @@ class ManifoldMuon(MatrixOptimizer):
         super()._validate_group(group, index)
         if group["update"] == "adamw":
             return
+        if group["msign_method"] not in MSIGN_METHODS:
+            raise ValueError(f"group {index}: msign_method must be one of {MSIGN_METHODS}, "
+                             f"got {group['msign_method']!r}")
+        if group["msign_steps"] is not None:
+            require_number(index, "msign_steps", group["msign_steps"], lambda x: x >= 1 and x == int(x),
+                           "an integer >= 1 (or None)")
+        require_number(index, "certify_every", group["certify_every"], lambda x: x >= 0 and x == int(x),
+                       "an integer >= 0 (0: never)")
         if group["norm"] not in NORMS:
             raise ValueError(f"group {index}: unknown norm {group['norm']!r}; choose one of {list(NORMS)}")
         if group["retraction"] not in _RETRACTIONS:
@@ -333,8 +341,7 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"group {index}: polish_rounds must be >= 0, got {group['polish_rounds']}")
         if int(group.get("certify_reference", 0)) < 0:
             raise ValueError(f"group {index}: certify_reference must be >= 0, got {group['certify_reference']}")
-        if float(group["dual_smoothing"]) < 0:
-            raise ValueError(f"group {index}: dual_smoothing must be >= 0, got {group['dual_smoothing']}")
+        require_number(index, "dual_smoothing", group["dual_smoothing"], lambda x: x >= 0, "a finite number >= 0")
         if float(group["dual_smoothing"]) and group["gram_dualizer"] == "polar_express":
             raise ValueError(f"group {index}: dual_smoothing needs gram_dualizer='eigh' (mu is read off the "
                              "eigenvalues of Z^T Z)")
@@ -375,6 +382,18 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"ManifoldMuon: parameter {name} is wide ({rows} x {cols}) on "
                              f"{type(manifold).__name__}, which does not step wide points transposed: "
                              "solver='projected' serves tall and square ones only; use solver='dual'")
+
+    def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
+        # the warm start lives in the retraction dtype (fp32 for bf16 weights): a bf16 copy
+        # changed a resumed run's next step by 5e-4
+        return fp32_or_fp64(p.dtype) if key == "dual_correction" else None
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        # a group added after the first step: its weights are checked at the next step, as
+        # the first step checks every weight (unchecked, an off-manifold weight was stepped
+        # to a norm of 5e9 in one step)
+        self._checked = False
 
     def _rebuild_derived_state(self) -> None:
         super()._rebuild_derived_state()
@@ -455,6 +474,14 @@ class ManifoldMuon(MatrixOptimizer):
         docstring), in the retraction dtype; ``M`` is the stacked momentum ``[B, *shape]``."""
         manifold = self._manifold_of(group, params[0])
         states = [self.state[p] for p in params]
+        warm_starts = [group["warm_start"] and "dual_correction" in s for s in states]
+        if any(warm_starts) and not all(warm_starts):
+            # a batch-mate's first step (or first gradient) beside warm-started matrices: each
+            # part steps as it would alone (a whole-batch stack had cold-started every matrix)
+            parts = [[i for i, w in enumerate(warm_starts) if w is flag] for flag in (True, False)]
+            points = torch.cat([self._direction(group, M[part], [params[i] for i in part]) for part in parts])
+            order = [i for part in parts for i in part]
+            return points[sorted(range(len(order)), key=order.__getitem__)]
         W = self._points(group, params)
         G = M.to(W.dtype)
         # A zero momentum matrix (a step the base class skipped: non-finite gradient) keeps
@@ -466,7 +493,7 @@ class ManifoldMuon(MatrixOptimizer):
         lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
         shrink = 1.0 - lr * float(group["weight_decay"]) if group["weight_decay"] else 1.0
         warm = None
-        if group["warm_start"] and all("dual_correction" in s for s in states):
+        if all(warm_starts):
             warm = torch.stack([s["dual_correction"] for s in states])
         every = int(group["certify_every"])
         certify = bool(every) and group["step_count"] % every == 0

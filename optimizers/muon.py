@@ -21,7 +21,7 @@ import torch
 
 from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign
 
-from .base import MatrixOptimizer
+from .base import MatrixOptimizer, require_number
 
 __all__ = ["Muon", "muon_shape_factor"]
 
@@ -111,6 +111,7 @@ class Muon(MatrixOptimizer):
         super()._validate_group(group, index)
         if group["update"] == "adamw":
             return
+        require_number(index, "eps", group["eps"], lambda x: x >= 0, "a finite number >= 0")
         if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
         if not 0 <= int(group["ns_steps"]) < 100:

@@ -72,11 +72,6 @@ class _MapOptimizer(MatrixOptimizer):
         )
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict, index: int) -> None:
-        super()._validate_group(group, index)
-        if group["update"] != "adamw" and not 0.0 <= group["momentum"] < 1.0:
-            raise ValueError(f"group {index}: momentum must be in [0, 1), got {group['momentum']}")
-
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
         return group["compute_dtype"] or p.dtype
 

@@ -93,6 +93,7 @@ __all__ = [
     "rms_spectral_norm",
     "REGULATORS",
     "unchecked_regulation",
+    "requires_matrices",
 ]
 
 
@@ -850,6 +851,14 @@ class Chain(Regulator, register=False):
         for regulator in self.regulators:
             W = unchecked_regulation(regulator, W, lr=lr, state=state)
         return W
+
+
+def requires_matrices(regulator: Callable | None) -> bool:
+    """Whether ``regulator`` refuses tensors below 2-D (every :class:`Regulator`, and a
+    :class:`Chain` holding one; a bare callable is the caller's to know)."""
+    if isinstance(regulator, Chain):
+        return any(requires_matrices(r) for r in regulator.regulators)
+    return isinstance(regulator, Regulator)
 
 
 def unchecked_regulation(regulator: Callable, W: torch.Tensor, *, lr: float, state: dict | None = None):

@@ -407,6 +407,32 @@ def test_a_matrix_step_does_not_depend_on_its_batch_mates(manifold, spread, solv
     assert not torch.equal(params[0].detach(), params[1].detach())
 
 
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
+def test_a_late_first_gradient_does_not_cold_start_its_warm_batch_mates(manifold, one_thread):
+    # A same-shape batch-mate whose first gradient comes at step 3: a whole-batch stack had
+    # cold-started every matrix of the batch (a warm start needs all of them), so the warm
+    # matrix's step depended on its mate. Each part now steps as it would alone, bitwise.
+    gen = torch.Generator().manual_seed(12)
+    W1, W2 = (manifold.random(16, 8, generator=gen).data for _ in range(2))
+    first = [torch.randn(16, 8, generator=gen) for _ in range(3)]
+    late = torch.randn(16, 8, generator=gen)
+
+    def run(with_mate, optimizer_class=WholeBatchManifoldMuon):
+        p1, p2 = torch.nn.Parameter(W1.clone()), torch.nn.Parameter(W2.clone())
+        opt = optimizer_class([{"params": [p1, p2] if with_mate else [p1], "manifold": manifold}], lr=0.05)
+        for k, g in enumerate(first):
+            p1.grad = g.clone()
+            p2.grad = late.clone() if with_mate and k == 2 else None
+            opt.step()
+        return p1.detach(), p2.detach()
+
+    alone, _ = run(False)
+    together, mate = run(True)
+    assert torch.equal(alone, together)
+    assert torch.equal(mate, run(True, ManifoldMuon)[1])  # the mate's own cold first step, as on the CPU default
+    assert not torch.equal(mate, W2)
+
+
 def test_the_sync_guard_catches_a_read_back(no_host_reads):
     # negative control of the guard itself: each of these is a host read
     x = torch.ones(2)

@@ -238,6 +238,23 @@ def test_adamw_path_matches_torch_adamw():
     assert ours.param_groups[1]["eps"] == 1e-8 and ours.param_groups[1]["betas"] == (0.9, 0.999)
 
 
+def test_adamw_path_matches_torch_adamw_to_float64_round_off():
+    # The bias corrections from the step count tensor: 1 - beta^t in fp32 had cancelled to 5
+    # digits (the first update 0.9999933 where torch.optim.AdamW's is 1). In float64 the
+    # two updates now agree to float64 round-off of a few dozen flops: 1e-13 relative.
+    gen = torch.Generator().manual_seed(7)
+    ours_p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    ref_p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    ours = Muon([{"params": [ours_p], "update": "adamw", "lr": 1.0, "weight_decay": 0.0, "eps": 0.0}])
+    ref = torch.optim.AdamW([ref_p], lr=1.0, weight_decay=0.0, eps=0.0)
+    for _ in range(5):
+        g = torch.randn(5, generator=gen, dtype=torch.float64)
+        ours_p.grad, ref_p.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        assert torch.allclose(ours_p, ref_p, rtol=1e-13, atol=0), (ours_p - ref_p).abs().max()
+
+
 def test_manifold_check_detects_a_point_off_its_manifold(no_host_reads):
     model = _model("ManifoldMuon-stiefel")
     opt = ManifoldMuon([{"params": [("a", model.a), ("c", model.c)]}], manifold="stiefel")
@@ -262,6 +279,27 @@ def test_manifold_check_detects_a_point_off_its_manifold(no_host_reads):
     opt.step()
 
 
+def test_a_group_added_after_the_first_step_is_checked_on_its_manifold():
+    # The first step checks every weight; a group added later was stepped unchecked (an
+    # off-Stiefel weight went to norm 5e9 in one step). Control: one on its manifold steps.
+    gen = torch.Generator().manual_seed(2)
+    a = torch.nn.Parameter(Stiefel().random(16, 8, generator=gen).data)
+    opt = ManifoldMuon([("a", a)], manifold="stiefel", lr=0.05)
+    a.grad = torch.randn(16, 8, generator=gen)
+    opt.step()
+    on = torch.nn.Parameter(Stiefel().random(16, 8, generator=gen).data)
+    opt.add_param_group({"params": [("on", on)], "manifold": "stiefel"})
+    on.grad, a.grad = torch.randn(16, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    opt.step()
+    off = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+    opt.add_param_group({"params": [("off", off)], "manifold": "stiefel"})
+    off.grad = torch.randn(16, 8, generator=gen)
+    before = off.detach().clone()
+    with pytest.raises(OffManifoldError, match="'off'"):
+        opt.step()
+    assert torch.equal(off.detach(), before)
+
+
 def test_group_validation_messages():
     p = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError, match="nonfinite"):
@@ -276,6 +314,43 @@ def test_group_validation_messages():
         ManifoldMuon([p], manifold=object())
     with pytest.raises(ValueError, match="unknown norm"):
         ManifoldMuon([p], manifold="stiefel", norm="frobenius")
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("make, option", [
+    (lambda p: Muon([{"params": [p], "momentum": _NAN}]), "momentum"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", momentum=1.5), "momentum"),
+    (lambda p: Muon([p], eps=_NAN), "eps"),
+    (lambda p: Muon([p], lr=_INF), "lr"),
+    (lambda p: Muon([{"params": [p], "weight_decay": _INF}]), "weight_decay"),
+    (lambda p: Muon([p], compute_dtype="bfloat16"), "compute_dtype"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", compute_dtype="bfloat16"), "compute_dtype"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", msign_method="polar"), "msign_method"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", msign_steps=0), "msign_steps"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", dual_smoothing=_NAN), "dual_smoothing"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", dual_smoothing=_INF), "dual_smoothing"),
+    (lambda p: ManifoldMuon([p], manifold="stiefel", certify_every=-1), "certify_every"),
+    (lambda p: Muon([{"params": [p], "update": "adamw", "betas": 0.9}]), "betas"),
+    (lambda p: Muon([{"params": [p], "update": "adamw", "betas": (_NAN, 0.9)}]), r"betas\[0\]"),
+    (lambda p: Muon([{"params": [p], "update": "adamw", "betas": (0.9, 1.5)}]), r"betas\[1\]"),
+    (lambda p: Muon([{"params": [p], "update": "adamw", "eps": _NAN}]), "eps"),
+])
+def test_bad_options_are_refused_at_construction_by_name(make, option):
+    # each had been accepted: then NaN weights, a silent no-op step, or an error inside the
+    # step after other groups had moved. Control: the same constructors with sound values.
+    p = torch.nn.Parameter(Stiefel().random(8, 4).data)
+    with pytest.raises(ValueError, match=rf"group 0: {option} must be"):
+        make(p)
+
+
+def test_sound_options_are_accepted():
+    p = torch.nn.Parameter(Stiefel().random(8, 4).data)
+    Muon([{"params": [p], "momentum": 0.9, "eps": 1e-7, "weight_decay": 0.0}], compute_dtype=None)
+    ManifoldMuon([p], manifold="stiefel", momentum=0.0, msign_method="svd", msign_steps=None, dual_smoothing=0.1,
+                 certify_every=5, compute_dtype=torch.float32)
+    Muon([{"params": [p], "update": "adamw", "betas": [0.0, 0.99], "eps": 0.0}])
 
 
 @pytest.mark.parametrize("name", FACTORIES)

@@ -502,6 +502,30 @@ def test_unregulated_muon_exceeds_w_max():
     assert max(muon_run(1.0, None, steps=200)) > 1.5
 
 
+def test_a_flattened_kernel_is_regulated_as_the_matrix_it_is_stepped_as():
+    # matrix_view="flatten" steps a conv kernel [8, 4, 3, 3] as its [8, 36] matrix; the
+    # regulator must bound that matrix (it had capped the 32 [3, 3] slices instead, leaving
+    # the stepped matrix at 6.7 with w_max = 1). spectral_normalize divides by its power
+    # iteration's lower bound on the norm: at most w_max up to the 1e-3 the 500-step runs
+    # above allow, and the cap binds (the kernel starts at 6.7).
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 4, 3, 3, generator=gen) * 3)
+    opt = Muon([p], lr=0.02, matrix_view="flatten", regulate={"name": "spectral_normalize", "w_max": 1.0})
+    for _ in range(3):
+        p.grad = torch.randn(8, 4, 3, 3, generator=gen)
+        opt.step()
+    assert 0.9 < rms_spectral_norm(p.detach().reshape(8, -1)).item() <= 1 + 1e-3
+
+
+def test_a_regulator_on_a_group_of_vectors_is_refused_at_construction():
+    # an optimizer-wide regulate= reaches an AdamW group of biases; it raised from the
+    # regulator in the step, after the other groups had moved
+    W, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8))
+    with pytest.raises(ValueError, match=r"parameter #0 of param group 1 has shape \(8,\).*set regulate=None"):
+        Muon([{"params": [W]}, {"params": [b], "update": "adamw"}], regulate="spectral_normalize")
+    Muon([{"params": [W]}, {"params": [b], "update": "adamw", "regulate": None}], regulate="spectral_normalize")
+
+
 # ----------------------------------------------------------------------------- no host reads
 
 

@@ -87,7 +87,7 @@ def _gradients(params, step):
     # Deterministic gradients that depend on the weights and on the step.
     for index, p in enumerate(params):
         noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + index))
-        p.grad = 0.3 * p.detach() + noise
+        p.grad = 0.3 * p.detach() + noise.to(p.dtype)
 
 
 def _clone(params):
@@ -165,6 +165,20 @@ def test_manifold_muon_resumes_bit_for_bit(label, factory, shapes):
         assert all("dual_correction" in s for s in states)
     if regulate is not None:  # the power-iteration regulator keeps its warm-start block
         assert all(len(s) > 2 for s in states)
+
+
+@pytest.mark.parametrize("factory", [Stiefel, DGram], ids=["stiefel", "dgram"])
+def test_bf16_weights_resume_bit_for_bit_with_their_fp32_warm_start(factory):
+    # The warm start lives in fp32 for bf16 weights; torch's load_state_dict casts state to
+    # the parameter's dtype, which had rounded it to bf16 (the resumed run's next step then
+    # differed by 5e-4). The check also asserts the loaded entry's dtype.
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params(factory(), [(8, 4), (8, 4)], seed=3)]
+
+    def make(ps):
+        return ManifoldMuon(ps, manifold=factory(), lr=0.05, warm_start=True, dual_steps=1)
+
+    optimizer = _check_resume(make, params)
+    assert all(optimizer.state[p]["dual_correction"].dtype == torch.float32 for p in optimizer.param_groups[0]["params"])
 
 
 def test_two_instances_of_a_user_manifold_in_one_optimizer_resume():
