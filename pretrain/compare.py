@@ -86,6 +86,10 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     holding an earlier comparison is refused unless ``--resume`` (finished runs are read
     back, the interrupted one continues, the others start) or ``--overwrite``."""
     base.validate(named_strategy=False)  # the strategy is each run's
+    for option, values in (("--strategies", strategies), ("--seeds", seeds)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # the second run of a pair would find the first one's folder after it trained
+            raise ValueError(f"{option} lists {', '.join(twice)} more than once; give each once")
     root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
     if base.resume and not os.path.isdir(root):
         raise ValueError(f"--resume: there is no comparison in {root!r} to continue")

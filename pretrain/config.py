@@ -37,7 +37,7 @@ import torch
 
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
-from geomuon.pretrain.model import CONFIGS, GPTConfig
+from geomuon.pretrain.model import CONFIGS, GPTConfig, get_config
 from geomuon.theory.lipschitz import DEFAULT_METHOD, METHODS
 
 #: TrainConfig fields that set a GPTConfig field through their own option.
@@ -193,6 +193,17 @@ class TrainConfig:
                                     f"choose from {sorted(known)}")
                 elif key in MODEL_OPTIONS and getattr(self, key) is not None:
                     problems.append(f"{key} is set by both --{key.replace('_', '-')} and --model-overrides; keep one")
+            character_level = isinstance(self.data, str) and not self.data.startswith("tokens:")
+            if "vocab_size" in self.model_overrides and character_level:
+                problems.append(f"--model-overrides sets vocab_size, which the character-level --data "
+                                f"{self.data!r} sets itself; leave it out")
+            elif not problems and self.model in CONFIGS:  # the model's own checks, before the data is read
+                options = {name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None}
+                try:
+                    get_config(self.model, **{**self.model_overrides, **options})
+                except (TypeError, ValueError) as err:
+                    problems.append(f"--config {self.model} with --model-overrides "
+                                    f"{json.dumps(self.model_overrides)}: {err}")
         if self.out_dir is None and (self.resume or self.overwrite):
             problems.append("--resume/--overwrite need an --out-dir holding the run (out_dir is None)")
         if self.resume and self.overwrite:

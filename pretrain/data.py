@@ -100,6 +100,8 @@ def embedded_corpus() -> str:
 
 def read_text(path: str, expected_sha256: str | None = None) -> str:
     """Read a UTF-8 text corpus, checking its sha256 when given; errors name the file."""
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path!r} is a folder; give a text file (a folder of token shards is tokens:DIR)")
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist")
     raw = open(path, "rb").read()
@@ -165,6 +167,8 @@ def read_shard(path: str, vocab_size: int = 50304) -> np.ndarray:
                 f"the file is truncated or not a nanoGPT .bin (llm.c shards start with int32 "
                 f"{LLMC_MAGIC}, this one starts with {int(first[0]) if len(first) else 'nothing'})"
             )
+        if size == 0:  # np.memmap cannot map an empty file (its error names none)
+            raise ValueError(f"token shard {path!r} holds no tokens (the file is empty); re-create it")
         tokens = np.memmap(path, dtype="<u2", mode="r")
     if len(tokens) == 0:
         raise ValueError(f"token shard {path!r} holds no tokens")

@@ -25,11 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def _of_kind(value, kind: str) -> bool:
+    """Whether ``value`` is of the dataclass field type ``kind`` (``"int"``, ``"float"``,
+    ``"bool"``, ``"str"``; an int is a float, a bool is no number)."""
+    if isinstance(value, bool):
+        return kind == "bool"
+    return isinstance(value, {"int": int, "float": (int, float), "bool": bool, "str": str}[kind])
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,17 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        problems = []
+        problems = [f"{f.name}={getattr(self, f.name)!r} must be {f.type}" for f in fields(self)
+                    if not _of_kind(getattr(self, f.name), f.type)]
+        if problems:  # the checks below compare values: a field of another type had crashed them
+            raise ValueError("GPTConfig: " + "; ".join(problems))
+        for name, least in (("mlp_hidden", 0), ("n_experts", 0)):
+            if getattr(self, name) < least:
+                problems.append(f"{name}={getattr(self, name)} must be >= {least}")
+        if not (math.isfinite(self.moe_aux_weight) and self.moe_aux_weight >= 0):
+            problems.append(f"moe_aux_weight={self.moe_aux_weight} must be a finite number >= 0")
+        if not (math.isfinite(self.init_std) and self.init_std > 0):
+            problems.append(f"init_std={self.init_std} must be a finite number > 0")
         if self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if self.mlp not in ("gelu", "swiglu"):

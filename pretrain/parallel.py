@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -300,6 +301,19 @@ def save_distributed(folder: str, model, assignment, record: dict, owned=None) -
     _barrier(together)
 
 
+def load_checked(path: str):
+    """``torch.load(path, weights_only=True)`` on the CPU, after checking every entry of the zip
+    archive ``torch.save`` wrote against its CRC-32: ``torch.load`` does not, and flipped bytes
+    inside a tensor had loaded as weights (a resumed run then diverged). Raises ``ValueError``
+    naming the damaged entry; a file that is no zip archive is left to ``torch.load``'s errors."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise ValueError(f"its entry {damaged!r} fails its CRC check (damaged bytes)")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def read_record(folder: str) -> dict:
     """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
     naming the folder when it is not a complete geomuon distributed checkpoint."""
@@ -311,7 +325,7 @@ def read_record(folder: str) -> dict:
         problem = f"has no {RUN_RECORD}"
     else:
         try:
-            record = torch.load(path, map_location="cpu", weights_only=True)
+            record = load_checked(path)
         except Exception as err:  # torch raises several types for a damaged zip archive
             problem = f"has an unreadable {RUN_RECORD} ({str(err).split('. ')[0]})"
         else:

@@ -85,13 +85,19 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+try:
+    import fcntl
+except ImportError:  # Windows: run folders are not locked
+    fcntl = None
+
 from geomuon.manifolds.linalg import power_iteration
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import whole
 from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
-from geomuon.pretrain.parallel import dcp_folder, dcp_folders, load_distributed, read_record, save_distributed
+from geomuon.pretrain.parallel import (dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
+                                      save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
 
 
@@ -209,7 +215,13 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
     if cfg.out_dir is None:
         return None
     label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.strategy)
-    path = cfg.out_dir.format(strategy=label, time=time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    try:
+        path = cfg.out_dir.format(strategy=label, time=time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"--out-dir {cfg.out_dir!r} is not a folder template ({type(err).__name__}: {err}): its "
+                         "fields are {strategy} and {time}; write a literal brace as {{ or }}") from None
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out-dir {path!r} is a file, not a folder; choose another --out-dir")
     if path != cfg.out_dir:  # a template: every run gets its own folder
         base, n = path, 1
         while os.path.exists(path):
@@ -223,6 +235,57 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
             f"replace it with --overwrite, or leave --out-dir out for a fresh folder"
         )
     return path
+
+
+#: The lock a run holds on its folder while it runs (:class:`RunFolderClaim`).
+LOCK_FILE = ".lock"
+
+
+class RunFolderClaim:
+    """An exclusive lock on a run folder for the run's lifetime: ``fcntl.flock`` on
+    ``<folder>/.lock``, which the operating system drops when the process ends, killed or
+    not. Two runs started at once into one folder had both passed the checks (no run files
+    yet) and then written into each other's checkpoints and log; now the second is refused
+    before it loads its data. Where ``fcntl`` is missing (Windows) nothing is locked. A
+    folder the claim created and no run wrote to is removed again by :meth:`release`."""
+
+    def __init__(self, path: str):
+        self.path, self.created = path, not os.path.exists(path)
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.file = open(os.path.join(path, LOCK_FILE), "a")
+        except OSError as err:
+            raise ValueError(f"--out-dir {path!r} cannot be written ({err.strerror}); "
+                             "choose another --out-dir") from None
+        try:
+            if fcntl is not None:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise ValueError(f"--out-dir {path!r} is in use by another run (it holds {LOCK_FILE!r}); wait for it to "
+                             "finish or choose another --out-dir") from None
+
+    def release(self) -> None:
+        self.file.close()
+        with contextlib.suppress(OSError):  # the folder may be gone: nothing to tidy then
+            if self.created and os.listdir(self.path) == [LOCK_FILE]:  # nothing was written: leave no folder
+                os.remove(os.path.join(self.path, LOCK_FILE))
+                os.rmdir(self.path)
+
+
+def claim_out_dir(cfg: TrainConfig) -> tuple[str | None, RunFolderClaim | None]:
+    """:func:`resolve_out_dir`, then the folder's :class:`RunFolderClaim`; a templated name that
+    another run claimed between the two is resolved again (it then exists: the next suffix)."""
+    for _ in range(100):
+        path = resolve_out_dir(cfg)
+        if path is None:
+            return None, None
+        try:
+            return path, RunFolderClaim(path)
+        except ValueError:
+            if path == cfg.out_dir or not os.path.isdir(path):
+                raise
+    raise ValueError(f"--out-dir {cfg.out_dir!r}: no free folder among its first 100 names")
 
 
 def _prepare_out_dir(path: str, overwrite: bool) -> None:
@@ -263,7 +326,7 @@ def previous_checkpoint(path: str) -> str:
 
 
 def _read_checkpoint(path: str) -> dict:
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = load_checked(path)
     if not isinstance(payload, dict) or "model" not in payload:
         raise ValueError("not a geomuon checkpoint")
     return payload
@@ -278,13 +341,19 @@ def load_checkpoint(path: str) -> dict:
     """Read a checkpoint; an unreadable one raises ``ValueError`` naming the file and what
     to do: move the previous checkpoint over it when that one loads (it is read to be
     sure), or start again when neither does."""
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {path!r} does not exist; start without --resume")
-    try:
-        return _read_checkpoint(path)
-    except Exception as err:  # torch raises several types for a damaged zip archive
-        problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})"
     prev = previous_checkpoint(path)
+    if not os.path.isfile(path):
+        problem = f"checkpoint {path!r} does not exist"
+        if not os.path.isfile(prev):
+            if run_files(os.path.dirname(path) or "."):  # a log and no checkpoint: killed before its first
+                raise ValueError(f"{problem}: the run in its folder stopped before its first checkpoint; start "
+                                 "it again with --overwrite")
+            raise ValueError(f"{problem}; start without --resume")
+    else:
+        try:
+            return _read_checkpoint(path)
+        except Exception as err:  # torch raises several types for a damaged zip archive
+            problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})"
     if not os.path.isfile(prev):
         raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
     try:
@@ -314,7 +383,12 @@ def distributed_record(folder: str) -> dict:
     try:
         return read_record(folder)
     except ValueError as err:
-        problem = str(err)
+        _with_previous_checkpoint(folder, str(err))
+
+
+def _with_previous_checkpoint(folder: str, problem: str):
+    """Raise ``ValueError(problem)`` about the distributed checkpoint ``folder`` with what to do:
+    resume from the previous folder when that one is complete, or start again."""
     older = [(step, path) for step, path in dcp_folders(os.path.dirname(folder)) if path != folder]
     if not older:
         raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
@@ -533,7 +607,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
     Args:
         cfg: the run (``cfg.validate()`` is called first, then its folder is resolved
             and checked by :func:`resolve_out_dir`: nothing is trained into a folder
-            holding another run).
+            holding another run; and locked for the run by :class:`RunFolderClaim`: nor
+            into one another run is writing to).
         data: the token data (default: ``load_data(cfg.data)``).
         build_assignment: ``f(model, hyper) -> Assignment`` building the optimizers of the
             freshly initialised ``model`` from the :class:`geomuon.optimizers.assign.Hyper` made of
@@ -555,8 +630,12 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
     """
     cfg.validate(named_strategy=build_assignment is None)
     ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", cfg.parallel)
+    claim = None
     try:
-        outcome = ddp.from_main(_outcome(resolve_out_dir, cfg) if ddp.main else None)
+        outcome = _outcome(claim_out_dir, cfg) if ddp.main else None
+        if isinstance(outcome, tuple):
+            outcome, claim = outcome
+        outcome = ddp.from_main(outcome)
         if isinstance(outcome, ValueError):
             raise outcome
         cfg = replace(cfg, out_dir=outcome)
@@ -569,6 +648,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         ddp.barrier()
         return result
     finally:
+        if claim is not None:
+            claim.release()
         ddp.close()
 
 
@@ -685,7 +766,10 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
 
     parallel = parallelize(model, assignment, cfg, ddp)
     if on_disk and cfg.resume and os.path.isdir(resume_from):
-        load_distributed(resume_from, model, assignment, parallel.owned)
+        try:
+            load_distributed(resume_from, model, assignment, parallel.owned)
+        except ValueError as err:  # damaged tensor files: the previous folder may be complete
+            _with_previous_checkpoint(resume_from, str(err))
     whole_model = parallel.full_model or (lambda: model)
     train_model = torch.compile(parallel.module) if cfg.compile else parallel.module
     use_bf16 = device.type == "cuda"
@@ -824,7 +908,7 @@ def _global_mean(loss: torch.Tensor, ddp: Distributed) -> torch.Tensor:
 
 _RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "grad_accum", "block_size", "n_layer",
                  "n_head", "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps",
-                 "min_lr_ratio", "seed")
+                 "min_lr_ratio", "grad_clip", "dual_steps", "direction_dtype", "w_max", "seed")
 
 
 def _check_same_run(saved: dict, cfg: TrainConfig) -> None:

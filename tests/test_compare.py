@@ -55,7 +55,9 @@ def test_results_table_columns():
 
 
 @pytest.mark.parametrize("option, value", [("--seeds", ""), ("--seeds", "-1"), ("--strategies", ""),
-                                           ("--divergence-margin", "-0.5"), ("--divergence-margin", "nan")])
+                                           ("--divergence-margin", "-0.5"), ("--divergence-margin", "nan"),
+                                           # twice: refused only after the first run had trained
+                                           ("--seeds", "0,0"), ("--strategies", "adamw,hetero,adamw")])
 def test_compare_rejects_bad_options_before_running(tmp_path, capsys, option, value):
     assert cli(["compare", option, value, "--out-dir", str(tmp_path / "c")]) == 2
     assert option in capsys.readouterr().err

@@ -83,6 +83,9 @@ def test_malformed_shards_name_the_file_and_the_problem(tmp_path):
         shard_data(str(only_train))
     with pytest.raises(ValueError, match="does not exist"):
         read_shard(str(tmp_path / "missing.bin"))
+    open(path, "wb").close()  # empty: numpy's "cannot mmap an empty file" had named no file
+    with pytest.raises(ValueError, match=r"s\.bin' holds no tokens \(the file is empty\)"):
+        read_shard(str(path))
 
 
 def test_corpus_shorter_than_context_is_an_error(tmp_path):
@@ -94,6 +97,9 @@ def test_corpus_shorter_than_context_is_an_error(tmp_path):
         data.check_context(64)
     with pytest.raises(ValueError, match="unknown data spec"):
         load_data("webtext")
+    # a folder given as a text file had been reported as missing
+    with pytest.raises(ValueError, match=r"is a folder; give a text file"):
+        load_data(f"text:{tmp_path}")
 
 
 def test_batches_depend_only_on_seed_and_step():

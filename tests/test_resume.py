@@ -5,9 +5,11 @@ import os
 import re
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 import torch
@@ -73,6 +75,50 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
     train(config(tmp_path / "a", steps=8, stop_after=3))  # writes a checkpoint at step 3
     with pytest.raises(ValueError, match=r"--resume with a different run configuration \(strategy"):
         train(config(tmp_path / "a", steps=8, strategy="all_stiefel", resume=True))
+    # options that change the run from the next step on (they had been taken, or ignored
+    # while the checkpoint recorded them for the whole run)
+    for option, value in (("grad_clip", 0.01), ("dual_steps", 0), ("direction_dtype", "fp32"), ("w_max", 3.0)):
+        with pytest.raises(ValueError, match=rf"different run configuration \({option}: "):
+            train(config(tmp_path / "a", steps=8, resume=True, **{option: value}))
+
+
+def test_a_missing_checkpoint_says_what_to_do_with_the_folder(tmp_path):
+    # a run killed before its first checkpoint leaves a log: --resume had said "start without
+    # --resume", and without it the folder "already holds a run": only --overwrite works
+    (tmp_path / "log.jsonl").write_text("{}\n")
+    path = str(tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="stopped before its first checkpoint; start it again with --overwrite"):
+        load_checkpoint(path)
+    save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "step": 4})
+    save_checkpoint(path, {"model": {"w": torch.ones(3)}, "step": 8})
+    os.remove(path)  # the newest lost, the previous one kept: it is named
+    with pytest.raises(ValueError, match=r"does not exist; the previous checkpoint .*\(step 4\) loads: move it over"):
+        load_checkpoint(path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="does not exist; start without --resume"):
+        load_checkpoint(str(empty / "ckpt.pt"))
+
+
+def test_flipped_bytes_inside_a_checkpoint_are_reported_by_its_crc(tmp_path):
+    # a tensor's bytes changed in place: the zip archive stays readable and torch.load took
+    # the damaged weights; every entry's CRC-32 is checked first
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {"w": torch.arange(1000.0)}, "step": 1})
+    save_checkpoint(path, {"model": {"w": torch.arange(1000.0) * 2}, "step": 2})
+    with zipfile.ZipFile(path) as archive:  # the tensor's entry: the largest (stored, not compressed)
+        entry = max(archive.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(entry.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(entry.header_offset + 30 + name_length + extra_length + 100)  # into the tensor's bytes
+        word = f.read(4)
+        f.seek(-4, os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in word))
+    assert torch.load(path, weights_only=True)["step"] == 2  # the damage torch.load does not see
+    with pytest.raises(ValueError, match=rf"'{path}' is truncated or corrupt \(its entry '.*' fails its CRC check.*"
+                                         r"\(step 1\) loads"):
+        load_checkpoint(path)
 
 
 # ----------------------------------------------------------------------------- interrupts

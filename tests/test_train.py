@@ -12,7 +12,7 @@ from geomuon.optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, 
 from geomuon.pretrain.data import load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.config import TrainConfig
-from geomuon.pretrain.train import _check_same_run, accumulate_gradients, lr_factor, owners, train
+from geomuon.pretrain.train import RunFolderClaim, _check_same_run, accumulate_gradients, lr_factor, owners, train
 
 
 def tiny(tmp_path, **overrides):
@@ -156,6 +156,17 @@ def test_model_overrides_reach_the_model_and_are_checked(tmp_path):
         train(tiny(tmp_path, out_dir=None, resume=True))
     with pytest.raises(ValueError, match=r"--final-eval-batches must be ≥ 1"):
         train(tiny(tmp_path, final_eval_batches=0))
+    # values, before the data is read (a missing file would be reported first otherwise):
+    # each had been a traceback, a crash mid-run or silently accepted
+    for overrides, message in (({"rope": "yes"}, "rope='yes' must be bool"), ({"mlp_hidden": -5}, "mlp_hidden=-5 must be >= 0"),
+                               ({"init_std": "x"}, "init_std='x' must be float"),
+                               ({"init_std": -1.0}, "init_std=-1.0 must be a finite number > 0"),
+                               ({"moe_aux_weight": "x", "n_experts": 2}, "moe_aux_weight='x' must be float"),
+                               ({"vocab_size": 300}, "sets vocab_size, which the character-level --data")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train(tiny(tmp_path, data="text:/nonexistent/x.txt", model_overrides=overrides))
+    with pytest.raises(ValueError, match=r"--config cpu-lipschitz with --model-overrides .*needs rope=True"):
+        train(tiny(tmp_path, model="cpu-lipschitz", data="text:/nonexistent/x.txt", model_overrides={"rope": False}))
     assert not (tmp_path / "run").exists()
 
 
@@ -301,6 +312,38 @@ def test_a_second_run_never_overwrites_the_first(tmp_path, monkeypatch, capsys):
     assert torch.load(os.path.join(named, "ckpt.pt"), weights_only=False)["step"] == 8
     prev = torch.load(os.path.join(named, "ckpt.prev.pt"), weights_only=False)
     assert prev["config"]["steps"] == 8  # the new run's (step 4), not the replaced run's
+
+
+def test_a_folder_in_use_by_a_running_run_is_refused(tmp_path, monkeypatch, capsys):
+    # Two runs started at once into one folder had both passed the checks (no run files yet)
+    # and then written into each other's checkpoints. A run holds a lock on its folder.
+    named = str(tmp_path / "busy")
+    running = RunFolderClaim(named)  # what a run holds while it trains (another process's lock alike)
+    assert cli([*PRETRAIN, "--out-dir", named]) == 2
+    assert "is in use by another run" in capsys.readouterr().err
+    assert os.listdir(named) == [".lock"]  # nothing was written
+    running.release()
+    assert not os.path.exists(named)  # the claim created it and no run wrote to it
+    assert cli([*PRETRAIN, "--out-dir", named]) == 0  # control: free again
+    # a templated name taken at the same second by a running run gets the next suffix
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt, t=None: "20261205-120000")
+    first = RunFolderClaim(os.path.join("runs", "adamw-20261205-120000"))
+    assert cli(PRETRAIN) == 0
+    assert sorted(os.listdir("runs")) == ["adamw-20261205-120000", "adamw-20261205-120000-2"]
+    first.release()
+
+
+@pytest.mark.parametrize("out_dir, message", [("x/{seed}", "not a folder template"), ("x/run{}", "not a folder template"),
+                                              ("x/a{b", "not a folder template"), ("afile", "is a file, not a folder"),
+                                              ("afile/run", "cannot be written")])
+def test_bad_out_dirs_are_refused_by_name(tmp_path, monkeypatch, capsys, out_dir, message):
+    monkeypatch.chdir(tmp_path)
+    open("afile", "w").close()
+    # each had been a raw KeyError/IndexError/OSError traceback, the last ones after the data loaded
+    assert cli([*PRETRAIN, "--out-dir", out_dir]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"geomuon pretrain: --out-dir {out_dir!r}") and message in err, err
 
 
 def test_done_line_says_where_its_val_loss_was_measured(tmp_path, capsys):
