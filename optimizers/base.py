@@ -465,9 +465,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
         else:
             grad = params[0].grad  # one sanitized copy at a time, in one buffer (a batch shares shape and dtype)
             clean = self._temporary("gradient", grad.shape, grad.dtype, grad.device)
-            for out, p, b, r in zip(stacked, params, bufs, keep.to(bufs[0].dtype) * (1 - momentum)):
+            # lerp rounds a tensor weight to its input's dtype: exact for fp32 and fp64, but in bf16
+            # 1 - mu = 0.05 became 0.05005 (torch's float weight is not rounded); there the skipped
+            # matrix's G' is its B instead (a 0/1 lerp, exact), and the weight a float
+            exact = bufs[0].dtype in (torch.float32, torch.float64)
+            for out, p, b, k in zip(stacked, params, bufs, keep.to(bufs[0].dtype)):
                 g = torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0, out=clean)
-                b.lerp_(g, r)
+                if exact:
+                    b.lerp_(g, k * (1 - momentum))
+                else:
+                    b.lerp_(g.lerp_(b, 1 - k), 1 - momentum)
                 # the Nesterov lerp in place, then one rounding copy (a mixed-dtype lerp is ~2x slower)
                 out.copy_((g.lerp_(b, momentum) if group["nesterov"] else b).reshape(shape))
         if keep is not None:  # a skipped matrix's momentum is exactly zero (G' and B are finite)

@@ -285,8 +285,14 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
         _apply_shards(optimizer, group, params, [u.reshape(m.shape) for u, m in zip(update, local_momentum)], lr)
         return
 
-    first = next(i for i, q in enumerate(p for g in optimizer.param_groups for p in g["params"]) if q is params[0])
-    owner = [(first + i) % world for i in range(len(params))]
+    # a matrix's owner is fixed by its place in its whole batch (the group's parameters of its
+    # batch key), not in this step's: a batch-mate dropped for a non-finite gradient had moved
+    # the matrices after it to other ranks, away from their warm starts and step counts
+    key = optimizer._batch_key(group, params[0])
+    batch = [q for q in group["params"] if optimizer._batch_key(group, q) == key]
+    first = next(i for i, q in enumerate(q for g in optimizer.param_groups for q in g["params"]) if q is batch[0])
+    place = {id(q): i for i, q in enumerate(batch)}
+    owner = [(first + place[id(p)]) % world for p in params]
     optimizer.__dict__.setdefault("_matrix_owners", {}).update((id(p), o) for p, o in zip(params, owner))
     mine = [i for i, o in enumerate(owner) if o == rank]
     tail = tuple(params[0].shape[1:])

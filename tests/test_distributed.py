@@ -481,3 +481,74 @@ def test_benchmark_reports_per_rank_work_and_bytes(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+_SKIP_WORKER = """
+import sys, warnings
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from geomuon.optimizers import ManifoldMuon
+from geomuon.optimizers.distributed import matrix_owner
+sys.path.insert(0, sys.argv[2])
+from skip_case import GRADIENTS, POINTS
+warnings.simplefilter("ignore")
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in POINTS]
+opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", compute_dtype=None)
+owners = []
+for gradients in GRADIENTS:
+    for p, g in zip(params, gradients):
+        p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+    opt.step()
+    owners.append([matrix_owner(opt, p) for p in params])
+weights = [p.detach().full_tensor() for p in params]
+if dist.get_rank() == 0:
+    torch.save({"weights": weights, "owners": owners}, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+_SKIP_CASE = """
+import torch
+from geomuon.manifolds import Stiefel
+gen = torch.Generator().manual_seed(1)
+POINTS = [Stiefel().projx(torch.randn(8, 4, generator=gen, dtype=torch.float64)) for _ in range(3)]
+GRADIENTS = [[torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(3)] for _ in range(4)]
+GRADIENTS[1][1][0, 0] = float("inf")  # step 2: the middle matrix of the batch is skipped
+"""
+
+
+def test_a_skipped_matrix_leaves_its_batch_mates_on_their_owners(tmp_path):
+    # A matrix dropped for a non-finite gradient had shifted the owners of the matrices after
+    # it (owners [0, 1, 0] -> [0, 1, 1]), stranding their warm starts and step counts on the
+    # old owner: matrix 2 ended 2.8e-3 from the one-process weights. Owners now follow the
+    # whole batch. Float64 and the same whole gradients on both sides: bitwise.
+    (tmp_path / "skip_case.py").write_text(_SKIP_CASE)
+    (tmp_path / "worker.py").write_text(_SKIP_WORKER)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS="1")
+    out = str(tmp_path / "sharded.pt")
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), out, str(tmp_path)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    sharded = torch.load(out)
+    assert all(owners == sharded["owners"][0] for owners in sharded["owners"]), sharded["owners"]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from skip_case import GRADIENTS, POINTS
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("skip_case", None)
+    params = [torch.nn.Parameter(w.clone()) for w in POINTS]
+    opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", compute_dtype=None)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        for gradients in GRADIENTS:
+            for p, g in zip(params, gradients):
+                p.grad = g.clone()
+            opt.step()
+    for p, w in zip(params, sharded["weights"]):
+        assert torch.equal(p.detach(), w)

@@ -51,6 +51,30 @@ def test_matches_torch_muon_within_bf16_roundoff_when_we_compute_in_fp32():
     assert difference > 0  # the two dtypes really differ (the check is not vacuous)
 
 
+def test_bf16_momentum_is_torch_lerp_with_a_float_weight():
+    # The momentum B <- lerp(B, G, 1 - mu) of a bf16 parameter, bitwise torch.optim.Muon's
+    # buf.lerp_(grad, 1 - mu): a tensor weight is rounded to bf16 (0.05 -> 0.05005; the
+    # sharded path's float weight is not), which had moved 17 of 40 entries in 20 steps. A
+    # skipped (non-finite) step leaves the buffer bitwise. Control: the tensor weight differs.
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 8, generator=gen).bfloat16())
+    opt = Muon([p], lr=0.02, momentum=0.95)
+    reference = torch.zeros(5, 8, dtype=torch.bfloat16)
+    rounded = reference.clone()
+    with pytest.warns(RuntimeWarning, match="non-finite"):  # the skip, reported at the next step
+        for step in range(20):
+            g = torch.randn(5, 8, generator=gen).bfloat16()
+            p.grad = g.clone()
+            if step == 10:
+                p.grad[0, 0] = float("nan")  # skipped: nothing moves
+            opt.step()
+            if step != 10:
+                reference.lerp_(g, 1 - 0.95)
+                rounded.lerp_(g, torch.tensor(1 - 0.95))
+    assert torch.equal(opt.state[p]["momentum_buffer"], reference)
+    assert not torch.equal(rounded, reference)
+
+
 @pytest.mark.parametrize("optim_input", optim_inputs_func_muon("cpu"), ids=lambda o: o.desc)
 def test_torch_conformance_inputs_agree(optim_input):
     kwargs = dict(optim_input.kwargs)
