@@ -358,5 +358,41 @@ def test_cli_imports_from_the_working_directory_and_checks_optimizers(tmp_path, 
     assert _cli("my_updates:RowSign", "--arg", "lr", "--group", "bi-orthogonal") == 2
 
 
+def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkeypatch, capsys):
+    # --group module:Class looked on sys.path only (my_groups.py next to you needed
+    # PYTHONPATH=.); a group module that raises, a group class that needs arguments,
+    # --condition inf and an --arg the map does not take crashed or exited 1/4, not 2.
+    (tmp_path / "my_groups.py").write_text(textwrap.dedent("""
+        from geomuon.theory.groups import BiOrthogonal
+
+        class Orthogonal(BiOrthogonal):
+            name = "my-orthogonal"
+
+        class NeedsArgument(BiOrthogonal):
+            name = "needs-argument"
+
+            def __init__(self, k):
+                super().__init__()
+    """))
+    (tmp_path / "broken_groups.py").write_text("raise RuntimeError('no group here')\n")
+    monkeypatch.chdir(tmp_path)
+    spectral = "geomuon.optimizers.maps:spectral"
+    assert _cli(spectral, "--group", "my_groups:Orthogonal", "--shape", "5x3", "--seed", "1") == 0
+    capsys.readouterr()
+    for argv, message in ((("--group", "broken_groups:Any"), "importing 'broken_groups' raised RuntimeError"),
+                          (("--group", "my_groups:NeedsArgument"), "cannot be built without arguments"),
+                          (("--group", "my_groups:Nope"), "has no attribute 'Nope'"),
+                          (("--group", "bi-orthogonal", "--condition", "inf"), "--condition must be a finite number"),
+                          (("--group", "bi-orthogonal", "--arg", "nosuch=1"), "--arg does not fit")):
+        assert _cli(spectral, *argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    # the replay line replays: --steps and --expect are in it
+    assert _cli("geomuon.optimizers.maps:row_norm", "--group", "bi-orthogonal", "--expect", "violated",
+                "--steps", "2", "--trials", "6", "--seed", "3") == 0
+    replay = [line for line in capsys.readouterr().out.splitlines() if line.startswith("replay:")][0]
+    assert "--steps 2" in replay and "--expect violated" in replay
+    assert _cli(*replay.split()[3:]) == 0
+
+
 def test_decision_factors_are_ordered():
     assert 1 < HOLDS_FACTOR < VIOLATION_FACTOR and 2.0**-MIN_TRIALS <= 1e-6 and math.isfinite(VIOLATION_FACTOR)

@@ -228,6 +228,26 @@ def test_data_is_required_and_names_what_to_pass(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "runs").exists()  # refused before any work
 
 
+def test_bad_seeds_are_refused_by_name(tmp_path, capsys, monkeypatch):
+    # "--seeds a,b" had named no option; "--seeds 0,0" counted one run twice and compared it
+    # with itself as a seed spread
+    monkeypatch.chdir(tmp_path)
+    for seeds, message in (("a,b", "--seeds must be comma-separated integers"), ("0,1,0", "--seeds lists 0 more than once")):
+        assert common.main(lipschitz_study, ["--size", "tiny", "--seeds", seeds]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@needs_data
+def test_an_output_folder_that_is_a_file_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    argv = ["--size", "tiny", "--data", str(DATA), "--jobs", "1", "--seeds", "0"]
+    for option in ("--out", "--work-dir"):
+        assert common.main(lipschitz_study, [*argv, option, "afile"]) == 2  # had been a FileExistsError traceback
+        assert f"{option} 'afile' is a file, not a folder" in capsys.readouterr().err
+
+
 @needs_data
 def test_results_never_overwrite_a_page(tmp_path, capsys, monkeypatch):
     """Without --out a study writes a new run folder under the current directory; --out

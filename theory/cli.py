@@ -39,6 +39,8 @@ import functools
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
+import math
 import os
 import re
 import sys
@@ -135,10 +137,26 @@ def _arguments(pairs: list[str]) -> dict:
     return kwargs
 
 
+def _check_keywords(obj, kwargs: dict, target: str) -> None:
+    """Refuse ``--arg`` keywords that ``obj`` (a map called as ``obj(D, **kwargs)``, or an
+    optimizer class as ``obj(params, **kwargs)``) does not take, before any trial (they had
+    failed every trial, exit 4)."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without one: the trials will say
+        return
+    try:
+        signature.bind(None, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"--arg does not fit {target}: {err}") from None
+
+
 def _subject(obj, kwargs: dict, steps: int, target: str):
     from geomuon.theory.equivariance import MapUpdate, OptimizerUpdate
 
     name = target.partition(":")[2]
+    if kwargs and not hasattr(obj, "evaluate"):
+        _check_keywords(obj, kwargs, target)
     if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer):
         label = name + (f"({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})" if kwargs else "")
         return OptimizerUpdate(lambda params: obj(params, **kwargs), name=label, steps=steps)
@@ -156,16 +174,17 @@ def run(args: argparse.Namespace) -> int:
     from geomuon.theory.groups import get_group
 
     try:
-        group = get_group(args.group)
         shape = _shape(args.shape)
         if args.trials < 1:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
-        if not args.condition >= 1.0:
-            raise ValueError(f"--condition must be >= 1, got {args.condition}")
+        if not 1.0 <= args.condition < math.inf:  # inf had built all-NaN inputs, blamed on the map
+            raise ValueError(f"--condition must be a finite number >= 1, got {args.condition}")
         if args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
         kwargs = _arguments(args.arg)
         subject = _subject(_load(args.target), kwargs, args.steps, args.target)
+        # after the target: a group its module registers has a name now
+        group = get_group(args.group, importer=_import)
     except ValueError as err:
         print(f"geomuon check-equivariance: error: {err}", file=sys.stderr)
         return 2
@@ -184,8 +203,9 @@ def run(args: argparse.Namespace) -> int:
     finally:  # called in-process (tests, notebooks): leave the caller's thread count as it was
         torch.set_num_threads(threads)
     print(report.table())
-    extra = "".join(f" --arg {pair}" for pair in args.arg) + (f" --steps {args.steps}" if args.arg else "")
+    extra = "".join(f" --arg {pair}" for pair in args.arg) + f" --steps {args.steps}"
     extra += f" --compute-dtype {args.compute_dtype}" if args.compute_dtype else ""
+    extra += f" --expect {args.expect}" if args.expect != "holds" else ""
     print(f"replay: geomuon check-equivariance {args.target} --group {args.group} --shape {args.shape} "
           f"--dtype {args.dtype} --condition {args.condition:g} --trials {args.trials}{extra} --seed {report.seed}")
     if expect == "violated" and report.verdict in ("holds", "violated"):

@@ -486,8 +486,11 @@ class MapUpdate(_Subject):
 class DirectionUpdate(_Subject):
     """The steepest direction ``engine(manifold, W, G, **solver)`` on ``manifold``.
 
-    Examples are ``(W, G)`` with ``W = manifold.projx(raw)`` on the manifold; the group moves
-    ``W`` with ``act_point`` and ``G`` with ``act_gradient``."""
+    Examples are ``(W, G)`` with ``W = manifold.projx(raw)`` on the manifold, ``raw`` a Gaussian
+    scaled to unit RMS (the trial's adversarial scale is the gradient's: a raw point at
+    $10^8$ tested the manifold's ``projx``, whose generic Gauss–Newton iteration does not
+    reach the manifold from that far); the group moves ``W`` with ``act_point`` and ``G``
+    with ``act_gradient``."""
 
     engine: Callable
     manifold: Any
@@ -499,7 +502,9 @@ class DirectionUpdate(_Subject):
         self.name = self.name or f"steepest[{type(self.manifold).__name__}]"
 
     def example(self, raws):
-        return self.manifold.projx(raws[0]), raws[1]
+        raw = raws[0]
+        rms = raw.square().mean().sqrt().clamp_min(torch.finfo(raw.dtype).tiny)
+        return self.manifold.projx(raw / rms), raws[1]
 
     def input_kinds(self, kind):
         return ["gaussian", kind]

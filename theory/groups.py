@@ -501,19 +501,29 @@ for _group in (
     register_group(_group)
 
 
-def get_group(name: str) -> Group:
+def get_group(name: str, importer=None) -> Group:
     """A group by CLI name (``bi-orthogonal``), class name (``BiOrthogonal``), any case, or
     ``module:Class`` / ``module:instance`` for a group defined outside geomuon (a
-    :class:`Group` subclass is instantiated without arguments)."""
+    :class:`Group` subclass is instantiated without arguments), the module imported by
+    ``importer`` (default ``importlib.import_module``; the CLI's looks in the working folder
+    first). Anything that goes wrong raises ``ValueError`` naming the group."""
     if ":" in name:
         import importlib
 
         module_name, _, attr = name.partition(":")
         try:
-            found = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"unknown group {name!r}: {err}") from None
-        group = found() if isinstance(found, type) and issubclass(found, Group) else found
+            module = (importer or importlib.import_module)(module_name)
+        except Exception as err:  # a module that fails to import is a usage error, not a crash
+            raise ValueError(f"unknown group {name!r}: importing {module_name!r} raised "
+                             f"{type(err).__name__}: {err}") from None
+        if not hasattr(module, attr):
+            raise ValueError(f"unknown group {name!r}: module {module_name!r} has no attribute {attr!r}")
+        found = getattr(module, attr)
+        try:
+            group = found() if isinstance(found, type) and issubclass(found, Group) else found
+        except TypeError as err:
+            raise ValueError(f"group {name!r} cannot be built without arguments ({err}): name an instance, "
+                             f"module:instance") from None
         if not isinstance(group, Group):
             raise ValueError(f"unknown group {name!r}: {attr} is not a geomuon.theory.groups.Group")
         return group

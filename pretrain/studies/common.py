@@ -533,13 +533,16 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
 
 def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
     """Run every missing job of ``study`` (cached records are reused), then write its page; returns the page's path."""
-    seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
+    seeds = _seeds(args.seeds) if args.seeds else None
     size = size_from(study, args.size, seeds)
     if len(size.seeds) < 1 or args.jobs < 1 or args.threads < 1:
         raise ValueError("--seeds must name at least one seed; --jobs and --threads must be >= 1")
     data_path = resolve_data(args.data)
     out_dir = output_dir(study, args)
     work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
+    for option, folder in (("--out", out_dir), ("--work-dir", work_dir)):
+        if folder.exists() and not folder.is_dir():  # mkdir had raised FileExistsError after the checks
+            raise ValueError(f"{option} {str(folder)!r} is a file, not a folder; choose another {option}")
     commit = git_commit(short=False)  # the code the runs are about to use
     start = time.perf_counter()
     runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
@@ -557,6 +560,19 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     out_dir.mkdir(parents=True, exist_ok=True)
     body = study.report(results, size, meta, out_dir / study.NAME)
     return write_page(study, args.size, size, body, meta, out_dir, results, variants)
+
+
+def _seeds(text: str) -> list[int]:
+    """``--seeds`` as distinct integers, refused by name otherwise (a seed listed twice had
+    counted one run twice, and its seed-spread comparisons were of one run with itself)."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ValueError(f"--seeds lists {', '.join(map(str, twice))} more than once; give each seed once")
+    return seeds
 
 
 def output_dir(study, args: argparse.Namespace) -> Path:
