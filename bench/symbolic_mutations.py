@@ -120,7 +120,7 @@ polar express 5 first a truncated | (8.156554524902461, | (8.1565545,
 coupled inverse-sqrt step 3 -> 3.001 | T = 0.5 * (3.0 * eye - Z @ Y) | T = 0.5 * (3.001 * eye - Z @ Y)
 coupled inverse-sqrt step 1/2 -> 0.49 | T = 0.5 * (3.0 * eye - Z @ Y) | T = 0.49 * (3.0 * eye - Z @ Y)
 inverse sqrt default 25 -> 20 steps | A: torch.Tensor, steps: int = 25, | A: torch.Tensor, steps: int = 20,
-inverse sqrt forgets the scale's root | return (Z / scale.sqrt()).to(out_dtype) | return (Z / scale).to(out_dtype)
+inverse sqrt forgets the scale's root | return (Z / (scale.sqrt() * magnitude.sqrt())).to(out_dtype) | return (Z / (scale * magnitude.sqrt())).to(out_dtype)
 sym is the skew part | return 0.5 * (X + X.mT) | return 0.5 * (X - X.mT)
 safety factor on b squared (not cubed) | (a / safety, b / safety**3, c / safety**5) | (a / safety, b / safety**2, c / safety**5)
 newton-schulz step halves a | return fma(Y, polynomial, Y, beta=a) | return fma(Y, polynomial, Y, beta=0.5 * a)
@@ -143,17 +143,16 @@ engine: Newton diagonal d_i^2 P_ii + P_jj d_j^2 | return 2 * (d2.unsqueeze(-1) *
 engine: DGram Newton operator keeps the diagonal | return off_diagonal(_lyapunov(D, self.adjoint(lam), P)) | return _lyapunov(D, self.adjoint(lam), P)
 engine: Lyapunov operator without D | X = (_diag(D).unsqueeze(-1) * S) @ P | X = S @ P
 ## optimizers/maps.py
-row_norm normalizes columns | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps)
-col_norm normalizes rows | return D / (D.norm(dim=-2, keepdim=True) + eps) | return D / (D.norm(dim=-1, keepdim=True) + eps)
+row_norm normalizes columns | return _normalized(D, -1, eps) | return _normalized(D, -2, eps)
+col_norm normalizes rows | return _normalized(D, -2, eps) | return _normalized(D, -1, eps)
 polar maps: nuclear norm squared | polar * nuclear.clamp_min(0).pow(alpha) | polar * nuclear.clamp_min(0).pow(2 * alpha)
-polar maps: nuclear norm from polar'polar | nuclear = (X * polar).sum | nuclear = (polar * polar).sum
+polar maps: nuclear norm from polar'polar | nuclear = s * (X * polar).sum | nuclear = s * (polar * polar).sum
 polar maps: the larger Gram matrix | right = X.size(-2) >= X.size(-1) | right = X.size(-2) <= X.size(-1)
 hybrid normalizes columns | R = row_norm(D, eps=eps) | R = col_norm(D, eps=eps)
 centered map does not re-center | return _center_rows(update(_center_rows(D), **kwargs)) | return update(_center_rows(D), **kwargs)
 centered map does not center its input | return _center_rows(update(_center_rows(D), **kwargs)) | return _center_rows(update(D, **kwargs))
 centering subtracts row means | return D - D.mean(dim=-2, keepdim=True) | return D - D.mean(dim=-1, keepdim=True)
-row_norm divides by the squared norm | return D / (D.norm(dim=-1, keepdim=True) + eps) | return D / (D.norm(dim=-1, keepdim=True) + eps) ** 2
-col_norm divides by the squared norm | return D / (D.norm(dim=-2, keepdim=True) + eps) | return D / (D.norm(dim=-2, keepdim=True) + eps) ** 2
+row and col norms divide by the squared norm | return D / (D.norm(dim=dim, keepdim=True) + eps) | return D / (D.norm(dim=dim, keepdim=True) + eps) ** 2
 sign map doubled | return torch.sign(D) | return 2 * torch.sign(D)
 spectral map with Keller's quintic | D: torch.Tensor,\n    *,\n    method: str = "polar_express", | D: torch.Tensor,\n    *,\n    method: str = "newton_schulz",
 hybrid nuclear norm from msign'msign | nuclear = (R * Q).sum | nuclear = (Q * Q).sum

@@ -35,6 +35,7 @@ __all__ = [
     "newton_schulz_step",
     "ScratchBuffers",
     "inv_sqrt_psd",
+    "largest_entry",
     "coupled_newton_schulz_step",
     "power_iteration",
     "fixed_start",
@@ -87,8 +88,10 @@ def _with_safety(table, safety: float):
 #: Polar Express, the authors' 8-step table (arXiv 2505.16932) with the 1.01 safety factor;
 #: the last tuple $(15/8, -5/4, 3/8)$ repeats. The default 12 steps reach
 #: $\|\operatorname{msign}(X) - UV^\top\|_2 \le 2\cdot10^{-4}$ in fp32 at condition number
-#: $10^3$ even when the normalized $\sigma_{\min}$ is $10^{-3}/\sqrt{k}$ (10 steps: $10^{-2}$ there,
-#: $3\cdot10^{-5}$ for log-spaced spectra).
+#: $10^3$ when the normalized $\sigma_{\min}$ is $10^{-3}/\sqrt{k}$ up to $k = 512$; beyond, the
+#: schedule itself leaves that singular value short (exact arithmetic, 12 steps:
+#: $6.6\cdot10^{-9}$ at $k = 256$, $2.9\cdot10^{-5}$ at 512, $2.7\cdot10^{-3}$ at 1024, $0.13$ at
+#: 4096; 10 steps: $8.4\cdot10^{-2}$ already at 256, $3\cdot10^{-5}$ for log-spaced spectra).
 POLAR_EXPRESS = NSSchedule(
     "polar_express",
     _with_safety(
@@ -334,9 +337,10 @@ def msign(
         coefficients: a custom :class:`NSSchedule`.
         compute_dtype: dtype of the matmuls (default: ``X.dtype``).
         eps: floor of the Frobenius norm in the normalization; default
-            $\sqrt{\text{tiny}}$ of the compute dtype, so only an (almost) exact zero is
-            floored and ``msign`` is scale-invariant down to $10^{-19}$ in fp32 (an
-            absolute floor such as Muon's $10^{-7}$ would distort small matrices).
+            $\sqrt{\text{tiny}}$ of the norm's dtype (the compute dtype's; fp32 for fp16,
+            whose range ends at 65504), so only an (almost) exact zero is floored and
+            ``msign`` is scale-invariant down to $10^{-19}$ in fp32 and fp16 (an absolute
+            floor such as Muon's $10^{-7}$ would distort small matrices).
         buffers: the calling thread's :class:`ScratchBuffers`, for the iterations on
             the CPU (ignored elsewhere: an accelerator's caching allocator reuses memory).
 
@@ -359,14 +363,25 @@ def msign(
         raise ValueError(f"msign: steps must be >= 0, got {steps}")
 
     shape = work.shape
+    if isinstance(work, torch.Tensor) and work.numel() == 0:  # empty: reshape(-1, ...) is ambiguous
+        return work.to(out_dtype, copy=True)
     wide = shape[-2] <= shape[-1]
     Y = work.reshape(-1, *shape[-2:])
-    floor = torch.finfo(Y.dtype).tiny ** 0.5 if eps is None else eps
+    # fp16's norm in fp32: its range ends at 65504, and a larger (realistic) gradient norm had
+    # overflowed and normalized the matrix to zero; the floor is the norm dtype's
+    norm_dtype = torch.float32 if Y.dtype == torch.float16 else Y.dtype
+    # (an eps of 0 still keeps 0/0 out: msign(0) = 0)
+    floor = torch.finfo(norm_dtype).tiny ** 0.5 if eps is None else max(eps, torch.finfo(norm_dtype).tiny)
     on_cpu = isinstance(Y, torch.Tensor) and Y.device.type == "cpu" and Y.size(0) > 0
-    buffers = buffers if on_cpu and n_steps else None
+    buffers = buffers if on_cpu and n_steps and not Y.requires_grad else None
     # Normalize before transposing: elementwise passes over a transposed view are ~10x slower.
-    scale = Y.norm(dim=(-2, -1), keepdim=True).clamp_min(floor) * schedule.input_scale
-    Y = Y / scale if buffers is None else torch.div(Y, scale, out=buffers("input", Y.shape, Y.dtype, Y.device))
+    norm = Y.norm(dim=(-2, -1), keepdim=True) if norm_dtype == Y.dtype else \
+        torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    scale = norm.clamp_min(floor) * schedule.input_scale
+    if buffers is not None:
+        Y = torch.div(Y, scale, out=buffers("input", Y.shape, Y.dtype, Y.device))
+    else:
+        Y = Y / scale if norm_dtype == Y.dtype else (Y / scale).to(Y.dtype)
     Y = Y if wide else Y.mT
     coefficients = schedule.step_coefficients(n_steps)
 
@@ -421,8 +436,9 @@ def inv_sqrt_psd(
     Args:
         A: ``[..., k, k]`` symmetric positive semi-definite.
         steps: Newton–Schulz iterations.
-        eps: diagonal shift $\epsilon$; default $k\,\varepsilon_{\text{compute}}\|A\|_F$,
-            enough to make a rank-deficient $A$ invertible without visibly biasing it.
+        eps: diagonal shift $\epsilon$ (a float, or a tensor broadcasting to ``[..., 1, 1]``);
+            default $k\,\varepsilon_{\text{compute}}\|A\|_F$, enough to make a rank-deficient
+            $A$ invertible without visibly biasing it.
 
     Returns:
         ``[..., k, k]`` in ``A.dtype``; computed in float32, or float64 for float64 input.
@@ -435,15 +451,29 @@ def inv_sqrt_psd(
     A = sym(A.to(compute))
     k = A.size(-1)
     eye = torch.eye(k, dtype=compute, device=A.device)
+    tiny = torch.finfo(compute).tiny
+    # by the largest entry first: the Frobenius norms below square the entries, and in fp32 an
+    # A of order 1e-25 had a zero norm (a NaN result), one of order 1e19 an infinite one
+    magnitude = largest_entry(A)
+    A = A / magnitude
     fro = A.norm(dim=(-2, -1), keepdim=True)
-    shift = k * torch.finfo(compute).eps * fro if eps is None else torch.full_like(fro, eps)
+    shift = k * torch.finfo(compute).eps * fro if eps is None else eps / magnitude
     A = A + shift * eye
-    scale = A.norm(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(compute).tiny)
+    scale = A.norm(dim=(-2, -1), keepdim=True).clamp_min(tiny)
     Y = A / scale
     Z = eye.expand_as(A).clone()
     for _ in range(steps):
         Y, Z = coupled_newton_schulz_step(Y, Z, eye)
-    return (Z / scale.sqrt()).to(out_dtype)
+    return (Z / (scale.sqrt() * magnitude.sqrt())).to(out_dtype)
+
+
+def largest_entry(X: torch.Tensor):
+    """``[..., 1, 1]``: the largest absolute entry of each matrix, at least the dtype's ``tiny``,
+    to divide by before a norm squares the entries (no overflow or underflow there); ``1`` for
+    the exact matrices of the symbolic certificates, where the division is an identity."""
+    if not isinstance(X, torch.Tensor):
+        return 1
+    return X.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
 
 
 def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tensor):
@@ -488,14 +518,23 @@ def power_iteration(
         ``(sigma [...], v [..., n])`` in ``X.dtype``; computed in ``X.dtype``.
     """
     check_matrix(X, "power_iteration")
-    v = _default_start(X) if v0 is None else v0.to(X.dtype)
-    tiny = torch.finfo(X.dtype).tiny
-    v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
+    v = _unit(_default_start(X) if v0 is None else v0.to(X.dtype))
     for _ in range(steps):
-        w = (X.mT @ (X @ v.unsqueeze(-1))).squeeze(-1)
-        v = w / w.norm(dim=-1, keepdim=True).clamp_min(tiny)
-    sigma = (X @ v.unsqueeze(-1)).squeeze(-1).norm(dim=-1)
+        # X v normalized before X^T: X^T X v is of order sigma^2, whose norm overflowed in fp32
+        # from sigma ~ 4e9 (sigma = 0, v = 0, then NaN)
+        v = _unit((X.mT @ _unit((X @ v.unsqueeze(-1)).squeeze(-1)).unsqueeze(-1)).squeeze(-1))
+    Xv = (X @ v.unsqueeze(-1)).squeeze(-1)
+    largest = Xv.abs().amax(dim=-1)
+    sigma = (Xv / largest.unsqueeze(-1).clamp_min(torch.finfo(X.dtype).tiny)).norm(dim=-1) * largest
     return sigma, v
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """``x / ||x||`` along the last dimension, by its largest entry first (the norm squares the
+    entries: no overflow or underflow); a zero vector stays zero."""
+    tiny = torch.finfo(x.dtype).tiny
+    x = x / x.abs().amax(dim=-1, keepdim=True).clamp_min(tiny)
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(tiny)
 
 
 def spectral_norm(X: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import check_matrix, fp32_or_fp64, inv_sqrt_psd, msign
+from geomuon.manifolds.linalg import check_matrix, fp32_or_fp64, inv_sqrt_psd, largest_entry, msign
 
 __all__ = [
     "UpdateMap",
@@ -89,7 +89,7 @@ def row_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
         ``[..., m, n]`` in ``D.dtype``, computed in ``D.dtype``.
     """
     _check(D, "row_norm")
-    return D / (D.norm(dim=-1, keepdim=True) + eps)
+    return _normalized(D, -1, eps)
 
 
 def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
@@ -107,21 +107,35 @@ def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
         ``[..., m, n]`` in ``D.dtype``, computed in ``D.dtype``.
     """
     _check(D, "col_norm")
-    return D / (D.norm(dim=-2, keepdim=True) + eps)
+    return _normalized(D, -2, eps)
+
+
+def _normalized(D: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
+    """``D`` divided by its norms along ``dim`` plus ``eps``; fp16's norms in fp32 (its range
+    ends at 65504: a row of larger norm had overflowed and been divided to zero)."""
+    if D.dtype != torch.float16:
+        return D / (D.norm(dim=dim, keepdim=True) + eps)
+    norms = torch.linalg.vector_norm(D, dim=dim, keepdim=True, dtype=torch.float32)
+    return (D / (norms + eps)).to(D.dtype)
 
 
 def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
     compute = fp32_or_fp64(D.dtype)
     X = D.to(compute)
+    # D by its largest entry s first (the polar factor does not change; eps and the nuclear
+    # norm scale by s^2 and s): in fp32 a Gram of a D of order 1e-13 underflowed and one of
+    # order 1e10 overflowed, and the map returned NaN
+    s = largest_entry(X)
+    X = X / s
     # D f(D^T D) = f(D D^T) D exactly (the eps shift included), so both one-sided maps go
     # through the smaller Gram matrix: min(m, n)^3 work instead of max(m, n)^3, and no
     # singular Gram matrix whose round-off the inverse square root would amplify.
     right = X.size(-2) >= X.size(-1)
     gram = X.mT @ X if right else X @ X.mT
-    Z = inv_sqrt_psd(gram, eps=eps)
+    Z = inv_sqrt_psd(gram, eps=None if eps is None else eps / (s * s))
     polar = X @ Z if right else Z @ X
     # nu = <D, D (D^T D)^{-1/2}> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product.
-    nuclear = (X * polar).sum(dim=(-2, -1), keepdim=True)
+    nuclear = s * (X * polar).sum(dim=(-2, -1), keepdim=True)
     out = polar * nuclear.clamp_min(0).pow(alpha) if alpha != 0 else polar
     nonzero = X.norm(dim=(-2, -1), keepdim=True) > 0
     return torch.where(nonzero, out, torch.zeros_like(out)).to(D.dtype)

@@ -323,3 +323,51 @@ def test_off_diagonal_is_exactly_the_subtraction_of_the_diagonal():
     out = off_diagonal(S)
     assert torch.equal(out.view(torch.int32), reference.view(torch.int32))
     assert torch.diagonal(S, dim1=-2, dim2=-1).abs().min() > 0
+
+
+def _polar_factor(X: torch.Tensor) -> torch.Tensor:
+    U, _, Vh = torch.linalg.svd(X.double(), full_matrices=False)
+    return U @ Vh
+
+
+def test_fp16_msign_normalizes_in_fp32_range_and_is_scale_invariant():
+    # fp16's norm overflows at 65504: a 256 x 256 gradient with entries ~300 (norm 7.7e4) had
+    # been normalized to zero; and fp16's sqrt(tiny) floor (7.8e-3) had distorted a matrix
+    # of norm 1e-3 (error 0.28 against 0.005 at norm 1). Bounds: 12 Polar Express steps in
+    # fp16 (u = 4.9e-4) leave errors of a few 1e-3 on well-conditioned inputs (measured
+    # 6.4e-3 and 5.0e-3); 2e-2 is 4x that, and a zero output errs by 1.
+    gen = torch.Generator().manual_seed(0)
+    big = (torch.randn(256, 256, generator=gen) * 300).half()
+    assert big.float().norm() > 65504
+    assert torch.linalg.matrix_norm(msign(big).double() - _polar_factor(big), ord=2) < 2e-2
+    X = torch.randn(64, 64, generator=gen)
+    errors = [torch.linalg.matrix_norm(msign((X * s / X.norm()).half()).double() - _polar_factor(X), ord=2).item()
+              for s in (1.0, 1e-3)]
+    assert max(errors) < 2e-2, errors
+
+
+def test_msign_edge_cases_keep_their_contract():
+    assert torch.equal(msign(torch.zeros(3, 4), eps=0.0), torch.zeros(3, 4))  # eps = 0 had given 0/0 = NaN
+    for shape in ((2, 0, 5), (0, 3, 4)):  # empty: reshape(-1, ...) had raised
+        assert msign(torch.zeros(shape)).shape == shape
+    X = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)  # buffers are for no-grad work only
+    msign(X, buffers=linalg.ScratchBuffers()).sum().backward()
+    assert X.grad is not None and torch.isfinite(X.grad).all()
+
+
+@pytest.mark.parametrize("scale", [1e-25, 1e-12, 1.0, 1e12, 1e25])
+def test_inv_sqrt_psd_and_power_iteration_at_any_scale(scale):
+    # Frobenius norms of a Gram square its entries: in fp32 a Gram of order 1e-25 had a zero
+    # norm (NaN result), and power iteration's sigma^2 overflowed from sigma ~ 4e9 (sigma = 0,
+    # v = 0). Both now scale by the largest entry first. Tolerances: fp32 (eps 1.2e-7) with
+    # condition ~1e2 and 25 Newton-Schulz steps: 1e-4 relative (measured 5e-5).
+    gen = torch.Generator().manual_seed(1)
+    B = torch.randn(16, 16, generator=gen, dtype=torch.float64)
+    A = B @ B.T + torch.eye(16, dtype=torch.float64)
+    reference = inv_sqrt_psd(A)
+    result = inv_sqrt_psd((A * scale).float()).double() * scale**0.5
+    assert torch.linalg.matrix_norm(result - reference) <= 1e-4 * torch.linalg.matrix_norm(reference)
+    X = torch.randn(20, 30, generator=gen)
+    sigma, v = linalg.power_iteration(X * scale, steps=50)
+    top = torch.linalg.matrix_norm(X.double(), ord=2).item() * scale
+    assert sigma.item() == pytest.approx(top, rel=1e-5) and v.norm().item() == pytest.approx(1.0, rel=1e-6)

@@ -502,6 +502,27 @@ def test_unregulated_muon_exceeds_w_max():
     assert max(muon_run(1.0, None, steps=200)) > 1.5
 
 
+def test_hard_cap_at_large_norms_and_on_an_empty_batch():
+    # Its Schatten-8 bound squared the Gram: in fp32 (gram @ gram) overflowed once sigma_max
+    # passed 6e4 and the level count raised OverflowError; an empty batch failed in amax.
+    # Exact cap: the fp32 tolerance of the cap tests above (1e-3 of w_max).
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 64, generator=gen) / 8
+    for scale in (3e4, 1e8):
+        assert rms_spectral_norm(HardCap()(W * scale, lr=0.1)).item() == pytest.approx(1.0, abs=1e-3)
+    assert HardCap()(torch.randn(0, 8, 16), lr=0.1).shape == (0, 8, 16)
+
+
+@pytest.mark.parametrize("make, match", [(lambda: HardCap(sign_steps=0), "sign_steps must be an integer >= 1"),
+                                         (lambda: HardCap(method="foo"), "method must be one of"),
+                                         (lambda: SpectralNormalize(block=0), "block must be an integer >= 1"),
+                                         (lambda: SpectralNormalize(steps=-1), "steps must be an integer >= 1")])
+def test_regulator_arguments_are_checked_at_construction(make, match):
+    # each had been accepted: a silent no-op cap, or an error at the first call
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
 def test_a_flattened_kernel_is_regulated_as_the_matrix_it_is_stepped_as():
     # matrix_view="flatten" steps a conv kernel [8, 4, 3, 3] as its [8, 36] matrix; the
     # regulator must bound that matrix (it had capped the 32 [3, 3] slices instead, leaving
