@@ -541,7 +541,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
             step = state["step"].add_(kept)
             if group["weight_decay"] != 0:
                 p.mul_(_where_kept(kept, 1 - lr * group["weight_decay"]))
-            state["exp_avg"].lerp_(g, (1 - beta1) * kept)
+            if p.dtype in (torch.float32, torch.float64):
+                state["exp_avg"].lerp_(g, (1 - beta1) * kept)
+            else:  # a tensor weight is rounded to bf16 (0.1 -> 0.10010): torch's float weight, and
+                # for a skipped parameter the end point is the average itself (a 0/1 lerp, exact)
+                state["exp_avg"].lerp_(g.lerp(state["exp_avg"], 1 - kept), 1 - beta1)
             state["exp_avg_sq"].mul_(_where_kept(kept, beta2)).addcmul_(g, g, value=1 - beta2)
             counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
             bias1, bias2 = _bias_correction(beta1, counted, p.dtype), _bias_correction(beta2, counted, p.dtype)

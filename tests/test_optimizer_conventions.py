@@ -255,6 +255,26 @@ def test_adamw_path_matches_torch_adamw_to_float64_round_off():
         assert torch.allclose(ours_p, ref_p, rtol=1e-13, atol=0), (ours_p - ref_p).abs().max()
 
 
+def test_adamw_path_first_moment_of_bf16_parameters_is_torchs():
+    # The first moment's lerp weight 1 - beta1 as a float, as torch.optim.AdamW takes it: a
+    # tensor weight is rounded to bf16 (0.1 -> 0.10010). Bitwise over 10 steps; control: the
+    # rounded weight differs.
+    gen = torch.Generator().manual_seed(8)
+    ours_p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    ref_p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    ours = Muon([{"params": [ours_p], "update": "adamw", "lr": 1e-3, "weight_decay": 0.0}])
+    ref = torch.optim.AdamW([ref_p], lr=1e-3, weight_decay=0.0, foreach=False)
+    rounded = torch.zeros(64, dtype=torch.bfloat16)
+    for _ in range(10):
+        g = torch.randn(64, generator=gen).bfloat16()
+        ours_p.grad, ref_p.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        rounded.lerp_(g, torch.tensor(0.1, dtype=torch.bfloat16))
+    assert torch.equal(ours.state[ours_p]["exp_avg"], ref.state[ref_p]["exp_avg"])
+    assert not torch.equal(rounded, ref.state[ref_p]["exp_avg"])
+
+
 def test_manifold_check_detects_a_point_off_its_manifold(no_host_reads):
     model = _model("ManifoldMuon-stiefel")
     opt = ManifoldMuon([{"params": [("a", model.a), ("c", model.c)]}], manifold="stiefel")
