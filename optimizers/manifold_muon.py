@@ -18,7 +18,7 @@ tangent projection):
 * **General** (:func:`geomuon.optimizers.steepest.steepest_direction`), for every other
   manifold × norm: dual iterations on $m\times n$ iterates in ``compute_dtype``, then the
   manifold's ``retr`` in float32 (float64 for float64 parameters). On CUDA this path reads
-  back to the host once per step and batch: its feasibility rescale takes $\sigma_{\max}$ from
+  back to the host in every step: its feasibility rescale takes $\sigma_{\max}$ from
   ``torch.linalg.eigvalsh`` of the small Gram (equivariant, where a power iteration from a
   fixed start is not), and CUDA's ``eigvalsh`` checks its convergence flag on the host;
   DGram's own ``retr`` (``retraction="manifold"``) reads back its zero-column check. The
