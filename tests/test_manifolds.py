@@ -377,7 +377,10 @@ def test_dgram_retraction_is_scale_free(scale):
 
 class _WrongNormalConstraintOblique(Oblique):
     """Constraint 2 diag(W^T A) against F = (|w_j|^2 - 1)/2: same kernel (so projection,
-    adjointness and retraction all pass) but not dF; only the derivative check sees it."""
+    adjointness and retraction all pass) but not dF; only the derivative check sees it
+    (it declares no Gram form: Oblique's would disagree with the doubled constraint)."""
+
+    gram_form = None
 
     def constraint(self, x, u):
         return 2 * super().constraint(x, u)
@@ -392,3 +395,61 @@ class _WrongNormalConstraintOblique(Oblique):
 def test_contract_checks_the_defining_map_against_the_constraint():
     report = check_manifold_contract(_WrongNormalConstraintOblique(), (7, 3), raise_on_failure=False)
     assert {check.name for check in report.failures} == {"defining_map_derivative"}, str(report)
+
+
+class _Broken(Oblique):
+    """Oblique with one method broken at a time (``bug``), each a bug the contract had passed."""
+
+    def __init__(self, bug):
+        super().__init__()
+        self.bug = bug
+
+    def egrad2rgrad(self, x, u):
+        out = super().egrad2rgrad(x, u)
+        return -out if self.bug == "egrad2rgrad" else out
+
+    def proju(self, x, u):
+        out = super().proju(x, u)
+        return u.copy_(out) if self.bug == "proju_in_place" else out
+
+    def transp(self, x, y, v):
+        out = super().transp(x, y, v)
+        return 0 * out if self.bug == "transp" else out
+
+    def retr(self, x, u):
+        out = super().retr(x, u)
+        return out.double() if self.bug == "retr_dtype" else out
+
+    def projx(self, x):
+        out = super().projx(x)
+        if self.bug == "projx_small":  # leaves points inside the unit ball where they are
+            return torch.where(x.norm(dim=-2, keepdim=True) < 1, x, out)
+        return out
+
+    def dualizer_keeps_tangent(self, x, norm):
+        return self.bug == "keeps_tangent" or super().dualizer_keeps_tangent(x, norm)
+
+
+class _BorrowedGramForm(Oblique):
+    """Oblique declaring Stiefel's Gram form (its projection is not Oblique's)."""
+
+    gram_form = Stiefel.gram_form
+
+
+@pytest.mark.parametrize("manifold, dtype, failed", [
+    (_Broken("egrad2rgrad"), torch.float64, "egrad2rgrad_is_gradient"),
+    (_Broken("proju_in_place"), torch.float64, "methods_leave_their_inputs"),
+    (_Broken("transp"), torch.float64, "transp_identity"),
+    (_Broken("retr_dtype"), torch.float32, "methods_keep_the_dtype"),
+    (_Broken("projx_small"), torch.float64, "projx_on_manifold_far_and_near"),
+    (_Broken("keeps_tangent"), torch.float64, "dualizer_keeps_tangent"),
+    (_BorrowedGramForm(), torch.float64, "gram_form_matches"),
+], ids=["egrad2rgrad", "proju_in_place", "transp", "retr_dtype", "projx_small", "keeps_tangent", "gram_form"])
+def test_contract_catches_what_it_had_passed(manifold, dtype, failed):
+    # each of these had passed every check; the right check now fails, and the error says
+    # what to fix. Control: the same class without a bug passes.
+    report = check_manifold_contract(manifold, (7, 3), dtype=dtype, raise_on_failure=False)
+    assert failed in {check.name for check in report.failures}, str(report)
+    with pytest.raises(AssertionError, match=f"what to fix:\n.*{failed}: "):
+        check_manifold_contract(manifold, (7, 3), dtype=dtype)
+    assert check_manifold_contract(_Broken(None), (7, 3), dtype=dtype).passed

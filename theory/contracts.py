@@ -20,6 +20,7 @@ $\|\operatorname{projx}(x) - x\|$ instead.
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -172,10 +173,26 @@ def check_manifold_contract(
       (when given) is the diagonal of $L_xL_x^*$ on its range; ``defining_map`` (when
       given) has derivative ``constraint`` (central differences, bound $10^{-6}$:
       truncation $h^2 = 10^{-8}$ times the curvature, round-off $\varepsilon/h$);
-    * ``retr(x, 0) = x``; ``retr`` lands on $M$; $\|R_x(tv) - (x + tv)\|$ shrinks like
-      $t^2$ (log-log slope $\ge 1.9$); ``transp`` lands in the new tangent space;
+    * ``retr(x, 0) = x``; ``retr`` lands on $M$ for steps of 0.1, 0.5 and 2 times $\|x\|$;
+      $\|R_x(tv) - (x + tv)\|$ shrinks like $t^2$ (log-log slope $\ge 1.9$); ``transp``
+      lands in the new tangent space and is the identity from $x$ to $x$;
+    * ``projx`` lands on $M$ also from a point 10 times closer to and farther from the
+      origin; ``egrad2rgrad`` is the gradient of the manifold's ``inner``:
+      $\langle\operatorname{egrad2rgrad}(x, u), w\rangle_x = \langle u, w\rangle$ for tangent $w$,
+      and tangent itself;
+    * every method leaves its input tensors as they were (a ``proju`` that wrote into its
+      argument had turned the self-adjointness check into a comparison of a result with
+      itself) and returns the dtype it was given;
+    * the declared capabilities agree with the maps (float64): a ``gram_form``'s
+      projection, constraint, adjoint and diagonal with the manifold's own, at $x$ and at
+      $0.7x$ (a point scaled by weight decay), its retraction on $M$ and first order; a
+      ``dualizer_keeps_tangent`` with $\operatorname{msign}(P_xG)$ being tangent;
     * geoopt interop: a ``geoopt.ManifoldParameter`` stepped by
       ``geoopt.optim.RiemannianSGD`` (momentum) stays on $M$.
+
+    One call tests one shape: run it on tall, square, wide and batched shapes (a method
+    right only for tall matrices passes a tall shape). A failure's message says what the
+    failed property asks of which method (:data:`WHAT_TO_FIX`).
 
     Args:
         manifold: the manifold under test.
@@ -220,8 +237,11 @@ def check_manifold_contract(
     record("projx_on_manifold", manifold_residual(manifold, manifold.projx(gaussian())))
     record("projx_fixes_points", rel(manifold.projx(x) - x, x))
 
+    record("projx_on_manifold_far_and_near", max(manifold_residual(manifold, manifold.projx(scale * gaussian()))
+                                                  for scale in (0.1, 10.0)))
+
     u, v = gaussian(), gaussian()
-    pu, pv = manifold.proju(x, u), manifold.proju(x, v)
+    pu, pv = manifold.proju(x, u.clone()), manifold.proju(x, v.clone())
     record("proju_tangent", rel(normal_component(manifold, x, pu), u))
     record("proju_idempotent", rel(manifold.proju(x, pu) - pu, u))
     uv_norms = _matrix_norm(u.double()) * _matrix_norm(v.double())
@@ -264,22 +284,127 @@ def check_manifold_contract(
     record("retr_zero", rel(manifold.retr(x, torch.zeros_like(x)) - x, x))
     direction = pu * (_matrix_norm(x) / _matrix_norm(pu).clamp_min(1e-30))[..., None, None]
     far = manifold.retr(x, 0.5 * direction)
-    record("retr_on_manifold", manifold_residual(manifold, far))
+    record("retr_on_manifold", max(manifold_residual(manifold, manifold.retr(x, t * direction))
+                                   for t in (0.1, 0.5, 2.0)))
     ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)
     slope, errors = retraction_slope(manifold, x, direction, ts)
     record("retr_slope", slope, MIN_RETRACTION_SLOPE, at_least=True,
            note="affine retraction (exact)" if math.isinf(slope) else
            f"errors {errors[0]:.1e}..{errors[-1]:.1e}")
-    transported = manifold.transp(x, far, pv)
+    transported = manifold.transp(x, far, pv.clone())
     record("transp_tangent", rel(normal_component(manifold, far, transported), pv))
+    record("transp_identity", rel(manifold.transp(x, x, pv.clone()) - pv, pv))
+
+    rgrad = manifold.egrad2rgrad(x, u.clone())
+    record("egrad2rgrad_tangent", rel(normal_component(manifold, x, rgrad), u))
+    metric = torch.as_tensor(manifold.inner(x, rgrad, pv)).double()
+    record("egrad2rgrad_is_gradient", float(((metric - inner(u, pv)).abs() / uv_norms).max()))
+
+    calls = {"projx": lambda a: manifold.projx(a[0]), "proju": lambda a: manifold.proju(x, a[0]),
+             "egrad2rgrad": lambda a: manifold.egrad2rgrad(x, a[0]), "retr": lambda a: manifold.retr(x, a[0]),
+             "transp": lambda a: manifold.transp(x, far, a[0])}
+    written, retyped = [], []
+    for name, call in calls.items():
+        argument = (0.1 * direction).clone()
+        kept = argument.clone()
+        out = call([argument])
+        if not torch.equal(argument, kept):
+            written.append(name)
+        if out.dtype != dtype:
+            retyped.append(f"{name} -> {out.dtype}")
+    record("methods_leave_their_inputs", float(len(written)), 0.0, note=", ".join(written))
+    record("methods_keep_the_dtype", float(len(retyped)), 0.0, note=", ".join(retyped))
+    _check_capabilities(manifold, x, gaussian(), record)
 
     stepped = _geoopt_steps(manifold, x, gaussian())
     record("geoopt_sgd_on_manifold", manifold_residual(manifold, stepped))
 
     if raise_on_failure and not report.passed:
         failed = ", ".join(check.name for check in report.failures)
-        raise AssertionError(f"manifold contract failed ({failed})\n{report}")
+        fixes = "\n".join(f"  {check.name}: {WHAT_TO_FIX.get(check.name, '')}" for check in report.failures)
+        raise AssertionError(f"manifold contract failed ({failed})\n{report}\nwhat to fix:\n{fixes}")
     return report
+
+
+#: A failed check's name -> what it asks of which method (in the failure's message).
+WHAT_TO_FIX = {
+    "random_shape_dtype": "random(*shape, dtype=...) must return that shape and dtype",
+    "random_on_manifold": "random must return points of M (projx of a Gaussian, by default)",
+    "projx_on_manifold": "projx must land on M; the derived projx (Gauss-Newton on defining_map) may need "
+                         "more newton_steps, or the manifold its own closed form",
+    "projx_on_manifold_far_and_near": "projx must land on M from points of any scale, not only Gaussian ones",
+    "projx_fixes_points": "projx must leave points of M where they are",
+    "proju_tangent": "proju(x, u) must satisfy constraint(x, proju(x, u)) = 0",
+    "proju_idempotent": "proju applied twice must equal proju once",
+    "proju_self_adjoint": "proju must be the orthogonal projection: <P u, v> = <u, P v>",
+    "proju_matches_constraint": "proju must equal u - L*(LL*)^-1 L u from constraint and constraint_adjoint",
+    "constraint_adjoint": "constraint_adjoint must be the adjoint of constraint: <L u, lam> = <u, L* lam>",
+    "constraint_gram_diag": "constraint_gram_diag must be the diagonal of L L* (or return None)",
+    "defining_map_derivative": "constraint must be the derivative of defining_map",
+    "retr_zero": "retr(x, 0) must return x",
+    "retr_on_manifold": "retr must land on M for short and long steps",
+    "retr_slope": "retr's derivative at 0 must be the identity: R_x(tv) = x + tv + O(t^2)",
+    "transp_tangent": "transp(x, y, v) must return a tangent vector at y",
+    "transp_identity": "transp(x, x, v) must return v for a tangent v at x",
+    "egrad2rgrad_tangent": "egrad2rgrad must return a tangent vector",
+    "egrad2rgrad_is_gradient": "egrad2rgrad must be the Riemannian gradient of inner: inner(x, egrad2rgrad(x, u), w) "
+                               "= <u, w> for tangent w (the embedded metric: proju)",
+    "methods_leave_their_inputs": "these methods wrote into their argument: compute out of place",
+    "methods_keep_the_dtype": "these methods changed the dtype: return the input's",
+    "gram_form_matches": "the declared gram_form's project/constraint/adjoint/gram_diag disagree with the manifold's "
+                         "maps (at x or at a scaled 0.7x): fix the form or declare none",
+    "gram_retraction_on_manifold": "the declared gram_form's retraction_factor must land on M",
+    "gram_retraction_slope": "the declared gram_form's retraction must be first order: R_W(tV) = W + tV + O(t^2)",
+    "dualizer_keeps_tangent": "dualizer_keeps_tangent says msign(P_x G) is tangent at x, and it is not: return False",
+    "geoopt_sgd_on_manifold": "geoopt's RiemannianSGD left M: check egrad2rgrad, retr and transp",
+}
+
+
+def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tensor, record) -> None:
+    """The declared capabilities against the manifold's maps, in float64 (see
+    :func:`check_manifold_contract`); a manifold declaring none records nothing."""
+    from geomuon.manifolds.capabilities import gram_retraction
+    from geomuon.manifolds.linalg import msign
+
+    tol = default_tolerance(torch.float64)
+    # the math of the declarations, on a float64 point of M (a float32 point is off M by its
+    # round-off, which a form's exact identities would see)
+    x, g = manifold.projx(x.double()), g.double()
+    form = getattr(manifold, "gram_form", None)
+    if form is not None:
+        flip = manifold.transposes_wide and x.size(-2) < x.size(-1)
+        W0, X = (x.mT, g.mT) if flip else (x, g)
+        if W0.size(-2) >= W0.size(-1):  # the form's maps are stated for tall points
+            errors = []
+            for W in (W0, 0.7 * W0):
+                D = W.mT @ W
+                lam = form.constraint(W.mT @ X)
+                errors += [
+                    _relative(X - W @ form.project(D, W.mT @ X), MatrixManifold.proju(manifold, W, X)),
+                    _relative(lam, manifold.constraint(W, X)),
+                    _relative(W @ form.adjoint(lam), manifold.constraint_adjoint(W, lam)),
+                ]
+                diag = manifold.constraint_gram_diag(W)
+                if diag is not None:
+                    errors.append(_relative(form.gram_diag(D).expand_as(lam) * lam, diag.expand_as(lam) * lam))
+            record("gram_form_matches", max(errors), tol)
+            V = MatrixManifold.proju(manifold, W0, X)
+            V = V * (_matrix_norm(W0) / _matrix_norm(V).clamp_min(1e-300))[..., None, None]
+            stepped = gram_retraction(form, W0, 0.3 * V)
+            record("gram_retraction_on_manifold", manifold_residual(manifold, stepped.mT if flip else stepped), tol)
+            shim = types.SimpleNamespace(retr=lambda W, step: gram_retraction(form, W, step))
+            slope, _ = retraction_slope(shim, W0, V, torch.logspace(-4, -2, 5))
+            record("gram_retraction_slope", slope, MIN_RETRACTION_SLOPE, at_least=True)
+    if manifold.dualizer_keeps_tangent(x, "spectral"):
+        A = msign(manifold.proju(x, g), method="svd")
+        record("dualizer_keeps_tangent", float(normal_component(manifold, x, A).norm() / A.norm().clamp_min(1e-300)),
+               tol)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` over all entries (float64; matrices or multipliers of any shape)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _geoopt_steps(manifold: MatrixManifold, x: torch.Tensor, target: torch.Tensor, steps: int = 5):
