@@ -333,6 +333,11 @@ def test_stiefel_series_bound_holds_for_the_engines_directions():
              if form.series_covers(gram.DIRECTION_NORM * k / 1000, gram.DIRECTION_NORMAL * k / 1000, 1.0, 6,
                                    torch.float32))
     assert lr >= 0.1  # the default lr 0.02 and the tuned 0.04 are far inside
+    # weight decay alone (no step): the bound's |c^2 - 1| is the measured deviation of cW
+    W = Stiefel().random(12, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64).data
+    for c in (0.9, 0.95, 0.99):
+        measured = torch.linalg.matrix_norm((c * W).mT @ (c * W) - torch.eye(5, dtype=torch.float64), 2).item()
+        assert form.series_covers(0.0, 0.0, c, 6, torch.float32) == (measured <= radius / 2), c
     gen = torch.Generator().manual_seed(6)
     for m, n in ((192, 48), (64, 64)):
         W = Stiefel().random(2, m, n, generator=gen).data

@@ -224,7 +224,9 @@ def test_rms_scale_is_the_rms_operator_norm_and_eta_uses_it(monkeypatch):
         # adjust_lr=None: an update already of unit RMS->RMS norm, eta = lr * bound * margin
         assert muon_update_norm(1.0, (m, n), adjust_lr=None, margin=1.0) == pytest.approx(bound, rel=1e-15)
         # "original": the update lr * s(m, n) * O has RMS->RMS norm <= lr * s * rms-norm * bound
-        expected = float(sp.N(norm, 30)) * muon_shape_factor(m, n, "original") * bound
+        # (torch.optim.Muon's factor sqrt(max(1, m/n)), written out: not read from muon_shape_factor)
+        assert muon_shape_factor(m, n, "original") == math.sqrt(max(1.0, m / n))
+        expected = float(sp.N(norm, 30)) * math.sqrt(max(1.0, m / n)) * bound
         assert muon_update_norm(1.0, (m, n), adjust_lr="original", margin=1.0) == pytest.approx(expected, rel=1e-15)
     # control: the inverse scale is not the RMS->RMS norm
     import geomuon.manifolds.linalg as linalg
