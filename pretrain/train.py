@@ -90,7 +90,6 @@ try:
 except ImportError:  # Windows: run folders are not locked
     fcntl = None
 
-from geomuon.manifolds.linalg import power_iteration
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import whole
 from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
@@ -407,15 +406,17 @@ def _with_previous_checkpoint(folder: str, problem: str):
 
 @torch.no_grad()
 def weight_metrics(assignment: Assignment, model: torch.nn.Module) -> dict[str, dict]:
-    """σ_max (power iteration, fp32, 30 steps) and column-norm spread max/min on the
-    constrained side (the columns of the tall orientation) of every hidden matrix."""
+    """σ_max (exact: the largest singular value, fp32) and column-norm spread max/min on the
+    constrained side (the columns of the tall orientation) of every hidden matrix. (A 30-step
+    power iteration had logged a lower bound up to 3.6 % low where the top singular values
+    cluster: DGram weights, trained q/k.)"""
     sigma, spread = {}, {}
     params = dict(model.named_parameters())
     for row in assignment.rows:
         if row.role in ATTENTION_ROLES + MLP_ROLES + ("router", "lm_head"):
             W = params[row.name].detach().float()
             W = W if W.shape[-2] >= W.shape[-1] else W.mT
-            sigma[row.name] = float(power_iteration(W, steps=30)[0])
+            sigma[row.name] = float(torch.linalg.matrix_norm(W, ord=2))
             norms = W.norm(dim=-2)
             spread[row.name] = float(norms.max() / norms.min().clamp_min(1e-30))
     return {"sigma_max": sigma, "column_spread": spread}

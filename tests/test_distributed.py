@@ -507,6 +507,7 @@ for gradients in GRADIENTS:
 weights = [p.detach().full_tensor() for p in params]
 if dist.get_rank() == 0:
     torch.save({"weights": weights, "owners": owners}, sys.argv[1])
+dist.barrier()  # every rank past its last collective before any tears the group down (gloo aborts a peer)
 dist.destroy_process_group()
 """
 

@@ -52,6 +52,12 @@ def test_training_logs_every_metric(tmp_path):
     assert set(last["softmax_jacobian"]) == {"h.0.attn", "h.1.attn"}
     assert "h.0.attn.q.weight" in last["sigma_max"] and "h.0.mlp.c_fc.weight" in last["column_spread"]
     assert 0 < last["val_acc"] < 1 and last["lipschitz_bound"] > 0
+    # sigma_max is each weight's largest singular value (fp32: 1e-6 relative), not a
+    # power-iteration lower bound (which had logged up to 3.6 % low on trained q/k)
+    weights = dict(result.model.named_parameters())
+    for name, logged in last["sigma_max"].items():
+        exact = torch.linalg.matrix_norm(weights[name].detach().double(), ord=2).item()
+        assert logged == pytest.approx(exact, rel=1e-6), name
 
 
 def test_the_logged_lipschitz_bound_is_the_method_asked_for(tmp_path):
