@@ -523,18 +523,19 @@ def power_iteration(
         # X v normalized before X^T: X^T X v is of order sigma^2, whose norm overflowed in fp32
         # from sigma ~ 4e9 (sigma = 0, v = 0, then NaN)
         v = _unit((X.mT @ _unit((X @ v.unsqueeze(-1)).squeeze(-1)).unsqueeze(-1)).squeeze(-1))
-    Xv = (X @ v.unsqueeze(-1)).squeeze(-1)
-    largest = Xv.abs().amax(dim=-1)
-    sigma = (Xv / largest.unsqueeze(-1).clamp_min(torch.finfo(X.dtype).tiny)).norm(dim=-1) * largest
-    return sigma, v
+    return _scaled_norm((X @ v.unsqueeze(-1)).squeeze(-1)).squeeze(-1), v
+
+
+def _scaled_norm(x: torch.Tensor) -> torch.Tensor:
+    """``||x||`` along the last dimension (keepdim), by the largest entry first: the norm squares
+    the entries, which must neither overflow nor underflow."""
+    largest = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    return (x / largest).norm(dim=-1, keepdim=True) * largest
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
-    """``x / ||x||`` along the last dimension, by its largest entry first (the norm squares the
-    entries: no overflow or underflow); a zero vector stays zero."""
-    tiny = torch.finfo(x.dtype).tiny
-    x = x / x.abs().amax(dim=-1, keepdim=True).clamp_min(tiny)
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(tiny)
+    """``x / ||x||`` along the last dimension (:func:`_scaled_norm`); a zero vector stays zero."""
+    return x / _scaled_norm(x).clamp_min(torch.finfo(x.dtype).tiny)
 
 
 def spectral_norm(X: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             raise ValueError(f"group {index}: matrix_view must be one of {MATRIX_VIEWS}, got {group['matrix_view']!r}")
         require_number(index, "momentum", group["momentum"], lambda x: 0 <= x < 1, "a number in [0, 1)")
         if "compute_dtype" in group:
-            require_dtype(group, index, "compute_dtype")
+            require_dtype(index, "compute_dtype", group["compute_dtype"])
         self._refuse_vectors(group, index, "a tensor below 2-D has no matrix update. Put it in a param group "
                                            "with update='adamw' (or a separate optimizer)")
         for i, p in enumerate(group["params"]):
@@ -465,16 +465,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         else:
             grad = params[0].grad  # one sanitized copy at a time, in one buffer (a batch shares shape and dtype)
             clean = self._temporary("gradient", grad.shape, grad.dtype, grad.device)
-            # lerp rounds a tensor weight to its input's dtype: exact for fp32 and fp64, but in bf16
-            # 1 - mu = 0.05 became 0.05005 (torch's float weight is not rounded); there the skipped
-            # matrix's G' is its B instead (a 0/1 lerp, exact), and the weight a float
-            exact = bufs[0].dtype in (torch.float32, torch.float64)
             for out, p, b, k in zip(stacked, params, bufs, keep.to(bufs[0].dtype)):
                 g = torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0, out=clean)
-                if exact:
-                    b.lerp_(g, k * (1 - momentum))
-                else:
-                    b.lerp_(g.lerp_(b, 1 - k), 1 - momentum)
+                _lerp_kept_(b, g, 1 - momentum, k)
                 # the Nesterov lerp in place, then one rounding copy (a mixed-dtype lerp is ~2x slower)
                 out.copy_((g.lerp_(b, momentum) if group["nesterov"] else b).reshape(shape))
         if keep is not None:  # a skipped matrix's momentum is exactly zero (G' and B are finite)
@@ -541,11 +534,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             step = state["step"].add_(kept)
             if group["weight_decay"] != 0:
                 p.mul_(_where_kept(kept, 1 - lr * group["weight_decay"]))
-            if p.dtype in (torch.float32, torch.float64):
-                state["exp_avg"].lerp_(g, (1 - beta1) * kept)
-            else:  # a tensor weight is rounded to bf16 (0.1 -> 0.10010): torch's float weight, and
-                # for a skipped parameter the end point is the average itself (a 0/1 lerp, exact)
-                state["exp_avg"].lerp_(g.lerp(state["exp_avg"], 1 - kept), 1 - beta1)
+            _lerp_kept_(state["exp_avg"], g, 1 - beta1, kept)
             state["exp_avg_sq"].mul_(_where_kept(kept, beta2)).addcmul_(g, g, value=1 - beta2)
             counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
             bias1, bias2 = _bias_correction(beta1, counted, p.dtype), _bias_correction(beta2, counted, p.dtype)
@@ -648,13 +637,25 @@ def require_number(index: int, name: str, value, admissible, what: str) -> None:
         raise ValueError(f"group {index}: {name} must be {what}, got {value!r}")
 
 
-def require_dtype(group: dict, index: int, key: str) -> None:
-    """Refuse a group's ``key`` (a compute dtype) that is neither ``None`` nor a floating
-    ``torch.dtype`` (a string such as ``"bfloat16"`` had failed inside the step)."""
-    value = group[key]
+def require_dtype(index: int, name: str, value) -> None:
+    """Refuse option ``name`` of param group ``index`` (a compute dtype) whose ``value`` is neither
+    ``None`` nor a floating ``torch.dtype`` (a string such as ``"bfloat16"`` had failed inside
+    the step)."""
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise ValueError(f"group {index}: {key} must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
+        raise ValueError(f"group {index}: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
                          f"got {value!r}")
+
+
+def _lerp_kept_(average: torch.Tensor, end: torch.Tensor, weight: float, kept: torch.Tensor) -> torch.Tensor:
+    r"""``average`` $\leftarrow$ ``lerp(average, end, weight)`` in place where ``kept`` (a 0-dim 0/1 of
+    ``average``'s dtype), else unchanged, with no host read. fp32 and fp64 take the weight
+    ``kept * weight``; a lower precision would round that tensor weight to its own dtype (in
+    bf16 1 - 0.95 = 0.05 became 0.05005, where torch's float weight is not rounded), so there
+    the weight stays a float and the end point becomes ``average`` itself where not kept (a 0/1
+    lerp, exact; ``end`` is not written)."""
+    if average.dtype in (torch.float32, torch.float64):
+        return average.lerp_(end, kept * weight)
+    return average.lerp_(end.lerp(average, 1 - kept), weight)
 
 
 def _bias_correction(beta: float, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

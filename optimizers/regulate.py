@@ -69,6 +69,7 @@ from geomuon.manifolds.linalg import (
     check_matrix,
     fixed_start,
     fp32_or_fp64,
+    largest_entry,
     msign,
     power_iteration,
     rms_scale,
@@ -781,7 +782,7 @@ class HardCap(Regulator):
         gram = X.mT @ X
         # Schatten-8 norm: an upper bound on sigma_max within a factor n^(1/8), of the Gram by
         # its largest entry g (in fp32 (gram @ gram) overflowed once sigma_max passed 6e4)
-        g = gram.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(gram.dtype).tiny)
+        g = largest_entry(gram)
         unit = gram / g
         bound = (unit @ unit).norm(dim=(-2, -1)).sqrt().sqrt() * g.squeeze(-1).squeeze(-1).sqrt()
         if self.levels:

@@ -90,6 +90,7 @@ try:
 except ImportError:  # Windows: run folders are not locked
     fcntl = None
 
+from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import whole
 from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
@@ -416,7 +417,7 @@ def weight_metrics(assignment: Assignment, model: torch.nn.Module) -> dict[str, 
         if row.role in ATTENTION_ROLES + MLP_ROLES + ("router", "lm_head"):
             W = params[row.name].detach().float()
             W = W if W.shape[-2] >= W.shape[-1] else W.mT
-            sigma[row.name] = float(torch.linalg.matrix_norm(W, ord=2))
+            sigma[row.name] = float(spectral_norm(W))
             norms = W.norm(dim=-2)
             spread[row.name] = float(norms.max() / norms.min().clamp_min(1e-30))
     return {"sigma_max": sigma, "column_spread": spread}
