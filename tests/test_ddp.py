@@ -23,12 +23,14 @@ def config(out_dir, strategy, parallel="none"):
 
 
 WORKER = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     torch.set_num_threads(1)
     from geomuon.pretrain.train import TrainConfig, train
     cfg = TrainConfig(**eval(sys.argv[1]))
     result = train(cfg)
     torch.save({k: v.clone() for k, v in result.model.state_dict().items()}, sys.argv[2])
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown, where a destroyed gloo group's thread can abort a rank
 """)
 
 
