@@ -348,8 +348,9 @@ def test_cli_imports_from_the_working_directory_and_checks_optimizers(tmp_path, 
                         p.sub_(group["lr"] * p.grad.sign())
     """))
     monkeypatch.chdir(tmp_path)
-    assert _cli("my_updates:noisy", "--group", "bi-orthogonal", "--trials", "4") == 3
-    assert "INCONCLUSIVE" in capsys.readouterr().out
+    # a random map is no map to check (its noise had entered the floor): an error, exit 4
+    assert _cli("my_updates:noisy", "--group", "bi-orthogonal", "--trials", "4") == 4
+    assert "noisy is not deterministic" in capsys.readouterr().out
     assert _cli("my_updates:crash", "--group", "bi-orthogonal") == 4
     assert "RuntimeError: boom" in capsys.readouterr().out
     assert _cli("my_updates:RowSign", "--arg", "lr=0.05", "--steps", "2", "--group", "signed-permutation") == 0
@@ -396,3 +397,103 @@ def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkey
 
 def test_decision_factors_are_ordered():
     assert 1 < HOLDS_FACTOR < VIOLATION_FACTOR and 2.0**-MIN_TRIALS <= 1e-6 and math.isfinite(VIOLATION_FACTOR)
+
+
+def _svd_msign(D):
+    U, _, Vh = torch.linalg.svd(D, full_matrices=False)
+    return U @ Vh
+
+
+def test_a_random_or_stateful_map_is_an_error_not_a_pass():
+    # Old checker: the noise entered the measured floor, so a 1e-4 bias under 1e-4 noise held
+    # (the same bias alone is violated); a map leaking its previous input held too.
+    def biased_noisy(D):
+        return _svd_msign(D) + 1e-4 + 1e-4 * torch.randn_like(D)
+
+    previous = []
+
+    def leaky(D):
+        out = _svd_msign(D) + (1e-4 * _svd_msign(previous[-1]) if previous else 0.0)
+        previous.append(D.clone())
+        return out
+
+    for update in (biased_noisy, leaky):
+        report = check_equivariance(update, "bi-orthogonal", (8, 5), seed=1)
+        assert report.verdict == "error" and "is not deterministic" in report.message(), update.__name__
+        assert len(report.trials) == 1  # an error decides the check at once
+    # control: the bias alone is still caught, and the map itself holds
+    assert check_equivariance(lambda D: _svd_msign(D) + 1e-4, "bi-orthogonal", (8, 5), seed=1).verdict == "violated"
+    assert check_equivariance(_svd_msign, "bi-orthogonal", (8, 5), seed=1).verdict == "holds"
+
+
+def test_a_map_that_writes_to_its_input_is_checked_as_the_function_it_computes():
+    # Old checker: the in-place map changed the example the round trips compare against
+    # (INCONCLUSIVE, 0 of 120 resolved); the same map written out of place holds.
+    def ns_step_(D):
+        D.mul_(1.5).sub_(0.5 * D @ D.mT @ D)
+        return D
+
+    assert check_equivariance(ns_step_, "bi-orthogonal", (6, 4), seed=0).verdict == "holds"
+    # control: it is a real check (a map that is not equivariant, also in place, is caught)
+    assert check_equivariance(lambda D: D.mul_(masked(torch.ones_like(D))), "bi-orthogonal", (6, 4),
+                              seed=0).verdict == "violated"
+
+
+def test_float16_checks_draw_inputs_float16_holds():
+    # Old checker: scales up to 1e8 rounded the float16 input to inf and blamed the update.
+    from geomuon.theory.equivariance import SCALES, trial_scales
+
+    assert trial_scales(torch.float16) == (1.0,)
+    assert trial_scales(torch.float32) == trial_scales(torch.bfloat16) == SCALES
+    report = check_equivariance(lambda D: D.clone(), "permutation", (8, 5), dtype=torch.float16, seed=1)
+    assert report.verdict == "holds", report.message()
+    assert check_equivariance(masked, "permutation", (8, 5), dtype=torch.float16, seed=1).verdict == "violated"
+
+
+def test_bad_arguments_are_refused_before_any_trial():
+    with pytest.raises(ValueError, match="trials must be an int >= 1"):
+        check_equivariance(_svd_msign, "bi-orthogonal", (8, 5), trials=0)
+    with pytest.raises(ValueError, match="min_trials must be an int >= 1"):
+        check_equivariance(_svd_msign, "bi-orthogonal", (8, 5), min_trials=0)
+    with pytest.raises(TypeError, match="group must be a Group"):
+        check_equivariance(_svd_msign, None, (4, 4))
+    with pytest.raises(TypeError, match="update must be a callable"):
+        check_equivariance(torch.eye(3), "bi-orthogonal", (4, 4))
+    # a group class is a group (it had been called as the sampler's shapes argument)
+    assert check_equivariance(_svd_msign, BiOrthogonal, (5, 3), seed=0).verdict == "holds"
+    report = check_equivariance(lambda D: D.numpy(), "bi-orthogonal", (4, 4), seed=0)
+    assert report.verdict == "error" and "returned a ndarray" in report.message()
+
+
+def test_too_few_trials_to_hold_says_how_many_are_needed():
+    # trials=5 draws at most 15, below the 20 a holds verdict needs: the reason had blamed
+    # the dtype; a violation is still found with few trials
+    report = check_equivariance(lambda D: 2.0 * D, "bi-orthogonal", (8, 5), trials=5, seed=0)
+    assert report.verdict == "inconclusive" and "ask for trials >= 7" in report.message(), report.message()
+    assert check_equivariance(masked, "bi-orthogonal", (8, 5), trials=1, seed=0).verdict == "violated"
+
+
+def test_a_user_factor_that_is_neither_diagonal_nor_orthogonal_gets_its_inverse(monkeypatch):
+    # Old _inverse returned M^T for every non-diagonal factor: a linear map (equivariant
+    # under any linear action) was INCONCLUSIVE under scaled permutations
+    from geomuon.theory import groups
+
+    monkeypatch.setitem(groups.FACTORS, "scaled_permutation", lambda k, g: groups.random_permutation(k, g)
+                        @ groups.random_positive_diagonal(k, g))
+
+    class ScaledRows(groups.TwoSidedGroup):
+        name, left, right = "scaled-rows", "scaled_permutation", "identity"
+
+    assert check_equivariance(lambda D: 2.0 * D, ScaledRows(), (6, 4), seed=0).verdict == "holds"
+    assert check_equivariance(_svd_msign, ScaledRows(), (6, 4), seed=0).verdict == "violated"
+
+
+def test_cli_target_imports_its_neighbours(tmp_path, monkeypatch, capsys):
+    # my_optim.py importing my_maps.py from the working folder had exited 2 (No module named
+    # 'my_maps'): python -m puts the working folder on sys.path, and so does the CLI now
+    (tmp_path / "my_maps.py").write_text("def double(D):\n    return 2.0 * D\n")
+    (tmp_path / "my_optim.py").write_text("from my_maps import double\n\ndef update(D):\n    return double(D)\n")
+    monkeypatch.chdir(tmp_path)
+    path = list(sys.path)
+    assert _cli("my_optim:update", "--group", "bi-orthogonal", "--seed", "1") == 0
+    assert sys.path == path  # restored for an in-process caller

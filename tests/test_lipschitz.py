@@ -762,7 +762,25 @@ def test_model_weights_protocol():
     (lambda w: {**w, "blocks": [{**w["blocks"][0], "q_bias": torch.zeros(16)}, *w["blocks"][1:]]},
      r"blocks\[0\]\['q_bias'\] not modelled"),
     (lambda w: {**w, "blocks": [*w["blocks"][:-1], {**w["blocks"][-1], "ln_1": torch.ones(16)}]},
-     r"\['ln_1'\] not modelled")],
+     r"\['ln_1'\] not modelled"),
+    # scalars out of range: a negative attention_scale had certified 0.167 for a model reaching
+    # 0.208, a NaN one a NaN bound (which passes every `bound > limit` gate), n_head 2.7 became 2
+    (lambda w: {**w, "attention_scale": -1 / 3}, "attention_scale must be a finite number > 0"),
+    (lambda w: {**w, "score_scale": float("nan")}, "score_scale must be a finite number > 0"),
+    (lambda w: {**w, "gelu_scale": -1.0}, "gelu_scale must be a finite number > 0"),
+    (lambda w: {**w, "residual_weight": 1.5}, r"residual_weight must lie in \[0, 1\]"),
+    (lambda w: {**w, "n_head": 2.7}, "n_head must be a whole number"),
+    # matrices: non-finite, of the wrong shape, not matrices (raw torch errors, or a silent bound)
+    (lambda w: {**w, "head": w["head"].index_fill(0, torch.tensor([0]), math.inf)}, "head has non-finite"),
+    (lambda w: {**w, "blocks": [{**w["blocks"][0], "q": w["blocks"][0]["q"] * math.nan}, *w["blocks"][1:]]},
+     r"blocks\[0\]\['q'\] has non-finite"),
+    (lambda w: {**w, "blocks": [*w["blocks"][:-1], {**w["blocks"][-1], "mlp_in": torch.zeros(16, 5)}]},
+     r"\['mlp_in'\] is 16x5, expected \*x16"),
+    (lambda w: {**w, "blocks": [{**w["blocks"][0], "o": torch.zeros(16, 8)}, *w["blocks"][1:]]},
+     r"blocks\[0\]\['o'\] is 16x8, expected 16x16"),
+    (lambda w: {**w, "head": torch.zeros(5, 12)}, r"head is 5x12, expected \*x16"),
+    (lambda w: {**w, "blocks": [{**w["blocks"][0], "q": torch.zeros(16)}, *w["blocks"][1:]]}, "must be a 2-D tensor"),
+    (lambda w: {**w, "blocks": dict(enumerate(w["blocks"]))}, "must be a list of per-block dicts")],
 )
 def test_bad_weights_are_rejected(mutate, match):
     weights = GPT(lipschitz_config(n_head=2)).lipschitz_weights()
@@ -770,6 +788,34 @@ def test_bad_weights_are_rejected(mutate, match):
         transformer_lipschitz_bound(mutate(weights))
     with pytest.raises(ValueError, match="method"):
         transformer_lipschitz_bound(weights, method="loose")
+
+
+def test_sublayer_bounds_refuse_shapes_and_scales_they_do_not_describe():
+    # a 16 -> 5 "MLP" had got 12.97, a 3x7 output projection 542.5, gelu_scale -1 a negative constant
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    w_in, w_out = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(8, 16, generator=gen,
+                                                                                        dtype=torch.float64)
+    with pytest.raises(ValueError, match="mlp_lipschitz: w_out is 8x5, expected 8x16"):
+        mlp_lipschitz(w_in, w_out[:, :5])
+    with pytest.raises(ValueError, match="mlp_lipschitz: gelu_scale must be a finite number > 0"):
+        mlp_lipschitz(w_in, w_out, gelu_scale=-1.0)
+    with pytest.raises(ValueError, match="residual_mlp_bound: radius must be a finite number >= 0"):
+        residual_mlp_bound(w_in, w_out, residual_weight=0.5, radius=-1.0)
+    with pytest.raises(ValueError, match="attention_lipschitz: o is 3x7, expected 8x8"):
+        attention_lipschitz(q, q, q, torch.zeros(3, 7, dtype=torch.float64), n_head=2, score_scale=0.25)
+    with pytest.raises(ValueError, match="attention_lipschitz: score_scale must be a finite number > 0"):
+        attention_lipschitz(q, q, q, q, n_head=2, score_scale=-0.25)
+    # control: the same calls with consistent arguments give finite, positive constants
+    assert mlp_lipschitz(w_in, w_out) > 0 and attention_lipschitz(q, q, q, q, n_head=2, score_scale=0.25).lipschitz > 0
+
+
+def test_rounding_error_bound_takes_blocks_as_any_iterable():
+    # a generator of blocks (which transformer_lipschitz_bound takes) had been used up by the
+    # inner call: IndexError
+    weights = GPT(lipschitz_config(n_head=2)).lipschitz_weights()
+    expected = rounding_error_bound(weights, sequence_length=16)
+    assert rounding_error_bound({**weights, "blocks": (b for b in weights["blocks"])}, sequence_length=16) == expected
 
 
 def test_residual_mlp_bound_holds_and_is_never_above_the_simple_one():

@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
 import importlib
-import importlib.machinery
-import importlib.util
 import inspect
 import math
 import os
@@ -80,20 +79,22 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
+@contextlib.contextmanager
+def _working_folder_first():
+    """The working directory first on ``sys.path`` for the command (as ``python -m`` puts it
+    there), so a target module's neighbours import too (``my_optim.py`` importing
+    ``my_updates.py``, at import time or inside the update); ``sys.path`` is restored after, for
+    an in-process caller."""
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def _import(module_name: str):
-    """Import ``module_name``, its top-level package looked up in the working directory first
-    (as ``python -m`` would), without changing ``sys.path``."""
-    top = module_name.partition(".")[0]
-    if top not in sys.modules:
-        spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
-        if spec is not None and spec.loader is not None:
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[top] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[top]
-                raise
+    """Import ``module_name`` (inside :func:`_working_folder_first`: the working directory first)."""
     return importlib.import_module(module_name)
 
 
@@ -169,6 +170,11 @@ def _subject(obj, kwargs: dict, steps: int, target: str):
 
 def run(args: argparse.Namespace) -> int:
     """Check ``args.target`` against ``args.group``; return the exit code (0, 1, 2, 3 or 4)."""
+    with _working_folder_first():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from geomuon.theory.equivariance import EXIT_CODES, check_equivariance  # lazy: --help stays fast
 
     from geomuon.theory.groups import get_group

@@ -364,7 +364,6 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
     """The declared capabilities against the manifold's maps, in float64 (see
     :func:`check_manifold_contract`); a manifold declaring none records nothing."""
     from geomuon.manifolds.capabilities import gram_retraction
-    from geomuon.manifolds.linalg import msign
 
     tol = default_tolerance(torch.float64)
     # the math of the declarations, on a float64 point of M (a float32 point is off M by its
@@ -396,7 +395,15 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
             slope, _ = retraction_slope(shim, W0, V, torch.logspace(-4, -2, 5))
             record("gram_retraction_slope", slope, MIN_RETRACTION_SLOPE, at_least=True)
     if manifold.dualizer_keeps_tangent(x, "spectral"):
-        A = msign(manifold.proju(x, g), method="svd")
+        # msign of the exact P_x G, whose zero singular values come out at the projection's
+        # round-off (a square Stiefel tangent x·skew is singular in odd dimensions): below
+        # sqrt(eps) sigma_max they are zeros (a Gaussian's projection has a genuine one there
+        # with probability ~1e-8), where msign's own rank threshold, max(m, n) eps sigma_max,
+        # had kept one by chance and its arbitrary singular pair (1/sqrt(5) of a 5x5 A) was
+        # blamed on the declaration
+        U, S, Vh = torch.linalg.svd(manifold.proju(x, g), full_matrices=False)
+        kept = (S > torch.finfo(S.dtype).eps ** 0.5 * S[..., :1]).to(S.dtype)
+        A = (U * kept.unsqueeze(-2)) @ Vh
         record("dualizer_keeps_tangent", float(normal_component(manifold, x, A).norm() / A.norm().clamp_min(1e-300)),
                tol)
 

@@ -100,7 +100,8 @@ A check draws at least :data:`MIN_TRIALS` independent trials (default 40) and is
 
 **Inputs are adversarial by default** (:data:`KINDS`, cycled over trials, each at a scale
 from :data:`SCALES`, $10^{-8}$ to $10^8$ in steps of 100, so every threshold in that range
-lies within two decades of some trial's entries): Gaussian, condition number ``condition``,
+lies within two decades of some trial's entries; a dtype of narrower range, float16, keeps
+the scales it holds, :func:`trial_scales`): Gaussian, condition number ``condition``,
 clustered top singular values ($\sigma_2/\sigma_1 \ge 0.999$), exactly repeated ones,
 rank-deficient, zero rows and columns, small integers, sparse. Seeds are drawn fresh per
 run and printed; ``seed=`` replays a run exactly. A router shift $\mathbf 1v^\top$ is drawn at
@@ -133,6 +134,8 @@ from geomuon.theory.groups import Group, GroupElement, get_group, haar_orthogona
 __all__ = [
     "KINDS",
     "SCALES",
+    "SCALE_HEADROOM",
+    "trial_scales",
     "MIN_TRIALS",
     "CONFIRMATION_PROBES",
     "EXTENSION",
@@ -142,6 +145,7 @@ __all__ = [
     "EXIT_CODES",
     "SUB_ROUNDOFF",
     "MapUpdate",
+    "NondeterministicUpdateError",
     "DirectionUpdate",
     "OptimizerUpdate",
     "map_residual",
@@ -164,6 +168,8 @@ __all__ = [
 KINDS = ("gaussian", "conditioned", "clustered", "repeated", "rank_deficient", "zero_lines", "integer", "sparse")
 #: Input scales (RMS entry), cycled independently of the kinds: $10^{-8}, 10^{-6}, \dots, 10^{8}$.
 SCALES = tuple(10.0**k for k in range(-8, 9, 2))
+#: Decades of range a trial's scale keeps clear of its dtype's limits (:func:`trial_scales`).
+SCALE_HEADROOM = 1e4
 #: Resolved trials a *holds* verdict needs: $2^{-20} < 10^{-6}$ chance of missing a map that
 #: breaks on half the draws.
 MIN_TRIALS = 20
@@ -222,6 +228,21 @@ def _relative(actual, expected) -> float:
     if diff == 0.0:
         return 0.0
     return diff / max(_norm(actual), _norm(expected))
+
+
+def _tensors(x) -> bool:
+    """Whether ``x`` is a tensor or a non-empty (nested) tuple or list of them."""
+    if isinstance(x, torch.Tensor):
+        return True
+    return isinstance(x, (tuple, list)) and len(x) > 0 and all(_tensors(part) for part in x)
+
+
+def _copied(x):
+    """A (nested) example with every tensor cloned: the update gets inputs it may write to."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    copied = [_copied(part) for part in x]
+    return tuple(copied) if isinstance(x, tuple) else copied
 
 
 def _finite(x) -> bool:
@@ -476,7 +497,9 @@ class MapUpdate(_Subject):
         self.name = self.name or getattr(self.update, "__name__", repr(self.update))
 
     def evaluate(self, example):
-        return self.update(example)
+        # a copy: a map that writes to its input in place (``D.mul_(...)``) would otherwise
+        # change the example the later round trips compare against
+        return self.update(_copied(example))
 
     def act(self, element, example):
         return element.act(example)
@@ -577,7 +600,24 @@ class OptimizerUpdate(_Subject):
 
 
 def _as_subject(update) -> _Subject:
-    return update if isinstance(update, _Subject) else MapUpdate(update)
+    if isinstance(update, _Subject):
+        return update
+    if not callable(update):
+        raise TypeError(f"update must be a callable D -> U or a MapUpdate/DirectionUpdate/OptimizerUpdate, "
+                        f"got {type(update).__name__}")
+    return MapUpdate(update)
+
+
+def _as_group(group) -> Group:
+    """A group given by name, instance or class (instantiated: groups take no arguments)."""
+    if isinstance(group, str):
+        return get_group(group)
+    if isinstance(group, type) and issubclass(group, Group):
+        return group()
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be a Group, a Group subclass or a group name (geomuon.theory.groups.GROUPS), "
+                        f"got {type(group).__name__}")
+    return group
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -635,6 +675,9 @@ def _floor(eps: float, changes: Sequence[float]) -> float:
 def _evaluator(subject: _Subject) -> Callable:
     def evaluate(x):
         out = subject.evaluate(x)
+        if not _tensors(out):
+            raise TypeError(f"{subject.name} returned a {type(out).__name__}: an update returns a tensor "
+                            "(a tuple of tensors under a joint group)")
         if not _finite(out):
             raise FloatingPointError(f"{subject.name} returned a non-finite output (NaN or inf)")
         return out
@@ -646,10 +689,23 @@ def _narrower_than_float64(example) -> bool:
     return any(t.dtype != torch.float64 for t in _members(example))
 
 
+class NondeterministicUpdateError(RuntimeError):
+    """Two evaluations of an update on the same input differed: its noise would enter the
+    measured floor and hide a violation of that size, so the trial is an error instead."""
+
+
 def _round_trips(subject: _Subject, element: GroupElement, example, evaluate: Callable):
     """``(U(x), g.x, U(g.x), residual, [input round trip, output round trip])`` at ``example``
-    (module docstring, items 2 and 3)."""
+    (module docstring, items 2 and 3); ``U(x)`` is evaluated twice, and outputs that differ
+    (bitwise) raise :class:`NondeterministicUpdateError`."""
     out = evaluate(example)
+    again = _relative(evaluate(example), out)
+    if again != 0.0:
+        raise NondeterministicUpdateError(
+            f"{subject.name} is not deterministic: two calls on the same input differ by {again:.2e} (relative). "
+            "The check compares outputs at different inputs, so the output must depend on the input alone: seed "
+            "any randomness inside the update, keep no state between calls (on CUDA, "
+            "torch.use_deterministic_algorithms(True))")
     moved = subject.act(element, example)
     out_g = evaluate(moved)
     residual = subject.relative(out_g, subject.act_output(element, out))
@@ -860,6 +916,10 @@ class EquivarianceReport:
         if any(s.verdict == "inconclusive" for s in self.trials):
             reason = (f"residual {t.residual:.3e} at {where} is {t.ratio:.3g}x its noise floor {t.floor:.2e}: "
                       f"above round-off ({HOLDS_FACTOR:g}x), below a clear violation ({VIOLATION_FACTOR:g}x)")
+        elif self.resolved == len(self.trials):
+            reason = (f"all {len(self.trials)} trials drawn ({EXTENSION}x the trials asked for, the most a check "
+                      f"draws) resolved, but a holds verdict needs {self.min_trials}: ask for trials >= "
+                      f"{-(-self.min_trials // EXTENSION)}")
         else:
             reason = (f"only {self.resolved} of {len(self.trials)} trials resolved ({self.min_trials} needed); "
                       f"on {unresolved} the update's own round-off floor is >= 1/{VIOLATION_FACTOR:g}, so not even "
@@ -879,6 +939,19 @@ def _at_scale(element: GroupElement, scale: float) -> GroupElement:
     if getattr(element, "shift", None) is not None:
         return dataclasses.replace(element, shift=element.shift * scale)
     return element
+
+
+def trial_scales(dtype: torch.dtype) -> tuple[float, ...]:
+    r"""The :data:`SCALES` whose inputs ``dtype`` holds: $s$ with
+    $s\,h \le$ the dtype's largest finite value and $s / h \ge$ its smallest normal one,
+    $h$ = :data:`SCALE_HEADROOM` $= 10^4$. The largest entry of an $m\times n$ input at RMS $s$
+    is at most $s\sqrt{mn}$ ($10^2 s$ at $100\times 100$, a sparse input) and a positive
+    diagonal group factor scales by up to $10^2$; the smallest singular value of a
+    conditioned input is $s/\kappa$ ($10^{-3}s$ at the default $\kappa$). float32, bfloat16
+    and float64 keep all of them; float16 (range $6\cdot 10^{-5}$ to $65504$) keeps $s = 1$,
+    where a scale of $10^8$ had rounded the input to inf and blamed the update."""
+    info = torch.finfo(dtype)
+    return tuple(s for s in SCALES if s * SCALE_HEADROOM <= info.max and s / SCALE_HEADROOM >= info.tiny)
 
 
 def _trial_generator(seed: int, index: int) -> torch.Generator:
@@ -906,8 +979,8 @@ def check_equivariance(
             :class:`OptimizerUpdate`.
         group: a :class:`~geomuon.theory.groups.Group` or its name.
         shape: ``(m, n)``; for ``NeuronPermutation`` the SwiGLU triple with ``h = m, d = n``.
-        trials: number of (input, element) draws; trial ``i`` uses ``kinds[i % len(kinds)]``
-            at scale ``SCALES[i % len(SCALES)]``; up to :data:`EXTENSION` times more are
+        trials: number of (input, element) draws, at least 1; trial ``i`` uses
+            ``kinds[i % len(kinds)]`` at the ``i``-th scale of :func:`trial_scales` (cyclically); up to :data:`EXTENSION` times more are
             drawn while fewer than ``min_trials`` are resolved and nothing is decided.
 
         expect: ``"holds"`` or ``"violated"`` (``"fails"`` is accepted for it); sets
@@ -919,26 +992,41 @@ def check_equivariance(
             of the ``clustered`` ones).
         seed: replays a run; default a fresh random seed, recorded in the report.
         kinds: subset of :data:`KINDS`.
-        min_trials: resolved trials a *holds* verdict needs.
+        min_trials: resolved trials a *holds* verdict needs, at least 1 (with ``trials`` below
+            ``min_trials /`` :data:`EXTENSION` a check can find a violation but never hold:
+            its *inconclusive* report says so).
+
+    Raises:
+        TypeError: ``update`` is not callable, or ``group`` is neither a group, a group class
+            nor a name.
+        ValueError: ``trials`` or ``min_trials`` below 1, an unknown ``expect`` or kind.
     """
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be an int >= 1, got {trials!r}")
+    if isinstance(min_trials, bool) or not isinstance(min_trials, int) or min_trials < 1:
+        raise ValueError(f"min_trials must be an int >= 1, got {min_trials!r}")
     expect = "violated" if expect == "fails" else expect
     if expect not in ("holds", "violated"):
         raise ValueError(f"expect must be 'holds' or 'violated', got {expect!r}")
     unknown = set(kinds) - set(KINDS)
     if unknown or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {list(kinds)}")
-    group = get_group(group) if isinstance(group, str) else group
+    group = _as_group(group)
     subject = _as_subject(update)
     seed = secrets.randbits(31) if seed is None else int(seed)
     compute_dtype = compute_dtype or dtype
     shapes = sample_shapes(group, shape)
+    scales = trial_scales(dtype)
     results, confirmed = [], False
 
     def more() -> bool:
-        # ``trials`` draws, then more (up to 3x) while too few are resolved for a verdict.
+        # ``trials`` draws, then more (up to 3x) while too few are resolved for a verdict; an
+        # error decides the check at once (its message is the report's)
+        if results and results[-1].verdict == "error":
+            return False
         if len(results) < trials:
             return True
-        decided = any(t.verdict in ("error", "violated") for t in results)
+        decided = any(t.verdict == "violated" for t in results)
         resolved = sum(t.verdict in ("holds", "inconclusive", "violated") for t in results)
         return not decided and resolved < min_trials and len(results) < EXTENSION * trials
 
@@ -946,7 +1034,7 @@ def check_equivariance(
         i = len(results)
         generator = _trial_generator(seed, i)
         kind = kinds[i % len(kinds)]
-        scale = 1.0 if kind == "integer" else SCALES[i % len(SCALES)]
+        scale = 1.0 if kind == "integer" else scales[i % len(scales)]
         try:
             example = subject.example(
                 [_raw(shapes, k, scale, generator, dtype, condition) for k in subject.input_kinds(kind)]
@@ -1020,7 +1108,7 @@ def hypothesis_cases(
     r"""Hypothesis strategy of :class:`Case` for ``subject`` under ``group`` (needs the
     ``test`` extra). Shapes ``m, n`` in ``dims`` (``orientation`` ``"tall"``: $m \ge n$,
     ``"wide"``: $m < n$), an input kind of ``kinds`` at a scale of :data:`SCALES`, condition
-    numbers in ``[1, max_condition]``, matrices seeded by a drawn integer; shrinking goes to
+    numbers in ``[1, max_condition]`` (scales: :func:`trial_scales` of ``dtype``), matrices seeded by a drawn integer; shrinking goes to
     the smallest shape, a Gaussian input at scale $10^{-8}$, condition 1 and seed 0."""
     from hypothesis import strategies as st
 
@@ -1037,7 +1125,7 @@ def hypothesis_cases(
         if orientation == "wide" and m == n:
             n += 1
         kind = draw(st.sampled_from(list(kinds)))
-        scale = 1.0 if kind == "integer" else draw(st.sampled_from(SCALES))
+        scale = 1.0 if kind == "integer" else draw(st.sampled_from(trial_scales(dtype)))
         condition = draw(st.floats(1.0, max_condition))
         seed = draw(st.integers(0, 2**31 - 1))
         generator = torch.Generator().manual_seed(seed)
@@ -1081,7 +1169,7 @@ def verify_declaration(
     from hypothesis import Phase, assume, find, given, settings
     from hypothesis.errors import NoSuchExample
 
-    group = get_group(group) if isinstance(group, str) else group
+    group = _as_group(group)
     subject = _as_subject(update)
     compute_dtype = compute_dtype or dtype
     strategy = hypothesis_cases(subject, group, orientation=orientation, max_condition=max_condition, dtype=dtype,

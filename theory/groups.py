@@ -166,11 +166,17 @@ FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
 
 
 def _inverse(M: torch.Tensor) -> torch.Tensor:
-    """Inverse of a factor (factors are diagonal or orthogonal): $1/d$ on the diagonal of a
-    diagonal one, $M^\\top$ otherwise."""
+    """Inverse of a factor: $1/d$ on the diagonal of a diagonal one, $M^\\top$ for an
+    orthogonal one (every built-in factor is one of the two), ``torch.linalg.inv`` for any
+    other invertible factor a user adds to :data:`FACTORS` (a scaled permutation)."""
     if torch.count_nonzero(M - torch.diag_embed(torch.diagonal(M))) == 0:
         return torch.diag_embed(1.0 / torch.diagonal(M))
-    return M.mT
+    identity = torch.eye(M.size(-1), dtype=M.dtype, device=M.device)
+    # a sampled orthogonal factor is orthogonal to its dtype's round-off (k eps); a factor
+    # that is not is off by O(1)
+    if float((M.mT @ M - identity).abs().max()) <= M.size(-1) * 64 * torch.finfo(M.dtype).eps:
+        return M.mT
+    return torch.linalg.inv(M)
 
 
 def _cast(M: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,26 @@ def mlp_lipschitz(
     (the RMS norm of the hidden layer is the same on both sides, and GELU acts
     entrywise, so $\|s\,\text{GELU}(a) - s\,\text{GELU}(b)\|_{\mathrm{RMS}} \le
     s\,\text{GELU}_\text{Lip}\|a - b\|_{\mathrm{RMS}}$)."""
+    _check_mlp("mlp_lipschitz", w_in, w_out, gelu_scale)
     return rms_operator_norm(w_out) * gelu_scale * GELU_LIPSCHITZ * rms_operator_norm(w_in)
+
+
+def _check_mlp(where: str, w_in, w_out, gelu_scale: float, radius: float = 1.0) -> None:
+    """Refuse an MLP whose ``w_out`` does not map back from ``w_in``'s hidden width, or a
+    non-positive ``gelu_scale`` (a negative one had given a negative constant) or radius."""
+    _require_matrix(where, "w_in", w_in)
+    hidden, d = w_in.shape
+    _require_matrix(where, "w_out", w_out, (d, hidden))
+    _positive(where, "gelu_scale", gelu_scale)
+    _nonnegative(where, "radius", radius)
+
+
+def _nonnegative(where: str, name: str, value) -> float:
+    """``value`` as a float, refused unless finite and >= 0, naming it."""
+    number = float(value)
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
+    return number
 
 
 @dataclass
@@ -295,6 +314,12 @@ def attention_lipschitz(
     if n_head < 1:
         raise ValueError(f"attention_lipschitz: n_head must be >= 1, got {n_head}")
     method = _sublayer_method(method, "attention_lipschitz")
+    _require_matrix("attention_lipschitz", "q", q)
+    for name, W, shape in (("k", k, q.shape), ("v", v, q.shape), ("o", o, (q.size(1), q.size(0)))):
+        _require_matrix("attention_lipschitz", name, W, tuple(shape))
+    _positive("attention_lipschitz", "score_scale", score_scale)
+    _positive("attention_lipschitz", "attention_scale", attention_scale)
+    _nonnegative("attention_lipschitz", "radius", radius)
     d = q.size(1)
     sigma = {
         name: torch.linalg.matrix_norm(_head_slices(W, n_head, name), ord=2)
@@ -447,6 +472,7 @@ def residual_mlp_bound(
     gain when $P$ is not aligned with the identity.
     """
     method = _sublayer_method(method, "residual_mlp_bound")
+    _check_mlp("residual_mlp_bound", w_in, w_out, gelu_scale, radius)
     a = residual_weight
     gain = rms_operator_norm(w_out) * rms_operator_norm(w_in) * gelu_scale
     if method == "simple":
@@ -582,6 +608,9 @@ def transformer_lipschitz_bound(
             "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (see the docstring)"
         )
     _check_method(method, "transformer_lipschitz_bound")
+    if isinstance(weights["blocks"], (Mapping, torch.Tensor, str)):
+        raise ValueError("transformer_lipschitz_bound: weights['blocks'] must be a list of per-block dicts "
+                         f"{sorted(_BLOCK_KEYS)}, got a {type(weights['blocks']).__name__}")
     weights = _float64_on_cpu(weights)  # (blocks may be a generator: read once, here)
     _refuse_unmodelled(weights)
     blocks = weights["blocks"]
@@ -655,27 +684,68 @@ class _Architecture:
 
     @classmethod
     def of(cls, weights: Mapping, blocks: list) -> "_Architecture":
-        d = blocks[0]["q"].size(1)
-        if "n_embd" in weights and int(weights["n_embd"]) != d:
-            raise ValueError(f"transformer_lipschitz_bound: n_embd = {weights['n_embd']} but the blocks' "
-                             f"matrices are {d} wide")
-        n_head = _n_head(weights, d)
-        radius = float(weights.get("input_radius", 1.0))
-        if not radius > 0:
-            raise ValueError(f"transformer_lipschitz_bound: input_radius must be positive, got {radius}")
+        """The scalars of ``weights`` (defaults where absent), after checking every matrix's
+        shape and finiteness and every scalar's range, naming the key: a negative scale had
+        lowered the bound below a ratio the model reaches, a NaN one made it NaN (which every
+        ``bound > limit`` gate passes)."""
+        where = "transformer_lipschitz_bound"
         for index, block in enumerate(blocks):
-            missing = {"q", "k", "v", "o", "mlp_in", "mlp_out"} - set(block)
+            if not isinstance(block, Mapping):
+                raise ValueError(f"{where}: weights['blocks'][{index}] must be a dict of {sorted(_BLOCK_KEYS)}, "
+                                 f"got {type(block).__name__}")
+            missing = _BLOCK_KEYS - set(block)
             if missing:
-                raise ValueError(f"transformer_lipschitz_bound: block {index} lacks {sorted(missing)}")
-        return cls(
-            d=d,
-            n_head=n_head,
-            residual_weight=float(weights.get("residual_weight", 1.0 / (2 * len(blocks)))),
-            score_scale=float(weights.get("score_scale", n_head / blocks[0]["q"].size(0))),
-            attention_scale=float(weights.get("attention_scale", 1.0 / 3.0)),
-            gelu_scale=float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR)),
-            input_radius=radius,
-        )
+                raise ValueError(f"{where}: block {index} lacks {sorted(missing)}")
+        _require_matrix(where, "blocks[0]['q']", blocks[0]["q"])
+        heads_width, d = blocks[0]["q"].shape
+        if "n_embd" in weights and _integer(where, "n_embd", weights["n_embd"]) != d:
+            raise ValueError(f"{where}: n_embd = {weights['n_embd']} but the blocks' matrices are {d} wide")
+        attention = {"q": (heads_width, d), "k": (heads_width, d), "v": (heads_width, d), "o": (d, heads_width)}
+        for index, block in enumerate(blocks):
+            for key, shape in attention.items():
+                _require_matrix(where, f"blocks[{index}][{key!r}]", block[key], shape)
+            _require_matrix(where, f"blocks[{index}]['mlp_in']", block["mlp_in"], (None, d))
+            _require_matrix(where, f"blocks[{index}]['mlp_out']", block["mlp_out"], (d, block["mlp_in"].size(0)))
+        _require_matrix(where, "head", weights["head"], (None, d))
+        n_head = _n_head(weights, d)
+        if heads_width % n_head:
+            raise ValueError(f"{where}: the blocks' q, k and v have {heads_width} rows, not divisible by "
+                             f"n_head = {n_head}")
+        scalars = {"score_scale": n_head / heads_width, "attention_scale": 1.0 / 3.0,
+                   "gelu_scale": 1.0 / REFERENCE_GELU_DIVISOR, "input_radius": 1.0}
+        values = {key: _positive(where, key, weights.get(key, default)) for key, default in scalars.items()}
+        residual_weight = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
+        if not 0.0 <= residual_weight <= 1.0:  # (NaN fails this too)
+            raise ValueError(f"{where}: residual_weight must lie in [0, 1], got {residual_weight}")
+        return cls(d=d, n_head=n_head, residual_weight=residual_weight, **values)
+
+
+def _require_matrix(where: str, name: str, W, shape: tuple[int | None, int | None] = (None, None)) -> None:
+    """Refuse a weight that is not a finite 2-D tensor of ``shape`` (``None``: any size), naming it."""
+    if not isinstance(W, torch.Tensor) or W.dim() != 2:
+        got = f"a {W.dim()}-D tensor" if isinstance(W, torch.Tensor) else type(W).__name__
+        raise ValueError(f"{where}: {name} must be a 2-D tensor, got {got}")
+    if any(want is not None and have != want for have, want in zip(W.shape, shape)):
+        expected = "x".join("*" if want is None else str(want) for want in shape)
+        raise ValueError(f"{where}: {name} is {W.size(0)}x{W.size(1)}, expected {expected} (the blocks' width "
+                         "and hidden sizes must agree)")
+    if not bool(torch.isfinite(W).all()):
+        raise ValueError(f"{where}: {name} has non-finite entries (NaN or inf): no bound holds for it")
+
+
+def _positive(where: str, name: str, value) -> float:
+    """``value`` as a float, refused unless finite and > 0, naming it."""
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def _integer(where: str, name: str, value) -> int:
+    """``value`` as an int, refused unless it is a whole number, naming it (2.7 had become 2)."""
+    if isinstance(value, bool) or float(value) != int(float(value)):
+        raise ValueError(f"{where}: {name} must be a whole number, got {value!r}")
+    return int(float(value))
 
 
 def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> TransformerBound:
@@ -712,7 +782,10 @@ def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> Tr
 
 def _n_head(weights: Mapping, d: int) -> int:
     if "n_head" in weights:
-        return int(weights["n_head"])
+        n_head = _integer("transformer_lipschitz_bound", "n_head", weights["n_head"])
+        if n_head < 1:
+            raise ValueError(f"transformer_lipschitz_bound: n_head must be >= 1, got {n_head}")
+        return n_head
     if "score_scale" not in weights:
         raise ValueError(
             "transformer_lipschitz_bound: weights need 'n_head' (or the Lipschitz model's "
@@ -1286,15 +1359,12 @@ def rounding_error_bound(
         raise ValueError(f"rounding_error_bound: sequence_length must be >= 1, got {sequence_length}")
     u = torch.finfo(dtype).eps / 2
     T = int(sequence_length)
+    weights = {**weights, "blocks": list(weights["blocks"])}  # (a generator of blocks: read once, here)
     exact = transformer_lipschitz_bound(weights)
-    blocks = list(weights["blocks"])
-    d = blocks[0]["q"].size(1)
-    n_head = _n_head(weights, d)
-    d_head = blocks[0]["q"].size(0) // n_head
-    a = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
-    score_scale = float(weights.get("score_scale", 1.0 / d_head))
-    c = float(weights.get("attention_scale", 1.0 / 3.0))
-    s = float(weights.get("gelu_scale", 1.0 / REFERENCE_GELU_DIVISOR))
+    blocks = weights["blocks"]
+    arch = _Architecture.of(weights, blocks)
+    d, d_head = arch.d, blocks[0]["q"].size(0) // arch.n_head
+    a, score_scale, c, s = arch.residual_weight, arch.score_scale, arch.attention_scale, arch.gelu_scale
     elementwise = elementwise_ulps * u
     local = []
     for index, block in enumerate(blocks):
