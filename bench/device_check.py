@@ -17,7 +17,9 @@ writes one report, ``DIR/device_check.md``:
 3. **Pretraining smoke**: ``geomuon pretrain`` for a few steps of unconstrained Muon and of
    hetero Manifold Muon on the device; the train loss must fall and stay finite.
 
-``--quick`` shrinks every part to seconds (the test suite runs it on the CPU).
+``--quick`` shrinks every part to seconds (the test suite runs it on the CPU). The script
+exits 1 when one of the report's "must" lines fails, and refuses an ``--out`` folder that
+already holds files (a second run had replaced the first report).
 """
 
 from __future__ import annotations
@@ -124,27 +126,36 @@ def pretrain_smoke(device: str, out: Path, quick: bool) -> list[list[str]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, required=True, help="folder of the report (created)")
+    parser.add_argument("--out", type=Path, required=True, help="folder of the report (created; must be new or empty)")
     parser.add_argument("--quick", action="store_true", help="seconds-long sizes: checks the script, not a result")
     args = parser.parse_args(argv)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        # a second run into the same folder had replaced the first report, and its smoke runs
+        # failed on their own earlier run folders
+        parser.error(f"--out {args.out} is a file or already holds files (an earlier report?); give a new folder")
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = [(64, 64), (256, 64), (64, 256)] if args.quick else optimizer_step.gpt2_small_shapes()
+    reads = host_reads(args.device, shapes)
     sections = [f"# Device check on {args.device}",
                 "## Host reads per step\n\n" + markdown_table(
-                    ["optimizer", "whole step()", "matrix work (must be 0)"], host_reads(args.device, shapes))]
+                    ["optimizer", "whole step()", "matrix work (must be 0)"], reads)]
     timing = ["--quick"] if args.quick else ["--repeats", "5"]
     sets = [("optimizer_step", [])] + ([] if args.quick else [("optimizer_step_gpt2_small", ["--set", "gpt2-small"])])
     for name, extra in sets:
         path = args.out / f"{name}_{args.device.replace(':', '')}.md"
         optimizer_step.main([*timing, *extra, "--device", args.device, "--markdown", str(path)])
         sections.append(f"## Step time ({' '.join(extra) or 'default set'})\n\n" + path.read_text())
+    smoke = pretrain_smoke(args.device, args.out, args.quick)
     sections.append("## Pretraining smoke\n\n" + markdown_table(
-        ["strategy", "steps logged", "first loss", "last loss", "finite and lower"],
-        pretrain_smoke(args.device, args.out, args.quick)))
+        ["strategy", "steps logged", "first loss", "last loss", "finite and lower"], smoke))
     report = args.out / "device_check.md"
     report.write_text("\n\n".join(sections) + "\n")
     print(report.read_text())
-    return 0
+    # the report's "must" lines: matrix work without host reads, smoke runs finite and lower
+    failed = [row[0] for row in reads if row[2] != "0"] + [row[0] for row in smoke if row[4] != "yes"]
+    if failed:
+        print(f"device check FAILED for: {', '.join(failed)} (see {report})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ Usage::
 
     python bench/distributed_step.py --threads 1 --clock process
     python bench/distributed_step.py --quick              # seconds: a smoke test
-    python bench/distributed_step.py --threads 1 --clock process --markdown docs/results/benchmarks/distributed_step.md
+    python bench/distributed_step.py --threads 1 --clock process --markdown docs/results/benchmarks/distributed_step.md --overwrite
 """
 
 from __future__ import annotations
@@ -291,10 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(*args.worker)
         return 0
-    worlds = [int(w) for w in args.worlds.split(",")]
-    if worlds[0] != 1:
-        raise SystemExit("--worlds must start with 1 (the single-process reference)")
-    provenance = Provenance(__file__, args, argv)
+    try:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        parser.error(f"--worlds must be comma-separated process counts such as 1,2,4, got {args.worlds!r}")
+    if worlds[0] != 1 or min(worlds) < 1:
+        parser.error(f"--worlds must be process counts >= 1 starting with 1 (the single-process reference), "
+                     f"got {args.worlds!r}")
+    provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     width, layers = SIZES["quick" if args.quick else "full"]
     steps = 1 + (2 if args.quick else args.repeats)

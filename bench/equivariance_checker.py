@@ -32,7 +32,7 @@ Usage::
 
     python bench/equivariance_checker.py --threads 1     # float64 6x4, 12x12; float32, bfloat16 64x32, 256x128
     python bench/equivariance_checker.py --quick                     # seconds: a smoke test
-    python bench/equivariance_checker.py --threads 1 --markdown docs/results/benchmarks/equivariance_checker.md
+    python bench/equivariance_checker.py --threads 1 --markdown docs/results/benchmarks/equivariance_checker.md --overwrite
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     add_arguments(parser, repeats=1, threads=1, repeats_help="unused (each check runs once)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every check (default 0)")
     args = parser.parse_args(argv)
-    provenance = Provenance(__file__, args, argv)
+    provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the in-process CLI keeps these threads
     size = "quick" if args.quick else "full"

@@ -25,7 +25,7 @@ reaches there from inputs in the domain: what a tighter reachable-set radius cou
 It also prints the a-priori bound at the cap: every matrix of seed 003's Shakespeare shape
 (3 blocks, width 256, 4 heads, vocabulary 65) with all RMS→RMS singular values at $w_{\max} = 2$.
 
-``python bench/lipschitz_tightness.py --threads 2 --markdown docs/results/benchmarks/lipschitz_tightness.md``
+``python bench/lipschitz_tightness.py --threads 2 --markdown docs/results/benchmarks/lipschitz_tightness.md --overwrite``
 (about an hour on one thread of an AMD EPYC: 59 min at ``5c0faee``, nearly all of it the searches, of
 which the Jacobian ascent about 40 %; the five trainings take about four minutes); ``--quick`` trains one small model for a few steps.
 """
@@ -109,19 +109,43 @@ def training_command(spec: Model, seed: int, out_dir: Path) -> list[str]:
             "--no-progress", "--no-print-table"]
 
 
-def trained_model(spec: Model, seed: int, checkpoints: Path, threads: int) -> GPT:
-    """The catalogue model trained by the CLI (its checkpoint reused when present), in float64."""
-    out_dir = checkpoints / f"{spec.n_layer}L{spec.n_head}H-{spec.steps}steps-seed{seed}"
-    path = out_dir / "ckpt.pt"
-    if not path.is_file():
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        result = subprocess.run(training_command(spec, seed, out_dir), env=env, capture_output=True, text=True)
-        if result.returncode or not path.is_file():
-            raise SystemExit(f"{spec}: training failed ({' '.join(training_command(spec, seed, out_dir))}):\n"
-                             f"{result.stderr[-2000:]}")
+def _reusable(path: Path, spec: Model, seed: int) -> dict | None:
+    """The checkpoint at ``path`` when it is the finished run of ``spec`` and ``seed``, else
+    ``None`` (saying why): an interrupted run checkpoints the steps it did, and a folder may
+    hold another configuration's run, which had been read as this model (and reported as a
+    violation of its bound)."""
     from geomuon.pretrain.train import load_checkpoint
 
-    checkpoint = load_checkpoint(str(path))
+    if not path.is_file():
+        return None
+    try:
+        checkpoint = load_checkpoint(str(path))
+    except ValueError as err:  # unreadable (load_checkpoint says so): train it again
+        print(f"{path}: not readable ({type(err).__name__}), training {spec} again", file=sys.stderr)
+        return None
+    config, model = checkpoint.get("config", {}), checkpoint.get("model_config", {})
+    found = (checkpoint.get("step"), config.get("seed"), config.get("strategy"), model.get("n_layer"), model.get("n_head"))
+    wanted = (spec.steps, seed, "lipschitz", spec.n_layer, spec.n_head)
+    if found != wanted:
+        print(f"{path}: holds (step, seed, strategy, n_layer, n_head) = {found}, not {wanted}; training {spec} again",
+              file=sys.stderr)
+        return None
+    return checkpoint
+
+
+def trained_model(spec: Model, seed: int, checkpoints: Path, threads: int) -> GPT:
+    """The catalogue model trained by the CLI (its finished checkpoint reused when present, see
+    :func:`_reusable`), in float64."""
+    out_dir = checkpoints / f"{spec.n_layer}L{spec.n_head}H-{spec.steps}steps-seed{seed}"
+    path = out_dir / "ckpt.pt"
+    checkpoint = _reusable(path, spec, seed)
+    if checkpoint is None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        result = subprocess.run(training_command(spec, seed, out_dir), env=env, capture_output=True, text=True)
+        checkpoint = _reusable(path, spec, seed) if result.returncode == 0 else None
+        if checkpoint is None:
+            raise SystemExit(f"{spec}: training failed ({' '.join(training_command(spec, seed, out_dir))}):\n"
+                             f"{result.stderr[-2000:]}")
     model = GPT(GPTConfig(**checkpoint["model_config"]))
     model.load_state_dict(checkpoint["model"])
     return model.double().eval()
@@ -256,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                              "not trained again (default runs/lipschitz_tightness; with --quick a temporary folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    provenance = Provenance(__file__, args, argv)
+    provenance = Provenance(__file__, args, argv, parser)
     size = "quick" if args.quick else "full"
     search = SEARCH[size]
 

@@ -17,7 +17,7 @@ Sets: ``384x128`` (one 384×128 matrix) and ``gpt`` (2 layers × width 384 of th
 GPT-2 block shapes of ``bench/optimizer_step.py``).
 
 The measured table, with how it was produced, is on the docs' Results page
-(``--markdown docs/results/benchmarks/manifold_frontier.md`` writes it); the row of
+(``--markdown docs/results/benchmarks/manifold_frontier.md --overwrite`` writes it); the row of
 ManifoldMuon's default (:func:`geomuon.optimizers.manifold_muon.default_dual_steps`, warm) is
 marked there. A warm row's first step has no warm start and takes
 :func:`~geomuon.optimizers.manifold_muon.default_cold_dual_steps` (the column says where that
@@ -48,7 +48,7 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/manifold_frontier.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import (  # noqa: E402
-    CLOCKS, Provenance, add_arguments, interleaved_medians, markdown_row, markdown_table,
+    CLOCKS, Provenance, add_arguments, at_least, interleaved_medians, markdown_row, markdown_table,
 )
 
 #: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
@@ -129,13 +129,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", nargs="+", default=["384x128"], choices=["384x128", "gpt"])
     parser.add_argument("--manifold", nargs="+", default=["stiefel"], choices=["stiefel", "dgram"])
-    parser.add_argument("--steps", type=int, default=40, help="training steps per configuration")
-    parser.add_argument("--dual", type=int, nargs="+", default=list(range(9)))
+    parser.add_argument("--steps", type=at_least(1), default=40, help="training steps per configuration")
+    parser.add_argument("--dual", type=at_least(0), nargs="+", default=list(range(9)))
     parser.add_argument("--starts", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])
     parser.add_argument("--alpha", type=float, default=None,
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's, by manifold and update)")
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
-    parser.add_argument("--msign-steps", type=int, default=None)
+    parser.add_argument("--msign-steps", type=at_least(1), default=None)
     parser.add_argument("--retraction", nargs="+", default=["fused"], choices=["fused", "manifold"],
                         help="ManifoldMuon's retraction option: fused (the Gram-space path where the "
                              "manifold has a Gram form) and/or manifold (the general engine)")
@@ -147,21 +147,20 @@ def main(argv=None) -> int:
     parser.add_argument("--solver", nargs="+", default=["dual"], choices=["dual", "projected"],
                         help="ManifoldMuon's solver: dual (the rows above, per dual steps, update and start) "
                              "and/or projected (no dual: one row per --polish)")
-    parser.add_argument("--polish", type=int, nargs="+", default=[0, 1, 2],
+    parser.add_argument("--polish", type=at_least(0), nargs="+", default=[0, 1, 2],
                         help="polish rounds of the projected solver's rows")
-    parser.add_argument("--reference", type=int, default=0,
+    parser.add_argument("--reference", type=at_least(0), default=0,
                         help="dual steps of a reference solve at every certified step (ManifoldMuon's "
                              "certify_reference; default 0: each row's own last dual iterate, which for the "
                              "projected solver is the projection start)")
-    add_arguments(parser, repeats=3, threads=2, repeats_help="timed rounds per configuration (0: no timing)")
+    add_arguments(parser, repeats=3, threads=2, repeats_help="timed rounds per configuration (0: no timing)",
+                  min_repeats=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
-    provenance = Provenance(__file__, args, argv)
-    torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
+    from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.manifold_muon import (default_cold_dual_steps, default_dual_steps, default_dual_update,
                                                   resolve_manifold)
 
@@ -172,6 +171,15 @@ def main(argv=None) -> int:
         solver["msign_steps"] = args.msign_steps
     if args.dualizer:
         solver["gram_dualizer"] = args.dualizer
+    try:  # ManifoldMuon's own checks, before any run (an unknown --msign had failed after the first rows)
+        for name in args.manifold:
+            point = torch.nn.Parameter(resolve_manifold(name, "--manifold").projx(torch.randn(4, 2)))
+            ManifoldMuon([point], manifold=name, dual_alpha=args.alpha, **solver)
+    except ValueError as err:
+        parser.error(f"--alpha/--msign/--msign-steps/--dualizer: ManifoldMuon refuses them: {err}")
+    provenance = Provenance(__file__, args, argv, parser)
+    torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
     header = ["set", "manifold", "path", "dual update", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
     alpha = "ManifoldMuon's" if args.alpha is None else args.alpha
     lines = [

@@ -63,10 +63,39 @@ def orientation(shape) -> str:
     return "tall" if m > n else "wide" if m < n else "square"
 
 
-def certified_run(manifold: str, update: str | None, dual_steps: int | None, polish: int | None, run: dict, data: str,
-                  seed: int, warm_start: bool = True, smoothing: float | None = None, alpha: float | None = None,
-                  dualizer: str | None = None, reference: int = 0, solver: str = "dual"):
-    """Train one run; ``{orientation: [certified ratios]}`` over its evaluation steps."""
+#: ManifoldMuon's option behind each command-line flag (its refusals name the option)
+FLAGS = {"dual_steps": "--dual", "polish_rounds": "--polish", "dual_smoothing": "--smoothing", "dual_alpha": "--alpha",
+         "gram_dualizer": "--dualizer", "certify_reference": "--reference", "dual_update": "--update",
+         "solver": "--solver", "warm_start": "--starts"}
+
+
+def optimizer_settings(update: str | None, dual_steps: int | None, polish: int | None, warm_start: bool,
+                       smoothing: float | None, alpha: float | None, dualizer: str | None, reference: int,
+                       solver: str, certify_every: int) -> dict:
+    """The ManifoldMuon options of one row (``None``: ManifoldMuon's default, left out)."""
+    chosen = dict(dual_steps=dual_steps, dual_smoothing=smoothing, dual_alpha=alpha, gram_dualizer=dualizer)
+    return dict(certify_every=certify_every, certify_reference=reference, dual_update=update, solver=solver,
+                polish_rounds=polish, warm_start=warm_start, **{k: v for k, v in chosen.items() if v is not None})
+
+
+def refuse_bad_settings(parser: argparse.ArgumentParser, manifold: str, settings: dict) -> None:
+    """ManifoldMuon's own checks of ``settings``, now, on a small point of ``manifold``: the runs
+    set them on the param groups of built optimizers, which does not check them (a negative
+    ``--alpha`` had published a normal-looking table, ``--reference -1`` failed mid-training)."""
+    from geomuon.manifolds import MatrixManifold
+    from geomuon.optimizers import ManifoldMuon
+
+    point = torch.nn.Parameter(MatrixManifold.resolve(manifold, "--manifold").projx(torch.randn(4, 2)))
+    try:
+        ManifoldMuon([point], manifold=manifold, **settings)
+    except ValueError as err:
+        flag = next((flag for name, flag in FLAGS.items() if name in str(err)), "a setting")
+        parser.error(f"{flag} (on {manifold}): ManifoldMuon refuses it: {err}")
+
+
+def certified_run(manifold: str, settings: dict, run: dict, data: str, seed: int):
+    """Train one run with ManifoldMuon's ``settings`` (:func:`optimizer_settings`, checked by
+    :func:`refuse_bad_settings`); ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
     from geomuon.pretrain.config import TrainConfig
@@ -79,17 +108,7 @@ def certified_run(manifold: str, update: str | None, dual_steps: int | None, pol
         for opt in assignment.optimizers.values():
             if isinstance(opt, ManifoldMuon):
                 for group in opt.param_groups:
-                    group.update(certify_every=run["eval_every"], certify_reference=reference, dual_update=update,
-                                 solver=solver,
-                                 polish_rounds=polish, warm_start=warm_start)
-                    if dual_steps is not None:
-                        group["dual_steps"] = dual_steps
-                    if smoothing is not None:
-                        group["dual_smoothing"] = smoothing
-                    if alpha is not None:
-                        group["dual_alpha"] = alpha
-                    if dualizer is not None:
-                        group["gram_dualizer"] = dualizer
+                    group.update(settings)
                 optimizers.append(opt)
         return assignment
 
@@ -139,18 +158,32 @@ def main(argv=None) -> int:
                         help="dual steps of a reference solve at each certified step (ManifoldMuon's "
                              "certify_reference): the certificate divides by the smaller dual value, so it "
                              "approaches the fraction of the optimal descent (default 0: the step's own iterate)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the study's 400)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps (default: the study's 400; at least its certificate interval, 40)")
     parser.add_argument("--data", default="embedded", help="training data spec (geomuon pretrain --data)")
     parser.add_argument("--seed", type=int, default=1)
-    add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)")
+    add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)", min_repeats=0)
     args = parser.parse_args(argv)
     run = dict(RUN, **(QUICK_RUN if args.quick else {}))
     if args.steps is not None:
+        if args.steps < max(run["eval_every"], run["warmup_steps"] + 1):
+            parser.error(f"--steps must be >= {max(run['eval_every'], run['warmup_steps'] + 1)} (a certificate is read "
+                         f"every {run['eval_every']} steps, after {run['warmup_steps']} warm-up steps), got {args.steps}")
         run["steps"] = args.steps
-    provenance = Provenance(__file__, args, argv)
-    torch.set_num_threads(args.threads)
     from geomuon.manifolds import MatrixManifold
     from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, default_polish_rounds
+
+    combinations = list(itertools.product(args.solver, args.manifold, args.update, args.dual, args.polish, args.starts,
+                                          args.smoothing, args.alpha, args.dualizer))
+
+    def settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer):
+        return optimizer_settings(update, dual, polish, start == "warm", smoothing, alpha, dualizer, args.reference,
+                                  solver, run["eval_every"])
+
+    for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in combinations:  # before any run
+        refuse_bad_settings(parser, manifold, settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer))
+    provenance = Provenance(__file__, args, argv, parser)
+    torch.set_num_threads(args.threads)
 
     header = ["manifold", "solver", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start",
               "reference dual steps", "matrices", "certified steps x matrices", "mean certified ratio", "min"]
@@ -163,9 +196,7 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     projected_runs = set()
-    for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in itertools.product(
-            args.solver, args.manifold, args.update, args.dual, args.polish, args.starts, args.smoothing, args.alpha,
-            args.dualizer):
+    for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in combinations:
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
@@ -173,8 +204,8 @@ def main(argv=None) -> int:
             if (manifold, polish, dualizer) in projected_runs:
                 continue
             projected_runs.add((manifold, polish, dualizer))
-        ratios = certified_run(manifold, update, dual, polish, run, args.data, args.seed, start == "warm", smoothing, alpha,
-                               dualizer, args.reference, solver)
+        ratios = certified_run(manifold, settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer),
+                               run, args.data, args.seed)
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")

@@ -54,7 +54,7 @@ except ImportError:
 
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, interleaved_medians,  # noqa: E402
+from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, at_least, interleaved_medians,  # noqa: E402
                           markdown_table, synchronizer)
 
 #: ``--quick``: one block of width 64 (seconds; checks the script, not a result).
@@ -222,8 +222,8 @@ def profile_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--layers", type=at_least(1), default=6)
+    parser.add_argument("--width", type=at_least(1), default=384)
     parser.add_argument("--set", choices=SETS, default="gpt",
                         help="gpt: --layers x --width GPT-2 blocks; gpt2-small: one d=768 block")
     add_arguments(parser, repeats=7, threads=2)
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
-    provenance = Provenance(__file__, args, argv)
+    provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()
     dualizers = [None if d == "default" else d for d in args.dualizer]

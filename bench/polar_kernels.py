@@ -26,7 +26,7 @@ Usage::
 
     python bench/polar_kernels.py --threads 1            # default sizes (~1 min on one thread)
     python bench/polar_kernels.py --quick                # seconds: a smoke test
-    python bench/polar_kernels.py --threads 1 --markdown docs/results/benchmarks/polar_kernels.md
+    python bench/polar_kernels.py --threads 1 --markdown docs/results/benchmarks/polar_kernels.md --overwrite
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     add_arguments(parser, repeats=7, threads=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    provenance = Provenance(__file__, args, argv)
+    provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     shapes = SHAPES["quick" if args.quick else "full"]
     accuracies, medians = measure(shapes, args.repeats, CLOCKS[args.clock], args.seed)

@@ -14,7 +14,7 @@ machine)::
     python bench/symbolic_mutations.py --only dgram    # labels containing "dgram"
     python bench/symbolic_mutations.py --list          # the catalogue, run nothing
     python bench/symbolic_mutations.py --range 28:     # the second half (split a run)
-    python bench/symbolic_mutations.py --markdown docs/results/benchmarks/symbolic_mutations.md
+    python bench/symbolic_mutations.py --markdown docs/results/benchmarks/symbolic_mutations.md --overwrite
 
 Exit status 0 when the unmutated copy passes and every mutation is killed.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import shlex
 import shutil
 import subprocess
@@ -33,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomuon.pretrain.provenance import git_commit, markdown_table
+
+if __package__ in (None, ""):  # run as `python bench/symbolic_mutations.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import check_output_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,15 +271,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per suite run (default 900)")
     parser.add_argument("--markdown", type=Path, help="also write the result table to this file")
+    parser.add_argument("--overwrite", action="store_true", help="let --markdown replace an existing file")
     args = parser.parse_args(argv)
-    start, _, stop = args.range.partition(":")
-    window = MUTATIONS[int(start) if start else None : int(stop) if stop else None]
+    check_output_file(parser, "--markdown", args.markdown, args.overwrite)  # before hours of suite runs
+    match = re.fullmatch(r"(-?\d*):(-?\d*)", args.range.strip())
+    if match is None:
+        parser.error(f"--range must be START:STOP (either may be empty, e.g. 0:40 or 40:), got {args.range!r}")
+    start, stop = (int(bound) if bound else None for bound in match.groups())
     wanted = args.only.split(",")
-    chosen = [m for m in window if any(part in m.label for part in wanted)]
-    if args.list or not chosen:
+    chosen = [m for m in MUTATIONS[start:stop] if any(part in m.label for part in wanted)]
+    if not chosen:
+        parser.error(f"no mutation in --range {args.range} has a label containing any of {wanted} (--list prints "
+                     "the catalogue)")
+    if args.list:
         for m in chosen:
             print(f"{m.label:55s} {m.path}")
-        return 0 if chosen else 2
+        return 0
     commit, started = git_commit(), datetime.datetime.now(datetime.timezone.utc)  # the code being mutated
     with tempfile.TemporaryDirectory(prefix="geomuon-mutants-") as scratch:
         pristine = Path(scratch) / "pristine"

@@ -10,8 +10,10 @@ time of this process only (robust to other processes on a shared machine with
 Provenance: ``--markdown PATH`` writes the script's table under a header stating the
 command line, the commit (and whether the checkout had uncommitted changes), the torch
 version, threads, clock, the machine's load average at the start and at the end of the
-run, and the date; a ``--quick`` run is marked as a smoke test, not a result. The docs
-include these files from ``docs/results/benchmarks/`` (see ``docs/results/index.md``).
+run, and the date; a ``--quick`` run is marked as a smoke test, not a result. The path is
+checked before anything is measured, and an existing file (a published table) is replaced
+only with ``--overwrite``. The docs include these files from ``docs/results/benchmarks/``
+(see ``docs/results/index.md``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Callable
 
 from geomuon.pretrain.provenance import git_commit, machine, markdown_row, markdown_table
 
-__all__ = ["add_arguments", "add_device_argument", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
+__all__ = ["add_arguments", "at_least", "check_output_file", "add_device_argument", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
            "git_commit", "machine", "markdown_row", "markdown_table"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,20 +39,58 @@ RESULTS_DIR = REPO / "docs" / "results" / "benchmarks"
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
+def at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int ``>= lowest`` (a bad count is a usage error before any work,
+    not a traceback after it)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lowest}"
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, repeats: int, threads: int = 2,
-                  repeats_help: str = "timed rounds") -> None:
-    """The options every benchmark script takes: ``--repeats``, ``--clock``, ``--threads``,
-    ``--quick`` and ``--markdown``."""
-    parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} (default {repeats})")
+                  repeats_help: str = "timed rounds", min_repeats: int = 1) -> None:
+    """The options every benchmark script takes: ``--repeats`` (at least ``min_repeats``),
+    ``--clock``, ``--threads``, ``--quick``, ``--markdown`` and ``--overwrite``."""
+    parser.add_argument("--repeats", type=at_least(min_repeats), default=repeats,
+                        help=f"{repeats_help} (default {repeats})")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="process: CPU time of this process, robust to other load on a shared "
                              "machine when --threads 1 (with more threads it counts spin-waits)")
-    parser.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    parser.add_argument("--threads", type=at_least(1), default=threads, help=f"torch threads (default {threads})")
     parser.add_argument("--quick", action="store_true",
                         help="seconds-long smoke sizes (what the tests run): checks the script, not a result")
     parser.add_argument("--markdown", metavar="PATH", default=None,
                         help=f"also write the table with its provenance to PATH (the docs include "
                              f"{RESULTS_DIR.relative_to(REPO)}/<script>.md)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let --markdown replace an existing file (a published table is kept otherwise)")
+
+
+def check_output_file(parser: argparse.ArgumentParser, option: str, path: str | os.PathLike | None,
+                      overwrite: bool) -> None:
+    """Refuse, as a usage error before any work, an output ``path`` that cannot be written
+    (a folder, or under a file) or that exists without ``overwrite``: the table of a run of
+    minutes to hours had been lost at its end, or had replaced a published one."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        parser.error(f"{option} {path} is a folder; give a file path such as {path / 'table.md'}")
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        parser.error(f"{option} {path}: {blocking} is a file, not a folder")
+    if path.exists() and not overwrite:
+        parser.error(f"{option} {path} exists (a published table?); pass --overwrite to replace it, or give "
+                     "another path")
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +135,11 @@ class Provenance:
     """How one benchmark run was produced. Create it before measuring (it reads the load
     average then); :meth:`write` reads it again at the end."""
 
-    def __init__(self, script: str, args: argparse.Namespace, argv: list[str] | None = None) -> None:
+    def __init__(self, script: str, args: argparse.Namespace, argv: list[str] | None,
+                 parser: argparse.ArgumentParser) -> None:
+        """``parser`` (the script's) reports an unusable ``--markdown`` path as a usage error
+        now, before measuring (:func:`check_output_file`)."""
+        check_output_file(parser, "--markdown", args.markdown, args.overwrite)
         self.args = args
         argv = sys.argv[1:] if argv is None else argv
         self.command = " ".join(["python", f"bench/{Path(script).name}", *map(shlex.quote, argv)])

@@ -346,3 +346,67 @@ def test_every_symbolic_mutation_finds_its_pattern_once():
     missing = sm.Mutation("absent", sm.MUTATIONS[0].path, "this text is not in the file", "x")
     with pytest.raises(SystemExit, match="0 copies"):
         sm._check_pattern(ROOT, missing)
+
+
+def usage_error(script: str, *argv: str) -> str:
+    """stderr of ``python bench/<script>.py ARGV``, which must exit 2 (a usage error) within
+    seconds: every refusal below comes before anything is measured or trained."""
+    result = subprocess.run([sys.executable, f"bench/{script}.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 2, (argv, result.returncode, result.stderr[-2000:])
+    return result.stderr
+
+
+def test_bad_options_are_usage_errors_before_any_work(tmp_path):
+    # each had been a traceback after minutes to hours of work, a silent normal-looking table
+    # (manifold_inrun --alpha -1), or a published table replaced by a smoke run
+    published = tmp_path / "published.md"
+    published.write_text("a published table\n")
+    (tmp_path / "afile").write_text("")
+    cases = [
+        ("polar_kernels", ["--quick", "--markdown", str(published)], "exists (a published table?); pass --overwrite"),
+        ("optimizer_step", ["--quick", "--markdown", str(tmp_path)], "is a folder; give a file path"),
+        ("optimizer_step", ["--quick", "--markdown", str(tmp_path / "afile" / "t.md")], "afile is a file, not a folder"),
+        ("optimizer_step", ["--quick", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        ("optimizer_step", ["--quick", "--layers", "0"], "argument --layers: must be >= 1"),
+        ("distributed_step", ["--worlds", "1,x"], "--worlds must be comma-separated process counts"),
+        ("distributed_step", ["--repeats", "0"], "argument --repeats: must be >= 1"),
+        ("manifold_inrun", ["--quick", "--manifold", "stiefel", "--alpha", "-1"], "--alpha (on stiefel): ManifoldMuon "
+                                                                                  "refuses it: group 0: dual_alpha"),
+        ("manifold_inrun", ["--quick", "--manifold", "stiefel", "--reference", "-1"], "--reference (on stiefel)"),
+        ("manifold_inrun", ["--manifold", "stiefel", "--steps", "21"], "--steps must be >= 40"),
+        ("manifold_frontier", ["--quick", "--msign", "nope"], "ManifoldMuon refuses them: group 0: msign_method"),
+        ("manifold_frontier", ["--quick", "--dual", "0", "-1"], "argument --dual: must be >= 0"),
+        ("symbolic_mutations", ["--only", "no such label"], "no mutation in --range : has a label containing"),
+        ("symbolic_mutations", ["--range", "5"], "--range must be START:STOP"),
+        ("symbolic_mutations", ["--markdown", str(published)], "exists (a published table?)"),
+    ]
+    for script, argv, message in cases:
+        assert message in usage_error(script, *argv), (script, argv)
+    assert published.read_text() == "a published table\n"
+    # control: --overwrite is what lets a table be replaced (the path check passes; --threads 0 stops it)
+    assert "exists" not in usage_error("polar_kernels", "--quick", "--markdown", str(published), "--overwrite",
+                                       "--threads", "0")
+
+
+def test_the_device_check_refuses_a_folder_that_holds_a_report(tmp_path):
+    (tmp_path / "device_check.md").write_text("the first report\n")
+    assert "already holds files" in usage_error("device_check", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    assert (tmp_path / "device_check.md").read_text() == "the first report\n"
+
+
+def test_lipschitz_tightness_reuses_only_the_finished_run_it_asked_for(tmp_path, monkeypatch):
+    # an interrupted run's checkpoint (fewer steps), or another shape's, had been read as the
+    # catalogue model and its reached radius reported as a violation of the bound
+    from bench import lipschitz_tightness
+    from geomuon.pretrain import train
+
+    spec = lipschitz_tightness.Model(2, 2, 30)
+    path = tmp_path / "ckpt.pt"
+    path.write_text("stand-in: load_checkpoint is patched")
+    finished = {"step": 30, "config": {"seed": 0, "strategy": "lipschitz"}, "model_config": {"n_layer": 2, "n_head": 2}}
+    for checkpoint, reused in ((finished, True), ({**finished, "step": 12}, False),
+                               ({**finished, "model_config": {"n_layer": 3, "n_head": 4}}, False),
+                               ({**finished, "config": {"seed": 1, "strategy": "lipschitz"}}, False)):
+        monkeypatch.setattr(train, "load_checkpoint", lambda _path, c=checkpoint: c)
+        assert (lipschitz_tightness._reusable(path, spec, seed=0) is not None) == reused, checkpoint

@@ -232,7 +232,9 @@ def test_bad_seeds_are_refused_by_name(tmp_path, capsys, monkeypatch):
     # "--seeds a,b" had named no option; "--seeds 0,0" counted one run twice and compared it
     # with itself as a seed spread
     monkeypatch.chdir(tmp_path)
-    for seeds, message in (("a,b", "--seeds must be comma-separated integers"), ("0,1,0", "--seeds lists 0 more than once")):
+    # "--seeds ," had run the size's default seeds, "--seeds -1" was refused as "--seed" by the runner
+    for seeds, message in (("a,b", "--seeds must be comma-separated integers"), ("0,1,0", "--seeds lists 0 more than once"),
+                           (",", "--seeds must name at least one seed"), ("0,-1", "--seeds must be integers >= 0")):
         assert common.main(lipschitz_study, ["--size", "tiny", "--seeds", seeds]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
@@ -246,6 +248,10 @@ def test_an_output_folder_that_is_a_file_is_refused_by_name(tmp_path, capsys, mo
     for option in ("--out", "--work-dir"):
         assert common.main(lipschitz_study, [*argv, option, "afile"]) == 2  # had been a FileExistsError traceback
         assert f"{option} 'afile' is a file, not a folder" in capsys.readouterr().err
+        # under a file: had trained every run, then raised NotADirectoryError
+        assert common.main(lipschitz_study, [*argv, option, "afile/sub"]) == 2
+        assert f"{option} 'afile/sub': 'afile' above it is a file" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 @needs_data

@@ -148,7 +148,7 @@ def size_from(study, name: str, seeds: list[int] | None = None) -> Size:
     if name not in study.SIZES:
         raise ValueError(f"--size {name!r} is unknown for study {study.NAME}; choose one of {sorted(study.SIZES)}")
     size = study.SIZES[name]
-    return dataclasses.replace(size, seeds=tuple(seeds)) if seeds else size
+    return dataclasses.replace(size, seeds=tuple(seeds)) if seeds is not None else size
 
 
 # ----------------------------------------------------------------------------- one run
@@ -533,7 +533,7 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
 
 def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
     """Run every missing job of ``study`` (cached records are reused), then write its page; returns the page's path."""
-    seeds = _seeds(args.seeds) if args.seeds else None
+    seeds = _seeds(args.seeds) if args.seeds is not None else None
     size = size_from(study, args.size, seeds)
     if len(size.seeds) < 1 or args.jobs < 1 or args.threads < 1:
         raise ValueError("--seeds must name at least one seed; --jobs and --threads must be >= 1")
@@ -541,8 +541,13 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     out_dir = output_dir(study, args)
     work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
     for option, folder in (("--out", out_dir), ("--work-dir", work_dir)):
-        if folder.exists() and not folder.is_dir():  # mkdir had raised FileExistsError after the checks
+        # a file there, or above it, had raised FileExistsError / NotADirectoryError after all the training
+        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocking == folder:
             raise ValueError(f"{option} {str(folder)!r} is a file, not a folder; choose another {option}")
+        if blocking is not None:
+            raise ValueError(f"{option} {str(folder)!r}: {str(blocking)!r} above it is a file, not a folder; choose "
+                             f"another {option}")
     commit = git_commit(short=False)  # the code the runs are about to use
     start = time.perf_counter()
     runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
@@ -569,6 +574,9 @@ def _seeds(text: str) -> list[int]:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    negative = [s for s in seeds if s < 0]
+    if negative:
+        raise ValueError(f"--seeds must be integers >= 0, got {', '.join(map(str, negative))}")
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:
         raise ValueError(f"--seeds lists {', '.join(map(str, twice))} more than once; give each seed once")
