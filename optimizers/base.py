@@ -67,13 +67,15 @@ import torch
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import ScratchBuffers, fp32_or_fp64, in_one_thread_workers
 
-from .regulate import make_regulator, regulator_spec, requires_matrices, unchecked_regulation
+from .regulate import WARM_START_KEY, make_regulator, regulator_spec, requires_matrices, unchecked_regulation
 from . import distributed as _distributed
 
 __all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
 
 #: Defaults of an ``update="adamw"`` group for the keys it does not set (torch's AdamW).
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+#: State entries shaped like their parameter (momentum and AdamW moments), checked on load.
+_PARAMETER_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 MATRIX_VIEWS = ("strict", "batch", "flatten")
 _NONFINITE = ("skip", "raise")
 
@@ -111,7 +113,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         defaults.setdefault("regulate", None)
         defaults.setdefault("matrix_view", "batch")
         defaults.setdefault("update", self.matrix_update)
-        self._regulators: list = []
+        self._regulators: list[tuple] = []  # per group: (the spec it was built from, the regulator)
         self._manifolds: dict[int, tuple] = {}
         self._skipped = _SkippedSteps(_report_nonfinite)
         self._refused = _SkippedSteps(_report_off_manifold)
@@ -125,15 +127,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
-        # Param groups hold plain data (specs), so state_dict() loads with weights_only=True;
-        # the live regulator is derived from the spec and kept beside the groups.
         group["regulate"] = regulator_spec(group.get("regulate"))
         self._validate_group(group, index)
-        regulator = make_regulator(group["regulate"])
-        if requires_matrices(regulator):  # refused now, not after the step's other groups moved
-            self._refuse_vectors(group, index, f"its group's regulate={group['regulate']!r} acts on matrices "
-                                               "(a vector has no spectral norm): set regulate=None in its param group")
-        self._regulators.append(regulator)
+        self._regulators.append((None, None))
+        self._group_regulator(group, index)
+
+    def _group_regulator(self, group: dict, index: int):
+        """The live regulator of group ``index``, built from its ``"regulate"`` spec once per
+        spec object (param groups hold plain data, so ``state_dict()`` loads with
+        ``weights_only=True``): a spec assigned to the group between steps is normalized,
+        checked and used from the next step on (it had been ignored until a reload)."""
+        spec = group.get("regulate")
+        built_from, regulator = self._regulators[index]
+        if built_from is not spec:  # (None, None) to start: a group without a regulator builds nothing
+            group["regulate"] = spec = regulator_spec(spec)
+            regulator = make_regulator(spec)
+            if requires_matrices(regulator):  # refused now, not after the step's other groups moved
+                self._refuse_vectors(group, index, f"its group's regulate={spec!r} acts on matrices (a vector has "
+                                                   "no spectral norm): set regulate=None in its param group")
+            self._regulators[index] = (spec, regulator)
+        return regulator
 
     def _refuse_vectors(self, group: dict, index: int, why: str) -> None:
         """Raise ``ValueError`` naming the first parameter of ``group`` below 2-D, and ``why``."""
@@ -199,7 +212,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 yield self._name(group, i, index), p
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, with the saved groups completed and checked first:
+        keys a saved group lacks (one of ``torch.optim.Muon``, or of an older version) take
+        this optimizer's defaults, every group passes the checks a new group passes, and
+        every state tensor shaped like its parameter must match it; a refusal names the
+        group, option or parameter and changes nothing. Skipped steps not yet reported are
+        reported first (they belong to the run so far)."""
+        self._report_skips(wait=True)
+        self._check_loadable(state_dict)
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            self._complete_group(group)
         # torch casts every floating state entry but "step" to its parameter's dtype; an entry
         # kept in another precision (:meth:`_state_dtype`) is taken from the saved tensor
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -211,10 +234,45 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
         self._rebuild_derived_state()
 
+    def _complete_group(self, group: dict) -> dict:
+        """``group`` with the keys it lacks set as :meth:`add_param_group` sets them."""
+        if group.get("update", self.defaults["update"]) == "adamw":
+            for key, value in ADAMW_DEFAULTS.items():
+                group.setdefault(key, value)
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        group["regulate"] = regulator_spec(group.get("regulate"))
+        return group
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Refuse (``ValueError``) a state dict whose groups this optimizer would refuse, or
+        whose parameter-shaped state does not fit the parameters it maps to (it had been
+        loaded, and the next step moved other parameters before failing). Counts that do not
+        match are left to torch's own message."""
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(c["params"]) for s, c in zip(saved_groups, self.param_groups)):
+            return
+        for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
+            group = self._complete_group({**saved, "params": current["params"]})
+            try:
+                self._validate_group(group, index)
+            except ValueError as err:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: the saved {err}") from None
+            for i, (saved_id, p) in enumerate(zip(saved["params"], current["params"])):
+                for key, value in state_dict.get("state", {}).get(saved_id, {}).items():
+                    if key in _PARAMETER_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                        raise ValueError(
+                            f"{type(self).__name__}.load_state_dict: state {key!r} of parameter "
+                            f"{self._name(current, i, index)} has shape {tuple(value.shape)}, the parameter "
+                            f"{tuple(p.shape)}: the state was saved for another model (or its groups in another order)")
+
     def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
         """The dtype of state entry ``key`` of ``p`` where it is not ``p``'s (``None``: ``p``'s,
-        as torch's ``load_state_dict`` casts it)."""
-        return None
+        as torch's ``load_state_dict`` casts it): the regulators' warm start is kept in their
+        compute dtype (fp32 for bf16/fp16 weights; a bf16 copy had moved a resumed run's
+        weights by 0.03)."""
+        return fp32_or_fp64(p.dtype) if key == WARM_START_KEY else None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.__getstate__ (pickle, copy.deepcopy) keeps only defaults, state and
@@ -224,7 +282,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _rebuild_derived_state(self) -> None:
         """Recompute attributes derived from the param groups (subclasses extend it)."""
-        self._regulators = [make_regulator(g.get("regulate")) for g in self.param_groups]
+        self._regulators = [(None, None) for _ in self.param_groups]
+        for index, group in enumerate(self.param_groups):
+            self._group_regulator(group, index)
         self._manifolds = {}
         # positions refer to these groups: a loaded state starts afresh
         self._skipped = _SkippedSteps(_report_nonfinite)
@@ -241,6 +301,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         No value is read back from the device (see :meth:`check_finite` for how skipped
         steps are reported)."""
         self._report_skips(wait=False)
+        regulators = [self._group_regulator(group, index) for index, group in enumerate(self.param_groups)]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -262,14 +323,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 batches = [(batch, self._keep(group, index, batch, positions, keep))
                            for batch in self._batches(group, params)]
                 self._matrix_steps(group, batches, lr)
-            regulator = self._regulators[index]
+            regulator = regulators[index]
             if regulator is not None:
                 for p in params:
                     if _distributed.is_sharded(p) and group["update"] != "adamw":
                         continue  # a sharded matrix was regulated whole, on the rank that mapped it
                     whole = _distributed.whole(p)
-                    out = self._regulated(group, regulator, whole, lr, self.state[p])
-                    _distributed.write_whole(p, out if id(p) not in keep else torch.where(keep[id(p)], out, whole))
+                    kept = keep.get(id(p))
+                    state = self.state[p]
+                    before = dict(state)
+                    out = self._regulated(group, regulator, whole, lr, state)
+                    if kept is not None:
+                        out = torch.where(kept, out, whole)
+                        # a skipped step leaves the regulator's state too (its warm start had
+                        # moved); an entry it made now has no earlier value to keep
+                        for key, value in state.items():
+                            old = before.get(key)
+                            if value is not old and isinstance(old, torch.Tensor) and old.shape == value.shape:
+                                state[key] = torch.where(kept, value, old)
+                    _distributed.write_whole(p, out)
         return loss
 
     @torch.no_grad()
@@ -321,13 +393,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for the deferred report and in ``keep`` by ``id``); ``None`` for sharded parameters
         (filtered on the host already).
 
-        One fused Frobenius-norm pass (the L2 kernel is ~5x faster than L1 on CPU). A norm
-        that overflows counts as non-finite: every update here normalizes by it, so a
-        finite gradient beyond the dtype's range would otherwise give a silent zero step.
+        One fused Frobenius-norm pass (the L2 kernel is ~5x faster than L1 on CPU). In a matrix
+        group a norm that overflows counts as non-finite: every matrix update normalizes by it,
+        so a finite gradient beyond the dtype's range would otherwise give a silent zero step.
+        AdamW groups take their norms in fp32 (fp64 for fp64), as ``torch.optim.AdamW`` steps
+        a finite fp16 gradient whose fp16 norm overflows.
         """
         if _distributed.is_sharded(params[0]):
             return None
-        finite = torch.stack(torch._foreach_norm([p.grad for p in params])).isfinite()
+        if group["update"] == "adamw":  # no normalization there: only a NaN or inf entry skips
+            norms = [torch.linalg.vector_norm(p.grad, dtype=fp32_or_fp64(p.grad.dtype)) for p in params]
+        else:
+            norms = torch._foreach_norm([p.grad for p in params])
+        finite = torch.stack(norms).isfinite()
         where = [positions[id(p)] for p in params]
         self._skipped.record(index, where, group["nonfinite"], finite)
         admissible = self._admissible(group, params)
@@ -539,7 +617,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
             counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
             bias1, bias2 = _bias_correction(beta1, counted, p.dtype), _bias_correction(beta2, counted, p.dtype)
             bias2_sqrt = bias2.sqrt()
-            denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(group["eps"])
+            # fp16's smallest subnormal (6e-8) is above the default eps: its denominator in fp16
+            # is 0 wherever the second moment is, and 0/0 had written NaN into the weights
+            second = state["exp_avg_sq"].float() if p.dtype == torch.float16 else state["exp_avg_sq"]
+            denom = (second.sqrt() / bias2_sqrt).add_(group["eps"])
+            if keep is not None and group["eps"] == 0:  # a skipped entry's 0 / 0 -> 0 / 1
+                denom.add_(1 - kept)
             p.addcdiv_(state["exp_avg"] * (-lr * kept / bias1), denom)
 
     # ------------------------------------------------------------------ manifold check

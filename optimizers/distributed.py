@@ -272,7 +272,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
     dtype = optimizer._stack_dtype(group, params[0])
     local_momentum = [(g.lerp(b, momentum) if group["nesterov"] else b).to(dtype) for g, b in zip(grads, bufs)]
-    regulator = optimizer._regulators[index]
+    regulator = optimizer._group_regulator(group, index)
     elementwise = type(optimizer)._apply is MatrixOptimizer._apply and regulator is None
     shape = optimizer._matrix_shape(group, params[0])
 

@@ -391,7 +391,7 @@ class ManifoldMuon(MatrixOptimizer):
     def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
         # the warm start lives in the retraction dtype (fp32 for bf16 weights): a bf16 copy
         # changed a resumed run's next step by 5e-4
-        return fp32_or_fp64(p.dtype) if key == "dual_correction" else None
+        return fp32_or_fp64(p.dtype) if key == "dual_correction" else super()._state_dtype(key, p)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

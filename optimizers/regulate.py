@@ -87,6 +87,7 @@ __all__ = [
     "ColumnCap",
     "make_regulator",
     "regulator_spec",
+    "WARM_START_KEY",
     "soft_cap_alpha",
     "soft_cap_alpha_tensor",
     "soft_cap_polynomial",
@@ -165,6 +166,11 @@ def _top_ritz_vector(T: torch.Tensor) -> torch.Tensor:
     column = P.norm(dim=-2).argmax(-1, keepdim=True)  # [..., 1]
     v = torch.gather(P, -1, column.unsqueeze(-2).expand(*P.shape[:-1], 1)).squeeze(-1)
     return v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
+
+
+#: The per-parameter state entry where the power-iteration regulators keep their warm start
+#: (an orthonormal block, in the regulator's compute dtype: fp32 for bf16/fp16 weights).
+WARM_START_KEY = "regulate_v"
 
 
 def _top_singular_triplet(
@@ -342,7 +348,7 @@ class SpectralNormalize(Regulator):
             _at_least(self.block, 1, "block", "SpectralNormalize")
 
     def regulate(self, M, *, lr, state):
-        sigma, _, _ = _top_singular_triplet(M, self.steps, self.block, state, "regulate_v")
+        sigma, _, _ = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
         factor = (sigma / self.w_max).clamp_min(1.0)
         return M / factor[..., None, None]
 
@@ -371,7 +377,7 @@ class SpectralHammer(Regulator):
         self.block = int(self.block)
 
     def regulate(self, M, *, lr, state):
-        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, "regulate_v")
+        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
         excess = (sigma - self.w_max).clamp_min(0.0)
         return M - excess[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
 
@@ -405,7 +411,7 @@ class SpectralWeightDecay(Regulator):
                 f"SpectralWeightDecay: lr * weight_decay = {shrink} > 1 would flip the top "
                 "singular direction; lower lr or weight_decay"
             )
-        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, "regulate_v")
+        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
         return M - (shrink * sigma)[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
 
 

@@ -370,3 +370,128 @@ def test_a_users_manifold_module_checkpoint_resumes_in_a_new_process(tmp_path):
     assert unregistered.returncode != 0
     assert "unknown manifold 'ScaledColumns'" in unregistered.stderr
     assert "registers itself when that module is imported" in unregistered.stderr
+
+
+def _bf16_hammer_run(resume_at: int | None) -> torch.Tensor:
+    """8 Muon steps of a bf16 weight under the spectral hammer, reloaded from a saved state at
+    ``resume_at`` (into a fresh optimizer, through torch.save/torch.load)."""
+    import io
+
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(64, 32).bfloat16())
+    spec = {"name": "spectral_hammer", "w_max": 1.0}
+    opt = Muon([W], lr=0.02, regulate=spec)
+    for s in range(8):
+        if s == resume_at:
+            saved = io.BytesIO()
+            torch.save(opt.state_dict(), saved)
+            saved.seek(0)
+            W = torch.nn.Parameter(W.detach().clone())
+            opt = Muon([W], lr=0.02, regulate=spec)
+            opt.load_state_dict(torch.load(saved, weights_only=True))
+            assert opt.state[W]["regulate_v"].dtype == torch.float32
+        W.grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(s)).bfloat16()
+        opt.step()
+    return W.detach()
+
+
+def test_a_resumed_bf16_run_keeps_the_regulators_fp32_warm_start():
+    # torch's load_state_dict had cast the warm start to bf16: the resumed weights moved by 0.027
+    assert torch.equal(_bf16_hammer_run(None), _bf16_hammer_run(2))
+
+
+def test_a_torch_muon_state_loads_into_the_drop_in_and_bad_states_are_refused():
+    # torch.optim.Muon's groups lack this package's keys: KeyError 'update' at the next step
+    W = torch.nn.Parameter(torch.randn(8, 4))
+    theirs = torch.optim.Muon([W], lr=0.02)
+    W.grad = torch.randn(8, 4)
+    theirs.step()
+    ours = Muon([W], lr=0.02)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.param_groups[0]["update"] == "muon" and ours.param_groups[0]["nonfinite"] == "skip"
+    W.grad = torch.randn(8, 4)
+    ours.step()
+    assert torch.isfinite(W).all()
+    # a misspelled option in the saved groups, and state of another shape: refused, naming it,
+    # with nothing loaded (the state had loaded and the next step moved other parameters first)
+    state = ours.state_dict()
+    state["param_groups"][0]["nonfinite"] = "Raise"
+    with pytest.raises(ValueError, match="load_state_dict: the saved group 0: nonfinite must be one of"):
+        ours.load_state_dict(state)
+    A, B = torch.nn.Parameter(torch.randn(6, 6)), torch.nn.Parameter(torch.randn(6, 6))
+    square = Muon([A, B], lr=0.02)
+    A.grad, B.grad = torch.randn(6, 6), torch.randn(6, 6)
+    square.step()
+    C, D = torch.nn.Parameter(torch.randn(6, 6)), torch.nn.Parameter(torch.randn(6, 5))
+    other = Muon([C, D], lr=0.02)
+    with pytest.raises(ValueError, match=r"state 'momentum_buffer' of parameter #1 of param group 0 has shape "
+                                         r"\(6, 6\), the parameter \(6, 5\)"):
+        other.load_state_dict(square.state_dict())
+    assert not other.state  # nothing loaded
+
+
+def test_a_regulator_set_between_steps_is_used_from_the_next_step():
+    # the live regulator had been built once: a spec assigned later was saved but not applied
+    from geomuon.optimizers.regulate import rms_spectral_norm
+
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(3 * torch.randn(16, 8))
+    opt = Muon([W], lr=0.02)
+    opt.param_groups[0]["regulate"] = {"name": "hard_cap", "w_max": 1.0}
+    W.grad = torch.randn(16, 8)
+    opt.step()
+    assert rms_spectral_norm(W.detach()).item() <= 1.0 + 1e-5
+    # and a bad one is refused before the step moves anything
+    opt.param_groups[0]["regulate"] = {"name": "no_such_regulator"}
+    before = W.detach().clone()
+    W.grad = torch.randn(16, 8)
+    with pytest.raises(ValueError):
+        opt.step()
+    assert torch.equal(W.detach(), before)
+
+
+def test_a_skipped_step_leaves_fp16_adamw_weights_and_the_regulators_state():
+    import warnings
+
+    # fp16 AdamW entries: eps = 1e-8 is 0 in fp16, and the masked update 0/0 wrote NaN
+    W = torch.nn.Parameter(torch.randn(8, 8))
+    b = torch.nn.Parameter(torch.ones(2**17, dtype=torch.float16))
+    opt = Muon([{"params": [W]}, {"params": [b], "update": "adamw"}], lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        W.grad, b.grad = torch.randn(8, 8), torch.full_like(b, float("nan"))
+        opt.step()
+        assert opt.check_finite() == {"#0 of param group 1": 1}
+    assert torch.equal(b.detach(), torch.ones(2**17, dtype=torch.float16))
+    # a finite fp16 gradient whose fp16 norm overflows (200 sqrt(2^17) > 65504) is an AdamW
+    # step, as torch takes it (it had been skipped)
+    b.grad = torch.full_like(b, 200.0)
+    opt.step()
+    assert opt.check_finite() == {} and (b.detach() < 1).all()
+    # the regulator's warm start does not move on a skipped matrix step (it had, by 0.66)
+    torch.manual_seed(0)
+    M = torch.nn.Parameter(torch.randn(64, 32))
+    reg = Muon([M], lr=0.05, regulate={"name": "spectral_normalize", "w_max": 0.5, "steps": 2})
+    M.grad = torch.randn(64, 32)
+    reg.step()
+    weights, start = M.detach().clone(), reg.state[M]["regulate_v"].clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        M.grad = torch.full_like(M, float("nan"))
+        reg.step()
+    assert torch.equal(M.detach(), weights) and torch.equal(reg.state[M]["regulate_v"], start)
+    # control: a kept step does move it (and reports the skip before it)
+    M.grad = torch.randn(64, 32)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        reg.step()
+    assert not torch.equal(reg.state[M]["regulate_v"], start)
+
+
+def test_loading_a_state_reports_the_skips_of_the_run_so_far():
+    # the loaded state had reset the skip counters: a pending nonfinite='raise' vanished
+    W = torch.nn.Parameter(torch.randn(8, 4))
+    opt = Muon([W], lr=0.02, nonfinite="raise")
+    W.grad = torch.full_like(W, float("nan"))
+    opt.step()
+    with pytest.raises(ValueError, match="non-finite gradient"):
+        opt.load_state_dict(opt.state_dict())
