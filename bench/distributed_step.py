@@ -265,7 +265,7 @@ def launch(world: int, out: Path, worker_args: dict) -> list[dict]:
 
 
 def _gram_alternative(name: str, mode: str, width: int, layers: int, world: int) -> str:
-    """Manifold Muon under FSDP2 with the Gram all-reduce where it applies (tall and square
+    r"""Manifold Muon under FSDP2 with the Gram all-reduce where it applies (tall and square
     matrices, :func:`gram_allreduce_bytes`) and the measured path's all-to-alls elsewhere
     (wide ones: $\tfrac{w-1}{w}\,mn$ fp32 entries of momentum out and weights back, the
     owners' replicas held), relative to the parameter bytes; ``–`` for the other rows."""

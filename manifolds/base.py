@@ -14,7 +14,8 @@ two maps alone :class:`MatrixManifold` derives
 * the membership checks geoopt asks for.
 
 Built-in manifolds override these with closed forms; a user's manifold can stop at
-``constraint`` and ``constraint_adjoint`` (plus ``defining_map`` for a retraction).
+``constraint``, ``constraint_adjoint`` and ``defining_map`` (without the defining map, or its
+own ``projx`` and ``retr``, it has tangent projections but no points or steps).
 
 The Riemannian metric is the Euclidean (Frobenius) one inherited from
 $\mathbb{R}^{m\times n}$, so ``egrad2rgrad`` is the tangent projection.
@@ -409,16 +410,20 @@ class MatrixManifold(geoopt.Manifold):
             return rhs.clone()
         x = x.expand(*batch, *x.shape[-2:])
         b = rhs.reshape(*batch, -1)
-        diag = self.constraint_gram_diag(x)
-        diag = torch.ones_like(b) if diag is None else diag.expand_as(rhs).reshape(b.shape)
-        # Entries where the multiplier is structurally zero may carry a zero diagonal.
-        diag = torch.where(diag > 0, diag, torch.ones_like(diag))
+        diag = self._jacobi_diagonal(x, rhs).reshape(b.shape)
 
         def gram(v):
             lam = v.reshape(rhs.shape)
             return self.constraint(x, self.constraint_adjoint(x, lam)).reshape(b.shape)
 
         return conjugate_gradients(gram, b, diag).reshape(rhs.shape)
+
+    def _jacobi_diagonal(self, x: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        """The diagonal of $L_xL_x^*$ shaped like ``rhs`` (ones where the manifold gives none,
+        and where a multiplier is structurally zero and so is its diagonal entry)."""
+        diag = self.constraint_gram_diag(x)
+        diag = torch.ones_like(rhs) if diag is None else diag.expand_as(rhs)
+        return torch.where(diag > 0, diag, torch.ones_like(diag))
 
     # ---------------------------------------------------------------- geoopt surface
     @matrix_method("u")
@@ -512,7 +517,8 @@ class MatrixManifold(geoopt.Manifold):
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
         if self.has_defining_map:
-            return ok, None if ok else f"defining map F(x) != 0 with atol={atol}"
+            return ok, None if ok else (f"x is not within atol={atol}, rtol={rtol} of its projection (the first "
+                                        "Gauss-Newton step on the defining map, F(x) = 0)")
         return ok, None if ok else f"projx(x) != x with atol={atol}, rtol={rtol}"
 
     @matrix_method(result="multiplier")
@@ -521,16 +527,25 @@ class MatrixManifold(geoopt.Manifold):
         on ``x``'s device, with no host read (what an optimizer's step may compute; the
         ``check_point_on_manifold`` of geoopt is its ``.all()`` read back, with a reason).
 
-        Generic rule: ``isclose(F(x), 0)`` in every entry of the defining map, else
-        ``isclose(projx(x), x)`` (``torch.isclose``, so ``.all()`` is ``torch.allclose``).
+        Generic rule: ``isclose(p, x)`` entrywise (``torch.isclose``, so ``.all()`` is
+        ``torch.allclose``) for the projection $p$ of $x$: with a defining map a first
+        Jacobi-scaled Gauss–Newton step, $p = x - L_x^*(\operatorname{diag}(L_xL_x^*)^{-1}F(x))$
+        (the projection to first order where $L_xL_x^*$ is diagonal, as it is at the points of
+        Stiefel, LPRO and the router space; in ``x``'s units, and with no host read, which a
+        solve with a stopping rule would need), else ``projx(x)``. Comparing $F(x)$ with 0
+        instead had made the test depend on $F$'s scale: $\tfrac12(\|x\|^2 - r^2)$ rounds to
+        $r^2$ times fp32's round-off, so fp32 points of ``LPRO(radius=10)`` fresh from
+        ``projx`` were refused.
         ``None`` for a subclass that overrides ``_check_point_on_manifold`` without
         overriding this method: its check is host-side only.
         """
         if type(self)._check_point_on_manifold is not MatrixManifold._check_point_on_manifold:
             return None
         if self.has_defining_map:
-            residual = self.defining_map(x)
-            close = torch.isclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
+            wide = x.to(fp32_or_fp64(x.dtype))
+            residual = self.defining_map(wide)
+            projected = wide - self.constraint_adjoint(wide, residual / self._jacobi_diagonal(wide, residual))
+            close = torch.isclose(projected, wide, atol=atol, rtol=rtol)
         else:
             close = torch.isclose(self.projx(x), x, atol=atol, rtol=rtol)
         return close.flatten(x.dim() - 2).all(-1)

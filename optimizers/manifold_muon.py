@@ -147,7 +147,26 @@ def resolve_manifold(spec, where: str):
             f"{where}: {type(spec).__name__} lacks {missing}; ManifoldMuon needs a matrix manifold "
             "with the tangent-constraint interface of CONTRIBUTING.md (a manifolds.* class)"
         )
+    if isinstance(spec, MatrixManifold) and not spec.has_defining_map and (
+            type(spec).projx is MatrixManifold.projx or type(spec).retr is MatrixManifold.retr):
+        # (the generic projx and retr project along normal spaces onto F = 0: the first step had
+        # raised NotImplementedError)
+        raise ValueError(f"{where}: {type(spec).__name__} defines neither defining_map(x) nor its own projx and "
+                         "retr, so it has no retraction to step with; define defining_map (F with M = {F = 0})")
     return spec
+
+
+def _described(manifold) -> str:
+    """A manifold's class and constructor arguments (two instances of one class differ there)."""
+    if isinstance(manifold, MatrixManifold):
+        return f"{type(manifold).__name__}{manifold.spec()['args']}"
+    return repr(manifold)
+
+
+def _identity(manifold) -> object:
+    """What makes two manifolds interchangeable (``MatrixManifold.identity``; the instance
+    itself for another geoopt manifold)."""
+    return manifold.identity if isinstance(manifold, MatrixManifold) else manifold
 
 
 class ManifoldMuon(MatrixOptimizer):
@@ -367,10 +386,12 @@ class ManifoldMuon(MatrixOptimizer):
                 )
             if own is not None and group["manifold"] is None:
                 resolve_manifold(own, f"parameter {name}").identity  # noqa: B018
-            elif own is not None and hasattr(own, "constraint") and type(own) is not type(manifold):
+            elif own is not None and hasattr(own, "constraint") and _identity(own) != _identity(manifold):
+                # (instances compared, not classes: a sphere of radius 1 in a group of radius 2
+                # had been stepped on the group's, off its own)
                 raise ValueError(
-                    f"ManifoldMuon: parameter {name} is a ManifoldParameter on {type(own).__name__} "
-                    f"but its group says {type(manifold).__name__}"
+                    f"ManifoldMuon: parameter {name} is a ManifoldParameter on {_described(own)} but its group "
+                    f"says {_described(manifold)}; give them the same manifold"
                 )
             if group["solver"] == "projected":
                 self._check_projected(group, p, own if manifold is None else manifold, name)

@@ -127,3 +127,118 @@ def test_unconverged_projection_warns():
     x = Oblique().random(5, 3, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="did not converge"):
         OneStep().retr(x, 3 * Oblique().proju(x, torch.randn_like(x)))
+
+
+def test_a_float32_point_of_a_large_radius_is_a_point_to_the_optimizer():
+    # The generic check compared F(x) = (|x|^2 - r^2)/2 with 0 at atol 1e-5: its fp32 round-off
+    # grows like r^2, so ManifoldMuon refused fp32 points of LPRO(radius=10) fresh from projx,
+    # even after its own advice (project_to_manifolds)
+    from geomuon.manifolds import LPRO
+    from geomuon.optimizers import ManifoldMuon
+
+    for radius in (10.0, 20.0):
+        manifold = LPRO(radius=radius)
+        W = torch.nn.Parameter(manifold.projx(torch.randn(64, 32)))
+        opt = ManifoldMuon([{"params": [W], "manifold": manifold}], lr=0.02)
+        W.grad = torch.randn(64, 32)
+        opt.step()
+        assert manifold.check_point_on_manifold(W.detach())
+        # control: 0.1 % off the radius is still refused
+        assert not manifold.check_point_on_manifold(1.001 * W.detach())
+
+
+def test_the_contract_checks_every_declared_capability():
+    from geomuon.manifolds.capabilities import UnitColumnsGram
+
+    class DiagonalClaim(UnitColumnsGram):  # W^T W of unit columns is not diagonal
+        diagonal_gram = True
+
+    class MisdeclaredOblique(Oblique):
+        name = "MisdeclaredOblique"
+        gram_form = DiagonalClaim()
+
+    class RowDualizerClaim(UnitColumnsFromMaps):  # row normalization does not keep unit columns' tangents
+        name = "RowDualizerClaim"
+
+        def dualizer_keeps_tangent(self, x, norm):
+            return norm == "row"
+
+    # both had passed the contract, and the first steered ManifoldMuon to a certified 0.007 of
+    # the optimal descent
+    for manifold, failed in ((MisdeclaredOblique(), ["gram_form_diagonal_gram"]),
+                             (RowDualizerClaim(), ["dualizer_keeps_tangent"])):
+        report = check_manifold_contract(manifold, (6, 4), dtype=torch.float64, raise_on_failure=False)
+        assert [c.name for c in report.failures] == failed, report
+    # controls: the honest declarations pass
+    for manifold in (Oblique(), UnitColumnsFromMaps()):
+        assert check_manifold_contract(manifold, (6, 4), dtype=torch.float64, raise_on_failure=False).passed
+
+
+def test_a_group_that_leaves_the_manifold_is_violated_and_says_so():
+    # a group that is no symmetry of the manifold: every trial had stepped from points off it
+    # and returned a verdict about them (holds, for a permutation of unequal fixed row norms)
+    from geomuon.optimizers.steepest import steepest_direction
+    from geomuon.theory.equivariance import DirectionUpdate, check_equivariance
+
+    class FixedRowNorms(MatrixManifold):
+        """Row i of norm radii[i]."""
+
+        name = "FixedRowNorms"
+
+        def __init__(self, radii):
+            super().__init__()
+            self.radii = radii
+
+        def constraint(self, x, u):
+            return (x * u).sum(-1)
+
+        def constraint_adjoint(self, x, lam):
+            return x * lam.unsqueeze(-1)
+
+        def defining_map(self, x):
+            return 0.5 * (x.square().sum(-1) - self.radii.to(x.dtype) ** 2)
+
+    unequal = DirectionUpdate(steepest_direction, FixedRowNorms(torch.arange(1.0, 7.0, dtype=torch.float64)))
+    report = check_equivariance(unequal, "permutation", (6, 4), seed=0)  # had held
+    assert report.verdict == "violated" and "the group does not preserve FixedRowNorms" in report.message()
+    # control: equal norms are preserved by permutations, and the row-wise direction holds
+    equal = DirectionUpdate(steepest_direction, FixedRowNorms(torch.ones(6, dtype=torch.float64)))
+    assert check_equivariance(equal, "permutation", (6, 4), seed=0).verdict == "holds"
+    oblique = DirectionUpdate(steepest_direction, Oblique())
+    assert "the group does not preserve Oblique" in check_equivariance(oblique, "row-scaling", (6, 4), seed=0).message()
+    assert check_equivariance(oblique, "left-orthogonal", (6, 4), seed=0).verdict == "holds"
+
+
+def test_optimizer_checks_start_from_points_the_generic_projection_reaches():
+    # W_0 had been projx of the raw draw at the trial's scale (1e-8 .. 1e8), which the
+    # Gauss-Newton projection of a maps-only manifold does not reach: verdict error
+    from geomuon.optimizers import ManifoldMuon
+    from geomuon.theory.equivariance import OptimizerUpdate, check_equivariance
+
+    manifold = UnitColumnsFromMaps()
+    update = OptimizerUpdate(lambda ps: ManifoldMuon(ps, manifold=manifold, lr=0.05, compute_dtype=None),
+                             manifold=manifold, steps=2)
+    assert check_equivariance(update, "left-orthogonal", (6, 4), seed=0, trials=20).verdict == "holds"
+
+
+def test_manifold_muon_refuses_what_it_cannot_step_with_the_manifold_it_names():
+    from geomuon.manifolds import LPRO
+    from geomuon.optimizers import ManifoldMuon
+
+    # a parameter on a sphere of radius 1 in a group of radius 2 had been stepped on the group's
+    import geoopt
+
+    p = geoopt.ManifoldParameter(LPRO(radius=1.0).projx(torch.randn(6, 4)), manifold=LPRO(radius=1.0))
+    with pytest.raises(ValueError, match=r"ManifoldParameter on LPRO\{'radius': 1.0\} but its group says "
+                                         r"LPRO\{'radius': 2.0\}"):
+        ManifoldMuon([{"params": [p], "manifold": LPRO(radius=2.0)}])
+    ManifoldMuon([{"params": [p], "manifold": LPRO(radius=1.0)}])  # control: an equal instance
+
+    # a manifold with no defining map and no projx/retr of its own: NotImplementedError at the first step
+    class OnlyConstraint(MatrixManifold):
+        name = "OnlyConstraint"
+        constraint = UnitColumnsFromMaps.constraint
+        constraint_adjoint = UnitColumnsFromMaps.constraint_adjoint
+
+    with pytest.raises(ValueError, match="OnlyConstraint defines neither defining_map"):
+        ManifoldMuon([torch.nn.Parameter(torch.randn(6, 4))], manifold=OnlyConstraint())

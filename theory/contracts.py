@@ -165,7 +165,8 @@ def check_manifold_contract(
 
     Checks (each a relative residual $\le$ ``tol`` unless said otherwise):
 
-    * ``random`` lands on $M$ with the requested shape and dtype;
+    * ``random`` lands on $M$ with the requested shape and dtype, and passes the manifold's own
+      ``check_point_on_manifold`` (what an optimizer asks of its weights);
     * ``projx`` lands on $M$ and fixes points of $M$;
     * ``proju`` lands in $T_xM$, is idempotent and self-adjoint, and equals the projection
       derived from ``constraint``/``constraint_adjoint`` (:meth:`MatrixManifold.proju`);
@@ -185,8 +186,9 @@ def check_manifold_contract(
       itself) and returns the dtype it was given;
     * the declared capabilities agree with the maps (float64): a ``gram_form``'s
       projection, constraint, adjoint and diagonal with the manifold's own, at $x$ and at
-      $0.7x$ (a point scaled by weight decay), its retraction on $M$ and first order; a
-      ``dualizer_keeps_tangent`` with $\operatorname{msign}(P_xG)$ being tangent;
+      $0.7x$ (a point scaled by weight decay), its retraction on $M$ and first order, its
+      ``diagonal_gram`` with $x^\top x$ being diagonal; a ``dualizer_keeps_tangent`` with the
+      declared norms' dualizers of $P_xG$ (msign for the spectral norm) being tangent;
     * geoopt interop: a ``geoopt.ManifoldParameter`` stepped by
       ``geoopt.optim.RiemannianSGD`` (momentum) stays on $M$.
 
@@ -233,6 +235,8 @@ def check_manifold_contract(
     record("random_shape_dtype", 0.0 if same_kind else 1.0, 0.0,
            note="" if same_kind else f"got {tuple(x.shape)} {x.dtype}")
     record("random_on_manifold", manifold_residual(manifold, x))
+    own = bool(manifold.check_point_on_manifold(x))  # what an optimizer's first step asks of its weights
+    record("random_passes_own_check", 0.0 if own else 1.0, 0.0)
 
     record("projx_on_manifold", manifold_residual(manifold, manifold.projx(gaussian())))
     record("projx_fixes_points", rel(manifold.projx(x) - x, x))
@@ -355,7 +359,12 @@ WHAT_TO_FIX = {
                          "maps (at x or at a scaled 0.7x): fix the form or declare none",
     "gram_retraction_on_manifold": "the declared gram_form's retraction_factor must land on M",
     "gram_retraction_slope": "the declared gram_form's retraction must be first order: R_W(tV) = W + tV + O(t^2)",
-    "dualizer_keeps_tangent": "dualizer_keeps_tangent says msign(P_x G) is tangent at x, and it is not: return False",
+    "dualizer_keeps_tangent": "dualizer_keeps_tangent says the norm's dualizer of P_x G (msign for the spectral "
+                              "norm) is tangent at x, and it is not (the note names the norm): return False for it",
+    "gram_form_diagonal_gram": "the gram_form declares diagonal_gram, and W^T W is not diagonal on M: the engine "
+                               "would read D from the column norms alone; set diagonal_gram = False",
+    "random_passes_own_check": "random() gives points the manifold's own check_point_on_manifold refuses (an "
+                               "optimizer refuses them at its first step): make points_on_manifold scale-aware",
     "geoopt_sgd_on_manifold": "geoopt's RiemannianSGD left M: check egrad2rgrad, retr and transp",
 }
 
@@ -364,6 +373,8 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
     """The declared capabilities against the manifold's maps, in float64 (see
     :func:`check_manifold_contract`); a manifold declaring none records nothing."""
     from geomuon.manifolds.capabilities import gram_retraction
+
+    from geomuon.optimizers.steepest import NORMS
 
     tol = default_tolerance(torch.float64)
     # the math of the declarations, on a float64 point of M (a float32 point is off M by its
@@ -387,6 +398,10 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
                 if diag is not None:
                     errors.append(_relative(form.gram_diag(D).expand_as(lam) * lam, diag.expand_as(lam) * lam))
             record("gram_form_matches", max(errors), tol)
+            if form.diagonal_gram:  # the engine then reads D from the column norms alone
+                D = W0.mT @ W0
+                off = D - torch.diag_embed(torch.diagonal(D, dim1=-2, dim2=-1))
+                record("gram_form_diagonal_gram", float(off.norm() / D.norm().clamp_min(1e-300)), tol)
             V = MatrixManifold.proju(manifold, W0, X)
             V = V * (_matrix_norm(W0) / _matrix_norm(V).clamp_min(1e-300))[..., None, None]
             stepped = gram_retraction(form, W0, 0.3 * V)
@@ -394,18 +409,31 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
             shim = types.SimpleNamespace(retr=lambda W, step: gram_retraction(form, W, step))
             slope, _ = retraction_slope(shim, W0, V, torch.logspace(-4, -2, 5))
             record("gram_retraction_slope", slope, MIN_RETRACTION_SLOPE, at_least=True)
-    if manifold.dualizer_keeps_tangent(x, "spectral"):
-        # msign of the exact P_x G, whose zero singular values come out at the projection's
-        # round-off (a square Stiefel tangent x·skew is singular in odd dimensions): below
-        # sqrt(eps) sigma_max they are zeros (a Gaussian's projection has a genuine one there
-        # with probability ~1e-8), where msign's own rank threshold, max(m, n) eps sigma_max,
-        # had kept one by chance and its arbitrary singular pair (1/sqrt(5) of a 5x5 A) was
-        # blamed on the declaration
-        U, S, Vh = torch.linalg.svd(manifold.proju(x, g), full_matrices=False)
+    declared = [name for name in NORMS if manifold.dualizer_keeps_tangent(x, name)]
+    if declared:  # every norm an optimizer may ask about (it had been checked for the spectral one only)
+        P = manifold.proju(x, g)
+        normal = {name: float(normal_component(manifold, x, A).norm() / A.norm().clamp_min(1e-300))
+                  for name, A in ((name, _exact_dualizer(name, P)) for name in declared)}
+        worst = max(normal, key=normal.get)
+        record("dualizer_keeps_tangent", normal[worst], tol, note=f"norms {', '.join(declared)}; worst {worst}")
+
+
+def _exact_dualizer(norm: str, P: torch.Tensor) -> torch.Tensor:
+    r"""The float64 dualizer of ``norm`` at ``P``. The spectral one is msign of the exact
+    $P$, whose zero singular values come out at the projection's round-off (a square Stiefel
+    tangent $x\cdot$skew is singular in odd dimensions): below $\sqrt\varepsilon\,\sigma_{\max}$
+    they are zeros (a Gaussian's projection has a genuine one there with probability
+    ~1e-8), where msign's own rank threshold, $\max(m, n)\,\varepsilon\,\sigma_{\max}$, had
+    kept one by chance and its arbitrary singular pair ($1/\sqrt5$ of a 5x5 $A$) was blamed
+    on the declaration. The others are :data:`~geomuon.optimizers.steepest.NORMS`' own, with
+    SVD-exact polar factors."""
+    from geomuon.optimizers.steepest import NORMS, SolverSettings
+
+    if norm == "spectral":
+        U, S, Vh = torch.linalg.svd(P, full_matrices=False)
         kept = (S > torch.finfo(S.dtype).eps ** 0.5 * S[..., :1]).to(S.dtype)
-        A = (U * kept.unsqueeze(-2)) @ Vh
-        record("dualizer_keeps_tangent", float(normal_component(manifold, x, A).norm() / A.norm().clamp_min(1e-300)),
-               tol)
+        return (U * kept.unsqueeze(-2)) @ Vh
+    return NORMS[norm].dualize(P, SolverSettings(msign_method="svd", compute_dtype=None))
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

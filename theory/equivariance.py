@@ -146,6 +146,7 @@ __all__ = [
     "SUB_ROUNDOFF",
     "MapUpdate",
     "NondeterministicUpdateError",
+    "GroupLeavesManifoldError",
     "DirectionUpdate",
     "OptimizerUpdate",
     "map_residual",
@@ -505,15 +506,57 @@ class MapUpdate(_Subject):
         return element.act(example)
 
 
+def _unit_rms_point(manifold, raw: torch.Tensor) -> torch.Tensor:
+    r"""``manifold.projx`` of ``raw`` scaled to unit RMS: the trial's adversarial scale is the
+    gradient's, and a raw point at $10^{\pm 8}$ tested the manifold's ``projx`` (the generic
+    Gauss–Newton iteration does not reach the manifold from that far)."""
+    rms = raw.square().mean().sqrt().clamp_min(torch.finfo(raw.dtype).tiny)
+    return manifold.projx(raw / rms)
+
+
+class GroupLeavesManifoldError(ValueError):
+    """A group element moved a point of the update's manifold off it, by ``distance``
+    (relative) where the check allows ``limit``: the group is no symmetry of the manifold, so
+    the update cannot be equivariant under it there (:func:`run_trial` calls the trial
+    *violated*, with this message, not a residual of steps taken from off the manifold)."""
+
+    def __init__(self, message: str, distance: float, limit: float):
+        super().__init__(message)
+        self.distance, self.limit = distance, limit
+
+
+def _moved_point(manifold, element: GroupElement, W):
+    r"""$g\cdot W$, refused (:class:`GroupLeavesManifoldError`) when its linear part is off ``manifold``:
+    its relative distance (:func:`~geomuon.theory.contracts.manifold_residual`, float64) above
+    $10^{-3} + 16 r_W$, $r_W$ that of $W$ (a symmetry keeps $g\cdot W$ within $W$'s rounding of
+    $M$, bf16 included; a group that is none moves it $O(1)$ off: a row permutation of
+    unequal fixed row norms, 0.5). Without the check such trials had returned *holds* or
+    *violated* about steps taken from points off the manifold."""
+    from geomuon.theory.contracts import manifold_residual
+
+    moved = element.act_point(W)
+    # the linear part must keep M; a shift is a gauge the update is invariant to, which moves a
+    # point off a quotient's representatives by design (router-shift on CenteredRouterSpace)
+    linear = dataclasses.replace(element, shift=None).act_point(W) if getattr(element, "shift", None) is not None \
+        else moved
+    for before, after in zip(_members(W), _members(linear)):
+        off, own = manifold_residual(manifold, after), manifold_residual(manifold, before)
+        limit = 1e-3 + 16 * own
+        if off > limit:
+            raise GroupLeavesManifoldError(
+                f"the group does not preserve {type(manifold).__name__}: g.W is {off:.2e} (relative) off it where W "
+                f"is {own:.1e}, so no update on it is equivariant under this group (check it under the manifold's "
+                "symmetries)", off, limit)
+    return moved
+
+
 @dataclass
 class DirectionUpdate(_Subject):
     """The steepest direction ``engine(manifold, W, G, **solver)`` on ``manifold``.
 
-    Examples are ``(W, G)`` with ``W = manifold.projx(raw)`` on the manifold, ``raw`` a Gaussian
-    scaled to unit RMS (the trial's adversarial scale is the gradient's: a raw point at
-    $10^8$ tested the manifold's ``projx``, whose generic Gauss–Newton iteration does not
-    reach the manifold from that far); the group moves ``W`` with ``act_point`` and ``G``
-    with ``act_gradient``."""
+    Examples are ``(W, G)`` with ``W`` on the manifold (:func:`_unit_rms_point` of a Gaussian);
+    the group moves ``W`` with ``act_point`` (refused when it leaves the manifold,
+    :func:`_moved_point`) and ``G`` with ``act_gradient``."""
 
     engine: Callable
     manifold: Any
@@ -525,9 +568,7 @@ class DirectionUpdate(_Subject):
         self.name = self.name or f"steepest[{type(self.manifold).__name__}]"
 
     def example(self, raws):
-        raw = raws[0]
-        rms = raw.square().mean().sqrt().clamp_min(torch.finfo(raw.dtype).tiny)
-        return self.manifold.projx(raw / rms), raws[1]
+        return _unit_rms_point(self.manifold, raws[0]), raws[1]
 
     def input_kinds(self, kind):
         return ["gaussian", kind]
@@ -538,7 +579,7 @@ class DirectionUpdate(_Subject):
 
     def act(self, element, example):
         W, G = example
-        return element.act_point(W), element.act_gradient(G)
+        return _moved_point(self.manifold, element, W), element.act_gradient(G)
 
     def perturb(self, example, storage, compute, generator, additive=True):
         W, G = example
@@ -550,8 +591,8 @@ class OptimizerUpdate(_Subject):
     """Whole optimizer steps: ``make_optimizer(params) -> Optimizer`` over fresh
     ``torch.nn.Parameter`` copies of ``W_0`` (one per member for joint groups).
 
-    Examples are ``(W_0, [G_1, ..., G_steps])``; ``W_0`` is projected onto ``manifold`` when
-    one is given. The output is the trajectory $W_0, W_1, \\dots$; the group moves weights
+    Examples are ``(W_0, [G_1, ..., G_steps])``; ``W_0`` is put on ``manifold`` when one is
+    given (:func:`_unit_rms_point`; the group's move of it is checked, :func:`_moved_point`). The output is the trajectory $W_0, W_1, \\dots$; the group moves weights
     with ``act_point`` and gradients with ``act_gradient``, and the residual is relative to
     the path travelled (:func:`step_residual`)."""
 
@@ -568,7 +609,7 @@ class OptimizerUpdate(_Subject):
         self.inputs = 1 + self.steps
 
     def _start(self, raw):
-        return self.manifold.projx(raw) if self.manifold is not None else raw
+        return _unit_rms_point(self.manifold, raw) if self.manifold is not None else raw
 
     def input_kinds(self, kind):
         return ["gaussian" if self.manifold is not None else kind] + [kind] * self.steps
@@ -585,7 +626,8 @@ class OptimizerUpdate(_Subject):
 
     def act(self, element, example):
         start, gradients = example
-        return element.act_point(start), [element.act_gradient(G) for G in gradients]
+        moved = _moved_point(self.manifold, element, start) if self.manifold is not None else element.act_point(start)
+        return moved, [element.act_gradient(G) for G in gradients]
 
     def act_output(self, element, output):
         return [element.act_point(w) for w in output]
@@ -787,6 +829,8 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         for _ in range(probes):
             changes.append(subject.relative(evaluate(subject.perturb(example, storage, compute, generator)), out))
             changes.append(subject.relative(evaluate(subject.perturb(moved, storage, compute, generator)), out_g))
+    except GroupLeavesManifoldError as err:
+        return Trial(index, kind, scale, err.distance, err.limit, "violated", element, str(err))
     except Exception as err:  # the update's own failure is a verdict, not a crash of the checker
         return Trial(index, kind, scale, math.nan, math.nan, "error", element, f"{type(err).__name__}: {err}")
     floor = _floor(eps, changes)
@@ -903,6 +947,8 @@ class EquivarianceReport:
         what = f"{self.update} under {self.group}"
         if self.verdict == "error":
             return f"ERROR: {what} failed at {where}: {t.error}"
+        if self.verdict == "violated" and t.error:
+            return f"VIOLATED: {what}: {t.error}; at {where}.\ngroup element:\n{_element_text(t.element)}"
         if self.verdict == "violated":
             return (f"VIOLATED: {what}: residual {t.residual:.3e} at {where} is {t.ratio:.3g}x its noise floor "
                     f"{t.floor:.2e} (> {VIOLATION_FACTOR:g}x).\nWhy this tolerance: {self.derivation()}.\n"

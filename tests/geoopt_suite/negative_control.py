@@ -1,4 +1,4 @@
-"""The harness's negative control (ours, not geoopt's): a Stiefel whose tangent projection
+r"""The harness's negative control (ours, not geoopt's): a Stiefel whose tangent projection
 drops the symmetrization, $u - WW^\top u$ instead of $u - W\operatorname{sym}(W^\top u)$.
 The result is still tangent (it satisfies $W^\top V = 0$, a stricter condition) but it is
 not the orthogonal projection, so geoopt's projection tests must fail with it substituted
