@@ -145,6 +145,12 @@ def test_a_float32_point_of_a_large_radius_is_a_point_to_the_optimizer():
         assert manifold.check_point_on_manifold(W.detach())
         # control: 0.1 % off the radius is still refused
         assert not manifold.check_point_on_manifold(1.001 * W.detach())
+    # and a zero matrix is no point of Stiefel (a test on the Gauss-Newton step had passed it:
+    # the step vanishes with the normal space, and zero-initialised weights stayed at 0)
+    from geomuon.manifolds import Stiefel
+
+    assert not Stiefel().check_point_on_manifold(torch.zeros(16, 16))
+    assert not LPRO(radius=10.0).check_point_on_manifold(torch.zeros(16, 16))
 
 
 def test_the_contract_checks_every_declared_capability():

@@ -347,7 +347,7 @@ def expected_bytes(name: str, world: int) -> tuple[int, int]:
     opt = CONFIGS[name](Tower().double())
     group, p = opt.param_groups[0], opt.param_groups[0]["params"][0]
     stack = opt._stack_dtype(group, p).itemsize
-    whole_matrix = type(opt)._apply is not MatrixOptimizer._apply or opt._regulators[0] is not None
+    whole_matrix = type(opt)._apply is not MatrixOptimizer._apply or opt._group_regulator(group, 0) is not None
     if opt._rowwise_direction(group) and not whole_matrix:
         return 0, 0
     first = steady = 0
