@@ -70,19 +70,21 @@ _CONVENTIONAL_NAMES = (
 
 
 def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str, str]:
-    """``{parameter name: role}`` for every parameter of ``model`` (tied tensors once,
-    under their first name, as ``named_parameters`` lists them).
+    """``{parameter name: role}`` for every trainable parameter of ``model`` (tied tensors
+    once, under their first name, as ``named_parameters`` lists them; frozen ones,
+    ``requires_grad=False``, are not trained and get no role).
 
     Raises:
         ValueError: a role in ``roles`` is not one of :data:`ROLES`, a name in ``roles``
             is not a parameter, or a matrix parameter has no role.
     """
     roles = dict(roles or {})
-    names = dict(model.named_parameters())
+    every = dict(model.named_parameters())
+    names = {name: p for name, p in every.items() if p.requires_grad}
     for name, role in roles.items():
         if role not in ROLES:
             raise ValueError(f"roles[{name!r}] = {role!r} is not a role; use one of {ROLES}")
-        if name not in names:
+        if name not in every:
             raise ValueError(f"roles names {name!r}, which is not a parameter of the model")
     declared: dict[int, str] = {}
     for module_name, module in model.named_modules():
@@ -381,6 +383,9 @@ def assign(
     label, table = strategy_table(strategy)
     hyper = hyper or Hyper()
     role_of = classify(model, roles)
+    if not role_of:
+        raise ValueError(f"assign: {type(model).__name__} has no trainable parameters (requires_grad=True); "
+                         "nothing to optimize")
     params = dict(model.named_parameters())
     tied = _tied_names(model)
     rows, buckets = [], {}
@@ -390,10 +395,12 @@ def assign(
         rows.append(Row(name, tuple(p.shape), role, rule, tied.get(name, "")))
         # AdamW decays matrices only (nanoGPT); one group per (rule, decay)
         key = (rule, rule.update == "adamw" and p.dim() >= 2)
-        buckets.setdefault(key, []).append(p)
+        buckets.setdefault(key, []).append((name, p))
     by_update: dict[str, list[dict]] = {}
-    for (rule, decay), ps in buckets.items():
+    for (rule, decay), named in buckets.items():
+        ps = [p for _, p in named]
         group = _group(rule, ps, hyper, decay)
+        group["param_names"] = [name for name, _ in named]  # the optimizers' reports name them
         if "manifold" in group:
             _move_onto(group["manifold"], ps)
         by_update.setdefault(rule.update, []).append(group)

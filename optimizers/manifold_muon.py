@@ -354,17 +354,23 @@ class ManifoldMuon(MatrixOptimizer):
         if group["gram_dualizer"] not in (*DUALIZERS, None):
             raise ValueError(f"group {index}: gram_dualizer must be one of {DUALIZERS} (or None: by the device), "
                              f"got {group['gram_dualizer']!r}")
-        if group["dual_steps"] is not None and int(group["dual_steps"]) < 0:
-            raise ValueError(f"group {index}: dual_steps must be >= 0, got {group['dual_steps']}")
-        if group["cold_dual_steps"] is not None and int(group["cold_dual_steps"]) < 0:
-            raise ValueError(f"group {index}: cold_dual_steps must be >= 0, got {group['cold_dual_steps']}")
-        if group["dual_alpha"] is not None and not float(group["dual_alpha"]) > 0:
-            raise ValueError(f"group {index}: dual_alpha must be > 0 (or None: the manifold's default), "
-                             f"got {group['dual_alpha']}")
-        if group["polish_rounds"] is not None and int(group["polish_rounds"]) < 0:
-            raise ValueError(f"group {index}: polish_rounds must be >= 0, got {group['polish_rounds']}")
-        if int(group.get("certify_reference", 0)) < 0:
-            raise ValueError(f"group {index}: certify_reference must be >= 0, got {group['certify_reference']}")
+        # counts are whole numbers (2.7 had become 2), flags booleans ("no" had been true), the
+        # step size finite (inf had written NaN weights)
+        for key in ("dual_steps", "cold_dual_steps", "polish_rounds", "certify_reference"):
+            if group.get(key) is not None:
+                require_number(index, key, group[key], lambda x: x >= 0 and x == int(x) and not isinstance(
+                    group[key], bool), "a whole number >= 0" + ("" if key == "certify_reference" else
+                                                              " (or None: the manifold's default)"))
+        if group["dual_alpha"] is not None:
+            require_number(index, "dual_alpha", group["dual_alpha"], lambda x: x > 0,
+                           "a finite number > 0 (or None: the manifold's default)")
+        for key in ("warm_start", "dual_carry"):
+            if not isinstance(group[key], bool):
+                raise ValueError(f"group {index}: {key} must be True or False, got {group[key]!r}")
+        if not isinstance(group["lr"], torch.Tensor) and float(group["lr"]) * float(group["weight_decay"]) >= 1:
+            # the decay factor 1 - lr * weight_decay would be <= 0: a point scaled to 0 or through it
+            raise ValueError(f"group {index}: lr * weight_decay must be < 1 (the decay factor 1 - lr * weight_decay "
+                             f"scales the point), got {group['lr']} * {group['weight_decay']}")
         require_number(index, "dual_smoothing", group["dual_smoothing"], lambda x: x >= 0, "a finite number >= 0")
         if float(group["dual_smoothing"]) and group["gram_dualizer"] == "polar_express":
             raise ValueError(f"group {index}: dual_smoothing needs gram_dualizer='eigh' (mu is read off the "

@@ -223,3 +223,30 @@ def test_torch_muon_peer_trains_and_checkpoints():
     key = next(iter(assignment.optimizers["torch_muon"].state_dict()["state"]))
     assert torch.equal(fresh.optimizers["torch_muon"].state_dict()["state"][key]["momentum_buffer"],
                        assignment.optimizers["torch_muon"].state_dict()["state"][key]["momentum_buffer"])
+
+
+def test_frozen_parameters_are_left_alone_and_the_optimizers_name_what_they_step():
+    # a frozen pretrained weight had been listed, re-initialised on Stiefel and stepped; the
+    # optimizers' reports had said '#1 of param group 0'
+    import warnings
+
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.attn.q_proj = nn.Linear(8, 8, bias=False)
+    model.attn.o_proj = nn.Linear(8, 8, bias=False)
+    model.attn.q_proj.requires_grad_(False)
+    frozen = model.attn.q_proj.weight.detach().clone()
+    assignment = assign(model, "all_stiefel")
+    assert [row.name for row in assignment.rows] == ["attn.o_proj.weight"]
+    assert torch.equal(model.attn.q_proj.weight, frozen)
+    model.attn.o_proj.weight.grad = torch.full((8, 8), float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assignment.step()
+    (optimizer,) = assignment.optimizers.values()
+    with pytest.warns(RuntimeWarning, match="in parameter\\(s\\) 'attn.o_proj.weight'"):
+        assert optimizer.check_finite() == {"'attn.o_proj.weight'": 1}
+    # nothing trainable: an error, not an assignment that does nothing
+    model.attn.o_proj.requires_grad_(False)
+    with pytest.raises(ValueError, match="has no trainable parameters"):
+        assign(model, "all_stiefel")

@@ -479,7 +479,7 @@ def test_dgrams_cold_first_step_is_the_two_step_solve_and_certifies_higher():
 
 def test_a_negative_cold_dual_step_count_is_refused_by_name():
     W = torch.nn.Parameter(DGram().random(8, 4).data)
-    with pytest.raises(ValueError, match="cold_dual_steps must be >= 0"):
+    with pytest.raises(ValueError, match="cold_dual_steps must be a whole number >= 0"):
         ManifoldMuon([W], manifold="dgram", cold_dual_steps=-1)
 
 
@@ -530,7 +530,7 @@ def test_dgrams_over_relaxed_newton_steps_lower_the_dual_faster(seed):
 def test_a_nonpositive_dual_step_size_is_refused_by_name():
     W = torch.nn.Parameter(DGram().random(8, 4).data)
     for alpha in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="dual_alpha must be > 0"):
+        with pytest.raises(ValueError, match="dual_alpha must be a finite number > 0"):
             ManifoldMuon([W], manifold="dgram", dual_alpha=alpha)
 
 
@@ -610,7 +610,7 @@ def test_polish_rounds_move_the_step_and_keep_it_on_the_manifold():
         assert DGram().check_point_on_manifold(W.detach(), atol=1e-5)
         points[rounds] = W.detach()
     assert not torch.allclose(points[0], points[2], atol=1e-5)
-    with pytest.raises(ValueError, match="polish_rounds must be >= 0"):
+    with pytest.raises(ValueError, match="polish_rounds must be a whole number >= 0"):
         ManifoldMuon([torch.nn.Parameter(start.clone())], manifold="dgram", polish_rounds=-1)
 
 
@@ -720,3 +720,19 @@ def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_ste
     workers.clear()
     run(2, SequentialMuon)
     assert workers == []
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(dual_steps=2.7), "dual_steps must be a whole number >= 0"),  # had been truncated to 2
+    (dict(polish_rounds=1.5), "polish_rounds must be a whole number >= 0"),
+    (dict(cold_dual_steps=True), "cold_dual_steps must be a whole number >= 0"),
+    (dict(dual_steps=float("nan")), "dual_steps must be a whole number >= 0"),  # had been a bare int() error
+    (dict(warm_start="no"), "warm_start must be True or False"),  # "no" had been true
+    (dict(dual_alpha=float("inf")), "dual_alpha must be a finite number > 0"),  # had written NaN weights
+    (dict(lr=0.1, weight_decay=10.0), r"lr \* weight_decay must be < 1"),  # a decay factor <= 0: NaN weights
+])
+def test_options_out_of_range_are_refused_naming_the_option(options, message):
+    p = torch.nn.Parameter(Stiefel().projx(torch.randn(8, 4)))
+    with pytest.raises(ValueError, match=message):
+        ManifoldMuon([p], manifold="stiefel", **options)
+    ManifoldMuon([p], manifold="stiefel", dual_steps=3, polish_rounds=1, warm_start=False, dual_alpha=0.5)  # control
