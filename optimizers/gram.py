@@ -134,6 +134,12 @@ class GramSettings:
             (:func:`eigen_dualizer`, :func:`gram_msign`; ``None``: the dtype's own), so that a
             float64 step can keep float32's regularization (ManifoldMuon's choice,
             :data:`~geomuon.optimizers.manifold_muon.DUALIZER_SHIFT_EPS`).
+        stored_dtype: the parameters' own dtype when it is narrower than the points' (bf16 or
+            fp16 weights stepped in fp32): their points are off the manifold by that dtype's
+            round-off ($\|W^\top W - I\| \approx 3\cdot10^{-3}$ for bf16), so the step measures
+            $W^\top W$ instead of taking it from the column norms, and keeps the retraction's
+            exact branch (:func:`far_inverse_sqrt`); ``None``: the points are stored as they
+            are computed.
     """
 
     solver: str = "dual"
@@ -148,6 +154,7 @@ class GramSettings:
     polish_rounds: int = 0
     smoothing: float = 0.0
     shift_eps: float | None = None
+    stored_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.dual_steps < 0:
@@ -422,10 +429,13 @@ def far_inverse_sqrt(form: GramForm, settings: "GramSettings", lr: float | torch
     :data:`DIRECTION_NORM` and :data:`DIRECTION_NORMAL`): then no step computes the branch
     (Stiefel: one $n\times n$ eigendecomposition per matrix saved, up to $\eta \approx 0.156$ in
     fp32 and $0.030$ in fp64 without weight decay). A 0-dim tensor ``lr`` or ``shrink`` has no
-    value on the host: the branch is kept."""
+    value on the host, and points stored narrower than ``dtype`` (``settings.stored_dtype``)
+    are off the manifold by more than the bound allows: the branch is kept."""
     far = FAR_INVERSE_SQRTS[settings.dualizer]
     if isinstance(lr, torch.Tensor) or isinstance(shrink, torch.Tensor):
         return far
+    if settings.stored_dtype is not None and torch.finfo(settings.stored_dtype).eps > torch.finfo(dtype).eps:
+        return far  # the bound assumes points on M to the points' round-off; narrower storage is farther off
     covered = form.series_covers(DIRECTION_NORM * lr, DIRECTION_NORMAL * lr, shrink, settings.retraction_terms, dtype)
     return None if covered else far
 
@@ -615,7 +625,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     if settings.solver == "projected":
         return projected_step(form, W, G, lr, settings, shrink)
     low = settings.compute_dtype or W.dtype
-    mulD = _PointGram(form, W, shrink)
+    mulD = _PointGram(form, W, shrink, settings.stored_dtype)
     D = mulD.D
     B = _scale(W.mT @ G, shrink)
     sigma0 = form.project(D, B)
@@ -720,7 +730,7 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     """
     low = settings.compute_dtype or W.dtype
     # projections at W itself (cW has the same normal space)
-    D = _PointGram(form, W, 1.0).D
+    D = _PointGram(form, W, 1.0, settings.stored_dtype).D
     W_low = W.to(low)
 
     def multiplier(X: torch.Tensor) -> torch.Tensor:  # project(D, W^T X), the product in compute_dtype
@@ -753,12 +763,15 @@ class _PointGram:
     diagonal on the manifold) $D$ is the diagonal of squared column norms, computed
     elementwise in ``W.dtype``; the off-diagonal part it leaves out is $W$'s own feasibility
     error (fp32 round-off), far below what a bf16 product of $W$ would add ($u/\sqrt m$).
-    Otherwise (Oblique) $D$ is the full product in ``W.dtype``. The retraction measures the
-    new point's Gram itself, so $D$ never decides feasibility.
+    Points stored in a narrower dtype (``stored``: bf16 weights, off the manifold by
+    $3\cdot10^{-3}$) and forms without the declaration (Oblique) take the full product in
+    ``W.dtype``: a diagonal $D$ inconsistent with such a point had driven the dual to a
+    direction of norm 579 and the weights to $10^{12}$ in one step. The retraction measures
+    the new point's Gram itself, so $D$ never decides feasibility.
     """
 
-    def __init__(self, form: GramForm, W: torch.Tensor, shrink: float) -> None:
-        if form.diagonal_gram:
+    def __init__(self, form: GramForm, W: torch.Tensor, shrink: float, stored: torch.dtype | None = None) -> None:
+        if form.diagonal_gram and (stored is None or torch.finfo(stored).eps <= torch.finfo(W.dtype).eps):
             self.diagonal = ((shrink * shrink) * torch.linalg.vector_norm(W, dim=-2).square()).unsqueeze(-1)
             self.D = torch.diag_embed(self.diagonal.squeeze(-1))
         else:

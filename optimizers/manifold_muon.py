@@ -545,7 +545,8 @@ class ManifoldMuon(MatrixOptimizer):
             solver, warm = dict(solver, dual_steps=0, dual_carry=False, polish_rounds=0), None
         form = self._gram_form(group, manifold, W.shape)
         if form is not None:
-            point, correction, ratio = self._gram_path(solver, manifold, form, W, G, lr, shrink, warm, certify)
+            point, correction, ratio = self._gram_path(solver, manifold, form, W, G, lr, shrink, warm, certify,
+                                                       params[0].dtype)
         else:
             point, correction, ratio = self._general_path(solver, manifold, W, G, lr, shrink, warm, certify)
         point = torch.where(moving.reshape(-1, *(1,) * (point.dim() - 1)), point, W)
@@ -562,7 +563,7 @@ class ManifoldMuon(MatrixOptimizer):
                 self._certified[self._name(group, position, index)] = value
         return point
 
-    def _gram_path(self, group, manifold, form, W, G, lr, shrink, warm, certify):
+    def _gram_path(self, group, manifold, form, W, G, lr, shrink, warm, certify, stored):
         flip = W.size(-2) < W.size(-1)  # transposed geometry for wide points
         Wt, Gt = (W.mT, G.mT) if flip else (W, G)
         shape = Wt.shape
@@ -579,6 +580,7 @@ class ManifoldMuon(MatrixOptimizer):
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
             compute_dtype=group["compute_dtype"], polish_rounds=polish,
             smoothing=float(group.get("dual_smoothing", 0.0)), shift_eps=DUALIZER_SHIFT_EPS,
+            stored_dtype=stored if stored != W.dtype else None,
         )
         flat = (-1, *shape[-2:])
         if warm is not None:

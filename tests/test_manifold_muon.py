@@ -736,3 +736,23 @@ def test_options_out_of_range_are_refused_naming_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         ManifoldMuon([p], manifold="stiefel", **options)
     ManifoldMuon([p], manifold="stiefel", dual_steps=3, polish_rounds=1, warm_start=False, dual_alpha=0.5)  # control
+
+
+@pytest.mark.parametrize("manifold, normal, diagonal", [(Stiefel(), 10.0, True), (DGram(), 100.0, False)])
+def test_bf16_points_with_a_mostly_normal_momentum_take_a_step_of_about_lr(manifold, normal, diagonal):
+    # bf16 points are off the manifold by bf16 round-off (3e-3); D taken from the column norms
+    # was inconsistent with them, and with a momentum mostly normal to the manifold (as near a
+    # constrained optimum) one step had moved Stiefel weights by 5e12 (DGram: 270 lr), with no
+    # error. The norm of a step is at most ~sqrt(2) lr (a tangent direction of the unit ball).
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(manifold.random(16, 8, dtype=torch.float64).data.to(torch.bfloat16))
+    opt = ManifoldMuon([p], manifold=manifold, lr=0.02)
+    for _ in range(3):
+        W = p.detach().double()
+        S = torch.randn(8, 8, dtype=torch.float64, generator=gen)
+        S = S + S.mT if diagonal else (S + S.mT).fill_diagonal_(0.0)  # W S, S symmetric: normal to M
+        p.grad = (torch.randn(16, 8, dtype=torch.float64, generator=gen) + normal * W @ S).to(torch.bfloat16)
+        opt.step()
+        assert torch.linalg.matrix_norm(p.detach().double() - W, 2) <= 2 * 0.02
+    assert opt.check_on_manifold(raise_error=False) == []
