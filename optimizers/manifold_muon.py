@@ -47,6 +47,7 @@ from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS
 
 from . import distributed as _distributed
 from .base import MatrixOptimizer, OffManifoldError, require_number
+from .regulate import make_regulator, unchecked_regulation
 from .gram import DUALIZERS, SOLVERS, UPDATES, GramSettings, gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
@@ -154,6 +155,19 @@ def resolve_manifold(spec, where: str):
         raise ValueError(f"{where}: {type(spec).__name__} defines neither defining_map(x) nor its own projx and "
                          "retr, so it has no retraction to step with; define defining_map (F with M = {F = 0})")
     return spec
+
+
+def _regulator_leaves(manifold, regulator, shape: tuple[int, int], lr: float) -> bool:
+    """Whether three applications of ``regulator`` (at ``lr``) take a float64 point of
+    ``manifold`` off it, for a generic point and for one whose columns lean together (a large
+    top singular value where the manifold allows one: a spectral regulator acts only there)."""
+    raw = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for point in (manifold.projx(raw), manifold.projx(raw + 4 * raw[:, :1])):
+        for _ in range(3):  # a regulator coupled to lr moves a little each step
+            point = unchecked_regulation(regulator, point, lr=lr, state={})
+        if not manifold.check_point_on_manifold(point, atol=1e-6):
+            return True
+    return False
 
 
 def _described(manifold) -> str:
@@ -401,6 +415,26 @@ class ManifoldMuon(MatrixOptimizer):
                 )
             if group["solver"] == "projected":
                 self._check_projected(group, p, own if manifold is None else manifold, name)
+        if group["regulate"] is not None:
+            self._refuse_regulators_that_leave(group, index, manifold)
+
+    def _refuse_regulators_that_leave(self, group: dict, index: int, manifold) -> None:
+        """Refuse a group regulator that takes points of the group's manifold off it: the
+        regulator runs after the retraction, so such a pair had left the weights off the
+        manifold with no error (soft_cap on Stiefel: |W^T W - I| = 0.012 after three steps;
+        a resumed run then refused them). Probed at construction (:func:`_regulator_leaves`)
+        for every manifold and shape of the group, at the group's learning rate."""
+        regulator = make_regulator(group["regulate"])
+        probed = set()
+        for p in group["params"]:
+            owner = resolve_manifold(manifold if manifold is not None else p.manifold, f"param group {index}")
+            shape = tuple(self._matrix_shape(group, p)[-2:])
+            if (id(owner), shape) not in probed and _regulator_leaves(owner, regulator, shape, float(group["lr"])):
+                raise ValueError(
+                    f"group {index}: regulate={group['regulate']!r} takes points of {type(owner).__name__} off it "
+                    "(it runs after the retraction, and ManifoldMuon keeps weights on their manifold): use that "
+                    "regulator with Muon, or a manifold whose points it keeps (column_cap keeps DGram's)")
+            probed.add((id(owner), shape))
 
     def _check_projected(self, group: dict, p: torch.Tensor, manifold, name: str) -> None:
         """Refuse, before any step, a matrix that ``solver="projected"`` cannot step: the solver

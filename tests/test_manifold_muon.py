@@ -756,3 +756,20 @@ def test_bf16_points_with_a_mostly_normal_momentum_take_a_step_of_about_lr(manif
         opt.step()
         assert torch.linalg.matrix_norm(p.detach().double() - W, 2) <= 2 * 0.02
     assert opt.check_on_manifold(raise_error=False) == []
+
+
+def test_a_regulator_that_takes_points_off_the_manifold_is_refused_when_built():
+    # soft_cap on Stiefel had left |W^T W - I| = 0.012 after three steps, silently (and a resumed
+    # run then refused the weights); spectral_normalize on Oblique likewise
+    p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))
+    for manifold, regulate in (("stiefel", "soft_cap"), ("stiefel", "weight_decay"), ("oblique", "spectral_normalize")):
+        with pytest.raises(ValueError, match=f"regulate='{regulate}' takes points of"):
+            ManifoldMuon([p], manifold=manifold, regulate=regulate)
+    # controls: a cap DGram's points keep (a spectral function of Q diag(d) is Q diag(f(d))), and
+    # one that does not bind at this shape
+    for manifold, regulate in (("dgram", "column_cap"), ("dgram", "soft_cap"), ("stiefel", "hard_cap")):
+        p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))  # (a Stiefel point is one of DGram's too)
+        opt = ManifoldMuon([p], manifold=manifold, regulate=regulate)
+        p.grad = torch.randn(16, 8)
+        opt.step()
+        assert opt.check_on_manifold(raise_error=False) == [], (manifold, regulate)

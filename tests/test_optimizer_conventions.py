@@ -195,7 +195,12 @@ def test_regulator_runs_after_the_step(name):
         seen.append(lr)
         return W * 0.5
 
+    if name == "ManifoldMuon-stiefel":  # halving takes Stiefel's points off it: refused when built
+        with pytest.raises(ValueError, match="takes points of Stiefel off it"):
+            FACTORIES[name]([{"params": [model.c], "regulate": halve}])
+        return
     opt = FACTORIES[name]([{"params": [model.c], "regulate": halve}])
+    seen.clear()  # (ManifoldMuon probes its regulators on its manifold when built)
     unregulated_model = _model(name)
     plain = FACTORIES[name]([{"params": [unregulated_model.c]}])
     g = torch.randn(6, 10)

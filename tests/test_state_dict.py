@@ -233,10 +233,12 @@ def test_polar_family_resumes_bit_for_bit(cls):
 
 def test_param_groups_hold_specs_not_live_objects():
     manifold = LPRO(radius=2.0)
-    optimizer = ManifoldMuon([{"params": _params(manifold, [(6, 3)], 8), "manifold": manifold,
-                               "regulate": SoftCap(w_max=2.0)}])
-    group = optimizer.state_dict()["param_groups"][0]
+    optimizer = ManifoldMuon([{"params": _params(manifold, [(6, 3)], 8), "manifold": manifold},
+                              {"params": _params(DGram(), [(6, 3)], 9), "manifold": DGram(),
+                               "regulate": SoftCap(w_max=2.0)}])  # (a spectral cap keeps DGram's points)
+    group, regulated = optimizer.state_dict()["param_groups"]
     assert group["manifold"] == {"name": "LPRO", "args": {"radius": 2.0}}
+    group = regulated
     assert group["regulate"]["name"] == "soft_cap" and group["regulate"]["w_max"] == 2.0
     assert optimizer._manifold_of(optimizer.param_groups[0], None).identity == manifold.identity
 
