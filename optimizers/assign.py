@@ -269,6 +269,8 @@ _UPDATE_CLASSES = {
 }
 #: every update family a :class:`Rule` may name (AdamW and torch's Muon are built by :func:`_build` itself).
 _UPDATES = ("adamw", "torch_muon", *_UPDATE_CLASSES)
+#: the update families with a ``centered`` option (the router's shift-invariant maps)
+_CENTERED_UPDATES = ("row_norm", "right_polar", "left_polar", "hybrid")
 
 
 #: ``torch.optim.Muon``'s update-size rule for the ``torch_muon`` peer: Keller Jordan's original
@@ -344,6 +346,20 @@ def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, R
                 MatrixManifold.by_name(rule.manifold)
             except ValueError as error:
                 raise ValueError(f"strategy[{role!r}]: {error}") from None
+        # a rule that cannot do what it says had been accepted and labelled as if it did
+        # (Rule("muon", "stiefel") stepped off Stiefel)
+        if (rule.manifold is not None) != (rule.update == "manifold_muon"):
+            raise ValueError(f"strategy[{role!r}] = {rule}: a manifold goes with update='manifold_muon', which needs "
+                             "one (e.g. Rule('manifold_muon', 'stiefel'))")
+        if rule.centered and rule.update not in _CENTERED_UPDATES:
+            raise ValueError(f"strategy[{role!r}] = {rule}: centered applies to {_CENTERED_UPDATES}")
+        if rule.regulate is not None:
+            if rule.update == "torch_muon":
+                raise ValueError(f"strategy[{role!r}] = {rule}: torch.optim.Muon takes no regulator")
+            try:
+                make_regulator({"kind": rule.regulate, "w_max": 1.0})
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"strategy[{role!r}].regulate: {error}") from None
     return _label(table), table
 
 
@@ -397,14 +413,19 @@ def assign(
         key = (rule, rule.update == "adamw" and p.dim() >= 2)
         buckets.setdefault(key, []).append((name, p))
     by_update: dict[str, list[dict]] = {}
+    constrained = []
     for (rule, decay), named in buckets.items():
-        ps = [p for _, p in named]
-        group = _group(rule, ps, hyper, decay)
+        group = _group(rule, [p for _, p in named], hyper, decay)
         group["param_names"] = [name for name, _ in named]  # the optimizers' reports name them
         if "manifold" in group:
-            _move_onto(group["manifold"], ps)
+            constrained.append((group["manifold"], group["params"]))
         by_update.setdefault(rule.update, []).append(group)
-    optimizers = {update: _build(update, groups, hyper) for update, groups in by_update.items()}
+    try:  # every option checked (by the optimizers) before any weight moves
+        optimizers = {update: _build(update, groups, hyper) for update, groups in by_update.items()}
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"assign: the strategy's optimizers refuse these settings (Hyper or a Rule): {error}") from None
+    for manifold, params in constrained:
+        _move_onto(manifold, params)
     return Assignment(label, rows, optimizers)
 
 

@@ -120,6 +120,8 @@ def _normalized(D: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
 
 
 def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
+    if isinstance(D, torch.Tensor) and D.numel() == 0:  # (an empty matrix has no largest entry to scale by)
+        return D.clone()
     compute = fp32_or_fp64(D.dtype)
     X = D.to(compute)
     # D by its largest entry s first (the polar factor does not change; eps and the nuclear

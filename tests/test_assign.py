@@ -250,3 +250,36 @@ def test_frozen_parameters_are_left_alone_and_the_optimizers_name_what_they_step
     model.attn.o_proj.requires_grad_(False)
     with pytest.raises(ValueError, match="has no trainable parameters"):
         assign(model, "all_stiefel")
+
+
+def _two_roles() -> nn.Module:
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.attn.q_proj = nn.Linear(8, 8, bias=False)
+    model.mlp = nn.Module()
+    model.mlp.fc1 = nn.Linear(8, 16, bias=False)
+    return model
+
+
+@pytest.mark.parametrize("rule, message", [
+    (Rule("muon", "stiefel"), "a manifold goes with update='manifold_muon'"),  # had stepped off Stiefel
+    (Rule("manifold_muon"), "a manifold goes with update='manifold_muon', which needs one"),
+    (Rule("muon", centered=True), "centered applies to"),
+    (Rule("torch_muon", regulate="soft_cap"), "torch.optim.Muon takes no regulator"),
+    (Rule("muon", regulate="bogus"), r"strategy\['attn_q'\].regulate"),
+])
+def test_rules_that_cannot_do_what_they_say_are_refused(rule, message):
+    with pytest.raises(ValueError, match=message):
+        assign(_two_roles(), {"attn_q": rule})
+
+
+def test_settings_are_checked_before_any_weight_moves():
+    # a bad Hyper had been refused after q_proj was re-initialised on Stiefel
+    model = _two_roles()
+    before = model.attn.q_proj.weight.detach().clone()
+    with pytest.raises(ValueError, match="refuse these settings.*lr must be"):
+        assign(model, {"attn_q": Rule("manifold_muon", "stiefel"), "mlp_in": Rule("muon")}, Hyper(lr=-1.0))
+    assert torch.equal(model.attn.q_proj.weight, before)
+    # control: the same strategy with a good Hyper moves the weight onto Stiefel
+    assign(model, {"attn_q": Rule("manifold_muon", "stiefel"), "mlp_in": Rule("muon")}, Hyper())
+    assert Stiefel().check_point_on_manifold(model.attn.q_proj.weight.detach())

@@ -211,3 +211,9 @@ def test_polar_maps_match_the_svd_on_a_dominant_singular_value(shape):
     U, _, Vh = torch.linalg.svd(D, full_matrices=False)
     for polar in (right_polar, left_polar):
         assert (polar(D, alpha=0.0) - U @ Vh).abs().max() <= 1e-10, polar.__name__
+
+
+@pytest.mark.parametrize("polar", [right_polar, left_polar])
+def test_polar_maps_of_an_empty_matrix_are_empty(polar):
+    # they had raised IndexError (amax over an empty dimension); every other map returns it
+    assert polar(torch.zeros(0, 5)).shape == (0, 5) and polar(torch.zeros(3, 0)).shape == (3, 0)
