@@ -85,6 +85,9 @@ def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str,
         if role not in ROLES:
             raise ValueError(f"roles[{name!r}] = {role!r} is not a role; use one of {ROLES}")
         if name not in every:
+            aliases = {alias: first for alias, first in _aliases(model).items() if alias != first}
+            if name in aliases:  # a tied weight is listed under its first name
+                raise ValueError(f"roles names {name!r}, which is tied to {aliases[name]!r}: name the role there")
             raise ValueError(f"roles names {name!r}, which is not a parameter of the model")
     declared: dict[int, str] = {}
     for module_name, module in model.named_modules():
@@ -92,9 +95,14 @@ def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str,
             if role not in ROLES:
                 raise ValueError(f"{type(module).__name__}.ROLES[{child_name!r}] = {role!r} is not a role")
             child = getattr(module, child_name, None)
-            weight = getattr(child, "weight", None)
+            # a submodule's weight, or a parameter of the module itself (stacked expert weights);
+            # None is an optional part the module does not have (a position table)
+            weight = child if isinstance(child, nn.Parameter) else getattr(child, "weight", None)
             if isinstance(weight, torch.Tensor):
                 declared.setdefault(id(weight), role)
+            elif not hasattr(module, child_name):
+                raise ValueError(f"{type(module).__name__}.ROLES names {child_name!r}, which is no attribute of "
+                                 f"{module_name or 'the model'}")
     out = {}
     for name, p in names.items():
         role = roles.get(name) or declared.get(id(p))
@@ -408,6 +416,12 @@ def assign(
     for name, role in role_of.items():
         p = params[name]
         rule = table.get(role, ADAMW) if role != "vector" else ADAMW
+        if rule.update != "adamw" and p.dim() > 2:
+            # (Muon refused it with advice assign cannot follow; ManifoldMuon had constrained each
+            # [kh, kw] slice of a conv kernel instead of the kernel)
+            raise ValueError(f"assign: parameter {name!r} has shape {tuple(p.shape)}; a strategy's matrix updates take "
+                             f"2-D weights: give it roles={{{name!r}: 'vector'}} (AdamW), or build the optimizer "
+                             "with matrix_view='flatten' (or 'batch') in its group yourself")
         rows.append(Row(name, tuple(p.shape), role, rule, tied.get(name, "")))
         # AdamW decays matrices only (nanoGPT); one group per (rule, decay)
         key = (rule, rule.update == "adamw" and p.dim() >= 2)
@@ -429,14 +443,22 @@ def assign(
     return Assignment(label, rows, optimizers)
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """``{every name of a parameter: its first name}`` (tied tensors have several)."""
     first: dict[int, str] = {}
-    tied: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first and first[id(p)] != name:
-            tied[first[id(p)]] = name
         first.setdefault(id(p), name)
-    return tied
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """``{first name: its other names, comma-separated}`` of every tied parameter (a three-way
+    tie had kept one alias)."""
+    tied: dict[str, list[str]] = {}
+    for name, first in _aliases(model).items():
+        if name != first:
+            tied.setdefault(first, []).append(name)
+    return {first: ", ".join(names) for first, names in tied.items()}
 
 
 @torch.no_grad()

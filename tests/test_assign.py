@@ -283,3 +283,39 @@ def test_settings_are_checked_before_any_weight_moves():
     # control: the same strategy with a good Hyper moves the weight onto Stiefel
     assign(model, {"attn_q": Rule("manifold_muon", "stiefel"), "mlp_in": Rule("muon")}, Hyper())
     assert Stiefel().check_point_on_manifold(model.attn.q_proj.weight.detach())
+
+
+def test_roles_of_parameters_tied_weights_and_kernels_are_named():
+    # a ROLES entry naming an nn.Parameter child had been ignored ("declares no ROLES"), a ROLES
+    # typo skipped, a tied alias called "not a parameter", a three-way tie's table dropped a
+    # name, and a conv kernel's [kh, kw] slices were put on Stiefel one by one
+    class Experts(nn.Module):
+        ROLES = {"w_in": "mlp_in"}
+
+        def __init__(self):
+            super().__init__()
+            self.w_in = nn.Parameter(torch.randn(32, 8))
+
+    assert classify(Experts()) == {"w_in": "mlp_in"}
+
+    class Typo(Experts):
+        ROLES = {"w_inn": "mlp_in"}
+
+    with pytest.raises(ValueError, match="ROLES names 'w_inn', which is no attribute"):
+        classify(Typo())
+    model = GPT(get_config("cpu-tiny"))
+    assert model.lm_head.weight is model.wte.weight
+    with pytest.raises(ValueError, match="roles names 'lm_head.weight', which is tied to 'wte.weight'"):
+        classify(model, {"lm_head.weight": "lm_head"})
+    three = nn.Module()
+    three.emb = nn.Embedding(16, 8)
+    three.lm_head = nn.Linear(8, 16, bias=False)
+    three.aux_head = nn.Linear(8, 16, bias=False)
+    three.lm_head.weight = three.aux_head.weight = three.emb.weight
+    (row,) = assign(three, "unconstrained").rows
+    assert row.tied == "lm_head.weight, aux_head.weight"
+    net = nn.Module()
+    net.mlp = nn.Module()
+    net.mlp.fc1 = nn.Conv2d(3, 16, 3)
+    with pytest.raises(ValueError, match=r"'mlp.fc1.weight' has shape \(16, 3, 3, 3\).*'vector'"):
+        assign(net, "all_stiefel")
