@@ -410,20 +410,16 @@ class MatrixManifold(geoopt.Manifold):
             return rhs.clone()
         x = x.expand(*batch, *x.shape[-2:])
         b = rhs.reshape(*batch, -1)
-        diag = self._jacobi_diagonal(x, rhs).reshape(b.shape)
+        diag = self.constraint_gram_diag(x)
+        diag = torch.ones_like(b) if diag is None else diag.expand_as(rhs).reshape(b.shape)
+        # Entries where the multiplier is structurally zero may carry a zero diagonal.
+        diag = torch.where(diag > 0, diag, torch.ones_like(diag))
 
         def gram(v):
             lam = v.reshape(rhs.shape)
             return self.constraint(x, self.constraint_adjoint(x, lam)).reshape(b.shape)
 
         return conjugate_gradients(gram, b, diag).reshape(rhs.shape)
-
-    def _jacobi_diagonal(self, x: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-        """The diagonal of $L_xL_x^*$ shaped like ``rhs`` (ones where the manifold gives none,
-        and where a multiplier is structurally zero and so is its diagonal entry)."""
-        diag = self.constraint_gram_diag(x)
-        diag = torch.ones_like(rhs) if diag is None else diag.expand_as(rhs)
-        return torch.where(diag > 0, diag, torch.ones_like(diag))
 
     # ---------------------------------------------------------------- geoopt surface
     @matrix_method("u")

@@ -142,7 +142,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if built_from is not spec:  # (None, None) to start: a group without a regulator builds nothing
             group["regulate"] = spec = regulator_spec(spec)
             regulator = make_regulator(spec)
-            if requires_matrices(regulator):  # refused now, not after the step's other groups moved
+            # (a matrix group's vectors are refused by _validate_group already)
+            if group["update"] == "adamw" and requires_matrices(regulator):  # now, not after other groups moved
                 self._refuse_vectors(group, index, f"its group's regulate={spec!r} acts on matrices (a vector has "
                                                    "no spectral norm): set regulate=None in its param group")
             self._regulators[index] = (spec, regulator)
@@ -331,7 +332,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     whole = _distributed.whole(p)
                     kept = keep.get(id(p))
                     state = self.state[p]
-                    before = dict(state)
+                    before = dict(state) if kept is not None else None
                     out = self._regulated(group, regulator, whole, lr, state)
                     if kept is not None:
                         out = torch.where(kept, out, whole)

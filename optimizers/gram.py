@@ -434,7 +434,7 @@ def far_inverse_sqrt(form: GramForm, settings: "GramSettings", lr: float | torch
     far = FAR_INVERSE_SQRTS[settings.dualizer]
     if isinstance(lr, torch.Tensor) or isinstance(shrink, torch.Tensor):
         return far
-    if settings.stored_dtype is not None and torch.finfo(settings.stored_dtype).eps > torch.finfo(dtype).eps:
+    if settings.stored_dtype is not None:
         return far  # the bound assumes points on M to the points' round-off; narrower storage is farther off
     covered = form.series_covers(DIRECTION_NORM * lr, DIRECTION_NORMAL * lr, shrink, settings.retraction_terms, dtype)
     return None if covered else far
@@ -771,7 +771,7 @@ class _PointGram:
     """
 
     def __init__(self, form: GramForm, W: torch.Tensor, shrink: float, stored: torch.dtype | None = None) -> None:
-        if form.diagonal_gram and (stored is None or torch.finfo(stored).eps <= torch.finfo(W.dtype).eps):
+        if form.diagonal_gram and stored is None:
             self.diagonal = ((shrink * shrink) * torch.linalg.vector_norm(W, dim=-2).square()).unsqueeze(-1)
             self.D = torch.diag_embed(self.diagonal.squeeze(-1))
         else:

@@ -614,7 +614,7 @@ class ManifoldMuon(MatrixOptimizer):
             msign_steps=POLAR_EXPRESS.default_steps if group["msign_steps"] is None else int(group["msign_steps"]),
             compute_dtype=group["compute_dtype"], polish_rounds=polish,
             smoothing=float(group.get("dual_smoothing", 0.0)), shift_eps=DUALIZER_SHIFT_EPS,
-            stored_dtype=stored if stored != W.dtype else None,
+            stored_dtype=stored if torch.finfo(stored).eps > torch.finfo(W.dtype).eps else None,
         )
         flat = (-1, *shape[-2:])
         if warm is not None:

@@ -178,6 +178,12 @@ class TrainConfig:
     progress: bool = option(True, "show a progress bar")
     print_table: bool = option(True, "print the model summary and the assignment table before training")
 
+    def model_kwargs(self) -> dict:
+        """The GPTConfig fields this run sets: ``model_overrides``, then the model options
+        given (the ones not ``None``); what :func:`~geomuon.pretrain.train.build` and
+        :meth:`validate` both pass to ``get_config``."""
+        return {**self.model_overrides, **{n: getattr(self, n) for n in MODEL_OPTIONS if getattr(self, n) is not None}}
+
     def validate(self, named_strategy: bool = True) -> None:
         """Everything that can be checked without touching data: fail before training.
         ``named_strategy=False`` (a run whose optimizers a ``build_assignment`` hook
@@ -198,9 +204,8 @@ class TrainConfig:
                 problems.append(f"--model-overrides sets vocab_size, which the character-level --data "
                                 f"{self.data!r} sets itself; leave it out")
             elif not problems and self.model in CONFIGS:  # the model's own checks, before the data is read
-                options = {name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None}
                 try:
-                    get_config(self.model, **{**self.model_overrides, **options})
+                    get_config(self.model, **self.model_kwargs())
                 except (TypeError, ValueError) as err:
                     problems.append(f"--config {self.model} with --model-overrides "
                                     f"{json.dumps(self.model_overrides)}: {err}")

@@ -93,7 +93,7 @@ except ImportError:  # Windows: run folders are not locked
 from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import whole
-from geomuon.pretrain.config import MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args
+from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args
 from geomuon.pretrain.data import TokenData, load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.parallel import (dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
@@ -502,12 +502,7 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     """The model (seeded init, same on every rank) and its optimizers:
     ``build_assignment(model, hyper)`` when given, else ``assign(model, cfg.strategy, hyper)``."""
     char_level = data.itos is not None
-    options = {name: getattr(cfg, name) for name in MODEL_OPTIONS}
-    model_cfg = get_config(
-        cfg.model,
-        **{**cfg.model_overrides, **{k: v for k, v in options.items() if v is not None}},
-        **({"vocab_size": data.vocab_size} if char_level else {}),
-    )
+    model_cfg = get_config(cfg.model, **cfg.model_kwargs(), **({"vocab_size": data.vocab_size} if char_level else {}))
     if data.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"data {data.source} has vocab {data.vocab_size} > the model's {model_cfg.vocab_size}; "

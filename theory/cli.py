@@ -93,17 +93,12 @@ def _working_folder_first():
         sys.path[:] = saved
 
 
-def _import(module_name: str):
-    """Import ``module_name`` (inside :func:`_working_folder_first`: the working directory first)."""
-    return importlib.import_module(module_name)
-
-
 def _load(target: str):
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"target must be module:attribute, got {target!r}")
     try:
-        obj = _import(module_name)
+        obj = importlib.import_module(module_name)  # (the working directory first: _working_folder_first)
     except ImportError as err:
         raise ValueError(f"cannot import module {module_name!r} (looked in {os.getcwd()} and on sys.path): "
                          f"{err}") from None
@@ -190,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
         kwargs = _arguments(args.arg)
         subject = _subject(_load(args.target), kwargs, args.steps, args.target)
         # after the target: a group its module registers has a name now
-        group = get_group(args.group, importer=_import)
+        group = get_group(args.group, importer=importlib.import_module)
     except ValueError as err:
         print(f"geomuon check-equivariance: error: {err}", file=sys.stderr)
         return 2

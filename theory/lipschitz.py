@@ -168,15 +168,7 @@ def _check_mlp(where: str, w_in, w_out, gelu_scale: float, radius: float = 1.0) 
     hidden, d = w_in.shape
     _require_matrix(where, "w_out", w_out, (d, hidden))
     _positive(where, "gelu_scale", gelu_scale)
-    _nonnegative(where, "radius", radius)
-
-
-def _nonnegative(where: str, name: str, value) -> float:
-    """``value`` as a float, refused unless finite and >= 0, naming it."""
-    number = float(value)
-    if not (math.isfinite(number) and number >= 0):
-        raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
-    return number
+    _positive(where, "radius", radius, zero=True)
 
 
 @dataclass
@@ -319,7 +311,7 @@ def attention_lipschitz(
         _require_matrix("attention_lipschitz", name, W, tuple(shape))
     _positive("attention_lipschitz", "score_scale", score_scale)
     _positive("attention_lipschitz", "attention_scale", attention_scale)
-    _nonnegative("attention_lipschitz", "radius", radius)
+    _positive("attention_lipschitz", "radius", radius, zero=True)
     d = q.size(1)
     sigma = {
         name: torch.linalg.matrix_norm(_head_slices(W, n_head, name), ord=2)
@@ -733,11 +725,11 @@ def _require_matrix(where: str, name: str, W, shape: tuple[int | None, int | Non
         raise ValueError(f"{where}: {name} has non-finite entries (NaN or inf): no bound holds for it")
 
 
-def _positive(where: str, name: str, value) -> float:
-    """``value`` as a float, refused unless finite and > 0, naming it."""
+def _positive(where: str, name: str, value, *, zero: bool = False) -> float:
+    """``value`` as a float, refused unless finite and > 0 (>= 0 with ``zero``), naming it."""
     number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+    if not (math.isfinite(number) and (number > 0 or (zero and number == 0))):
+        raise ValueError(f"{where}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
     return number
 
 
