@@ -551,11 +551,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 out.copy_((g.lerp_(b, momentum) if group["nesterov"] else b).reshape(shape))
         if keep is not None:  # a skipped matrix's momentum is exactly zero (G' and B are finite)
             stacked.mul_(keep.to(stacked.dtype).reshape(-1, *(1,) * len(shape)))
-        update = self._direction(group, stacked, params)
+        update = self._direction(group, stacked, params, keep)
         self._apply(group, params, update, lr, keep)
 
-    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        """Map the stacked momentum ``M: [B, *matrix_shape]`` to the update ``[B, ...]``.
+    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Map the stacked momentum ``M: [B, *matrix_shape]`` to the update ``[B, ...]``;
+        ``keep`` as in :meth:`_matrix_step` (``[B]`` bool on the device, ``None``: all).
 
         ``M`` is a temporary of the step (:meth:`_temporary`: on a CPU, memory the next matrix
         reuses): read it during the call, keep nothing that aliases it.
@@ -563,7 +565,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         A matrix whose step is skipped arrives as an exact zero and must leave as one (every
         map of :mod:`geomuon.optimizers.maps` does: ``msign(0) = 0``, ``row_norm(0) = 0``, ...;
         the non-finite test of every optimizer checks it); a subclass whose update is not
-        additive leaves a zero momentum matrix unchanged itself (:class:`ManifoldMuon`)."""
+        additive returns a skipped matrix's old point itself (:class:`ManifoldMuon`). A zero
+        momentum with ``keep`` true is a step like any other (weight decay still applies)."""
         raise NotImplementedError
 
     def _rowwise_direction(self, group: dict) -> bool:

@@ -39,7 +39,8 @@ out. The rule that keeps a replica equal to the weights, with no host read:
   them moves the ``DTensor``'s autograd version counter) travel **in place of** their
   momentum rows (the slot has the wider of the two dtypes) with a one-byte flag; the
   owner refreshes its replica from them and skips that matrix's step (its momentum is
-  set to 0, so Manifold Muon keeps its warm start and step count, and the weights are
+  set to 0 and its ``keep`` flag to false, so Manifold Muon keeps its warm start and
+  step count, and the weights are
   kept bit for bit, with the whole-matrix state the step replaces, e.g. a regulator's
   power-iteration vector; the momentum buffers keep the gradient). ``refreshed`` of
   :class:`ShardingStats` counts such skips on the device. A replica is never used where
@@ -405,8 +406,12 @@ def _owner_step(optimizer, group: dict, owned: list[torch.Tensor], pieces: list,
                   for p, s in zip(owned, stale)]
     stack = torch.stack([m.reshape(shape) for m in momenta])
     with _standing_in(optimizer, group, points, owned):
-        update = optimizer._direction(group, stack, points)
-        optimizer._apply(group, points, update, lr)
+        keep = None
+        if any(x is not None for x in stale):
+            keep = torch.stack([torch.ones((), dtype=torch.bool, device=stack.device) if x is None else ~x
+                                for x in stale])
+        update = optimizer._direction(group, stack, points, keep)
+        optimizer._apply(group, points, update, lr, keep)
         if regulator is not None:
             for q in points:
                 q.copy_(optimizer._regulated(group, regulator, q, lr, optimizer.state[q]))

@@ -535,9 +535,13 @@ class ManifoldMuon(MatrixOptimizer):
             return None
         return form
 
-    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
         """The stacked new points $R_{cW}(-\\eta\\hat A)$ of a same-shape batch (see the module
-        docstring), in the retraction dtype; ``M`` is the stacked momentum ``[B, *shape]``."""
+        docstring), in the retraction dtype; ``M`` is the stacked momentum ``[B, *shape]``. A
+        matrix with ``keep`` false (a skipped step) keeps its point, its warm start and its
+        step count exactly (no retraction round-off); a zero momentum that is kept is a step
+        (decay and retraction apply)."""
         manifold = self._manifold_of(group, params[0])
         states = [self.state[p] for p in params]
         warm_starts = [group["warm_start"] and "dual_correction" in s for s in states]
@@ -545,16 +549,14 @@ class ManifoldMuon(MatrixOptimizer):
             # a batch-mate's first step (or first gradient) beside warm-started matrices: each
             # part steps as it would alone (a whole-batch stack had cold-started every matrix)
             parts = [[i for i, w in enumerate(warm_starts) if w is flag] for flag in (True, False)]
-            points = torch.cat([self._direction(group, M[part], [params[i] for i in part]) for part in parts])
+            points = torch.cat([self._direction(group, M[part], [params[i] for i in part],
+                                                None if keep is None else keep[part]) for part in parts])
             order = [i for part in parts for i in part]
             return points[sorted(range(len(order)), key=order.__getitem__)]
         W = self._points(group, params)
         G = M.to(W.dtype)
-        # A zero momentum matrix (a step the base class skipped: non-finite gradient) keeps
-        # its point, its warm start and its step count exactly (no retraction round-off).
-        moving = torch.count_nonzero(G.reshape(len(params), -1), dim=-1) > 0  # one pass, no bool copy
-        for state, counts in zip(states, moving):
-            state["step"] = state.get("step", torch.tensor(0.0)) + counts
+        for i, state in enumerate(states):
+            state["step"] = state.get("step", torch.tensor(0.0)) + (1 if keep is None else keep[i])
         lr = group["lr"]  # a float, or a 1-element tensor used as one (never read back)
         lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
         shrink = 1.0 - lr * float(group["weight_decay"]) if group["weight_decay"] else 1.0
@@ -583,10 +585,11 @@ class ManifoldMuon(MatrixOptimizer):
                                                        params[0].dtype)
         else:
             point, correction, ratio = self._general_path(solver, manifold, W, G, lr, shrink, warm, certify)
-        point = torch.where(moving.reshape(-1, *(1,) * (point.dim() - 1)), point, W)
+        if keep is not None:
+            point = torch.where(keep.reshape(-1, *(1,) * (point.dim() - 1)), point, W)
         if group["warm_start"] and correction is not None:
-            if warm is not None:
-                correction = torch.where(moving.reshape(-1, *(1,) * (correction.dim() - 1)), correction, warm)
+            if warm is not None and keep is not None:
+                correction = torch.where(keep.reshape(-1, *(1,) * (correction.dim() - 1)), correction, warm)
             # views of this step's fresh stack (no copy): nothing else holds or writes it
             for state, value in zip(states, correction):
                 state["dual_correction"] = value

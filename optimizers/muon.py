@@ -124,7 +124,8 @@ class Muon(MatrixOptimizer):
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
         return group["compute_dtype"] or p.dtype
 
-    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
         # One fixed quintic, no input scaling beyond the Frobenius norm floored at eps:
         # torch.optim.Muon's iteration, run by the package's kernel.
         quintic = NSSchedule("muon", (tuple(group["ns_coefficients"]),), 1.0, int(group["ns_steps"]))

@@ -75,7 +75,8 @@ class _MapOptimizer(MatrixOptimizer):
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
         return group["compute_dtype"] or p.dtype
 
-    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
         name = ("centered_" if group["centered"] else "") + self.map_name
         kwargs = {"alpha": group["alpha"]} if self.uses_alpha else {}
         if group["eps"] is not None:

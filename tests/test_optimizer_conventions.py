@@ -187,6 +187,29 @@ def test_zero_gradient_gives_no_nan(name):
 
 
 @pytest.mark.parametrize("name", FACTORIES)
+def test_a_zero_gradient_is_a_step_and_weight_decay_applies(name):
+    # A finite zero gradient is not a skipped step: W <- (1 - lr wd) W, then (ManifoldMuon)
+    # the retraction of a zero direction, which is the projection onto the manifold (Stiefel
+    # undoes the scaling; DGram, a cone, keeps it). Negative control: a skipped step keeps W.
+    # Tolerance: the retraction rounds the point a few times in fp32 (Polar Express steps on
+    # unit columns, each |error| <~ 10 eps): 1e-5 relative, below the decay's >= 1e-3.
+    model = _model(name)
+    manifold = {"ManifoldMuon-stiefel": Stiefel(), "ManifoldMuon-dgram": DGram()}.get(name)
+    opt = FACTORIES[name]([{"params": model.matrices(), "weight_decay": 0.5}])
+    before = [p.detach().clone() for p in model.matrices()]
+    for _ in range(2):
+        for p in model.matrices():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    shrink = (1 - opt.param_groups[0]["lr"] * 0.5) ** 2
+    for p, w in zip(model.matrices(), before):
+        expected = shrink * w if manifold is None else manifold.projx(shrink * w)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+        if manifold is None or isinstance(manifold, DGram):
+            assert (p.detach() - w).abs().max() > 0.5 * (1 - shrink) * w.abs().max()
+
+
+@pytest.mark.parametrize("name", FACTORIES)
 def test_regulator_runs_after_the_step(name):
     model = _model(name)
     seen = []

@@ -94,7 +94,7 @@ class ReferenceManifoldMuon(ManifoldMuon):
         for group in self.param_groups:  # the seed code's step: its manifold's retr, no warm start
             group.update(retraction="manifold", warm_start=False)
 
-    def _direction(self, group, M, params):
+    def _direction(self, group, M, params, keep=None):
         manifold = self._manifold_of(group, params[0])
         W = self._points(group, params)
         G = M.to(W.dtype)
@@ -106,9 +106,11 @@ class ReferenceManifoldMuon(ManifoldMuon):
             if bool((_rms(H) < 1e-6).all()):
                 break
             lam = lam - self.reference_alpha * (1 - k / K) * H
-        # ManifoldMuon's batches return new points: decay, then the manifold's own retr.
+        # ManifoldMuon's batches return new points: decay, then the manifold's own retr (a
+        # skipped matrix keeps its old one).
         lr = float(group["lr"])
-        return manifold.retr(W * (1.0 - lr * float(group["weight_decay"])), -lr * A)
+        point = manifold.retr(W * (1.0 - lr * float(group["weight_decay"])), -lr * A)
+        return point if keep is None else torch.where(keep.reshape(-1, *(1,) * (W.dim() - 1)), point, W)
 
 
 # ----------------------------------------------------------------------------- variants
