@@ -47,6 +47,7 @@ __all__ = [
     "in_one_thread_workers",
     "check_matrix",
     "fp32_or_fp64",
+    "narrow_range",
     "rms_scale",
 ]
 
@@ -153,6 +154,13 @@ def fp32_or_fp64(dtype: torch.dtype) -> torch.dtype:
     to the optimizer step itself (bf16 has an 8-bit significand, $\varepsilon = 2^{-7}$).
     """
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def narrow_range(dtype: torch.dtype) -> bool:
+    r"""Whether ``dtype``'s range is narrower than float32's: float16, whose normal numbers
+    run from $6.1\cdot10^{-5}$ to 65504, where a realistic gradient or momentum overflows
+    and a small one underflows (bfloat16 has float32's exponent range)."""
+    return torch.finfo(dtype).tiny > torch.finfo(torch.float32).tiny
 
 
 def rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
@@ -335,7 +343,10 @@ def msign(
         method: one of :data:`MSIGN_METHODS`; ignored when ``coefficients`` is given.
         steps: iteration count (default: the schedule's own).
         coefficients: a custom :class:`NSSchedule`.
-        compute_dtype: dtype of the matmuls (default: ``X.dtype``).
+        compute_dtype: dtype of the matmuls (default: ``X.dtype``). One of narrower range
+            than ``X``'s (fp16 for fp32 or fp64 input: normal numbers from $6\cdot10^{-5}$ to
+            65504) receives ``X`` normalized in ``X``'s dtype, so neither a large nor a small
+            matrix leaves its range on the way in.
         eps: floor of the Frobenius norm in the normalization; default
             $\sqrt{\text{tiny}}$ of the norm's dtype (the compute dtype's; fp32 for fp16,
             whose range ends at 65504), so only an (almost) exact zero is floored and
@@ -349,7 +360,8 @@ def msign(
     """
     check_matrix(X, "msign")
     out_dtype = X.dtype
-    work = X.to(compute_dtype) if compute_dtype is not None else X
+    narrowing = compute_dtype is not None and narrow_range(compute_dtype) and not narrow_range(X.dtype)
+    work = X.to(compute_dtype) if compute_dtype is not None and not narrowing else X
     if coefficients is None and method == "svd":
         # torch has no half-precision SVD; the reference runs in at least float32.
         if work.dtype in (torch.float16, torch.bfloat16):
@@ -378,10 +390,11 @@ def msign(
     norm = Y.norm(dim=(-2, -1), keepdim=True) if norm_dtype == Y.dtype else \
         torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     scale = norm.clamp_min(floor) * schedule.input_scale
+    iterate_dtype = compute_dtype if narrowing else Y.dtype
     if buffers is not None:
-        Y = torch.div(Y, scale, out=buffers("input", Y.shape, Y.dtype, Y.device))
+        Y = torch.div(Y, scale, out=buffers("input", Y.shape, iterate_dtype, Y.device))
     else:
-        Y = Y / scale if norm_dtype == Y.dtype else (Y / scale).to(Y.dtype)
+        Y = (Y / scale).to(iterate_dtype)
     Y = Y if wide else Y.mT
     coefficients = schedule.step_coefficients(n_steps)
 

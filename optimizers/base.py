@@ -104,6 +104,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     #: torch.optim.Muon's step with whole batches, 0-0.4k and 1.02-1.06x one matrix at a
     #: time). The result is the same: no update depends on its batch-mates.
     cpu_stack_size: int | None = None
+    #: Whether ``compute_dtype=torch.float16`` is accepted: only where the update narrows to
+    #: it after a normalization (Muon's msign). Elsewhere fp16's range (normal numbers from
+    #: 6.1e-5 to 65504) cannot hold the raw momentum or the products formed from it: a
+    #: gradient of norm 1e5 gave NaN weights, one of 1e-9 no step.
+    float16_compute = False
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         lr = defaults.get("lr")
@@ -179,6 +184,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         require_number(index, "momentum", group["momentum"], lambda x: 0 <= x < 1, "a number in [0, 1)")
         if "compute_dtype" in group:
             require_dtype(index, "compute_dtype", group["compute_dtype"])
+            if group["compute_dtype"] == torch.float16 and not self.float16_compute:
+                raise ValueError(
+                    f"group {index}: compute_dtype=torch.float16 is not supported by {type(self).__name__}: "
+                    "its range (6.1e-5 to 65504) cannot hold the unnormalized momentum its update computes "
+                    "with; use torch.bfloat16 (float32's range, the same tensor-core speed) or None")
         self._refuse_vectors(group, index, "a tensor below 2-D has no matrix update. Put it in a param group "
                                            "with update='adamw' (or a separate optimizer)")
         for i, p in enumerate(group["params"]):

@@ -235,7 +235,8 @@ class ManifoldMuon(MatrixOptimizer):
         msign_steps: its iterations (default 6: the first 6 steps of the Polar Express
             table, singular values within $[0.9935, 1.0012]$; the 5-step table's
             $[0.85, 1.14]$ caps the certified ratio near 0.89).
-        compute_dtype: dtype of the dual iterations (default ``torch.bfloat16``).
+        compute_dtype: dtype of the dual iterations (default ``torch.bfloat16``); ``torch.float16``
+            is refused (see :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).
         dual_carry: take one more dual step after the last iterate into the warm start
             (Gram path; default True: the dual ascent advances every optimizer step even
             with ``dual_steps=0``, for the price of two $n\times n$ products).

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign
+from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, narrow_range
 
 from .base import MatrixOptimizer, require_number
 
@@ -58,7 +58,8 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
         compute_dtype: dtype of the Newton–Schulz matmuls (default ``torch.bfloat16``,
             as ``torch.optim.Muon``; ``None`` uses the parameter's dtype). The update is
-            added to the parameter in its own dtype.
+            added to the parameter in its own dtype. ``torch.float16`` for wider weights
+            receives the momentum normalized in their dtype (see :func:`~geomuon.manifolds.linalg.msign`).
         nonfinite: group key of :mod:`geomuon.optimizers.base` (default ``"skip"``).
         regulate: group key of :mod:`geomuon.optimizers.base` (default ``None``).
         matrix_view: group key of :mod:`geomuon.optimizers.base` (default ``"strict"``).
@@ -73,6 +74,7 @@ class Muon(MatrixOptimizer):
 
     matrix_update = "muon"
     cpu_stack_size = 1  # msign's CPU kernel iterates one matrix at a time
+    float16_compute = True  # msign narrows to fp16 after its normalization
     # two one-thread workers, one matrix each at a time: 0.80-0.83x torch.optim.Muon's
     # two-thread step on the 6 x 384 GPT stack (AMD EPYC), bitwise the one-thread update
     parallel_batches = True
@@ -122,14 +124,18 @@ class Muon(MatrixOptimizer):
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
 
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
-        return group["compute_dtype"] or p.dtype
+        # fp16 for wider weights: the momentum stays in their dtype, and msign narrows it
+        # after the normalization (the momentum itself may leave fp16's range)
+        compute = group["compute_dtype"]
+        return p.dtype if compute is None or narrow_range(compute) and not narrow_range(p.dtype) else compute
 
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
                    keep: torch.Tensor | None = None) -> torch.Tensor:
         # One fixed quintic, no input scaling beyond the Frobenius norm floored at eps:
         # torch.optim.Muon's iteration, run by the package's kernel.
         quintic = NSSchedule("muon", (tuple(group["ns_coefficients"]),), 1.0, int(group["ns_steps"]))
-        return msign(M, coefficients=quintic, eps=group["eps"], buffers=self._scratch())
+        return msign(M, coefficients=quintic, eps=group["eps"], compute_dtype=group["compute_dtype"],
+                     buffers=self._scratch())
 
     def _lr_scale(self, group: dict, shape: tuple[int, ...]) -> float:
         return muon_shape_factor(*shape, group["adjust_lr_fn"])

@@ -42,7 +42,8 @@ class _MapOptimizer(MatrixOptimizer):
         centered: use the centered map (default ``False``).
         eps: the map's epsilon (row-norm floor, or the Gram shift of the polar maps;
             ``None``: the map's default).
-        compute_dtype: dtype the map computes in (default: the parameter's).
+        compute_dtype: dtype the map computes in (default: the parameter's); ``torch.float16``
+            is refused (see :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).
         nonfinite, regulate, matrix_view: group keys of :mod:`geomuon.optimizers.base`.
     """
 

@@ -393,6 +393,43 @@ def test_bad_options_are_refused_at_construction_by_name(make, option):
         make(p)
 
 
+@pytest.mark.parametrize("make", [
+    lambda p: ManifoldMuon([p], manifold="stiefel", compute_dtype=torch.float16),
+    lambda p: RowNormM([p], compute_dtype=torch.float16),
+    lambda p: RightPolarGradM([{"params": [p], "compute_dtype": torch.float16}]),
+], ids=["ManifoldMuon", "RowNormM", "RightPolarGradM"])
+def test_float16_compute_is_refused_where_the_update_computes_with_the_raw_momentum(make):
+    # Their updates form products of the unnormalized momentum in compute_dtype: a gradient
+    # of norm 1e5 gave NaN weights (or a LinAlgError), one of 1e-9 no step.
+    p = torch.nn.Parameter(Stiefel().random(8, 4).data)
+    with pytest.raises(ValueError, match=r"group 0: compute_dtype=torch.float16 is not supported.*bfloat16"):
+        make(p)
+
+
+@pytest.mark.parametrize("scale", [1e6, 1e-6])
+def test_muon_in_float16_takes_the_momentum_normalized(scale):
+    # msign is scale-invariant, so G * scale must step as G does. fp16 holds neither 1e6 * G
+    # (above 65504: NaN weights before) nor 1e-6 * G (subnormal: ~16 levels, a wrong
+    # direction) unnormalized. Both runs round the same normalized matrix to fp16, up to the
+    # fp32 rounding of the scaling (one ulp, 6e-8 relative, below fp16's half-ulp 4.9e-4): the
+    # steps agree to a few fp16 ulps of the update (|U| <~ 1.2 after 5 Keller steps), times lr.
+    torch.manual_seed(0)
+    G = torch.randn(16, 8)
+    steps = []
+    for s in (1.0, scale):
+        p = torch.nn.Parameter(torch.zeros(16, 8))
+        p.grad = G * s
+        Muon([p], lr=1.0, compute_dtype=torch.float16, weight_decay=0.0).step()
+        steps.append(p.detach().clone())
+    assert torch.isfinite(steps[1]).all()
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=4 * torch.finfo(torch.float16).eps)
+    reference = Muon([p := torch.nn.Parameter(torch.zeros(16, 8))], lr=1.0, weight_decay=0.0,
+                     compute_dtype=torch.float32)
+    p.grad = G
+    reference.step()
+    assert (steps[0] - p.detach()).abs().max() < 0.02  # fp16 Newton-Schulz is Muon's step at all
+
+
 def test_sound_options_are_accepted():
     p = torch.nn.Parameter(Stiefel().random(8, 4).data)
     Muon([{"params": [p], "momentum": 0.9, "eps": 1e-7, "weight_decay": 0.0}], compute_dtype=None)
