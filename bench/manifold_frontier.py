@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")
         options = dict(solver, solver="projected", polish_rounds=polish)
-        mean, low, cost = measure(shapes, manifold, 0, False, None, options)
+        mean, low, cost = measure(shapes, manifold, None, False, None, options)  # (no dual options)
         lines.append(markdown_row([f"{set_name} ({len(shapes)} matrices)", manifold_name, "Gram space, projected",
                                    "-", f"0 (polish {polish})", "projection", f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)

@@ -72,10 +72,13 @@ FLAGS = {"dual_steps": "--dual", "polish_rounds": "--polish", "dual_smoothing": 
 def optimizer_settings(update: str | None, dual_steps: int | None, polish: int | None, warm_start: bool,
                        smoothing: float | None, alpha: float | None, dualizer: str | None, reference: int,
                        solver: str, certify_every: int) -> dict:
-    """The ManifoldMuon options of one row (``None``: ManifoldMuon's default, left out)."""
-    chosen = dict(dual_steps=dual_steps, dual_smoothing=smoothing, dual_alpha=alpha, gram_dualizer=dualizer)
-    return dict(certify_every=certify_every, certify_reference=reference, dual_update=update, solver=solver,
-                polish_rounds=polish, warm_start=warm_start, **{k: v for k, v in chosen.items() if v is not None})
+    """The ManifoldMuon options of one row (``None``: ManifoldMuon's default, left out; the
+    projected solver's rows leave out the dual options, which it refuses)."""
+    chosen = dict(polish_rounds=polish, gram_dualizer=dualizer)
+    if solver != "projected":
+        chosen.update(dual_steps=dual_steps, dual_smoothing=smoothing, dual_alpha=alpha, dual_update=update)
+    return dict(certify_every=certify_every, certify_reference=reference, solver=solver, warm_start=warm_start,
+                **{k: v for k, v in chosen.items() if v is not None})
 
 
 def refuse_bad_settings(parser: argparse.ArgumentParser, manifold: str, settings: dict) -> None:

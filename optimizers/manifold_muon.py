@@ -183,6 +183,11 @@ def _identity(manifold) -> object:
     return manifold.identity if isinstance(manifold, MatrixManifold) else manifold
 
 
+#: Options of the dual iterations (``None``: the manifold's default), which
+#: ``solver="projected"`` does not run.
+_DUAL_OPTIONS = ("dual_steps", "cold_dual_steps", "dual_alpha", "dual_update")
+
+
 class ManifoldMuon(MatrixOptimizer):
     r"""Muon on a matrix manifold, for any manifold × norm the engine serves.
 
@@ -363,6 +368,13 @@ class ManifoldMuon(MatrixOptimizer):
             raise ValueError(f"group {index}: solver='projected' is the Gram path's: it needs norm='spectral', "
                              "msign_method='polar_express' and retraction='fused' (got "
                              f"{group['norm']!r}, {group['msign_method']!r}, {group['retraction']!r})")
+        if group["solver"] == "projected":
+            # the dual options would be ignored: a user setting dual_steps=5 got no dual step
+            ignored = [f"{key}={group[key]!r}" for key in _DUAL_OPTIONS if group.get(key) is not None]
+            ignored += [f"dual_smoothing={group['dual_smoothing']!r}"] if group["dual_smoothing"] else []
+            if ignored:
+                raise ValueError(f"group {index}: solver='projected' takes no dual iterations, so "
+                                 f"{', '.join(ignored)} would be ignored; leave them out or use solver='dual'")
         if group["dual_update"] not in (*UPDATES, None):
             raise ValueError(f"group {index}: dual_update must be one of {UPDATES} (or None: by the dualizer), "
                              f"got {group['dual_update']!r}")

@@ -100,8 +100,15 @@ def test_the_projected_solver_is_refused_where_the_gram_path_does_not_serve():
     # general path with dual steps: refused, not silently served by the other solver
     with pytest.raises(ValueError, match=r"wide \(2 x 4\) on Oblique.*solver='dual'"):
         ManifoldMuon([torch.nn.Parameter(torch.zeros(2, 4))], manifold=Oblique(), solver="projected")
+    # the dual options would be ignored (dual_steps=5 ran no dual step): refused by name
+    for option in (dict(dual_steps=5), dict(cold_dual_steps=2), dict(dual_alpha=0.5), dict(dual_update="jacobi"),
+                   dict(dual_smoothing=0.1)):
+        with pytest.raises(ValueError, match=rf"solver='projected' takes no dual.*{next(iter(option))}="):
+            ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="projected", **option)
+        ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="dual", **option)
     # control: the same parameters are accepted with a Gram-form manifold, and by the dual solver
-    ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="projected")
+    ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold="stiefel", solver="projected", polish_rounds=2,
+                 gram_dualizer="polar_express", warm_start=False)
     ManifoldMuon([torch.nn.Parameter(torch.zeros(2, 4))], manifold=Stiefel(), solver="projected")
     ManifoldMuon([torch.nn.Parameter(torch.zeros(2, 4))], manifold=Oblique(), solver="dual")
     ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold=Euclidean(), solver="dual")
