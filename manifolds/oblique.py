@@ -66,7 +66,7 @@ class Oblique(MatrixManifold):
     | adjoint | $L_W^*(\lambda) = W\operatorname{diag}(\lambda)$ |
     | diagonal of $L_WL_W^*$ | $\|w_j\|^2$ |
     | defining map | $F(W)_j = \tfrac12(\|w_j\|^2 - 1)$ |
-    | tangent projection | $P_W(X) = X - W\operatorname{diag}(W^\top X)$ |
+    | tangent projection | $P_W(X) = X - W\operatorname{diag}\big(\operatorname{diag}(W^\top X) \oslash (\|w_j\|^2)_j\big)$ |
     | retraction / ``projx`` | normalize the columns of $W + V$ / of $X$ |
 
     The projection divides by $\|w_j\|^2$ rather than 1, so it stays an orthogonal

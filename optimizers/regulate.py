@@ -331,10 +331,11 @@ class WeightDecay(Regulator):
 class SpectralNormalize(Regulator):
     r"""Spectral normalization $W \leftarrow W / \max(1, \hat\sigma/w_{\max})$.
 
-    $\hat\sigma$: RMS→RMS top singular value by ``steps`` power iterations (a lower
-    bound, so the result can exceed $w_{\max}$ by the estimate's relative error; warm
-    start through ``state`` to make it small). Shrinks all singular values together.
-    Cost: ``steps`` pairs of mat-vecs.
+    $\hat\sigma$: RMS→RMS top singular value by block power iteration (``block`` vectors,
+    ``steps`` steps; see the module docstring), a lower bound, so the result can exceed
+    $w_{\max}$ by the estimate's relative error (warm start through ``state`` to make it
+    small). Shrinks all singular values together. Cost: one $k\times k$ Gram product, then
+    ``steps`` products $k\times k$ by $k\times$ ``block`` and thin QRs ($k$ the short side).
     """
 
     w_max: float = 1.0
@@ -362,8 +363,8 @@ class SpectralHammer(Regulator):
     w_{\max}$ holds when a single singular value exceeds $w_{\max}$; a Muon update moves
     every singular value by up to $\eta$ at once, so under Muon the hammer does not bound
     the norm (measured: 3.1 $w_{\max}$ after 500 steps at $w_{\max} = 1$) — use
-    ``soft_cap`` or ``hard_cap`` there. Cost: ``steps`` pairs of
-    mat-vecs and a rank-1 update.
+    ``soft_cap`` or ``hard_cap`` there. Cost: :class:`SpectralNormalize`'s estimate and a
+    rank-1 update.
     """
 
     w_max: float = 1.0
@@ -373,8 +374,8 @@ class SpectralHammer(Regulator):
 
     def __post_init__(self):
         self.w_max = _positive(self.w_max, "w_max", "SpectralHammer")
-        self.steps = int(self.steps)
-        self.block = int(self.block)
+        self.steps, self.block = _at_least(self.steps, 1, "steps", "SpectralHammer"), \
+            _at_least(self.block, 1, "block", "SpectralHammer")
 
     def regulate(self, M, *, lr, state):
         sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
@@ -386,8 +387,8 @@ class SpectralHammer(Regulator):
 class SpectralWeightDecay(Regulator):
     r"""Spectral weight decay: shrink only the top singular value,
     $W \leftarrow W - \text{lr}\cdot\text{wd}\cdot\hat\sigma\,\hat u\hat v^\top$
-    (lr-coupled like decoupled weight decay). No norm guarantee. Cost: ``steps`` pairs
-    of mat-vecs and a rank-1 update.
+    (lr-coupled like decoupled weight decay). No norm guarantee. Cost:
+    :class:`SpectralNormalize`'s estimate and a rank-1 update.
     """
 
     weight_decay: float = 0.1
@@ -401,8 +402,8 @@ class SpectralWeightDecay(Regulator):
             raise ValueError(
                 f"SpectralWeightDecay: weight_decay must be >= 0, got {self.weight_decay}"
             )
-        self.steps = int(self.steps)
-        self.block = int(self.block)
+        self.steps, self.block = _at_least(self.steps, 1, "steps", "SpectralWeightDecay"), \
+            _at_least(self.block, 1, "block", "SpectralWeightDecay")
 
     def regulate(self, M, *, lr, state):
         shrink = lr * self.weight_decay

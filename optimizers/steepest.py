@@ -15,8 +15,11 @@ certified lower bound on the fraction of the optimal descent reached.
 The solver is dual (sub)gradient descent on $\Lambda$: $X_k = G + L_W^*(\Lambda_k)$,
 $A_k = \Phi(X_k)$, $H_k = L_W(A_k)$ (the gradient of the dual function), and
 
-$$\Lambda_{k+1} = \Lambda_k - \alpha_k\,H_k \oslash \operatorname{diag}(L_WL_W^*),\qquad
+$$\Lambda_{k+1} = \Lambda_k - \alpha_k\,\sigma_k\,H_k \oslash \operatorname{diag}(L_WL_W^*),\qquad
 \alpha_k = \alpha\,(1 - k/K)\ \text{(or constant)},$$
+
+$\sigma_k = \langle X_k, \Phi X_k\rangle/\langle \Phi X_k, \Phi X_k\rangle$ ($X_k$'s typical singular value:
+$H_k$ is scale-free while $\Lambda$ scales with $G$, so $\alpha$ is dimensionless),
 
 Jacobi-preconditioned by ``manifold.constraint_gram_diag`` (for DGram this is
 $2(d_i^2 + d_j^2)$: without it the step is wrong by the spread of column norms squared).
@@ -136,7 +139,8 @@ class SolverSettings:
 
     Attributes:
         steps: maximum dual steps $K$ (0: the projection iterate $\Phi(P_WG)$ alone).
-        alpha: dual step size $\alpha$ (in units of the Jacobi-preconditioned step).
+        alpha: dual step size $\alpha$ (in units of the Jacobi-preconditioned step
+            $\sigma_k H_k \oslash \operatorname{diag}(L_WL_W^*)$; dimensionless).
         decay: step $\alpha(1 - k/K)$ if true, constant $\alpha$ otherwise.
         tol: stop when RMS$(L_W(A_k))$ < ``tol`` (0: never; a positive ``tol`` reads one
             flag back per step).

@@ -236,7 +236,9 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """GELU MLP (``c_fc`` → GELU → ``c_proj``); the Lipschitz variant divides GELU by
-    1.1289, its Lipschitz constant, so the block's bound is $\\|W_{out}\\|\\|W_{in}\\|$."""
+    1.1289, its Lipschitz constant 1.1289041 rounded down, so the scaled GELU is
+    1.0000037-Lipschitz and the block's bound is $1.0000037\\,\\|W_{out}\\|\\|W_{in}\\|$
+    (:func:`geomuon.theory.lipschitz.mlp_lipschitz`)."""
 
     ROLES = {"c_fc": "mlp_in", "c_proj": "mlp_out"}
 

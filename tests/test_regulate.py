@@ -516,7 +516,9 @@ def test_hard_cap_at_large_norms_and_on_an_empty_batch():
 @pytest.mark.parametrize("make, match", [(lambda: HardCap(sign_steps=0), "sign_steps must be an integer >= 1"),
                                          (lambda: HardCap(method="foo"), "method must be one of"),
                                          (lambda: SpectralNormalize(block=0), "block must be an integer >= 1"),
-                                         (lambda: SpectralNormalize(steps=-1), "steps must be an integer >= 1")])
+                                         (lambda: SpectralNormalize(steps=-1), "steps must be an integer >= 1"),
+                                         (lambda: SpectralHammer(steps=0), "SpectralHammer: steps must be"),
+                                         (lambda: SpectralWeightDecay(block=0), "SpectralWeightDecay: block must be")])
 def test_regulator_arguments_are_checked_at_construction(make, match):
     # each had been accepted: a silent no-op cap, or an error at the first call
     with pytest.raises(ValueError, match=match):
