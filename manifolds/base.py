@@ -513,8 +513,8 @@ class MatrixManifold(geoopt.Manifold):
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
         if self.has_defining_map:
-            return ok, None if ok else (f"defining map F(x) != 0 with atol={atol} (times max(1, |F(0)|), the "
-                                        "scale of the constraint's constant)")
+            return ok, None if ok else (f"defining map F(x) != 0 with atol={atol} (times |F(0)|, the scale of the "
+                                        "constraint's constant, where it has one)")
         return ok, None if ok else f"projx(x) != x with atol={atol}, rtol={rtol}"
 
     @matrix_method(result="multiplier")
@@ -524,11 +524,12 @@ class MatrixManifold(geoopt.Manifold):
         ``check_point_on_manifold`` of geoopt is its ``.all()`` read back, with a reason).
 
         Generic rule, with a defining map: ``isclose(F(x), 0)`` in every entry with the absolute
-        tolerance scaled by $\max(1, \|F(0)\|_{\max})$, else ``isclose(projx(x), x)``
+        tolerance scaled by $\|F(0)\|_{\max}$ (1 where $F(0) = 0$), else ``isclose(projx(x), x)``
         (``torch.isclose``, so ``.all()`` is ``torch.allclose``). A constraint $q(x) = c$ with
         $q$ homogeneous has $F(0) = -c$, and at a point of $M$ the round-off of $F(x)$ is that
         of $c$: an unscaled ``atol`` had refused fp32 points of ``LPRO(radius=10)`` fresh from
-        ``projx`` ($\tfrac12(\|x\|^2 - r^2)$ rounds to $r^2$ times fp32's round-off). A test
+        ``projx`` ($\tfrac12(\|x\|^2 - r^2)$ rounds to $r^2$ times fp32's round-off), and one clamped
+        at 1 accepted rows of ``LPRO(radius=0.001)`` 4 times too long. A test
         on the Gauss–Newton step instead would pass $x = 0$, where the step vanishes with the
         normal space. ``None`` for a subclass that overrides ``_check_point_on_manifold``
         without overriding this method: its check is host-side only.
@@ -538,7 +539,8 @@ class MatrixManifold(geoopt.Manifold):
         if self.has_defining_map:
             residual = self.defining_map(x)
             constant = self.defining_map(torch.zeros_like(x)).abs().flatten(x.dim() - 2)
-            scale = constant.amax(-1).clamp_min(1.0) if constant.size(-1) else constant.new_ones(constant.shape[:-1])
+            scale = constant.amax(-1) if constant.size(-1) else constant.new_zeros(constant.shape[:-1])
+            scale = torch.where(scale > 0, scale, 1.0)  # a homogeneous constraint: an absolute tolerance
             scale = scale.reshape(*scale.shape, *(1,) * (residual.dim() - scale.dim()))
             close = residual.abs() <= atol * scale  # (rtol has no reference value here: |0| = 0)
         else:

@@ -22,6 +22,7 @@ from geomuon.manifolds import (
     Stiefel,
     msign,
 )
+from geomuon.manifolds.capabilities import OrthonormalGram, UnitColumnsGram
 from geomuon.theory.contracts import (
     check_manifold_contract,
     default_tolerance,
@@ -87,20 +88,102 @@ class _NonOrthogonalProjectionStiefel(Stiefel):
         return tangent + normal_weight * super().proju(x, torch.ones_like(x))
 
 
+class _ZeroFarProjxOblique(Oblique):
+    """projx returns the zero matrix far from the origin (as a sphere's did when its squared
+    norm overflowed): the Gauss-Newton residual is 0 there, where the normal space vanishes."""
+
+    def projx(self, x):
+        return torch.where(x.norm(dim=(-2, -1), keepdim=True) > 5 * x.size(-1) ** 0.5, 0 * x, super().projx(x))
+
+
+class _LaxChecksOblique(Oblique):
+    """Point and tangent checks that accept everything (ManifoldMuon then steps weights off M)."""
+
+    def points_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        return torch.ones(x.shape[:-2], dtype=torch.bool)
+
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        return True, None
+
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        return True, None
+
+
+class _BatchCoupledRetractionOblique(Oblique):
+    """Normalizes columns by their mean norm over the batch: right for one matrix, and for a
+    batch whose steps all have the same length."""
+
+    def retr(self, x, u):
+        y = x + u
+        return y / y.norm(dim=-2, keepdim=True).mean(dim=tuple(range(y.dim() - 2)) or None, keepdim=True)
+
+
+class _WrongDiagonalForm(UnitColumnsGram):
+    def gram_diag(self, D):
+        return 1e-3 * super().gram_diag(D)
+
+
+class _WrongGramDiagonalOblique(Oblique):
+    """The form's Jacobi diagonal off by 1e3 while the manifold declares none: the engine's
+    Jacobi step divides by the form's (the dual diverged)."""
+
+    gram_form = _WrongDiagonalForm()
+
+    def constraint_gram_diag(self, x):
+        return None
+
+
+class _WrongNewtonForm(OrthonormalGram):
+    def newton_operator(self, D, lam, P):
+        return -super().newton_operator(D, lam, P)
+
+
+class _WrongNewtonStiefel(Stiefel):
+    """A sign-flipped Newton operator (conjugate gradients on it crashed the first step)."""
+
+    gram_form = _WrongNewtonForm()
+
+
+class _OverconfidentForm(OrthonormalGram):
+    def series_covers(self, step, normal, shrink, terms, dtype):
+        return True
+
+
+class _OverconfidentSeriesStiefel(Stiefel):
+    """series_covers vouches for every step (fp32 weights ended 1.6e-4 off Stiefel at lr 0.6)."""
+
+    gram_form = _OverconfidentForm()
+
+
+class _MismatchedFormOblique(Oblique):
+    """Stiefel's Gram form on Oblique: [n, n] multipliers against the manifold's [n]."""
+
+    gram_form = OrthonormalGram()
+
+
 @pytest.mark.parametrize(
-    "broken,failing",
+    "broken,failing,shape",
     [
-        (_ScaledAdjointOblique(), {"constraint_adjoint", "constraint_gram_diag"}),
-        (_FirstOrderWrongStiefel(), {"retr_slope"}),
-        (_NonOrthogonalProjectionStiefel(), {"proju_self_adjoint"}),
+        (_ScaledAdjointOblique(), {"constraint_adjoint", "constraint_gram_diag"}, (8, 5)),
+        (_FirstOrderWrongStiefel(), {"retr_slope"}, (8, 5)),
+        (_NonOrthogonalProjectionStiefel(), {"proju_self_adjoint"}, (8, 5)),
+        (_ZeroFarProjxOblique(), {"points_pass_own_check"}, (8, 5)),
+        (_LaxChecksOblique(), {"own_checks_refuse_normal_offsets"}, (8, 5)),
+        (_BatchCoupledRetractionOblique(), {"retr_on_manifold"}, (3, 8, 5)),
+        (_WrongGramDiagonalOblique(), {"gram_form_matches"}, (8, 5)),
+        (_WrongNewtonStiefel(), {"gram_newton_matches"}, (8, 5)),
+        (_OverconfidentSeriesStiefel(), {"gram_series_covers"}, (8, 5)),
+        (_MismatchedFormOblique(), {"gram_form_matches"}, (8, 5)),
     ],
-    ids=["wrong_adjoint", "not_a_retraction", "non_orthogonal_projection"],
+    ids=["wrong_adjoint", "not_a_retraction", "non_orthogonal_projection", "zero_projx_far_out", "lax_checks",
+         "batch_coupled_retraction", "wrong_form_gram_diag", "wrong_newton_operator", "overconfident_series",
+         "form_of_another_multiplier_shape"],
 )
-def test_contract_detects_broken_manifolds(broken, failing):
-    report = check_manifold_contract(broken, (8, 5), raise_on_failure=False)
+def test_contract_detects_broken_manifolds(broken, failing, shape):
+    report = check_manifold_contract(broken, shape, raise_on_failure=False)
     assert failing <= {check.name for check in report.failures}, str(report)
     with pytest.raises(AssertionError, match="manifold contract failed"):
-        check_manifold_contract(broken, (8, 5))
+        check_manifold_contract(broken, shape)
 
 
 # --------------------------------------------------------------------------- hypothesis

@@ -19,6 +19,7 @@ $\|\operatorname{projx}(x) - x\|$ instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 import types
 from dataclasses import dataclass, field
@@ -288,8 +289,11 @@ def check_manifold_contract(
     record("retr_zero", rel(manifold.retr(x, torch.zeros_like(x)) - x, x))
     direction = pu * (_matrix_norm(x) / _matrix_norm(pu).clamp_min(1e-30))[..., None, None]
     far = manifold.retr(x, 0.5 * direction)
-    record("retr_on_manifold", max(manifold_residual(manifold, y) for y in (
-        manifold.retr(x, 0.1 * direction), far, manifold.retr(x, 2.0 * direction))))
+    # steps of different lengths across a batch: a retraction that mixes the matrices of a
+    # batch (a norm taken over all of them) lands off M only when they differ
+    spread = torch.linspace(0.5, 1.5, max(1, math.prod(batch)), dtype=dtype).reshape(*batch, 1, 1)
+    stepped = [manifold.retr(x, scale * spread * direction) for scale in (0.1, 0.5, 2.0)]
+    record("retr_on_manifold", max(manifold_residual(manifold, y) for y in stepped))
     ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)
     slope, errors = retraction_slope(manifold, x, direction, ts)
     record("retr_slope", slope, MIN_RETRACTION_SLOPE, at_least=True,
@@ -320,8 +324,11 @@ def check_manifold_contract(
     record("methods_keep_the_dtype", float(len(retyped)), 0.0, note=", ".join(retyped))
     _check_capabilities(manifold, x, gaussian(), record)
 
-    stepped = _geoopt_steps(manifold, x, gaussian())
-    record("geoopt_sgd_on_manifold", manifold_residual(manifold, stepped))
+    geoopt_point = _geoopt_steps(manifold, x, gaussian())
+    record("geoopt_sgd_on_manifold", manifold_residual(manifold, geoopt_point))
+    produced = [manifold.projx(gaussian()), *(manifold.projx(s * gaussian()) for s in (0.1, 10.0)), *stepped,
+                geoopt_point]
+    _check_own_checks(manifold, x, gaussian(), produced, tol, record)
 
     if raise_on_failure and not report.passed:
         failed = ", ".join(check.name for check in report.failures)
@@ -359,6 +366,12 @@ WHAT_TO_FIX = {
                          "maps (at x or at a scaled 0.7x): fix the form or declare none",
     "gram_retraction_on_manifold": "the declared gram_form's retraction_factor must land on M",
     "gram_retraction_slope": "the declared gram_form's retraction must be first order: R_W(tV) = W + tV + O(t^2)",
+    "gram_newton_matches": "the declared gram_form's Newton step disagrees with its definition: newton_operator must "
+                           "be C(D S(lam) P), newton_diagonal its diagonal on the basis C(E_ij), and S(newton_increment"
+                           "(D, E)) = E; fix them or declare newton_cg_steps = 0 and has_newton = False",
+    "gram_series_covers": "the declared gram_form's series_covers vouches for steps its series alone does not retract "
+                          "to the dtype's precision (the engine then drops the exact branch): tighten it, or return "
+                          "False",
     "dualizer_keeps_tangent": "dualizer_keeps_tangent says the norm's dualizer of P_x G (msign for the spectral "
                               "norm) is tangent at x, and it is not (the note names the norm): return False for it",
     "gram_form_diagonal_gram": "the gram_form declares diagonal_gram, and W^T W is not diagonal on M: the engine "
@@ -366,6 +379,12 @@ WHAT_TO_FIX = {
     "random_passes_own_check": "random() gives points the manifold's own check_point_on_manifold refuses (an "
                                "optimizer refuses them at its first step): make points_on_manifold scale-aware",
     "geoopt_sgd_on_manifold": "geoopt's RiemannianSGD left M: check egrad2rgrad, retr and transp",
+    "points_pass_own_check": "check_point_on_manifold refuses points the other maps produced (projx, retr, geoopt "
+                             "steps), at sqrt(tol): either those maps leave M where the Gauss-Newton residual "
+                             "cannot see it (a zero matrix), or the check is too strict",
+    "own_checks_refuse_normal_offsets": "check_point_on_manifold accepted a point moved off M along a normal by a "
+                                        "tenth of its norm, or check_vector_on_tangent a normal vector: an optimizer "
+                                        "would step such weights (make the checks test F(x) = 0 and L_x(u) = 0)",
 }
 
 
@@ -384,7 +403,11 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
     if form is not None:
         flip = manifold.transposes_wide and x.size(-2) < x.size(-1)
         W0, X = (x.mT, g.mT) if flip else (x, g)
-        if W0.size(-2) >= W0.size(-1):  # the form's maps are stated for tall points
+        shapes = tuple(form.constraint(W0.mT @ X).shape), tuple(manifold.constraint(W0, X).shape)
+        if shapes[0] != shapes[1]:  # (broadcasting had compared them, then the adjoint crashed)
+            record("gram_form_matches", math.inf, tol, note=f"multiplier shape {shapes[0]} (form) against "
+                                                           f"{shapes[1]} (manifold)")
+        elif W0.size(-2) >= W0.size(-1):  # the form's maps are stated for tall points
             errors = []
             for W in (W0, 0.7 * W0):
                 D = W.mT @ W
@@ -397,7 +420,15 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
                 diag = manifold.constraint_gram_diag(W)
                 if diag is not None:
                     errors.append(_relative(form.gram_diag(D).expand_as(lam) * lam, diag.expand_as(lam) * lam))
+                if W is W0:  # the engine's Jacobi step divides by gram_diag whatever the manifold declares
+                    errors.append(_relative(form.gram_diag(D).expand_as(lam) * lam,
+                                            manifold.constraint(W, manifold.constraint_adjoint(W, lam))))
             record("gram_form_matches", max(errors), tol)
+            if form.declares_newton:
+                record("gram_newton_matches", _newton_mismatch(form, W0, X, torch.Generator().manual_seed(1)), tol)
+            covered = _series_overreach(form, W0, MatrixManifold.proju(manifold, W0, X))
+            if covered is not None:
+                record("gram_series_covers", covered[0], 0.0, note=covered[1])
             if form.diagonal_gram:  # the engine then reads D from the column norms alone
                 D = W0.mT @ W0
                 off = D - torch.diag_embed(torch.diagonal(D, dim1=-2, dim2=-1))
@@ -416,6 +447,107 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
                   for name, A in ((name, _exact_dualizer(name, P)) for name in declared)}
         worst = max(normal, key=normal.get)
         record("dualizer_keeps_tangent", normal[worst], tol, note=f"norms {', '.join(declared)}; worst {worst}")
+
+
+def _newton_mismatch(form, W: torch.Tensor, X: torch.Tensor, generator: torch.Generator) -> float:
+    r"""Largest relative error of a form's Newton declarations at the tall point ``W`` (float64):
+    ``newton_operator`` against its definition $\mathcal C(D\,S(\Lambda)\,P)$ and
+    ``newton_diagonal`` against the operator's Rayleigh quotients on the basis
+    $\mathcal C(E_{ij})$ of its range (both where ``newton_cg_steps``), ``newton_increment``
+    against $S(\text{increment}(E)) = E$ (where ``has_newton``); $P$ symmetric positive definite,
+    as $(Z^\top Z)^{-1/2}$ is. A wrong operator had crashed the first step (``eigh`` of a
+    diverged dual)."""
+    batch, n = W.shape[:-2], W.size(-1)
+    D = W.mT @ W
+    Z = torch.randn(*batch, n, n, dtype=W.dtype, generator=generator)
+    P = torch.linalg.matrix_exp(-0.5 * (Z + Z.mT) / math.sqrt(n))  # symmetric positive definite
+    lam = form.constraint(W.mT @ X)
+
+    def flat(t):  # multiplier-shaped -> [*batch, p]
+        return t.reshape(*batch, -1)
+
+    errors = []
+    if form.newton_cg_steps > 0:
+        errors.append(_relative(form.newton_operator(D, lam, P), form.constraint(D @ form.adjoint(lam) @ P)))
+        diagonal = form.newton_diagonal(D, P)
+        for i, j in itertools.product(range(n), repeat=2):
+            unit = torch.zeros_like(D)
+            unit[..., i, j] = 1.0
+            basis = flat(form.constraint(unit))
+            support = basis != 0
+            if not bool(support.any()):
+                continue
+            quotient = (basis * flat(form.newton_operator(D, basis.reshape(lam.shape), P))).sum(-1) / \
+                basis.square().sum(-1)
+            declared = flat(diagonal.expand_as(lam))
+            errors.append(_relative(declared[support], quotient.unsqueeze(-1).expand_as(support)[support]))
+    if form.has_newton:
+        E = form.adjoint(lam)
+        errors.append(_relative(form.adjoint(form.newton_increment(D, E)), E))
+    return max(errors)
+
+
+def _series_overreach(form, W: torch.Tensor, V: torch.Tensor) -> tuple[float, str] | None:
+    r"""Where a form's ``series_covers`` vouches for a step (:func:`~geomuon.optimizers.gram.far_inverse_sqrt`
+    then drops the exact branch), whether its series alone retracts such a step to the dtype's
+    precision: the number of vouched-for (dtype, lr, shrink) cases whose series-only point is
+    off the exactly retracted one by more than $100\varepsilon$ of the dtype relative (the claim
+    puts the truncation below $\varepsilon$; float64 arithmetic). The step from $cW$ is the
+    tangent ``V`` scaled to the spectral norm the engine's bound passes
+    (:data:`~geomuon.optimizers.gram.DIRECTION_NORM` times lr). ``None`` where it vouches for
+    none (an overconfident form had left fp32 weights 1.6e-4 off Stiefel)."""
+    from geomuon.manifolds.capabilities import exact_inverse_sqrt
+    from geomuon.optimizers.gram import DIRECTION_NORM, DIRECTION_NORMAL
+
+    unit = V / torch.linalg.matrix_norm(V, ord=2).clamp_min(1e-300)[..., None, None]
+    vouched, wrong = 0, []
+    for dtype, lr, shrink in itertools.product((torch.float32, torch.float64), (0.01, 0.03, 0.1, 0.3, 1.0),
+                                               (1.0, 0.98)):
+        if not form.series_covers(DIRECTION_NORM * lr, DIRECTION_NORMAL * lr, shrink, 6, dtype):
+            continue
+        vouched += 1
+        Y = shrink * W + DIRECTION_NORM * lr * unit
+        series = Y @ form.retraction_factor(Y.mT @ Y, 6, None)
+        exact = Y @ form.retraction_factor(Y.mT @ Y, 6, exact_inverse_sqrt)
+        if _relative(series, exact) > 100 * torch.finfo(dtype).eps:
+            wrong.append(f"{str(dtype).removeprefix('torch.')} lr {lr} shrink {shrink}")
+    if not vouched:
+        return None
+    return float(len(wrong)), (f"series alone off at {', '.join(wrong)}" if wrong else f"{vouched} cases vouched for")
+
+
+def _check_own_checks(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tensor, produced: list[torch.Tensor],
+                      tol: float, record) -> None:
+    r"""The manifold's own checks, both ways: what an optimizer trusts (ManifoldMuon refuses
+    the weights they refuse and steps the others).
+
+    * Every point the contract produced (``projx`` of Gaussians near and far, the
+      retractions, the geoopt steps) passes ``check_point_on_manifold`` at tolerance
+      $\sqrt{\text{tol}}$: a gate for points off $M$ by $O(1)$, which the Gauss–Newton
+      residual cannot see where the normal space vanishes (at $x = 0$ the step is 0: a
+      ``projx`` returning zeros had passed the contract); their accuracy is that residual's.
+    * Matrix by matrix, $x + 0.1\|x\|\hat N$ for a unit normal $\hat N$ at $x$ fails
+      ``check_point_on_manifold``, and $\hat N$ fails ``check_vector_on_tangent``, at
+      their default tolerances (as optimizers call them): a check that accepted everything
+      had passed, and ManifoldMuon then retracted weights off $M$ with no error. Matrices
+      whose normal space is $\{0\}$ (no constraint) are skipped.
+    """
+    gate = math.sqrt(tol)
+    refused = sum(not manifold.check_point_on_manifold(y, atol=gate, rtol=gate) for y in produced)
+    record("points_pass_own_check", float(refused), 0.0,
+           note=f"{refused} of {len(produced)} produced points refused" if refused else "")
+    shape = x.shape[-2:]
+    normal = normal_component(manifold, x, g).reshape(-1, *shape)
+    points = x.reshape(-1, *shape)
+    sizes, x_sizes = _matrix_norm(normal), _matrix_norm(points.double())
+    kept = (sizes > 1e-8 * _matrix_norm(g.double()).reshape(-1)).tolist()
+    unit = (normal / sizes.clamp_min(1e-300)[:, None, None]).to(x.dtype)
+    off = points + 0.1 * x_sizes[:, None, None].to(x.dtype) * unit
+    lax_point = [i for i, k in enumerate(kept) if k and manifold.check_point_on_manifold(off[i])]
+    lax_tangent = [i for i, k in enumerate(kept) if k and manifold.check_vector_on_tangent(points[i], unit[i])]
+    record("own_checks_refuse_normal_offsets", float(len(lax_point) + len(lax_tangent)), 0.0,
+           note=f"accepted: point + normal at matrices {lax_point}, normal as tangent at {lax_tangent}"
+           if lax_point or lax_tangent else "")
 
 
 def _exact_dualizer(norm: str, P: torch.Tensor) -> torch.Tensor:
