@@ -87,10 +87,15 @@ class DGram(MatrixManifold):
 
     @matrix_method()
     def projx(self, x):
+        # projx(cx) = c projx(x): computed on x over its largest entry, so the squared column
+        # norms neither overflow (1e160 in float64 had given inf/NaN) nor underflow
         x64 = x.double()
+        largest = x64.abs().amax(dim=(-2, -1), keepdim=True)
+        largest = torch.where(largest > 0, largest, 1.0)
+        x64 = x64 / largest
         d2 = self._squared_column_norms(x64, "x given to projx")
         U, _, Vh = torch.linalg.svd(x64, full_matrices=False)
-        return ((U @ Vh) * d2.sqrt().unsqueeze(-2)).to(x.dtype)
+        return ((U @ Vh) * (d2.sqrt().unsqueeze(-2) * largest)).to(x.dtype)
 
     @matrix_method("u")
     def retr(self, x, u):

@@ -2,6 +2,8 @@ r"""The oblique manifold (unit columns), and the sphere-product maps it shares w
 
 from __future__ import annotations
 
+import torch
+
 from .base import MatrixManifold, matrix_method
 from .linalg import fp32_or_fp64
 from .capabilities import UnitColumnsGram
@@ -47,6 +49,12 @@ def sphere_normalize(x, radius, dim, who, step=None):
     y = x.to(fp32_or_fp64(x.dtype))
     if step is not None:
         y = y + step.to(y.dtype)
+    else:
+        # a projection's input has any scale: each slice divided by its largest entry first (the
+        # result is scale-free), so its squared norm neither overflows (1e20 in fp32 had come
+        # back as the zero matrix) nor underflows (a nonzero 1e-40 column had been "zero")
+        largest = y.abs().amax(dim=dim, keepdim=True)
+        y = y / torch.where(largest > 0, largest, 1.0)
     norms = y.norm(dim=dim, keepdim=True)
     if step is None and bool((norms == 0).any()):
         slice_name = "column" if dim == -2 else "row"

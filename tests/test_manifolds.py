@@ -536,3 +536,22 @@ def test_contract_catches_what_it_had_passed(manifold, dtype, failed):
     with pytest.raises(AssertionError, match=f"what to fix:\n.*{failed}: "):
         check_manifold_contract(manifold, (7, 3), dtype=dtype)
     assert check_manifold_contract(_Broken(None), (7, 3), dtype=dtype).passed
+
+
+@pytest.mark.parametrize("dtype,scales", [(torch.float64, (1e160, 1e-300)), (torch.float32, (1e20, 1e-30))],
+                         ids=["fp64", "fp32"])
+@pytest.mark.parametrize("manifold", [Oblique(), LPRO(radius=2.0), DGram()], ids=["oblique", "lpro", "dgram"])
+def test_projx_of_a_matrix_at_an_extreme_scale_is_the_scaled_projection(manifold, dtype, scales):
+    # Squared norms of such inputs overflow or underflow the dtype: Oblique and LPRO had
+    # returned the zero matrix for the large one and called a nonzero column of the small one
+    # "zero"; DGram had returned inf/NaN. The sphere maps are scale-free, DGram's projx is
+    # homogeneous (projx(cx) = c projx(x)). The scales keep the input normal (a subnormal input
+    # is itself rounded). Tolerance: the scaling by a power of ten and the division by the
+    # largest entry round a few times in the dtype: 16 eps relative.
+    g = torch.randn(6, 3, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    reference = manifold.projx(g)
+    for scale in scales:
+        y = manifold.projx(scale * g)
+        unscaled = y / scale if isinstance(manifold, DGram) else y
+        assert torch.isfinite(y).all()
+        assert (unscaled - reference).abs().max() <= 16 * torch.finfo(dtype).eps * reference.abs().max(), scale
