@@ -152,7 +152,7 @@ row_norm normalizes columns | return _normalized(D, -1, eps) | return _normalize
 col_norm normalizes rows | return _normalized(D, -2, eps) | return _normalized(D, -1, eps)
 polar maps: nuclear norm squared | polar * nuclear.clamp_min(0).pow(alpha) | polar * nuclear.clamp_min(0).pow(2 * alpha)
 polar maps: nuclear norm from polar'polar | nuclear = s * (X * polar).sum | nuclear = s * (polar * polar).sum
-polar maps: the larger Gram matrix | right = X.size(-2) >= X.size(-1) | right = X.size(-2) <= X.size(-1)
+polar maps: msign of |D| | polar = msign(X, "polar_express" | polar = msign(X.abs(), "polar_express"
 hybrid normalizes columns | R = row_norm(D, eps=eps) | R = col_norm(D, eps=eps)
 centered map does not re-center | return _center_rows(update(_center_rows(D), **kwargs)) | return update(_center_rows(D), **kwargs)
 centered map does not center its input | return _center_rows(update(_center_rows(D), **kwargs)) | return _center_rows(update(D, **kwargs))

@@ -6,7 +6,7 @@ import torch
 
 from .base import MatrixManifold, matrix_method
 from .capabilities import OrthogonalColumnsGram
-from .linalg import fp32_or_fp64, msign, off_diagonal, sym
+from .linalg import fp32_or_fp64, largest_entry, msign, off_diagonal, sym
 
 __all__ = ["DGram"]
 
@@ -90,8 +90,7 @@ class DGram(MatrixManifold):
         # projx(cx) = c projx(x): computed on x over its largest entry, so the squared column
         # norms neither overflow (1e160 in float64 had given inf/NaN) nor underflow
         x64 = x.double()
-        largest = x64.abs().amax(dim=(-2, -1), keepdim=True)
-        largest = torch.where(largest > 0, largest, 1.0)
+        largest = largest_entry(x64)
         x64 = x64 / largest
         d2 = self._squared_column_norms(x64, "x given to projx")
         U, _, Vh = torch.linalg.svd(x64, full_matrices=False)

@@ -2,10 +2,8 @@ r"""The oblique manifold (unit columns), and the sphere-product maps it shares w
 
 from __future__ import annotations
 
-import torch
-
 from .base import MatrixManifold, matrix_method
-from .linalg import fp32_or_fp64
+from .linalg import fp32_or_fp64, largest_entry
 from .capabilities import UnitColumnsGram
 
 __all__ = ["Oblique"]
@@ -50,11 +48,10 @@ def sphere_normalize(x, radius, dim, who, step=None):
     if step is not None:
         y = y + step.to(y.dtype)
     else:
-        # a projection's input has any scale: each slice divided by its largest entry first (the
-        # result is scale-free), so its squared norm neither overflows (1e20 in fp32 had come
-        # back as the zero matrix) nor underflows (a nonzero 1e-40 column had been "zero")
-        largest = y.abs().amax(dim=dim, keepdim=True)
-        y = y / torch.where(largest > 0, largest, 1.0)
+        # a projection's input has any scale: divided by its largest entry first (the result is
+        # scale-free), so a squared norm neither overflows (1e20 in fp32 had come back as the
+        # zero matrix) nor underflows (a nonzero 1e-300 matrix in fp64 had been "zero")
+        y = y / largest_entry(y)
     norms = y.norm(dim=dim, keepdim=True)
     if step is None and bool((norms == 0).any()):
         slice_name = "column" if dim == -2 else "row"

@@ -13,7 +13,7 @@ $W \leftarrow W - \eta\,U(M)$ with the update map $U$ of :mod:`geomuon.optimizer
 
 ``centered=True`` (group key) uses the centered map $\Pi^\perp U(\Pi^\perp M)$ (routers,
 LM heads: invariant to a shared logit shift). All compute the map in the parameter's
-dtype (the polar maps' inverse square root in float32 at least) unless
+dtype (the polar maps' Polar Express in float32 at least) unless
 ``compute_dtype`` says otherwise, and add the update to the parameter in its dtype.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["RowNormM", "RightPolarGradM", "LeftPolarGradM", "HybridPolarGradM"]
 
 
 class _MapOptimizer(MatrixOptimizer):
-    """The PolarGrad skeleton (Lau & Su) around one update map of :mod:`geomuon.optimizers.maps`.
+    r"""The PolarGrad skeleton (Lau & Su) around one update map of :mod:`geomuon.optimizers.maps`.
 
     Args:
         params: parameters or param groups (matrices; ``update="adamw"`` groups for the rest).
@@ -40,7 +40,7 @@ class _MapOptimizer(MatrixOptimizer):
         alpha: exponent of the nuclear-norm scale of the polar maps (default 1, the
             reference; 0 gives the unit-scale direction). Ignored by RowNormM.
         centered: use the centered map (default ``False``).
-        eps: the map's epsilon (row-norm floor, or the Gram shift of the polar maps;
+        eps: the map's epsilon (row-norm floor, or the polar maps' floor of $\|M\|_F$;
             ``None``: the map's default).
         compute_dtype: dtype the map computes in (default: the parameter's); ``torch.float16``
             is refused (see :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).

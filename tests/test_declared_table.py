@@ -19,19 +19,17 @@ HOLDS = [d for d in DECLARATIONS if d.expected == "holds"]
 FAILS = [d for d in DECLARATIONS if d.expected == "fails"]
 
 # float64 maps must be equivariant to 1e-9 relative (the bound) on top of the
-# measured floor, so a floor inflated by a too-sensitive map cannot pass. The polar maps
-# invert a Gram matrix by 25 coupled Newton-Schulz steps, which grow a (near-)null
-# eigenvalue's round-off by 1.5 per step: 1.5^25 = 2.5e4 times eps = 2.2e-16 is 6e-12 per
-# rounding, and a 2x2 rank-one input at scale 1e-8 measured 1.9e-9 (its floor 2.4e-9), so
-# they are capped at 1e-7 instead.
+# measured floor, so a floor inflated by a too-sensitive map cannot pass. (The polar maps
+# had needed 1e-7 while they inverted a Gram matrix by coupled Newton-Schulz steps, which
+# grow a near-null eigenvalue's round-off 1.5-fold per step; they take Polar Express on D
+# itself now, as the spectral map does.)
 MAP_TOLERANCE_CAP = 1e-9
-GRAM_MAP_TOLERANCE_CAP = 1e-7
 
 
 def _cap(declaration):
     if declaration.kind != "map":
         return None
-    return GRAM_MAP_TOLERANCE_CAP if "polar" in declaration.update else MAP_TOLERANCE_CAP
+    return MAP_TOLERANCE_CAP
 
 
 def _budget(declaration) -> int:

@@ -5,6 +5,8 @@ smooth, so a residual of ~1e-12 means "holds" and O(1) means "fails"; each claim
 is paired with a negative control the docstring says fails.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -13,8 +15,8 @@ from geomuon.optimizers.maps import centered, col_norm, hybrid, left_polar, righ
 from geomuon.theory.groups import haar_orthogonal
 
 M, N = 12, 7
-# float64 maps are accurate to ~1e-13 relative (Polar Express reaches the fp64 fixed point,
-# the coupled inverse square root converges quadratically); 1e-8 leaves room for the
+# float64 maps are accurate to ~1e-13 relative (Polar Express reaches the fp64 fixed point);
+# 1e-8 leaves room for the
 # conditioning of a random 12x7 matrix (condition number < 1e2) without hiding an O(1) miss.
 HOLDS = 1e-8
 # A map that is not equivariant under a group moves by O(1) relative; 1e-2 is far above
@@ -180,14 +182,37 @@ def test_registry_names():
 @pytest.mark.parametrize("scale", [1e-19, 1e-13, 1.0, 5e8, 1e10])
 def test_polar_maps_in_fp32_at_any_scale(scale):
     # Their Gram D^T D underflowed (D of order 1e-13) or overflowed (5e8) in fp32 and the maps
-    # returned NaN; D is now scaled by its largest entry first. The polar factor is
-    # scale-free: fp32 against float64 within 1e-4 (25 coupled Newton-Schulz steps on a
-    # condition ~ 10 Gram: measured 3e-5 at every scale).
+    # returned NaN; D is scaled by its largest entry first. The polar factor is scale-free:
+    # fp32 against float64 within 1e-4 (12 Polar Express steps on D, condition ~ 10:
+    # measured 7e-7 at every scale; the entries are O(1/sqrt(48)), so 1e-4 is ~1e3 eps).
     gen = torch.Generator().manual_seed(0)
     D = torch.randn(32, 48, generator=gen)
     for polar in (right_polar, left_polar):
         reference = polar(D.double(), alpha=0.0)
         assert (polar(D * scale, alpha=0.0).double() - reference).abs().max() <= 1e-4, polar.__name__
+
+
+@pytest.mark.parametrize("shape", [(384, 384), (384, 96), (96, 384)], ids=["square", "tall", "wide"])
+def test_polar_maps_in_fp32_are_the_polar_factor_of_an_ill_conditioned_matrix(shape):
+    # Through the Gram matrix the condition number squares: an fp32 inverse square root of
+    # D^T D was 13 % off msign(D) at cond(D) = 100 (0.5 % at 10, 44 % at 1000). On D itself,
+    # 12 Polar Express steps take every normalized singular value in [1e-3, 1] to 1 within
+    # fp32's round-off (the spectrum below spans [1e-3, 1] times 1/sqrt(sum sigma^2) >= 1e-3
+    # after msign's normalization); products of 384-long sums round at ~sqrt(384) eps = 2e-6:
+    # 1e-4 relative (Frobenius) against the exact factor (measured 2e-6 to 1e-5).
+    gen = torch.Generator().manual_seed(0)
+    m, n = shape
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    for condition in (10.0, 100.0, 1000.0):
+        sigma = torch.logspace(0, -math.log10(condition), k, dtype=torch.float64)
+        D, exact = (U * sigma) @ V.mT, U @ V.mT
+        for polar in (right_polar, left_polar):
+            out = polar(D.float(), alpha=0.0).double()
+            assert (out - exact).norm() <= 1e-4 * exact.norm(), (polar.__name__, condition)
+            nuclear = (polar(D.float(), alpha=1.0).double() * exact).sum() / exact.square().sum()
+            assert abs(nuclear - sigma.sum()) <= 1e-4 * sigma.sum()  # ||D||_* scales the factor
 
 
 def test_fp16_row_and_column_norms_do_not_overflow():
@@ -202,10 +227,10 @@ def test_fp16_row_and_column_norms_do_not_overflow():
 @pytest.mark.parametrize("shape", [(64, 8), (256, 32), (32, 256)])
 def test_polar_maps_match_the_svd_on_a_dominant_singular_value(shape):
     # D = randn + 1 has one singular value far above the rest (the all-ones direction), so
-    # its Gram's top eigenvalue is many times its largest entry: the inverse square root must
-    # start from the Frobenius norm (eigenvalues <= 1), where a start from the largest entry
-    # diverged (error 2.0 at 64 x 8, NaN at 256 x 32) and every small-size test still passed.
-    # float64, condition ~ 1e2, 25 coupled Newton-Schulz steps: 1e-10 (measured 8e-13).
+    # its Gram's top eigenvalue is many times its largest entry: the iteration must start from
+    # the Frobenius norm (singular values <= 1), where an inverse square root started from the
+    # largest entry diverged (error 2.0 at 64 x 8, NaN at 256 x 32) and every small-size test
+    # still passed. float64, condition ~ 1e2, 12 Polar Express steps: 1e-10 (measured 2e-15).
     gen = torch.Generator().manual_seed(0)
     D = torch.randn(shape, generator=gen, dtype=torch.float64) + 1
     U, _, Vh = torch.linalg.svd(D, full_matrices=False)

@@ -55,8 +55,8 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
 * **Update maps** (:func:`certify_map_row`): every ``map`` row of
   :mod:`geomuon.theory.declared` — a proof at every size for ``holds`` rows
   (:func:`certify_equivariance_every_size`, one free letter for every group element;
-  the Newton–Schulz and inverse-square-root steps by their own every-size proofs, the
-  polar maps' composition by :func:`certify_polar_map_equivariance`), an
+  the Newton–Schulz steps by their own every-size proofs, the polar maps' composition
+  around them by :func:`certify_polar_map_equivariance`), an
   exact counterexample for ``fails`` rows; the elementwise maps are the dualizers of
   their norms (:func:`certify_dualizer`), and the spectral, hybrid and polar maps' values
   match exact polar factors in float64 (:func:`hybrid_map_reference`,
@@ -2583,9 +2583,8 @@ def certify_inverse_sqrt_equivariance() -> Certificate:
     $\text{step}(RYR^\top, RZR^\top) = R\,\text{step}(Y, Z)\,R^\top$ componentwise, and the
     start $Z_0 = I = RIR^\top$; so :func:`~geomuon.manifolds.linalg.inv_sqrt_psd` (whose
     shift and scale are multiples of $\|A\|_F$, a conjugation invariant) satisfies
-    $f(RAR^\top) = Rf(A)R^\top$, and the one-sided polar maps
-    $\|D\|_*^\alpha D f(D^\top D)$ (with $(LDR^\top)^\top LDR^\top = R D^\top D R^\top$)
-    are $O_m \times O_n$-equivariant, every size."""
+    $f(RAR^\top) = Rf(A)R^\top$, every size, and so would a one-sided polar map
+    $\|D\|_*^\alpha D f(D^\top D)$ built on it ($(LDR^\top)^\top LDR^\top = R D^\top D R^\top$)."""
     from geomuon.manifolds.linalg import coupled_newton_schulz_step
 
     algebra = FreeAlgebra({"R": "R'", "Y": "Y", "Z": "Z", "D": "D'", "L": "L'"})
@@ -2607,47 +2606,43 @@ def certify_inverse_sqrt_equivariance() -> Certificate:
 
 
 def certify_polar_map_equivariance(update: Callable | None = None, orientation: str = "tall") -> Certificate:
-    r"""The library's one-sided polar maps (``right_polar``, ``left_polar``: the choice of
-    the smaller Gram matrix, the product with its inverse square root, the nuclear norm
-    read off that product, the scale $\|D\|_*^\alpha$ and the zero guard) are
-    $O_m\times O_n$-equivariant at **every size** of the orientation, for
-    $\alpha \in \{0, \tfrac12, 1\}$: the map runs on $LDR^\top$ (free letters,
-    $L^\top L = LL^\top = I$, $R^\top R = RR^\top = I$) and on $D$, with
-    :func:`~geomuon.manifolds.linalg.inv_sqrt_psd` replaced by a probe that accepts only
-    the conjugated Gram matrix $Q\,G\,Q^\top$ ($G = D^\top D$ or $DD^\top$, $Q$ one of
-    $L, R$ or none) and returns $Q\,f(G)\,Q^\top$ for a symmetric letter $f(G)$ — the
-    action :func:`certify_inverse_sqrt_equivariance` proves of the real iteration. The
-    nuclear norm $\operatorname{tr}(X^\top X f(X^\top X))$ is a trace, compared in normal
-    form; hypothesis: $D \ne 0$ (the guard keeps the map, and the nuclear norm is $\ge 0$,
-    so ``clamp_min(0)`` keeps it). ``update`` defaults to both library maps (a negative
-    control passes another). ``witness``: per map, $\alpha$ and side the residual."""
+    r"""The library's one-sided polar maps (``right_polar``, ``left_polar``: the scaling by
+    the largest entry, the polar factor, the nuclear norm read off it, the scale
+    $\|D\|_*^\alpha$ and the zero guard) are $O_m\times O_n$-equivariant at **every size** of
+    the orientation, for $\alpha \in \{0, \tfrac12, 1\}$: the map runs on $LDR^\top$ (free
+    letters, $L^\top L = LL^\top = I$, $R^\top R = RR^\top = I$) and on $D$, with
+    :func:`~geomuon.manifolds.linalg.msign` replaced by a probe that accepts only $Q_1 D Q_2^\top$
+    ($Q_1$ one of $L$ or none, $Q_2$ one of $R$ or none) and returns $Q_1 P Q_2^\top$ for a
+    letter $P = \operatorname{msign}(D)$ — the action :func:`certify_newton_schulz_equivariance`
+    proves of the real iteration (every step equivariant, the normalization invariant). The
+    nuclear norm $\langle D, P\rangle = \operatorname{tr}(D^\top P)$ is a trace, compared in
+    normal form; hypothesis: $D \ne 0$ (the guard keeps the map, and the nuclear norm is
+    $\ge 0$, so ``clamp_min(0)`` keeps it). ``update`` defaults to both library maps (a
+    negative control passes another). ``witness``: per map, $\alpha$ and side the residual."""
     from geomuon.optimizers import maps
 
     m, n = ORIENTATIONS[orientation]
-    algebra = FreeAlgebra({"D": "D'", "L": "L'", "R": "R'", "F": "F", "G": "G"},
-                          shapes={"D": (m, n), "L": (m, m), "R": (n, n), "F": (n, n), "G": (m, m)})
-    D, L, R = algebra("D"), algebra("L"), algebra("R")
+    algebra = FreeAlgebra({"D": "D'", "L": "L'", "R": "R'", "P": "P'"},
+                          shapes={"D": (m, n), "L": (m, m), "R": (n, n), "P": (m, n)})
+    D, L, R, P = algebra("D"), algebra("L"), algebra("R"), algebra("P")
     for Q in (L, R):
         algebra.rule(Q.mT @ Q, algebra.identity())
         algebra.rule(Q @ Q.mT, algebra.identity())
     algebra.norms_above_floors = True
-    roots = {(D.mT @ D).terms.__repr__(): algebra("F"), (D @ D.mT).terms.__repr__(): algebra("G")}
+    sides = [(left, right) for left in (None, L) for right in (None, R)]
 
-    def probe(gram, eps=None):
-        for Q in (None, L, R):
-            if Q is not None and sp.sympify(Q._shape[0] - gram._shape[0]) != 0:
-                continue
-            inner = gram if Q is None else Q.mT @ gram @ Q
-            if Q is not None and (Q @ inner @ Q.mT - gram).terms:
-                continue
-            if repr(inner.terms) in roots:
-                root = roots[repr(inner.terms)]
-                return root if Q is None else Q @ root @ Q.mT
-        raise NotImplementedError(f"inv_sqrt_psd probe: {gram!r} is not a conjugated Gram matrix of D")
+    def probe(X, method="polar_express", eps=None, **unused):
+        for left, right in sides:
+            acted = D if left is None else left @ D
+            acted = acted if right is None else acted @ right.mT
+            if not (X - acted).terms:
+                image = P if left is None else left @ P
+                return image if right is None else image @ right.mT
+        raise NotImplementedError(f"msign probe: {X!r} is not D acted on by L and R")
 
     residuals = {}
-    library = maps.inv_sqrt_psd
-    maps.inv_sqrt_psd = probe
+    library = maps.msign
+    maps.msign = probe
     try:
         with _FreeFactories(algebra):
             for polar_map in ([update] if update else [maps.right_polar, maps.left_polar]):
@@ -2659,7 +2654,7 @@ def certify_polar_map_equivariance(update: Callable | None = None, orientation: 
     except (NotImplementedError, ValueError) as error:
         return Certificate(f"polar maps, every {orientation} size: not certified", False, {"error": str(error)})
     finally:
-        maps.inv_sqrt_psd = library
+        maps.msign = library
     return Certificate(f"the one-sided polar maps are O_m x O_n-equivariant, every {orientation} size",
                        all(not r for r in residuals.values()), residuals)
 
@@ -2826,7 +2821,7 @@ def certify_map_row(declaration) -> Certificate:
             parts.append(certify_newton_schulz_equivariance())
         elif name in ("right_polar", "left_polar"):
             parts += [certify_polar_map_equivariance(getattr(maps, name), o) for o in orientations]
-            parts.append(certify_inverse_sqrt_equivariance())
+            parts.append(certify_newton_schulz_equivariance())
         elif name in ("hybrid", "swiglu hybrid stack"):
             # The library's hybrid with 0 Newton-Schulz steps (its row normalization and
             # msign's normalization) is S_m^± x O_n-equivariant; every Newton-Schulz step
