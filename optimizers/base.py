@@ -258,8 +258,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse (``ValueError``) a state dict whose groups this optimizer would refuse, or
         whose parameter-shaped state does not fit the parameters it maps to (it had been
-        loaded, and the next step moved other parameters before failing). Counts that do not
-        match are left to torch's own message."""
+        loaded, and the next step moved other parameters before failing): another shape, or
+        ``DTensor`` shards for a plain parameter and the other way round (under FSDP2,
+        ``state_dict()`` is one rank's view: shards, and the whole-matrix state of the
+        matrices that rank owns only). Counts that do not match are left to torch's own message."""
         saved_groups = state_dict.get("param_groups", [])
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(c["params"]) for s, c in zip(saved_groups, self.param_groups)):
@@ -272,11 +274,29 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: the saved {err}") from None
             for i, (saved_id, p) in enumerate(zip(saved["params"], current["params"])):
                 for key, value in state_dict.get("state", {}).get(saved_id, {}).items():
-                    if key in _PARAMETER_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    name = (f"{type(self).__name__}.load_state_dict: state {key!r} of parameter "
+                            f"{self._name(current, i, index)}")
+                    if key in _PARAMETER_SHAPED_STATE and value.shape != p.shape:
                         raise ValueError(
-                            f"{type(self).__name__}.load_state_dict: state {key!r} of parameter "
-                            f"{self._name(current, i, index)} has shape {tuple(value.shape)}, the parameter "
-                            f"{tuple(p.shape)}: the state was saved for another model (or its groups in another order)")
+                            f"{name} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}: the state was "
+                            "saved for another model (or its groups in another order)")
+                    # a shard is parameter-shaped state of a sharded parameter, and only that is (the
+                    # whole-matrix state of a sharded one, a warm start or step count, is a plain tensor)
+                    shard, wanted = _distributed.is_sharded(value), _distributed.is_sharded(p)
+                    if shard and not (key in _PARAMETER_SHAPED_STATE and wanted):
+                        raise ValueError(
+                            f"{name} is a DTensor shard (optimizer.state_dict() of an FSDP2 run: one rank's view, "
+                            "without the whole-matrix state other ranks own), the parameter "
+                            f"{'a DTensor' if wanted else 'a plain tensor'}: save and load the "
+                            "optimizer state of a sharded run with geomuon.pretrain.parallel.save_distributed and "
+                            "load_distributed (any world size)")
+                    if key in _PARAMETER_SHAPED_STATE and wanted and not shard:
+                        raise ValueError(
+                            f"{name} is a plain tensor, the parameter a DTensor (FSDP2-sharded): load a one-process "
+                            "state before sharding (geomuon.pretrain.parallel.fsdp then shards it with the model), "
+                            "or save and load with geomuon.pretrain.parallel.save_distributed and load_distributed")
 
     def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
         """The dtype of state entry ``key`` of ``p`` where it is not ``p``'s (``None``: ``p``'s,
@@ -317,8 +337,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            params, positions = self._params_with_grad(group)
+        stepped = [self._params_with_grad(group) for group in self.param_groups]
+        # every group checked before any group steps: a refusal (the same on every rank) leaves
+        # nothing half-stepped and no rank waiting in a collective
+        for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
+            _distributed.check_group(self, group, index, params, positions)
+        for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
             if not params:
                 continue
             lr = group["lr"]  # a tensor lr stays one: an operand of the update, never read back
@@ -372,7 +396,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: naming the parameters of ``nonfinite="raise"`` groups that skipped.
+            RuntimeError: naming the sharded (``DTensor``) matrices whose owner rank failed in
+                a step (see :mod:`geomuon.optimizers.distributed`), on every rank, if no
+                later step has raised it yet.
         """
+        _distributed.read_failures(self)
         return self._report_skips(wait=True)
 
     def _report_skips(self, wait: bool, nonfinite: bool = True) -> dict[str, int]:
@@ -436,9 +464,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int]) -> list[torch.Tensor]:
         """Sharded parameters: the non-finite check read back now (their step communicates
-        anyway; a DTensor's norms are partial sums, ``whole`` all-reduces them so ranks agree)."""
+        anyway; a DTensor's norms are partial sums, ``whole`` all-reduces them so ranks agree).
+        The same read carries the failure flags of earlier sharded steps on the group's mesh
+        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
         norms = torch.stack(torch._foreach_norm([p.grad for p in params]))
-        finite = _distributed.whole(norms).isfinite().tolist()
+        finite = _distributed.read_failures(self, _distributed.whole(norms).isfinite(), params[0].device_mesh)
         if all(finite):
             return params
         bad = {self._name(group, positions[id(p)], index): 1 for p, ok in zip(params, finite) if not ok}

@@ -52,11 +52,12 @@ out. The rule that keeps a replica equal to the weights, with no host read:
 batch of $P$ parameter entries, stack dtype of $b_M$ bytes, parameter dtype of $b_W$,
 $b_S = \max(b_M, b_W)$, replicas held:
 
-$$\text{elementwise apply: } 2\,\tfrac{w-1}{w}\,P\,b_M,\qquad
-\text{whole-matrix apply: } \tfrac{w-1}{w}\,P\,(b_S + b_W) + (w-1)\ \text{bytes per matrix (flags)};$$
+$$\text{elementwise apply: } 2\,\tfrac{w-1}{w}\,P\,b_M + (w-1)\,N,\qquad
+\text{whole-matrix apply: } \tfrac{w-1}{w}\,P\,(b_S + b_W) + 2(w-1)\,N$$
 
-a step that sends the weights (the rule above) adds $\tfrac{w-1}{w}Pb_W$. That is
-$\le 2\times$ the parameter bytes for every optimizer: $2\tfrac{w-1}{w}$ for Manifold
+for $N$ matrices (one-byte flags: an owner's failure flag back, and for a whole-matrix
+apply the written-rows flag out); a step that sends the weights (the rule above) adds
+$\tfrac{w-1}{w}Pb_W$. That is $\le 2\times$ the parameter bytes for every optimizer: $2\tfrac{w-1}{w}$ for Manifold
 Muon in fp32 ($1.0\times$ at $w = 2$, $1.5\times$ at $w = 4$), $\tfrac{w-1}{w}$ for
 Muon's bf16 momentum and update. Two ``all_to_all_single`` collectives per batch,
 whatever $B$; the payload is sent as bytes, so every dtype travels exactly.
@@ -76,12 +77,27 @@ $n\times n$ solves on every rank. No matrix of a GPT block has $m > 3wn$ at $w \
 :class:`geomuon.optimizers.polar.RowNormM`) act on each row alone: a row shard is
 mapped where it lives, with no communication, when the apply is elementwise.
 
+**A failure on an owner** (an exception in its step 3: out of memory, a linalg error) would
+leave the other ranks in the all-to-all back until the process group's timeout (30 min on
+gloo, 10 on NCCL by default). The owner catches it and still sends step 4: no update for an
+elementwise apply (weight decay still applies), the weights the step started from for a
+whole-matrix one, and a one-byte failure flag per matrix. The step goes on for every other
+matrix. The flags reach the host with no read of their own: with the read of the next
+sharded group's finiteness check on the same mesh (in this step, or the next one) or with
+:meth:`~geomuon.optimizers.base.MatrixOptimizer.check_finite`, where every rank raises
+``RuntimeError`` naming the parameters (the owner's with its exception as the cause). The
+failed matrices' momentum has moved and the owner's whole-matrix state may be part-written:
+end the run or reload a checkpoint. A failure outside step 3 (before the all-to-all out)
+is not caught.
+
 Counts are kept in :class:`ShardingStats` (``optimizer.sharding_stats``): bytes this
 rank sent and received, collectives, and the whole matrices this rank mapped (a
 row-wise map on a shard of $r$ of $m$ rows counts $r/m$).
 
 Placements: a 1-D device mesh with ``Shard(0)`` (FSDP2's default) is supported; other
-placements raise ``ValueError`` naming the parameter. Within a batch every parameter has
+placements, a group mixing ``DTensor`` and plain tensors, and a group on several meshes
+raise ``ValueError`` naming the parameter before the step starts, on every rank
+(:func:`check_group`). Within a batch every parameter has
 the same shape, so the same row split; the result on the owner is bit-for-bit the
 single-process map of the same momentum up to the batch composition of the kernels.
 """
@@ -91,6 +107,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +115,7 @@ import torch.distributed as dist
 
 
 __all__ = ["ShardingStats", "is_sharded", "whole", "write_whole", "local_rows", "as_shard", "shard_rows",
-           "sharded_matrix_step", "sharding_stats", "matrix_owner"]
+           "sharded_matrix_step", "sharding_stats", "matrix_owner", "check_group", "read_failures"]
 
 
 
@@ -134,8 +151,10 @@ def sharding_stats(optimizer) -> ShardingStats:
 
 def matrix_owner(optimizer, p: torch.Tensor) -> int | None:
     """The rank that mapped ``p``'s whole matrix in its last sharded step, so holds its
-    whole-matrix state (warm starts, step counts, regulator state); ``None`` before any
-    (or for a row-wise map, whose state is all shards)."""
+    whole-matrix state (warm starts, step counts, regulator state): its rank **on
+    ``p.device_mesh``** (compare it with ``p.device_mesh.get_local_rank()``, which differs
+    from the global rank on a sub-mesh); ``None`` before any (or for a row-wise map, whose
+    state is all shards)."""
     return optimizer.__dict__.get("_matrix_owners", {}).get(id(p))
 
 
@@ -160,7 +179,7 @@ def write_whole(p: torch.Tensor, value: torch.Tensor) -> None:
 
 def local_rows(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the full tensor ``value``, split like the ``DTensor`` ``like``."""
-    rows, rank = _layout(like, "local_rows")
+    rows, rank = _layout(like, "local_rows: a parameter")
     start = sum(rows[:rank])
     return value[start:start + rows[rank]]
 
@@ -177,23 +196,69 @@ def shard_rows(size: int, world: int) -> list[int]:
     return [max(0, min(chunk, size - r * chunk)) for r in range(world)]
 
 
-def _layout(p: torch.Tensor, where: str) -> tuple[list[int], int]:
-    """(rows per rank, this rank's index) of a ``Shard(0)`` DTensor on a 1-D mesh."""
+def _layout(p: torch.Tensor, what, world_rank: tuple[int, int] | None = None) -> tuple[list[int], int]:
+    """(rows per rank, this rank's index) of a ``Shard(0)`` DTensor on a 1-D mesh;
+    ``ValueError`` for any other layout, its message starting with ``what`` (the parameter:
+    a string, or a function making it, called for a message only). ``world_rank``: the
+    mesh's (size, this rank's index) when known: :func:`check_group` runs this on every
+    parameter at every step, and asking the mesh each time had made it 1.6x slower."""
     mesh = p.device_mesh
-    if mesh.ndim != 1 or tuple(p.placements) != (_dtensor_module().Shard(0),):
+    if mesh.ndim != 1 or p.placements != (_dtensor_module().Shard(0),):
+        what = what() if callable(what) else what
         raise ValueError(
-            f"{where}: a parameter of shape {tuple(p.shape)} is placed {tuple(p.placements)} on a "
-            f"{mesh.ndim}-D mesh; the sharded matrix step supports FSDP2's Shard(0) on a 1-D mesh "
-            "(fully_shard without shard_placement_fn, no HSDP/TP)"
+            f"{what} of shape {tuple(p.shape)} is placed {tuple(p.placements)} on a {mesh.ndim}-D mesh; the "
+            "sharded matrix step supports FSDP2's Shard(0) on a 1-D mesh: shard it with fully_shard's default "
+            "placement (no shard_placement_fn, no HSDP/TP)"
         )
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world, rank = world_rank or (mesh.size(), mesh.get_local_rank())
     rows = shard_rows(p.shape[0], world)
     if p.to_local().shape[0] != rows[rank]:
+        what = what() if callable(what) else what
         raise ValueError(
-            f"{where}: rank {rank} holds {p.to_local().shape[0]} rows of a parameter of shape "
-            f"{tuple(p.shape)}; the torch.chunk split over {world} ranks gives {rows[rank]}"
+            f"{what} of shape {tuple(p.shape)}: rank {rank} holds {p.to_local().shape[0]} of its rows, the "
+            f"torch.chunk split over {world} ranks gives {rows[rank]} (FSDP2's split: shard it with fully_shard)"
         )
     return rows, rank
+
+
+def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], positions: dict[int, int]) -> None:
+    """Refuse, with a ``ValueError`` naming the parameter, the parameters ``params`` of param
+    group ``index`` (``positions``: ``{id(p): position in the group}``) that its step could not
+    take: a group mixing ``DTensor`` and plain tensors, sharded parameters on different device
+    meshes, and, where the step needs whole matrices (a matrix group, a regulated AdamW group),
+    any layout but FSDP2's ``Shard(0)`` rows on a 1-D mesh. :meth:`MatrixOptimizer.step` calls it
+    for every group before any work or collective: these are host-side facts that are the
+    same on every rank (placements, meshes), so every rank refuses together, where a torch
+    error inside a collective step would leave the other ranks waiting. One exception is
+    rank-local: a shard whose row count is not the ``torch.chunk`` split (only a hand-made
+    ``DTensor.from_local(..., run_check=False)`` has one) is refused on its own rank only."""
+    sharded = [is_sharded(p) for p in params]
+    if not any(sharded):
+        return
+    where = f"{type(optimizer).__name__} param group {index}"
+
+    def name(p):
+        return f"parameter {optimizer._name(group, positions[id(p)], index)}"
+
+    if not all(sharded):
+        plain, dtensor = params[sharded.index(False)], params[sharded.index(True)]
+        raise ValueError(
+            f"{where}: {name(dtensor)} is a DTensor (FSDP2-sharded) and {name(plain)} a plain tensor; a param "
+            "group's parameters are all sharded or none: build the optimizer after fully_shard has sharded every "
+            "module it steps, or put the plain ones in a param group of their own")
+    mesh = params[0].device_mesh
+    for p in params[1:]:
+        if p.device_mesh != mesh:
+            raise ValueError(
+                f"{where}: {name(p)} is on the device mesh of ranks {p.device_mesh.mesh.tolist()}, "
+                f"{name(params[0])} on that of ranks {mesh.mesh.tolist()}; a param group's sharded parameters "
+                "share one mesh (their step is collective on it): put the parameters of each mesh in a param "
+                "group of their own")
+    if group["update"] != "adamw" or optimizer._group_regulator(group, index) is not None:
+        world_rank = None  # the mesh's, asked once: every parameter is on it
+        for p in params:
+            rows, rank = _layout(p, lambda: f"{where}: {name(p)}", world_rank)  # called at once, in the loop
+            world_rank = (len(rows), rank)
 
 
 def _all_to_all(outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[tuple, torch.dtype]]],
@@ -250,16 +315,14 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     """One step of a same-shape batch of ``DTensor`` parameters (the module's recipe).
 
     Momentum in the parameters' dtype on the shards; the whole-matrix work in the
-    optimizer's own kernels (their dtypes) on the owner ranks; bytes moved exactly.
+    optimizer's own kernels (their dtypes) on the owner ranks; bytes moved exactly. The
+    batch has passed :func:`check_group` (one mesh, ``Shard(0)`` rows). An exception in an
+    owner's work is raised later, on every rank (the module docstring's *failure on an owner*).
     """
     from .base import MatrixOptimizer
 
     index = optimizer._group_index(group)
-    where = f"{type(optimizer).__name__} param group {index}"
-    rows, rank = _layout(params[0], where)
-    for p in params[1:]:
-        if p.device_mesh != params[0].device_mesh:
-            raise ValueError(f"{where}: same-shape parameters on different device meshes")
+    rows, rank = _layout(params[0], f"{type(optimizer).__name__} param group {index}: a parameter")
     stats = sharding_stats(optimizer)
     world = len(rows)
     momentum = group["momentum"]
@@ -325,31 +388,52 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     for i in mine:
         pieces.append([[received[s][offset + f] for s in range(world)] for f in range(len(fields[i]))])
         offset += len(fields[i])
-    # 3. the owner's whole-matrix work
+    # 3. the owner's whole-matrix work. An exception here (out of memory, a linalg error: an
+    # owner's alone) must not leave the other ranks in the collective below until the process
+    # group's timeout: the owner still takes part in it, returning its matrices unchanged
+    # with a failure flag, and every rank raises at the next read of the flags
     results: list[torch.Tensor] = []
+    error = None
+    back_dtype = dtype if elementwise else params[0].dtype
     if mine:
         owned = [params[i] for i in mine]
         stats.direction_calls += 1
         stats.matrices_mapped += len(mine)
-        if elementwise:
-            stack = torch.stack([torch.cat(fs[0]).reshape(shape) for fs in pieces])
-            update = optimizer._direction(group, stack, owned)
-            results = [u.reshape(p.shape) for u, p in zip(update, owned)]
-        else:
-            results = _owner_step(optimizer, group, owned, pieces, replicas, rows, dtype, shape, regulator, lr, stats)
-    # 4. back: the owner's rows for every rank. Updates travel in the stack's dtype, new
-    # weights in the parameters': every rank, owner or not, knows what comes back without
-    # another message
-    back_dtype = dtype if elementwise else params[0].dtype
+        try:
+            if elementwise:
+                stack = torch.stack([torch.cat(fs[0]).reshape(shape) for fs in pieces])
+                update = optimizer._direction(group, stack, owned)
+                results = [u.reshape(p.shape) for u, p in zip(update, owned)]
+            else:
+                results = _owner_step(optimizer, group, owned, pieces, replicas, rows, dtype, shape, regulator,
+                                      lr, stats)
+        except Exception as err:  # any error: raised on every rank by read_failures, this one its cause
+            # the frames' locals (the stacks that ran out of memory, say) are freed now, not when
+            # the error is raised; the traceback still says where it happened
+            traceback.clear_frames(err.__traceback__)
+            error = err
+            # no update, or the weights the step started from (what the ranks sent)
+            results = ([torch.zeros(p.shape, dtype=back_dtype, device=p.device) for p in owned] if elementwise
+                       else [_received_weights(p, fs, replicas, rows) for p, fs in zip(owned, pieces)])
+    # 4. back: the owner's rows for every rank, and its failure flag (one byte per matrix).
+    # Updates travel in the stack's dtype, new weights in the parameters': every rank, owner
+    # or not, knows what comes back without another message
     results = [r.to(back_dtype) for r in results]
+    flags = torch.full((len(mine),), error is not None, dtype=torch.uint8, device=params[0].device)
     starts = [sum(rows[:r]) for r in range(world)]
-    outgoing = [[r[starts[d]:starts[d] + rows[d]] for r in results] for d in range(world)]
-    incoming = [[((rows[rank], *tail), back_dtype) for i in range(len(params)) if owner[i] == s] for s in range(world)]
+    outgoing = [[*(r[starts[d]:starts[d] + rows[d]] for r in results), flags] for d in range(world)]
+    by_owner = [[i for i in range(len(params)) if owner[i] == s] for s in range(world)]
+    incoming = [[*(((rows[rank], *tail), back_dtype) for _ in ids), ((len(ids),), torch.uint8)] for ids in by_owner]
     back = _all_to_all(outgoing, incoming, group_handle, rank, stats, params[0].device)
     local = [None] * len(params)
     for s in range(world):
-        for piece, i in zip(back[s], [i for i in range(len(params)) if owner[i] == s]):
+        for piece, i in zip(back[s], by_owner[s]):
             local[i] = piece
+    # every rank holds every owner's flags now; they reach the host with the next read the
+    # step makes anyway (no host synchronisation here)
+    optimizer.__dict__.setdefault("_failures", []).append(_Failure(
+        index, [params[i] for ids in by_owner for i in ids], [s for s, ids in enumerate(by_owner) for _ in ids],
+        params[0].device_mesh, torch.cat([b[-1] for b in back]), error))
     if elementwise:
         _apply_shards(optimizer, group, params, local, lr)
         return
@@ -357,6 +441,74 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
     for i, (p, w) in enumerate(zip(params, local)):
         p.to_local().copy_(w)
         replicas[id(p)] = _Replica(owner[i], optimizer.state[p], w, full.get(i))
+
+
+@dataclass
+class _Failure:
+    """The failure flags of one sharded batch step, read on the host later (:func:`read_failures`)."""
+
+    #: the param group's index
+    group: int
+    #: the batch's parameters, in the order of ``flags``
+    params: list
+    #: their owners (ranks on ``mesh``)
+    owners: list[int]
+    mesh: object
+    #: ``[B]`` uint8 on the device: 1 where the owner's work raised
+    flags: torch.Tensor
+    #: the exception, on the owner that raised it (``None`` elsewhere)
+    error: BaseException | None
+
+
+def read_failures(optimizer, values: torch.Tensor | None = None, mesh=None) -> list:
+    """``values.tolist()`` (a host read the caller makes anyway; ``None``: nothing but the
+    flags), with the failure flags of the sharded steps on ``mesh`` (every mesh: ``None``)
+    not read yet carried in the same transfer; raises ``RuntimeError`` naming the
+    parameters whose owner's work failed.
+
+    Every rank of a mesh holds the same flags (each owner sent its own to every rank), so
+    every rank raises here, at the same point, with no collective."""
+    pending = optimizer.__dict__.get("_failures", [])
+    read = [f for f in pending if mesh is None or f.mesh == mesh]
+    if not read:
+        return [] if values is None else values.tolist()
+    pending[:] = [f for f in pending if not (mesh is None or f.mesh == mesh)]
+    if values is None:
+        values = torch.empty(0, dtype=torch.uint8, device=read[0].flags.device)
+    host = torch.cat([values.reshape(-1), *(f.flags.to(values.device, values.dtype) for f in read)]).tolist()
+    flags, start = host[values.numel():], 0
+    failed, errors = [], []
+    for f in read:
+        for p, o, flag in zip(f.params, f.owners, flags[start:start + len(f.params)]):
+            if flag:
+                group = optimizer.param_groups[f.group]
+                position = next(i for i, q in enumerate(group["params"]) if q is p)
+                failed.append(f"{optimizer._name(group, position, f.group)} (group {f.group}, owner rank {o})")
+                if f.error is not None and not any(e is f.error for e in errors):
+                    errors.append(f.error)
+        start += len(f.params)
+    if failed:
+        cause = errors[0] if errors else None
+        raise RuntimeError(
+            f"{type(optimizer).__name__}: the sharded step of parameter(s) {', '.join(failed)} failed on the "
+            f"owner rank ({f'here: {type(cause).__name__}: {cause}' if cause else 'see that rank for the error'}). "
+            "Every rank raises this at the next read of the step's flags; the step went on for the other "
+            "matrices, and these got no update (a whole-matrix step left their weights as they were; an "
+            "elementwise one still applied weight decay) but their momentum was updated: end the run, or "
+            "reload a checkpoint (geomuon.pretrain.parallel.load_distributed)") from cause
+    return host[:values.numel()]
+
+
+def _received_weights(p: torch.Tensor, fs: list, replicas: dict, rows: list[int]) -> torch.Tensor:
+    """The whole weights an owner's step of ``p`` starts from: the weight rows every rank sent
+    (``fs[1]``, no replica held), or the replica with the rows a flag in ``fs[1]`` marks as
+    written outside the optimizer taken from ``fs[0]``."""
+    if fs[1][0].dtype != torch.uint8:  # no replica: the weights came
+        return torch.cat(fs[1])
+    kept = replicas[id(p)].full
+    starts = [sum(rows[:r]) for r in range(len(rows))]
+    return torch.cat([torch.where(f.bool().reshape(()), x.to(p.dtype), kept[a:a + r])
+                      for f, x, a, r in zip(fs[1], fs[0], starts, rows)])
 
 
 @dataclass
@@ -383,19 +535,14 @@ def _owner_step(optimizer, group: dict, owned: list[torch.Tensor], pieces: list,
     """The owner's whole matrices stepped with the whole-matrix apply and the regulator: the
     new whole weights. ``pieces[j]`` holds matrix ``j``'s fields from every rank: momentum
     and weight rows, or (a replica held) momentum-or-weight rows and their flags."""
-    starts = [sum(rows[:r]) for r in range(len(rows))]
     momenta, points, stale = [], [], []
     for p, fs in zip(owned, pieces):
+        points.append(_received_weights(p, fs, replicas, rows))
         if fs[1][0].dtype != torch.uint8:  # no replica: the weights came
             momenta.append(torch.cat(fs[0]))
-            points.append(torch.cat(fs[1]))
             stale.append(None)
             continue
-        kept = replicas[id(p)].full
-        flags = [f.bool().reshape(()) for f in fs[1]]
-        points.append(torch.cat([torch.where(f, x.to(p.dtype), kept[a:a + r])
-                                 for f, x, a, r in zip(flags, fs[0], starts, rows)]))
-        stale.append(torch.stack(flags).any())
+        stale.append(torch.stack([f.bool().reshape(()) for f in fs[1]]).any())
         momenta.append(torch.where(stale[-1], 0, torch.cat(fs[0])).to(dtype))
     # a refreshed matrix keeps its weights and the whole-matrix state entries the step
     # replaces (warm starts, step counts, a regulator's power-iteration vector) exactly:

@@ -224,7 +224,9 @@ def _holds(optimizer, p, value, owned) -> bool:
     if is_sharded(value) or not is_sharded(p):
         return True
     owner = matrix_owner(optimizer, p)
-    return owner is None or owner == dist.get_rank()
+    # the owner is a rank on p's mesh: on a sub-mesh (the dp dimension of a larger mesh) the
+    # global rank differs, and comparing with it had saved no whole-matrix state at all
+    return owner is None or owner == p.device_mesh.get_local_rank()
 
 
 def save_distributed(folder: str, model, assignment, record: dict, owned=None) -> None:

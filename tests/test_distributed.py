@@ -340,7 +340,8 @@ def expected_bytes(name: str, world: int) -> tuple[int, int]:
     batch starts at its first matrix's position); all but the owner's rows of each field
     travel. Elementwise apply: momentum out and update back, in the stack dtype; whole-matrix
     apply: momentum and weights out and weights back, then the momentum in the wider of the
-    two dtypes (+ a flag byte per rank) out and the weights back; row-wise maps: nothing."""
+    two dtypes (+ a flag byte per rank) out and the weights back; both: the owner's failure
+    flag byte back to every other rank; row-wise maps: nothing."""
     from geomuon.optimizers.base import MatrixOptimizer
     from geomuon.optimizers.distributed import shard_rows
 
@@ -353,12 +354,13 @@ def expected_bytes(name: str, world: int) -> tuple[int, int]:
     first = steady = 0
     for position, (m, n) in enumerate(TOWER_SHAPES):
         moved = (m - shard_rows(m, world)[position % world]) * n  # entries of the others' rows
+        failure_flags = world - 1
         if whole_matrix:
-            first += moved * (stack + 8 + 8)
-            steady += moved * (max(stack, 8) + 8) + (world - 1)
+            first += moved * (stack + 8 + 8) + failure_flags
+            steady += moved * (max(stack, 8) + 8) + (world - 1) + failure_flags
         else:
-            first += 2 * moved * stack
-            steady += 2 * moved * stack
+            first += 2 * moved * stack + failure_flags
+            steady += 2 * moved * stack + failure_flags
     return first, steady
 
 

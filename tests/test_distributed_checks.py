@@ -1,0 +1,327 @@
+"""The sharded (FSDP2 / DTensor) step refuses what it cannot take, on every rank and before
+any collective, and never leaves a rank waiting: 2 gloo processes, tiny float64 matrices.
+
+One spawn runs every case (``worker``) and saves, per rank, what each case returned or
+raised; the tests read it. Run as a script (``python tests/test_distributed_checks.py OUT``)
+it is the worker. The process group's timeout is short (``PG_TIMEOUT``), so a rank left in
+a collective shows up as a timeout error in the results, not as a hung test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from geomuon.optimizers import ManifoldMuon, Muon
+
+PG_TIMEOUT = 30  # seconds; a case that waits for it has failed
+SHAPE = (6, 4)  # 3 rows per rank
+
+
+def _points(count: int = 2, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.linalg.qr(torch.randn(SHAPE, generator=g, dtype=torch.float64))[0] for _ in range(count)]
+
+
+def _gradients(count: int = 2, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=g, dtype=torch.float64) for _ in range(count)]
+
+
+def _outcome(call) -> dict:
+    """What ``call()`` did: ``{"ok": value}`` or ``{"error": type name, "message": text}``, and the seconds."""
+    start = time.monotonic()
+    try:
+        result = {"ok": call()}
+    except Exception as err:  # recorded for the test to judge
+        result = {"error": type(err).__name__, "message": str(err), "cause": repr(err.__cause__)}
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+def worker(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from geomuon.pretrain.parallel import save_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh("cpu", list(range(world)))
+    results: dict = {}
+
+    def save():  # after every case: a case that kills the process leaves the earlier ones
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+    def sharded(full, placement=None, on=None):
+        return torch.nn.Parameter(distribute_tensor(full.clone(), on or mesh, [placement or Shard(0)]))
+
+    def step(opt, params, gradients):
+        for p, g in zip(params, gradients):
+            p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements) if hasattr(p, "placements") \
+                else g.clone()
+        opt.step()
+
+    def whole(params):
+        return [p.detach().full_tensor() if hasattr(p, "placements") else p.detach().clone() for p in params]
+
+    # D6: groups the sharded step cannot take, refused by name before any collective
+    def refused(params, opt_class=Muon):
+        options = dict(manifold="stiefel") if opt_class is ManifoldMuon else {}
+        opt = opt_class([dict(params=params, param_names=[f"w{i}" for i in range(len(params))])], lr=0.02,
+                        compute_dtype=None, **options)
+        step(opt, params, _gradients(len(params)))
+
+    a, b = _points()
+    results["mixed_plain"] = _outcome(lambda: refused([sharded(a), torch.nn.Parameter(b.clone())]))
+    results["mixed_meshes"] = _outcome(lambda: refused([sharded(a), sharded(b, on=DeviceMesh("cpu", [1, 0]))]))
+    results["shard1_alone"] = _outcome(lambda: refused([sharded(a, Shard(1))]))
+    # D2: a same-shape batch whose second matrix is Shard(1) (its column shard has the bytes of a
+    # row shard: Muon had stepped a scrambled matrix) or Replicate (a gloo collective mismatch)
+    results["batch_shard1"] = _outcome(lambda: refused([sharded(a), sharded(b, Shard(1))]))
+    results["batch_shard1_manifold"] = _outcome(lambda: refused([sharded(a), sharded(b, Shard(1))], ManifoldMuon))
+    save()
+
+    # D3: save_distributed on a sub-mesh, where a rank's number is not its global one: global
+    # rank 1 is rank 0 of the mesh [1] (as on the dp dimension of a larger mesh); global rank 0
+    # has a model of its own. The whole-matrix state of every matrix reaches the checkpoint
+    def checkpoint():
+        sub_mesh = DeviceMesh("cpu", [1])
+        model = torch.nn.Module()
+        if rank == 1:
+            model.a, model.b = (sharded(w, on=sub_mesh) for w in _points())
+            params = [model.a, model.b]
+        else:
+            model.z = torch.nn.Parameter(_points(1)[0])
+            params = [model.z]
+        opt = ManifoldMuon([dict(params=params)], lr=0.02, manifold="stiefel", compute_dtype=None)
+        for seed in (1, 2):
+            step(opt, params, _gradients(len(params), seed=seed))
+        save_distributed(os.path.join(out_dir, "dcp-step00000002"), model,
+                         types.SimpleNamespace(optimizers={"mm": opt}), {"step": 2})
+
+    results["submesh_checkpoint"] = _outcome(checkpoint)
+    save()
+
+    # D5: optimizer.state_dict() under FSDP2 (rank 0 saves it for the test process), and a
+    # one-process state dict loaded into a sharded optimizer
+    def state_dicts():
+        params = [sharded(w) for w in _points()]
+        opt = ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                           compute_dtype=None)
+        step(opt, params, _gradients())
+        if rank == 0:
+            torch.save(opt.state_dict(), os.path.join(out_dir, "fsdp_state_dict.pt"))
+        plain = [torch.nn.Parameter(w) for w in _points()]
+        one = ManifoldMuon([dict(params=plain, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                           compute_dtype=None)
+        step(one, plain, _gradients())
+        opt.load_state_dict(one.state_dict())
+
+    results["plain_state_into_sharded"] = _outcome(state_dicts)
+    save()
+
+    # D4: the owner of matrix b (rank 1) fails in its whole-matrix work. Elementwise apply
+    # (Muon) with a sharded AdamW group after it: every rank raises at that group's check, in
+    # the same step. Whole-matrix apply (ManifoldMuon), one group: the step returns, the next
+    # one raises before any collective; a failure in a later step is raised by check_finite
+    def failing(opt, calls):
+        """Rank 1's ``_direction`` raises at its call numbers ``calls`` (1-based)."""
+        real, count = opt._direction, [0]
+
+        def direction(*args, **kwargs):
+            count[0] += 1
+            if rank == 1 and count[0] in calls:
+                raise RuntimeError("simulated failure on the owner")
+            return real(*args, **kwargs)
+
+        opt._direction = direction
+
+    def elementwise():
+        params = [sharded(w) for w in _points()]
+        vector = torch.nn.Parameter(distribute_tensor(torch.ones(6, dtype=torch.float64), mesh, [Shard(0)]))
+        # no weight decay: a failed matrix's zero update leaves it as it was
+        opt = Muon([dict(params=params, param_names=["a", "b"]),
+                    dict(params=[vector], param_names=["v"], update="adamw", lr=0.01)], lr=0.02, weight_decay=0,
+                   compute_dtype=None)
+        failing(opt, {1})
+        before = whole(params + [vector])
+        vector.grad = distribute_tensor(torch.ones(6, dtype=torch.float64), mesh, [Shard(0)])
+        out = {"failed_step": _outcome(lambda: step(opt, params, _gradients())), "before": before,
+               "after_failure": whole(params + [vector])}
+        vector.grad = distribute_tensor(torch.ones(6, dtype=torch.float64), mesh, [Shard(0)])
+        out["next_step"] = _outcome(lambda: step(opt, params, _gradients(seed=2)))
+        return out
+
+    results["owner_fails_elementwise"] = _outcome(elementwise)
+    save()
+
+    def whole_matrix():
+        params = [sharded(w) for w in _points()]
+        opt = ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                           compute_dtype=None)
+        failing(opt, {1, 3})  # steps 1 and 4 (step 2 raises before the owner's work)
+        before = whole(params)
+        out = {"failed_step": _outcome(lambda: step(opt, params, _gradients())), "before": before,
+               "after_failure": whole(params)}
+        out["raising_step"] = _outcome(lambda: step(opt, params, _gradients(seed=2)))
+        out["after_raise"] = whole(params)
+        out["good_step"] = _outcome(lambda: step(opt, params, _gradients(seed=3)))
+        out["failed_last_step"] = _outcome(lambda: step(opt, params, _gradients(seed=4)))
+        out["check_finite"] = _outcome(opt.check_finite)
+        out["check_finite_again"] = _outcome(opt.check_finite)
+        return out
+
+    results["owner_fails_whole_matrix"] = _outcome(whole_matrix)
+    save()
+
+    # D2 with Replicate last: before the fix it broke the process group (a gloo mismatch)
+    results["batch_replicate"] = _outcome(lambda: refused([sharded(a), sharded(b, Replicate())]))
+    save()
+    try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # the results are saved; a broken group is the tests' to report
+        pass
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
+    # no interpreter teardown: a gloo thread can abort a rank at exit (see tests/test_distributed.py)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each rank's results and the worker's folder."""
+    out = tmp_path_factory.mktemp("distributed_checks")
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    ranks = []
+    for r, output in enumerate(outputs):
+        path = out / f"rank{r}.pt"
+        assert path.exists(), output
+        ranks.append(torch.load(path))
+    return ranks, out
+
+
+def _refused_by_name(ranks, case: str, *words: str) -> None:
+    for r, results in enumerate(ranks):
+        outcome = results[case]
+        assert outcome.get("error") == "ValueError", (r, case, outcome)
+        for word in words:
+            assert word in outcome["message"], (r, case, word, outcome["message"])
+        assert outcome["seconds"] < PG_TIMEOUT / 2, (r, case, outcome)
+
+
+def test_a_group_mixing_sharded_and_plain_or_meshes_is_refused_by_name(runs):
+    # had been torch's "got mixed torch.Tensor and DTensor" and "must have the same mesh"
+    ranks, _ = runs
+    _refused_by_name(ranks, "mixed_plain", "'w0' is a DTensor", "'w1' a plain tensor", "param group of their own")
+    _refused_by_name(ranks, "mixed_meshes", "'w1' is on the device mesh of ranks [1, 0]", "param group of their own")
+    # had named the group and the shape only
+    _refused_by_name(ranks, "shard1_alone", "parameter 'w0'", "Shard(dim=1)", "Shard(0)")
+
+
+def test_a_batch_mixing_placements_is_refused_by_name(runs):
+    # Muon had stepped the Shard(1) matrix silently wrong (1.4e-2 off the one-process step),
+    # ManifoldMuon raised an unnamed shape error on the owner only, Replicate a gloo mismatch
+    ranks, _ = runs
+    for case in ("batch_shard1", "batch_shard1_manifold"):
+        _refused_by_name(ranks, case, "parameter 'w1'", "Shard(dim=1)", "fully_shard")
+    _refused_by_name(ranks, "batch_replicate", "parameter 'w1'", "Replicate()", "fully_shard")
+
+
+def test_a_checkpoint_on_a_sub_mesh_keeps_the_whole_matrix_state(runs):
+    # the owner (a rank on the mesh) had been compared with the global rank: no warm start
+    # and no step count of either matrix reached the checkpoint
+    from geomuon.pretrain.parallel import read_distributed
+
+    ranks, out = runs
+    assert all("ok" in r["submesh_checkpoint"] for r in ranks), [r["submesh_checkpoint"] for r in ranks]
+    saved = read_distributed(str(out / "dcp-step00000002"), prefix="optimizer/mm/")
+    for name in ("a", "b"):
+        assert {f"{name}/momentum_buffer", f"{name}/dual_correction", f"{name}/step"} <= set(saved), sorted(saved)
+        assert float(saved[f"{name}/step"]) == 2
+
+
+def test_a_sharded_state_dict_is_refused_by_a_plain_optimizer_and_back(runs):
+    # under FSDP2 state_dict() is one rank's view; it had loaded into plain parameters and the
+    # next step failed in torch ("got mixed torch.Tensor and DTensor")
+    import torch.distributed.tensor  # torch.load needs it to read DTensors
+
+    ranks, out = runs
+    state = torch.load(out / "fsdp_state_dict.pt", weights_only=False)
+    params = [torch.nn.Parameter(w) for w in _points()]
+    opt = ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                       compute_dtype=None)
+    with pytest.raises(ValueError, match=r"'momentum_buffer' of parameter 'a' is a DTensor shard.*load_distributed"):
+        opt.load_state_dict(state)
+    assert not opt.state  # nothing loaded
+    # a one-process state dict into the sharded optimizer (its step had failed in to_local)
+    _refused_by_name(ranks, "plain_state_into_sharded", "'momentum_buffer' of parameter 'a' is a plain tensor",
+                     "load_distributed")
+
+
+def _step_of_one_process(opt_class, points, gradients, **options):
+    params = [torch.nn.Parameter(w.clone()) for w in points]
+    opt = opt_class(params, lr=0.02, compute_dtype=None, **options)
+    for p, g in zip(params, gradients):
+        p.grad = g.clone()
+    opt.step()
+    return [p.detach() for p in params]
+
+
+def test_an_owner_that_fails_leaves_no_rank_waiting_and_every_rank_raises(runs):
+    # the owner had raised alone, between the two all-to-alls: the other ranks waited in the
+    # second one until the process group's timeout (30 min with torch's gloo default)
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        # elementwise apply: raised in the same step, at the sharded AdamW group's check
+        assert "ok" in results["owner_fails_elementwise"], (r, results["owner_fails_elementwise"])
+        run = results["owner_fails_elementwise"]["ok"]
+        failed = run["failed_step"]
+        assert failed.get("error") == "RuntimeError", (r, failed)
+        assert "'b' (group 0, owner rank 1)" in failed["message"] and "load_distributed" in failed["message"]
+        assert failed["seconds"] < PG_TIMEOUT / 2, (r, failed)
+        assert ("simulated failure on the owner" in failed["message"]) == (r == 1), (r, failed["message"])
+        a, b, v = run["after_failure"]
+        assert torch.equal(a, _step_of_one_process(Muon, _points(), _gradients(), weight_decay=0)[0])  # a stepped
+        assert torch.equal(b, run["before"][1]) and torch.equal(v, run["before"][2])  # b no update, v not reached
+        assert "ok" in run["next_step"], (r, run["next_step"])  # the ranks' collectives still match
+
+        # whole-matrix apply, one group: the step returns, the next step raises before it starts
+        assert "ok" in results["owner_fails_whole_matrix"], (r, results["owner_fails_whole_matrix"])
+        run = results["owner_fails_whole_matrix"]["ok"]
+        assert "ok" in run["failed_step"], (r, run["failed_step"])
+        a, b = run["after_failure"]
+        assert torch.equal(a, _step_of_one_process(ManifoldMuon, _points(), _gradients(), manifold="stiefel")[0])
+        assert torch.equal(b, run["before"][1])  # b's weights as they were, bit for bit
+        raised = run["raising_step"]
+        assert raised.get("error") == "RuntimeError" and "'b' (group 0, owner rank 1)" in raised["message"], (r, raised)
+        assert raised["seconds"] < PG_TIMEOUT / 2, (r, raised)
+        assert all(torch.equal(x, y) for x, y in zip(run["after_raise"], run["after_failure"]))  # nothing stepped
+        assert "ok" in run["good_step"] and "ok" in run["failed_last_step"], (r, run)
+        assert run["check_finite"].get("error") == "RuntimeError" and "'b'" in run["check_finite"]["message"], (r, run)
+        assert "ok" in run["check_finite_again"], (r, run)  # reported once
+    assert "simulated failure on the owner" in ranks[1]["owner_fails_whole_matrix"]["ok"]["raising_step"]["cause"]
