@@ -30,10 +30,12 @@ import torch
 from .linalg import eigh, off_diagonal
 
 __all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
-           "series_radius", "gram_retraction"]
+           "series_radius", "gram_retraction", "SERIES_MAX_TERMS"]
 
 #: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
 _INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)
+#: The most terms :func:`inv_sqrt_near_identity` takes (the coefficients above).
+SERIES_MAX_TERMS = len(_INV_SQRT_SERIES) - 1
 
 
 def inv_sqrt_near_identity(E: torch.Tensor, terms: int = 6, *, low_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -52,8 +54,8 @@ def inv_sqrt_near_identity(E: torch.Tensor, terms: int = 6, *, low_dtype: torch.
     """
     if low_dtype is None:
         low_dtype = torch.bfloat16 if E.dtype == torch.float32 else E.dtype
-    if not 0 <= terms < len(_INV_SQRT_SERIES):
-        raise ValueError(f"inv_sqrt_near_identity: terms must be in [0, {len(_INV_SQRT_SERIES) - 1}], got {terms}")
+    if not 0 <= terms <= SERIES_MAX_TERMS:
+        raise ValueError(f"inv_sqrt_near_identity: terms must be in [0, {SERIES_MAX_TERMS}], got {terms}")
     eye = torch.eye(E.size(-1), dtype=E.dtype, device=E.device)
     if terms == 0:
         return eye.expand_as(E).clone()

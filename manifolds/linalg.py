@@ -16,6 +16,7 @@ at least float32.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -47,7 +48,10 @@ __all__ = [
     "in_one_thread_workers",
     "check_matrix",
     "fp32_or_fp64",
-    "narrow_range",
+    "narrower_range",
+    "check_real",
+    "check_count",
+    "check_compute_dtype",
     "rms_scale",
 ]
 
@@ -156,11 +160,44 @@ def fp32_or_fp64(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def narrow_range(dtype: torch.dtype) -> bool:
-    r"""Whether ``dtype``'s range is narrower than float32's: float16, whose normal numbers
-    run from $6.1\cdot10^{-5}$ to 65504, where a realistic gradient or momentum overflows
-    and a small one underflows (bfloat16 has float32's exponent range)."""
-    return torch.finfo(dtype).tiny > torch.finfo(torch.float32).tiny
+def narrower_range(dtype: torch.dtype, than: torch.dtype) -> bool:
+    r"""Whether ``dtype``'s exponent range is narrower than ``than``'s, so that a value of
+    ``than`` may overflow or underflow in it: float16 (normal numbers from $6.1\cdot10^{-5}$
+    to 65504, where a realistic gradient or momentum overflows) against float32 and
+    bfloat16, and every other dtype against float64 (up to $10^{308}$). bfloat16 has
+    float32's range."""
+    return torch.finfo(dtype).tiny > torch.finfo(than).tiny
+
+
+def check_real(where: str, name: str, value, admissible: Callable[[float], bool] = lambda x: True,
+               what: str = "a finite number") -> None:
+    """Refuse option ``name`` of ``where`` (``ValueError`` naming both and ``what`` it must
+    be) unless ``value`` is a finite real number with ``admissible(value)``; a bool or a
+    string is not one (NaN had given NaN results, ``True`` had been taken as 1)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and admissible(value)):
+        raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
+
+
+def check_count(where: str, name: str, value, least: int = 0) -> None:
+    """Refuse option ``name`` of ``where`` unless ``value`` is a whole number ``>= least``
+    (an ``int``, not a bool: ``steps=2.7`` had run 2 steps, ``True`` one)."""
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least):
+        raise ValueError(f"{where}: {name} must be a whole number >= {least}, got {value!r}")
+
+
+def check_compute_dtype(where: str, name: str, value, *, float16: bool = True) -> None:
+    """Refuse option ``name`` of ``where`` unless ``value`` is ``None`` or a real floating
+    ``torch.dtype`` (an int dtype had lost a warm start to integer products, a complex one
+    the imaginary parts); with ``float16=False`` not float16 either, for a computation on
+    unnormalized values that fp16's range (normal numbers from 6.1e-5 to 65504) cannot hold
+    (a gradient of entries 1e5 had failed inside an SVD)."""
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{where}: {name} must be a real floating torch.dtype (e.g. torch.bfloat16) or None, "
+                         f"got {value!r}")
+    if value == torch.float16 and not float16:
+        raise ValueError(f"{where}: {name}=torch.float16 cannot hold the unnormalized values computed in it (its "
+                         "range ends at 65504); use torch.bfloat16 (float32's range) or None")
 
 
 def rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
@@ -344,9 +381,11 @@ def msign(
         steps: iteration count (default: the schedule's own).
         coefficients: a custom :class:`NSSchedule`.
         compute_dtype: dtype of the matmuls (default: ``X.dtype``). One of narrower range
-            than ``X``'s (fp16 for fp32 or fp64 input: normal numbers from $6\cdot10^{-5}$ to
-            65504) receives ``X`` normalized in ``X``'s dtype, so neither a large nor a small
-            matrix leaves its range on the way in.
+            than ``X``'s (:func:`narrower_range`: fp16 for fp32 input, anything but fp64 for
+            fp64 input) receives ``X`` normalized in ``X``'s dtype, so neither a large nor a
+            small matrix leaves its range on the way in. Within one dtype the Frobenius norm
+            squares the entries: in fp32 and bf16 a matrix of norm above about $10^{19}$ comes
+            out as 0 (an optimizer counts such a gradient as non-finite and skips it).
         eps: floor of the Frobenius norm in the normalization; default
             $\sqrt{\text{tiny}}$ of the norm's dtype (the compute dtype's; fp32 for fp16,
             whose range ends at 65504), so only an (almost) exact zero is floored and
@@ -359,8 +398,13 @@ def msign(
         ``[..., m, n]`` tensor of ``X.dtype``.
     """
     check_matrix(X, "msign")
+    check_compute_dtype("msign", "compute_dtype", compute_dtype)
+    if steps is not None:
+        check_count("msign", "steps", steps)
+    if eps is not None:
+        check_real("msign", "eps", eps, lambda x: x >= 0, "a finite number >= 0 (or None)")
     out_dtype = X.dtype
-    narrowing = compute_dtype is not None and narrow_range(compute_dtype) and not narrow_range(X.dtype)
+    narrowing = compute_dtype is not None and narrower_range(compute_dtype, X.dtype)
     work = X.to(compute_dtype) if compute_dtype is not None and not narrowing else X
     if coefficients is None and method == "svd":
         # torch has no half-precision SVD; the reference runs in at least float32.
@@ -370,9 +414,7 @@ def msign(
     schedule = coefficients or _SCHEDULES.get(method)
     if schedule is None:
         raise ValueError(f"msign: unknown method {method!r}; choose one of {MSIGN_METHODS}")
-    n_steps = schedule.default_steps if steps is None else int(steps)
-    if n_steps < 0:
-        raise ValueError(f"msign: steps must be >= 0, got {steps}")
+    n_steps = schedule.default_steps if steps is None else steps
 
     shape = work.shape
     if isinstance(work, torch.Tensor) and work.numel() == 0:  # empty: reshape(-1, ...) is ambiguous
@@ -443,8 +485,8 @@ def inv_sqrt_psd(
     $Y_k \to (A/\|A\|_F)^{1/2}$ and $Z_k \to (A/\|A\|_F)^{-1/2}$, so the result is
     $Z/\sqrt{\|A\|_F}$. Convergence is quadratic once the eigenvalues of $Y_0$ are near 1 and
     linear (factor 1.5 per step) for tiny ones, so 25 steps cover eigenvalue ratios down to
-    about $10^{-8}$. Used by the one-sided polar maps on very tall or wide blocks, where
-    the Gram matrix $D^\top D$ is the small side.
+    about $10^{-8}$. (The one-sided polar maps take Polar Express on $D$ itself: through
+    the Gram matrix the condition number squares.)
 
     Args:
         A: ``[..., k, k]`` symmetric positive semi-definite.
@@ -459,6 +501,9 @@ def inv_sqrt_psd(
     check_matrix(A, "inv_sqrt_psd")
     if A.size(-1) != A.size(-2):
         raise ValueError(f"inv_sqrt_psd: expected square matrices, got {tuple(A.shape)}")
+    check_count("inv_sqrt_psd", "steps", steps)
+    if eps is not None and not isinstance(eps, torch.Tensor):
+        check_real("inv_sqrt_psd", "eps", eps, lambda x: x >= 0, "a finite number >= 0 (or None)")
     out_dtype = A.dtype
     compute = fp32_or_fp64(A.dtype)
     A = sym(A.to(compute))
@@ -531,6 +576,10 @@ def power_iteration(
         ``(sigma [...], v [..., n])`` in ``X.dtype``; computed in ``X.dtype``.
     """
     check_matrix(X, "power_iteration")
+    check_count("power_iteration", "steps", steps)
+    if v0 is not None and tuple(v0.shape[-1:]) != tuple(X.shape[-1:]):
+        raise ValueError(f"power_iteration: v0 of shape {tuple(v0.shape)} must be [..., {X.size(-1)}] (a vector per "
+                         f"matrix of X {tuple(X.shape)})")
     v = _unit(_default_start(X) if v0 is None else v0.to(X.dtype))
     for _ in range(steps):
         # X v normalized before X^T: X^T X v is of order sigma^2, whose norm overflowed in fp32
@@ -552,9 +601,10 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def spectral_norm(X: torch.Tensor) -> torch.Tensor:
-    r"""Exact $\sigma_{\max}(X)$ of each matrix (SVD-based reference), ``[...]``."""
+    r"""Exact $\sigma_{\max}(X)$ of each matrix (SVD-based reference), ``[...]`` in ``X.dtype``;
+    computed in float32 (float64 for float64 input: torch has no half-precision SVD)."""
     check_matrix(X, "spectral_norm")
-    return torch.linalg.matrix_norm(X, ord=2)
+    return torch.linalg.matrix_norm(X.to(fp32_or_fp64(X.dtype)), ord=2).to(X.dtype)
 
 
 def nuclear_norm(X: torch.Tensor, method: str = "polar_express") -> torch.Tensor:

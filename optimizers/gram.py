@@ -75,9 +75,9 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import (GramForm, exact_inverse_sqrt, gram_retraction, inv_sqrt_near_identity,
-                                            spectral_function)
-from geomuon.manifolds.linalg import POLAR_EXPRESS, eigh, msign
+from geomuon.manifolds.capabilities import (SERIES_MAX_TERMS, GramForm, exact_inverse_sqrt, gram_retraction,
+                                            inv_sqrt_near_identity, spectral_function)
+from geomuon.manifolds.linalg import POLAR_EXPRESS, check_compute_dtype, check_count, check_real, eigh, msign
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "projected_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
            "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball", "polynomial_inverse_sqrt",
@@ -157,16 +157,25 @@ class GramSettings:
     stored_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.dual_steps < 0:
-            raise ValueError(f"GramSettings: dual_steps must be >= 0, got {self.dual_steps}")
-        if self.polish_rounds < 0:
-            raise ValueError(f"GramSettings: polish_rounds must be >= 0, got {self.polish_rounds}")
-        if self.smoothing < 0:
-            raise ValueError(f"GramSettings: smoothing must be >= 0, got {self.smoothing}")
+        # every field checked here, not at the step: alpha=NaN had returned a NaN warm start,
+        # an int compute dtype lost it to integer products, 2.5 dual steps failed in range()
+        check_count("GramSettings", "dual_steps", self.dual_steps)
+        check_count("GramSettings", "polish_rounds", self.polish_rounds)
+        check_count("GramSettings", "msign_steps", self.msign_steps, 1)
+        check_count("GramSettings", "retraction_terms", self.retraction_terms)
+        if self.retraction_terms > SERIES_MAX_TERMS:
+            raise ValueError(f"GramSettings: retraction_terms must be at most {SERIES_MAX_TERMS} (the series' known "
+                             f"coefficients), got {self.retraction_terms}")
+        check_real("GramSettings", "alpha", self.alpha, lambda x: x > 0, "a finite number > 0")
+        check_real("GramSettings", "smoothing", self.smoothing, lambda x: x >= 0, "a finite number >= 0")
+        if self.shift_eps is not None:
+            check_real("GramSettings", "shift_eps", self.shift_eps, lambda x: x > 0, "a finite number > 0 (or None)")
+        if not isinstance(self.carry, bool):
+            raise ValueError(f"GramSettings: carry must be True or False, got {self.carry!r}")
+        check_compute_dtype("GramSettings", "compute_dtype", self.compute_dtype, float16=False)
+        check_compute_dtype("GramSettings", "stored_dtype", self.stored_dtype)
         if self.smoothing and self.dualizer != "eigh":
             raise ValueError("GramSettings: smoothing needs dualizer='eigh' (mu is read off Q's eigenvalues)")
-        if self.msign_steps < 1:
-            raise ValueError(f"GramSettings: msign_steps must be >= 1, got {self.msign_steps}")
         if self.dualizer not in DUALIZERS:
             raise ValueError(f"GramSettings: dualizer must be one of {DUALIZERS}, got {self.dualizer!r}")
         if self.update not in UPDATES:
@@ -601,6 +610,21 @@ def _normal_only(tangent2: torch.Tensor, normal2: torch.Tensor, shape: torch.Siz
     return tangent2 <= level * (tangent2 + normal2)
 
 
+def _check_points(W: torch.Tensor, G: torch.Tensor, where: str) -> None:
+    """The stacks a Gram step takes: tall ``[B, m, n]`` points and a momentum of their shape, in
+    one dtype, float32 or float64 (a wide stack had come back with entries of 1e18, 2-D or
+    bf16 input failed inside torch). A wide point's geometry is its transpose's: pass
+    ``W.mT``, ``G.mT`` (ManifoldMuon does, for a manifold that ``transposes_wide``)."""
+    if W.dim() != 3 or W.shape != G.shape:
+        raise ValueError(f"{where}: W {tuple(W.shape)} and G {tuple(G.shape)} must be stacks [B, m, n] of one shape")
+    if W.size(-2) < W.size(-1):
+        raise ValueError(f"{where}: W {tuple(W.shape)} is wide; the Gram form is stated for tall points: pass the "
+                         "transposes W.mT, G.mT (and transpose the result back)")
+    if W.dtype != G.dtype or W.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{where}: W ({W.dtype}) and G ({G.dtype}) must share float32 or float64 (the retraction's "
+                         "dtype; settings.compute_dtype sets the products that only choose the direction)")
+
+
 def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torch.Tensor,
               correction: torch.Tensor | None = None, settings: GramSettings = GramSettings(),
               shrink: float | torch.Tensor = 1.0) -> GramStep:
@@ -624,6 +648,7 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     """
     if settings.solver == "projected":
         return projected_step(form, W, G, lr, settings, shrink)
+    _check_points(W, G, "gram_step")
     low = settings.compute_dtype or W.dtype
     mulD = _PointGram(form, W, shrink, settings.stored_dtype)
     D = mulD.D
@@ -728,6 +753,7 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     Gram matrices of $W$, $G$ and the direction, so the step keeps the manifold's
     equivariance (up to round-off).
     """
+    _check_points(W, G, "projected_step")
     low = settings.compute_dtype or W.dtype
     # projections at W itself (cW has the same normal space)
     D = _PointGram(form, W, 1.0, settings.stored_dtype).D

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import check_matrix, fp32_or_fp64, largest_entry, msign
+from geomuon.manifolds.linalg import check_matrix, check_real, fp32_or_fp64, largest_entry, msign
 
 __all__ = [
     "UpdateMap",
@@ -39,8 +39,14 @@ UpdateMap = Callable[..., torch.Tensor]
 ROW_EPS = 1e-8
 
 
-def _check(D: torch.Tensor, what: str) -> None:
+def _check(D: torch.Tensor, what: str, *, eps=None, alpha=None) -> None:
+    """``D`` a floating matrix (stack); ``eps`` (a floor) finite and >= 0 and ``alpha`` finite
+    where given (NaN had given NaN updates, a negative floor divided by about 0)."""
     check_matrix(D, what, "vectors (biases, gains) have no matrix update — send them to the AdamW path")
+    if eps is not None:
+        check_real(what, "eps", eps, lambda x: x >= 0, "a finite number >= 0")
+    if alpha is not None:
+        check_real(what, "alpha", alpha)
 
 
 def spectral(
@@ -88,7 +94,7 @@ def row_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
     Returns:
         ``[..., m, n]`` in ``D.dtype``, computed in ``D.dtype``.
     """
-    _check(D, "row_norm")
+    _check(D, "row_norm", eps=eps)
     return _normalized(D, -1, eps)
 
 
@@ -106,7 +112,7 @@ def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
     Returns:
         ``[..., m, n]`` in ``D.dtype``, computed in ``D.dtype``.
     """
-    _check(D, "col_norm")
+    _check(D, "col_norm", eps=eps)
     return _normalized(D, -2, eps)
 
 
@@ -133,11 +139,11 @@ def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.
     # fp32 was 13 % off the polar factor at cond(D) = 100 (0.5 % at 10); Polar Express on D,
     # 2e-6 (fp32, 384 x 384). msign's rank threshold sends a null space to 0, as the pseudo-
     # inverse root does.
-    polar = msign(X, "polar_express", eps=None if eps is None else eps / s)
+    polar = msign(X, "polar_express")
     # nu = <D, msign(D)> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product.
     nuclear = s * (X * polar).sum(dim=(-2, -1), keepdim=True)
     out = polar * nuclear.clamp_min(0).pow(alpha) if alpha != 0 else polar
-    nonzero = X.norm(dim=(-2, -1), keepdim=True) > 0
+    nonzero = s * X.norm(dim=(-2, -1), keepdim=True) > (eps or 0.0)
     return torch.where(nonzero, out, torch.zeros_like(out)).to(D.dtype)
 
 
@@ -157,13 +163,12 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
     Args:
         D: ``[..., m, n]``.
         alpha: exponent of the nuclear-norm scale.
-        eps: floor of $\|D\|_F$ in msign's normalization (default: msign's,
-            $\sqrt{\text{tiny}}$ of the dtype); a zero $D$ gives zero.
+        eps: a matrix with $\|D\|_F \le$ ``eps`` gives zero (default: only the zero matrix).
 
     Returns:
         ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
     """
-    _check(D, "right_polar")
+    _check(D, "right_polar", eps=eps, alpha=alpha)
     return _polar_scaled(D, alpha=alpha, eps=eps)
 
 
@@ -183,7 +188,7 @@ def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None)
     Returns:
         ``[..., m, n]`` in ``D.dtype``; computed in float32 (float64 for float64 input).
     """
-    _check(D, "left_polar")
+    _check(D, "left_polar", eps=eps, alpha=alpha)
     return _polar_scaled(D, alpha=alpha, eps=eps)
 
 
@@ -215,7 +220,7 @@ def hybrid(
     Returns:
         ``[..., m, n]`` in ``D.dtype``; matmuls in ``compute_dtype`` (default ``D.dtype``).
     """
-    _check(D, "hybrid")
+    _check(D, "hybrid", eps=eps, alpha=alpha)
     R = row_norm(D, eps=eps)
     Q = msign(R, method=method, steps=steps, compute_dtype=compute_dtype)
     if alpha == 0:

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, narrow_range
+from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, narrower_range
 
 from .base import MatrixOptimizer, require_number
 
@@ -124,10 +124,10 @@ class Muon(MatrixOptimizer):
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
 
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
-        # fp16 for wider weights: the momentum stays in their dtype, and msign narrows it
-        # after the normalization (the momentum itself may leave fp16's range)
+        # a narrower range than the weights' (fp16 for fp32): the momentum stays in their dtype,
+        # and msign narrows it after the normalization (the momentum itself may leave the range)
         compute = group["compute_dtype"]
-        return p.dtype if compute is None or narrow_range(compute) and not narrow_range(p.dtype) else compute
+        return p.dtype if compute is None or narrower_range(compute, p.dtype) else compute
 
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
                    keep: torch.Tensor | None = None) -> torch.Tensor:

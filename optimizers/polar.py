@@ -40,7 +40,7 @@ class _MapOptimizer(MatrixOptimizer):
         alpha: exponent of the nuclear-norm scale of the polar maps (default 1, the
             reference; 0 gives the unit-scale direction). Ignored by RowNormM.
         centered: use the centered map (default ``False``).
-        eps: the map's epsilon (row-norm floor, or the polar maps' floor of $\|M\|_F$;
+        eps: the map's epsilon (row-norm floor, or the polar maps' zero threshold on $\|M\|_F$;
             ``None``: the map's default).
         compute_dtype: dtype the map computes in (default: the parameter's); ``torch.float16``
             is refused (see :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).

@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import msign
+from geomuon.manifolds.linalg import MSIGN_METHODS, check_compute_dtype, check_count, check_real, msign
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -124,8 +124,9 @@ NORMS: dict[str, Norm] = {
     ),
     "hybrid": Norm(
         "hybrid",
-        lambda X, s: hybrid(
-            X, alpha=0.0, method=s.msign_method, steps=s.msign_steps, compute_dtype=s.compute_dtype
+        lambda X, s: hybrid(  # the exact floor: ROW_EPS = 1e-8 had moved the direction at G * 1e-5
+            X, alpha=0.0, eps=_exact_floor(X), method=s.msign_method, steps=s.msign_steps,
+            compute_dtype=s.compute_dtype,
         ),
         _spectral_value,
         _nuclear,
@@ -179,12 +180,25 @@ class SolverSettings:
     compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        # every field checked here, not at the step: 2.5 steps had failed inside range(), a
+        # negative alpha ascended the dual, NaN reached an SVD
         if self.init not in ("projection", "reference", "zero"):
             raise ValueError(f"SolverSettings: unknown init {self.init!r}; choose 'projection', 'reference' or 'zero'")
         if self.certify not in (None, "fast", "exact"):
             raise ValueError(f"SolverSettings: certify must be None, 'fast' or 'exact', got {self.certify!r}")
-        if self.steps < 0:
-            raise ValueError(f"SolverSettings: steps must be >= 0, got {self.steps}")
+        check_count("SolverSettings", "steps", self.steps)
+        check_real("SolverSettings", "alpha", self.alpha, lambda x: x > 0, "a finite number > 0")
+        check_real("SolverSettings", "tol", self.tol, lambda x: x >= 0, "a finite number >= 0")
+        for flag in ("decay", "precondition", "track_best", "safeguard"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"SolverSettings: {flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.exact_norm is not None and not isinstance(self.exact_norm, bool):
+            raise ValueError(f"SolverSettings: exact_norm must be True, False or None, got {self.exact_norm!r}")
+        if self.msign_method not in MSIGN_METHODS:
+            raise ValueError(f"SolverSettings: msign_method must be one of {MSIGN_METHODS}, got {self.msign_method!r}")
+        if self.msign_steps is not None:
+            check_count("SolverSettings", "msign_steps", self.msign_steps, 1)
+        check_compute_dtype("SolverSettings", "compute_dtype", self.compute_dtype, float16=False)
 
     @property
     def rescale_exactly(self) -> bool:
@@ -354,6 +368,9 @@ class _BestIterate:
 
 
 def _settings(settings: SolverSettings | str, changes: dict) -> SolverSettings:
+    if not isinstance(settings, (str, SolverSettings)):
+        raise TypeError(f"steepest_direction: settings must be a SolverSettings or the name of one of "
+                        f"{list(SOLVER_PRESETS)}, got {type(settings).__name__}")
     if isinstance(settings, str):
         if settings not in SOLVER_PRESETS:
             raise ValueError(f"steepest_direction: unknown preset {settings!r}; choose {list(SOLVER_PRESETS)}")
@@ -404,10 +421,14 @@ def steepest_direction(
     """
     s = _settings(settings, changes)
     nrm = NORMS.get(norm) if isinstance(norm, str) else norm
-    if nrm is None:
-        raise ValueError(f"steepest_direction: unknown norm {norm!r}; choose one of {list(NORMS)}")
+    if not isinstance(nrm, Norm):
+        raise ValueError(f"steepest_direction: unknown norm {norm!r}; choose one of {list(NORMS)} or pass a Norm")
     if W.shape != G.shape:
         raise ValueError(f"steepest_direction: W {tuple(W.shape)} and G {tuple(G.shape)} differ")
+    if W.dtype != G.dtype or W.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"steepest_direction: W ({W.dtype}) and G ({G.dtype}) must share float32 or float64 (the "
+                         "base iterate, the projection and the certificate run in it; compute_dtype sets the "
+                         "dual iterations')")
 
     batch = W.dim() - 2
     Wc = W if s.compute_dtype is None else W.to(s.compute_dtype)
@@ -464,12 +485,18 @@ def steepest_direction(
     else:
         direction = _feasible(manifold, W, A, nrm, s.rescale_exactly)
         primal, dual = certificate(G, direction, X, A, nrm, s) if s.certify is not None else (None, None)
+    ratio = None if primal is None else _ratio(primal, dual)
     if s.init == "projection":
         # A gradient normal to the manifold up to round-off has no meaningful tangent
         # part: dualizing the round-off would take a unit step in a noise direction (and
-        # break equivariance). Such matrices get the zero direction instead.
-        normal = _per_matrix(_normal_only(B, G), direction, batch)
-        direction = torch.where(normal, torch.zeros_like(direction), direction)
+        # break equivariance). Such matrices get the zero direction instead, and the
+        # certificate describes it (it had kept the discarded direction's, a ratio of 1.32):
+        # primal 0, optimal up to round-off
+        normal = _normal_only(B, G)
+        direction = torch.where(_per_matrix(normal, direction, batch), torch.zeros_like(direction), direction)
+        if primal is not None:
+            primal = torch.where(normal, torch.zeros_like(primal), primal)
+            ratio = torch.where(normal, torch.ones_like(ratio), ratio)
     multiplier = None
     if measured:
         if lam0 is None:
@@ -479,7 +506,7 @@ def steepest_direction(
         direction=direction.to(W.dtype),
         primal=primal,
         dual=dual,
-        ratio=None if primal is None else _ratio(primal, dual),
+        ratio=ratio,
         steps=taken,
         residual=residual,
         multiplier=multiplier,

@@ -566,3 +566,42 @@ def test_a_tensor_learning_rate_is_never_read_back(manifold, spread, no_host_rea
     for p, q, r in zip(after_one["float"], after_one["tensor"], after_one["perturbed"]):
         assert (p - q).abs().max() <= 16 * eps * p.abs().max() + 4 * (p - r).abs().max()
     assert not torch.allclose(after_one["float"][0], _stepped(manifold, shapes, seed=19)[0][0], atol=1e-3)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
+    (dict(smoothing=float("nan")), "smoothing must be a finite number >= 0"),
+    (dict(compute_dtype=torch.int32), "compute_dtype must be a real floating"),
+    (dict(compute_dtype=torch.float16), "compute_dtype=torch.float16 cannot hold"),
+    (dict(stored_dtype=torch.int8), "stored_dtype must be a real floating"),
+    (dict(retraction_terms=10), "retraction_terms must be at most 6"),
+    (dict(retraction_terms=-1), "retraction_terms must be a whole number >= 0"),
+    (dict(dual_steps=2.5), "dual_steps must be a whole number"),
+    (dict(polish_rounds=1.5), "polish_rounds must be a whole number"),
+    (dict(carry="no"), "carry must be True or False"),
+    (dict(shift_eps=0.0), "shift_eps must be a finite number > 0"),
+])
+def test_gram_settings_refuse_bad_values_by_name(changes, match):
+    # each had been taken: alpha=NaN returned a NaN warm start, smoothing=NaN a zero direction,
+    # an int compute dtype lost the warm start to integer products, 10 retraction terms an
+    # IndexError at the step, 2.5 dual steps a TypeError inside range()
+    with pytest.raises(ValueError, match=f"GramSettings: {match}"):
+        GramSettings(**changes)
+
+
+@pytest.mark.parametrize("step", [gram_step, projected_step], ids=["gram_step", "projected_step"])
+def test_gram_steps_refuse_stacks_they_cannot_take_by_name(step):
+    # a wide stack had come back with entries of 1e18 (gram_step) or off the manifold
+    # (projected_step); 2-D, bf16 and mixed-dtype stacks failed inside torch
+    form = Stiefel().gram_form
+    W = Stiefel().random(2, 16, 4, dtype=torch.float64)
+    G = torch.randn(2, 16, 4, dtype=torch.float64)
+    settings = GramSettings(solver="projected") if step is projected_step else GramSettings()
+    for bad_W, bad_G, match in ((W.mT, G.mT, "is wide"), (W[0], G[0], "must be stacks"),
+                                (W, G[:, :8], "must be stacks"), (W.bfloat16(), G.bfloat16(), "must share"),
+                                (W, G.float(), "must share")):
+        with pytest.raises(ValueError, match=f"{step.__name__}: .*{match}"):
+            step(form, bad_W, bad_G, 0.1, settings=settings) if step is gram_step else step(form, bad_W, bad_G, 0.1,
+                                                                                            settings)
+    moved = step(form, W, G, 0.1, settings=settings) if step is gram_step else step(form, W, G, 0.1, settings)
+    assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12  # control

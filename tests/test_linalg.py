@@ -10,6 +10,7 @@ import threading
 import time
 
 from geomuon.manifolds import linalg
+from geomuon.optimizers import maps
 from geomuon.manifolds.linalg import (eigh, in_one_thread_workers, inv_sqrt_psd, msign, nuclear_norm, off_diagonal,
                                       fixed_start, power_iteration, spectral_norm)
 
@@ -371,3 +372,59 @@ def test_inv_sqrt_psd_and_power_iteration_at_any_scale(scale):
     sigma, v = linalg.power_iteration(X * scale, steps=50)
     top = torch.linalg.matrix_norm(X.double(), ord=2).item() * scale
     assert sigma.item() == pytest.approx(top, rel=1e-5) and v.norm().item() == pytest.approx(1.0, rel=1e-6)
+
+
+_NAN = float("nan")
+_X = torch.randn(7, 4, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: msign(_X, steps=2.7), "msign: steps must be a whole number"),
+    (lambda: msign(_X, steps=True), "msign: steps must be a whole number"),
+    (lambda: msign(_X, eps=_NAN), "msign: eps must be a finite number >= 0"),
+    (lambda: msign(_X, eps=-1.0), "msign: eps must be a finite number >= 0"),
+    (lambda: msign(_X, compute_dtype=torch.int32), "msign: compute_dtype must be a real floating"),
+    (lambda: msign(_X, compute_dtype=torch.complex64), "msign: compute_dtype must be a real floating"),
+    (lambda: inv_sqrt_psd(_X.mT @ _X, steps=-1), "inv_sqrt_psd: steps must be a whole number"),
+    (lambda: inv_sqrt_psd(_X.mT @ _X, eps=_NAN), "inv_sqrt_psd: eps must be a finite number"),
+    (lambda: power_iteration(_X, steps=1.5), "power_iteration: steps must be a whole number"),
+    (lambda: power_iteration(_X, v0=torch.ones(7)), "power_iteration: v0 of shape"),
+    (lambda: maps.row_norm(_X, eps=-1.0), "row_norm: eps must be a finite number >= 0"),
+    (lambda: maps.right_polar(_X, alpha=_NAN), "right_polar: alpha must be a finite number"),
+    (lambda: maps.hybrid(_X, alpha=float("inf")), "hybrid: alpha must be a finite number"),
+])
+def test_kernel_options_are_refused_by_name(call, match):
+    # each had been taken: 2.7 steps ran 2, True one, NaN gave NaN results, a negative floor
+    # divided rows of norm ~1 by ~0, an int compute dtype failed inside torch.finfo
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_sound_kernel_options_are_accepted():
+    msign(_X, steps=0, eps=0.0, compute_dtype=torch.bfloat16)  # 0 steps: the normalization alone
+    inv_sqrt_psd(_X.mT @ _X, steps=3, eps=torch.tensor(1e-6))
+    power_iteration(_X, steps=0, v0=torch.ones(2, 4))
+    maps.right_polar(_X, alpha=0.5, eps=0.0)
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [1e-45, 1e40])
+def test_msign_narrows_a_float64_matrix_after_normalizing_it(compute, scale):
+    # fp32 and bf16 hold neither 1e-45 X (it had come out 0) nor 1e40 X (NaN); msign is
+    # scale-invariant, so the result is the polar factor of X. Tolerance: the compute dtype's
+    # Polar Express result, 10 eps_compute on entries of order 1/sqrt(4) (bf16: 0.08).
+    X = _X.double()
+    U, _, Vh = torch.linalg.svd(X, full_matrices=False)
+    out = msign(X * scale, compute_dtype=compute)
+    assert out.dtype == torch.float64
+    assert (out - U @ Vh).abs().max() <= 10 * torch.finfo(compute).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_spectral_norm_takes_half_precision(dtype):
+    # torch's matrix_norm refuses half precision ("Low precision dtypes not supported"); the
+    # reference computes in float32. Tolerance: the input's own rounding, eps of the dtype.
+    X = _X.to(dtype)
+    out = spectral_norm(X)
+    assert out.dtype == dtype
+    assert abs(float(out) - float(torch.linalg.matrix_norm(X.float(), ord=2))) <= torch.finfo(dtype).eps * float(out)

@@ -12,6 +12,7 @@ import torch
 
 from geomuon.manifolds import CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
 from geomuon.optimizers import NORMS, ManifoldMuon, msign, steepest_direction
+from geomuon.optimizers.steepest import SolverSettings
 
 SHAPES = [(96, 32), (384, 128)]
 
@@ -294,3 +295,62 @@ def test_the_ulp_test_catches_a_data_dependent_branch(monkeypatch):
     a, b, kappa, _ = _ulp_run(manifold, shape)
     eps, steps, lr = torch.finfo(torch.float32).eps, 3, 0.02
     assert (a - b).norm().item() > steps * lr * (4 * max(shape) + 1) * eps * kappa
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(steps=2.5), "steps must be a whole number"),
+    (dict(steps=True), "steps must be a whole number"),
+    (dict(alpha=-1.0), "alpha must be a finite number > 0"),
+    (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
+    (dict(tol=float("nan")), "tol must be a finite number >= 0"),
+    (dict(decay="yes"), "decay must be True or False"),
+    (dict(msign_method="polar"), "msign_method must be one of"),
+    (dict(msign_steps=0), "msign_steps must be a whole number >= 1"),
+    (dict(compute_dtype=torch.int32), "compute_dtype must be a real floating"),
+    (dict(compute_dtype=torch.float16), "compute_dtype=torch.float16 cannot hold"),
+])
+def test_solver_settings_refuse_bad_values_by_name(changes, match):
+    # each had been taken: 2.5 steps failed inside range(), a negative alpha ascended the dual
+    # (ratio 2e-17), NaN reached an SVD, fp16 iterates of entries 1e5 overflowed
+    with pytest.raises(ValueError, match=f"SolverSettings: {match}"):
+        SolverSettings().replace(**changes)
+
+
+def test_steepest_direction_refuses_what_it_cannot_take_by_name():
+    W = Stiefel().random(6, 3, dtype=torch.float64)
+    G = torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="settings must be a SolverSettings"):
+        steepest_direction(Stiefel(), W, G, settings={"steps": 3})
+    with pytest.raises(ValueError, match="unknown norm 5"):
+        steepest_direction(Stiefel(), W, G, norm=5)
+    with pytest.raises(ValueError, match=r"W \(torch.float64\) and G \(torch.float32\) must share"):
+        steepest_direction(Stiefel(), W, G.float())
+    with pytest.raises(ValueError, match=r"W \(torch.bfloat16\) and G \(torch.bfloat16\) must share"):
+        steepest_direction(Stiefel(), W.bfloat16(), G.bfloat16())
+    steepest_direction(Stiefel(), W, G, settings=SolverSettings(steps=2))  # control
+
+
+@pytest.mark.parametrize("norm", ["spectral", "row"])
+def test_a_normal_gradient_certifies_the_zero_direction_it_returns(norm):
+    # G = W S (S symmetric) is normal to Stiefel at W: the direction is zeroed, and the
+    # certificate had described the discarded one (primal 1e-7, ratio 0.53; 1.32 for the row
+    # norm, above 1, which a certified fraction of the optimum cannot be)
+    W = Stiefel().random(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    S = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    result = steepest_direction(Stiefel(), W, W @ (S + S.mT), norm=norm)
+    assert torch.equal(result.direction, torch.zeros_like(W))
+    assert float(result.primal) == 0.0 and float(result.ratio) == 1.0
+    tangent = steepest_direction(Stiefel(), W, torch.randn(8, 4, dtype=torch.float64), norm=norm)
+    assert 0 < float(tangent.ratio) <= 1 + 1e-12  # control: a tangent part keeps its certificate
+
+
+def test_the_hybrid_direction_is_scale_free():
+    # its row normalization had floored row norms at 1e-8, so G * 1e-5 moved the direction by
+    # 0.5; with the dtype's tiny as the floor it is degree 0 in G. Tolerance: both runs round
+    # the same normalized rows in float64, then 12 Polar Express steps: 1e-10.
+    W = Stiefel().random(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    reference = steepest_direction(Stiefel(), W, G, norm="hybrid").direction
+    for scale in (1e-5, 1e-12):
+        scaled = steepest_direction(Stiefel(), W, G * scale, norm="hybrid").direction
+        assert (scaled - reference).abs().max() <= 1e-10, scale
