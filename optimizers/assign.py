@@ -39,6 +39,7 @@ import torch.nn as nn
 from geomuon.manifolds import MatrixManifold
 
 from .manifold_muon import ManifoldMuon
+from .base import MatrixOptimizer
 from .muon import Muon
 from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
 from .regulate import make_regulator
@@ -253,6 +254,14 @@ class Assignment:
     def zero_grad(self, set_to_none: bool = True):
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=set_to_none)
+
+    def check_finite(self) -> None:
+        """Report now what each of the package's optimizers leaves for its next step (steps
+        skipped for non-finite gradients, a sharded owner's failure): at the end of a run
+        there is no next step (:meth:`geomuon.optimizers.base.MatrixOptimizer.check_finite`)."""
+        for opt in self.optimizers.values():
+            if isinstance(opt, MatrixOptimizer):
+                opt.check_finite()
 
     def state_dict(self) -> dict:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}

@@ -36,8 +36,8 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import TrainConfig, add_options, field_problems, from_args, option
 from geomuon.pretrain.data import load_data
-from geomuon.pretrain.train import (TrainingInterrupted, TrainResult, checkpoint_to_resume, resolve_out_dir,
-                                    resume_command, run_files, train)
+from geomuon.pretrain.train import (TrainingInterrupted, TrainResult, check_same_run, checkpoint_to_resume,
+                                    resolve_out_dir, resume_command, resume_record, run_files, train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -122,11 +122,17 @@ def compare(
 ) -> list[RunSummary]:
     """Run every (strategy, seed) pair on ``base`` (in ``base.out_dir``, see
     :func:`comparison_runs`) and return their summaries; a progress bar counts the runs
-    (``base.progress``), each run shows its own below it. An interrupted run raises
-    :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint."""
+    (``base.progress``), each run shows its own below it. With ``base.resume`` every
+    checkpointed run is checked to be the same run (options, data, model:
+    :func:`geomuon.pretrain.train.check_same_run`) before the first one trains, so a
+    changed option cannot leave the comparison half trained on it. An interrupted run
+    raises :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint."""
     check(CompareConfig(strategies, seeds, divergence_margin))
     _, runs = comparison_runs(base, strategies, seeds)
     data = load_data(base.data)
+    for cfg in runs:
+        if cfg.resume:
+            check_same_run(resume_record(cfg.out_dir)[1], cfg, data)
     overall = _runs_bar(len(runs), base.progress)
     summaries = []
     try:

@@ -49,6 +49,13 @@ FRESH_RUN_DIR = "runs/{strategy}-{time}"
 #: How a run can be spread over processes (``--parallel``).
 PARALLEL_MODES = ("none", "ddp", "fsdp")
 
+#: Upper bound of ``--lr``, ``--adamw-lr`` and ``--weight-decay``: far above any working value,
+#: and 32 orders of magnitude below float32's largest number (3.4e38), which leaves room for
+#: the factors the optimizers multiply a rate by before it becomes an fp32 scalar (shape
+#: factors, β corrections, lr·weight_decay: about 1e6 at most). --lr 3e38 had passed and
+#: then crashed mid-run with a RuntimeError.
+MAX_RATE = 1e6
+
 
 @dataclass(frozen=True)
 class Option:
@@ -141,10 +148,11 @@ class TrainConfig:
     n_embd: int | None = option(None, "model width (default: the model configuration's)", at_least=1)
     model_overrides: dict = option({}, "other GPTConfig fields, e.g. '{\"tie_weights\": false}'",
                                    syntax="JSON object")
-    lr: float = option(0.02, "learning rate of the matrix optimizers", above=0)
+    lr: float = option(0.02, "learning rate of the matrix optimizers", above=0, at_most=MAX_RATE)
     adamw_lr: float = option(6e-4, "learning rate of AdamW (embeddings, gains, AdamW-assigned matrices)",
-                             above=0)
-    weight_decay: float = option(0.1, "AdamW weight decay", at_least=0)
+                             above=0, at_most=MAX_RATE)
+    weight_decay: float = option(0.1, "decoupled weight decay of AdamW and of the unregulated Muon matrices "
+                                 "(the unconstrained strategy's)", at_least=0, at_most=MAX_RATE)
     warmup_steps: int = option(10, "linear warmup before the cosine decay (< --steps)", unit="steps",
                                at_least=0)
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak", at_least=0, at_most=1)
@@ -153,7 +161,8 @@ class TrainConfig:
                                     at_least=0)
     direction_dtype: str = option("default", "compute dtype of the optimizer directions",
                                   choices=lambda: ("default", "fp32", "bf16"))
-    w_max: float = option(2.0, "largest column norm of DGram matrices", above=0)
+    w_max: float = option(2.0, "largest column norm of DGram matrices; the RMS→RMS spectral cap of the "
+                          "lipschitz strategy's soft cap", above=0)
     lipschitz_bound: str = option(
         DEFAULT_METHOD, "certified Lipschitz bound logged at each evaluation of a Lipschitz model (off: none); "
         "joint is the tightest and the slowest (one CPU thread, GPT-2 small's shape d = 768, 12 layers, "

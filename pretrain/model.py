@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from geomuon.pretrain.monitoring import nan_max
+
 
 def _of_kind(value, kind: str) -> bool:
     """Whether ``value`` is of the dataclass field type ``kind`` (``"int"``, ``"float"``,
@@ -221,9 +223,10 @@ class CausalSelfAttention(nn.Module):
             T = q.size(-2)
             scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
             causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~causal, -math.inf)
             record = self.record
-            record.max_logit = max(record.max_logit, scores.masked_fill(~causal, -math.inf).max().item())
-            p = scores.masked_fill(~causal, -math.inf).softmax(dim=-1)
+            record.max_logit = nan_max((record.max_logit, scores.max().item()))  # a NaN logit stays visible
+            p = scores.softmax(dim=-1)
             jac = softmax_jacobian_frobenius(p)
             record.jacobian_sum += jac.sum().item()
             record.rows += jac.numel()
@@ -295,9 +298,11 @@ class MoE(nn.Module):
         top_p = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
+            # every expert runs, an empty one on a [0, C] batch: its parameters then get a zero
+            # gradient, so every process of a sharded run (FSDP2 reduce-scatters a block's
+            # gradients as one buffer) joins the same collectives whatever its tokens
             token_idx, slot = (top_i == e).nonzero(as_tuple=True)
-            if token_idx.numel():
-                out.index_add_(0, token_idx, expert(tokens[token_idx]) * top_p[token_idx, slot, None])
+            out.index_add_(0, token_idx, expert(tokens[token_idx]) * top_p[token_idx, slot, None])
         n_experts = len(self.experts)
         routed_fraction = F.one_hot(top_i, n_experts).float().sum(1).mean(0) / self.top_k
         self.aux_loss = n_experts * (routed_fraction * probs.mean(0)).sum()

@@ -17,12 +17,20 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
-__all__ = ["ActivationMonitor", "default_blocks"]
+__all__ = ["ActivationMonitor", "default_blocks", "nan_max"]
+
+
+def nan_max(values: Iterable[float]) -> float:
+    """The largest of ``values``, NaN if any is NaN (Python's ``max`` keeps whichever of a
+    NaN and a number comes first, so a metric could hide the NaN it is there to show);
+    ``-inf`` for none."""
+    return max(values, key=lambda v: (v != v, v), default=-math.inf)
 
 
 def default_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -130,7 +138,7 @@ class ActivationMonitor:
     def summary(self) -> dict[str, float]:
         result = {name: self._maxima[name].item() for name in self.modules if name in self._maxima}
         if result:
-            result["max"] = max(result.values(), key=lambda v: (v != v, v))  # NaN wins
+            result["max"] = nan_max(result.values())
         return result
 
     def __enter__(self) -> "ActivationMonitor":

@@ -53,9 +53,11 @@ on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --para
 * **Metrics** at each eval (rank 0, unwrapped model, fixed val batches): val loss and
   accuracy, max |activation| per block, max attention logit and mean softmax-Jacobian
   norm per layer, σ_max and column-norm spread per matrix, the Lipschitz bound for the
-  Lipschitz variant. Everything goes to ``<out_dir>/log.jsonl``; with ``out_dir=None``
-  the run stays in memory (no log, no checkpoint, no signal handling) and returns
-  everything in :class:`TrainResult`.
+  Lipschitz variant. Everything goes to ``<out_dir>/log.jsonl``, one JSON object a line
+  (strict JSON: a float that is not finite is written as the string ``"NaN"``,
+  ``"Infinity"`` or ``"-Infinity"``, which :func:`read_log` turns back into the float); with
+  ``out_dir=None`` the run stays in memory (no log, no checkpoint, no signal handling) and
+  returns everything in :class:`TrainResult`.
 * **Hooks** (:func:`train`'s keywords, for code that calls it): ``build_assignment``
   builds the optimizers for a strategy of one's own (a ``{role: Rule}`` mapping, an
   optimizer subclass, an extra regulator…), ``extra_metrics`` adds observables to every
@@ -63,7 +65,13 @@ on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --para
 
 A run stops early, flagged ``diverged``, when the training loss or the gradient norm is
 not finite (seen when the losses reach the host: at the next log step, evaluation or
-checkpoint); it never writes a non-finite checkpoint.
+checkpoint), or when a weight is not finite at a checkpoint (checked before writing it); it
+never writes a non-finite checkpoint.
+
+**Resuming** continues only the same run: the options that shape it (:data:`RUN_IDENTITY`),
+its data (:attr:`geomuon.pretrain.data.TokenData.identity`: a changed file, vocabulary or set
+of shards) and its model's shape are checked against the checkpoint before any step, and a
+difference is refused by name.
 """
 
 from __future__ import annotations
@@ -92,10 +100,12 @@ except ImportError:  # Windows: run folders are not locked
 
 from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
-from geomuon.optimizers.distributed import whole
+from geomuon.optimizers.distributed import is_sharded, whole
+from geomuon.optimizers.regulate import Chain, SoftCap, make_regulator, soft_cap_alpha
 from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args
-from geomuon.pretrain.data import TokenData, load_data
-from geomuon.pretrain.model import GPT, get_config
+from geomuon.pretrain.data import TokenData, identity_changes, load_data
+from geomuon.pretrain.model import GPT, GPTConfig, get_config
+from geomuon.pretrain.monitoring import nan_max
 from geomuon.pretrain.parallel import (dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
                                       save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
@@ -189,6 +199,14 @@ class Distributed:
         tensor = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
+
+    def every(self, flags: torch.Tensor) -> list[bool]:
+        """Whether each of ``flags`` (a bool tensor on this rank's device) holds on every rank:
+        one all-reduce and one read back to the host."""
+        flags = flags.to(torch.int32)
+        if self.enabled:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        return [bool(flag) for flag in flags.tolist()]
 
     def close(self):
         if self.enabled and dist.is_initialized():
@@ -325,6 +343,26 @@ def previous_checkpoint(path: str) -> str:
     return path[: -len(".pt")] + ".prev.pt" if path.endswith(".pt") else path + ".prev"
 
 
+#: What the checkpoint of a run holds (the tensors and :func:`_run_record`'s plain data).
+RUN_CHECKPOINT_KEYS = ("model", "optimizer", "step", "config", "losses", "evals")
+
+
+def resume_record(out_dir: str) -> tuple[str, dict]:
+    """The checkpoint a run in ``out_dir`` resumes from (:func:`checkpoint_to_resume`) and its
+    contents: a distributed checkpoint's plain data, or a single file's tensors and data.
+    ``ValueError`` naming the file when it is damaged or not a geomuon pretrain run's."""
+    path = checkpoint_to_resume(out_dir)
+    if os.path.isdir(path):
+        return path, distributed_record(path)
+    payload = load_checkpoint(path)
+    missing = [key for key in RUN_CHECKPOINT_KEYS if key not in payload]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is not the checkpoint of a geomuon pretrain run (it has no "
+                         f"{', '.join(map(repr, missing))}); move it out of {out_dir!r}, or resume a run from "
+                         "its own folder")
+    return path, payload
+
+
 def _read_checkpoint(path: str) -> dict:
     payload = load_checked(path)
     if not isinstance(payload, dict) or "model" not in payload:
@@ -455,7 +493,6 @@ def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext
 
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
-    activation: dict[str, float] = {}
     blocks = {f"h.{i}": block for i, block in enumerate(model.h)}
     with model.observe() as attention, monitoring.ActivationMonitor(model, blocks) as monitor:
         for x, y in evaluation.windows():
@@ -465,14 +502,13 @@ def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext
             correct += (logits.argmax(-1) == y).sum().item()
             count += y.numel()
         activation = monitor.summary()
-    activation.pop("max", None)
     model.train()
     metrics = {
         "val_loss": total_loss / count,
         "val_acc": correct / count,
-        "max_activation": max(activation.values(), default=float("nan")),
+        "max_activation": activation.pop("max", math.nan),  # NaN when a block's output held one
         "activation": activation,
-        "max_attn_logit": max(r.max_logit for r in attention.values()),
+        "max_attn_logit": nan_max(r.max_logit for r in attention.values()),
         "attn_logit": {k: r.max_logit for k, r in attention.items()},
         "softmax_jacobian": {k: r.mean_jacobian_norm for k, r in attention.items()},
     }
@@ -500,9 +536,10 @@ ExtraMetrics = Callable[[GPT, Evaluation], dict]
 def build(cfg: TrainConfig, data: TokenData, device: torch.device,
           build_assignment: AssignmentFactory | None = None) -> tuple[GPT, Assignment]:
     """The model (seeded init, same on every rank) and its optimizers:
-    ``build_assignment(model, hyper)`` when given, else ``assign(model, cfg.strategy, hyper)``."""
-    char_level = data.itos is not None
-    model_cfg = get_config(cfg.model, **cfg.model_kwargs(), **({"vocab_size": data.vocab_size} if char_level else {}))
+    ``build_assignment(model, hyper)`` when given, else ``assign(model, cfg.strategy, hyper)``.
+    A learning rate that a soft-capped group cannot hold is refused here
+    (:func:`_check_soft_caps`), not at the step the warmup reaches it."""
+    model_cfg = model_config(cfg, data)
     if data.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"data {data.source} has vocab {data.vocab_size} > the model's {model_cfg.vocab_size}; "
@@ -521,12 +558,68 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
         w_max=cfg.w_max,
     )
     if build_assignment is None:
-        return model, assign(model, cfg.strategy, hyper)
-    assignment = build_assignment(model, hyper)
-    if not isinstance(assignment, Assignment):
-        raise TypeError(f"build_assignment returned a {type(assignment).__name__}; it must return an "
-                        "geomuon.optimizers.assign.Assignment (e.g. from geomuon.optimizers.assign.assign)")
+        assignment = assign(model, cfg.strategy, hyper)
+    else:
+        assignment = build_assignment(model, hyper)
+        if not isinstance(assignment, Assignment):
+            raise TypeError(f"build_assignment returned a {type(assignment).__name__}; it must return an "
+                            "geomuon.optimizers.assign.Assignment (e.g. from geomuon.optimizers.assign.assign)")
+    _check_soft_caps(assignment)
     return model, assignment
+
+
+def model_config(cfg: TrainConfig, data: TokenData) -> GPTConfig:
+    """The configuration of ``cfg``'s model on ``data`` (char-level data sets ``vocab_size``)."""
+    char_level = data.itos is not None
+    return get_config(cfg.model, **cfg.model_kwargs(), **({"vocab_size": data.vocab_size} if char_level else {}))
+
+
+def _check_soft_caps(assignment: Assignment) -> None:
+    r"""Refuse a learning rate that a soft-capped group (the ``lipschitz`` strategy's) cannot
+    hold. :func:`~geomuon.optimizers.regulate.soft_cap_alpha` raises when one update can push
+    a singular value further past ``w_max`` than a monotone soft cap can bring back; it runs
+    at every step with that step's rate, so a warmup had reached such a rate mid-run, with
+    nothing of the run checkpointed. The schedule's peak is each group's base rate
+    (:func:`lr_factor` ≤ 1), and the cap's reach $w_{\max}(1 - \text{lr}\cdot\text{wd}) +
+    \eta(\text{lr})$ is linear in the rate for Muon's update bound (the default
+    ``eta``), so its largest value over the schedule is at the peak or at most ``w_max``
+    (where no cap acts): checking the peak checks every step."""
+    for optimizer in assignment.optimizers.values():
+        for group in optimizer.param_groups:
+            regulator = make_regulator(group.get("regulate"))
+            caps = [r for r in (regulator.regulators if isinstance(regulator, Chain) else [regulator])
+                    if isinstance(r, SoftCap)]
+            shapes = {tuple(p.shape) for p in group["params"]}
+            if _soft_caps_hold(caps, shapes, group["lr"]):
+                continue
+            lo, hi = 0.0, group["lr"]  # the largest rate that holds: bisection, to float64 round-off
+            while lo < (mid := (lo + hi) / 2) < hi:
+                lo, hi = (mid, hi) if _soft_caps_hold(caps, shapes, mid) else (lo, mid)
+            flag = "--adamw-lr" if group.get("update") == "adamw" else "--lr"
+            w_max = max(cap.w_max for cap in caps)
+            usable = (f"use {flag} ≤ {_round_down(lo)} or a larger --w-max" if lo > 0
+                      else "no learning rate fits: use a larger --w-max")
+            raise ValueError(f"{flag} {group['lr']:g} is too large for the soft cap at --w-max {w_max:g} (the "
+                             f"lipschitz strategy's spectral cap): one update can push a singular value further "
+                             f"past w_max than the cap can bring back; {usable}")
+
+
+def _soft_caps_hold(caps: list[SoftCap], shapes: set[tuple[int, ...]], lr: float) -> bool:
+    """Whether each of ``caps`` has a monotone soft cap for one update at rate ``lr`` of a
+    weight of each of ``shapes``."""
+    try:
+        for cap in caps:
+            for shape in shapes:
+                soft_cap_alpha(cap.w_max, lr * cap.weight_decay, cap.eta_for(lr, shape))
+    except ValueError:
+        return False
+    return True
+
+
+def _round_down(x: float, digits: int = 3) -> str:
+    """``x`` > 0 rounded down to ``digits`` significant digits, as text (a bound to stay below)."""
+    unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return f"{math.floor(x / unit) * unit:.{digits}g}"
 
 
 @dataclass
@@ -698,19 +791,56 @@ class RunLog:
         if path is not None:
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                f.writelines(json.dumps(record) + "\n" for record in self.records)
+                f.writelines(log_line(record) for record in self.records)
             os.replace(tmp, path)
             self.file = open(path, "a")
 
     def write(self, record: dict) -> None:
         self.records.append(record)
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(log_line(record))
             self.file.flush()
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+#: How ``log.jsonl`` spells the floats JSON has no number for (JavaScript's and Python's names).
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def log_line(record: dict) -> str:
+    """``record`` as one line of strict JSON: a float that is not finite becomes its name in
+    :data:`NONFINITE` (a bare ``NaN`` token, Python's default, is refused by ``jq`` and
+    ``JSON.parse``)."""
+    def spelled(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+        if isinstance(value, dict):
+            return {k: spelled(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [spelled(v) for v in value]
+        return value
+
+    return json.dumps(spelled(record), allow_nan=False) + "\n"
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a run's ``log.jsonl``, with the floats :func:`log_line` spelled as
+    strings read back as floats (so a string value ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"`` always reads as the float)."""
+    def number(value):
+        if isinstance(value, str):
+            return NONFINITE.get(value, value)
+        if isinstance(value, dict):
+            return {k: number(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [number(v) for v in value]
+        return value
+
+    with open(path) as f:
+        return [number(json.loads(line)) for line in f]
 
 
 def _records_before(payload: dict) -> list[dict]:
@@ -739,14 +869,15 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     if on_disk:
         ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         if cfg.resume:
-            resume_from = checkpoint_to_resume(cfg.out_dir)
-            if os.path.isdir(resume_from):  # loaded into the parallelized model, below
-                payload = distributed_record(resume_from)
-                _check_same_run(payload["config"], cfg)
-            else:
-                payload = load_checkpoint(resume_from)
-                _check_same_run(payload["config"], cfg)
-                model.load_state_dict(payload["model"])
+            resume_from, payload = resume_record(cfg.out_dir)
+            check_same_run(payload, cfg, data)
+            if not os.path.isdir(resume_from):  # a distributed checkpoint loads into the parallelized model, below
+                try:
+                    model.load_state_dict(payload["model"])
+                except RuntimeError as err:  # tensors of another model code (its config matched)
+                    detail = " ".join(str(err).split())  # torch's list of the keys and shapes that differ
+                    raise ValueError(f"checkpoint {resume_from!r} does not fit the model ({detail[:400]}); resume "
+                                     "with the geomuon version that wrote it, or use a new --out-dir") from None
                 assignment.load_state_dict(payload["optimizer"])
             start = result.last_step = payload["step"]
             result.losses = {int(k): v for k, v in payload["losses"].items()}
@@ -808,8 +939,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 result.diverged = True
                 log.write({"kind": "diverged", "step": step, "loss": loss, "grad_norm": norm})
-                note = progress.write if progress is not None else say  # above the bar, not through it
-                note(f"step {step}: non-finite loss {loss} or gradient norm {norm}; stopping")
+                warn(f"step {step}: non-finite loss {loss} or gradient norm {norm}; stopping")
                 pending.clear()
                 return False
             result.losses[step] = loss
@@ -821,9 +951,21 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         pending.clear()
         return True
 
+    def warn(text: str) -> None:
+        (progress.write if progress is not None else say)(text)  # above the bar, not through it
+
     def save(step: int) -> None:
-        """Checkpoint the ``step`` steps done: one file, or a distributed checkpoint (every rank)."""
-        record = _run_record(model, cfg, step, result, log, time.perf_counter() - t0)
+        """Checkpoint the ``step`` steps done: one file, or a distributed checkpoint (every
+        rank). Weights that are not finite (a step whose loss and gradient were finite can
+        still produce them) are not written: the run is flagged diverged instead, and the
+        last checkpoint stays its last finite one."""
+        nonfinite = _nonfinite_parameters(model, ddp)
+        if nonfinite:
+            result.diverged = True
+            log.write({"kind": "diverged", "step": step - 1, "nonfinite_parameters": nonfinite})
+            warn(f"step {step - 1}: non-finite weights in {', '.join(nonfinite)}; stopping without a checkpoint")
+            return
+        record = _run_record(model, cfg, data, step, result, log, time.perf_counter() - t0)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
         else:
@@ -874,6 +1016,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
                 save(done)
             if result.diverged:
                 break
+        assignment.check_finite()  # the last step's skips and failures: no next step reports them
     finally:
         log.close()
         if progress is not None:
@@ -903,25 +1046,56 @@ def _global_mean(loss: torch.Tensor, ddp: Distributed) -> torch.Tensor:
     return loss
 
 
-_RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "grad_accum", "block_size", "n_layer",
-                 "n_head", "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps",
-                 "min_lr_ratio", "grad_clip", "dual_steps", "direction_dtype", "w_max", "seed")
+def _nonfinite_parameters(model: GPT, ddp: Distributed) -> list[str]:
+    """The names of the parameters holding a value that is not finite on any rank (its shard
+    under FSDP2): one reduction per parameter on the device, one all-reduce and one read
+    back to the host for all of them."""
+    named = list(model.named_parameters())
+    finite = torch.stack([(p.to_local() if is_sharded(p) else p).detach().isfinite().all() for _, p in named])
+    return [name for (name, _), ok in zip(named, ddp.every(finite)) if not ok]
 
 
-def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
+#: The options a resumed run must share with its checkpoint: those that shape the batches,
+#: the model, the schedule and the optimizer steps, and the validation windows (a curve
+#: scored on other windows after the resume would step where training did not). The
+#: intervals of logs, evaluations and checkpoints may change.
+RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "grad_accum", "block_size", "n_layer",
+                "n_head", "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps",
+                "min_lr_ratio", "grad_clip", "dual_steps", "direction_dtype", "w_max", "seed", "val_seed",
+                "eval_batches", "final_eval_batches")
+
+
+def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
+    """Refuse to resume the checkpoint ``record`` (:func:`_run_record`'s data) as the run of
+    ``cfg`` on ``data`` unless it is the same run: the options of :data:`RUN_IDENTITY`, the
+    data (:attr:`~geomuon.pretrain.data.TokenData.identity`) and the model's configuration.
+    ``ValueError`` naming what changed and what to do."""
     # a checkpoint written before a field existed ran with that field's default
-    saved = {**asdict(TrainConfig()), **saved}
-    changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in _RUN_IDENTITY if saved[k] != getattr(cfg, k)]
+    saved = {**asdict(TrainConfig()), **record["config"]}
+    changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in RUN_IDENTITY if saved[k] != getattr(cfg, k)]
     if changed:
         raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
                          + "); use the original settings or a new --out-dir")
+    changed = identity_changes(record["data"], data.identity) if "data" in record else []  # (older checkpoints: none)
+    if changed:
+        restore = ("resume under the Python version that started the run (the embedded corpus is its "
+                   "pydoc_data)" if cfg.data == "embedded" else "restore the data the run was trained on")
+        raise ValueError(f"--data {cfg.data}: the data differs from the data the run was trained on ("
+                         + "; ".join(changed) + f"); {restore}, or use a new --out-dir")
+    built = asdict(model_config(cfg, data))
+    changed = [f"{k}: {v!r} → {built.get(k)!r}" for k, v in record["model_config"].items() if built.get(k) != v]
+    if changed:
+        raise ValueError(f"the checkpoint's model differs from the one --config {cfg.model} builds now ("
+                         + "; ".join(changed) + "); resume with the geomuon version that wrote it, or use a new "
+                         "--out-dir")
 
 
-def _run_record(model: GPT, cfg: TrainConfig, step: int, result: TrainResult, log: RunLog,
+def _run_record(model: GPT, cfg: TrainConfig, data: TokenData, step: int, result: TrainResult, log: RunLog,
                 wall_time: float) -> dict:
-    """What a checkpoint keeps besides the tensors (plain data)."""
-    return {"step": step, "config": asdict(cfg), "model_config": asdict(model.config), "losses": result.losses,
-            "evals": result.evals, "log": log.records, "wall_time": wall_time}
+    """What a checkpoint keeps besides the tensors (plain data), :func:`check_same_run`'s
+    references among them."""
+    return {"step": step, "config": asdict(cfg), "model_config": asdict(model.config), "data": data.identity,
+            "losses": result.losses, "evals": result.evals, "log": log.records, "wall_time": wall_time}
 
 
 # ----------------------------------------------------------------------------- CLI

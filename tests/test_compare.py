@@ -84,6 +84,18 @@ def test_a_second_comparison_in_the_same_folder_is_refused(tmp_path, monkeypatch
     assert not (first / "unconstrained-s0").exists()
 
 
+def test_a_resumed_comparison_with_a_changed_option_trains_no_run(tmp_path, capsys):
+    # each run's identity had been checked inside its own train(): a run new to the comparison,
+    # listed first, trained to the end before the changed option was refused at the next run
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(out)]) == 0
+    capsys.readouterr()
+    changed = [*SMALL, "--steps", "12", "--resume", "--out-dir", str(out)]  # the last --steps counts
+    assert cli(["compare", "--strategies", "unconstrained,adamw", *changed]) == 2
+    assert "--resume with a different run configuration (steps: 6 → 12)" in capsys.readouterr().err
+    assert not (out / "unconstrained-s0").exists()  # refused before the first run started
+
+
 def test_an_interrupted_comparison_resumes_with_the_printed_command(tmp_path, monkeypatch, capsys):
     """SIGINT (a real one, sent at the second run's step-3 evaluation) stops ``compare``
     with exit 130 and a command; that command reads the finished run back without

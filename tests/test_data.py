@@ -54,6 +54,54 @@ def test_llmc_and_nanogpt_shards_round_trip(tmp_path):
     assert np.array_equal(data.train, tokens[:4000]) and data.vocab_size == 50304
 
 
+def test_several_shards_stay_on_disk_and_give_the_windows_of_their_concatenation(tmp_path):
+    # np.concatenate had read every shard of a split into memory, in every process (about 20 GB
+    # per rank for FineWeb-10B); the shards stay memmaps, and a window is gathered when drawn
+    tokens = np.random.default_rng(0).integers(0, 50257, size=3000).astype(np.uint16)
+    bounds = [0, 700, 1500, 2600]  # three train shards of unequal lengths
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        write_llmc_shard(tmp_path / f"fineweb_train_{i:06d}.bin", tokens[a:b])
+    write_llmc_shard(tmp_path / "fineweb_val_000000.bin", tokens[2600:])
+    data = shard_data(str(tmp_path))
+    parts = getattr(data.train, "parts", [data.train])
+    assert len(parts) == 3 and all(isinstance(part, np.memmap) for part in parts)
+    assert len(data.train) == 2600
+    whole = tokens[:2600]
+    for start, stop in ((0, 700), (690, 710), (650, 1600), (1500, 2600), (2599, 2600), (5, 5), (0, 2600)):
+        assert np.array_equal(data.train[start:stop], whole[start:stop]), (start, stop)  # across boundaries too
+    # the batches are those of the concatenated stream, windows that cross a boundary included
+    concatenated = type(data)(whole, tokens[2600:], data.vocab_size, data.source)
+    for step in range(20):
+        for got, expected in zip(data.batch("train", 8, 64, 0, step), concatenated.batch("train", 8, 64, 0, step)):
+            assert torch.equal(got, expected)
+
+
+def test_the_data_identity_names_what_changed(tmp_path):
+    # what a resumed run compares with its checkpoint's (a changed corpus had resumed silently)
+    from geomuon.pretrain.data import identity_changes
+
+    tokens = np.random.default_rng(0).integers(0, 50257, size=3000).astype(np.uint16)
+    write_llmc_shard(tmp_path / "fineweb_val_000000.bin", tokens[:500])
+    write_llmc_shard(tmp_path / "fineweb_train_000001.bin", tokens[500:1500])
+    write_llmc_shard(tmp_path / "fineweb_train_000002.bin", tokens[1500:2500])
+    before = shard_data(str(tmp_path)).identity
+    assert identity_changes(before, shard_data(str(tmp_path)).identity) == []  # read again: the same data
+    write_llmc_shard(tmp_path / "fineweb_train_000003.bin", tokens[2500:])  # a shard added
+    changes = identity_changes(before, shard_data(str(tmp_path)).identity)
+    assert changes[0] == "train tokens: 2000 → 2500" and changes[1].startswith("tokens sha256: ")
+    replaced = tokens[1500:2500].copy()
+    replaced[-1] ^= 1  # one token of a shard replaced: same names and lengths
+    write_llmc_shard(tmp_path / "fineweb_train_000002.bin", replaced)
+    os.remove(tmp_path / "fineweb_train_000003.bin")
+    assert [c.split(":")[0] for c in identity_changes(before, shard_data(str(tmp_path)).identity)] == ["tokens sha256"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("abcabc" * 100)
+    before = load_data(f"text:{text}").identity
+    text.write_text("abcabd" * 100)
+    assert identity_changes(before, load_data(f"text:{text}").identity)[:2] == [
+        "characters added: 'd'", "vocab size: 3 → 4"]
+
+
 def test_malformed_shards_name_the_file_and_the_problem(tmp_path):
     tokens = np.arange(100, dtype=np.uint16)
     path = tmp_path / "s.bin"

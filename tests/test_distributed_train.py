@@ -277,6 +277,16 @@ def test_damaged_or_foreign_checkpoint_folder_is_named(runs, tmp_path):
         train(config(split, resume=True))
 
 
+def test_fsdp_trains_a_mixture_of_experts_when_an_expert_gets_no_tokens_on_a_rank(tmp_path):
+    # 2 windows of 64 tokens per rank: within these steps an expert of cpu-moe gets no token on a
+    # rank. It had been skipped there, so its parameters had no gradient on that rank, and FSDP2's
+    # reduce-scatter of the block's gradients had buffers of different sizes on the two ranks: a
+    # gloo abort (SIGABRT). Every expert runs now, an empty one giving a zero gradient.
+    processes(2, config(tmp_path / "moe", model="cpu-moe", parallel="fsdp", batch_size=4, block_size=None, steps=6,
+                        warmup_steps=1, eval_every=3))
+    assert [s for s, _ in dcp_folders(str(tmp_path / "moe"))] == [3, 6]
+
+
 def test_folder_holding_a_distributed_checkpoint_is_a_run(tmp_path):
     (tmp_path / "dcp-step00000006").mkdir()
     with pytest.raises(ValueError, match="already holds a run .*dcp-step00000006"):

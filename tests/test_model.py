@@ -132,6 +132,22 @@ def test_moe_balanced_router_has_unit_aux_loss():
     assert moe.aux_loss.item() > 1.0
 
 
+def test_an_expert_without_tokens_still_gets_a_zero_gradient():
+    # an expert skipped for want of tokens had no gradient on that process: FSDP2 reduce-scatters a
+    # block's gradients as one buffer, so the processes passed buffers of different sizes (a gloo
+    # abort; on NCCL a hang or a wrong sum); every expert runs now, an empty one on a [0, C] batch
+    config = get_config("cpu-moe")
+    moe = MoE(config)
+    x = torch.rand(2, 8, config.n_embd) + 0.1  # positive inputs: a router row's logit grows with its scale
+    with torch.no_grad():  # logits ordered expert 0 > 1 > … for every token: only the top_k first get tokens
+        moe.router.weight.copy_(torch.arange(config.n_experts, 0, -1.0)[:, None].expand(-1, config.n_embd))
+    moe(x).square().sum().backward()
+    for e, expert in enumerate(moe.experts):
+        for name, p in expert.named_parameters():
+            assert p.grad is not None, f"expert {e} {name}"
+            assert (p.grad.abs().sum() > 0) == (e < config.moe_top_k), f"expert {e} {name}"
+
+
 def test_bad_configs_are_rejected():
     with pytest.raises(ValueError, match="multiple of n_head"):
         GPTConfig(n_embd=10, n_head=3)

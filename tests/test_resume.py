@@ -82,6 +82,90 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
             train(config(tmp_path / "a", steps=8, resume=True, **{option: value}))
 
 
+def test_resume_with_other_validation_windows_is_refused(tmp_path):
+    # the evaluations after the resume had been scored on other windows than those before it: a
+    # step in the val-loss curve that training did not make
+    train(config(tmp_path / "a", steps=8, stop_after=2))
+    for option, value in (("val_seed", 5), ("eval_batches", 2), ("final_eval_batches", 3)):
+        with pytest.raises(ValueError, match=rf"different run configuration \({option}: "):
+            train(config(tmp_path / "a", steps=8, resume=True, **{option: value}))
+    assert train(config(tmp_path / "a", steps=8, stop_after=3, resume=True)).last_step == 3  # the same run resumes
+
+
+def test_resume_on_other_data_or_another_model_is_refused_by_name(tmp_path):
+    # only the --data spec had been compared: an edited file resumed silently on other text, and a
+    # grown vocabulary ended in load_state_dict's RuntimeError traceback
+    from geomuon.pretrain.data import embedded_corpus
+
+    corpus = tmp_path / "corpus.txt"
+    text = embedded_corpus()[:20_000]
+    corpus.write_text(text)
+    run = dict(data=f"text:{corpus}", steps=8)
+    train(config(tmp_path / "a", stop_after=2, **run))
+    corpus.write_text("\n".join(reversed(text.split("\n"))))  # the same characters, another text
+    with pytest.raises(ValueError, match=rf"--data text:{corpus}: the data differs from the data the run was trained "
+                                         r"on \(tokens sha256: \w+… → \w+…\); restore the data"):
+        train(config(tmp_path / "a", resume=True, **run))
+    corpus.write_text(text + "é")
+    with pytest.raises(ValueError, match=r"\(characters added: 'é'; vocab size: \d+ → \d+; val tokens: "):
+        train(config(tmp_path / "a", resume=True, **run))
+    corpus.write_text(text)
+    ckpt = str(tmp_path / "a" / "ckpt.pt")
+    payload = load_checkpoint(ckpt)
+    # a model the config builds differently now (another geomuon version's configuration)
+    save_checkpoint(ckpt, {**payload, "model_config": {**payload["model_config"], "n_embd": 48}})
+    with pytest.raises(ValueError, match=r"the checkpoint's model differs from the one --config cpu-tiny builds now "
+                                         r"\(n_embd: 48 → 32\); resume with the geomuon version that wrote it"):
+        train(config(tmp_path / "a", resume=True, **run))
+    # the same configuration, other tensors (another version's model code)
+    save_checkpoint(ckpt, {**payload, "model": {k: v for k, v in payload["model"].items() if k != "wpe.weight"}})
+    with pytest.raises(ValueError, match=rf"checkpoint '{ckpt}' does not fit the model \(.*wpe.weight"):
+        train(config(tmp_path / "a", resume=True, **run))
+    save_checkpoint(ckpt, payload)
+    assert train(config(tmp_path / "a", resume=True, stop_after=3, **run)).last_step == 3
+
+
+def test_a_file_that_is_not_a_run_checkpoint_is_named(tmp_path):
+    # a torch file with a "model" entry (saved by hand, or another tool's) had ended in KeyError: 'config'
+    (tmp_path / "a").mkdir()
+    ckpt = tmp_path / "a" / "ckpt.pt"
+    torch.save({"model": {"w": torch.zeros(3)}}, ckpt)
+    with pytest.raises(ValueError, match=rf"checkpoint '{ckpt}' is not the checkpoint of a geomuon pretrain run \(it "
+                                         r"has no 'optimizer', 'step', 'config', 'losses', 'evals'\); move it out"):
+        train(config(tmp_path / "a", resume=True))
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
+    # a step whose loss and gradient norm are finite can still leave weights that are not (hetero
+    # at --lr 1e20 had): they had been written as the checkpoint, the run reported diverged=False,
+    # and resuming it failed; here the third step's update poisons one weight
+    import math
+
+    from geomuon.optimizers.assign import assign
+
+    def poisoned_third_step(model, hyper):
+        assignment = assign(model, "adamw", hyper)
+        weight, steps = model.h[0].mlp.c_fc.weight, []
+        optimizer = next(opt for opt in assignment.optimizers.values()
+                         if any(p is weight for group in opt.param_groups for p in group["params"]))
+
+        def poison(*_):
+            steps.append(None)
+            if len(steps) == 3:
+                weight.data[0, 0] = math.nan
+
+        optimizer.register_step_post_hook(poison)
+        return assignment
+
+    out = tmp_path / "a"
+    result = train(config(out, strategy="adamw", ckpt_every=2, stop_after=3), build_assignment=poisoned_third_step)
+    assert result.diverged
+    saved = load_checkpoint(str(out / "ckpt.pt"))
+    assert saved["step"] == 2 and all(v.isfinite().all() for v in saved["model"].values())
+    last = _records(out / "log.jsonl")[-1]
+    assert last == {"kind": "diverged", "step": 2, "nonfinite_parameters": ["h.0.mlp.c_fc.weight"]}
+
+
 def test_a_missing_checkpoint_says_what_to_do_with_the_folder(tmp_path):
     # a run killed before its first checkpoint leaves a log: --resume had said "start without
     # --resume", and without it the folder "already holds a run": only --overwrite works

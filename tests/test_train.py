@@ -12,7 +12,8 @@ from geomuon.optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, 
 from geomuon.pretrain.data import load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.config import TrainConfig
-from geomuon.pretrain.train import RunFolderClaim, _check_same_run, accumulate_gradients, lr_factor, owners, train
+from geomuon.pretrain.train import (Evaluation, RunFolderClaim, accumulate_gradients, check_same_run, evaluate,
+                                    lr_factor, model_config, owners, train)
 
 
 def tiny(tmp_path, **overrides):
@@ -127,6 +128,61 @@ def test_build_assignment_hook_builds_the_optimizers_in_memory(tmp_path, monkeyp
         train(cfg, build_assignment=lambda model, hyper: {})
 
 
+def test_a_rate_the_soft_cap_cannot_hold_is_refused_before_training(tmp_path):
+    # soft_cap_alpha raises for a rate past what the cap can bring back to w_max; it had run at each
+    # step's scheduled rate, so the warmup reached it mid-run (no checkpoint, a message about eta)
+    lipschitz = dict(model="cpu-lipschitz", strategy="lipschitz", warmup_steps=20, steps=40, lipschitz_bound="off")
+    refused = r"--lr 1 is too large for the soft cap at --w-max 2 .*use --lr ≤ "
+    with pytest.raises(ValueError, match=refused) as refusal:
+        train(tiny(tmp_path, lr=1.0, **lipschitz))
+    assert not (tmp_path / "run").exists()  # before the folder, the log and the first step
+    usable = float(re.search(r"--lr ≤ ([\d.e+-]+)", str(refusal.value)).group(1))
+    # the largest usable rate, rounded down to 3 digits: it trains at its peak from the first step
+    # (no warmup), and 2 % above it (past the rounding, at most 1 % of a 3-digit number) is refused
+    result = train(tiny(tmp_path, lr=usable, out_dir=None, stop_after=2, **{**lipschitz, "warmup_steps": 0}))
+    assert result.last_step == 2 and not result.diverged
+    with pytest.raises(ValueError, match="is too large for the soft cap"):
+        train(tiny(tmp_path, lr=usable * 1.02, out_dir=None, **lipschitz))
+    with pytest.raises(ValueError, match=r"--lr 1 is too large for the soft cap at --w-max 4 "):
+        train(tiny(tmp_path, lr=1.0, w_max=4.0, **lipschitz))  # the cap named is the configured one
+
+
+def test_evaluation_metrics_show_a_nan_instead_of_hiding_it():
+    # Python's max keeps whichever of a NaN and a number comes first: the eval record had shown
+    # the max attention logit of a NaN layer as -inf and the max activation as the finite block's
+    data = load_data("embedded")
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny", vocab_size=data.vocab_size))
+    with torch.no_grad():
+        model.h[1].attn.c_attn.weight[0, 0] = math.nan  # the second block's attention, and output, go NaN
+    metrics = evaluate(model, Evaluation(0, data, 1, 2, 64, 0, torch.device("cpu"), "off"))
+    assert math.isfinite(metrics["activation"]["h.0"]) and math.isfinite(metrics["attn_logit"]["h.0.attn"])
+    assert math.isnan(metrics["activation"]["h.1"]) and math.isnan(metrics["attn_logit"]["h.1.attn"])
+    assert math.isnan(metrics["max_activation"]) and math.isnan(metrics["max_attn_logit"])
+
+
+def test_the_log_is_strict_json_lines_and_reads_back_non_finite_values(tmp_path):
+    # json.dumps wrote bare NaN and -Infinity, which jq and JSON.parse refuse
+    from geomuon.pretrain.train import read_log
+
+    odd = {"nan": math.nan, "inf": math.inf, "nested": {"low": -math.inf, "list": [1.0, math.nan]}}
+    result = train(tiny(tmp_path, steps=2, warmup_steps=1, eval_every=2), extra_metrics=lambda model, evaluation: odd)
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = open(tmp_path / "run" / "log.jsonl").read().splitlines()
+    strict = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert strict[0]["nan"] == "NaN" and strict[0]["nested"] == {"low": "-Infinity", "list": [1.0, "NaN"]}
+    records = read_log(tmp_path / "run" / "log.jsonl")
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 2 and all(r["step"] == e["step"] for r, e in zip(evals, result.evals))
+    for record in evals:
+        assert math.isnan(record["nan"]) and record["inf"] == math.inf and record["nested"]["low"] == -math.inf
+        assert record["nested"]["list"][0] == 1.0 and math.isnan(record["nested"]["list"][1])
+        assert record["val_loss"] == result.evals[evals.index(record)]["val_loss"]  # finite values as they were
+
+
 def test_extra_metrics_hook_sees_the_evaluated_windows(tmp_path):
     """The hook runs at every evaluation on the windows ``evaluate`` scores: its own loss on
     ``evaluation.windows()`` equals the recorded val loss; ``val_seed`` picks the windows
@@ -189,10 +245,12 @@ def test_cli_reads_model_overrides_as_json(tmp_path, capsys):
 
 def test_resume_identity_includes_model_overrides(tmp_path):
     cfg = tiny(tmp_path)
+    data = load_data(cfg.data)
     saved = {k: v for k, v in vars(cfg).items() if k != "model_overrides"}
-    _check_same_run(saved, cfg)  # a checkpoint from before the field: its default, the same run
+    record = {"config": saved, "model_config": vars(model_config(cfg, data))}
+    check_same_run(record, cfg, data)  # a checkpoint from before the field: its default, the same run
     with pytest.raises(ValueError, match=r"model_overrides: \{'mlp': 'swiglu'\} → \{\}"):
-        _check_same_run({**saved, "model_overrides": {"mlp": "swiglu"}}, cfg)
+        check_same_run({**record, "config": {**saved, "model_overrides": {"mlp": "swiglu"}}}, cfg, data)
 
 
 @pytest.fixture(scope="module")
@@ -236,13 +294,17 @@ PRETRAIN = ["pretrain", "--config", "cpu-tiny", "--strategy", "adamw", "--steps"
 @pytest.mark.parametrize("option, value, message", [
     ("--grad-clip", "-1", "--grad-clip must be ≥ 0"),  # was: gradient ascent, exit 0
     ("--eval-every", "0", "--eval-every must be ≥ 1"),  # was: ZeroDivisionError after training started
-    ("--weight-decay", "-5", "--weight-decay must be ≥ 0"),
+    ("--weight-decay", "-5", r"--weight-decay must be in \[0, 1e\+06\] \(got -5.0\)"),
     ("--ckpt-every", "-1", "--ckpt-every must be ≥ 0"),
     ("--w-max", "-1", "--w-max must be > 0"),
     ("--lr", "inf", "--lr must be a finite number > 0"),  # was: one step, then divergence
     ("--lr", "nan", "--lr must be a finite number > 0"),
     ("--lr", "-1", "--lr must be > 0"),
     ("--adamw-lr", "0", "--adamw-lr must be > 0"),
+    # rates past float32 had passed, then crashed mid-run converting lr·scale to an fp32 scalar
+    ("--lr", "3e38", r"--lr must be > 0 and ≤ 1e\+06 \(got 3e\+38\)"),
+    ("--adamw-lr", "1e38", r"--adamw-lr must be > 0 and ≤ 1e\+06"),
+    ("--weight-decay", "1e38", r"--weight-decay must be in \[0, 1e\+06\] \(got 1e\+38\)"),
     ("--grad-accum", "0", "--grad-accum must be ≥ 1"),
     ("--log-every", "0", "--log-every must be ≥ 1"),
     ("--min-lr-ratio", "1.5", r"--min-lr-ratio must be in \[0, 1\]"),
@@ -287,7 +349,11 @@ def test_help_lists_the_valid_values(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for expected in ("one of: cpu-lipschitz, cpu-moe", "all_stiefel, hetero", "shakespeare:PATH[:nocheck]",
                      "tokens:DIR", "[optimizer steps]", "--parallel", "none, ddp, fsdp", "--grad-accum",
-                     "default: runs/{strategy}-{time}", "--overwrite"):
+                     "default: runs/{strategy}-{time}", "--overwrite",
+                     # what the option also sets (the lipschitz strategy's cap, the unconstrained Muon decay)
+                     "largest column norm of DGram matrices; the RMS→RMS spectral cap of the lipschitz strategy",
+                     "decoupled weight decay of AdamW and of the unregulated Muon matrices",
+                     "learning rate of the matrix optimizers; > 0 and ≤ 1e+06"):
         assert expected in text, expected
     with pytest.raises(SystemExit):
         cli(["compare", "--help"])
