@@ -49,6 +49,7 @@ __all__ = [
     "check_matrix",
     "fp32_or_fp64",
     "narrower_range",
+    "as_real",
     "check_real",
     "check_count",
     "check_compute_dtype",
@@ -167,6 +168,18 @@ def narrower_range(dtype: torch.dtype, than: torch.dtype) -> bool:
     bfloat16, and every other dtype against float64 (up to $10^{308}$). bfloat16 has
     float32's range."""
     return torch.finfo(dtype).tiny > torch.finfo(than).tiny
+
+
+def as_real(where: str, name: str, value) -> float:
+    """``value`` as a float, refusing (``TypeError`` naming ``where`` and ``name``) what
+    ``float()`` takes only by accident (a bool: ``True`` had counted as 1; a string: ``"4"``
+    as 4) or not at all (``None``: a raw ``float()`` error that named no option)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{where}: {name} must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: {name} must be a real number, got {value!r}") from None
 
 
 def check_real(where: str, name: str, value, admissible: Callable[[float], bool] = lambda x: True,

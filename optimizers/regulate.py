@@ -48,7 +48,19 @@ below about 0.6), and it is off by at most $\sigma_1 - \sigma_9$ in any case (a 
 singular values at the top, e.g. right after a hard cap). Passing ``state`` warm-starts the
 block across steps.
 
-Non-finite weights raise ``ValueError`` (a regulator never turns a NaN into weights).
+Non-finite weights raise ``ValueError`` in ``reg(W, ...)`` (a regulator never hands a NaN
+back as weights), and so does a non-finite result of finite weights (a safeguard, see the
+range below); :meth:`Regulator.unchecked`, the optimizer's path, reads neither back.
+
+Range: the spectral regulators, ``hard_cap`` and ``column_cap`` compute on the weight (or
+column) divided by a power of two near its largest entry (exact, so the same result bit for
+bit where the unscaled arithmetic would neither over- nor underflow), so no Gram matrix or
+squared norm leaves the dtype's range: finite weights give finite results wherever
+$\sqrt{\text{fan\_in}/\text{fan\_out}}\,W$ and its top singular value are representable
+(float32: below $3.4\cdot10^{38}$), and ``hard_cap`` caps there. ``soft_cap``'s guard first
+scales a weight outside the ball down to $\sigma_{\max} = k$ (with ``guard_steps=0`` its
+products square the weight as it is). ``weight_decay`` only scales. An empty ($0\times n$)
+weight is returned as it is.
 """
 
 from __future__ import annotations
@@ -63,8 +75,8 @@ from typing import Any, Callable, Iterable, Mapping, Union
 import torch
 
 from geomuon.manifolds.linalg import (
-    MSIGN_METHODS,
     KELLER_QUINTIC,
+    as_real,
     NSSchedule,
     check_matrix,
     fixed_start,
@@ -84,6 +96,7 @@ __all__ = [
     "SpectralWeightDecay",
     "SoftCap",
     "HardCap",
+    "HARD_CAP_METHODS",
     "ColumnCap",
     "make_regulator",
     "regulator_spec",
@@ -110,10 +123,11 @@ def _check_weight(W: Any, who: str) -> None:
     check_matrix(W, who, "1-D tensors (biases, gains) have no spectral norm: leave them unregulated")
 
 
-def _positive(value: Any, name: str, who: str) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{who}: {name} must be a finite number > 0, got {value}")
+def _positive(value: Any, name: str, who: str, *, zero: bool = False) -> float:
+    """``value`` as a float, refused unless a finite number > 0 (>= 0 with ``zero``), naming it."""
+    value = as_real(who, name, value)
+    if not (math.isfinite(value) and (value > 0 or (zero and value == 0))):
+        raise ValueError(f"{who}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value}")
     return value
 
 
@@ -124,10 +138,31 @@ def _at_least(value: Any, least: int, name: str, who: str) -> int:
 
 
 def _fraction(value: Any, name: str, who: str) -> float:
-    value = float(value)
+    value = as_real(who, name, value)
     if not (0.0 <= value < 1.0):
         raise ValueError(f"{who}: {name} must lie in [0, 1), got {value}")
     return value
+
+
+def _power_of_two_at_most(largest: torch.Tensor) -> torch.Tensor:
+    r"""$2^e$ with $2^e \le$ ``largest`` $< 2^{e+1}$, elementwise, for positive normal ``largest``
+    (what :func:`largest_entry` returns): the scale the regulators divide a weight by before
+    any product squares its entries. Dividing and multiplying by a power of two is exact, so
+    the scaled computation is the unscaled one bit for bit wherever the latter neither over-
+    nor underflows, and stays finite beyond (entries of the scaled weight lie in $(-2, 2)$).
+    ``largest`` $= m\,2^{e+1}$ with $m \in [\tfrac12, 1)$ (``frexp``), so the quotient by $2m$
+    is exactly $2^e$ (a correctly rounded division of a representable result)."""
+    mantissa, _ = torch.frexp(largest)
+    return largest / (2 * mantissa)
+
+
+def _scaled(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(s, M / s)``, ``s`` ``[..., 1, 1]`` the power of two at most each matrix's largest entry
+    (:func:`_power_of_two_at_most`): ``M / s`` has entries in $(-2, 2)$, so its Gram matrix has
+    entries below $4\max(m, n)$ whatever the weight's scale, and ``(M / s) * s`` is ``M`` (up
+    to entries below $2^{-126}$ of the largest in float32, which go subnormal)."""
+    s = _power_of_two_at_most(largest_entry(M))
+    return s, M / s
 
 
 def rms_spectral_norm(W: torch.Tensor) -> torch.Tensor:
@@ -136,6 +171,8 @@ def rms_spectral_norm(W: torch.Tensor) -> torch.Tensor:
     The independent reference the tests measure regulators with; computed in float64.
     """
     _check_weight(W, "rms_spectral_norm")
+    if W.size(-2) == 0 or W.size(-1) == 0:  # no singular value: the norm of the zero map
+        return torch.zeros(W.shape[:-2], dtype=torch.float64, device=W.device)
     return rms_scale(W.shape) * torch.linalg.matrix_norm(W.double(), ord=2)
 
 
@@ -177,7 +214,10 @@ def _top_singular_triplet(
     M: torch.Tensor, steps: int, block: int, state: dict | None, key: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""$(\hat\sigma, \hat u, \hat v)$, ``[...], [..., m], [..., n]``: the top singular
-    triplet by block power (subspace) iteration with Rayleigh–Ritz.
+    triplet by block power (subspace) iteration with Rayleigh–Ritz. The regulators pass the
+    weight divided by a power of two near its largest entry (:func:`_scaled`): the Gram matrix
+    of the weight itself overflowed in float32 from entries near $10^{19}$ (NaN weights came
+    back).
 
     With $G$ the short-side Gram matrix ($M^\top M$ for tall, $MM^\top$ for wide) and an
     orthonormal block $V$ of ``block`` columns: ``steps`` times $V \leftarrow
@@ -270,7 +310,16 @@ class Regulator:
                 f"{type(self).__name__}: the weight has non-finite entries; regulation cannot "
                 "repair it (check the optimizer's nonfinite handling and the learning rate)"
             )
-        return self.unchecked(W, lr=lr, state=state)
+        out = self.unchecked(W, lr=lr, state=state)
+        # a safeguard for weights beyond the documented range (see the module docstring): a
+        # finite weight must not come back as NaN or inf unnoticed
+        if not torch.isfinite(out).all():
+            raise ValueError(
+                f"{type(self).__name__}: a finite weight (largest entry {W.abs().max().item():.3g}) gave a "
+                f"non-finite result: its RMS->RMS norm is beyond {W.dtype}'s range for this regulator; "
+                "rescale the weight first"
+            )
+        return out
 
     def unchecked(self, W: torch.Tensor, *, lr: float | torch.Tensor, state: dict | None = None) -> torch.Tensor:
         """:meth:`__call__` without its finiteness test (a host read of the weight): what an
@@ -281,9 +330,9 @@ class Regulator:
         if isinstance(lr, torch.Tensor):
             lr = lr.reshape(())
         else:
-            lr = float(lr)
-            if not math.isfinite(lr) or lr < 0:
-                raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {lr}")
+            lr = _positive(lr, "lr", type(self).__name__, zero=True)
+        if W.size(-2) == 0 or W.size(-1) == 0:  # no singular value to act on: every bound holds as it is
+            return W.detach().clone()
         scale = rms_scale(W.shape)
         M = W.detach().to(fp32_or_fp64(W.dtype)) * scale
         out = self.regulate(M, lr=lr, state=state)
@@ -313,9 +362,7 @@ class WeightDecay(Regulator):
     name = "weight_decay"
 
     def __post_init__(self):
-        self.weight_decay = float(self.weight_decay)
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"WeightDecay: weight_decay must be >= 0, got {self.weight_decay}")
+        self.weight_decay = _positive(self.weight_decay, "weight_decay", "WeightDecay", zero=True)
 
     def regulate(self, M, *, lr, state):
         factor = 1.0 - lr * self.weight_decay
@@ -349,9 +396,12 @@ class SpectralNormalize(Regulator):
             _at_least(self.block, 1, "block", "SpectralNormalize")
 
     def regulate(self, M, *, lr, state):
-        sigma, _, _ = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
-        factor = (sigma / self.w_max).clamp_min(1.0)
-        return M / factor[..., None, None]
+        s, unit = _scaled(M)
+        sigma = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)[0][..., None, None]
+        # sigma is sigma-hat / s: M w / sigma-hat = unit (w / sigma), and M = unit s; one pass,
+        # and no factor of sigma-hat itself, which need not be representable (sigma * s = inf
+        # still compares right)
+        return unit * torch.where(sigma * s > self.w_max, self.w_max / sigma, s)
 
 
 @dataclass(repr=False)
@@ -378,8 +428,9 @@ class SpectralHammer(Regulator):
             _at_least(self.block, 1, "block", "SpectralHammer")
 
     def regulate(self, M, *, lr, state):
-        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
-        excess = (sigma - self.w_max).clamp_min(0.0)
+        s, unit = _scaled(M)
+        sigma, u, v = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)
+        excess = (sigma * s.squeeze(-1).squeeze(-1) - self.w_max).clamp_min(0.0)  # (sigma is sigma-hat / s)
         return M - excess[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
 
 
@@ -397,11 +448,7 @@ class SpectralWeightDecay(Regulator):
     name = "spectral_weight_decay"
 
     def __post_init__(self):
-        self.weight_decay = float(self.weight_decay)
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(
-                f"SpectralWeightDecay: weight_decay must be >= 0, got {self.weight_decay}"
-            )
+        self.weight_decay = _positive(self.weight_decay, "weight_decay", "SpectralWeightDecay", zero=True)
         self.steps, self.block = _at_least(self.steps, 1, "steps", "SpectralWeightDecay"), \
             _at_least(self.block, 1, "block", "SpectralWeightDecay")
 
@@ -412,8 +459,9 @@ class SpectralWeightDecay(Regulator):
                 f"SpectralWeightDecay: lr * weight_decay = {shrink} > 1 would flip the top "
                 "singular direction; lower lr or weight_decay"
             )
-        sigma, u, v = _top_singular_triplet(M, self.steps, self.block, state, WARM_START_KEY)
-        return M - (shrink * sigma)[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
+        s, unit = _scaled(M)
+        sigma, u, v = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)
+        return M - (shrink * sigma)[..., None, None] * s * u.unsqueeze(-1) * v.unsqueeze(-2)  # (sigma-hat / s) s
 
 
 # --------------------------------------------------------------------------------------
@@ -472,9 +520,7 @@ def soft_cap_alpha(w_max: float, wd: float, eta: float) -> float:
     """
     w_max = _positive(w_max, "w_max", "soft_cap_alpha")
     wd = _fraction(wd, "wd", "soft_cap_alpha")
-    eta = float(eta)
-    if not (math.isfinite(eta) and eta >= 0):
-        raise ValueError(f"soft_cap_alpha: eta must be a finite number >= 0, got {eta}")
+    eta = _positive(eta, "eta", "soft_cap_alpha", zero=True)
     k = w_max * (1.0 - wd) + eta
     ratio = w_max / k
     if ratio >= 1.0:
@@ -670,12 +716,10 @@ class SoftCap(Regulator):
 
     def __post_init__(self):
         self.w_max = _positive(self.w_max, "w_max", "SoftCap")
-        self.weight_decay = float(self.weight_decay)
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"SoftCap: weight_decay must be >= 0, got {self.weight_decay}")
+        self.weight_decay = _positive(self.weight_decay, "weight_decay", "SoftCap", zero=True)
         if not (self.eta is None or callable(self.eta)):
-            self.eta = float(self.eta)
-        self.guard_steps = int(self.guard_steps)
+            self.eta = _positive(self.eta, "eta", "SoftCap", zero=True)
+        self.guard_steps = _at_least(self.guard_steps, 0, "guard_steps", "SoftCap")
 
     def eta_for(self, lr: float | torch.Tensor, shape: tuple[int, ...]) -> float | torch.Tensor:
         r"""$\eta$ at this ``lr``: a float, or a tensor where ``lr`` is one (never read back)."""
@@ -714,6 +758,15 @@ class SoftCap(Regulator):
 # exact hard cap and the DGram column cap
 
 
+#: The msign methods :class:`HardCap` accepts: those whose sign tends to the exact one as the
+#: steps grow (Polar Express repeats $(15/8, -5/4, 3/8)$, which fixes 1 with slope 0; the SVD is
+#: exact). The other :data:`~geomuon.manifolds.linalg.MSIGN_METHODS` are 5-step tables whose
+#: repeated last step does not fix 1.
+HARD_CAP_METHODS = ("polar_express", "svd")
+
+_LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
+
+
 @dataclass(repr=False)
 class HardCap(Regulator):
     r"""Exact hard cap $\sigma \mapsto \min(\sigma, w_{\max})$ of every singular value,
@@ -744,18 +797,31 @@ class HardCap(Regulator):
     after one Gram product. No fixed polynomial (the reference's 4-step hard cap only
     works for $\sigma \le 3.5$).
 
+    Scale: the passes run on $M/s$ at levels $c/s$, $s$ a power of two near $M$'s largest
+    entry ($s\min(\sigma/s, c/s) = \min(\sigma, c)$, and the scaling is exact), so the cap
+    holds for every finite weight whose top singular value is representable (the Gram matrix
+    and msign's normalization overflowed in float32 from $\sigma_{\max} \approx 3\cdot10^{12}$).
+
     Args:
         w_max: RMS→RMS cap.
-        method: msign method (``"polar_express"`` default; ``"svd"`` for a reference).
+        method: msign method, one of :data:`HARD_CAP_METHODS`: ``"polar_express"`` (default)
+            or ``"svd"`` (a reference). The construction needs a sign that tends to the exact
+            one as ``sign_steps`` grow; the 5-step tables (``"newton_schulz"``,
+            ``"polar_express_5"``) repeat a last step that does not fix 1 (Keller's maps 1 to
+            0.70; ``polar_express_5``'s fixed point is 1.035), so their "projector" is not one
+            and the capped norm stayed at 2.6 (``"newton_schulz"``) and 1.012 ($w_{\max} = 1$).
+            They are refused (``ValueError``) rather than left to break the bound.
         sign_steps: Polar Express steps for the symmetric sign (20: eigenvalues down to
             about $10^{-7}$ of the Frobenius norm are resolved in float64).
-        ratio: level ratio $\rho$ of one pass.
+        ratio: level ratio $\rho$ of one pass, finite and $> 1$ (at $\rho = \infty$ no level
+            runs: nothing would be capped).
         levels: 0 (default): $J$ adaptive as above, which reads the bound back to the host
             once per call (a device sync on a GPU); $J \ge 1$: always the $J$ levels
             $c\rho^{J-1}, \dots, c$, no host read, each level a no-op (the matrix kept
             bitwise) on a matrix whose bound is at or below it. The same cap wherever the
             bound is at most $c\rho^J$; above that the top level's sign is not resolved,
-            and the cap is not guaranteed.
+            and the cap is not guaranteed. The top level $c\rho^{J-1}$ must be a finite
+            float64.
 
     Cost per pass: one msign of the $m\times n$ matrix, one of an $n\times n$ symmetric
     matrix and 4 matmuls (about 3 Muon orthogonalizations); one pass whenever
@@ -774,44 +840,63 @@ class HardCap(Regulator):
     def __post_init__(self):
         self.w_max = _positive(self.w_max, "w_max", "HardCap")
         self.sign_steps = _at_least(self.sign_steps, 1, "sign_steps", "HardCap")
-        if self.method not in MSIGN_METHODS:
-            raise ValueError(f"HardCap: method must be one of {MSIGN_METHODS}, got {self.method!r}")
-        self.ratio = float(self.ratio)
-        if not self.ratio > 1:
-            raise ValueError(f"HardCap: ratio must be > 1, got {self.ratio}")
-        self.levels = int(self.levels)
-        if self.levels < 0:
-            raise ValueError(f"HardCap: levels must be >= 0 (0: adaptive), got {self.levels}")
+        if self.method not in HARD_CAP_METHODS:
+            raise ValueError(
+                f"HardCap: method must be one of {HARD_CAP_METHODS}, the msign methods exact enough "
+                f"for the cap, got {self.method!r} (the 5-step tables' sign does not converge, and "
+                "the weight stays above w_max)"
+            )
+        self.ratio = as_real("HardCap", "ratio", self.ratio)
+        if not (math.isfinite(self.ratio) and self.ratio > 1):
+            raise ValueError(f"HardCap: ratio must be a finite number > 1, got {self.ratio}")
+        self.levels = _at_least(self.levels, 0, "levels (0: adaptive)", "HardCap")
+        if self.levels and math.log(self.w_max) + (self.levels - 1) * math.log(self.ratio) >= _LOG_FLOAT64_MAX:
+            raise ValueError(
+                f"HardCap: the top level w_max * ratio^(levels - 1) of levels={self.levels} overflows "
+                "float64; use fewer levels or a smaller ratio"
+            )
 
     def regulate(self, M, *, lr, state):
         wide = M.size(-2) < M.size(-1)
         X = M.mT if wide else M
-        gram = X.mT @ X
-        # Schatten-8 norm: an upper bound on sigma_max within a factor n^(1/8), of the Gram by
-        # its largest entry g (in fp32 (gram @ gram) overflowed once sigma_max passed 6e4)
-        g = largest_entry(gram)
-        unit = gram / g
-        bound = (unit @ unit).norm(dim=(-2, -1)).sqrt().sqrt() * g.squeeze(-1).squeeze(-1).sqrt()
-        if self.levels:
-            X = self._descend(X, gram, self.levels, bound)
-            return X.mT if wide else X
-        top = bound.amax().item() if bound.numel() else 0.0  # (an empty batch: nothing to cap)
-        if top <= self.w_max:
-            return M
-        X = self._descend(X, gram, math.ceil(math.log(top / self.w_max) / math.log(self.ratio)))
+        s, unit, gram = self._scaled_gram(X)
+        # Schatten-8 norm ||(X^T X)^2||_F^(1/4) >= sigma_max (within a factor n^(1/8)), in units of s
+        bound = (gram @ gram).norm(dim=(-2, -1), keepdim=True).sqrt().sqrt()
+        levels = self.levels
+        if not levels:
+            # in float64, where bound * s is exact (a power of two) for float32 weights
+            top = (bound.double() * s.double()).amax().item() if bound.numel() else 0.0  # (an empty batch)
+            if top <= self.w_max:
+                return M
+            if not math.isfinite(top):
+                raise ValueError(f"HardCap: the weight's norm bound is {top}: non-finite weights, or a norm "
+                                 "beyond float64's range; rescale the weight")
+            levels = math.ceil(math.log(top / self.w_max) / math.log(self.ratio))
+        for level in reversed(range(levels)):
+            if level < levels - 1:  # as the previous pass left it (sigma_max <= rho times this level), rescaled
+                s_level, unit, gram = self._scaled_gram(X)
+            else:
+                s_level = s
+            c = self._level(level, s_level)
+            # a pass at a level at or above the matrix's bound keeps it bitwise (selected on the device)
+            X = torch.where(bound > self._level(level, s), self._cap_once(unit, gram, c) * s_level, X)
         return X.mT if wide else X
 
-    def _descend(self, X, gram, levels, bound=None):
-        r"""The passes at $c\rho^{J-1}, \dots, c$ ($J$ = ``levels``) on the tall ``X`` with Gram
-        ``gram``; with a per-matrix ``bound``, a pass at a level at or above it keeps the
-        matrix as it is (selected on the device)."""
-        for level in reversed(range(levels)):
-            c = self.w_max * self.ratio**level
-            capped = self._cap_once(X, gram, c)
-            X = capped if bound is None else torch.where((bound > c)[..., None, None], capped, X)
-            if level:  # the last pass's Gram would go unused
-                gram = X.mT @ X
-        return X
+    @staticmethod
+    def _scaled_gram(X):
+        r"""$(s, X/s, (X/s)^\top(X/s))$ (:func:`_scaled` and the Gram matrix): the
+        cap commutes with scaling, $s\min(\sigma/s, c/s) = \min(\sigma, c)$, and on $X/s$ neither
+        the Gram, the bound nor msign's Frobenius normalization over- or underflows (in fp32 the
+        Gram of $X$ overflowed from entries near $10^{19}$, and msign's norm of $X^\top X - c^2I$ from
+        $\sigma_{\max}$ near $3\cdot10^{12}$). Each pass rescales: a descent from $\sigma_{\max} =
+        10^{150}$ to $c = 1$ had left the Gram at $10^{-300}$, whose norm underflows in float64."""
+        s, unit = _scaled(X)
+        return s, unit, unit.mT @ unit
+
+    def _level(self, level: int, s: torch.Tensor) -> torch.Tensor:
+        r"""Level $c\rho^\text{level}$ in units of ``s``, ``[..., 1, 1]`` in ``s.dtype``: divided in
+        float64, so that a level beyond float32's range does not become inf before the division."""
+        return ((self.w_max * self.ratio**level) / s.double()).to(s.dtype)
 
     def _cap_once(self, X, gram, c):
         eye = torch.eye(X.size(-1), dtype=X.dtype, device=X.device)
@@ -831,7 +916,8 @@ class ColumnCap(Regulator):
 
     ``side``: ``"columns"``, ``"rows"``, or ``"auto"`` (default: columns for tall, rows for
     wide matrices, the side DGram constrains in its transposed geometry).
-    Cost: one norm per column.
+    Cost: one norm per column (of the column divided by a power of two near its largest
+    entry: exact, and finite for every finite weight).
     """
 
     w_max: float = 1.0
@@ -848,8 +934,14 @@ class ColumnCap(Regulator):
     def regulate(self, M, *, lr, state):
         rows = self.side == "rows" or (self.side == "auto" and M.size(-2) < M.size(-1))
         dim = -1 if rows else -2
-        norms = M.norm(dim=dim, keepdim=True)
-        return M / (norms / self.w_max).clamp_min(1.0)
+        # each column by a power of two near its largest entry before the norm squares it (the
+        # norm had overflowed to inf in fp32 from entries near 1e19, and the column became 0);
+        # a capped column is (M / s) (w / ||M / s||), one kept is (M / s) s: one pass, and no
+        # norm of M itself formed
+        s = _power_of_two_at_most(M.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(M.dtype).tiny))
+        unit = M / s
+        norms = unit.norm(dim=dim, keepdim=True)
+        return unit * torch.where(norms * s > self.w_max, self.w_max / norms, s)
 
 
 # --------------------------------------------------------------------------------------
@@ -913,7 +1005,7 @@ def make_regulator(spec: Any) -> Callable | None:
     * ``None`` → ``None`` (no regulation; the optimizer skips the call);
     * ``"soft_cap"`` (a name in :data:`REGULATORS`) → that regulator with defaults;
     * ``{"name": "soft_cap", "w_max": 2.0, ...}`` → the regulator with those arguments
-      (``"kind"`` is accepted for ``"name"``);
+      (``"kind"`` is accepted for ``"name"``, not both; a name is a string);
     * a :class:`Regulator` (or a subclass: built with its defaults) or any callable
       ``f(W, *, lr[, state])`` → itself (a callable without ``state`` is wrapped);
     * a list/tuple of specs → :class:`Chain`, applied in order.
@@ -933,7 +1025,12 @@ def make_regulator(spec: Any) -> Callable | None:
         return _regulator_class(spec)()
     if isinstance(spec, Mapping):
         options = dict(spec)
-        name = options.pop("name", None) or options.pop("kind", None)
+        if "name" in options and "kind" in options:
+            raise ValueError(
+                f"make_regulator: a dict spec gives 'name' ({options['name']!r}) or its alias 'kind' "
+                f"({options['kind']!r}), not both"
+            )
+        name = options.pop("name", options.pop("kind", None))
         if name is None:
             raise ValueError(
                 f"make_regulator: a dict spec needs a 'name' key (one of {sorted(REGULATORS)}), "
@@ -977,6 +1074,10 @@ def _accepts_state(function: Callable) -> bool:
 
 
 def _regulator_class(name: str) -> type[Regulator]:
+    if not isinstance(name, str):  # (a list had failed as an unhashable dict key)
+        raise TypeError(
+            f"make_regulator: a regulator name must be a string, one of {sorted(REGULATORS)}; got {name!r}"
+        )
     try:
         return REGULATORS[name]
     except KeyError:

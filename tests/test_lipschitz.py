@@ -899,5 +899,107 @@ def test_inputs_outside_the_radius_are_refused():
         certify_domain(x * 1.01)
     with pytest.raises(ValueError, match="searches"):
         empirical_lipschitz(lambda z: z, x, searches=("nearby",))
-    with pytest.raises(ValueError, match="ascent_steps >= 0"):
+    with pytest.raises(ValueError, match="ascent_steps must be a whole number >= 0"):
         empirical_lipschitz(lambda z: z, x, ascent_steps=-1)
+
+
+def test_certify_domain_refuses_nan_inputs_and_radii():
+    # "largest > radius" is False for NaN: a NaN input, and any input under radius=NaN, had passed
+    gen = torch.Generator().manual_seed(9)
+    x = unit_rms_tokens(4, 8, gen)
+    with pytest.raises(ValueError, match="a token has NaN entries"):
+        certify_domain(torch.full((3, 8), math.nan))
+    with pytest.raises(ValueError, match="a token has NaN entries"):
+        certify_domain(x.index_fill(0, torch.tensor([2]), math.nan))  # one NaN token among unit ones
+    for radius in (math.nan, -1.0, math.inf):
+        with pytest.raises(ValueError, match="certify_domain: radius must be a finite number >= 0"):
+            certify_domain(x * 100, radius=radius)
+    with pytest.raises(TypeError, match="certify_domain: radius must be a real number"):
+        certify_domain(x, radius="1")
+    with pytest.raises(ValueError, match="certify_domain: X of shape \\(0, 8\\) has no entries"):
+        certify_domain(torch.zeros(0, 8))  # (a raw error of max() over nothing)
+
+
+@pytest.mark.parametrize("mutate, name, dtype", [
+    (lambda w: {**w, "head": w["head"] + 10j * w["head"]}, "head", "complex"),
+    (lambda w: {**w, "blocks": [w["blocks"][0], {**w["blocks"][1], "v": w["blocks"][1]["v"].to(torch.complex64)}]},
+     r"blocks\[1\]\['v'\]", "complex"),
+    (lambda w: {**w, "blocks": [{**w["blocks"][0], "mlp_in": w["blocks"][0]["mlp_in"] > 0}, w["blocks"][1]]},
+     r"blocks\[0\]\['mlp_in'\]", "bool"),
+    (lambda w: {**w, "blocks": [{**w["blocks"][0], "o": w["blocks"][0]["o"].long()}, w["blocks"][1]]},
+     r"blocks\[0\]\['o'\]", "int64"),
+])
+def test_non_real_floating_weights_are_refused_by_key(mutate, name, dtype):
+    # the float64 cast had dropped a complex weight's imaginary part (W + 10j W got exactly W's
+    # bound: a certificate of another network) and taken bool weights (2.2e9)
+    weights = mutate(GPT(lipschitz_config(n_head=2)).lipschitz_weights())
+    with pytest.raises(TypeError, match=f"transformer_lipschitz_bound: {name} must be a real floating-point tensor, "
+                                        f"got torch.{dtype}"):
+        transformer_lipschitz_bound(weights)
+    with pytest.raises(TypeError, match=name):
+        rounding_error_bound(weights, sequence_length=4)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    # a negative count had given E 10x below the default's (unsound), NaN a NaN E
+    (lambda w: rounding_error_bound(w, sequence_length=8, elementwise_ulps=-10), ValueError,
+     "rounding_error_bound: elementwise_ulps must be a finite number >= 0"),
+    (lambda w: rounding_error_bound(w, sequence_length=8, elementwise_ulps=math.nan), ValueError,
+     "rounding_error_bound: elementwise_ulps must be a finite number >= 0"),
+    # counts had been truncated (2.5 as 2, 4.9 as 4) or coerced (True as 1, "4" as 4)
+    (lambda w: rounding_error_bound(w, sequence_length=2.5), ValueError,
+     "rounding_error_bound: sequence_length must be a whole number >= 1, got 2.5"),
+    (lambda w: rounding_error_bound(w, sequence_length=0), ValueError,
+     "rounding_error_bound: sequence_length must be a whole number >= 1"),
+    (lambda w: rounding_error_bound(w, sequence_length=True), TypeError,
+     "rounding_error_bound: sequence_length must be a real number, got True"),
+    (lambda w: transformer_lipschitz_bound(w, sequence_length=4.9), ValueError,
+     "transformer_lipschitz_bound: sequence_length must be a whole number >= 1, got 4.9"),
+    (lambda w: transformer_lipschitz_bound(w, sequence_length=True), TypeError,
+     "transformer_lipschitz_bound: sequence_length must be a real number, got True"),
+    (lambda w: transformer_lipschitz_bound(w, sequence_length="4"), TypeError,
+     "transformer_lipschitz_bound: sequence_length must be a real number, got '4'"),
+])
+def test_rounding_and_sequence_options_are_refused_by_name(call, error, match):
+    weights = GPT(lipschitz_config(n_head=2)).lipschitz_weights()
+    with pytest.raises(error, match=match):
+        call(weights)
+    # control: the whole-number forms are taken (4.0 is 4), and no ulps at all is a valid model
+    assert transformer_lipschitz_bound(weights, sequence_length=4.0).bound == \
+        transformer_lipschitz_bound(weights, sequence_length=4).bound
+    assert math.isfinite(rounding_error_bound(weights, sequence_length=8, elementwise_ulps=0))
+
+
+def test_empirical_lipschitz_starts_from_zero_and_refuses_degenerate_options():
+    # x0 = 0 is in the domain (token RMS 0 <= 1); its RMS had scaled every noise, offset and
+    # step to 1e-308, and the estimate of a linear map was -inf. Per token x -> A x, so the
+    # constant in the max token RMS is sigma_max(A); every evaluated pair's ratio is at most
+    # that (up to float64 rounding of a few ulps), and the Jacobian power iteration reaches it
+    # (1e-9 measured from either start: 20 steps on a fixed Gaussian 8x8): rel=1e-6.
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    sigma = torch.linalg.matrix_norm(A, ord=2).item()
+    f = lambda x: x @ A.mT  # noqa: E731
+    zero = torch.zeros(6, 8, dtype=torch.float64)
+    for radius in (1.0, None):
+        estimate = empirical_lipschitz(f, zero, restarts=2, steps=5, radius=radius).estimate
+        assert estimate == pytest.approx(sigma, rel=1e-6) and estimate <= sigma * (1 + 1e-12)
+    x = unit_rms_tokens(6, 8, gen).double() * 0.5
+    options = dict(restarts=1, steps=2)
+    for bad, error, match in [
+        (dict(near=0.0), ValueError, "near must be a finite number > 0"),  # (estimate -inf)
+        (dict(perturbation=math.nan), ValueError, "perturbation must be a finite number > 0"),  # (-inf)
+        (dict(lr=0.0), ValueError, "lr must be a finite number > 0"),
+        (dict(ascent_lr=-1.0), ValueError, "ascent_lr must be a finite number > 0"),
+        (dict(radius=0.0), ValueError, "radius must be a finite number > 0"),
+        (dict(restarts=2.5), ValueError, "restarts must be a whole number >= 1, got 2.5"),  # (raw TypeError)
+        (dict(restarts=True), TypeError, "restarts must be a real number, got True"),  # (taken as 1)
+        (dict(steps="3"), TypeError, "steps must be a real number"),
+    ]:
+        with pytest.raises(error, match=f"empirical_lipschitz: {match}"):
+            empirical_lipschitz(f, x, **{**options, **bad})
+    for radius in (1.0, None):  # it had failed in Adam: "Invalid learning rate: nan"
+        with pytest.raises(ValueError, match="empirical_lipschitz: x0 has non-finite entries"):
+            empirical_lipschitz(f, torch.full_like(x, math.nan), radius=radius, **options)
+    with pytest.raises(ValueError, match="no evaluated pair gave a finite ratio"):  # (estimate -inf)
+        empirical_lipschitz(lambda z: z * math.nan, x, **options)

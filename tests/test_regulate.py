@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from geomuon.manifolds.linalg import MSIGN_METHODS, msign
 from geomuon.optimizers import Muon
 from geomuon.optimizers.regulate import (
     _top_ritz_vector,
+    HARD_CAP_METHODS,
     REGULATORS,
     ColumnCap,
     HardCap,
@@ -511,6 +513,108 @@ def test_hard_cap_at_large_norms_and_on_an_empty_batch():
     for scale in (3e4, 1e8):
         assert rms_spectral_norm(HardCap()(W * scale, lr=0.1)).item() == pytest.approx(1.0, abs=1e-3)
     assert HardCap()(torch.randn(0, 8, 16), lr=0.1).shape == (0, 8, 16)
+
+
+@pytest.mark.parametrize("method", MSIGN_METHODS)
+def test_hard_cap_takes_exactly_the_msign_methods_that_converge(method):
+    # The construction needs sign -> the exact sign as the steps grow. 40 steps in float64 on a
+    # well-conditioned 6x4 matrix bring Polar Express to round-off (~1e-15) and leave the 5-step
+    # tables at their repeated last step's fixed point (1.035) or cycle ([0.68, 1.13]): 1e-6
+    # separates the two by orders of magnitude either way.
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    steps = None if method == "svd" else 40
+    converges = (torch.linalg.svdvals(msign(X, method, steps=steps)) - 1).abs().max().item() < 1e-6
+    assert converges == (method in HARD_CAP_METHODS)
+    W = torch.randn(16, 8, generator=gen) * 3  # RMS->RMS norm ~13, w_max = 1
+    if converges:
+        # the fp32 bound of test_hard_cap_float32_kernel: 2 msign iterations of ~20 steps, 8 eps32 each
+        assert rms_spectral_norm(HardCap(w_max=1.0, method=method)(W, lr=0.0)).item() <= 1 + 160 * F32_EPS
+    else:
+        # it had been accepted, and left the norm at 2.63 (newton_schulz) or 1.012 (polar_express_5)
+        with pytest.raises(ValueError, match=r"HardCap: method must be one of \('polar_express', 'svd'\)"):
+            HardCap(w_max=1.0, method=method)
+
+
+# every finite scale that keeps a randn weight's entries normal in its dtype (|entry| >= 1e-5
+# times 2^-100 is above float32's 1.2e-38); 2^66 ~ 7e19 and 2^100 ~ 1e30 are where the Gram
+# matrix (fp32: 1e19) and msign's norm of gram - c^2 I (fp32: sigma ~ 3e12) had overflowed
+POWER_OF_TWO_SCALES = [(torch.float32, k) for k in (-100, 40, 66, 100)] + [(torch.float64, k) for k in (-900, 500, 900)]
+
+
+@pytest.mark.parametrize("dtype, k", POWER_OF_TWO_SCALES)
+@pytest.mark.parametrize("shape", [(3, 12, 20), (3, 20, 12)])
+def test_regulators_commute_with_power_of_two_scaling_bitwise(dtype, k, shape):
+    # Every regulator is homogeneous: R_{t w}(t W) = t R_w(W). Each computes on W divided by a
+    # power of two near its largest entry, and scaling by a power of two is exact, so the two
+    # sides run the very same arithmetic: equal bit for bit, NaN, zeros and raw errors included
+    # (they had come back at t ~ 1e20 in float32).
+    t = 2.0**k
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(*shape, generator=gen, dtype=dtype)  # RMS->RMS norms ~3: every cap binds
+    for make in (lambda w: SpectralNormalize(w_max=w), lambda w: SpectralHammer(w_max=w),
+                 lambda w: SpectralWeightDecay(weight_decay=0.5), lambda w: ColumnCap(w_max=w),
+                 lambda w: HardCap(w_max=w), lambda w: HardCap(w_max=w, levels=2)):
+        reference = make(1.0)(W, lr=0.1)
+        scaled = make(t)(W * t, lr=0.1)
+        assert torch.isfinite(scaled).all() and torch.equal(scaled, reference * t), make(1.0)
+
+
+def test_hard_cap_caps_weights_of_any_finite_scale():
+    # the report's cases: fp32 norm 3e12 (capped at 2.2e9 before) and 1e20 (raw error), fp64 1e150
+    # (8e112) and 1e160 (raw error): the descent from 1e160 to 1 shrinks the matrix by 1e160 and
+    # each pass rescales it. Tolerance: the fp32 cap bound of test_hard_cap_float32_kernel
+    # (160 eps32); fp64 round-off of ~130 passes of 20-step signs is far below it.
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(8, 4, generator=gen)
+    for weight in (W * 1e12, W * 1e20, W.double() * 1e150, W.double() * 1e160):
+        assert rms_spectral_norm(HardCap(w_max=1.0)(weight, lr=0.0)).item() == pytest.approx(1.0, abs=160 * F32_EPS)
+
+
+def test_a_finite_weight_never_comes_back_non_finite():
+    # the module's promise, for regulators beyond their range too: __call__ checks its result
+    class Overflowing(Regulator, register=False):
+        def regulate(self, M, *, lr, state):
+            return M * 1e30 * 1e30  # inf in float32
+
+    with pytest.raises(ValueError, match="Overflowing: a finite weight .* gave a non-finite result"):
+        Overflowing()(torch.ones(2, 3), lr=0.0)
+
+
+@pytest.mark.parametrize("name", sorted(REGULATORS))
+def test_every_regulator_returns_an_empty_weight_as_it_is(name):
+    # a 0 x n weight has no singular value, so every bound holds as it is (rms_scale had raised
+    # ZeroDivisionError)
+    regulator = make_regulator({"name": name, **({"eta": 0.1} if name == "soft_cap" else {})})
+    for shape in [(0, 4), (4, 0), (2, 0, 3)]:
+        assert regulator(torch.zeros(shape), lr=0.1).shape == shape
+    assert torch.equal(rms_spectral_norm(torch.zeros(2, 0, 3)), torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: SpectralNormalize(w_max=True), TypeError, "SpectralNormalize: w_max must be a real number, got True"),
+    (lambda: SpectralNormalize(w_max="2"), TypeError, "w_max must be a real number, got '2'"),
+    (lambda: SpectralNormalize(w_max=None), TypeError, "w_max must be a real number, got None"),
+    (lambda: WeightDecay(weight_decay=True), TypeError, "WeightDecay: weight_decay must be a real number"),
+    (lambda: SoftCap(guard_steps=2.7), ValueError, "SoftCap: guard_steps must be an integer >= 0"),
+    (lambda: SoftCap(guard_steps=-3), ValueError, "SoftCap: guard_steps must be an integer >= 0"),
+    (lambda: SoftCap(eta=math.nan), ValueError, "SoftCap: eta must be a finite number >= 0"),
+    (lambda: SoftCap(eta="0.1"), TypeError, "SoftCap: eta must be a real number"),
+    (lambda: HardCap(levels=1.5), ValueError, "HardCap: levels .* must be an integer >= 0"),
+    (lambda: HardCap(levels=True), ValueError, "HardCap: levels .* must be an integer >= 0"),
+    (lambda: HardCap(levels=300), ValueError, r"top level w_max \* ratio\^\(levels - 1\)"),
+    (lambda: HardCap(ratio=math.inf), ValueError, "HardCap: ratio must be a finite number > 1"),
+    (lambda: HardCap(ratio="16"), TypeError, "HardCap: ratio must be a real number"),
+    (lambda: WeightDecay()(torch.ones(2, 2), lr=True), TypeError, "WeightDecay: lr must be a real number"),
+    (lambda: make_regulator({"name": ["soft_cap"]}), TypeError, "a regulator name must be a string"),
+    (lambda: make_regulator({"name": "hard_cap", "kind": "soft_cap"}), ValueError, "'name'.*or its alias 'kind'.*not both"),
+])
+def test_regulator_options_are_refused_by_name(make, error, match):
+    # each had been taken as a number (True as 1, "2" as 2.0, 2.7 guard steps as 2, -3 as
+    # "disabled", ratio inf as zero levels: no cap at all), failed only at the first call (eta
+    # NaN), or raised an error that named no option (None, a list name, name and kind)
+    with pytest.raises(error, match=match):
+        make()
 
 
 @pytest.mark.parametrize("make, match", [(lambda: HardCap(sign_steps=0), "sign_steps must be an integer >= 1"),

@@ -72,7 +72,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from geomuon.manifolds.linalg import rms_scale
+from geomuon.manifolds.linalg import as_real, rms_scale
 
 __all__ = [
     "GELU_LIPSCHITZ",
@@ -608,10 +608,8 @@ def transformer_lipschitz_bound(
     blocks = weights["blocks"]
     if not blocks:
         raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
-    if sequence_length is not None and int(sequence_length) < 1:
-        raise ValueError(f"transformer_lipschitz_bound: sequence_length must be >= 1, got {sequence_length}")
     if sequence_length is not None:
-        spread = math.sqrt(int(sequence_length))
+        spread = math.sqrt(_integer("transformer_lipschitz_bound", "sequence_length", sequence_length, least=1))
         through_sequence = _propagate(weights, blocks, spread, method)
         per_token = _propagate(weights, blocks, 1.0, method)
         if method != "simple" and spread * per_token.bound < through_sequence.bound:
@@ -646,17 +644,26 @@ def _refuse_unmodelled(weights: Mapping) -> None:
 
 def _float64_on_cpu(weights: Mapping) -> dict:
     """``weights`` (``"blocks"`` any iterable) with every tensor detached and in float64 on the CPU (a copy
-    unless it is one already; nothing here writes to it): the certificate's
+    unless it is one already; nothing here writes to it), refusing weight matrices (``"head"``, the
+    blocks' entries) that are not real floating point (``TypeError`` naming the key): the certificate's
     arithmetic (SVDs, eigendecompositions, the token sets) is float64 whatever the training dtype
     and device, so a model training on a GPU is certified by the same computation as on the CPU."""
 
-    def converted(value):
-        return value.detach().to("cpu", torch.float64) if isinstance(value, torch.Tensor) else value
+    def converted(value, name=None):
+        if not isinstance(value, torch.Tensor):
+            return value
+        # a weight matrix (``name`` given) must be real floating: the cast had dropped a complex
+        # weight's imaginary part (certifying another network) and taken bool and int weights
+        if name is not None and not value.is_floating_point():
+            raise TypeError(f"transformer_lipschitz_bound: {name} must be a real floating-point tensor, got "
+                            f"{value.dtype}; the bound is for the real-valued network")
+        return value.detach().to("cpu", torch.float64)
 
-    result = {key: converted(value) for key, value in weights.items()}
+    result = {key: converted(value, key if key == "head" else None) for key, value in weights.items()}
     result["blocks"] = [
-        {name: converted(value) for name, value in block.items()} if isinstance(block, Mapping) else block
-        for block in weights["blocks"]
+        {name: converted(value, f"blocks[{index}][{name!r}]") for name, value in block.items()}
+        if isinstance(block, Mapping) else block
+        for index, block in enumerate(weights["blocks"])
     ]
     return result
 
@@ -727,17 +734,20 @@ def _require_matrix(where: str, name: str, W, shape: tuple[int | None, int | Non
 
 def _positive(where: str, name: str, value, *, zero: bool = False) -> float:
     """``value`` as a float, refused unless finite and > 0 (>= 0 with ``zero``), naming it."""
-    number = float(value)
+    number = as_real(where, name, value)
     if not (math.isfinite(number) and (number > 0 or (zero and number == 0))):
         raise ValueError(f"{where}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
     return number
 
 
-def _integer(where: str, name: str, value) -> int:
-    """``value`` as an int, refused unless it is a whole number, naming it (2.7 had become 2)."""
-    if isinstance(value, bool) or float(value) != int(float(value)):
-        raise ValueError(f"{where}: {name} must be a whole number, got {value!r}")
-    return int(float(value))
+def _integer(where: str, name: str, value, *, least: int | None = None) -> int:
+    """``value`` as an int, refused unless it is a whole number (at least ``least`` if given),
+    naming it (2.7 had become 2)."""
+    number = as_real(where, name, value)
+    if not (math.isfinite(number) and number == int(number)) or (least is not None and number < least):
+        bound = "" if least is None else f" >= {least}"
+        raise ValueError(f"{where}: {name} must be a whole number{bound}, got {value!r}")
+    return int(number)
 
 
 def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> TransformerBound:
@@ -1079,12 +1089,24 @@ _PAIR_NOISE = 0.3
 
 
 def certify_domain(X: torch.Tensor, radius: float = 1.0) -> None:
-    """Raise ``ValueError`` unless every token (last dimension) of ``X`` has RMS at most
-    ``radius`` (relative slack of 4 float64 ulps): the domain of every bound here."""
+    r"""Raise ``ValueError`` unless every token (last dimension) of ``X`` has RMS at most
+    ``radius`` (relative slack of 4 float64 ulps): the domain of every bound here.
+
+    ``radius`` must be a finite number $\ge 0$ and ``X`` a non-empty floating tensor; a NaN
+    token is outside the domain (no comparison holds for it)."""
+    radius = _positive("certify_domain", "radius", radius, zero=True)
+    if not (isinstance(X, torch.Tensor) and X.is_floating_point()):
+        raise TypeError(f"certify_domain: X must be a floating-point tensor, got "
+                        f"{X.dtype if isinstance(X, torch.Tensor) else type(X).__name__}")
+    if X.numel() == 0:
+        raise ValueError(f"certify_domain: X of shape {tuple(X.shape)} has no entries: no token to certify")
     largest = X.detach().double().pow(2).mean(-1).sqrt().max().item()
-    if largest > radius * (1 + 4 * torch.finfo(torch.float64).eps):
+    # written as "not <=": NaN (a NaN token, which max propagates) fails it, where "largest >
+    # bound" had passed every NaN input
+    if not largest <= radius * (1 + 4 * torch.finfo(torch.float64).eps):
+        token = "a token has NaN entries" if math.isnan(largest) else f"a token has RMS {largest:.6g}"
         raise ValueError(
-            f"input outside the certified domain: a token has RMS {largest:.6g} > input_radius={radius:g}; "
+            f"input outside the certified domain: {token} (input_radius={radius:g}); "
             "the bound holds only for token RMS <= input_radius (the Lipschitz model's embedding gives 1)"
         )
 
@@ -1159,7 +1181,13 @@ def empirical_lipschitz(
     Args:
         f: the map (e.g. the blocks and head of a model, from embedded sequences to logits);
             it must map ``[B, ...]`` to ``[B, ...]`` row by row.
-        x0: ``[...]`` one input (no batch dimension), e.g. ``[T, d]``.
+        x0: ``[...]`` one input (no batch dimension), e.g. ``[T, d]``, finite and in the domain.
+            Its RMS is the input scale of the noise, offsets and steps below; for ``x0 = 0`` the
+            scale is ``radius`` (1 when ``None``).
+        restarts: a whole number $\ge 1$; ``steps``, ``power_steps``, ``ascent_steps``: whole
+            numbers $\ge 0$.
+        lr, ascent_lr, near, perturbation: finite numbers $> 0$, relative to the input scale.
+        radius: the domain's token-RMS radius, a finite number $> 0$, or ``None``.
         searches: a non-empty subset of :data:`SEARCHES`.
         in_norm: ``[B, ...] -> [B]`` norm of the inputs (default: max per-token RMS).
         out_norm: ``[B, ...] -> [B]`` norm of the outputs (default: max per-token RMS).
@@ -1170,19 +1198,40 @@ def empirical_lipschitz(
     Returns:
         :class:`EmpiricalLipschitz`; computed in ``x0.dtype`` (use float64: in float32 the
         rounding error of $f$ dominates near pairs, see :func:`rounding_error_bound`).
+
+    Raises:
+        TypeError, ValueError: an option or ``x0`` outside the above, named; ``ValueError``
+        too when no evaluated pair gave a finite ratio (``f`` returned NaN or inf), where an
+        estimate of $-\infty$ had come back.
     """
+    where = "empirical_lipschitz"
+    restarts = _integer(where, "restarts", restarts, least=1)
+    steps, power_steps, ascent_steps = (_integer(where, name, value, least=0) for name, value in
+                                        (("steps", steps), ("power_steps", power_steps), ("ascent_steps", ascent_steps)))
+    # each scales a step or an offset: at 0 or NaN no admissible pair was evaluated (estimate -inf)
+    lr, ascent_lr, near, perturbation = (_positive(where, name, value) for name, value in
+                                         (("lr", lr), ("ascent_lr", ascent_lr), ("near", near),
+                                          ("perturbation", perturbation)))
     unknown = set(searches) - set(SEARCHES)
-    if restarts < 1 or steps < 0 or power_steps < 0 or ascent_steps < 0:
-        raise ValueError(f"empirical_lipschitz: need restarts >= 1, steps >= 0, power_steps >= 0, ascent_steps >= 0, "
-                         f"got {restarts}, {steps}, {power_steps}, {ascent_steps}")
     if unknown or not searches:
         raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
+    if not (isinstance(x0, torch.Tensor) and x0.is_floating_point()):
+        raise TypeError(f"{where}: x0 must be a floating-point tensor, got "
+                        f"{x0.dtype if isinstance(x0, torch.Tensor) else type(x0).__name__}")
+    if not x0.numel():
+        raise ValueError(f"{where}: x0 of shape {tuple(x0.shape)} is empty: give one input, e.g. [T, d]")
+    if not bool(torch.isfinite(x0).all()):  # (it had failed in Adam, as "Invalid learning rate: nan")
+        raise ValueError(f"{where}: x0 has non-finite entries (NaN or inf)")
     if radius is not None:
-        certify_domain(x0, radius)
+        # radius 0 leaves one point, and no pair
+        certify_domain(x0, _positive(where, "radius", radius))
     generator = generator or torch.Generator(device="cpu").manual_seed(0)
     base = x0.detach()
     tiny = torch.finfo(base.dtype).tiny
-    scale = base.pow(2).mean().sqrt().clamp_min(tiny).item()
+    # the input scale of every noise, offset and step: x0's RMS, or the domain's radius (1 when
+    # unconstrained) for x0 = 0, which is in the domain: its RMS had scaled them all to 1e-308
+    # and the estimate was -inf
+    scale = base.pow(2).mean().sqrt().item() or (1.0 if radius is None else radius)
     column = (-1,) + (1,) * base.dim()
 
     def noise(size):
@@ -1242,6 +1291,9 @@ def empirical_lipschitz(
         best = torch.where(take, power[0], best)
         best_x[take], best_y[take] = power[1][take], power[2][take]
     winner = int(best.argmax())
+    if best[winner].item() == -math.inf:
+        raise ValueError(f"{where}: no evaluated pair gave a finite ratio: f returned non-finite values, or every "
+                         "pair collapsed to one point")
     return EmpiricalLipschitz(best[winner].item(), best_x[winner], best_y[winner], best.tolist(), by_search)
 
 
@@ -1347,10 +1399,10 @@ def rounding_error_bound(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"rounding_error_bound: dtype must be a float dtype, got {dtype}")
-    if int(sequence_length) < 1:
-        raise ValueError(f"rounding_error_bound: sequence_length must be >= 1, got {sequence_length}")
+    T = _integer("rounding_error_bound", "sequence_length", sequence_length, least=1)
+    # a negative count had lowered E below the rounding it bounds (unsound), a NaN made it NaN
+    elementwise_ulps = _positive("rounding_error_bound", "elementwise_ulps", elementwise_ulps, zero=True)
     u = torch.finfo(dtype).eps / 2
-    T = int(sequence_length)
     weights = {**weights, "blocks": list(weights["blocks"])}  # (a generator of blocks: read once, here)
     exact = transformer_lipschitz_bound(weights)
     blocks = weights["blocks"]
