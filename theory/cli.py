@@ -97,6 +97,10 @@ def _load(target: str):
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"target must be module:attribute, got {target!r}")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        stem = os.path.splitext(os.path.basename(module_name))[0]
+        raise ValueError(f"target {target!r} names a file: give the module's name instead ({stem}:{attr}), "
+                         "from the folder that holds it (it comes first on the import path)")
     try:
         obj = importlib.import_module(module_name)  # (the working directory first: _working_folder_first)
     except ImportError as err:
@@ -201,6 +205,11 @@ def _run(args: argparse.Namespace) -> int:
             compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None, condition=args.condition,
             seed=args.seed,
         )
+    except (TypeError, ValueError) as err:
+        # the check's inputs (a seed out of range, a group whose sample fails, a target that is
+        # no update subject): a usage error, not exit 1, which a CI job reads as "violated"
+        print(f"geomuon check-equivariance: error: {err}", file=sys.stderr)
+        return 2
     finally:  # called in-process (tests, notebooks): leave the caller's thread count as it was
         torch.set_num_threads(threads)
     print(report.table())

@@ -765,7 +765,7 @@ SUB_ROUNDOFF = 2.0**-30
 
 
 def _witness(subject: _Subject, element: GroupElement, example, *, compute: float, stated_precision: bool,
-             generator: torch.Generator, probes: int) -> tuple[float, float] | None:
+             generator: torch.Generator, probes: int) -> tuple[float, float, Any, Any] | None:
     r"""Residual and floor of the **float64 witness** of a trial in a narrower dtype $d$: the
     same inputs $x$ (every dtype embeds exactly in float64), the update evaluated in
     float64 and $g$ applied in float64, so the residual carries neither the rounding of
@@ -787,8 +787,10 @@ def _witness(subject: _Subject, element: GroupElement, example, *, compute: floa
     quantizes, or is piecewise constant, does not — for the latter the relative probes
     change nothing unless an entry sits at a threshold).
 
-    ``None`` when the witness does not apply: the update returned a dtype other than float64
-    for float64 inputs (it is not dtype-generic), raised, or returned a non-finite output.
+    Returns ``(residual, floor, U(x), U(g x))``, the outputs in float64 (:func:`run_trial`
+    compares them with the dtype trial's). ``None`` when the witness does not apply: the
+    update returned a dtype other than float64 for float64 inputs (it is not dtype-generic),
+    raised, or returned a non-finite output.
     """
     evaluate = _evaluator(subject)
     wide = _widened(example)
@@ -808,7 +810,7 @@ def _witness(subject: _Subject, element: GroupElement, example, *, compute: floa
                         evaluate(subject.perturb(point, wide_size, compute, generator, additive=False)), value))
     except Exception:  # the update's float64 path is not the check's subject: no witness
         return None
-    return residual, _floor(_eps(torch.float64), changes)
+    return residual, _floor(_eps(torch.float64), changes), out64, out64_g
 
 
 def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.dtype,
@@ -818,7 +820,11 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
     at ``example``, with ``probes`` entrywise probes at $x$ and as many at $g\cdot x$; an
     exception or a non-finite output gives the verdict ``error``. When the example is
     narrower than float64 and this trial is not violated, the float64 witness
-    (:func:`_witness`) decides instead wherever it resolves (``witness=False``: never)."""
+    (:func:`_witness`) decides instead wherever it resolves and judges the same function: its
+    outputs at $x$ and $g\cdot x$ within :data:`HOLDS_FACTOR` floors of this trial's (an update
+    that takes another path in the narrow dtype, a fused low-precision kernel, is judged on
+    that path: a 10 % bias in a bf16 path had been certified by its exact float64 path)
+    (``witness=False``: never)."""
     subject = _as_subject(subject)
     evaluate = _evaluator(subject)
     eps = _eps(compute_dtype)
@@ -841,8 +847,10 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         own = torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED)
         found = _witness(subject, element, example, compute=compute, generator=own,
                          stated_precision=compute_dtype != _members(example)[0].dtype, probes=probes)
-        if found is not None and _judge(*found) != "unresolved":
-            return Trial(index, kind, scale, found[0], found[1], _judge(*found), element, route="float64 witness")
+        if found is not None and _judge(*found[:2]) != "unresolved" and max(
+                subject.relative(out, found[2]), subject.relative(out_g, found[3])) <= HOLDS_FACTOR * floor:
+            return Trial(index, kind, scale, found[0], found[1], _judge(*found[:2]), element,
+                         route="float64 witness")
     return Trial(index, kind, scale, residual, floor, verdict, element)
 
 
@@ -1000,6 +1008,10 @@ def trial_scales(dtype: torch.dtype) -> tuple[float, ...]:
     return tuple(s for s in SCALES if s * SCALE_HEADROOM <= info.max and s / SCALE_HEADROOM >= info.tiny)
 
 
+#: The dtypes a check runs in (its inputs' and its stated precision).
+CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _trial_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed << 16) + index)
 
@@ -1045,7 +1057,10 @@ def check_equivariance(
     Raises:
         TypeError: ``update`` is not callable, or ``group`` is neither a group, a group class
             nor a name.
-        ValueError: ``trials`` or ``min_trials`` below 1, an unknown ``expect`` or kind.
+        ValueError: ``trials`` or ``min_trials`` below 1, an unknown ``expect`` or kind, a
+            ``dtype``/``compute_dtype`` other than float16, bfloat16, float32 or float64, a
+            ``condition`` below 1 or not finite, a ``seed`` outside $[0, 2^{31})$, or a group
+            whose ``sample`` fails (each named: they are the check's inputs, not the update's).
     """
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
@@ -1057,11 +1072,27 @@ def check_equivariance(
     unknown = set(kinds) - set(KINDS)
     if unknown or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {list(kinds)}")
+    # the check's own inputs, refused by name: an inf condition had built all-NaN inputs (blamed
+    # on the update as a non-finite output), an int dtype failed in torch.finfo, a complex one
+    # dropped its imaginary parts, a seed of 2^48 overflowed the trial generators' int64
+    for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
+        if value is not None and value not in CHECK_DTYPES:
+            raise ValueError(f"{name} must be one of {[str(d) for d in CHECK_DTYPES]}, got {value!r}")
+    if isinstance(condition, bool) or not isinstance(condition, (int, float)) or not (
+            math.isfinite(condition) and condition >= 1):
+        raise ValueError(f"condition must be a finite number >= 1 (a condition number), got {condition!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
+        raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
     group = _as_group(group)
     subject = _as_subject(update)
-    seed = secrets.randbits(31) if seed is None else int(seed)
+    seed = secrets.randbits(31) if seed is None else seed
     compute_dtype = compute_dtype or dtype
     shapes = sample_shapes(group, shape)
+    try:  # a group whose sample fails is the check's input, not a verdict on the update
+        group.sample(shapes, torch.Generator().manual_seed(seed))
+    except Exception as err:
+        raise ValueError(f"group {group.name}: sample({shapes}) failed ({type(err).__name__}: {err}); fix the "
+                         "group") from err
     scales = trial_scales(dtype)
     results, confirmed = [], False
 
