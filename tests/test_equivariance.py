@@ -374,6 +374,12 @@ def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkey
 
             def __init__(self, k):
                 super().__init__()
+
+        class BrokenSample(BiOrthogonal):
+            name = "broken-sample"
+
+            def sample(self, shapes, generator):
+                raise RuntimeError("sample exploded")
     """))
     (tmp_path / "broken_groups.py").write_text("raise RuntimeError('no group here')\n")
     monkeypatch.chdir(tmp_path)
@@ -384,7 +390,10 @@ def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkey
                           (("--group", "my_groups:NeedsArgument"), "cannot be built without arguments"),
                           (("--group", "my_groups:Nope"), "has no attribute 'Nope'"),
                           (("--group", "bi-orthogonal", "--condition", "inf"), "--condition must be a finite number"),
-                          (("--group", "bi-orthogonal", "--arg", "nosuch=1"), "--arg does not fit")):
+                          (("--group", "bi-orthogonal", "--arg", "nosuch=1"), "--arg does not fit"),
+                          # these had been tracebacks with exit 1, which a CI job reads as "violated"
+                          (("--group", "my_groups:BrokenSample"), "sample((6, 4)) failed"),
+                          (("--group", "bi-orthogonal", "--seed", str(2**48)), "seed must be an int in [0, 2**31)")):
         assert _cli(spectral, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     # the replay line replays: --steps and --expect are in it
@@ -497,3 +506,64 @@ def test_cli_target_imports_its_neighbours(tmp_path, monkeypatch, capsys):
     path = list(sys.path)
     assert _cli("my_optim:update", "--group", "bi-orthogonal", "--seed", "1") == 0
     assert sys.path == path  # restored for an in-process caller
+
+
+def _fused(D):
+    """Exact (the identity) in float64, with a non-equivariant bias on column 0 in every
+    narrower dtype, of relative size ``_fused.bias``: a fused low-precision kernel beside its
+    reference path."""
+    if D.dtype == torch.float64:
+        return D.clone()
+    out = D.clone()
+    out[..., :, 0] += _fused.bias * D.norm(dim=(-2, -1), keepdim=True)[..., 0] / D.shape[-2] ** 0.5
+    return out
+
+
+@pytest.mark.parametrize("dtype, bias", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)], ids=["fp32", "bf16"])
+def test_the_float64_witness_never_certifies_a_path_the_dtype_does_not_run(dtype, bias):
+    # the witness evaluates the update in float64; a map that dispatches on dtype runs another
+    # function there, and its exact float64 path had certified "HOLDS" over a bias of 23 (fp32)
+    # and 10 (bf16) noise floors in the path under test. Control: the bias-free map holds.
+    _fused.bias = bias
+    report = check_equivariance(_fused, "permutation", (8, 5), dtype=dtype, seed=11)
+    assert report.verdict != "holds", report.message()
+    _fused.bias = 0.0
+    assert check_equivariance(_fused, "permutation", (8, 5), dtype=dtype, seed=11).verdict == "holds"
+
+
+def test_a_map_exact_in_the_checked_dtype_is_not_blamed_for_its_float64_path():
+    def exact_in_float32(D):  # the float64 path (not under test) is broken
+        if D.dtype == torch.float64:
+            out = D.clone()
+            out[..., 0, 0] += D.norm()
+            return out
+        return D.clone()
+
+    report = check_equivariance(exact_in_float32, "permutation", (8, 5), dtype=torch.float32, seed=11)
+    assert report.verdict == "holds", report.message()
+    assert check_equivariance(exact_in_float32, "permutation", (8, 5), dtype=torch.float64,
+                              seed=11).verdict == "violated"  # control: the float64 path is checked in float64
+
+
+def test_cli_names_a_file_path_target_as_such(tmp_path, monkeypatch, capsys):
+    (tmp_path / "path_target_updates.py").write_text("def identity(D):\n    return D.clone()\n")
+    monkeypatch.chdir(tmp_path)
+    assert _cli("./path_target_updates.py:identity", "--group", "bi-orthogonal") == 2
+    assert "give the module's name instead (path_target_updates:identity)" in capsys.readouterr().err
+    assert _cli("path_target_updates:identity", "--group", "bi-orthogonal", "--seed", "1") == 0  # control
+
+
+@pytest.mark.parametrize("option, match", [
+    (dict(condition=math.inf), "condition must be a finite number >= 1"),
+    (dict(condition=0.1), "condition must be a finite number >= 1"),
+    (dict(dtype=torch.int32), "dtype must be one of"),
+    (dict(dtype=torch.complex64), "dtype must be one of"),
+    (dict(compute_dtype="float32"), "compute_dtype must be one of"),
+    (dict(seed=2**48), "seed must be an int in"),
+    (dict(seed=1.7), "seed must be an int in"),
+])
+def test_the_checks_own_inputs_are_refused_by_name(option, match):
+    # the API had blamed an inf condition on the update (a non-finite output, exit 4), read
+    # 0.1 as a condition of 10, dropped a complex dtype's imaginary parts and cast 1.7 to 1
+    with pytest.raises(ValueError, match=match):
+        check_equivariance(lambda D: D.clone(), "bi-orthogonal", (6, 4), trials=2, **option)
