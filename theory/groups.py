@@ -106,7 +106,11 @@ Shape = tuple[int, int]
 
 
 def _generator(generator: torch.Generator | None) -> torch.Generator:
-    return generator if generator is not None else torch.Generator().manual_seed(0)
+    """``generator``, or without one a fresh draw from the global RNG (a fixed seed had made
+    every call without a generator return the same "Haar" element)."""
+    if generator is not None:
+        return generator
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
 
 
 def haar_orthogonal(
@@ -230,6 +234,8 @@ class TwoSidedElement(GroupElement):
     def _check(self, D: torch.Tensor) -> None:
         if not isinstance(D, torch.Tensor):
             raise TypeError(f"group element: expected a tensor, got {type(D).__name__}")
+        if not D.is_floating_point():  # an integer tensor had rounded the factors to zeros
+            raise TypeError(f"group element: expected a floating-point tensor, got {D.dtype}")
         expected = (self.left.size(0), self.right.size(0))
         if D.dim() < 2 or tuple(D.shape[-2:]) != expected:
             raise ValueError(
@@ -493,6 +499,8 @@ GROUPS: dict[str, Group] = {}
 
 def register_group(group: Group) -> Group:
     """Give ``group`` its CLI name (``group.name``, which must be new); returns it."""
+    if not isinstance(group, Group):
+        raise TypeError(f"register_group: expected a Group instance, got {group!r}")
     if not group.name or group.name in GROUPS:
         raise ValueError(f"register_group: a group needs a new, non-empty name; got {group.name!r}")
     GROUPS[group.name] = group
@@ -513,6 +521,8 @@ def get_group(name: str, importer=None) -> Group:
     :class:`Group` subclass is instantiated without arguments), the module imported by
     ``importer`` (default ``importlib.import_module``; the CLI's looks in the working folder
     first). Anything that goes wrong raises ``ValueError`` naming the group."""
+    if not isinstance(name, str):
+        raise TypeError(f"get_group: expected a group's name (a str such as 'bi-orthogonal'), got {name!r}")
     if ":" in name:
         import importlib
 
