@@ -6,7 +6,8 @@ Sources (``load_data(spec)``):
   ≈ 465k characters of real English prose and code that ship with every CPython), char
   level. Needs no download.
 * ``"shakespeare:PATH"`` — tiny Shakespeare from a local file, char level, checked
-  against its sha256 (``--no-checksum`` style override: ``shakespeare:PATH:nocheck``).
+  against its sha256 (``--no-checksum`` style override: ``shakespeare:PATH:nocheck``; only
+  that trailing ``:nocheck`` is a flag, so PATH may hold ':').
 * ``"text:PATH"`` — any UTF-8 text file, char level.
 * ``"tokens:DIR"`` — GPT-2 token shards: nanoGPT's headerless ``train.bin``/``val.bin``
   (uint16) or llm.c/modded-nanogpt shards ``*val*.bin``/``*train*.bin`` (a 256 × int32
@@ -276,6 +277,12 @@ def shard_data(directory: str, vocab_size: int = 50304) -> TokenData:
     return TokenData(splits["train"], splits["val"], vocab_size, f"tokens:{directory}")
 
 
+def shakespeare_data(path: str, check: bool = True) -> TokenData:
+    """Char-level tiny Shakespeare from the file ``path`` (any name, ':' included),
+    checked against :data:`SHAKESPEARE_SHA256` unless ``check`` is false."""
+    return char_data(read_text(path, SHAKESPEARE_SHA256 if check else None), f"shakespeare:{path}")
+
+
 def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
     """Resolve a data spec (see the module docstring) into a :class:`TokenData`."""
     problem = spec_problem(spec)
@@ -285,11 +292,10 @@ def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
     if kind == "embedded":
         return char_data(embedded_corpus(), "embedded:pydoc_data.topics")
     if kind == "shakespeare":
-        path, _, flag = rest.partition(":")
-        if flag not in ("", "nocheck"):
-            raise ValueError(f"data spec {spec!r}: unknown flag {flag!r} (only 'nocheck')")
-        sha = None if flag == "nocheck" else SHAKESPEARE_SHA256
-        return char_data(read_text(path, sha), f"shakespeare:{path}")
+        # only a trailing ":nocheck" is a flag: the path itself may hold ':' (splitting at
+        # the first one had refused "col:on/tiny.txt" as an unknown flag 'on/tiny.txt')
+        nocheck = rest.endswith(":nocheck")
+        return shakespeare_data(rest.removesuffix(":nocheck") if nocheck else rest, check=not nocheck)
     if kind == "text":
         return char_data(read_text(rest), f"text:{rest}")
     return shard_data(rest, vocab_size)

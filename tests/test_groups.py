@@ -175,3 +175,18 @@ def test_router_shift_gradients_are_not_shifted():
     expected = element.act_gradient(gradient(W, x, 1))
     assert torch.allclose(gradient(element.act_point(W), element.right @ x, moved_label), expected, atol=1e-12)
     assert not torch.allclose(element.act(gradient(W, x, 1)), expected)  # act would add the shift
+
+
+def test_without_a_generator_each_sample_is_a_new_draw_and_bad_arguments_are_named():
+    # a fixed seed had returned the same "Haar" element on every call without a generator
+    assert not torch.equal(haar_orthogonal(4), haar_orthogonal(4))
+    first, second = (BiOrthogonal().sample((4, 3)) for _ in range(2))
+    assert not torch.equal(first.act(torch.eye(4, 3, dtype=torch.float64)),
+                           second.act(torch.eye(4, 3, dtype=torch.float64)))
+    # an integer tensor had rounded the orthogonal factors to zeros
+    with pytest.raises(TypeError, match="expected a floating-point tensor"):
+        first.act(torch.ones(4, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="get_group: expected a group's name"):
+        get_group(None)
+    with pytest.raises(TypeError, match="register_group: expected a Group instance"):
+        register_group("x")

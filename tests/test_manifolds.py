@@ -200,6 +200,11 @@ def test_properties_on_drawn_points(name, data):
     # Relative residuals are scale-free; the constraint Gram of DGram has condition
     # (d_max/d_min)^2 <= 1e6 here, which multiplies round-off (1e-16) to at most 1e-10.
     assert manifold_residual(manifold, x) <= tol
+    # The drawn v itself is tangent, relative to its own norm (re-projecting it first, as
+    # below, had hidden that half the drawn "tangent vectors" were normal).
+    v_norm = v.norm(dim=(-2, -1))
+    assert (normal_component(manifold, x, v).norm(dim=(-2, -1)) <= tol * v_norm).all()
+    assert ((manifold.proju(x, v) - v).norm(dim=(-2, -1)) <= tol * v_norm).all()
     u = data.draw(st.sampled_from([v, torch.randn_like(v)]))
     pu = manifold.proju(x, u)
     u_norm = u.norm(dim=(-2, -1)).max()

@@ -240,6 +240,71 @@ def test_bad_seeds_are_refused_by_name(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+def test_jobs_threads_and_seeds_are_each_refused_in_their_own_message(tmp_path, capsys, monkeypatch):
+    # all three had printed one message naming all three options
+    monkeypatch.chdir(tmp_path)
+    for option, value, message, others in (
+            ("--jobs", "0", "--jobs 0: it counts parallel runs and must be >= 1", ("--threads", "--seeds")),
+            ("--threads", "0", "--threads 0: it counts torch threads per run and must be >= 1", ("--jobs", "--seeds")),
+            ("--seeds", ",", "--seeds must name at least one seed, got ','", ("--jobs", "--threads"))):
+        assert common.main(lipschitz_study, ["--size", "tiny", option, value]) == 2
+        err = capsys.readouterr().err
+        assert message in err and not any(other in err for other in others)
+    assert not (tmp_path / "runs").exists()
+
+
+@needs_data
+def test_an_output_folder_that_cannot_be_created_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    # /proc refuses new folders: the page's mkdir had raised FileNotFoundError after every run trained
+    monkeypatch.chdir(tmp_path)
+    trained = []
+    monkeypatch.setattr(common, "run_all", lambda *args: trained.append(args))
+    argv = ["--size", "tiny", "--data", str(DATA), "--jobs", "1", "--seeds", "0"]
+    for option in ("--out", "--work-dir"):
+        assert common.main(lipschitz_study, [*argv, option, "/proc/geomuon_no_such_folder"]) == 2
+        assert f"{option} '/proc/geomuon_no_such_folder' cannot be created or written" in capsys.readouterr().err
+    assert not trained and not (tmp_path / "runs" / "studies" / "cache").exists()
+
+
+@needs_data
+def test_a_wrong_corpus_is_refused_before_any_folder_or_worker(tmp_path, capsys, monkeypatch):
+    # had been refused by sha256 only inside the runs, after the cache folder and the pool existed
+    monkeypatch.chdir(tmp_path)
+    wrong = tmp_path / "notes.txt"
+    wrong.write_text("not Shakespeare\n")
+    monkeypatch.setattr(common, "run_all", lambda *args: pytest.fail("trained on the wrong corpus"))
+    assert common.main(lipschitz_study, ["--size", "tiny", "--data", str(wrong), "--jobs", "2",
+                                         "--work-dir", "wd"]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {wrong}:" in err and "not the expected corpus" in err
+    assert not (tmp_path / "wd").exists() and not (tmp_path / "runs").exists()
+
+
+@needs_data
+def test_a_data_path_with_a_colon_is_read(tmp_path):
+    # "col:on/tiny.txt" had failed as data spec 'shakespeare:col:on/tiny.txt': unknown flag 'on/tiny.txt'
+    folder = tmp_path / "col:on"
+    folder.mkdir()
+    (folder / "tiny.txt").write_bytes(DATA.read_bytes())
+    path = str(folder / "tiny.txt")
+    assert common.resolve_data(path) == path
+    common.load_text.cache_clear()
+    assert common.load_text(path).vocab_size == 65
+    from geomuon.pretrain.data import load_data
+
+    assert load_data(f"shakespeare:{path}").vocab_size == 65
+    assert load_data(f"shakespeare:{path}:nocheck").vocab_size == 65
+
+
+def test_one_seed_prints_its_value_without_a_spread():
+    # "4.136 ± 0.000" had read as a measured zero spread under "Mean ± sample standard deviation"
+    assert common.fmt([4.1357]) == "4.136 (n = 1)"
+    assert common.fmt([4.1357], 2, scientific=True) == "4.14e+00 (n = 1)"
+    assert common.fmt([4.1357, float("nan")]) == "4.136 (1 of 2 finite)"
+    assert math.isnan(common.mean_std([4.0])[1])
+    assert common.fmt([1.0, 3.0]) == "2.000 ± 1.414"
+
+
 @needs_data
 def test_an_output_folder_that_is_a_file_is_refused_by_name(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -31,6 +31,7 @@ signature of :func:`run_all` (a learning-rate sweep runs in stages:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -68,12 +69,19 @@ _GET_DATA = ("tinyshakespeare.txt (1,115,394 bytes, sha256 86c4e6aa…565ed, e.g
 
 def resolve_data(path: str | None) -> str:
     """The tiny-Shakespeare file given by ``--data`` (required: the studies' numbers are
-    on that text, and nothing outside the package is assumed); ``ValueError`` saying what
-    to pass otherwise."""
+    on that text, and nothing outside the package is assumed), checked against its sha256
+    here, before any folder or worker exists; ``ValueError`` saying what to pass otherwise.
+    Any file name works, ':' included (the path never goes through a data spec)."""
+    from geomuon.pretrain.data import SHAKESPEARE_SHA256, read_text
+
     if not path:
         raise ValueError(f"--data PATH is required: the path of a copy of {_GET_DATA}")
     if not Path(path).is_file():
         raise ValueError(f"--data {path}: no such file; pass the path of a copy of {_GET_DATA}")
+    try:
+        read_text(str(path), SHAKESPEARE_SHA256)  # the wrong file had been refused only inside the runs
+    except ValueError as err:
+        raise ValueError(f"--data {path}: {err}; pass the path of a copy of {_GET_DATA}") from None
     return str(path)
 
 
@@ -81,9 +89,9 @@ def resolve_data(path: str | None) -> str:
 def load_text(path: str):
     """The character-level data of ``path`` (checked against its sha256), cached per
     process: a worker trains many runs on the same text."""
-    from geomuon.pretrain.data import load_data
+    from geomuon.pretrain.data import shakespeare_data
 
-    return load_data(f"shakespeare:{path}")
+    return shakespeare_data(path)
 
 
 # ----------------------------------------------------------------------------- variants
@@ -309,21 +317,28 @@ def finite(values) -> list[float]:
 
 
 def mean_std(values) -> tuple[float, float, int]:
-    """Mean and sample standard deviation (n − 1) of the finite values, and their count."""
+    """Mean and sample standard deviation (n − 1) of the finite values, and their count;
+    the deviation is NaN for fewer than two values (undefined, not zero spread)."""
     vals = finite(values)
     if not vals:
         return math.nan, math.nan, 0
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else math.nan), len(vals)
 
 
 def fmt(values, digits: int = 3, scientific: bool = False) -> str:
-    """``mean ± std`` of the finite values; ``(k of n finite)`` when some are not."""
+    """``mean ± std`` of the finite values; one finite value alone, marked ``(n = 1)`` (a
+    deviation of one value is undefined: ``± 0.000`` had read as no spread); ``(k of n
+    finite)`` when some are not finite."""
     values = list(values)
     mean, std, n = mean_std(values)
     if n == 0:
         return "—"
-    text = f"{mean:.{digits}e} ± {std:.1e}" if scientific else f"{mean:.{digits}f} ± {std:.{digits}f}"
-    return text if n == len(values) else f"{text} ({n} of {len(values)} finite)"
+    text = f"{mean:.{digits}e}" if scientific else f"{mean:.{digits}f}"
+    if n > 1:
+        text += f" ± {std:.1e}" if scientific else f" ± {std:.{digits}f}"
+    if n == len(values):
+        return text if n > 1 else f"{text} (n = 1)"
+    return f"{text} ({n} of {len(values)} finite)"
 
 
 def separated(a, b) -> bool | None:
@@ -535,12 +550,16 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     """Run every missing job of ``study`` (cached records are reused), then write its page; returns the page's path."""
     seeds = _seeds(args.seeds) if args.seeds is not None else None
     size = size_from(study, args.size, seeds)
-    if len(size.seeds) < 1 or args.jobs < 1 or args.threads < 1:
-        raise ValueError("--seeds must name at least one seed; --jobs and --threads must be >= 1")
+    # one message per option (a shared one had left the user to guess which was wrong)
+    for option, value, what in (("--jobs", args.jobs, "parallel runs"), ("--threads", args.threads,
+                                                                          "torch threads per run")):
+        if value < 1:
+            raise ValueError(f"{option} {value}: it counts {what} and must be >= 1")
     data_path = resolve_data(args.data)
     out_dir = output_dir(study, args)
     work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
-    for option, folder in (("--out", out_dir), ("--work-dir", work_dir)):
+    folders = (("--out", out_dir), ("--work-dir", work_dir))
+    for option, folder in folders:
         # a file there, or above it, had raised FileExistsError / NotADirectoryError after all the training
         blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
         if blocking == folder:
@@ -548,10 +567,19 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         if blocking is not None:
             raise ValueError(f"{option} {str(folder)!r}: {str(blocking)!r} above it is a file, not a folder; choose "
                              f"another {option}")
+    created = [folder for _, folder in folders if not folder.exists()]
+    for option, folder in folders:
+        _require_writable(option, folder)
     commit = git_commit(short=False)  # the code the runs are about to use
     start = time.perf_counter()
     runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
-    results, variants, cached = runner(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
+    try:
+        results, variants, cached = runner(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
+    except BaseException:
+        for folder in created:  # a failed or interrupted study leaves no empty page folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when still empty: a run's cache stays
+        raise
     wall = time.perf_counter() - start
     runs = [r for records in results.values() for r in records]
     command = "geomuon study " + study.NAME + " " + " ".join(shlex.quote(a) for a in (argv_for_page or []))
@@ -567,6 +595,20 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     return write_page(study, args.size, size, body, meta, out_dir, results, variants)
 
 
+def _require_writable(option: str, folder: Path) -> None:
+    """Create ``folder`` (and its parents) and write a probe file in it, refusing ``option``
+    by name on any ``OSError``: a folder that cannot be created (``--out /proc/x``) had
+    failed with a traceback after every run had trained."""
+    probe = folder / f".geomuon-write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"{option} {str(folder)!r} cannot be created or written ({err.strerror or err}); "
+                         f"choose a folder you can write to") from None
+
+
 def _seeds(text: str) -> list[int]:
     """``--seeds`` as distinct integers, refused by name otherwise (a seed listed twice had
     counted one run twice, and its seed-spread comparisons were of one run with itself)."""
@@ -574,6 +616,8 @@ def _seeds(text: str) -> list[int]:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:  # "--seeds ," had shared one message with --jobs and --threads
+        raise ValueError(f"--seeds must name at least one seed, got {text!r}; e.g. --seeds 0,1,2")
     negative = [s for s in seeds if s < 0]
     if negative:
         raise ValueError(f"--seeds must be integers >= 0, got {', '.join(map(str, negative))}")
