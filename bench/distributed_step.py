@@ -136,9 +136,9 @@ def gram_allreduce_bytes(shape: tuple[int, int], world: int, diagonal_gram: bool
 def _timed_direction(optimizer, clock, spent: list[float]) -> None:
     inner = optimizer._direction
 
-    def direction(group, M, params):
+    def direction(group, M, params, keep=None):
         start = clock()
-        out = inner(group, M, params)
+        out = inner(group, M, params, keep)
         spent[-1] += clock() - start
         return out
 

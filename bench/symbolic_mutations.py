@@ -77,7 +77,7 @@ dgram constraint's sign flipped | return off_diagonal(x.mT @ u + u.mT @ x) | ret
 dgram defining map keeps the diagonal | return off_diagonal(x.mT @ x) | return x.mT @ x
 dgram projection adds W Sigma | return u - x @ sigma | return u + x @ sigma
 dgram column norms summed over columns | d2 = x.square().sum(-2) | d2 = x.square().sum(-1)
-dgram projx forgets the column norms' root | return ((U @ Vh) * d2.sqrt().unsqueeze(-2)) | return ((U @ Vh) * d2.unsqueeze(-2))
+dgram projx forgets the column norms' root | return ((U @ Vh) * (d2.sqrt().unsqueeze(-2) * largest)) | return ((U @ Vh) * (d2.unsqueeze(-2) * largest))
 dgram wide points not transposed | transposes_wide = True | transposes_wide = False
 ## manifolds/oblique.py
 sphere constraint doubled | return (x * u).sum(dim) | return 2 * (x * u).sum(dim)

@@ -401,7 +401,8 @@ def msign(
             out as 0 (an optimizer counts such a gradient as non-finite and skips it).
         eps: floor of the Frobenius norm in the normalization; default
             $\sqrt{\text{tiny}}$ of the norm's dtype (the compute dtype's; fp32 for fp16,
-            whose range ends at 65504), so only an (almost) exact zero is floored and
+            whose range ends at 65504; ``X``'s own where ``X`` is narrowed, e.g.
+            $1.5\cdot10^{-154}$ for fp64 input), so only an (almost) exact zero is floored and
             ``msign`` is scale-invariant down to $10^{-19}$ in fp32 and fp16 (an absolute
             floor such as Muon's $10^{-7}$ would distort small matrices).
         buffers: the calling thread's :class:`ScratchBuffers`, for the iterations on

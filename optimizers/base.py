@@ -65,7 +65,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from geomuon.manifolds import MatrixManifold
-from geomuon.manifolds.linalg import ScratchBuffers, fp32_or_fp64, in_one_thread_workers
+from geomuon.manifolds.linalg import ScratchBuffers, check_compute_dtype, fp32_or_fp64, in_one_thread_workers
 
 from .regulate import WARM_START_KEY, make_regulator, regulator_spec, requires_matrices, unchecked_regulation
 from . import distributed as _distributed
@@ -183,12 +183,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             raise ValueError(f"group {index}: matrix_view must be one of {MATRIX_VIEWS}, got {group['matrix_view']!r}")
         require_number(index, "momentum", group["momentum"], lambda x: 0 <= x < 1, "a number in [0, 1)")
         if "compute_dtype" in group:
-            require_dtype(index, "compute_dtype", group["compute_dtype"])
-            if group["compute_dtype"] == torch.float16 and not self.float16_compute:
-                raise ValueError(
-                    f"group {index}: compute_dtype=torch.float16 is not supported by {type(self).__name__}: "
-                    "its range (6.1e-5 to 65504) cannot hold the unnormalized momentum its update computes "
-                    "with; use torch.bfloat16 (float32's range, the same tensor-core speed) or None")
+            check_compute_dtype(f"group {index}", "compute_dtype", group["compute_dtype"],
+                                float16=self.float16_compute)
         self._refuse_vectors(group, index, "a tensor below 2-D has no matrix update. Put it in a param group "
                                            "with update='adamw' (or a separate optimizer)")
         for i, p in enumerate(group["params"]):
@@ -756,21 +752,12 @@ def require_number(index: int, name: str, value, admissible, what: str) -> None:
     a finite number with ``admissible(value)`` (NaN and infinities are never admissible: they
     reach the weights as NaN, or as a silent no-op step); the message names the group, the
     option and ``what`` it must be."""
-    try:
-        number = float(value)
+    try:  # (a 1-element tensor lr is a number; a bool or a string is not, though float() takes them)
+        number = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
     except (TypeError, ValueError, RuntimeError):
         number = math.nan
     if not (math.isfinite(number) and admissible(number)):
         raise ValueError(f"group {index}: {name} must be {what}, got {value!r}")
-
-
-def require_dtype(index: int, name: str, value) -> None:
-    """Refuse option ``name`` of param group ``index`` (a compute dtype) whose ``value`` is neither
-    ``None`` nor a floating ``torch.dtype`` (a string such as ``"bfloat16"`` had failed inside
-    the step)."""
-    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise ValueError(f"group {index}: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
-                         f"got {value!r}")
 
 
 def _lerp_kept_(average: torch.Tensor, end: torch.Tensor, weight: float, kept: torch.Tensor) -> torch.Tensor:

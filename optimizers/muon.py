@@ -124,10 +124,13 @@ class Muon(MatrixOptimizer):
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
 
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
-        # a narrower range than the weights' (fp16 for fp32): the momentum stays in their dtype,
-        # and msign narrows it after the normalization (the momentum itself may leave the range)
+        # fp16 for wider weights: the momentum stays in their dtype, and msign narrows it after
+        # the normalization (the momentum itself may leave fp16's range); bf16 for fp64 weights
+        # keeps the bf16 stack (fp32's range holds any momentum, at a quarter of the bytes)
         compute = group["compute_dtype"]
-        return p.dtype if compute is None or narrower_range(compute, p.dtype) else compute
+        if compute is None or narrower_range(compute, torch.float32) and narrower_range(compute, p.dtype):
+            return p.dtype
+        return compute
 
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],
                    keep: torch.Tensor | None = None) -> torch.Tensor:

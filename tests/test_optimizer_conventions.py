@@ -190,7 +190,8 @@ def test_zero_gradient_gives_no_nan(name):
 def test_a_zero_gradient_is_a_step_and_weight_decay_applies(name):
     # A finite zero gradient is not a skipped step: W <- (1 - lr wd) W, then (ManifoldMuon)
     # the retraction of a zero direction, which is the projection onto the manifold (Stiefel
-    # undoes the scaling; DGram, a cone, keeps it). Negative control: a skipped step keeps W.
+    # undoes the scaling, so its case only checks the retraction; DGram, a cone, keeps it: on
+    # DGram the old code, which took a zero momentum for a skipped step, kept W undecayed).
     # Tolerance: the retraction rounds the point a few times in fp32 (Polar Express steps on
     # unit columns, each |error| <~ 10 eps): 1e-5 relative, below the decay's >= 1e-3.
     model = _model(name)
@@ -373,6 +374,7 @@ _NAN, _INF = float("nan"), float("inf")
     (lambda p: Muon([p], eps=_NAN), "eps"),
     (lambda p: Muon([p], lr=_INF), "lr"),
     (lambda p: Muon([{"params": [p], "weight_decay": _INF}]), "weight_decay"),
+    (lambda p: Muon([p], lr=True), "lr"),  # a bool had been taken as 1.0
     (lambda p: Muon([p], compute_dtype="bfloat16"), "compute_dtype"),
     (lambda p: ManifoldMuon([p], manifold="stiefel", compute_dtype="bfloat16"), "compute_dtype"),
     (lambda p: ManifoldMuon([p], manifold="stiefel", msign_method="polar"), "msign_method"),
@@ -402,7 +404,7 @@ def test_float16_compute_is_refused_where_the_update_computes_with_the_raw_momen
     # Their updates form products of the unnormalized momentum in compute_dtype: a gradient
     # of norm 1e5 gave NaN weights (or a LinAlgError), one of 1e-9 no step.
     p = torch.nn.Parameter(Stiefel().random(8, 4).data)
-    with pytest.raises(ValueError, match=r"group 0: compute_dtype=torch.float16 is not supported.*bfloat16"):
+    with pytest.raises(ValueError, match=r"group 0: compute_dtype=torch.float16 cannot hold.*bfloat16"):
         make(p)
 
 

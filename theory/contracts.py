@@ -291,7 +291,9 @@ def check_manifold_contract(
     far = manifold.retr(x, 0.5 * direction)
     # steps of different lengths across a batch: a retraction that mixes the matrices of a
     # batch (a norm taken over all of them) lands off M only when they differ
-    spread = torch.linspace(0.5, 1.5, max(1, math.prod(batch)), dtype=dtype).reshape(*batch, 1, 1)
+    matrices = math.prod(batch)
+    spread = (torch.linspace(0.5, 1.5, matrices, dtype=dtype) if matrices > 1 else torch.ones(1, dtype=dtype)
+              ).reshape(*batch, 1, 1)  # (linspace of one point is its start: a single matrix keeps its step)
     stepped = [manifold.retr(x, scale * spread * direction) for scale in (0.1, 0.5, 2.0)]
     record("retr_on_manifold", max(manifold_residual(manifold, y) for y in stepped))
     ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)

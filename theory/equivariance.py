@@ -847,6 +847,10 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         own = torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED)
         found = _witness(subject, element, example, compute=compute, generator=own,
                          stated_precision=compute_dtype != _members(example)[0].dtype, probes=probes)
+        # the same function: U_d(x) and U_64(x) see the same input, so they differ by U's
+        # round-off in d, which this trial's floor measures (probes at d's size); U_d(gx) and
+        # U_64(gx) also by gx's rounding to d, one more probe's worth. Within HOLDS_FACTOR floors
+        # (what a holds verdict itself allows) the witness judges the function the dtype runs
         if found is not None and _judge(*found[:2]) != "unresolved" and max(
                 subject.relative(out, found[2]), subject.relative(out_g, found[3])) <= HOLDS_FACTOR * floor:
             return Trial(index, kind, scale, found[0], found[1], _judge(*found[:2]), element,

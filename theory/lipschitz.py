@@ -1184,9 +1184,10 @@ def empirical_lipschitz(
         x0: ``[...]`` one input (no batch dimension), e.g. ``[T, d]``, finite and in the domain.
             Its RMS is the input scale of the noise, offsets and steps below; for ``x0 = 0`` the
             scale is ``radius`` (1 when ``None``).
-        restarts: a whole number $\ge 1$; ``steps``, ``power_steps``, ``ascent_steps``: whole
-            numbers $\ge 0$.
-        lr, ascent_lr, near, perturbation: finite numbers $> 0$, relative to the input scale.
+        restarts: a whole number $\ge 1$.
+        steps: a whole number $\ge 0$ (as are ``power_steps`` and ``ascent_steps``).
+        lr: a finite number $> 0$, relative to the input scale (as are ``ascent_lr``, ``near``
+            and ``perturbation``).
         radius: the domain's token-RMS radius, a finite number $> 0$, or ``None``.
         searches: a non-empty subset of :data:`SEARCHES`.
         in_norm: ``[B, ...] -> [B]`` norm of the inputs (default: max per-token RMS).
@@ -1200,9 +1201,9 @@ def empirical_lipschitz(
         rounding error of $f$ dominates near pairs, see :func:`rounding_error_bound`).
 
     Raises:
-        TypeError, ValueError: an option or ``x0`` outside the above, named; ``ValueError``
-        too when no evaluated pair gave a finite ratio (``f`` returned NaN or inf), where an
-        estimate of $-\infty$ had come back.
+        ValueError: an option or ``x0`` outside the above (named; ``TypeError`` for a bool
+            or a string), or no evaluated pair gave a finite ratio (``f`` returned NaN or
+            inf), where an estimate of $-\infty$ had come back.
     """
     where = "empirical_lipschitz"
     restarts = _integer(where, "restarts", restarts, least=1)

@@ -136,10 +136,11 @@ def column_cap(W: torch.Tensor, *, lr: float) -> torch.Tensor:
     :data:`COLUMN_CAP` back to it: :class:`~geomuon.optimizers.regulate.ColumnCap` with its
 RMS→RMS threshold set per shape to the raw norm, $w_{\max} = c\,\sqrt{d_{\text{in}} / d_{\text{out}}}$
     with $c$ = :data:`COLUMN_CAP` and $d_{\text{in}}, d_{\text{out}}$ the fan-in and fan-out.
-    Keeps DGram points on DGram."""
+    Keeps DGram points on DGram. Unchecked, as the optimizer's own regulators run: no host
+    read of the weight's finiteness inside a step."""
     from geomuon.optimizers.regulate import ColumnCap, rms_scale
 
-    return ColumnCap(w_max=COLUMN_CAP * rms_scale(W.shape))(W, lr=lr)
+    return ColumnCap(w_max=COLUMN_CAP * rms_scale(W.shape)).unchecked(W, lr=lr)
 
 
 def column_cap_on_dgram(model, assignment, hyper):
