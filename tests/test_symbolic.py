@@ -130,6 +130,28 @@ def test_inverse_square_root_iteration_converges_to_the_inverse_root():
     assert inverse_sqrt_error_bound(steps - 5, "1e-8") > sp.Rational(1, 2)
 
 
+def test_the_library_inverse_square_root_matches_the_exact_one():
+    # inv_sqrt_psd (public; the polar maps no longer use it, and their value tests had been its
+    # only check here) on A = Q diag(9/4, 1) Q^T with a rational rotation Q, against the exact
+    # Q diag(2/3, 1) Q^T. Its normalized eigenvalues are >= 1/||A||_F > 0.4, where the certified
+    # iteration error of the default steps is at most 1e-50; left: the eps shift (relative bias
+    # <= k eps ||A||_F / (2 lambda_min) = 6e-16) and float64 round-off of ~10 products per step
+    # at condition 2.25 (the fixed point attracts): a few 1e-15; 1e-13 is 30x that.
+    import inspect
+
+    from geomuon.manifolds.linalg import inv_sqrt_psd
+
+    steps = inspect.signature(inv_sqrt_psd).parameters["steps"].default
+    assert inverse_sqrt_error_bound(steps, "0.4") <= sp.Rational(1, 10**50)
+    Q = sp.Matrix([[sp.Rational(3, 5), sp.Rational(-4, 5)], [sp.Rational(4, 5), sp.Rational(3, 5)]])
+    A = Q * sp.diag(sp.Rational(9, 4), 1) * Q.T
+    exact = Q * sp.diag(sp.Rational(2, 3), 1) * Q.T
+    as_float = lambda M: torch.tensor(np.array(M.evalf(30).tolist(), dtype=float))  # noqa: E731
+    for scale in (1.0, 1e-6, 1e6):  # the scale's root: (cA)^(-1/2) = A^(-1/2) / sqrt(c)
+        out = inv_sqrt_psd(as_float(A) * scale) * scale**0.5
+        assert float((out - as_float(exact)).norm() / as_float(exact).norm()) <= 1e-13, scale
+
+
 _POLAR_CASES = [(s, a, f) for s in [(3, 2), (2, 3), (2, 2)] for a in (0, 1, 0.5) for f in (maps.right_polar, maps.left_polar)]
 
 
