@@ -393,14 +393,19 @@ def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkey
                           (("--group", "bi-orthogonal", "--arg", "nosuch=1"), "--arg does not fit"),
                           # these had been tracebacks with exit 1, which a CI job reads as "violated"
                           (("--group", "my_groups:BrokenSample"), "sample((6, 4)) failed"),
-                          (("--group", "bi-orthogonal", "--seed", str(2**48)), "seed must be an int in [0, 2**31)")):
+                          (("--group", "bi-orthogonal", "--seed", str(2**48)), "seed must be an int in [0, 2**31)"),
+                          # a map has no steps (they had been ignored, and echoed in the replay line), and
+                          # a precision wider than the inputs' had made a bf16 map "violated" with no hint
+                          (("--group", "bi-orthogonal", "--steps", "2"), "--steps applies to an optimizer class"),
+                          (("--group", "bi-orthogonal", "--dtype", "bfloat16", "--compute-dtype", "float32"),
+                           "--compute-dtype float32 is wider than --dtype bfloat16")):
         assert _cli(spectral, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
-    # the replay line replays: --steps and --expect are in it
+    # the replay line replays: --expect is in it (and --steps only for an optimizer class)
     assert _cli("geomuon.optimizers.maps:row_norm", "--group", "bi-orthogonal", "--expect", "violated",
-                "--steps", "2", "--trials", "6", "--seed", "3") == 0
+                "--trials", "6", "--seed", "3") == 0
     replay = [line for line in capsys.readouterr().out.splitlines() if line.startswith("replay:")][0]
-    assert "--steps 2" in replay and "--expect violated" in replay
+    assert "--steps" not in replay and "--expect violated" in replay
     assert _cli(*replay.split()[3:]) == 0
 
 

@@ -63,8 +63,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="6x4", help="MxN (default 6x4)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float64", help="dtype of the inputs")
     parser.add_argument("--compute-dtype", choices=sorted(_DTYPES), default=None,
-                        help="precision to hold (default --dtype): e.g. bfloat16 for an update that computes "
-                             "in bf16 internally, so that 'holds' means equivariant up to bf16")
+                        help="precision to hold, at most --dtype's (default --dtype): e.g. bfloat16 for an update "
+                             "that computes in bf16 internally, so that 'holds' means equivariant up to bf16")
     parser.add_argument("--condition", type=float, default=1e3,
                         help="condition number of the 'conditioned' inputs (default 1e3)")
     parser.add_argument("--seed", type=int, default=None, help="replay a run (default: a fresh seed, printed)")
@@ -75,7 +75,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="declared behaviour (violated = a negative control; fails is an alias)")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument of the map or the optimizer constructor (Python literal; repeatable)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trajectory (default 3)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per trajectory, for an optimizer class target (default 3)")
     parser.set_defaults(func=run)
 
 
@@ -184,10 +185,19 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
         if not 1.0 <= args.condition < math.inf:  # inf had built all-NaN inputs, blamed on the map
             raise ValueError(f"--condition must be a finite number >= 1, got {args.condition}")
-        if args.steps < 1:
+        if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        if args.compute_dtype and _DTYPES[args.compute_dtype].itemsize > _DTYPES[args.dtype].itemsize:
+            # a wider stated precision than the inputs' asks the map to hold more than its
+            # inputs carry: a bf16-rounding map was then "violated" with no hint why
+            raise ValueError(f"--compute-dtype {args.compute_dtype} is wider than --dtype {args.dtype}; the "
+                             "precision to hold is at most the inputs' (leave it out to hold --dtype's)")
         kwargs = _arguments(args.arg)
-        subject = _subject(_load(args.target), kwargs, args.steps, args.target)
+        target = _load(args.target)
+        optimizer = isinstance(target, type) and issubclass(target, torch.optim.Optimizer)
+        if args.steps is not None and not optimizer:  # it had been ignored, and echoed in the replay line
+            raise ValueError(f"--steps applies to an optimizer class, not to {args.target}")
+        subject = _subject(target, kwargs, 3 if args.steps is None else args.steps, args.target)
         # after the target: a group its module registers has a name now
         group = get_group(args.group, importer=importlib.import_module)
     except ValueError as err:
@@ -213,7 +223,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:  # called in-process (tests, notebooks): leave the caller's thread count as it was
         torch.set_num_threads(threads)
     print(report.table())
-    extra = "".join(f" --arg {pair}" for pair in args.arg) + f" --steps {args.steps}"
+    extra = "".join(f" --arg {pair}" for pair in args.arg) + (f" --steps {args.steps}" if args.steps else "")
     extra += f" --compute-dtype {args.compute_dtype}" if args.compute_dtype else ""
     extra += f" --expect {args.expect}" if args.expect != "holds" else ""
     print(f"replay: geomuon check-equivariance {args.target} --group {args.group} --shape {args.shape} "
