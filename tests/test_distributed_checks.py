@@ -26,6 +26,13 @@ PG_TIMEOUT = 30  # seconds; a case that waits for it has failed
 SHAPE = (6, 4)  # 3 rows per rank
 
 
+def _stiefel_muon(params) -> ManifoldMuon:
+    """ManifoldMuon on Stiefel over the two matrices ``a``, ``b``, its dual iterations in the
+    points' dtype (``compute_dtype=None``: no bf16 rounding between the compared steps)."""
+    return ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                        compute_dtype=None)
+
+
 def _points(count: int = 2, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.linalg.qr(torch.randn(SHAPE, generator=g, dtype=torch.float64))[0] for _ in range(count)]
@@ -117,14 +124,12 @@ def worker(out_dir: str) -> None:
     # one-process state dict loaded into a sharded optimizer
     def state_dicts():
         params = [sharded(w) for w in _points()]
-        opt = ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
-                           compute_dtype=None)
+        opt = _stiefel_muon(params)
         step(opt, params, _gradients())
         if rank == 0:
             torch.save(opt.state_dict(), os.path.join(out_dir, "fsdp_state_dict.pt"))
         plain = [torch.nn.Parameter(w) for w in _points()]
-        one = ManifoldMuon([dict(params=plain, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
-                           compute_dtype=None)
+        one = _stiefel_muon(plain)
         step(one, plain, _gradients())
         opt.load_state_dict(one.state_dict())
 
@@ -168,8 +173,7 @@ def worker(out_dir: str) -> None:
 
     def whole_matrix():
         params = [sharded(w) for w in _points()]
-        opt = ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
-                           compute_dtype=None)
+        opt = _stiefel_muon(params)
         failing(opt, {1, 3})  # steps 1 and 4 (step 2 raises before the owner's work)
         before = whole(params)
         out = {"failed_step": _outcome(lambda: step(opt, params, _gradients())), "before": before,
@@ -273,8 +277,7 @@ def test_a_sharded_state_dict_is_refused_by_a_plain_optimizer_and_back(runs):
     ranks, out = runs
     state = torch.load(out / "fsdp_state_dict.pt", weights_only=False)
     params = [torch.nn.Parameter(w) for w in _points()]
-    opt = ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
-                       compute_dtype=None)
+    opt = _stiefel_muon(params)
     with pytest.raises(ValueError, match=r"'momentum_buffer' of parameter 'a' is a DTensor shard.*load_distributed"):
         opt.load_state_dict(state)
     assert not opt.state  # nothing loaded
