@@ -126,13 +126,18 @@ class TrainResult:
 
 
 class TrainingInterrupted(Exception):
-    """SIGINT/SIGTERM stopped a run after ``step`` steps; its checkpoint in ``out_dir``
-    holds them (resume with ``resume=True``). ``exit_code`` is 128 + the signal number."""
+    """SIGINT/SIGTERM stopped a run after ``step`` steps; with ``saved``, its checkpoint in
+    ``out_dir`` holds them (resume with ``resume=True``); without, the run had diverged and
+    nothing was written (``out_dir`` keeps its last finite checkpoint, if any). ``exit_code``
+    is 128 + the signal number."""
 
-    def __init__(self, step: int, signum: int, out_dir: str):
-        self.step, self.signum, self.out_dir = step, signum, out_dir
+    def __init__(self, step: int, signum: int, out_dir: str, saved: bool = True):
+        self.step, self.signum, self.out_dir, self.saved = step, signum, out_dir, saved
         self.exit_code = 128 + signum
-        super().__init__(f"{signal.Signals(signum).name} at step {step}; checkpoint in {out_dir!r}")
+        where = (f"checkpoint in {out_dir!r}" if saved else
+                 f"the run had diverged (see log.jsonl), so no checkpoint was written; {out_dir!r} keeps its last "
+                 "finite one, if any")
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; {where}")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -954,22 +959,23 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     def warn(text: str) -> None:
         (progress.write if progress is not None else say)(text)  # above the bar, not through it
 
-    def save(step: int) -> None:
+    def save(step: int) -> bool:
         """Checkpoint the ``step`` steps done: one file, or a distributed checkpoint (every
-        rank). Weights that are not finite (a step whose loss and gradient were finite can
-        still produce them) are not written: the run is flagged diverged instead, and the
-        last checkpoint stays its last finite one."""
+        rank); whether it was written. Weights that are not finite (a step whose loss and
+        gradient were finite can still produce them) are not: the run is flagged diverged
+        instead, and the last checkpoint stays its last finite one."""
         nonfinite = _nonfinite_parameters(model, ddp)
         if nonfinite:
             result.diverged = True
             log.write({"kind": "diverged", "step": step - 1, "nonfinite_parameters": nonfinite})
             warn(f"step {step - 1}: non-finite weights in {', '.join(nonfinite)}; stopping without a checkpoint")
-            return
+            return False
         record = _run_record(model, cfg, data, step, result, log, time.perf_counter() - t0)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
         else:
             save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": assignment.state_dict(), **record})
+        return True
 
     def stop_if_asked(step: int) -> None:
         """After a signal (on any rank): checkpoint the ``step`` steps done, with their losses,
@@ -979,10 +985,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         if ddp.enabled and (step - 1) % cfg.log_every:
             return
         signum = ddp.largest(request.signum)
-        if signum:
-            if on_disk and flush():  # a run found diverged saves nothing, as at its other checkpoints
-                save(step)
-            raise TrainingInterrupted(step, signum, cfg.out_dir)
+        if signum:  # a run found diverged saves nothing, as at its other checkpoints
+            saved = on_disk and flush() and save(step)
+            raise TrainingInterrupted(step, signum, cfg.out_dir, saved=saved)
 
     progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")
     try:
@@ -1126,10 +1131,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"geomuon pretrain: {err}", file=sys.stderr)
         return 2
     except TrainingInterrupted as stop:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0 and stop.saved:
             again = replace(cfg, out_dir=stop.out_dir, resume=True, overwrite=False)
             print(f"interrupted at step {stop.step}; resume with: {resume_command('pretrain', again)}",
                   file=sys.stderr)
+        elif int(os.environ.get("RANK", "0")) == 0:
+            print(f"geomuon pretrain: {stop}", file=sys.stderr)
         return stop.exit_code
     if int(os.environ.get("RANK", "0")) == 0:
         last = result.evals[-1] if result.evals else None

@@ -314,6 +314,35 @@ def test_a_signal_between_loss_logs_checkpoints_the_loss_of_every_step(tmp_path)
     assert saved["step"] == 6 and sorted(saved["losses"]) == list(range(6))
 
 
+def test_a_signal_after_weights_went_non_finite_reports_no_checkpoint(tmp_path):
+    # the step before the signal leaves a NaN weight (its loss and gradient were finite): the
+    # checkpoint at the signal is refused, and the interruption must say so instead of
+    # pointing at a checkpoint that holds no such step
+    from geomuon.optimizers.assign import assign
+
+    def build(model, hyper):
+        assignment = assign(model, "adamw", hyper)
+        plain_step, calls = assignment.step, []
+
+        def step():
+            plain_step()
+            calls.append(None)
+            if len(calls) == 4:
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("nan")
+                signal.raise_signal(signal.SIGTERM)
+
+        assignment.step = step
+        return assignment
+
+    cfg = config(tmp_path / "run", strategy="adamw", ckpt_every=100)
+    with pytest.raises(TrainingInterrupted) as stop:
+        train(cfg, build_assignment=build)
+    assert stop.value.step == 4 and not stop.value.saved
+    assert "no checkpoint was written" in str(stop.value) and "checkpoint in" not in str(stop.value)
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
 def test_resumed_log_has_the_fields_and_order_of_an_uninterrupted_one(tmp_path):
     """Stopped between evaluations with the loss logged every 3 steps, then resumed: the
     records, every field and their order, are those of one uninterrupted run (the old
