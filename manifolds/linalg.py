@@ -539,13 +539,14 @@ def inv_sqrt_psd(
     return (Z / (scale.sqrt() * magnitude.sqrt())).to(out_dtype)
 
 
-def largest_entry(X: torch.Tensor):
-    """``[..., 1, 1]``: the largest absolute entry of each matrix, at least the dtype's ``tiny``,
-    to divide by before a norm squares the entries (no overflow or underflow there); ``1`` for
-    the exact matrices of the symbolic certificates, where the division is an identity."""
+def largest_entry(X: torch.Tensor, dim: int | tuple[int, ...] = (-2, -1)):
+    """The largest absolute entry of each matrix (``[..., 1, 1]``; of each slice along ``dim``
+    with another ``dim``), at least the dtype's ``tiny``, to divide by before a norm squares the
+    entries (no overflow or underflow there); ``1`` for the exact matrices of the symbolic
+    certificates, where the division is an identity."""
     if not isinstance(X, torch.Tensor):
         return 1
-    return X.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
+    return X.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
 
 
 def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tensor):

@@ -48,10 +48,11 @@ def sphere_normalize(x, radius, dim, who, step=None):
     if step is not None:
         y = y + step.to(y.dtype)
     else:
-        # a projection's input has any scale: divided by its largest entry first (the result is
-        # scale-free), so a squared norm neither overflows (1e20 in fp32 had come back as the
-        # zero matrix) nor underflows (a nonzero 1e-300 matrix in fp64 had been "zero")
-        y = y / largest_entry(y)
+        # a projection's input has any scale: each slice divided by its largest entry first (the
+        # result is scale-free), so a squared norm neither overflows (1e20 in fp32 had come back
+        # as the zero matrix) nor underflows (a nonzero 1e-300 matrix in fp64 had been "zero"),
+        # whatever its neighbours' scale (a column of 1e-25 beside one of 1e20 had been "zero")
+        y = y / largest_entry(y, dim)
     norms = y.norm(dim=dim, keepdim=True)
     if step is None and bool((norms == 0).any()):
         slice_name = "column" if dim == -2 else "row"

@@ -560,3 +560,19 @@ def test_projx_of_a_matrix_at_an_extreme_scale_is_the_scaled_projection(manifold
         unscaled = y / scale if isinstance(manifold, DGram) else y
         assert torch.isfinite(y).all()
         assert (unscaled - reference).abs().max() <= 16 * torch.finfo(dtype).eps * reference.abs().max(), scale
+
+
+@pytest.mark.parametrize("dtype,scales", [(torch.float64, (1e160, 1e-300)), (torch.float32, (1e20, 1e-25))],
+                         ids=["fp64", "fp32"])
+@pytest.mark.parametrize("manifold,dim", [(Oblique(), -2), (LPRO(radius=2.0), -1)], ids=["oblique", "lpro"])
+def test_sphere_projx_normalizes_each_slice_whatever_its_neighbours_scale(manifold, dim, dtype, scales):
+    # each column (Oblique) or row (LPRO) is normalized on its own, so its result cannot depend
+    # on another slice's scale: a column of 1e-25 beside one of 1e20 (fp32) had been divided by
+    # the matrix's largest entry into subnormals and called "zero". Tolerance as above.
+    g = torch.randn(6, 4, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    reference = manifold.projx(g)
+    slices = g.size(-1 if dim == -2 else -2)  # the normalized slices: columns for dim -2, rows for -1
+    factors = torch.tensor([scales[j % 2] for j in range(slices)], dtype=dtype)
+    mixed = g * (factors if dim == -2 else factors[:, None])
+    y = manifold.projx(mixed)
+    assert (y - reference).abs().max() <= 16 * torch.finfo(dtype).eps * reference.abs().max()
