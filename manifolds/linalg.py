@@ -50,6 +50,8 @@ __all__ = [
     "fp32_or_fp64",
     "narrower_range",
     "as_real",
+    "as_count",
+    "as_positive",
     "check_real",
     "check_count",
     "check_compute_dtype",
@@ -192,11 +194,30 @@ def check_real(where: str, name: str, value, admissible: Callable[[float], bool]
         raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
 
 
-def check_count(where: str, name: str, value, least: int = 0) -> None:
-    """Refuse option ``name`` of ``where`` unless ``value`` is a whole number ``>= least``
+def check_count(where: str, name: str, value, least: int = 0) -> int:
+    """``value``, refused as option ``name`` of ``where`` unless it is a whole number ``>= least``
     (an ``int``, not a bool: ``steps=2.7`` had run 2 steps, ``True`` one)."""
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least):
         raise ValueError(f"{where}: {name} must be a whole number >= {least}, got {value!r}")
+    return value
+
+
+def as_count(where: str, name: str, value, least: int = 0) -> int:
+    """``value`` as an ``int`` where a whole number of any real type is meant (a 0-dim tensor,
+    ``4.0`` read from a file), refused as :func:`check_count` refuses it unless it is integral
+    and ``>= least`` (2.7 had become 2)."""
+    number = as_real(where, name, value)
+    whole = math.isfinite(number) and number == int(number)
+    return check_count(where, name, int(number) if whole else value, least)
+
+
+def as_positive(where: str, name: str, value, *, zero: bool = False) -> float:
+    """``value`` as a float (:func:`as_real`), refused as option ``name`` of ``where``
+    (``ValueError``) unless finite and ``> 0`` (``>= 0`` with ``zero``)."""
+    number = as_real(where, name, value)
+    if not (math.isfinite(number) and (number > 0 or (zero and number == 0))):
+        raise ValueError(f"{where}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
+    return number
 
 
 def check_compute_dtype(where: str, name: str, value, *, float16: bool = True) -> None:

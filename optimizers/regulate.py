@@ -76,8 +76,10 @@ import torch
 
 from geomuon.manifolds.linalg import (
     KELLER_QUINTIC,
-    as_real,
     NSSchedule,
+    as_positive,
+    as_real,
+    check_count,
     check_matrix,
     fixed_start,
     fp32_or_fp64,
@@ -121,20 +123,6 @@ __all__ = [
 
 def _check_weight(W: Any, who: str) -> None:
     check_matrix(W, who, "1-D tensors (biases, gains) have no spectral norm: leave them unregulated")
-
-
-def _positive(value: Any, name: str, who: str, *, zero: bool = False) -> float:
-    """``value`` as a float, refused unless a finite number > 0 (>= 0 with ``zero``), naming it."""
-    value = as_real(who, name, value)
-    if not (math.isfinite(value) and (value > 0 or (zero and value == 0))):
-        raise ValueError(f"{who}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value}")
-    return value
-
-
-def _at_least(value: Any, least: int, name: str, who: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{who}: {name} must be an integer >= {least}, got {value!r}")
-    return value
 
 
 def _fraction(value: Any, name: str, who: str) -> float:
@@ -330,7 +318,7 @@ class Regulator:
         if isinstance(lr, torch.Tensor):
             lr = lr.reshape(())
         else:
-            lr = _positive(lr, "lr", type(self).__name__, zero=True)
+            lr = as_positive(type(self).__name__, "lr", lr, zero=True)
         if W.size(-2) == 0 or W.size(-1) == 0:  # no singular value to act on: every bound holds as it is
             return W.detach().clone()
         scale = rms_scale(W.shape)
@@ -362,7 +350,7 @@ class WeightDecay(Regulator):
     name = "weight_decay"
 
     def __post_init__(self):
-        self.weight_decay = _positive(self.weight_decay, "weight_decay", "WeightDecay", zero=True)
+        self.weight_decay = as_positive("WeightDecay", "weight_decay", self.weight_decay, zero=True)
 
     def regulate(self, M, *, lr, state):
         factor = 1.0 - lr * self.weight_decay
@@ -391,9 +379,9 @@ class SpectralNormalize(Regulator):
     name = "spectral_normalize"
 
     def __post_init__(self):
-        self.w_max = _positive(self.w_max, "w_max", "SpectralNormalize")
-        self.steps, self.block = _at_least(self.steps, 1, "steps", "SpectralNormalize"), \
-            _at_least(self.block, 1, "block", "SpectralNormalize")
+        self.w_max = as_positive("SpectralNormalize", "w_max", self.w_max)
+        self.steps, self.block = check_count("SpectralNormalize", "steps", self.steps, 1), \
+            check_count("SpectralNormalize", "block", self.block, 1)
 
     def regulate(self, M, *, lr, state):
         s, unit = _scaled(M)
@@ -423,9 +411,9 @@ class SpectralHammer(Regulator):
     name = "spectral_hammer"
 
     def __post_init__(self):
-        self.w_max = _positive(self.w_max, "w_max", "SpectralHammer")
-        self.steps, self.block = _at_least(self.steps, 1, "steps", "SpectralHammer"), \
-            _at_least(self.block, 1, "block", "SpectralHammer")
+        self.w_max = as_positive("SpectralHammer", "w_max", self.w_max)
+        self.steps, self.block = check_count("SpectralHammer", "steps", self.steps, 1), \
+            check_count("SpectralHammer", "block", self.block, 1)
 
     def regulate(self, M, *, lr, state):
         s, unit = _scaled(M)
@@ -448,9 +436,9 @@ class SpectralWeightDecay(Regulator):
     name = "spectral_weight_decay"
 
     def __post_init__(self):
-        self.weight_decay = _positive(self.weight_decay, "weight_decay", "SpectralWeightDecay", zero=True)
-        self.steps, self.block = _at_least(self.steps, 1, "steps", "SpectralWeightDecay"), \
-            _at_least(self.block, 1, "block", "SpectralWeightDecay")
+        self.weight_decay = as_positive("SpectralWeightDecay", "weight_decay", self.weight_decay, zero=True)
+        self.steps, self.block = check_count("SpectralWeightDecay", "steps", self.steps, 1), \
+            check_count("SpectralWeightDecay", "block", self.block, 1)
 
     def regulate(self, M, *, lr, state):
         shrink = lr * self.weight_decay
@@ -518,9 +506,9 @@ def soft_cap_alpha(w_max: float, wd: float, eta: float) -> float:
     Returns:
         $\alpha \ge 0$ as a Python float (float64).
     """
-    w_max = _positive(w_max, "w_max", "soft_cap_alpha")
+    w_max = as_positive("soft_cap_alpha", "w_max", w_max)
     wd = _fraction(wd, "wd", "soft_cap_alpha")
-    eta = _positive(eta, "eta", "soft_cap_alpha", zero=True)
+    eta = as_positive("soft_cap_alpha", "eta", eta, zero=True)
     k = w_max * (1.0 - wd) + eta
     ratio = w_max / k
     if ratio >= 1.0:
@@ -715,11 +703,11 @@ class SoftCap(Regulator):
     name = "soft_cap"
 
     def __post_init__(self):
-        self.w_max = _positive(self.w_max, "w_max", "SoftCap")
-        self.weight_decay = _positive(self.weight_decay, "weight_decay", "SoftCap", zero=True)
+        self.w_max = as_positive("SoftCap", "w_max", self.w_max)
+        self.weight_decay = as_positive("SoftCap", "weight_decay", self.weight_decay, zero=True)
         if not (self.eta is None or callable(self.eta)):
-            self.eta = _positive(self.eta, "eta", "SoftCap", zero=True)
-        self.guard_steps = _at_least(self.guard_steps, 0, "guard_steps", "SoftCap")
+            self.eta = as_positive("SoftCap", "eta", self.eta, zero=True)
+        self.guard_steps = check_count("SoftCap", "guard_steps", self.guard_steps, 0)
 
     def eta_for(self, lr: float | torch.Tensor, shape: tuple[int, ...]) -> float | torch.Tensor:
         r"""$\eta$ at this ``lr``: a float, or a tensor where ``lr`` is one (never read back)."""
@@ -838,8 +826,8 @@ class HardCap(Regulator):
     name = "hard_cap"
 
     def __post_init__(self):
-        self.w_max = _positive(self.w_max, "w_max", "HardCap")
-        self.sign_steps = _at_least(self.sign_steps, 1, "sign_steps", "HardCap")
+        self.w_max = as_positive("HardCap", "w_max", self.w_max)
+        self.sign_steps = check_count("HardCap", "sign_steps", self.sign_steps, 1)
         if self.method not in HARD_CAP_METHODS:
             raise ValueError(
                 f"HardCap: method must be one of {HARD_CAP_METHODS}, the msign methods exact enough "
@@ -849,7 +837,7 @@ class HardCap(Regulator):
         self.ratio = as_real("HardCap", "ratio", self.ratio)
         if not (math.isfinite(self.ratio) and self.ratio > 1):
             raise ValueError(f"HardCap: ratio must be a finite number > 1, got {self.ratio}")
-        self.levels = _at_least(self.levels, 0, "levels (0: adaptive)", "HardCap")
+        self.levels = check_count("HardCap", "levels (0: adaptive)", self.levels, 0)
         if self.levels and math.log(self.w_max) + (self.levels - 1) * math.log(self.ratio) >= _LOG_FLOAT64_MAX:
             raise ValueError(
                 f"HardCap: the top level w_max * ratio^(levels - 1) of levels={self.levels} overflows "
@@ -925,7 +913,7 @@ class ColumnCap(Regulator):
     name = "column_cap"
 
     def __post_init__(self):
-        self.w_max = _positive(self.w_max, "w_max", "ColumnCap")
+        self.w_max = as_positive("ColumnCap", "w_max", self.w_max)
         if self.side not in ("auto", "columns", "rows"):
             raise ValueError(
                 f"ColumnCap: side must be 'auto', 'columns' or 'rows', got {self.side!r}"

@@ -596,12 +596,12 @@ def test_every_regulator_returns_an_empty_weight_as_it_is(name):
     (lambda: SpectralNormalize(w_max="2"), TypeError, "w_max must be a real number, got '2'"),
     (lambda: SpectralNormalize(w_max=None), TypeError, "w_max must be a real number, got None"),
     (lambda: WeightDecay(weight_decay=True), TypeError, "WeightDecay: weight_decay must be a real number"),
-    (lambda: SoftCap(guard_steps=2.7), ValueError, "SoftCap: guard_steps must be an integer >= 0"),
-    (lambda: SoftCap(guard_steps=-3), ValueError, "SoftCap: guard_steps must be an integer >= 0"),
+    (lambda: SoftCap(guard_steps=2.7), ValueError, "SoftCap: guard_steps must be a whole number >= 0"),
+    (lambda: SoftCap(guard_steps=-3), ValueError, "SoftCap: guard_steps must be a whole number >= 0"),
     (lambda: SoftCap(eta=math.nan), ValueError, "SoftCap: eta must be a finite number >= 0"),
     (lambda: SoftCap(eta="0.1"), TypeError, "SoftCap: eta must be a real number"),
-    (lambda: HardCap(levels=1.5), ValueError, "HardCap: levels .* must be an integer >= 0"),
-    (lambda: HardCap(levels=True), ValueError, "HardCap: levels .* must be an integer >= 0"),
+    (lambda: HardCap(levels=1.5), ValueError, "HardCap: levels .* must be a whole number >= 0"),
+    (lambda: HardCap(levels=True), ValueError, "HardCap: levels .* must be a whole number >= 0"),
     (lambda: HardCap(levels=300), ValueError, r"top level w_max \* ratio\^\(levels - 1\)"),
     (lambda: HardCap(ratio=math.inf), ValueError, "HardCap: ratio must be a finite number > 1"),
     (lambda: HardCap(ratio="16"), TypeError, "HardCap: ratio must be a real number"),
@@ -617,10 +617,10 @@ def test_regulator_options_are_refused_by_name(make, error, match):
         make()
 
 
-@pytest.mark.parametrize("make, match", [(lambda: HardCap(sign_steps=0), "sign_steps must be an integer >= 1"),
+@pytest.mark.parametrize("make, match", [(lambda: HardCap(sign_steps=0), "sign_steps must be a whole number >= 1"),
                                          (lambda: HardCap(method="foo"), "method must be one of"),
-                                         (lambda: SpectralNormalize(block=0), "block must be an integer >= 1"),
-                                         (lambda: SpectralNormalize(steps=-1), "steps must be an integer >= 1"),
+                                         (lambda: SpectralNormalize(block=0), "block must be a whole number >= 1"),
+                                         (lambda: SpectralNormalize(steps=-1), "steps must be a whole number >= 1"),
                                          (lambda: SpectralHammer(steps=0), "SpectralHammer: steps must be"),
                                          (lambda: SpectralWeightDecay(block=0), "SpectralWeightDecay: block must be")])
 def test_regulator_arguments_are_checked_at_construction(make, match):

@@ -72,7 +72,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from geomuon.manifolds.linalg import as_real, rms_scale
+from geomuon.manifolds.linalg import as_count, as_positive, rms_scale
 
 __all__ = [
     "GELU_LIPSCHITZ",
@@ -167,8 +167,8 @@ def _check_mlp(where: str, w_in, w_out, gelu_scale: float, radius: float = 1.0) 
     _require_matrix(where, "w_in", w_in)
     hidden, d = w_in.shape
     _require_matrix(where, "w_out", w_out, (d, hidden))
-    _positive(where, "gelu_scale", gelu_scale)
-    _positive(where, "radius", radius, zero=True)
+    as_positive(where, "gelu_scale", gelu_scale)
+    as_positive(where, "radius", radius, zero=True)
 
 
 @dataclass
@@ -309,9 +309,9 @@ def attention_lipschitz(
     _require_matrix("attention_lipschitz", "q", q)
     for name, W, shape in (("k", k, q.shape), ("v", v, q.shape), ("o", o, (q.size(1), q.size(0)))):
         _require_matrix("attention_lipschitz", name, W, tuple(shape))
-    _positive("attention_lipschitz", "score_scale", score_scale)
-    _positive("attention_lipschitz", "attention_scale", attention_scale)
-    _positive("attention_lipschitz", "radius", radius, zero=True)
+    as_positive("attention_lipschitz", "score_scale", score_scale)
+    as_positive("attention_lipschitz", "attention_scale", attention_scale)
+    as_positive("attention_lipschitz", "radius", radius, zero=True)
     d = q.size(1)
     sigma = {
         name: torch.linalg.matrix_norm(_head_slices(W, n_head, name), ord=2)
@@ -609,7 +609,7 @@ def transformer_lipschitz_bound(
     if not blocks:
         raise ValueError("transformer_lipschitz_bound: weights['blocks'] is empty")
     if sequence_length is not None:
-        spread = math.sqrt(_integer("transformer_lipschitz_bound", "sequence_length", sequence_length, least=1))
+        spread = math.sqrt(as_count("transformer_lipschitz_bound", "sequence_length", sequence_length, 1))
         through_sequence = _propagate(weights, blocks, spread, method)
         per_token = _propagate(weights, blocks, 1.0, method)
         if method != "simple" and spread * per_token.bound < through_sequence.bound:
@@ -697,7 +697,7 @@ class _Architecture:
                 raise ValueError(f"{where}: block {index} lacks {sorted(missing)}")
         _require_matrix(where, "blocks[0]['q']", blocks[0]["q"])
         heads_width, d = blocks[0]["q"].shape
-        if "n_embd" in weights and _integer(where, "n_embd", weights["n_embd"]) != d:
+        if "n_embd" in weights and as_count(where, "n_embd", weights["n_embd"]) != d:
             raise ValueError(f"{where}: n_embd = {weights['n_embd']} but the blocks' matrices are {d} wide")
         attention = {"q": (heads_width, d), "k": (heads_width, d), "v": (heads_width, d), "o": (d, heads_width)}
         for index, block in enumerate(blocks):
@@ -712,7 +712,7 @@ class _Architecture:
                              f"n_head = {n_head}")
         scalars = {"score_scale": n_head / heads_width, "attention_scale": 1.0 / 3.0,
                    "gelu_scale": 1.0 / REFERENCE_GELU_DIVISOR, "input_radius": 1.0}
-        values = {key: _positive(where, key, weights.get(key, default)) for key, default in scalars.items()}
+        values = {key: as_positive(where, key, weights.get(key, default)) for key, default in scalars.items()}
         residual_weight = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
         if not 0.0 <= residual_weight <= 1.0:  # (NaN fails this too)
             raise ValueError(f"{where}: residual_weight must lie in [0, 1], got {residual_weight}")
@@ -730,24 +730,6 @@ def _require_matrix(where: str, name: str, W, shape: tuple[int | None, int | Non
                          "and hidden sizes must agree)")
     if not bool(torch.isfinite(W).all()):
         raise ValueError(f"{where}: {name} has non-finite entries (NaN or inf): no bound holds for it")
-
-
-def _positive(where: str, name: str, value, *, zero: bool = False) -> float:
-    """``value`` as a float, refused unless finite and > 0 (>= 0 with ``zero``), naming it."""
-    number = as_real(where, name, value)
-    if not (math.isfinite(number) and (number > 0 or (zero and number == 0))):
-        raise ValueError(f"{where}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
-    return number
-
-
-def _integer(where: str, name: str, value, *, least: int | None = None) -> int:
-    """``value`` as an int, refused unless it is a whole number (at least ``least`` if given),
-    naming it (2.7 had become 2)."""
-    number = as_real(where, name, value)
-    if not (math.isfinite(number) and number == int(number)) or (least is not None and number < least):
-        bound = "" if least is None else f" >= {least}"
-        raise ValueError(f"{where}: {name} must be a whole number{bound}, got {value!r}")
-    return int(number)
 
 
 def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> TransformerBound:
@@ -784,7 +766,7 @@ def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> Tr
 
 def _n_head(weights: Mapping, d: int) -> int:
     if "n_head" in weights:
-        n_head = _integer("transformer_lipschitz_bound", "n_head", weights["n_head"])
+        n_head = as_count("transformer_lipschitz_bound", "n_head", weights["n_head"])
         if n_head < 1:
             raise ValueError(f"transformer_lipschitz_bound: n_head must be >= 1, got {n_head}")
         return n_head
@@ -1094,7 +1076,7 @@ def certify_domain(X: torch.Tensor, radius: float = 1.0) -> None:
 
     ``radius`` must be a finite number $\ge 0$ and ``X`` a non-empty floating tensor; a NaN
     token is outside the domain (no comparison holds for it)."""
-    radius = _positive("certify_domain", "radius", radius, zero=True)
+    radius = as_positive("certify_domain", "radius", radius, zero=True)
     if not (isinstance(X, torch.Tensor) and X.is_floating_point()):
         raise TypeError(f"certify_domain: X must be a floating-point tensor, got "
                         f"{X.dtype if isinstance(X, torch.Tensor) else type(X).__name__}")
@@ -1206,11 +1188,11 @@ def empirical_lipschitz(
             inf), where an estimate of $-\infty$ had come back.
     """
     where = "empirical_lipschitz"
-    restarts = _integer(where, "restarts", restarts, least=1)
-    steps, power_steps, ascent_steps = (_integer(where, name, value, least=0) for name, value in
+    restarts = as_count(where, "restarts", restarts, 1)
+    steps, power_steps, ascent_steps = (as_count(where, name, value) for name, value in
                                         (("steps", steps), ("power_steps", power_steps), ("ascent_steps", ascent_steps)))
     # each scales a step or an offset: at 0 or NaN no admissible pair was evaluated (estimate -inf)
-    lr, ascent_lr, near, perturbation = (_positive(where, name, value) for name, value in
+    lr, ascent_lr, near, perturbation = (as_positive(where, name, value) for name, value in
                                          (("lr", lr), ("ascent_lr", ascent_lr), ("near", near),
                                           ("perturbation", perturbation)))
     unknown = set(searches) - set(SEARCHES)
@@ -1225,7 +1207,7 @@ def empirical_lipschitz(
         raise ValueError(f"{where}: x0 has non-finite entries (NaN or inf)")
     if radius is not None:
         # radius 0 leaves one point, and no pair
-        certify_domain(x0, _positive(where, "radius", radius))
+        certify_domain(x0, as_positive(where, "radius", radius))
     generator = generator or torch.Generator(device="cpu").manual_seed(0)
     base = x0.detach()
     tiny = torch.finfo(base.dtype).tiny
@@ -1400,9 +1382,9 @@ def rounding_error_bound(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"rounding_error_bound: dtype must be a float dtype, got {dtype}")
-    T = _integer("rounding_error_bound", "sequence_length", sequence_length, least=1)
+    T = as_count("rounding_error_bound", "sequence_length", sequence_length, 1)
     # a negative count had lowered E below the rounding it bounds (unsound), a NaN made it NaN
-    elementwise_ulps = _positive("rounding_error_bound", "elementwise_ulps", elementwise_ulps, zero=True)
+    elementwise_ulps = as_positive("rounding_error_bound", "elementwise_ulps", elementwise_ulps, zero=True)
     u = torch.finfo(dtype).eps / 2
     weights = {**weights, "blocks": list(weights["blocks"])}  # (a generator of blocks: read once, here)
     exact = transformer_lipschitz_bound(weights)
