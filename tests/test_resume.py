@@ -288,9 +288,9 @@ def test_sigterm_before_the_first_checkpoint_still_leaves_one(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == handler  # the run's handler is gone with it
 
 
-def test_a_signal_between_loss_logs_checkpoints_the_loss_of_every_step(tmp_path):
-    # losses come to the host every log_every steps; a signal during step 5 (steps 4 and 8 are
-    # logged) stops before step 6 and the checkpoint holds the losses of steps 0-5, step 5's too
+def _sigterm_after_step(count, before_signal=lambda model: None):
+    """A ``build_assignment`` hook: AdamW whose ``count``-th ``step()`` ends with
+    ``before_signal(model)`` and a real SIGTERM."""
     from geomuon.optimizers.assign import assign
 
     def build(model, hyper):
@@ -300,15 +300,22 @@ def test_a_signal_between_loss_logs_checkpoints_the_loss_of_every_step(tmp_path)
         def step():
             plain_step()
             calls.append(None)
-            if len(calls) == 6:
+            if len(calls) == count:
+                before_signal(model)
                 signal.raise_signal(signal.SIGTERM)
 
         assignment.step = step
         return assignment
 
+    return build
+
+
+def test_a_signal_between_loss_logs_checkpoints_the_loss_of_every_step(tmp_path):
+    # losses come to the host every log_every steps; a signal during step 5 (steps 4 and 8 are
+    # logged) stops before step 6 and the checkpoint holds the losses of steps 0-5, step 5's too
     cfg = config(tmp_path / "run", strategy="adamw", log_every=4, ckpt_every=100)
     with pytest.raises(TrainingInterrupted) as stop:
-        train(cfg, build_assignment=build)
+        train(cfg, build_assignment=_sigterm_after_step(6))
     assert stop.value.step == 6
     saved = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
     assert saved["step"] == 6 and sorted(saved["losses"]) == list(range(6))
@@ -318,26 +325,13 @@ def test_a_signal_after_weights_went_non_finite_reports_no_checkpoint(tmp_path):
     # the step before the signal leaves a NaN weight (its loss and gradient were finite): the
     # checkpoint at the signal is refused, and the interruption must say so instead of
     # pointing at a checkpoint that holds no such step
-    from geomuon.optimizers.assign import assign
-
-    def build(model, hyper):
-        assignment = assign(model, "adamw", hyper)
-        plain_step, calls = assignment.step, []
-
-        def step():
-            plain_step()
-            calls.append(None)
-            if len(calls) == 4:
-                with torch.no_grad():
-                    next(model.parameters()).view(-1)[0] = float("nan")
-                signal.raise_signal(signal.SIGTERM)
-
-        assignment.step = step
-        return assignment
+    def poison(model):
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
 
     cfg = config(tmp_path / "run", strategy="adamw", ckpt_every=100)
     with pytest.raises(TrainingInterrupted) as stop:
-        train(cfg, build_assignment=build)
+        train(cfg, build_assignment=_sigterm_after_step(4, poison))
     assert stop.value.step == 4 and not stop.value.saved
     assert "no checkpoint was written" in str(stop.value) and "checkpoint in" not in str(stop.value)
     assert not (tmp_path / "run" / "ckpt.pt").exists()
