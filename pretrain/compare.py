@@ -132,7 +132,11 @@ def compare(
     data = load_data(base.data)
     for cfg in runs:
         if cfg.resume:
-            check_same_run(resume_record(cfg.out_dir)[1], cfg, data)
+            checkpoint, record = resume_record(cfg.out_dir)
+            try:
+                check_same_run(record, cfg, data)
+            except ValueError as err:  # which of the comparison's runs: its checkpoint
+                raise ValueError(f"{checkpoint!r}: {err}") from None
     overall = _runs_bar(len(runs), base.progress)
     summaries = []
     try:
@@ -165,14 +169,18 @@ def _runs_bar(total: int, enabled: bool):
 
 
 def summary_line(summaries: list[RunSummary], wall_time: float, out_dir: str | None) -> str:
-    """The last line of ``geomuon compare``: runs, divergences, time, the best run."""
+    """The last line of ``geomuon compare``: runs, divergences, time, the best run among those
+    that did not diverge (a diverged run's last val loss may come from before it stopped, or
+    be the blown-up value itself: it names no winner)."""
     diverged = sum(s.diverged for s in summaries)
     line = f"compare: {len(summaries)} runs, {diverged} diverged, {wall_time:.0f}s"
-    finite = [s for s in summaries if math.isfinite(s.final_val_loss)]
-    if finite:
-        best = min(finite, key=lambda s: s.final_val_loss)
+    converged = [s for s in summaries if not s.diverged]
+    if converged:
+        best = min(converged, key=lambda s: s.final_val_loss)
         step = best.result.evals[-1]["step"]
         line += f"; best final val loss {best.final_val_loss:.4f} ({best.strategy} s{best.seed}, step {step})"
+    elif summaries:
+        line += "; no run finished without diverging"
     return line + (f"; runs and figures in {out_dir}" if out_dir else "")
 
 
@@ -190,24 +198,31 @@ def results_table(summaries: list[RunSummary]) -> str:
 
 
 def plot(summaries: list[RunSummary], out_dir: str) -> list[str]:
-    """Write the three figures; returns their paths."""
+    """Write the three figures; returns their paths.
+
+    Loss: one colour per strategy; per-module panels: one colour per module (the same in
+    every panel). In both, a run's seed is its line style (:func:`_seed_styles`), so every
+    line of a figure has an appearance of its own and the legends name every colour and
+    every style."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     strategies = list(dict.fromkeys(s.strategy for s in summaries))
-    colour = {name: plt.cm.tab10(i % 10) for i, name in enumerate(strategies)}
+    colour = dict(zip(strategies, _distinct_colours(len(strategies))))
+    style = _seed_styles(summaries)
     paths = []
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s in summaries:
         steps = sorted(s.result.losses)
         ax_train.plot(steps, _smooth([s.result.losses[k] for k in steps]), color=colour[s.strategy],
-                      alpha=0.8, label=f"{s.strategy} s{s.seed}")
+                      linestyle=style[s.seed], alpha=0.8, label=f"{s.strategy} s{s.seed}")
         evals = s.result.evals
-        ax_val.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", color=colour[s.strategy],
-                    label=f"{s.strategy} s{s.seed}")
+        ax_val.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o", linestyle=style[s.seed],
+                    color=colour[s.strategy], label=f"{s.strategy} s{s.seed}")
     ax_train.set(title="train loss (moving average)", xlabel="step", ylabel="cross-entropy (nats)")
     ax_val.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats)")
     ax_val.legend(fontsize=8)
@@ -217,22 +232,50 @@ def plot(summaries: list[RunSummary], out_dir: str) -> list[str]:
         ("sigma_max", "σ_max per module", "sigma_max.png"),
         ("attn_logit", "max attention logit per layer", "attention_logits.png"),
     ):
+        modules = list(dict.fromkeys(module for s in summaries for e in s.result.evals[:1] for module in e[key]))
+        module_colour = dict(zip(modules, _distinct_colours(len(modules))))
         fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4), squeeze=False,
                                  sharey=True)
         for ax, name in zip(axes[0], strategies):
-            runs = [s for s in summaries if s.strategy == name]
-            first = runs[0].result.evals
-            for module in first[0][key] if first else []:
-                for run in runs:
-                    evals = run.result.evals
+            for run in (s for s in summaries if s.strategy == name):
+                evals = run.result.evals
+                for module in evals[0][key] if evals else []:
                     ax.plot([e["step"] for e in evals], [e[key][module] for e in evals],
-                            label=module if run is runs[0] else None)
+                            color=module_colour[module], linestyle=style[run.seed])
             ax.set(title=name, xlabel="step", yscale="log")
         axes[0][0].set_ylabel(title)
-        axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        handles = [Line2D([], [], color=module_colour[m], label=m) for m in modules]
+        if 1 < len(style) <= len(SEED_LINE_STYLES):  # black: no module colour (tab10, tab20, turbo)
+            handles += [Line2D([], [], color="black", linestyle=ls, label=f"seed {seed}") for seed, ls in style.items()]
+        axes[0][-1].legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.suptitle(f"{title} over training")
         paths.append(_save(fig, out_dir, filename))
     return paths
+
+
+#: Line styles of a figure's seeds, in the order the seeds first appear (solid for the first).
+SEED_LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+
+
+def _seed_styles(summaries: list[RunSummary]) -> dict[int, object]:
+    """``{seed: line style}``: one style each while :data:`SEED_LINE_STYLES` has enough;
+    beyond that every seed is solid (the lines of a module or strategy then form one
+    bundle of its colour, as in a spaghetti plot) rather than two seeds sharing a style."""
+    seeds = list(dict.fromkeys(s.seed for s in summaries))
+    if len(seeds) > len(SEED_LINE_STYLES):
+        return dict.fromkeys(seeds, "-")
+    return dict(zip(seeds, SEED_LINE_STYLES))
+
+
+def _distinct_colours(count: int) -> list:
+    """``count`` colours no two alike: tab10, tab20 up to 20, else evenly spaced on turbo."""
+    import matplotlib.pyplot as plt
+
+    if count <= 10:
+        return [plt.cm.tab10(i) for i in range(count)]
+    if count <= 20:
+        return [plt.cm.tab20(i) for i in range(count)]
+    return [plt.cm.turbo(i / (count - 1)) for i in range(count)]
 
 
 def _smooth(values: list[float], window: int = 10) -> list[float]:
@@ -285,7 +328,10 @@ def run(args: argparse.Namespace) -> int:
     except TrainingInterrupted as stop:
         again = resume_command("compare", dataclasses.replace(base, resume=True, overwrite=False), options,
                                defaults=COMPARE_DEFAULTS)
-        print(f"interrupted at step {stop.step} of {stop.out_dir}; resume with: {again}", file=sys.stderr)
+        # a run found diverged writes no checkpoint at the signal: "at step N" would promise one
+        where = "" if stop.saved else (", which had diverged: no checkpoint was written (the run restarts from its "
+                                       "last finite checkpoint, if any, else from step 0)")
+        print(f"interrupted at step {stop.step} of {stop.out_dir}{where}; resume with: {again}", file=sys.stderr)
         return stop.exit_code
     print(results_table(summaries))
     if root is not None:

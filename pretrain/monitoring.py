@@ -4,9 +4,12 @@ against very large ones for unconstrained baselines; small maxima are what makes
 inference possible).
 
 Cost: one ``abs().amax()`` reduction per monitored module per forward, kept on the
-device as a float32 scalar tensor (no host synchronisation until :meth:`summary`).
-Values are exact in any dtype (a max involves no rounding); bf16 outputs under autocast
-are reported as they are.
+device as a scalar tensor in the output's own dtype (promoted across a module's outputs,
+as ``torch.maximum`` does; no host synchronisation until :meth:`summary`). Values are
+exact in any dtype: a max involves no rounding, and neither does widening a bf16, fp16 or
+fp32 maximum to the Python float of :meth:`summary` (a cast to fp32 on the way would round
+a float64 model's maxima, and overflow those beyond $3.4\times10^{38}$ to ``inf``); bf16
+outputs under autocast are reported as they are.
 
 Usage::
 
@@ -100,8 +103,9 @@ class ActivationMonitor:
         named = dict(model.named_modules())
         if callable(modules):
             return {name: module for name, module in named.items() if modules(name, module)}
-        if isinstance(modules, str):
-            modules = [modules]
+        # a lone name is one name, not its letters; any other iterable is read once (a generator
+        # of names had been used up by the check below, leaving nothing selected)
+        modules = [modules] if isinstance(modules, str) else list(modules)
         unknown = [name for name in modules if name not in named]
         if unknown:
             raise ValueError(
@@ -115,7 +119,7 @@ class ActivationMonitor:
             for tensor in _tensors(output):
                 if tensor.numel() == 0 or not tensor.is_floating_point():
                     continue
-                peak = tensor.detach().abs().amax().float()
+                peak = tensor.detach().abs().amax()
                 previous = self._maxima.get(name)
                 # torch.maximum propagates NaN, so a NaN activation stays visible.
                 self._maxima[name] = peak if previous is None else torch.maximum(previous, peak)

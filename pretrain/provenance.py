@@ -35,7 +35,9 @@ CHECKOUT: Path | None = _checkout()
 def git_commit(short: bool = True, repo: Path | None = None) -> str:
     """``git rev-parse [--short] HEAD`` of the checkout (default :data:`CHECKOUT`), with
     ``-dirty`` when tracked files outside ``docs/results/`` have uncommitted changes (the
-    measured code is then not exactly that commit)."""
+    measured code is then not exactly that commit), or ``-unknown-tree (git status: <its
+    error>)`` when ``git status`` fails (a corrupt index, say): the tree is then not known
+    to be clean, and a clean-looking hash would claim it was."""
     repo = CHECKOUT if repo is None else repo
     if repo is None:
         return "unknown (installed package, not a git checkout)"
@@ -49,8 +51,11 @@ def git_commit(short: bool = True, repo: Path | None = None) -> str:
             return "unknown (not a git checkout)"
         # Results pages are what these runs write: a page written earlier in the same
         # session does not make the measured code differ from the commit.
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results").stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results")
+        if status.returncode != 0:
+            reason = (status.stderr.strip().splitlines() or [f"exit status {status.returncode}"])[0]
+            return f"{head.stdout.strip()}-unknown-tree (git status: {reason})"
+        return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown (git not available)"
 

@@ -1,13 +1,17 @@
 """``geomuon compare``: the verdict, the table and the figures."""
 
 import math
+import re
+import subprocess
 
 import matplotlib.image
+import matplotlib.pyplot
 import pytest
 
 from geomuon.cli import main as cli
-from geomuon.pretrain.compare import results_table, verdict
-from geomuon.pretrain.train import TrainResult
+from geomuon.pretrain import compare as compare_module
+from geomuon.pretrain.compare import RunSummary, results_table, summary_line, verdict
+from geomuon.pretrain.train import TrainResult, read_log
 
 
 def result(val_losses, diverged=False):
@@ -30,8 +34,12 @@ def test_compare_cli_prints_table_and_writes_figures(tmp_path, capsys):
                 "--eval-batches", "1", "--warmup-steps", "1", "--dual-steps", "2", "--out-dir", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    table = printed[printed.index("strategy"):]
-    assert "adamw" in table and "hetero" in table and "final val loss" in table
+    # every row of the table is what its run's log.jsonl holds: the last and the smallest val loss
+    rows = [line.split() for line in printed[printed.index("strategy"):].splitlines()[2:4]]
+    for strategy, seed, final, best, diverged, _ in rows:
+        losses = [r["val_loss"] for r in read_log(out / f"{strategy}-s{seed}" / "log.jsonl") if r["kind"] == "eval"]
+        assert [final, best, diverged] == [f"{losses[-1]:.4f}", f"{min(losses):.4f}", "no"]
+    assert sorted(row[0] for row in rows) == ["adamw", "hetero"]
     for name in ("loss.png", "sigma_max.png", "attention_logits.png"):
         assert f"figure: {out / name}" in printed
         image = matplotlib.image.imread(out / name)
@@ -46,8 +54,6 @@ def test_compare_rejects_unknown_strategy_before_running(tmp_path, capsys):
 
 
 def test_results_table_columns():
-    from geomuon.pretrain.compare import RunSummary
-
     table = results_table([RunSummary("hetero", 0, 3.25, 3.2, False, 12.3, result([3.25]))])
     assert table.splitlines()[0].split() == ["strategy", "seed", "final", "val", "loss", "best", "val", "loss",
                                              "diverged", "wall", "time"]
@@ -92,7 +98,10 @@ def test_a_resumed_comparison_with_a_changed_option_trains_no_run(tmp_path, caps
     capsys.readouterr()
     changed = [*SMALL, "--steps", "12", "--resume", "--out-dir", str(out)]  # the last --steps counts
     assert cli(["compare", "--strategies", "unconstrained,adamw", *changed]) == 2
-    assert "--resume with a different run configuration (steps: 6 → 12)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # named by the run's checkpoint: which of a comparison's runs differs had not been said
+    assert f"geomuon compare: '{out / 'adamw-s0' / 'ckpt.pt'}': --resume with a different run configuration " \
+           "(steps: 6 → 12)" in err
     assert not (out / "unconstrained-s0").exists()  # refused before the first run started
 
 
@@ -100,11 +109,8 @@ def test_an_interrupted_comparison_resumes_with_the_printed_command(tmp_path, mo
     """SIGINT (a real one, sent at the second run's step-3 evaluation) stops ``compare``
     with exit 130 and a command; that command reads the finished run back without
     retraining it, finishes the second from its checkpoint, and prints the table."""
-    import re
     import shlex
     import signal
-
-    from geomuon.pretrain import compare as compare_module
 
     real_train, calls = compare_module.train, []
 
@@ -144,4 +150,108 @@ def test_compare_shows_progress_per_run_and_overall_and_ends_with_a_summary(tmp_
                     rf"runs and figures in {re.escape(str(out))}$", last)
 
 
-import re  # noqa: E402
+def run_summary(strategy, seed, val_losses, stopped=False):
+    final, best, diverged = verdict(result(val_losses, diverged=stopped), 0.5)
+    return RunSummary(strategy, seed, final, best, diverged, 1.0, result(val_losses, diverged=stopped))
+
+
+def test_the_summary_line_names_no_diverged_run_as_best():
+    # a run stopped on a non-finite loss keeps the val loss of its last evaluation before it
+    # (2.0 here, at step 1), below every finished run's: it had been named the best run
+    stopped = run_summary("adamw", 0, [4.0, 2.0], stopped=True)
+    blown_up = run_summary("unconstrained", 0, [4.0, 3.0, 3.0, 1e9])
+    finished = run_summary("hetero", 0, [4.0, 3.5, 3.25])
+    line = summary_line([stopped, blown_up, finished], 10.0, None)
+    assert line == "compare: 3 runs, 2 diverged, 10s; best final val loss 3.2500 (hetero s0, step 2)"
+    assert summary_line([stopped, blown_up], 10.0, None) == (
+        "compare: 2 runs, 2 diverged, 10s; no run finished without diverging")
+
+
+def test_figures_give_each_module_one_colour_and_each_seed_one_line_style(tmp_path, monkeypatch):
+    """Every line of a per-module panel is told apart by (colour = module, style = seed), the
+    same in every panel. The colour cycle had been restarted per line: a module's seed-1 line
+    took the next module's colour, and past ten lines two modules shared one."""
+    modules, strategies, seeds = [f"h.{i}.w" for i in range(11)], ["adamw", "hetero"], [0, 1]
+
+    def value(strategy, seed, module):  # a distinct curve per line, so each line names its run
+        return 1 + strategies.index(strategy) + seed / 10 + modules.index(module) / 1000
+
+    summaries = []
+    for strategy in strategies:
+        for seed in seeds:
+            evals = [{"step": step, "val_loss": 3.0, "attn_logit": {"h.0.attn": 1.0},
+                      "sigma_max": {m: value(strategy, seed, m) * (1 + step) for m in modules}} for step in (0, 1)]
+            run = TrainResult("x", losses={0: 3.0, 1: 2.9}, evals=evals)
+            summaries.append(RunSummary(strategy, seed, 3.0, 3.0, False, 1.0, run))
+    figures = {}
+
+    def keep(fig, out_dir, name):  # instead of writing and closing: the figure's lines are read below
+        figures[name] = fig
+        return name
+
+    monkeypatch.setattr(compare_module, "_save", keep)
+    compare_module.plot(summaries, str(tmp_path))
+
+    looks = {}  # (module, seed) -> {(colour, style)} over both panels
+    for ax, strategy in zip(figures["sigma_max.png"].axes, strategies):
+        for line in ax.get_lines():
+            (seed, module), = [(s, m) for s in seeds for m in modules
+                               if line.get_ydata()[0] == value(strategy, s, m)]
+            looks.setdefault((module, seed), set()).add((line.get_color(), str(line.get_linestyle())))
+    assert len(looks) == len(modules) * len(seeds) and all(len(look) == 1 for look in looks.values())
+    colours = {module: {c for (m, _), look in looks.items() if m == module for c, _ in look} for module in modules}
+    styles = {seed: {s for (_, sd), look in looks.items() if sd == seed for _, s in look} for seed in seeds}
+    assert all(len(c) == 1 for c in colours.values()) and len(set.union(*colours.values())) == len(modules)
+    assert all(len(s) == 1 for s in styles.values()) and len(set.union(*styles.values())) == len(seeds)
+    legend = figures["sigma_max.png"].axes[-1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [*modules, "seed 0", "seed 1"]
+    for fig in figures.values():
+        matplotlib.pyplot.close(fig)
+    # more seeds than line styles: all solid (one bundle per colour), never two seeds sharing a style
+    many = [RunSummary("adamw", seed, 3.0, 3.0, False, 1.0, None) for seed in range(7)]
+    assert compare_module._seed_styles(many) == dict.fromkeys(range(7), "-")
+
+
+# ----------------------------------------------------------------------------- provenance (git_commit)
+
+
+def test_git_commit_says_dirty_or_unknown_rather_than_clean(tmp_path):
+    """``git_commit`` of a checkout: the bare hash only when ``git status`` says the tracked
+    files are clean; a failed ``git status`` (here a corrupt index) had read as clean."""
+    from geomuon.pretrain.provenance import git_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "page.md").write_text("old\n")
+    git("add", "."), git("commit", "-qm", "first")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "docs" / "results" / "page.md").write_text("new\n")  # a results page: not the measured code
+    assert git_commit(repo=tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(repo=tmp_path) == f"{head}-dirty"
+    (tmp_path / ".git" / "index").write_bytes(b"corrupt")
+    assert git_commit(repo=tmp_path).startswith(f"{head}-unknown-tree (git status: ")
+
+
+def test_an_interrupt_of_a_diverged_run_promises_no_checkpoint(tmp_path, monkeypatch, capsys):
+    # TrainingInterrupted(saved=False): the run had diverged and wrote nothing at the signal; the
+    # line had read "interrupted at step 3 of …" as if step 3 were checkpointed
+    import signal
+
+    from geomuon.pretrain.train import TrainingInterrupted
+
+    def interrupted(cfg, data):
+        raise TrainingInterrupted(3, signal.SIGINT, cfg.out_dir, saved=False)
+
+    monkeypatch.setattr(compare_module, "train", interrupted)
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(out)]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"interrupted at step 3 of {out / 'adamw-s0'}, which had diverged: no checkpoint was "
+                           "written (the run restarts from its last finite checkpoint, if any, else from step 0); "
+                           "resume with: geomuon compare ")

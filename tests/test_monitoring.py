@@ -106,3 +106,33 @@ def test_default_blocks_of_a_gpt():
 def test_models_without_module_lists_fall_back_to_leaves():
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
     assert list(default_blocks(model)) == ["0", "1"]
+
+
+def test_float64_maxima_are_reported_exactly():
+    # a float64 model's maxima had been cast to fp32: 1 + 2^-40 rounded to 1, 1e300 overflowed to inf
+    model = Stack([1 + 2.0**-40, 1e300])
+    with ActivationMonitor(model) as monitor:
+        model(torch.ones(2, dtype=torch.float64))
+    assert monitor.summary() == {"blocks.0": 1 + 2.0**-40, "blocks.1": (1 + 2.0**-40) * 1e300,
+                                 "max": (1 + 2.0**-40) * 1e300}
+
+
+def test_a_module_s_outputs_of_several_dtypes_keep_the_widest():
+    # bf16 and float64 outputs of one module: the running max is promoted (torch.maximum), not
+    # narrowed to the first output's dtype; 1 + 2^-40 is not a bf16 (nor an fp32) number
+    model = nn.Sequential(Pair())
+    with ActivationMonitor(model, ["0"]) as monitor:
+        model(torch.tensor([1.0], dtype=torch.bfloat16))   # max 2 (the doubled entry), bf16
+        model(torch.tensor([0.5 + 2.0**-41], dtype=torch.float64))  # max 1 + 2^-40 < 2
+        model(torch.tensor([1.0 + 2.0**-40], dtype=torch.float64))  # max 2 + 2^-39 > 2
+    assert monitor.summary()["0"] == 2 + 2.0**-39
+
+
+def test_names_given_as_a_generator_are_all_monitored():
+    # the generator had been used up by the check for unknown names: "no module selected"
+    model = Stack([2.0, 3.0])
+    with ActivationMonitor(model, (f"blocks.{i}" for i in range(2))) as monitor:
+        model(torch.ones(1))
+    assert monitor.summary() == {"blocks.0": 2.0, "blocks.1": 6.0, "max": 6.0}
+    with pytest.raises(ValueError, match=r"no submodule named \['blocks.7'\]"):
+        ActivationMonitor(model, (name for name in ["blocks.0", "blocks.7"]))
