@@ -37,7 +37,7 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/device_check.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import optimizer_step  # noqa: E402
-from bench.timing import markdown_table  # noqa: E402
+from bench.timing import device_option, markdown_table, refuse_passive_wait  # noqa: E402
 
 #: Tensor methods that read a value back to Python (each a device sync on CUDA).
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -125,10 +125,13 @@ def pretrain_smoke(device: str, out: Path, quick: bool) -> list[list[str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_option, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default cuda where there is one)")
     parser.add_argument("--out", type=Path, required=True, help="folder of the report (created; must be new or empty)")
     parser.add_argument("--quick", action="store_true", help="seconds-long sizes: checks the script, not a result")
     args = parser.parse_args(argv)
+    if not args.quick:  # its step times are a result (bench/optimizer_step.py would refuse them mid-report)
+        refuse_passive_wait(parser)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         # a second run into the same folder had replaced the first report, and its smoke runs
         # failed on their own earlier run folders

@@ -57,6 +57,8 @@ if __package__ in (None, ""):  # run as `python bench/distributed_step.py`: make
 from bench.timing import CLOCKS, Provenance, add_arguments, markdown_table  # noqa: E402
 
 SIZES = {"full": (256, 4), "quick": (32, 2)}  # (C, layers)
+#: ``--quick``: timed steps after the warm-up one
+QUICK_REPEATS = 2
 OPTIMIZERS = ("muon", "manifold_muon[stiefel]", "row_norm")
 
 
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(*args.worker)
         return 0
+    if args.quick:  # two timed steps unless --repeats says otherwise (an explicit --repeats had been ignored)
+        parser.set_defaults(repeats=QUICK_REPEATS)
+        args = parser.parse_args(argv)
     try:
         worlds = [int(w) for w in args.worlds.split(",")]
     except ValueError:
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     width, layers = SIZES["quick" if args.quick else "full"]
-    steps = 1 + (2 if args.quick else args.repeats)
+    steps = 1 + args.repeats
     reference = {}
     for name in OPTIMIZERS:
         reference[name] = measure(name, "single", steps, width, layers, args.clock)

@@ -23,7 +23,7 @@ equivariance), so it is not in the catalogue.
 Each (entry, shape, dtype) is one check per route, with the seed ``--seed`` (fixed, so a
 rerun reproduces the table). Printed: per route the false positives (a correct map not
 reported *holds* but *violated*), false negatives (a broken map reported *holds*),
-inconclusives, errors where none was expected, and the median wall time per check; one row
+inconclusives, errors where none was expected, and the median time per check (on --clock); one row
 per entry with both routes' verdicts. The CLI route runs in-process (``geomuon.cli.main``)
 with the maps imported from this module by the CLI's own import path; the time of a full
 CLI process (import included) on a 64x32 map is measured once, separately.
@@ -52,7 +52,7 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/equivariance_checker.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import Provenance, add_arguments, markdown_table  # noqa: E402
+from bench.timing import CLOCKS, Provenance, add_arguments, markdown_table  # noqa: E402
 from geomuon import cli as geomuon_cli  # noqa: E402
 from geomuon.theory.equivariance import OptimizerUpdate, check_equivariance  # noqa: E402
 
@@ -154,24 +154,26 @@ def _subject(entry: Entry):
     return obj
 
 
-def run_api(entry: Entry, shape: str, dtype: str, seed: int) -> tuple[str, float]:
+def run_api(entry: Entry, shape: str, dtype: str, seed: int, clock=time.perf_counter) -> tuple[str, float]:
+    """The API's verdict on one check, and its seconds on ``clock``."""
     m, n = (int(k) for k in shape.split("x"))
-    start = time.perf_counter()
+    start = clock()
     report = check_equivariance(_subject(entry), entry.group, (m, n), dtype=getattr(torch, dtype), seed=seed,
                                 **_options(entry))
-    return report.verdict, time.perf_counter() - start
+    return report.verdict, clock() - start
 
 
 _VERDICT_OF_EXIT = {0: "holds", 1: "violated", 3: "inconclusive", 4: "error", 2: "usage error"}
 
 
-def run_cli(entry: Entry, shape: str, dtype: str, seed: int) -> tuple[str, float]:
+def run_cli(entry: Entry, shape: str, dtype: str, seed: int, clock=time.perf_counter) -> tuple[str, float]:
+    """The in-process CLI's verdict on one check (from its exit status), and its seconds on ``clock``."""
     argv = ["check-equivariance", entry.target, "--group", entry.group, "--shape", shape, "--dtype", dtype,
             "--seed", str(seed), *entry.options]
-    start = time.perf_counter()
+    start = clock()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = geomuon_cli.main(argv)
-    return _VERDICT_OF_EXIT[code], time.perf_counter() - start
+    return _VERDICT_OF_EXIT[code], clock() - start
 
 
 def cli_process_time(repeats: int, shape: str = "64x32") -> tuple[float, float]:
@@ -204,7 +206,7 @@ def classify(expected: str, verdict: str) -> str:
     return "false positive" if expected == "holds" else "false negative"
 
 
-def measure(size: str, seed: int):
+def measure(size: str, seed: int, clock=time.perf_counter):
     rows, outcomes, times = [], {"cli": [], "api": []}, {"cli": [], "api": []}
     for entry in CATALOGUE:
         for shape, dtype in SHAPES[size]:
@@ -212,7 +214,7 @@ def measure(size: str, seed: int):
                 continue
             verdicts = {}
             for route, runner in (("api", run_api), ("cli", run_cli)):
-                verdict, seconds = runner(entry, shape, dtype, seed)
+                verdict, seconds = runner(entry, shape, dtype, seed, clock)
                 verdicts[route] = verdict
                 outcomes[route].append(classify(entry.expected, verdict))
                 times[route].append(seconds)
@@ -242,7 +244,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the in-process CLI keeps these threads
     size = "quick" if args.quick else "full"
-    rows, outcomes, times = measure(size, args.seed)
+    rows, outcomes, times = measure(size, args.seed, CLOCKS[args.clock])
     repeats = 1 if args.quick else 3
     wall, cpu = cli_process_time(repeats)
     text = (

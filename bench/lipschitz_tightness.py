@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                              "not trained again (default runs/lipschitz_tightness; with --quick a temporary folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    provenance = Provenance(__file__, args, argv, parser)
+    provenance = Provenance(__file__, args, argv, parser, timed=False)
     size = "quick" if args.quick else "full"
     search = SEARCH[size]
 

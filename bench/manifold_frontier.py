@@ -53,6 +53,8 @@ from bench.timing import (  # noqa: E402
 
 #: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
 QUICK = {"steps": 3, "dual": [0, 1], "repeats": 2}
+#: ``--polish``'s default: the projected solver's rows by polish rounds.
+PROJECTED_POLISH = [0, 1, 2]
 
 
 def problem_shapes(name: str) -> list[tuple[int, int]]:
@@ -147,8 +149,9 @@ def main(argv=None) -> int:
     parser.add_argument("--solver", nargs="+", default=["dual"], choices=["dual", "projected"],
                         help="ManifoldMuon's solver: dual (the rows above, per dual steps, update and start) "
                              "and/or projected (no dual: one row per --polish)")
-    parser.add_argument("--polish", type=at_least(0), nargs="+", default=[0, 1, 2],
-                        help="polish rounds of the projected solver's rows")
+    parser.add_argument("--polish", type=at_least(0), nargs="+", default=None,
+                        help=f"polish rounds of the projected solver's rows (default {' '.join(map(str, PROJECTED_POLISH))}; needs --solver "
+                             "projected: the dual rows take each manifold's default)")
     parser.add_argument("--reference", type=at_least(0), default=0,
                         help="dual steps of a reference solve at every certified step (ManifoldMuon's "
                              "certify_reference; default 0: each row's own last dual iterate, which for the "
@@ -160,6 +163,11 @@ def main(argv=None) -> int:
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
+    if args.polish is not None and "projected" not in args.solver:
+        # (it had been ignored: the dual rows take the manifold's default polish rounds)
+        parser.error(f"--polish sets the projected solver's rows, and --solver {' '.join(args.solver)} has none; "
+                     "add --solver projected (or drop --polish)")
+    polish_rounds = PROJECTED_POLISH if args.polish is None else args.polish
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.manifold_muon import (default_cold_dual_steps, default_dual_steps, default_dual_update,
                                                   resolve_manifold)
@@ -177,7 +185,7 @@ def main(argv=None) -> int:
             ManifoldMuon([point], manifold=name, dual_alpha=args.alpha, **solver)
     except ValueError as err:
         parser.error(f"--alpha/--msign/--msign-steps/--dualizer: ManifoldMuon refuses them: {err}")
-    provenance = Provenance(__file__, args, argv, parser)
+    provenance = Provenance(__file__, args, argv, parser, timed=args.repeats > 0)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
     header = ["set", "manifold", "path", "dual update", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
@@ -223,7 +231,7 @@ def main(argv=None) -> int:
         steps = f"{dual_steps} (first: {cold})" if warm and cold != dual_steps else str(dual_steps)
         lines.append(markdown_row([where, manifold_name, path, update, steps, start, f"{mean:.4f}", f"{low:.4f}", cost]))
         print(lines[-1], flush=True)
-    projected = itertools.product(args.set, args.manifold, args.polish) if "projected" in args.solver else ()
+    projected = itertools.product(args.set, args.manifold, polish_rounds) if "projected" in args.solver else ()
     for set_name, manifold_name, polish in projected:
         shapes = problem_shapes(set_name)
         manifold = resolve_manifold(manifold_name, "--manifold")

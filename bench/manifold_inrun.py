@@ -185,7 +185,7 @@ def main(argv=None) -> int:
 
     for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in combinations:  # before any run
         refuse_bad_settings(parser, manifold, settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer))
-    provenance = Provenance(__file__, args, argv, parser)
+    provenance = Provenance(__file__, args, argv, parser, timed=False)
     torch.set_num_threads(args.threads)
 
     header = ["manifold", "solver", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start",

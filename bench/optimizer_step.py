@@ -57,6 +57,8 @@ if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `
 from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, at_least, interleaved_medians,  # noqa: E402
                           markdown_table, synchronizer)
 
+#: The gpt set's default size (6 blocks of width 384).
+GPT_SIZE = {"layers": 6, "width": 384}
 #: ``--quick``: one block of width 64 (seconds; checks the script, not a result).
 QUICK = {"layers": 1, "width": 64, "repeats": 3}
 
@@ -222,10 +224,13 @@ def profile_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=at_least(1), default=6)
-    parser.add_argument("--width", type=at_least(1), default=384)
+    parser.add_argument("--layers", type=at_least(1), default=None,
+                        help=f"GPT-2 blocks of the gpt set (default {GPT_SIZE['layers']})")
+    parser.add_argument("--width", type=at_least(1), default=None,
+                        help=f"model width of the gpt set (default {GPT_SIZE['width']})")
     parser.add_argument("--set", choices=SETS, default="gpt",
-                        help="gpt: --layers x --width GPT-2 blocks; gpt2-small: one d=768 block")
+                        help="gpt: --layers x --width GPT-2 blocks; gpt2-small: one d=768 block (fixed size: "
+                             "takes neither --layers, --width nor --quick)")
     add_arguments(parser, repeats=7, threads=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
@@ -240,9 +245,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cpu" and (args.clock != "wall" or args.profile):
         parser.error(f"--device {args.device} times with --clock wall and has no --profile (a CPU op profile)")
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    if args.set == "gpt2-small":
+        # its shapes are fixed: these options had been ignored (and --quick had run the full block)
+        given = [option for option, value in (("--layers", args.layers), ("--width", args.width)) if value is not None]
+        given += ["--quick"] if args.quick else []
+        if given:
+            parser.error(f"--set gpt2-small is one d = 768 block of fixed size; it takes no {', '.join(given)} "
+                         "(they size the gpt set)")
+    parser.set_defaults(**(QUICK if args.quick else GPT_SIZE))
+    args = parser.parse_args(argv)
     provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes(args.layers, args.width) if args.set == "gpt" else gpt2_small_shapes()

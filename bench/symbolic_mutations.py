@@ -37,7 +37,7 @@ from geomuon.pretrain.provenance import git_commit, markdown_table
 
 if __package__ in (None, ""):  # run as `python bench/symbolic_mutations.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import check_output_file  # noqa: E402
+from bench.timing import check_output_file, positive_seconds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run the mutations whose label contains this text (comma-separated: any of them)")
     parser.add_argument("--range", default=":", help="a slice START:STOP of the catalogue (default all), to split a run")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per suite run (default 900)")
+    parser.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds per suite run (default 900)")
     parser.add_argument("--markdown", type=Path, help="also write the result table to this file")
     parser.add_argument("--overwrite", action="store_true", help="let --markdown replace an existing file")
     args = parser.parse_args(argv)

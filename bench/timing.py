@@ -6,11 +6,14 @@ round, rounds repeated — and reports medians, so a change in machine load duri
 hits every candidate alike and cancels in the ratios. ``--clock process`` counts the CPU
 time of this process only (robust to other processes on a shared machine with
 ``--threads 1``; with more threads it also counts OpenMP spin-waits).
+A timing run under ``OMP_WAIT_POLICY=PASSIVE`` (the test suite's setting) is refused unless
+it is ``--quick``: sleeping OpenMP threads slow steps made of many small kernels.
 
 Provenance: ``--markdown PATH`` writes the script's table under a header stating the
 command line, the commit (and whether the checkout had uncommitted changes), the torch
-version, threads, clock, the machine's load average at the start and at the end of the
-run, and the date; a ``--quick`` run is marked as a smoke test, not a result. The path is
+version, threads, clock, the machine (and accelerator), its bf16 / fp32 matmul rate ratio,
+the OMP_*/MKL_* thread settings, the machine's load average at the start and at the end of
+the run, and the date and duration; a ``--quick`` run is marked as a smoke test, not a result. The path is
 checked before anything is measured, and an existing file (a published table) is replaced
 only with ``--overwrite``. The docs include these files from ``docs/results/benchmarks/``
 (see ``docs/results/index.md``).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shlex
 import statistics
@@ -30,7 +34,8 @@ from typing import Callable
 
 from geomuon.pretrain.provenance import git_commit, machine, markdown_row, markdown_table
 
-__all__ = ["add_arguments", "at_least", "check_output_file", "add_device_argument", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
+__all__ = ["add_arguments", "at_least", "positive_seconds", "device_option", "check_output_file", "add_device_argument",
+           "refuse_passive_wait", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
            "git_commit", "machine", "markdown_row", "markdown_table"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +59,53 @@ def at_least(lowest: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int >= {lowest}"
     return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds ``> 0`` (a time limit of 0 or less had
+    timed out every run at once, after the work of setting it up)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def device_option(text: str) -> str:
+    """An argparse ``type`` for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``, a device this torch
+    build reaches. Only these are timed right (a CUDA call ends with a synchronize,
+    :func:`synchronizer`; another accelerator's kernels would be timed unfinished), and an
+    unusable one had been a traceback from the first tensor moved, after the set-up."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda (cuda:N) are supported")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                                         "use --device cpu, or run on a machine with a GPU")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return text
+
+
+def refuse_passive_wait(parser: argparse.ArgumentParser) -> None:
+    """Refuse, as a usage error before any work, a timing run under ``OMP_WAIT_POLICY=PASSIVE``
+    (what the test suite sets): idle OpenMP threads then sleep between parallel regions, and a
+    step made of many small kernels pays the wake-up each time (ManifoldMuon measured 7.0x our
+    Muon on 2 threads that way instead of 5.1x), so its table would not be the library's cost."""
+    if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":
+        parser.error("OMP_WAIT_POLICY=PASSIVE is set: it slows steps made of many small parallel kernels, so the "
+                     "times would not be the library's; rerun without it (env -u OMP_WAIT_POLICY python ...), "
+                     "or with --quick for a smoke run")
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, repeats: int, threads: int = 2,
@@ -95,7 +147,7 @@ def check_output_file(parser: argparse.ArgumentParser, option: str, path: str | 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device`` for the scripts that can run on an accelerator (``cpu``, ``cuda``, ``cuda:1``)."""
-    parser.add_argument("--device", default="cpu",
+    parser.add_argument("--device", type=device_option, default="cpu",
                         help="where the tensors live (default cpu); on cuda every timed call ends with "
                              "torch.cuda.synchronize() and --clock must be wall")
 
@@ -136,10 +188,14 @@ class Provenance:
     average then); :meth:`write` reads it again at the end."""
 
     def __init__(self, script: str, args: argparse.Namespace, argv: list[str] | None,
-                 parser: argparse.ArgumentParser) -> None:
+                 parser: argparse.ArgumentParser, *, timed: bool = True) -> None:
         """``parser`` (the script's) reports an unusable ``--markdown`` path as a usage error
-        now, before measuring (:func:`check_output_file`)."""
+        now, before measuring (:func:`check_output_file`), and so a run that ``timed`` something
+        under ``OMP_WAIT_POLICY=PASSIVE`` unless it is a ``--quick`` smoke run
+        (:func:`refuse_passive_wait`)."""
         check_output_file(parser, "--markdown", args.markdown, args.overwrite)
+        if timed and not args.quick:
+            refuse_passive_wait(parser)
         self.args = args
         argv = sys.argv[1:] if argv is None else argv
         self.command = " ".join(["python", f"bench/{Path(script).name}", *map(shlex.quote, argv)])

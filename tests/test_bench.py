@@ -11,6 +11,7 @@ round-off.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import re
@@ -348,11 +349,12 @@ def test_every_symbolic_mutation_finds_its_pattern_once():
         sm._check_pattern(ROOT, missing)
 
 
-def usage_error(script: str, *argv: str) -> str:
-    """stderr of ``python bench/<script>.py ARGV``, which must exit 2 (a usage error) within
-    seconds: every refusal below comes before anything is measured or trained."""
+def usage_error(script: str, *argv: str, **environment: str) -> str:
+    """stderr of ``python bench/<script>.py ARGV`` (``environment`` added to this process's),
+    which must exit 2 (a usage error) within seconds: every refusal below comes before
+    anything is measured or trained."""
     result = subprocess.run([sys.executable, f"bench/{script}.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", **environment))
     assert result.returncode == 2, (argv, result.returncode, result.stderr[-2000:])
     return result.stderr
 
@@ -410,3 +412,132 @@ def test_lipschitz_tightness_reuses_only_the_finished_run_it_asked_for(tmp_path,
                                ({**finished, "config": {"seed": 1, "strategy": "lipschitz"}}, False)):
         monkeypatch.setattr(train, "load_checkpoint", lambda _path, c=checkpoint: c)
         assert (lipschitz_tightness._reusable(path, spec, seed=0) is not None) == reused, checkpoint
+
+
+
+def refused_in_process(main, capsys, *argv: str) -> str:
+    """stderr of a bench script's ``main(ARGV)`` in this process (seconds less than a fresh
+    interpreter), which must stop with a usage error (exit status 2) before any work."""
+    with pytest.raises(SystemExit) as stopped:
+        main(list(argv))
+    assert stopped.value.code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_device_option_refuses_a_device_that_cannot_be_timed(tmp_path, monkeypatch, capsys):
+    # an unusable --device had been a traceback from the first tensor moved (device_check:
+    # after making its --out folder); another accelerator would be timed without a synchronize
+    from bench import device_check, optimizer_step
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "report"
+    assert "argument --device: 'cuda'" in refused_in_process(optimizer_step.main, capsys, "--quick", "--device", "cuda")
+    assert "argument --device: 'cuda'" in refused_in_process(device_check.main, capsys, "--quick", "--device", "cuda",
+                                                              "--out", str(out))
+    assert not out.exists()
+    from bench.timing import device_option
+
+    assert device_option("cpu") == "cpu"
+    for text, message in (("nonsense", "expected cpu, cuda or cuda:N"), ("mps", "only cpu and cuda"),
+                          ("cuda", "sees no CUDA device")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            device_option(text)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_option("cuda") == "cuda" and device_option("cuda:0") == "cuda:0"
+    with pytest.raises(argparse.ArgumentTypeError, match="has 1 CUDA device"):
+        device_option("cuda:1")
+
+
+def test_the_gpt2_small_set_takes_no_gpt_sizes(tmp_path, capsys):
+    # --layers and --width had been ignored by the fixed block, and --quick had timed the full
+    # block; the size check comes before the output path's (the control: that path exists)
+    from bench import optimizer_step
+
+    published = tmp_path / "published.md"
+    published.write_text("a published table\n")
+    for option in (["--layers", "2"], ["--width", "64"], ["--quick"]):
+        stderr = refused_in_process(optimizer_step.main, capsys, "--set", "gpt2-small", *option,
+                                    "--markdown", str(published))
+        assert f"--set gpt2-small is one d = 768 block of fixed size; it takes no {option[0]}" in stderr, option
+    assert published.read_text() == "a published table\n"
+
+
+def test_a_timing_run_under_passive_openmp_waits_is_refused(monkeypatch, capsys):
+    # the tests' OMP_WAIT_POLICY=PASSIVE slows ManifoldMuon's small kernels (7.0x our Muon
+    # instead of 5.1x at two threads): a table measured so had been written as a result
+    from bench import optimizer_step
+    from bench.timing import Provenance, add_arguments
+
+    parser = argparse.ArgumentParser(prog="bench")
+    add_arguments(parser, repeats=1)
+
+    def provenance(*argv, timed=True):
+        return Provenance("bench/x.py", parser.parse_args(list(argv)), list(argv), parser, timed=timed)
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    with pytest.raises(SystemExit) as refused:
+        provenance()
+    assert refused.value.code == 2
+    # controls: a smoke run, a script that times nothing, and the default wait policy pass
+    provenance("--quick")
+    provenance(timed=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    provenance()
+    # a script: a full-size run is refused before it measures
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert "OMP_WAIT_POLICY=PASSIVE is set" in refused_in_process(optimizer_step.main, capsys, "--layers", "1")
+
+
+def test_equivariance_checker_times_each_check_on_the_clock_asked_for():
+    # --clock process had been recorded in the header while every check was timed on the wall clock
+    from bench import equivariance_checker
+
+    ticks = iter([10.0, 13.5, 20.0, 20.25])  # differences exact in binary: 3.5 and 0.25
+
+    def clock():
+        return next(ticks)
+
+    entry = equivariance_checker.CATALOGUE[0]
+    assert entry.target.endswith(":svd_msign") and entry.expected == "holds"
+    assert equivariance_checker.run_api(entry, "6x4", "float64", 0, clock) == ("holds", 3.5)
+    assert equivariance_checker.run_cli(entry, "6x4", "float64", 0, clock) == ("holds", 0.25)
+
+
+def test_symbolic_mutations_refuses_a_timeout_that_is_not_positive(capsys):
+    # --timeout 0 or less had copied the repository and timed the unmutated suite out at once (exit 1)
+    from bench import symbolic_mutations
+
+    assert "argument --timeout: must be a finite number of seconds > 0, got 0" in refused_in_process(
+        symbolic_mutations.main, capsys, "--timeout", "0", "--only", "GELU")
+    from bench.timing import positive_seconds
+
+    assert positive_seconds("0.5") == 0.5
+    for text in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_seconds(text)
+
+
+def test_distributed_step_quick_keeps_the_repeats_asked_for(monkeypatch):
+    # --quick had fixed 2 timed steps whatever --repeats said (and the header echoed --repeats)
+    from bench import distributed_step
+
+    class Measured(Exception):
+        pass
+
+    def first_measurement(name, mode, steps, *sizes):
+        raise Measured(steps)  # the steps the run asked for, before any work
+
+    monkeypatch.setattr(distributed_step, "measure", first_measurement)
+    for argv, steps in ((["--repeats", "1"], 2), (["--repeats", "4"], 5), ([], 1 + distributed_step.QUICK_REPEATS)):
+        with pytest.raises(Measured) as measured:
+            distributed_step.main(["--quick", "--worlds", "1", *argv])
+        assert measured.value.args == (steps,), argv
+
+
+def test_manifold_frontier_polish_needs_the_projected_solver(capsys):
+    # --polish without --solver projected had been ignored (the dual rows take the default rounds)
+    from bench import manifold_frontier
+
+    stderr = refused_in_process(manifold_frontier.main, capsys, "--quick", "--polish", "1")
+    assert "--polish sets the projected solver's rows, and --solver dual has none" in stderr
