@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.pretrain.monitoring import nan_max
 
 
@@ -219,9 +220,12 @@ class CausalSelfAttention(nn.Module):
         return y / 3.0 if self.lipschitz else y
 
     def _observed_attention(self, q, k, v):
-        with torch.autocast(q.device.type, enabled=False):  # the metrics in fp32 under evaluation's bf16 autocast too
+        # the metrics in fp32 under evaluation's bf16 autocast too, and in fp64 for a float64 model
+        # (a cast to fp32 had made its evaluation fp32's)
+        wide = fp32_or_fp64(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):
             T = q.size(-2)
-            scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale
+            scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * self.scale
             causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~causal, -math.inf)
             record = self.record
@@ -230,7 +234,7 @@ class CausalSelfAttention(nn.Module):
             jac = softmax_jacobian_frobenius(p)
             record.jacobian_sum += jac.sum().item()
             record.rows += jac.numel()
-            return (p @ v.float()).to(v.dtype)
+            return (p @ v.to(wide)).to(v.dtype)
 
 
 # --------------------------------------------------------------------------------------

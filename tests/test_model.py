@@ -120,6 +120,21 @@ def test_observed_attention_metrics_stay_fp32_under_a_bf16_autocast():
     assert logit_auto == logit and jacobian_auto == jacobian
 
 
+def test_observed_attention_of_a_float64_model_is_float64():
+    # a float64 model's observed forward must be the plain float64 forward: the metrics had cast
+    # q, k, v to fp32 (1e-9 apart). Tolerance: the two paths differ by the order of their fp64
+    # operations, about eps = 2.2e-16 per operation over ~1e3 accumulated ones; fp32's eps
+    # (1.2e-7) is 5e5 times larger, so 1e-12 separates them.
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny")).double().eval()
+    idx = torch.randint(0, 256, (2, 12))
+    plain, _ = model(idx)
+    with model.observe():
+        observed, _ = model(idx)
+    assert observed.dtype == torch.float64
+    assert (observed - plain).abs().max() <= 1e-12
+
+
 def test_moe_balanced_router_has_unit_aux_loss():
     # Zero router → uniform probabilities P_e = 1/E and Σ f_e = 1 → aux = E Σ f_e / E = 1.
     config = get_config("cpu-moe")
