@@ -61,7 +61,8 @@ def git_commit(short: bool = True, repo: Path | None = None) -> str:
 
 
 #: The subpackages whose source decides what a training run computes. ``pretrain/studies``
-#: is left out: it writes pages, and what a study trains is named in each run's key.
+#: is left out: it writes pages, and what a study trains is named in each run's key, with the
+#: source files of its hooks hashed there (``geomuon.pretrain.studies.common``).
 _TRAINING_CODE = ("manifolds", "optimizers", "theory", "pretrain")
 
 

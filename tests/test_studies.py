@@ -126,6 +126,30 @@ def test_cli_dispatch_reuses_cached_runs(run_once, tmp_path, capsys):
     assert (tmp_path / f"{study.NAME}.md").read_text().count("| `") >= len(study.variants(study.SIZES["tiny"]))
 
 
+def test_a_run_whose_hook_source_changed_is_never_reused(tmp_path, monkeypatch):
+    """A variant's ``customize`` lives in pretrain/studies, outside the code fingerprint: the
+    run key hashes the file that defines it, so an edited hook trains again (it had reused the
+    old records). Control: an unchanged file finds the same folder."""
+    import importlib.util
+
+    hook_file = tmp_path / "study_hooks.py"
+    hook_file.write_text("def customize(model, assignment, hyper):\n    return assignment\n")
+    spec = importlib.util.spec_from_file_location("study_hooks", hook_file)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    study = STUDIES["manifolds"]
+    size = common.size_from(study, "tiny")
+    variant = dataclasses.replace(study.variants(size)[0], customize=hooks.customize)
+
+    def folder():
+        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
+
+    before = folder()
+    assert folder() == before
+    hook_file.write_text("def customize(model, assignment, hyper):\n    return assignment  # capped\n")
+    assert folder() != before
+
+
 def test_a_run_made_by_other_code_is_never_reused(tmp_path, monkeypatch):
     """The run folder's key holds the training code's fingerprint: after the engine changes,
     a resumed study trains its runs again (in new folders) instead of reading back records

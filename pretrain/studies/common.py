@@ -37,6 +37,7 @@ import datetime
 import functools
 import gzip
 import hashlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -235,9 +236,25 @@ RECORD = "record.json"
 
 
 def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) -> str:
+    from geomuon.pretrain.studies import STUDIES
+
     identity = dict(version=RECORD_VERSION, code=code_fingerprint(), study=study, variant=variant.identity(),
+                    hooks=_hook_sources(STUDIES[study].extra_metrics, variant.customize),
                     size=dataclasses.asdict(size) | {"seeds": None}, seed=seed, data=os.path.basename(data_path))
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _hook_sources(*hooks: Callable | None) -> str:
+    """A hash of the source files that define ``hooks`` (a study's ``extra_metrics``, a
+    variant's ``customize``, and what those files hold beside them, such as a capped
+    manifold): they decide what a run trains and records, yet live in ``pretrain/studies``,
+    which :func:`~geomuon.pretrain.provenance.code_fingerprint` leaves out so that a page's
+    wording can change without retraining (an edited ``customize`` had reused the old
+    records)."""
+    digest = hashlib.sha256()
+    for path in sorted({inspect.getsourcefile(hook) for hook in hooks if hook is not None}):
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def run_folder(work_dir: Path, study: str, variant: Variant, size: Size, seed: int, data_path: str) -> Path:
