@@ -77,7 +77,8 @@ def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str,
 
     Raises:
         ValueError: a role in ``roles`` is not one of :data:`ROLES`, a name in ``roles``
-            is not a parameter, or a matrix parameter has no role.
+            is not a parameter (or is frozen, or a tied alias), a module's ``ROLES`` names
+            no attribute or one that holds no weight, or a matrix parameter has no role.
     """
     roles = dict(roles or {})
     every = dict(model.named_parameters())
@@ -90,6 +91,9 @@ def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str,
             if name in aliases:  # a tied weight is listed under its first name
                 raise ValueError(f"roles names {name!r}, which is tied to {aliases[name]!r}: name the role there")
             raise ValueError(f"roles names {name!r}, which is not a parameter of the model")
+        if name not in names:  # its role had been dropped without a word
+            raise ValueError(f"roles names {name!r}, which is frozen (requires_grad=False) and is not optimized: "
+                             "leave it out of roles, or unfreeze it first")
     declared: dict[int, str] = {}
     for module_name, module in model.named_modules():
         for child_name, role in getattr(module, "ROLES", {}).items():
@@ -104,6 +108,12 @@ def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str,
             elif not hasattr(module, child_name):
                 raise ValueError(f"{type(module).__name__}.ROLES names {child_name!r}, which is no attribute of "
                                  f"{module_name or 'the model'}")
+            elif child is not None:
+                # a declaration that reaches no weight (a ModuleList of experts, a float) had been
+                # dropped, and the weights it meant were then said to have no declared role
+                raise ValueError(f"{type(module).__name__}.ROLES[{child_name!r}] names a {type(child).__name__} "
+                                 f"of {module_name or 'the model'}, which has no weight: declare the role in the "
+                                 "module that holds the weight, or pass roles={parameter name: role}")
     out = {}
     for name, p in names.items():
         role = roles.get(name) or declared.get(id(p))
@@ -127,8 +137,13 @@ def _structural_role(model: nn.Module, name: str) -> str | None:
     if isinstance(module, nn.Embedding):
         return "embedding"
     parent_path, _, child = module_path.rpartition(".")
+    # the nearest ancestor named for a hint decides: "attn_blocks.0.mlp.c_proj" is an MLP output
+    # (a hint anywhere in the path had made it an attention output)
+    hints = {hint for conventional, hint, _ in _CONVENTIONAL_NAMES if conventional == child and hint}
+    nearest = next((ancestor for ancestor in reversed(parent_path.lower().split("."))
+                    if any(hint in ancestor for hint in hints)), "")
     for conventional, parent_hint, role in _CONVENTIONAL_NAMES:
-        if child == conventional and (parent_hint is None or parent_hint in parent_path.lower()):
+        if child == conventional and (parent_hint is None or parent_hint in nearest):
             return role
     return None
 
@@ -208,7 +223,7 @@ class Hyper:
     momentum: float = 0.95
     nesterov: bool = True
     dual_steps: int | None = None  # Manifold Muon dual-ascent steps (None: optimizer default)
-    compute_dtype: torch.dtype | None = None  # directions (None: the optimizers' default)
+    compute_dtype: torch.dtype | None = None  # directions (None: the optimizers' default; torch_muon: bf16 only)
     w_max: float = 2.0  # Lipschitz strategy: largest RMS→RMS norm of each weight
     # Seed-004 maps: 0 gives unit-scale directions (one lr for every matrix update); the
     # reference's 1 scales by the nuclear norm, which needs a much smaller lr.
@@ -267,13 +282,55 @@ class Assignment:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict`'s output, refusing (``ValueError``, before anything loads) a
+        state of other update families, or whose groups hold other parameters or give them
+        another manifold, ``centered`` or regulator than this assignment does."""
         if set(state) != set(self.optimizers):
             raise ValueError(
                 f"optimizer state holds {sorted(state)} but strategy {self.strategy!r} builds "
                 f"{sorted(self.optimizers)}; resume with the strategy the checkpoint was written with"
             )
+        for update, opt in self.optimizers.items():  # all checked before any is loaded
+            self._check_same_groups(update, opt.param_groups, state[update].get("param_groups", []))
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
+
+    def _check_same_groups(self, update: str, current: list[dict], saved: list[dict]) -> None:
+        """Refuse a saved optimizer state whose groups hold other parameters, or give them
+        another geometry, than this assignment's: torch maps state by position and replaces the
+        groups' options, so ``hetero``'s state had loaded into ``hetero_inv`` and turned it into
+        ``hetero`` (Stiefel attention, DGram MLP) under the ``hetero_inv`` label."""
+        advice = "resume with the strategy (and roles) the checkpoint was written with"
+        if len(saved) != len(current):
+            raise ValueError(f"optimizer state of {update!r} holds {len(saved)} param group(s) but strategy "
+                             f"{self.strategy!r} builds {len(current)}; {advice}")
+        for index, (was, now) in enumerate(zip(saved, current)):
+            names = now.get("param_names")
+            saved_names = was.get("param_names", names)  # a group saved without names: by position
+            if len(was["params"]) != len(now["params"]) or (names is not None and list(saved_names) != list(names)):
+                raise ValueError(f"optimizer state of {update!r}, group {index}, holds "
+                                 f"{saved_names or len(was['params'])} but strategy {self.strategy!r} puts "
+                                 f"{names or len(now['params'])} there; {advice}")
+            saved_geometry, geometry = _geometry(was), _geometry(now)
+            differ = [key for key in geometry if saved_geometry[key] != geometry[key]]
+            if differ:
+                who = repr(names[0]) if names else f"param group {index}"
+                raise ValueError(f"optimizer state of {update!r} gives {who} (and its group) "
+                                 + ", ".join(f"{key}={saved_geometry[key]!r}" for key in differ)
+                                 + f" but strategy {self.strategy!r} gives it "
+                                 + ", ".join(f"{key}={geometry[key]!r}" for key in differ) + f"; {advice}")
+
+
+def _geometry(group: dict) -> dict:
+    """What a param group's :class:`Rule` fixes besides its update family, as plain data:
+    the manifold (its spec's name and arguments), ``centered`` and the regulator's name (its
+    arguments are options, restored from a checkpoint like the learning rate)."""
+    manifold, regulate = group.get("manifold"), group.get("regulate")
+    if isinstance(manifold, Mapping):
+        manifold = f"{manifold['name']}{manifold.get('args') or ''}"
+    if isinstance(regulate, Mapping):
+        regulate = regulate.get("name", regulate.get("kind"))
+    return {"manifold": manifold, "centered": bool(group.get("centered", False)), "regulate": regulate}
 
 
 _UPDATE_CLASSES = {
@@ -284,8 +341,10 @@ _UPDATE_CLASSES = {
     "left_polar": LeftPolarGradM,
     "hybrid": HybridPolarGradM,
 }
-#: every update family a :class:`Rule` may name (AdamW and torch's Muon are built by :func:`_build` itself).
-_UPDATES = ("adamw", "torch_muon", *_UPDATE_CLASSES)
+#: the update families torch's own optimizers run (built by :func:`_build` itself), by class name
+_TORCH_UPDATES = {"adamw": "AdamW", "torch_muon": "Muon"}
+#: every update family a :class:`Rule` may name
+_UPDATES = (*_TORCH_UPDATES, *_UPDATE_CLASSES)
 #: the update families with a ``centered`` option (the router's shift-invariant maps)
 _CENTERED_UPDATES = ("row_norm", "right_polar", "left_polar", "hybrid")
 
@@ -298,10 +357,21 @@ TORCH_MUON_ADJUST_LR = "original"
 def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
     if update == "adamw":
         return torch.optim.AdamW(groups, lr=hyper.adamw_lr, betas=hyper.adamw_betas, weight_decay=0.0)
-    if update == "torch_muon":  # PyTorch's implementation as it ships: its own Newton-Schulz, no options of ours
+    if update == "torch_muon":  # PyTorch's implementation as it ships: its own Newton-Schulz; Hyper.extra
+        # reaches it as it reaches every matrix optimizer (torch's options: ns_steps, eps, ...; ours are refused)
+        if hyper.compute_dtype not in (None, torch.bfloat16):
+            # torch.optim.Muon orthogonalises in bfloat16 whatever it is asked: an fp32 request had
+            # been ignored while the run was labelled with it
+            raise ValueError(f"Hyper.compute_dtype={hyper.compute_dtype} cannot apply to torch_muon: "
+                             "torch.optim.Muon computes its directions in torch.bfloat16; leave it None "
+                             "(or bfloat16), or use the 'unconstrained' strategy (the library's Muon)")
         return torch.optim.Muon(groups, lr=hyper.lr, momentum=hyper.momentum, nesterov=hyper.nesterov,
-                                weight_decay=0.0, adjust_lr_fn=TORCH_MUON_ADJUST_LR)
+                                weight_decay=0.0, adjust_lr_fn=TORCH_MUON_ADJUST_LR, **hyper.extra)
     cls = _UPDATE_CLASSES[update]
+    if update == "muon" and "weight_decay" in hyper.extra:
+        # every Muon group sets its own (_group): the extra value had reached the polar maps only
+        raise ValueError("Hyper.extra['weight_decay'] cannot reach Muon, whose groups take Hyper.weight_decay "
+                         "(0 under a regulator); set Hyper.weight_decay instead")
     kwargs = dict(lr=hyper.lr, momentum=hyper.momentum, **hyper.extra)
     if update in ("muon", "manifold_muon"):
         kwargs["nesterov"] = hyper.nesterov
@@ -371,8 +441,10 @@ def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, R
         if rule.centered and rule.update not in _CENTERED_UPDATES:
             raise ValueError(f"strategy[{role!r}] = {rule}: centered applies to {_CENTERED_UPDATES}")
         if rule.regulate is not None:
-            if rule.update == "torch_muon":
-                raise ValueError(f"strategy[{role!r}] = {rule}: torch.optim.Muon takes no regulator")
+            if rule.update in _TORCH_UPDATES:  # (torch's AdamW had carried the key and ignored it)
+                raise ValueError(f"strategy[{role!r}] = {rule}: torch.optim.{_TORCH_UPDATES[rule.update]} "
+                                 "takes no regulator; regulators go with the library's matrix updates "
+                                 f"{tuple(_UPDATE_CLASSES)}")
             try:
                 make_regulator({"kind": rule.regulate, "w_max": 1.0})
             except (ValueError, TypeError) as error:
@@ -411,7 +483,9 @@ def assign(
     and labelled by :func:`strategy_table`); roles it omits, and vectors, use AdamW.
     Weights given a manifold are re-initialised on it in place (see :func:`_move_onto`;
     this draws from the global torch RNG). Unknown strategy, role, update or manifold →
-    ``ValueError`` naming the valid ones.
+    ``ValueError`` naming the valid ones; so is a strategy none of whose non-AdamW roles the
+    model has (it would train everything with AdamW), a matrix update given a parameter that
+    is not 2-D, and settings the optimizers refuse (checked before any weight moves).
     """
     label, table = strategy_table(strategy)
     hyper = hyper or Hyper()
@@ -419,36 +493,42 @@ def assign(
     if not role_of:
         raise ValueError(f"assign: {type(model).__name__} has no trainable parameters (requires_grad=True); "
                          "nothing to optimize")
+    named_roles = {role for role, rule in table.items() if rule != ADAMW}
+    if named_roles and not named_roles & set(role_of.values()):
+        # e.g. {"attn_q": ...} on a fused c_attn (role attn_qkv) had trained everything with AdamW
+        raise ValueError(f"assign: strategy {label!r} names roles {sorted(named_roles)}, none of which a trainable "
+                         f"parameter of {type(model).__name__} has (its roles: {sorted(set(role_of.values()))}); "
+                         "name those roles, or give the parameters roles={name: role}")
     params = dict(model.named_parameters())
     tied = _tied_names(model)
     rows, buckets = [], {}
     for name, role in role_of.items():
         p = params[name]
         rule = table.get(role, ADAMW) if role != "vector" else ADAMW
-        if rule.update != "adamw" and p.dim() > 2:
-            # (Muon refused it with advice assign cannot follow; ManifoldMuon had constrained each
-            # [kh, kw] slice of a conv kernel instead of the kernel)
-            raise ValueError(f"assign: parameter {name!r} has shape {tuple(p.shape)}; a strategy's matrix updates take "
-                             f"2-D weights: give it roles={{{name!r}: 'vector'}} (AdamW), or build the optimizer "
-                             "with matrix_view='flatten' (or 'batch') in its group yourself")
+        if rule.update != "adamw" and p.dim() != 2:
+            # (the optimizers refused it with advice assign cannot follow, "a param group with
+            # update='adamw'"; ManifoldMuon had constrained each [kh, kw] slice of a conv kernel
+            # instead of the kernel)
+            raise ValueError(f"assign: parameter {name!r} has shape {tuple(p.shape)} and role {role!r}, which "
+                             f"strategy {label!r} gives {rule.describe()}; a strategy's matrix updates take 2-D "
+                             f"weights: give it roles={{{name!r}: 'vector'}} (AdamW)"
+                             + (", or build the optimizer with matrix_view='flatten' (or 'batch') in its group "
+                                "yourself" if p.dim() > 2 else ""))
         rows.append(Row(name, tuple(p.shape), role, rule, tied.get(name, "")))
         # AdamW decays matrices only (nanoGPT); one group per (rule, decay)
         key = (rule, rule.update == "adamw" and p.dim() >= 2)
         buckets.setdefault(key, []).append((name, p))
     by_update: dict[str, list[dict]] = {}
-    constrained = []
     for (rule, decay), named in buckets.items():
         group = _group(rule, [p for _, p in named], hyper, decay)
         group["param_names"] = [name for name, _ in named]  # the optimizers' reports name them
-        if "manifold" in group:
-            constrained.append((group["manifold"], group["params"]))
         by_update.setdefault(rule.update, []).append(group)
     try:  # every option checked (by the optimizers) before any weight moves
         optimizers = {update: _build(update, groups, hyper) for update, groups in by_update.items()}
     except (ValueError, TypeError) as error:
         raise ValueError(f"assign: the strategy's optimizers refuse these settings (Hyper or a Rule): {error}") from None
-    for manifold, params in constrained:
-        _move_onto(manifold, params)
+    if "manifold_muon" in optimizers:
+        _move_onto(optimizers["manifold_muon"])
     return Assignment(label, rows, optimizers)
 
 
@@ -471,19 +551,26 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 
 
 @torch.no_grad()
-def _move_onto(manifold, params: list[torch.Tensor]) -> None:
-    """Put every constrained weight on its manifold. A weight already there (a model
-    trained with this geometry) is kept. Others restart at a random semi-orthogonal point
+def _move_onto(optimizer: ManifoldMuon) -> None:
+    r"""Put every weight ``optimizer`` constrains on its manifold. A weight already there (a
+    model trained with this geometry) is kept, "there" meaning what the optimizer's first step
+    accepts: :meth:`~geomuon.optimizers.base.MatrixOptimizer.check_on_manifold`'s tolerance,
+    $\max(10^{-5}, 16\,\varepsilon)$ of the weight's dtype (a bf16 weight is on its manifold
+    only to its own rounding: a fixed fp32 tolerance had replaced a trained bf16 model's weights
+    by random points). Others restart at a random semi-orthogonal point
     (``orthogonal_``: fp32 QR, the distribution of the polar factor of a Gaussian matrix),
     which lies on Stiefel and DGram alike, so the Stiefel/DGram strategies all start from the
     same kind of point; other manifolds project it with ``projx``. (A float64 SVD
     ``projx`` of every GPT-2 matrix costs minutes on a CPU; the QR costs seconds.) The point
     is drawn on the CPU with torch's CPU generator whatever the device, so a seed starts the
     same weights on the CPU and on a GPU."""
-    for p in params:
-        if manifold.check_point_on_manifold(p.detach().float()):
-            continue
-        point = torch.nn.init.orthogonal_(torch.empty(p.shape, dtype=torch.float32)).to(p.device)
-        if not manifold.check_point_on_manifold(point):
-            point = manifold.projx(point)
-        p.copy_(point.to(p.dtype))
+    for group in optimizer.param_groups:
+        manifold = optimizer._group_manifold(group)
+        for p in group["params"]:
+            matrix, atol = optimizer._checked_point(group, p, 1e-5)  # the first step's check (_admissible)
+            if manifold.check_point_on_manifold(matrix, atol=atol, rtol=1e-5):
+                continue
+            point = torch.nn.init.orthogonal_(torch.empty(p.shape, dtype=torch.float32)).to(p.device)
+            if not manifold.check_point_on_manifold(point):
+                point = manifold.projx(point)
+            p.copy_(point.to(p.dtype))

@@ -288,6 +288,7 @@ def _two_roles() -> nn.Module:
     (Rule("manifold_muon"), "a manifold goes with update='manifold_muon', which needs one"),
     (Rule("muon", centered=True), "centered applies to"),
     (Rule("torch_muon", regulate="soft_cap"), "torch.optim.Muon takes no regulator"),
+    (Rule("adamw", regulate="soft_cap"), "torch.optim.AdamW takes no regulator"),  # had been carried and ignored
     (Rule("muon", regulate="bogus"), r"strategy\['attn_q'\].regulate"),
 ])
 def test_rules_that_cannot_do_what_they_say_are_refused(rule, message):
@@ -334,10 +335,150 @@ def test_roles_of_parameters_tied_weights_and_kernels_are_named():
     three.lm_head = nn.Linear(8, 16, bias=False)
     three.aux_head = nn.Linear(8, 16, bias=False)
     three.lm_head.weight = three.aux_head.weight = three.emb.weight
-    (row,) = assign(three, "unconstrained").rows
+    (row,) = assign(three, "adamw").rows
     assert row.tied == "lm_head.weight, aux_head.weight"
     net = nn.Module()
     net.mlp = nn.Module()
     net.mlp.fc1 = nn.Conv2d(3, 16, 3)
     with pytest.raises(ValueError, match=r"'mlp.fc1.weight' has shape \(16, 3, 3, 3\).*'vector'"):
         assign(net, "all_stiefel")
+
+
+def _one_step(model, assignment):
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx)[1].backward()
+    assignment.step()
+
+
+def test_another_strategys_state_is_refused_before_anything_loads():
+    # hetero's state had loaded into hetero_inv (same update families, same group sizes) and
+    # replaced its groups: the attention matrices then stepped on Stiefel under the hetero_inv label
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny"))
+    hetero = assign(model, "hetero")
+    _one_step(model, hetero)
+    saved = hetero.state_dict()
+    target = assign(GPT(get_config("cpu-tiny")), "hetero_inv")
+    with pytest.raises(ValueError, match=r"'manifold_muon' gives 'h.0.attn.c_attn.weight' .*manifold='Stiefel' but "
+                                         r"strategy 'hetero_inv' gives it manifold='DGram'; resume with the strategy"):
+        target.load_state_dict(saved)
+    assert all(not opt.state for opt in target.optimizers.values())  # AdamW's state was not loaded either
+    assert [g["manifold"]["name"] for g in target.optimizers["manifold_muon"].param_groups] == ["DGram", "Stiefel"]
+    # control: the strategy it was written with loads it, geometry and momentum
+    again = assign(GPT(get_config("cpu-tiny")), "hetero")
+    again.load_state_dict(saved)
+    assert [g["manifold"]["name"] for g in again.optimizers["manifold_muon"].param_groups] == ["Stiefel", "DGram"]
+    assert len(again.optimizers["manifold_muon"].state) == len(hetero.optimizers["manifold_muon"].state) > 0
+
+
+def test_state_of_other_parameters_in_the_same_group_shapes_is_refused():
+    # two models whose Muon groups have equal sizes but hold other parameters: torch maps state
+    # by position, so q's momentum had become k's
+    def model(first, second):
+        net = nn.Module()
+        net.attn = nn.Module()
+        setattr(net.attn, first, nn.Linear(8, 8, bias=False))
+        setattr(net.attn, second, nn.Linear(8, 8, bias=False))
+        return net
+
+    source = model("q_proj", "k_proj")
+    written = assign(source, "unconstrained")
+    source.attn.q_proj.weight.grad = torch.ones(8, 8)
+    source.attn.k_proj.weight.grad = torch.ones(8, 8)
+    written.step()
+    with pytest.raises(ValueError, match=r"holds \['attn.q_proj.weight', 'attn.k_proj.weight'\] but strategy "
+                                         r"'unconstrained' puts \['attn.k_proj.weight', 'attn.q_proj.weight'\]"):
+        assign(model("k_proj", "q_proj"), "unconstrained").load_state_dict(written.state_dict())
+
+
+def test_bf16_weights_trained_on_their_manifold_are_kept():
+    # assign's check had used a fixed 1e-5: a bf16 weight, on Stiefel only to its own rounding
+    # (ManifoldMuon's first step accepts 16 eps of bf16), was replaced by a random point
+    torch.manual_seed(0)
+    model = GPT(get_config("cpu-tiny")).to(torch.bfloat16)
+    initial = model.h[0].attn.c_attn.weight.detach().clone()
+    assignment = assign(model, "all_stiefel")
+    assert not torch.equal(model.h[0].attn.c_attn.weight, initial)  # control: the Gaussian init is moved
+    _one_step(model, assignment)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    again = assign(model, "all_stiefel")
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    _one_step(model, again)  # the optimizer agrees they are on Stiefel (no OffManifoldError)
+
+
+def test_the_nearest_ancestor_tells_attention_from_mlp():
+    # a hint anywhere in the path had decided: every MLP c_proj under "attn_blocks" was an attention output
+    def block() -> nn.Module:
+        net = nn.Module()
+        net.attn, net.mlp = nn.Module(), nn.Module()
+        net.attn.c_proj = nn.Linear(8, 8, bias=False)
+        net.mlp.c_proj = nn.Linear(32, 8, bias=False)
+        return net
+
+    for outer in ("attn_blocks", "mlp_mixer"):
+        model = nn.Module()
+        setattr(model, outer, nn.ModuleList([block()]))
+        assert classify(model) == {f"{outer}.0.attn.c_proj.weight": "attn_o", f"{outer}.0.mlp.c_proj.weight": "mlp_out"}
+
+
+def test_torch_muon_takes_hyper_extra_and_refuses_a_compute_dtype_it_cannot_honour():
+    # torch.optim.Muon orthogonalises in bf16 whatever it is asked; Hyper.extra, "passed to every
+    # matrix optimizer", had not reached it (ns_steps stayed 5)
+    with pytest.raises(ValueError, match=r"Hyper.compute_dtype=torch.float32 cannot apply to torch_muon"):
+        assign(_two_roles(), "torch_muon", Hyper(compute_dtype=torch.float32))
+    built = assign(_two_roles(), "torch_muon", Hyper(compute_dtype=torch.bfloat16, extra={"ns_steps": 3}))
+    assert {g["ns_steps"] for g in built.optimizers["torch_muon"].param_groups} == {3}
+    with pytest.raises(ValueError, match="refuse these settings.*msign_method"):  # an option of ours only
+        assign(_two_roles(), "torch_muon", Hyper(extra={"msign_method": "polar_express"}))
+
+
+def test_a_roles_declaration_that_reaches_no_weight_is_refused():
+    # it had been dropped, and its weights then said to come from a module that "declares no ROLES"
+    class Experts(nn.Module):
+        ROLES = {"experts": "mlp_in"}
+
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 8, bias=False) for _ in range(2))
+
+    with pytest.raises(ValueError, match=r"Experts.ROLES\['experts'\] names a ModuleList of the model, which has no "
+                                         r"weight: declare the role in the module that holds the weight"):
+        classify(Experts())
+
+
+def test_a_parameter_that_is_not_a_matrix_gets_advice_assign_can_follow():
+    # the optimizers' refusal had said "put it in a param group with update='adamw'"
+    model = _two_roles()
+    model.attn.q_proj.bias = nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match=r"'attn.q_proj.bias' has shape \(8,\) and role 'attn_q', which strategy "
+                                         r"'all_stiefel' gives manifold_muon\[stiefel\].*roles=\{'attn.q_proj.bias': "
+                                         r"'vector'\} \(AdamW\)$"):
+        assign(model, "all_stiefel", roles={"attn.q_proj.bias": "attn_q"})
+
+
+def test_a_strategy_that_reaches_no_parameter_is_refused():
+    # attention roles of separate q/k/v on a fused c_attn (attn_qkv) had trained everything with AdamW
+    stiefel_q = {"attn_q": Rule("manifold_muon", "stiefel")}
+    with pytest.raises(ValueError, match=r"names roles \['attn_q'\], none of which a trainable parameter of GPT has "
+                                         r"\(its roles: \['attn_o', 'attn_qkv',"):
+        assign(GPT(get_config("cpu-tiny")), stiefel_q)
+    # control: the layout with separate q/k/v
+    rows = assign(GPT(get_config("cpu-lipschitz")), stiefel_q).rows
+    assert {row.name for row in rows if row.rule.manifold} == {"h.0.attn.q.weight", "h.1.attn.q.weight"}
+
+
+def test_roles_for_a_frozen_parameter_are_refused():
+    model = _two_roles()
+    model.attn.q_proj.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"roles names 'attn.q_proj.weight', which is frozen \(requires_grad=False\)"):
+        classify(model, roles={"attn.q_proj.weight": "mlp_in"})
+
+
+def test_a_weight_decay_in_hyper_extra_that_muon_would_override_is_refused():
+    # Muon's groups set Hyper.weight_decay themselves: extra's value had reached the polar maps
+    # of the same strategy but not Muon, silently
+    with pytest.raises(ValueError, match=r"Hyper.extra\['weight_decay'\] cannot reach Muon.*set Hyper.weight_decay"):
+        assign(GPT(get_config("cpu-tiny")), "symmetry", Hyper(extra={"weight_decay": 0.5}))
+    # control: where no Muon group is built, the polar maps take it
+    built = assign(GPT(get_config("cpu-tiny")), {"mlp_in": Rule("hybrid")}, Hyper(extra={"weight_decay": 0.5}))
+    assert {g["weight_decay"] for g in built.optimizers["hybrid"].param_groups} == {0.5}
