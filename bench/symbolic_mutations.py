@@ -161,7 +161,7 @@ row and col norms divide by the squared norm | return D / (D.norm(dim=dim, keepd
 sign map doubled | return torch.sign(D) | return 2 * torch.sign(D)
 spectral map with Keller's quintic | D: torch.Tensor,\n    *,\n    method: str = "polar_express", | D: torch.Tensor,\n    *,\n    method: str = "newton_schulz",
 hybrid nuclear norm from msign'msign | nuclear = (R * Q).sum | nuclear = (Q * Q).sum
-hybrid nuclear norm squared | return Q * nuclear.pow(alpha) | return Q * nuclear.pow(2 * alpha)
+hybrid nuclear norm squared | scale = nuclear.pow(alpha) | scale = nuclear.pow(2 * alpha)
 ## optimizers/gram.py
 gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr)
 gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)

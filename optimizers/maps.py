@@ -55,7 +55,7 @@ def spectral(
     method: str = "polar_express",
     steps: int | None = None,
     compute_dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
+    eps: float | None = None,
 ) -> torch.Tensor:
     r"""Spectral update (Muon): $U(D) = \operatorname{msign}(D) = UV^\top$.
 
@@ -69,7 +69,10 @@ def spectral(
         method: passed to :func:`geomuon.manifolds.linalg.msign`.
         steps: passed to :func:`geomuon.manifolds.linalg.msign`.
         compute_dtype: passed to :func:`geomuon.manifolds.linalg.msign`.
-        eps: floor of $\|D\|_F$ in the normalization ($10^{-7}$); zero $D$ gives zero.
+        eps: floor of $\|D\|_F$ in the normalization (default: :func:`~geomuon.manifolds.linalg.msign`'s,
+            $\sqrt{\text{tiny}}$ of the norm's dtype, so the map is scale-free: an absolute
+            $10^{-7}$, the default until now, had made ``spectral`` of a $D$ with
+            $\|D\|_F = 10^{-11}$ 20 % off its polar factor); zero $D$ gives zero.
 
     Returns:
         ``[..., m, n]`` in ``D.dtype``; matmuls in ``compute_dtype`` (default ``D.dtype``).
@@ -117,12 +120,41 @@ def col_norm(D: torch.Tensor, *, eps: float = ROW_EPS) -> torch.Tensor:
 
 
 def _normalized(D: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
-    """``D`` divided by its norms along ``dim`` plus ``eps``; fp16's norms in fp32 (its range
-    ends at 65504: a row of larger norm had overflowed and been divided to zero)."""
-    if D.dtype != torch.float16:
+    r"""``D`` divided by its norms along ``dim`` plus ``eps``, $d_i / (\|d_i\| + \epsilon)$.
+
+    The norm squares the entries, in float32 for every dtype but float64 (fp16's norms too:
+    its range ends at 65504), so squares below that dtype's ``tiny`` are lost: at most
+    $\sqrt{n\,\text{tiny}}$ of a norm over $n$ entries ($7\cdot10^{-18}$ in float32 at $n = 4096$).
+    Where ``eps`` is so large that this is below the output's rounding, $\sqrt{n\,
+    \text{tiny}} \le u\,\epsilon$ ($u$ the unit round-off of ``D.dtype``: the default
+    $10^{-8}$ in float32 up to $n = 3\cdot10^7$), the plain quotient is exact to rounding; a
+    row of norm above $\sqrt{\text{max}}$ ($1.8\cdot10^{19}$ in float32 and bfloat16) then
+    comes out as 0, as in :func:`~geomuon.manifolds.linalg.msign` (an optimizer counts such
+    a gradient as non-finite and skips it).
+
+    A smaller ``eps`` (0, or ``tiny`` for the exact dualizer) takes each row (column) divided
+    by a power of two $2^{k_i}$ that puts its largest entry in $[1, 2)$ (an exact division):
+    $d_i/(\|d_i\| + \epsilon) = x_i / (\|x_i\| + \epsilon 2^{-k_i})$ with $\|x_i\| \in
+    [1, 2\sqrt n)$ (at least the dtype's $\varepsilon$ for a row of subnormal numbers), and
+    the denominator floored at ``tiny``, which no nonzero row meets: any finite row comes out
+    as a unit row and a zero row as 0. There the plain quotient had given a row of float32
+    entries $10^{-23}$ a norm of 0 (an infinite update at ``eps=0``, one of $10^{15}$ at
+    ``eps`` = tiny) and a zero row 0/0 = NaN. It costs about twice the plain quotient."""
+    exact = not isinstance(D, torch.Tensor)  # the exact matrices of the symbolic certificates: no rounding to avoid
+    if not exact and D.numel() == 0:  # (an empty row has no largest entry)
+        return D.clone()
+    if exact or (D.shape[dim] * torch.finfo(fp32_or_fp64(D.dtype)).tiny) ** 0.5 <= torch.finfo(D.dtype).eps / 2 * eps:
+        if not exact and D.dtype == torch.float16:
+            norms = torch.linalg.vector_norm(D, dim=dim, keepdim=True, dtype=torch.float32)
+            return (D / (norms + eps)).to(D.dtype)
         return D / (D.norm(dim=dim, keepdim=True) + eps)
-    norms = torch.linalg.vector_norm(D, dim=dim, keepdim=True, dtype=torch.float32)
-    return (D / (norms + eps)).to(D.dtype)
+    tiny = torch.finfo(D.dtype).tiny
+    largest = D.abs().amax(dim=dim, keepdim=True).clamp_min(tiny)
+    # largest = m 2^e, m in [0.5, 1): 2^(e-1) is a normal number for every finite largest >= tiny
+    power_of_two = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
+    X = D / power_of_two
+    # (not in place: the backward of X.norm reads X)
+    return X / (X.norm(dim=dim, keepdim=True) + eps / power_of_two).clamp_min(tiny)
 
 
 def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
@@ -226,7 +258,10 @@ def hybrid(
     if alpha == 0:
         return Q
     nuclear = (R * Q).sum(dim=(-2, -1), keepdim=True).clamp_min(0)
-    return Q * nuclear.pow(alpha)
+    scale = nuclear.pow(alpha)
+    if alpha < 0:  # the zero matrix: Q = 0 and 0^alpha = inf, whose product had been NaN
+        scale = torch.where(nuclear > 0, scale, torch.zeros_like(scale))
+    return Q * scale
 
 
 def _center_rows(D: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ $W \leftarrow W - \eta\,U(M)$ with the update map $U$ of :mod:`geomuon.optimizer
 
 ``centered=True`` (group key) uses the centered map $\Pi^\perp U(\Pi^\perp M)$ (routers,
 LM heads: invariant to a shared logit shift). All compute the map in the parameter's
-dtype (the polar maps' Polar Express in float32 at least) unless
-``compute_dtype`` says otherwise, and add the update to the parameter in its dtype.
+dtype (the polar maps' Polar Express in float32 at least; float16 parameters' map in
+float32) unless ``compute_dtype`` says otherwise, and add the update to the parameter in its
+dtype. Every group option is checked when the group is added (or loaded).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+
+from geomuon.manifolds.linalg import check_real
 
 from . import maps
 from .base import MatrixOptimizer
@@ -34,16 +37,18 @@ class _MapOptimizer(MatrixOptimizer):
 
     Args:
         params: parameters or param groups (matrices; ``update="adamw"`` groups for the rest).
-        lr: $\\eta$ (default ``1e-3``). momentum: $\\beta$ (default ``0.95``).
+        lr: $\eta$ (default ``1e-3``). momentum: $\beta$ (default ``0.95``).
         nesterov: default ``False`` (the reference skeleton).
-        weight_decay: decoupled $\\lambda$ (default 0).
+        weight_decay: decoupled $\lambda$ (default 0).
         alpha: exponent of the nuclear-norm scale of the polar maps (default 1, the
             reference; 0 gives the unit-scale direction). Ignored by RowNormM.
         centered: use the centered map (default ``False``).
         eps: the map's epsilon (row-norm floor, or the polar maps' zero threshold on $\|M\|_F$;
             ``None``: the map's default).
-        compute_dtype: dtype the map computes in (default: the parameter's); ``torch.float16``
-            is refused (see :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).
+        compute_dtype: dtype the map computes in (default: the parameter's, float32 for
+            float16 parameters, whose range the polar maps' nuclear-norm scale leaves);
+            ``torch.float16`` is refused (see
+            :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).
         nonfinite, regulate, matrix_view: group keys of :mod:`geomuon.optimizers.base`.
     """
 
@@ -73,7 +78,27 @@ class _MapOptimizer(MatrixOptimizer):
         )
         super().__init__(params, defaults)
 
+    def _validate_group(self, group: dict, index: int) -> None:
+        # before any step: the maps refuse these too, but only inside a step, after the
+        # momentum had moved (a retried step counted the gradient twice); a truthy string
+        # had switched ``centered`` or ``nesterov`` on
+        super()._validate_group(group, index)
+        if group["update"] == "adamw":
+            return
+        where = f"group {index}"
+        check_real(where, "alpha", group["alpha"])
+        if group["eps"] is not None:
+            check_real(where, "eps", group["eps"], lambda x: x >= 0, "a finite number >= 0 (or None)")
+        for key in ("centered", "nesterov"):
+            if not isinstance(group[key], bool):
+                raise ValueError(f"{where}: {key} must be True or False, got {group[key]!r}")
+
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
+        # fp16 weights: the map in fp32 (the update is added in fp16 after the lr scales it):
+        # a polar map's update is ||M||_* msign(M), whose scale leaves fp16's range (65504) for
+        # a 256 x 256 momentum of entries 100, and its fp16 copy had written inf into the weights
+        if group["compute_dtype"] is None and p.dtype == torch.float16:
+            return torch.float32
         return group["compute_dtype"] or p.dtype
 
     def _direction(self, group: dict, M: torch.Tensor, params: list[torch.Tensor],

@@ -238,7 +238,105 @@ def test_polar_maps_match_the_svd_on_a_dominant_singular_value(shape):
         assert (polar(D, alpha=0.0) - U @ Vh).abs().max() <= 1e-10, polar.__name__
 
 
-@pytest.mark.parametrize("polar", [right_polar, left_polar])
-def test_polar_maps_of_an_empty_matrix_are_empty(polar):
-    # they had raised IndexError (amax over an empty dimension); every other map returns it
-    assert polar(torch.zeros(0, 5)).shape == (0, 5) and polar(torch.zeros(3, 0)).shape == (3, 0)
+@pytest.mark.parametrize("update", list(maps.MAPS.values()), ids=list(maps.MAPS))
+def test_maps_of_an_empty_matrix_are_empty(update):
+    # the polar maps had raised IndexError (amax over an empty dimension), as would the row and
+    # column maps' largest entries
+    for shape in ((0, 5), (3, 0), (2, 0, 4)):
+        assert update(torch.zeros(shape)).shape == shape
+
+
+# Scales at which a plain norm of the row leaves the dtype's range: its squares underflow
+# (fp32/bf16 entries below 1e-19 give a norm of 0) or overflow (above 1e19 an infinite norm).
+_ROW_SCALES = {
+    torch.float64: (1e-200, 1.0, 1e200),
+    torch.float32: (1e-30, 1e-20, 1.0, 1e20, 1e30),
+    torch.bfloat16: (1e-30, 1.0, 1e30),
+    torch.float16: (1e-3, 1.0, 2e4),
+}
+
+
+@pytest.mark.parametrize("dtype", list(_ROW_SCALES), ids=str)
+@pytest.mark.parametrize("floor", ["zero", "tiny", "default"])
+@pytest.mark.parametrize("update,dim", [(row_norm, -1), (col_norm, -2)], ids=["row_norm", "col_norm"])
+def test_row_and_column_maps_are_the_dualizers_at_any_scale(update, dim, floor, dtype):
+    # A plain d_i / (||d_i|| + eps) had given rows of NaN (a zero row at eps = 0) or of inf (a
+    # row of fp32 entries 1e-30 at eps = 0: a norm of 0), and of 1e15 at eps = tiny (the floor
+    # of steepest_direction's exact row and column dualizers).
+    # Reference: the same (rounded) input in float64, d_i / (||d_i|| + eps), each row divided by
+    # its largest entry c_i first (float64 squares leave their range too, at 1e+-200):
+    # (d_i / c_i) / (||d_i / c_i|| + eps / c_i).
+    eps = {"zero": 0.0, "tiny": torch.finfo(dtype).tiny, "default": maps.ROW_EPS}[floor]
+    gen = torch.Generator().manual_seed(3)
+    n = 24
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    # the documented limit of a floor so large that lost squares are below the rounding: rows
+    # of norm above sqrt(max) of the accumulating dtype come out as 0 (as msign's matrices)
+    plain = (n * torch.finfo(accumulate).tiny) ** 0.5 <= torch.finfo(dtype).eps / 2 * eps
+    for scale in _ROW_SCALES[dtype]:
+        # (entries within 3 scale: fp16's 2e4 stay below 65504, their row norms do not)
+        D = (torch.randn(6, n, generator=gen, dtype=torch.float64).clamp(-3, 3) * scale).to(dtype)
+        D = D if dim == -1 else D.mT.contiguous()
+        D.select(dim - 1 if dim == -1 else -1, 2).zero_()  # row (column) 2 is zero
+        exact = D.double()
+        largest = exact.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        unit_scale = exact / largest
+        norms = unit_scale.norm(dim=dim, keepdim=True) * largest
+        reference = unit_scale / (unit_scale.norm(dim=dim, keepdim=True) + eps / largest)
+        reference = torch.where(norms > 0, reference, 0.0)  # a zero row maps to zero (not 0/0)
+        if plain:
+            reference = torch.where(norms > torch.finfo(accumulate).max ** 0.5, 0.0, reference)
+        out = update(D, eps=eps)
+        assert out.dtype == dtype and torch.isfinite(out).all(), scale
+        # Per entry: the power-of-two scaling is exact, the sum of n squares is accumulated in
+        # fp32 for half types (relative error <= n u_acc, halved by the square root), then the
+        # norm, the eps addition and the quotient each round once in the dtype (u each):
+        # |out - ref| <= (3 u + n u_acc) |ref|, with a factor 2 for the first-order bound; the
+        # float64 reference rounds the same way with u = u_acc = u_64.
+        u = torch.finfo(dtype).eps / 2
+        u_acc = torch.finfo(accumulate).eps / 2
+        u_64 = torch.finfo(torch.float64).eps / 2
+        bound = 2 * (3 * u + n * u_acc) + 2 * (3 + n) * u_64
+        assert ((out.double() - reference).abs() <= bound * reference.abs()).all(), scale
+        # the dual pairing without a floor: <d_i, u_i> = ||d_i|| (summed: the dual norm) and
+        # ||u_i|| = 1 for every nonzero row (a zero row: 0)
+        if floor == "zero":
+            pairing = (unit_scale * out.double()).sum(dim=dim, keepdim=True) * largest  # per row, in range
+            assert ((pairing - norms).abs() <= bound * norms).all(), scale
+            unit = out.double().norm(dim=dim)
+            assert ((unit - 1).abs() <= bound).sum() == unit.numel() - 1 and unit.min() == 0, scale
+
+
+@pytest.mark.parametrize("update", [right_polar, left_polar, hybrid], ids=lambda f: f.__name__)
+def test_negative_alpha_keeps_zero_at_zero_and_is_the_formula(update):
+    # hybrid had returned NaN for the zero matrix at alpha < 0 (0 * 0^alpha = 0 * inf); a
+    # skipped optimizer step arrives as exactly that zero
+    assert torch.equal(update(torch.zeros(2, M, N), alpha=-0.5), torch.zeros(2, M, N))
+    gen = torch.Generator().manual_seed(4)
+    D = torch.randn(M, N, generator=gen, dtype=torch.float64)
+    R = D / D.norm(dim=-1, keepdim=True) if update is hybrid else D
+    U, S, Vh = torch.linalg.svd(R, full_matrices=False)
+    expected = S.sum() ** -0.5 * (U @ Vh)
+    # float64, condition of a random 12 x 7 below 10: 12 Polar Express steps reach the polar
+    # factor to ~1e-15 (test_formulas_against_svd); hybrid's eps = 1e-8 moves each row of R by a
+    # relative 1e-8 / ||d_i|| <= 1e-8 (rows of norm >= 1 here): 1e-7 covers both
+    assert D.norm(dim=-1).min() >= 1
+    assert ((update(D, alpha=-0.5) - expected).norm() / expected.norm()).item() <= 1e-7
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-12, 1e-30, 1e30])
+def test_spectral_is_scale_free(scale):
+    # An absolute floor of 1e-7 on ||D||_F had made spectral(D * 1e-12) 20 % off msign(D) (the
+    # iteration started from singular values far below its range): the map is the polar factor
+    # at every scale, as msign is.
+    gen = torch.Generator().manual_seed(5)
+    D = torch.randn(M, N, generator=gen, dtype=torch.float64)
+    U, S, Vh = torch.linalg.svd(D, full_matrices=False)
+    polar = U @ Vh
+    # float64: 12 Polar Express steps on normalized singular values in [1/(sqrt(7) kappa), 1]
+    # (kappa < 10 here) converge to round-off; the fixed point attracts, so the error stays at
+    # a few N u per step: 100 N u kappa bounds it (measured ~1e-15)
+    kappa = (S[0] / S[-1]).item()
+    assert kappa < 10
+    bound = 100 * N * torch.finfo(torch.float64).eps * kappa
+    assert ((spectral(D * scale) - polar).norm() / polar.norm()).item() <= bound
