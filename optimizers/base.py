@@ -182,6 +182,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if group["matrix_view"] not in MATRIX_VIEWS:
             raise ValueError(f"group {index}: matrix_view must be one of {MATRIX_VIEWS}, got {group['matrix_view']!r}")
         require_number(index, "momentum", group["momentum"], lambda x: 0 <= x < 1, "a number in [0, 1)")
+        if not isinstance(group.get("nesterov", False), bool):  # a truthy string ("no") had switched it on
+            raise ValueError(f"group {index}: nesterov must be True or False, got {group['nesterov']!r}")
         if "compute_dtype" in group:
             check_compute_dtype(f"group {index}", "compute_dtype", group["compute_dtype"],
                                 float16=self.float16_compute)

@@ -81,7 +81,7 @@ class _MapOptimizer(MatrixOptimizer):
     def _validate_group(self, group: dict, index: int) -> None:
         # before any step: the maps refuse these too, but only inside a step, after the
         # momentum had moved (a retried step counted the gradient twice); a truthy string
-        # had switched ``centered`` or ``nesterov`` on
+        # had switched ``centered`` on
         super()._validate_group(group, index)
         if group["update"] == "adamw":
             return
@@ -89,9 +89,8 @@ class _MapOptimizer(MatrixOptimizer):
         check_real(where, "alpha", group["alpha"])
         if group["eps"] is not None:
             check_real(where, "eps", group["eps"], lambda x: x >= 0, "a finite number >= 0 (or None)")
-        for key in ("centered", "nesterov"):
-            if not isinstance(group[key], bool):
-                raise ValueError(f"{where}: {key} must be True or False, got {group[key]!r}")
+        if not isinstance(group["centered"], bool):  # (nesterov: the base class checks it)
+            raise ValueError(f"{where}: centered must be True or False, got {group['centered']!r}")
 
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
         # fp16 weights: the map in fp32 (the update is added in fp16 after the lr scales it):

@@ -386,6 +386,8 @@ _NAN, _INF = float("nan"), float("inf")
     (lambda p: Muon([{"params": [p], "update": "adamw", "betas": (_NAN, 0.9)}]), r"betas\[0\]"),
     (lambda p: Muon([{"params": [p], "update": "adamw", "betas": (0.9, 1.5)}]), r"betas\[1\]"),
     (lambda p: Muon([{"params": [p], "update": "adamw", "eps": _NAN}]), "eps"),
+    (lambda p: Muon([p], nesterov="no"), "nesterov"),  # a truthy string had switched Nesterov on
+    (lambda p: ManifoldMuon([p], manifold="stiefel", nesterov=1), "nesterov"),
 ])
 def test_bad_options_are_refused_at_construction_by_name(make, option):
     # each had been accepted: then NaN weights, a silent no-op step, or an error inside the
