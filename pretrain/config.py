@@ -35,7 +35,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from geomuon.optimizers.assign import STRATEGIES
+from geomuon.optimizers.assign import STRATEGIES, strategy_table
 from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
 from geomuon.pretrain.model import CONFIGS, GPTConfig, get_config
 from geomuon.theory.lipschitz import DEFAULT_METHOD, METHODS
@@ -218,6 +218,11 @@ class TrainConfig:
                 except (TypeError, ValueError) as err:
                     problems.append(f"--config {self.model} with --model-overrides "
                                     f"{json.dumps(self.model_overrides)}: {err}")
+        if named_strategy and self.direction_dtype == "fp32" and self.strategy in STRATEGIES and any(
+                rule.update == "torch_muon" for rule in strategy_table(self.strategy)[1].values()):
+            # (assign refuses it too, but a comparison had trained its other strategies first)
+            problems.append(f"--direction-dtype fp32 cannot apply to --strategy {self.strategy}: torch.optim.Muon "
+                            "computes its directions in bf16; use --direction-dtype default or bf16")
         if self.out_dir is None and (self.resume or self.overwrite):
             problems.append("--resume/--overwrite need an --out-dir holding the run (out_dir is None)")
         if self.resume and self.overwrite:

@@ -53,6 +53,15 @@ def test_compare_rejects_unknown_strategy_before_running(tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
+def test_an_fp32_direction_with_torch_muon_is_refused_before_any_run(tmp_path, capsys):
+    # torch.optim.Muon computes in bf16 whatever it is asked: assign refuses fp32, but only when
+    # the torch_muon run is built, after the comparison's earlier strategies had trained
+    assert cli(["compare", "--strategies", "adamw,torch_muon", "--direction-dtype", "fp32",
+                "--out-dir", str(tmp_path / "c")]) == 2
+    assert "--direction-dtype fp32 cannot apply to --strategy torch_muon" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 def test_results_table_columns():
     table = results_table([RunSummary("hetero", 0, 3.25, 3.2, False, 12.3, result([3.25]))])
     assert table.splitlines()[0].split() == ["strategy", "seed", "final", "val", "loss", "best", "val", "loss",
