@@ -75,6 +75,11 @@ def classify(model: nn.Module, roles: dict[str, str] | None = None) -> dict[str,
     once, under their first name, as ``named_parameters`` lists them; frozen ones,
     ``requires_grad=False``, are not trained and get no role).
 
+    A role comes from ``roles``, else from a module's ``ROLES`` declaration, else from the
+    conventional names. A tensor shared by modules that declare different roles takes the
+    first declaration in ``named_modules`` order (a tied GPT's ``wte``, declared as the
+    embedding before ``lm_head``); name it in ``roles`` to choose another.
+
     Raises:
         ValueError: a role in ``roles`` is not one of :data:`ROLES`, a name in ``roles``
             is not a parameter (or is frozen, or a tied alias), a module's ``ROLES`` names
