@@ -913,6 +913,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     end = cfg.stop_after or cfg.steps
     ckpt_every = cfg.ckpt_every or cfg.eval_every
     t0 = time.perf_counter() - elapsed_before
+    saved_at: list[int] = []  # the steps checkpointed by this session
     val_seed = cfg.seed if cfg.val_seed is None else cfg.val_seed
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # steps whose loss is on the device
 
@@ -970,7 +971,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             log.write({"kind": "diverged", "step": step - 1, "nonfinite_parameters": nonfinite})
             warn(f"step {step - 1}: non-finite weights in {', '.join(nonfinite)}; stopping without a checkpoint")
             return False
-        record = _run_record(model, cfg, data, step, result, log, time.perf_counter() - t0)
+        result.wall_time = time.perf_counter() - t0  # what the checkpoint records, and a resume reads back
+        saved_at.append(step)
+        record = _run_record(model, cfg, data, step, result, log, result.wall_time)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
         else:
@@ -1026,7 +1029,12 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         log.close()
         if progress is not None:
             progress.close()
-    result.wall_time = time.perf_counter() - t0
+    # a run that ends on a checkpoint reports the time that checkpoint records (not of its writing),
+    # so reading a finished run back (a resume at its end) reports the same time
+    if start == end:
+        result.wall_time = elapsed_before
+    elif saved_at[-1:] != [result.last_step]:
+        result.wall_time = time.perf_counter() - t0
     result.model = model
     result.assignment = assignment
     return result

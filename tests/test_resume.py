@@ -54,6 +54,16 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
         assert torch.equal(resumed.model.state_dict()[name], value), name
 
 
+def test_a_finished_run_read_back_reports_the_time_it_trained(tmp_path):
+    # a comparison resumed after its runs finished reads them back: the wall time had then been
+    # the checkpoint's (taken before its writing) where the fresh run's included the writing
+    cfg = config(tmp_path / "run", strategy="adamw", stop_after=4)
+    fresh = train(cfg)
+    recorded = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["wall_time"]
+    again = train(config(tmp_path / "run", strategy="adamw", stop_after=4, resume=True))
+    assert fresh.wall_time == recorded == again.wall_time
+
+
 def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     save_checkpoint(path, {"model": {"w": torch.arange(1000.0)}, "step": 1})
