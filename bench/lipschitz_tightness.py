@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import Provenance, add_arguments, markdown_table  # noqa: E402
+from bench.timing import REPO, Provenance, add_arguments, markdown_table  # noqa: E402
 from geomuon.optimizers.regulate import HardCap  # noqa: E402
 from geomuon.pretrain.model import GPT, GPTConfig, get_config  # noqa: E402
 from geomuon.theory.lipschitz import (  # noqa: E402
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="training and search seed (default 0)")
     parser.add_argument("--checkpoints", type=Path, default=None,
                         help="folder of the catalogue's training runs: a model whose checkpoint is there is "
-                             "not trained again (default runs/lipschitz_tightness; with --quick a temporary folder)")
+                             "not trained again (default the repository's runs/lipschitz_tightness; with --quick a temporary folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     provenance = Provenance(__file__, args, argv, parser, timed=False)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     header = ["model", "steps", "norm", *(f"{method} bound" for method in LOOSEST_FIRST), "best estimate",
               *(f"{method} / estimate" for method in LOOSEST_FIRST), "estimate by search"]
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoints = args.checkpoints or Path(scratch if args.quick else "runs/lipschitz_tightness")
+        checkpoints = args.checkpoints or (Path(scratch) if args.quick else REPO / "runs" / "lipschitz_tightness")
         models = {spec: trained_model(spec, args.seed, checkpoints, args.threads) for spec in CATALOGUE[size]}
     rows, composition_rows = [], []
     for spec, model in models.items():

@@ -48,6 +48,7 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/manifold_inrun.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import Provenance, add_arguments, markdown_row, markdown_table  # noqa: E402
+from geomuon.pretrain.data import spec_problem  # noqa: E402
 
 #: the manifolds study's full size (model, schedule, evaluation cadence)
 RUN = dict(model="cpu-small", n_layer=3, n_head=4, n_embd=128, block_size=64, steps=400, batch_size=16, lr=0.02,
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)", min_repeats=0)
     args = parser.parse_args(argv)
+    if problem := spec_problem(args.data):  # (it had been a traceback from inside train())
+        parser.error(f"--data: {problem}")
     run = dict(RUN, **(QUICK_RUN if args.quick else {}))
     if args.steps is not None:
         if args.steps < max(run["eval_every"], run["warmup_steps"] + 1):

@@ -541,3 +541,11 @@ def test_manifold_frontier_polish_needs_the_projected_solver(capsys):
 
     stderr = refused_in_process(manifold_frontier.main, capsys, "--quick", "--polish", "1")
     assert "--polish sets the projected solver's rows, and --solver dual has none" in stderr
+
+
+def test_manifold_inrun_refuses_a_data_spec_it_cannot_read(capsys):
+    # an unknown spec had been a ValueError traceback from inside train(), after the set-up
+    from bench import manifold_inrun
+
+    stderr = refused_in_process(manifold_inrun.main, capsys, "--quick", "--data", "bogus")
+    assert "--data: unknown data spec 'bogus'" in stderr
