@@ -14,7 +14,9 @@ from geomuon.manifolds import (
 )
 from geomuon.manifolds.base import matrix_method
 from geomuon.optimizers import maps
-from geomuon.optimizers.regulate import SOFT_CAP_MIN_RATIO, muon_update_norm, ns_output_bound, soft_cap_alpha
+from geomuon.optimizers.regulate import (
+    SOFT_CAP_MIN_RATIO, muon_update_norm, ns_output_bound, soft_cap_alpha, soft_cap_alpha_tensor,
+)
 from geomuon.theory import declared
 from geomuon.theory.groups import BiOrthogonal, LeftPermRightOrth, RouterShift
 from geomuon.theory.lipschitz import GELU_LIPSCHITZ
@@ -215,10 +217,36 @@ def test_library_soft_cap_alpha_is_the_certified_root(w_max, wd, eta):
     k = w_max * (1 - wd) + eta
     beta = soft_cap_beta(exact(w_max) / (exact(w_max) * (1 - exact(wd)) + exact(eta)))
     exact_alpha = float(sp.N(beta / (exact(w_max) * (1 - exact(wd)) + exact(eta)) ** 2, 30))
-    # Bisection to float64 round-off in beta, one rounding of k^2 and the division:
-    # a few ulps of alpha; 1e-12 relative leaves a wide margin.
+    # Bisection to float64 round-off in beta (h evaluated to a few ulps of 1, divided by
+    # |h'(beta)| >= 0.3 at these roots: ~1e-15 absolute in beta >= 0.01), one rounding of
+    # k^2 and the division: ~1e-13 relative; 1e-12 leaves a margin.
     assert soft_cap_alpha(w_max, wd, eta) == pytest.approx(exact_alpha, rel=1e-12)
+    # The device path (a tensor lr: SoftCap's alpha without a host read) bisects the same
+    # quartic for 64 fixed steps (2^-64/3 in beta, below its rounding): the same budget.
+    on_device = soft_cap_alpha_tensor(w_max, torch.tensor(wd, dtype=torch.float64), torch.tensor(eta, dtype=torch.float64))
+    assert float(on_device) == pytest.approx(exact_alpha, rel=1e-12)
     assert k > w_max
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3)])
+def test_soft_cap_regulator_applies_the_certified_polynomial(shape, monkeypatch):
+    from geomuon.theory.symbolic import certify_soft_cap_regulator
+
+    certificate = certify_soft_cap_regulator(shape)
+    assert certificate.holds, certificate.witness
+    # control: the two cubic steps in the other order, g = s + alpha s^3 then g - alpha g^3,
+    # a different polynomial (the coupling proofs are about the scalar map, not this one)
+    from geomuon.optimizers.regulate import SoftCap
+
+    def steps_swapped(self, M, *, lr, state):
+        alpha = soft_cap_alpha(self.w_max, lr * self.weight_decay, self.eta_for(lr, tuple(M.shape)))
+        X = M.mT if M.size(-2) < M.size(-1) else M
+        for coefficient in (alpha, -alpha):
+            X = X + coefficient * (X @ (X.mT @ X))
+        return X.mT if M.size(-2) < M.size(-1) else X
+
+    monkeypatch.setattr(SoftCap, "regulate", steps_swapped)
+    assert not certify_soft_cap_regulator(shape).holds
 
 
 def test_library_soft_cap_threshold_is_the_certified_one():
@@ -237,7 +265,9 @@ def test_rms_scale_is_the_rms_operator_norm_and_eta_uses_it(monkeypatch):
     bound = ns_output_bound(KELLER_QUINTIC)
     for (m, n), (norm, _) in certificate.witness.items():
         # adjust_lr=None: an update already of unit RMS->RMS norm, eta = lr * bound * margin
+        # (the default margin 1.05 for bf16 rounding: a product of four floats, <= 4 roundings)
         assert muon_update_norm(1.0, (m, n), adjust_lr=None, margin=1.0) == pytest.approx(bound, rel=1e-15)
+        assert muon_update_norm(1.0, (m, n), adjust_lr=None) == pytest.approx(1.05 * bound, rel=1e-15)
         # "original": the update lr * s(m, n) * O has RMS->RMS norm <= lr * s * rms-norm * bound
         # (torch.optim.Muon's factor sqrt(max(1, m/n)), written out: not read from muon_shape_factor)
         assert muon_shape_factor(m, n, "original") == math.sqrt(max(1.0, m / n))
@@ -725,12 +755,54 @@ def test_gram_form_certificate_rejects_a_wrong_newton_increment():
     assert not _zero(certificate.witness["S(newton_increment(D, E)) = E for symmetric E"])
 
 
+@pytest.mark.parametrize("name", ["Stiefel", "Oblique"])
+def test_gram_form_certificate_rejects_a_projection_exact_only_on_the_manifold(name):
+    # sym(M) for Stiefel and diag(M) for Oblique agree with the forms' projections where
+    # D = I (every point the manifold certificates take), but gram_step projects at the
+    # point cW scaled by weight decay, D = c^2 I, where they leave a normal part.
+    from geomuon.manifolds.capabilities import OrthonormalGram, UnitColumnsGram
+
+    class SymOnly(OrthonormalGram):
+        def project(self, D, M):
+            return sym(M)
+
+    class DiagOnly(UnitColumnsGram):
+        def project(self, D, M):
+            return torch.diag_embed(torch.diagonal(M, dim1=-2, dim2=-1))
+
+    manifold, W = _POINTS[(3, 2)][name]
+    broken = type(f"{name}OnTheManifoldOnly", (type(manifold),), {"gram_form": SymOnly() if name == "Stiefel" else DiagOnly()})
+    certificate = certify_gram_form(broken(), W)
+    assert not certificate.holds
+    assert _zero(certificate.witness["X - W Sigma = P(X)"])
+    assert not _zero(certificate.witness["X - cW Sigma(c^2 D, cW'X) = P(X) at the scaled point cW"])
+
+
 def test_series_radius_certificate_rejects_a_wrong_radius(monkeypatch):
     import geomuon.manifolds.capabilities as capabilities
 
     radius = capabilities.series_radius
     monkeypatch.setattr(capabilities, "series_radius", lambda terms, dtype: radius(terms, dtype) * 1.01)
     assert not certify_inverse_sqrt_series().holds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stiefel_series_covers_is_the_certified_bound(dtype, monkeypatch):
+    from geomuon.theory.symbolic import certify_series_covers
+
+    certificate = certify_series_covers(dtype)
+    assert certificate.holds, certificate.witness
+    # controls: the decision against the whole radius (no room left for the point's own
+    # feasibility error), and a constraint without its transpose term, which the identity sees
+    from geomuon.manifolds.capabilities import OrthonormalGram, series_radius
+
+    monkeypatch.setattr(OrthonormalGram, "series_covers", lambda self, step, normal, shrink, terms, dtype:
+                        abs(shrink * shrink - 1) + shrink * normal + step * step <= series_radius(terms, dtype))
+    assert not certify_series_covers(dtype).holds
+    monkeypatch.undo()
+    monkeypatch.setattr(OrthonormalGram, "constraint", lambda self, M: M)
+    broken = certify_series_covers(dtype)
+    assert not broken.holds and broken.witness["identity"]
 
 
 def test_dgram_sorted_sigma_map_does_not_fix_points():
@@ -749,6 +821,35 @@ _MAP_ROWS = [d for d in declared.declarations() if d.kind == "map"]
 def test_declared_map_row_is_certified(declaration):
     certificate = certify_map_row(declaration)
     assert certificate.holds, (certificate.claim, certificate.witness)
+
+
+# Rows declared "holds" for a group their proof does not cover: each is false (the table
+# declares spectral | row-scaling and hybrid | bi-orthogonal "fails"; the polar factor is not
+# column-scaling invariant; centering does not make a map O_m-equivariant on the left).
+_WRONG_HOLDS = [("spectral", declared.ROWS), ("hybrid", declared.BO), ("right_polar", declared.COLS),
+                ("centered(spectral)", declared.BO), ("swiglu hybrid stack", declared.BO),
+                ("spectral per matrix", declared.ROWS)]
+
+
+@pytest.mark.parametrize("name, group", _WRONG_HOLDS, ids=[f"{n}-{g.name}" for n, g in _WRONG_HOLDS])
+def test_map_row_certificate_rejects_a_group_its_proof_does_not_cover(name, group):
+    row = declared.Declaration(name, "map", group, "holds", "declared wrongly on purpose", lambda: None)
+    certificate = certify_map_row(row)
+    assert not certificate.holds, certificate.claim
+
+
+_MSIGN_ROWS = [d for d in _MAP_ROWS if d.expected == "holds" and d.update not in ("row_norm", "col_norm", "sign", "centered(row_norm)")]
+
+
+@pytest.mark.parametrize("declaration", _MSIGN_ROWS, ids=[d.id for d in _MSIGN_ROWS])
+def test_map_rows_that_call_msign_rest_on_the_step_proof(declaration, monkeypatch):
+    # The polar and spectral rows replace msign by the action the Newton-Schulz step proof
+    # gives; without that proof (here: refuted) the row must not be certified.
+    import geomuon.theory.symbolic as symbolic
+
+    monkeypatch.setattr(symbolic, "certify_newton_schulz_equivariance",
+                        lambda: symbolic.Certificate("the step proof, refuted for the control", False, None))
+    assert not certify_map_row(declaration).holds
 
 
 _DUALIZERS = [(f, norm, s) for f, norm in ((maps.row_norm, "row"), (maps.col_norm, "column"), (maps.sign, "max"))
@@ -811,6 +912,19 @@ def test_polar_maps_composition_is_equivariant_every_size(orientation):
     assert not wrong.witness[("row_scaled", 1, "right")]  # rotating the rows' entries is fine
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (2, 5, 3)], ids=lambda s: "x".join(map(str, s)))
+def test_msign_with_scratch_buffers_is_the_certified_iteration(shape, dtype):
+    # The certificates run newton_schulz_step without buffers (the symbolic stand-ins take
+    # that branch); Muon on the CPU passes ScratchBuffers, a second branch of the same step
+    # (mm/addmm with out=), documented as the same kernels, so the same bits: equal bitwise.
+    from geomuon.manifolds.linalg import ScratchBuffers, msign
+
+    X = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    for schedule in (POLAR_EXPRESS, KELLER_QUINTIC):
+        assert torch.equal(msign(X, coefficients=schedule, buffers=ScratchBuffers()), msign(X, coefficients=schedule))
+
+
 def test_newton_schulz_equivariance_is_of_the_library_step():
     certificate = certify_newton_schulz_equivariance()
     assert certificate.holds and certificate.witness == {"step": {}, "normalization": {}}
@@ -855,6 +969,52 @@ def test_gram_engine_polish_newton_and_jacobi_steps(manifold, shape):
     for certify in (certify_gram_polish, certify_gram_newton_step, certify_gram_jacobi_step):
         certificate = certify(manifold, W, G)
         assert certificate.holds, (certify.__name__, certificate.witness)
+
+
+_WEIGHT_DECAY_CASES = [(m, s) for m in (Stiefel(), DGram()) for s in _ENGINE_SHAPES] + [(Oblique(), (7, 4)), (Oblique(), (4, 4))]
+
+
+@pytest.mark.parametrize("manifold, shape", _WEIGHT_DECAY_CASES, ids=[f"{type(m).__name__}-{s[0]}x{s[1]}" for m, s in _WEIGHT_DECAY_CASES])
+def test_gram_engine_step_under_weight_decay(manifold, shape):
+    from geomuon.theory.symbolic import certify_gram_weight_decay
+
+    W, G = _engine_pair(manifold, shape)
+    certificate = certify_gram_weight_decay(manifold, W, G)
+    assert certificate.holds, certificate.witness
+
+
+def test_gram_weight_decay_certificate_rejects_a_step_that_drops_the_decay(monkeypatch):
+    # control: the engine's retraction from W instead of cW (weight decay silently dropped)
+    import geomuon.optimizers.gram as gram
+    from geomuon.theory.symbolic import certify_gram_weight_decay
+
+    retract = gram.retract
+    monkeypatch.setattr(gram, "retract", lambda form, W, Z0, T1, T2, lr, shrink=1.0, *rest: retract(form, W, Z0, T1, T2, lr, 1.0, *rest))
+    W, G = _engine_pair(Stiefel(), (7, 4))
+    certificate = certify_gram_weight_decay(Stiefel(), W, G)
+    residual, tol = certificate.witness["|point - R_cW(-lr A)|, tol"]
+    assert not certificate.holds and residual > 1e3 * tol
+
+
+def test_polynomial_dualizer_kernels(monkeypatch):
+    import geomuon.optimizers.gram as gram
+    from geomuon.theory.symbolic import certify_polynomial_dualizers
+
+    certificate = certify_polynomial_dualizers()
+    assert certificate.holds, certificate.witness
+    # controls, one per kernel: a step short in gram_msign's Polar Express, no clip in the
+    # unit ball, and an inverse root that is a rotation of N^(-1/2) (the Cholesky factor's
+    # inverse: R'NR = I, not symmetric)
+    polar_express = gram._polar_express
+    monkeypatch.setattr(gram, "_polar_express", lambda X, steps: polar_express(X, steps - 1))
+    assert not certify_polynomial_dualizers().holds
+    monkeypatch.undo()
+    monkeypatch.setattr(gram, "polynomial_unit_ball", lambda G: torch.eye(G.size(-1), dtype=G.dtype).expand_as(G))
+    assert not certify_polynomial_dualizers().holds
+    monkeypatch.undo()
+    monkeypatch.setattr(gram, "polynomial_inverse_sqrt", lambda N: torch.linalg.inv(torch.linalg.cholesky(N, upper=True)))
+    rotated = certify_polynomial_dualizers()
+    assert not rotated.holds and rotated.witness["polynomial_inverse_sqrt: |R'NR - I|, |R - R'|, tol"][0] < 1e-12
 
 
 def test_gram_engine_certificates_reject_wrong_formulas():

@@ -47,8 +47,10 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   coefficients (:func:`certify_retraction` exactly at fixed sizes;
   :func:`certify_stiefel_retraction` on ``Stiefel.retr`` at symbolic $m$ in series mode,
   :func:`certify_stiefel_retraction_every_size` at symbolic $m$ and $n$;
-  :func:`certify_gram_form`, :func:`certify_gram_retract`,
-  :func:`certify_inverse_sqrt_series` for the fast engine's Gram-form retractions;
+  :func:`certify_gram_form` (its projection also at the decayed point $cW$ the engine
+  projects at), :func:`certify_gram_retract`, :func:`certify_inverse_sqrt_series` and
+  Stiefel's a-priori series bound :func:`certify_series_covers` for the fast engine's
+  Gram-form retractions;
   ``DGram.retr`` at every size to first order, :func:`certify_dgram_retraction` on the
   step's certified action :func:`certify_dgram_step_expansion`, and in float64,
   :func:`certify_newton_schulz_retraction`).
@@ -57,7 +59,8 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   (:func:`certify_equivariance_every_size`, one free letter for every group element;
   the Newton–Schulz steps by their own every-size proofs, the polar maps' composition
   around them by :func:`certify_polar_map_equivariance`), an
-  exact counterexample for ``fails`` rows; the elementwise maps are the dualizers of
+  exact counterexample for ``fails`` rows (a proof for a fixed group certifies only rows
+  whose group lies within it); the elementwise maps are the dualizers of
   their norms (:func:`certify_dualizer`), and the spectral, hybrid and polar maps' values
   match exact polar factors in float64 (:func:`hybrid_map_reference`,
   :func:`polar_map_reference`).
@@ -66,7 +69,8 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   (:func:`certify_polar_express_table`, interval arithmetic), the coupled
   inverse-square-root step converges to $\lambda^{-1/2}$ with a rigorous error bound
   (:func:`certify_inverse_sqrt_iteration`, :func:`inverse_sqrt_error_bound`), the GELU
-  Lipschitz constant, the soft-cap root's uniqueness and the $62/81$ threshold, rigorous
+  Lipschitz constant, the soft-cap root's uniqueness and the $62/81$ threshold (and the
+  regulator's matrix steps are that scalar cap, :func:`certify_soft_cap_regulator`), rigorous
   Newton–Schulz output ranges (the $\eta$ of
   :func:`geomuon.optimizers.regulate.muon_update_norm`, with its RMS→RMS scale
   :func:`certify_rms_scale`), the Gram-form series' radius and Newton increment, and the
@@ -80,7 +84,10 @@ methods, and what is *not* proved, is the docs page *Concepts → Exact certific
   is $\mathcal C(DS(\cdot)P)$, symmetric positive semi-definite with ``newton_diagonal`` its
   diagonal, and CG's $\mathcal A$-norm error does not increase
   (:func:`certify_gram_newton_step`); ``jacobi_update`` is
-  $-\alpha\sigma L_W(ZP)\oslash\operatorname{diag}(L_WL_W^*)$ (:func:`certify_gram_jacobi_step`).
+  $-\alpha\sigma L_W(ZP)\oslash\operatorname{diag}(L_WL_W^*)$ (:func:`certify_gram_jacobi_step`);
+  under weight decay the step starts at $P_WG$ and retracts from $cW$
+  (:func:`certify_gram_weight_decay`, Oblique too); the eigendecomposition-free dualizer's
+  kernels meet their certified ranges (:func:`certify_polynomial_dualizers`).
 
 ``bench/symbolic_mutations.py`` breaks these formulas one at a time in a copy of the
 repository and checks that ``tests/test_symbolic.py`` fails on each.
@@ -154,10 +161,14 @@ __all__ = [
     "soft_cap_beta",
     "soft_cap_coupling_roots",
     "certify_soft_cap_monotone",
+    "certify_soft_cap_regulator",
     "certify_residual_lipschitz",
     "certify_gram_polish",
     "certify_gram_newton_step",
     "certify_gram_jacobi_step",
+    "certify_gram_weight_decay",
+    "certify_series_covers",
+    "certify_polynomial_dualizers",
 ]
 
 
@@ -2360,6 +2371,54 @@ def certify_inverse_sqrt_series() -> Certificate:
                        holds, witness)
 
 
+def certify_series_covers(dtype: torch.dtype = torch.float32, terms: int = 6) -> Certificate:
+    r"""Stiefel's a-priori bound :meth:`~geomuon.manifolds.capabilities.OrthonormalGram.series_covers`
+    (where it holds, the engine drops the retraction's exact branch and takes the series alone):
+
+    * the identity it rests on, for a point $W$ ($W^\top W = I$), a step $V$ and weight decay's
+      $c$, at **every size** (free algebra, the form's own ``constraint`` $\mathcal C$):
+      $(cW + V)^\top(cW + V) - I = (c^2 - 1)I + c\,\mathcal C(W^\top V) + V^\top V$, so by the
+      triangle inequality $\|E\|_2 \le b = |c^2 - 1| + c\,\nu + s^2$ for $\|V\|_2 \le s$ and
+      $\|\mathcal C(W^\top V)\|_2 \le \nu$;
+    * the library's decision is that bound against half the radius (the other half is the
+      point's own feasibility error), $b \le r/2$ with $r$ = ``series_radius`` (certified by
+      :func:`certify_inverse_sqrt_series`): for $c \in \{1, 0.999, 0.99\}$ and
+      $\nu/r \in \{0, 0.01, 0.1\}$, the step $s^* = \sqrt{r/2 - |c^2 - 1| - c\nu}$ where $b = r/2$
+      is accepted at $s^*(1 - 10^{-6})$ and refused at $s^*(1 + 10^{-6})$ (both margins far
+      above the float64 rounding of $b$, $10^{-16}r$), and a point decayed beyond the
+      radius, $|c^2 - 1| + c\nu > r/2$, is refused already at step length 0.
+
+    ``witness``: the reduced identity and every decision."""
+    from geomuon.manifolds.capabilities import OrthonormalGram, series_radius
+
+    form = OrthonormalGram()
+    m, n = ORIENTATIONS["tall"]
+    algebra = FreeAlgebra({"W": "W'", "V": "V'"}, shapes={"W": (m, n), "V": (m, n)})
+    W, V = algebra("W"), algebra("V")
+    algebra.rule(W.mT @ W, algebra.identity())
+    c = sp.Symbol("c", positive=True)
+    eye = algebra.identity()
+    with _FreeFactories(algebra):
+        constraint = form.constraint(W.mT @ V)
+    Y = c * W + V
+    identity = (Y.mT @ Y - eye - ((c**2 - 1) * eye + c * constraint + V.mT @ V)).terms
+    r = series_radius(terms, dtype)
+    decisions, holds = {}, not identity
+    for shrink in (1.0, 0.999, 0.99):
+        for normal in (0.0, 0.01 * r, 0.1 * r):
+            room = r / 2 - abs(shrink * shrink - 1) - shrink * normal
+            if room <= 0:
+                verdicts = (form.series_covers(0.0, normal, shrink, terms, dtype),)
+                holds &= not any(verdicts)
+            else:
+                edge = math.sqrt(room)
+                verdicts = tuple(form.series_covers(edge * f, normal, shrink, terms, dtype) for f in (1 - 1e-6, 1 + 1e-6))
+                holds &= verdicts == (True, False)
+            decisions[(shrink, normal)] = verdicts
+    return Certificate(f"Stiefel's series_covers is |c^2 - 1| + c normal + step^2 <= series_radius/2 ({dtype}, {terms} terms)",
+                       holds, {"identity": identity, "decisions (accepted below, refused above the edge)": decisions})
+
+
 def certify_newton_schulz_step_expansion() -> Certificate:
     r"""One step of the library's :func:`~geomuon.manifolds.linalg.newton_schulz_step`,
     for every coefficient tuple of every library schedule, on $Y^\top$ with $Y = \sigma W + t\tau V$ for a
@@ -2786,21 +2845,46 @@ def _orientations(declaration) -> list[str]:
     return ["tall", "square"] if declaration.orientation == "tall" else ["wide", "row"]
 
 
+#: The side groups of :mod:`geomuon.theory.groups` by inclusion: identity in permutations in
+#: signed permutations in orthogonal matrices (positive diagonals are in none of them).
+_SIDE_INCLUSION = {"identity": 0, "permutation": 1, "signed_permutation": 2, "orthogonal": 3}
+
+
+def _within(group, proved) -> bool:
+    r"""Whether the declared ``group`` is a subgroup of ``proved`` acting the same way, so that
+    a proof for ``proved`` proves the row: every side's kind included in ``proved``'s
+    (:data:`_SIDE_INCLUSION`), the same kind of statement (equivariance or invariance, with or
+    without shifts); a joint group (:class:`~geomuon.theory.groups.NeuronPermutation`) only
+    within itself."""
+    if getattr(group, "joint", False) or getattr(proved, "joint", False):
+        return type(group) is type(proved)
+    if any(getattr(group, flag, False) != getattr(proved, flag, False) for flag in ("invariant", "shift")):
+        return False
+    return all(kind == of or (kind in _SIDE_INCLUSION and of in _SIDE_INCLUSION and _SIDE_INCLUSION[kind] <= _SIDE_INCLUSION[of])
+               for kind, of in ((group.left, proved.left), (group.right, proved.right)))
+
+
 def certify_map_row(declaration) -> Certificate:
     r"""The exact certificate of one ``map`` row of :mod:`geomuon.theory.declared`.
 
     ``holds`` rows: a proof at every size (:func:`certify_equivariance_every_size` on the
     library's map for the elementwise maps, on its stages with no Newton–Schulz step for
     ``hybrid`` and the centered maps, on an identity probe for ``centered``; the polar
-    maps' composition with the inverse square root's certified action
-    (:func:`certify_polar_map_equivariance`); the free-algebra certificates of the
-    Newton–Schulz and inverse-square-root steps; compositions combine them). ``fails``
+    maps' composition with ``msign``'s certified action
+    (:func:`certify_polar_map_equivariance`); the free-algebra certificate of the
+    Newton–Schulz step, which every row that calls ``msign`` rests on; compositions combine
+    them). ``fails``
     rows: an exact counterexample for the library's map where it is exactly computable
     (``row_norm``, ``col_norm``, ``sign``, ``hybrid`` with no step), otherwise for the
     exact map the iteration approximates (the polar factor, closed form at $2\times2$).
     The certificate's ``holds`` says whether the *declared* relation was certified
-    (proof found for ``holds``, counterexample found for ``fails``)."""
+    (proof found for ``holds``, counterexample found for ``fails``): a ``holds`` row whose
+    proof is for a fixed group (the spectral, polar, hybrid and centered maps: $O_m\times
+    O_n$, $S_m\times O_n$, expert permutations with shifts; the neuron permutation for the
+    stacks) is certified only when its group lies within that one (:func:`_within`); the
+    elementwise maps are proved for the declared group itself."""
     from geomuon.optimizers import maps
+    from geomuon.theory.groups import BiOrthogonal, LeftPermRightOrth, NeuronPermutation, RouterShift
 
     name, group, expected = declaration.update, declaration.group, declaration.expected
     shapes = [(3, 2), (2, 3)]
@@ -2811,8 +2895,14 @@ def certify_map_row(declaration) -> Certificate:
     elementwise = {"row_norm": maps.row_norm, "col_norm": maps.col_norm, "sign": maps.sign}
     witness: dict[str, Any] = {}
     if expected == "holds":
-        from geomuon.theory.groups import LeftPermRightOrth, RouterShift
-
+        proved = {"spectral": (BiOrthogonal(),), "spectral per matrix": (BiOrthogonal(), NeuronPermutation()),
+                  "right_polar": (BiOrthogonal(),), "left_polar": (BiOrthogonal(),), "hybrid": (LeftPermRightOrth(),),
+                  "swiglu hybrid stack": (NeuronPermutation(),)}.get(name)
+        if name.startswith("centered("):
+            proved = (RouterShift(),)
+        if proved is not None and not any(_within(group, p) for p in proved):
+            return Certificate(f"{declaration.id}: the proof of {name} covers {[p.name for p in proved]}, "
+                               f"not {group.name}", False, None)
         orientations = _orientations(declaration)
         parts: list[Certificate] = []
         if name in elementwise:
@@ -2839,8 +2929,9 @@ def certify_map_row(declaration) -> Certificate:
                 parts += [certify_equivariance_every_size(stages, RouterShift(), o) for o in orientations]
                 parts.append(certify_newton_schulz_equivariance())
             elif inner == "left_polar":
+                # left_polar's msign is a probe there: the step proof is what it rests on
                 parts += [certify_polar_map_equivariance(maps.left_polar, o) for o in orientations]
-                parts.append(certify_inverse_sqrt_equivariance())
+                parts.append(certify_newton_schulz_equivariance())
             else:
                 return Certificate(f"no certificate for the map row {declaration.id}", False, None)
         else:
@@ -3602,6 +3693,45 @@ def certify_soft_cap_root_unique() -> Certificate:
     return Certificate("the soft-cap coupling root is unique; monotone caps reach w_max/k >= 62/81", holds, witness)
 
 
+def certify_soft_cap_regulator(shape: tuple[int, int] = (3, 2), w_max: float = 1.0, weight_decay: float = 0.01,
+                               eta: float = 0.05, lr: float = 1.0) -> Certificate:
+    r"""The library's :class:`geomuon.optimizers.regulate.SoftCap` maps every RMS→RMS singular
+    value by the certified scalar cap: on $W = Q\operatorname{diag}(\sigma)R^\top$ ($Q$, $R$
+    rational orthonormal frames of the ``shape``'s sides, $\sigma$ positive symbols), its
+    ``unchecked`` (the RMS scaling $s$ = ``rms_scale``, the transposition of a wide matrix, the
+    two odd cubic steps of ``regulate``; ``guard_steps=0``) returns exactly
+
+    $$Q\operatorname{diag}\big(f_\alpha(s\sigma_i)/s\big)R^\top,\qquad
+    \alpha = \text{soft\_cap\_alpha}(w_{\max}, \text{lr}\cdot\text{weight\_decay}, \eta),$$
+
+    with $f_\alpha$ = :func:`soft_cap_polynomial` (the library's scalar map, which
+    :func:`certify_soft_cap_coupling` and :func:`certify_soft_cap_root_unique` certify): the
+    matrix steps the regulator runs are the polynomial the coupling proofs are about (the
+    floats $s$ and $\alpha$ read as the rationals they are). ``witness``: the residual."""
+    from geomuon.manifolds.linalg import rms_scale
+    from geomuon.optimizers.regulate import SoftCap, soft_cap_alpha
+
+    m, n = shape
+    k = min(m, n)
+
+    def frame(size: int) -> sp.Matrix:
+        S = skew(size)
+        S = S.subs({x: sp.Rational(j + 1, 3 + j) for j, x in enumerate(sorted(S.free_symbols, key=str))})
+        return cayley(S)[:, :k]
+
+    Q, R = frame(m), frame(n)
+    sigma = sp.symbols(f"sigma0:{k}", positive=True)
+    W = Q * sp.diag(*sigma) * R.T
+    regulator = SoftCap(w_max=w_max, eta=eta, weight_decay=weight_decay, guard_steps=0)
+    capped = regulator.unchecked(ExactTensor(W), lr=lr).matrix()
+    s = exact(rms_scale((m, n)))
+    alpha = exact(soft_cap_alpha(w_max, lr * weight_decay, eta))  # the float the regulator takes
+    expected = Q * sp.diag(*[soft_cap_polynomial(alpha, s * x) / s for x in sigma]) * R.T
+    residual = (capped - expected).applyfunc(_reduce)
+    return Certificate(f"SoftCap {m}x{n} maps every RMS singular value by the certified f_alpha",
+                       residual.is_zero_matrix, residual)
+
+
 def soft_cap_beta(ratio) -> sp.Expr:
     r"""The exact root $\beta \in [0, 1/3]$ of $h(\beta) = r$ for ``ratio`` $r$ with
     $62/81 \le r \le 1$, as a sympy algebraic number."""
@@ -3625,6 +3755,10 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
     * ``constraint``: $\mathcal C(W^\top A) = L_W(A)$; ``adjoint``: $W S(\Lambda) = L_W^*(\Lambda)$;
     * ``project``: $X - W\Sigma(D, W^\top X) = P_W(X)$; ``gram_diag``: $g(D) =$
       ``constraint_gram_diag``$(W)$;
+    * ``project`` at the point $cW$ that :func:`geomuon.optimizers.gram.gram_step` projects
+      at under weight decay ($c$ a symbol; $D = c^2W^\top W$, $M = cW^\top X$):
+      $X - cW\Sigma(c^2D, cW^\top X) = P_W(X)$, the same tangent space (at $c = 1$ alone a
+      form may divide by 1 where it should divide by $D$'s diagonal);
     * the retraction $R_W(tV) = Y\rho(Y^\top Y)$, $Y = W + tV$: $R_W(0) = W$ and
       $dR_W(0) = \mathrm{id}$ on $T_W$ (exact Taylor coefficients, the truncated series
       of $\rho$ included), and for *every* direction $X$ the velocity of
@@ -3636,14 +3770,17 @@ def certify_gram_form(manifold, W: ExactTensor, name: str = "") -> Certificate:
     """
     form = manifold.gram_form
     m, n = W.shape[-2:]
-    W, (A, X, lam_all, t) = _in_field(W, [("a", (m, n)), ("x", (m, n)), ("lam", (n * n,)), ("t", ())])
+    W, (A, X, lam_all, t, c) = _in_field(W, [("a", (m, n)), ("x", (m, n)), ("lam", (n * n,)), ("t", ()), ("c", ())])
     LA = manifold.constraint(W, A)
     lam = ExactTensor(lam_all.a[: LA.numel()].reshape(LA.a.shape))
     D = W.mT @ W
+    cW = W * c
     residuals = {
         "C(W'A) = L(A)": form.constraint(W.mT @ A) - LA,
         "W S(lam) = L*(lam)": W @ form.adjoint(lam) - manifold.constraint_adjoint(W, lam),
         "X - W Sigma = P(X)": X - W @ form.project(D, W.mT @ X) - manifold.proju(W, X),
+        "X - cW Sigma(c^2 D, cW'X) = P(X) at the scaled point cW": X - cW @ form.project(cW.mT @ cW, cW.mT @ X)
+        - manifold.proju(W, X),
         "g(D) = constraint_gram_diag": ExactTensor(form.gram_diag(D)) - ExactTensor(manifold.constraint_gram_diag(W)),
     }
     if form.has_newton:
@@ -3707,6 +3844,7 @@ class _EngineFrame:
     D: torch.Tensor
     B0: torch.Tensor
     K: torch.Tensor
+    point: torch.Tensor  # the step's new point, tall [1, M, N]
 
     def point_layout(self, X: torch.Tensor) -> torch.Tensor:
         """A tall ``[1, M, N]`` matrix back in the point's orientation, ``[m, n]``."""
@@ -3716,11 +3854,13 @@ class _EngineFrame:
         return (X.mT if self.flip else X).unsqueeze(0)
 
 
-def _engine_frame(manifold, W: torch.Tensor, G: torch.Tensor, dual_steps: int = 1) -> _EngineFrame:
+def _engine_frame(manifold, W: torch.Tensor, G: torch.Tensor, dual_steps: int = 1, shrink: float = 1.0,
+                  lr: float = 0.1) -> _EngineFrame:
     r"""Run the library's :func:`~geomuon.optimizers.gram.gram_step` (float64 products,
-    ``dual_steps`` Newton dual steps, no carry, no polish) on $W, G$ and return its factors
-    $T_1, T_2, Z_0, S$ with the Gram data $D = \operatorname{Diag}(W^\top W)$ (the engine's
-    diagonal $D$ of a ``diagonal_gram`` form), $B_0 = W^\top Z_0$, $K = Z_0^\top Z_0$."""
+    ``dual_steps`` Newton dual steps, no carry, no polish, step length ``lr``, weight decay's
+    ``shrink`` $c$) on $W, G$ and return its factors $T_1, T_2, Z_0, S$ and new point with the
+    Gram data of the point it steps from, $W' = cW$ (``Wt``): $D = \operatorname{Diag}(W'^\top W')$
+    (the engine's diagonal $D$ of a ``diagonal_gram`` form), $B_0 = W'^\top Z_0$, $K = Z_0^\top Z_0$."""
     from geomuon.optimizers.gram import GramSettings, gram_step
 
     flip = manifold.transposes_wide and W.size(-2) < W.size(-1)
@@ -3729,9 +3869,11 @@ def _engine_frame(manifold, W: torch.Tensor, G: torch.Tensor, dual_steps: int = 
     form = manifold.gram_form
     settings = GramSettings(dual_steps=dual_steps, carry=False, update="newton", dualizer="eigh",
                             compute_dtype=torch.float64, polish_rounds=0, smoothing=0.0)
-    T1, T2, Z0, S = gram_step(form, Wt, Gt, 0.1, None, settings).direction_factors
+    step = gram_step(form, Wt, Gt, lr, None, settings, shrink=shrink)
+    T1, T2, Z0, S = step.direction_factors
+    Wt = shrink * Wt
     D = torch.diag_embed(Wt.square().sum(-2)) if form.diagonal_gram else Wt.mT @ Wt
-    return _EngineFrame(manifold, W, flip, Wt, Z0, S, T1, T2, D, Wt.mT @ Z0, Z0.mT @ Z0)
+    return _EngineFrame(manifold, W, flip, Wt, Z0, S, T1, T2, D, Wt.mT @ Z0, Z0.mT @ Z0, step.point)
 
 
 def _spectral(X: torch.Tensor) -> float:
@@ -3823,6 +3965,128 @@ def certify_gram_polish(manifold, W: torch.Tensor, G: torch.Tensor, form=None, r
     holds &= moved <= tol
     return Certificate(f"{type(manifold).__name__} {m}x{n}: gram.polish alternates the unit-ball and tangent "
                        "projections, ends tangent, tends to the ball, fixes the intersection (float64)", holds, witness)
+
+
+def certify_gram_weight_decay(manifold, W: torch.Tensor, G: torch.Tensor, shrink: float = 0.9,
+                              lr: float = 0.1) -> Certificate:
+    r"""The engine's step under decoupled weight decay, :func:`~geomuon.optimizers.gram.gram_step`
+    with ``shrink`` $c \ne 1$ (the other engine certificates take $c = 1$), in **float64** from
+    the float64 point $W$ with momentum $G$ (one Newton dual step, ``"eigh"``, no polish; a wide
+    pair transposed, as ``ManifoldMuon`` runs it), is a step from the decayed point $W' = cW$:
+
+    * its start is the tangent part of the momentum, $Z_0 = P_W(G)$ ($cW$ has $W$'s tangent
+      space; read through the manifold's ``proju``);
+    * its direction $\hat A = W'T_1 + Z_0T_2$ is tangent, $L_W(\hat A) = 0$;
+    * its new point is the form's retraction at $W'$ along $-\eta\hat A$,
+      :func:`~geomuon.manifolds.capabilities.gram_retraction` $(W', -\eta\hat A)$ (the formula
+      :func:`certify_gram_form` and :func:`certify_gram_retract` certify), so the decay is
+      neither dropped nor applied twice.
+
+    Tolerances (float64, Higham's $\gamma_k \le k\varepsilon$ per product of inner dimension
+    $k$, margin 8, as in :func:`certify_gram_polish`): $Z_0 = G - W'\Sigma_0$ is two products of
+    magnitude $\|W\|_F^2\|G\|_F$, $\tau_0 = 8(m + n)\varepsilon\|W\|_F^2\|G\|_F$; the direction
+    is read through $W^\top\hat A$, $\tau = 8(m + n)\varepsilon\|W\|_F(\|W'\|_F\|T_1\|_F +
+    \|Z_0\|_F\|T_2\|_F)$; the two assemblies of $Y = W' - \eta\hat A$ differ by
+    $\delta_Y = 8(m + n)\varepsilon(\|W'\|_F(1 + \eta\|T_1\|_F) + \eta\|Z_0\|_F\|T_2\|_F)$, which the
+    retraction (a polar factor times $Y$'s column scale: Fréchet derivative at most
+    $2\kappa(Y)$) and its own rounding ($\varepsilon\|Y\|_F$ per product) carry to
+    $\tau_R = 2\kappa(Y)(\delta_Y + 8(m + n)\varepsilon\|Y\|_F)$. ``witness``: each residual with
+    its tolerance."""
+    from geomuon.manifolds.capabilities import gram_retraction
+
+    frame = _engine_frame(manifold, W, G, shrink=shrink, lr=lr)
+    m, n = W.shape[-2:]
+    eps = torch.finfo(torch.float64).eps
+
+    def norm(X: torch.Tensor) -> float:  # Frobenius, of a matrix or a multiplier of any shape
+        return float(X.norm())
+
+    A = frame.Wt @ frame.T1 + frame.Z0 @ frame.T2
+    Y = frame.Wt - lr * A
+    tau0 = 8 * (m + n) * eps * norm(W) ** 2 * norm(G)
+    tau = 8 * (m + n) * eps * norm(W) * (norm(frame.Wt) * norm(frame.T1) + norm(frame.Z0) * norm(frame.T2))
+    delta_Y = 8 * (m + n) * eps * (norm(frame.Wt) * (1 + lr * norm(frame.T1)) + lr * norm(frame.Z0) * norm(frame.T2))
+    tau_R = 2 * float(torch.linalg.cond(Y[0])) * (delta_Y + 8 * (m + n) * eps * norm(Y))
+    witness = {
+        "|Z0 - P_W(G)|, tol": (norm(frame.point_layout(frame.Z0) - manifold.proju(W, G)), tau0),
+        "|L_W(A)|, tol": (norm(manifold.constraint(W, frame.point_layout(A))), tau),
+        "|point - R_cW(-lr A)|, tol": (norm(frame.point - gram_retraction(manifold.gram_form, frame.Wt, -lr * A)), tau_R),
+    }
+    return Certificate(f"{type(manifold).__name__} {m}x{n}: gram_step with shrink {shrink} steps from cW: starts at P_W(G), "
+                       "tangent direction, the form's retraction at cW (float64)",
+                       all(r <= t for r, t in witness.values()), witness)
+
+
+def certify_polynomial_dualizers(n: int = 6, seed: int = 0) -> Certificate:
+    r"""The engine's eigendecomposition-free kernels (``GramSettings(dualizer="polar_express")``,
+    ManifoldMuon's default off the CPU), in **float64** on the library's functions:
+
+    * :func:`~geomuon.optimizers.gram.gram_msign` ($P = C^{-1}\operatorname{msign}(C)$,
+      ``msign_steps`` $= 6$) on $Q = Z^\top Z$, $Z = U\operatorname{diag}(s)V^\top$ ($2n\times n$,
+      $s$ log-spaced on $[10^{-2}, 1]$): every singular value of $ZP$ lies in the rigorous
+      enclosure :func:`ns_output_range` of six ``POLAR_EXPRESS`` steps on the normalized
+      spectrum $[s_{\min}, s_{\max}]/\|s\|_2$ (the step divides by its own safety factor), and
+      ``value`` $= \operatorname{tr}(QP)$, ``frobenius2`` $= \|ZP\|_F^2$;
+    * :func:`~geomuon.optimizers.gram.polynomial_unit_ball` on $\Gamma$ with eigenvalues
+      $\lambda \in \{0, 0.3, 0.999, 1.001, 1.3\}$ and more: the singular values of
+      $\hat A\phi(\Gamma)$, $\sqrt{\operatorname{eig}(\phi\Gamma\phi)}$, are $\min(1, \sqrt\lambda)$ to
+      $3\cdot10^{-4}$ and at most $1 + 10^{-5}$ (its documented accuracy at
+      :data:`~geomuon.optimizers.gram.UNIT_BALL_STEPS`);
+    * :func:`~geomuon.optimizers.gram.polynomial_inverse_sqrt` on $N$ with eigenvalues in
+      $[0.2, 3]$: $R^\top NR = I$ and $R = R^\top$ (the symmetric $N^{-1/2}$).
+
+    Tolerances (float64, $\varepsilon = 2^{-52}$, margin 8 on Higham's $\gamma_n$): $ZP = ZC^{-1}X$
+    with $ZC^{-1}$ orthonormal to $n\varepsilon\kappa(Z)$, so
+    $\tau = 8n\varepsilon\kappa(Z)$ on the singular values and $\tau\|Q\|_F\|P\|_F$ on the
+    traces; $\tau_N = 8n\varepsilon\kappa(N)\|N\|_2\|R\|_2^2$ on $R^\top NR - I$ (the series'
+    truncation, $0.21\|X^\top X - I\|^7$, is far below). ``witness``: each residual with its
+    tolerance."""
+    from geomuon.manifolds.linalg import POLAR_EXPRESS
+    from geomuon.optimizers.gram import gram_msign, polynomial_inverse_sqrt, polynomial_unit_ball
+
+    generator = torch.Generator().manual_seed(seed)
+    eps = torch.finfo(torch.float64).eps
+
+    def frame(rows: int, cols: int) -> torch.Tensor:
+        return torch.linalg.qr(torch.randn(rows, rows, generator=generator, dtype=torch.float64))[0][:, :cols]
+
+    witness: dict[str, Any] = {}
+    s = torch.logspace(-2, 0, n, dtype=torch.float64)
+    Z = (frame(2 * n, n) * s) @ frame(n, n).mT
+    Q = (Z.mT @ Z).unsqueeze(0)
+    steps = 6
+    dual = gram_msign(Q, steps, torch.float64)
+    P = dual.P[0]
+    lo, hi = ns_output_range(POLAR_EXPRESS.coefficients, steps, lo=s.min().item() / s.norm().item(),
+                             hi=s.max().item() / s.norm().item(), input_scale=POLAR_EXPRESS.input_scale)
+    singular = torch.linalg.svdvals(Z @ P)
+    tau = 8 * n * eps * float(torch.linalg.cond(Z))
+    witness["gram_msign: singular values of ZP, enclosure, tol"] = (singular.tolist(), (float(lo), float(hi)), tau)
+    outside = max(float(lo) - singular.min().item(), singular.max().item() - float(hi), 0.0)
+    traces = (abs(float(dual.value[0] - torch.trace(Q[0] @ P))), abs(float(dual.frobenius2[0] - (Z @ P).square().sum())))
+    tau_traces = tau * float(Q.norm() * P.norm())
+    witness["gram_msign: |value - tr(QP)|, |frobenius2 - |ZP|^2|, tol"] = (*traces, tau_traces)
+    holds = outside <= tau and max(traces) <= tau_traces
+
+    lam = torch.tensor([0.0, 0.3, 0.7, 0.999, 1.001, 1.1, 1.3], dtype=torch.float64)
+    V = frame(lam.numel(), lam.numel())
+    gram = ((V * lam) @ V.mT).unsqueeze(0)
+    phi = polynomial_unit_ball(gram)[0]
+    clipped = torch.linalg.eigvalsh(phi @ gram[0] @ phi).clamp_min(0).sqrt()  # ascending, as lam
+    deviation = float((clipped - lam.clamp_max(1.0).sqrt()).abs().max())
+    witness["polynomial_unit_ball: max |sigma - min(1, sqrt(lam))|, max sigma"] = (deviation, clipped.max().item())
+    holds &= deviation <= 3e-4 and clipped.max().item() <= 1 + 1e-5
+
+    mu = torch.linspace(0.2, 3.0, n, dtype=torch.float64)
+    V = frame(n, n)
+    N = (V * mu) @ V.mT
+    R = polynomial_inverse_sqrt(N.unsqueeze(0))[0]
+    tau_N = 8 * n * eps * float(mu.max() / mu.min()) * mu.max().item() * float(torch.linalg.matrix_norm(R, 2)) ** 2
+    residuals = (float((R.mT @ N @ R - torch.eye(n, dtype=torch.float64)).norm()), float((R - R.mT).norm()))
+    witness["polynomial_inverse_sqrt: |R'NR - I|, |R - R'|, tol"] = (*residuals, tau_N)
+    holds &= max(residuals) <= tau_N
+    return Certificate("the Polar Express dualizer's kernels: gram_msign within its certified range, the unit-ball "
+                       "factor clips, polynomial_inverse_sqrt is N^(-1/2) (float64)", holds, witness)
 
 
 def _symmetric_basis(n: int, off_diagonal: bool) -> list[tuple[int, int, torch.Tensor]]:
