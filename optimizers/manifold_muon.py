@@ -6,7 +6,14 @@ $$B \leftarrow \mu B + (1-\mu)G,\qquad \hat A = \arg\max_{A\in T_W\mathcal M,\ \
 \langle \tilde B, A\rangle\ \text{(the engine, warm-started)},\qquad
 W \leftarrow R_W(-\eta\,\hat A),$$
 
-with $\tilde B$ the (Nesterov) momentum of :mod:`geomuon.optimizers.base`.
+with $\tilde B$ the (Nesterov) momentum of :mod:`geomuon.optimizers.base`. The engine's
+$\hat A$ is an approximate maximizer, tangent to round-off; it lies in the unit ball exactly
+on the general path (a final rescale by $\max(1, \sigma_{\max})$) and to the polish's accuracy
+on the Gram path, whose direction is tangent after its last projection but may leave the
+ball: measured inside GPT training (``tests/test_direction_taken.py``'s reading of the
+weights), $\|\hat A\|_2 \le 1.008$ on Stiefel and up to $1.22$ on DGram (square matrices,
+one polish round), so a DGram step can be up to that factor longer than $\eta$ in the
+spectral norm. Certificates (``certify_every``) divide the descent by $\max(1, \|\hat A\|_2)$.
 
 Two paths, one engine (the same dual ascent from the projection start, the same final
 tangent projection):
