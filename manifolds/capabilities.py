@@ -132,13 +132,6 @@ def _diag(M: torch.Tensor) -> torch.Tensor:
     return torch.diagonal(M, dim1=-2, dim2=-1)
 
 
-def _pair_diag(D: torch.Tensor) -> torch.Tensor:
-    r"""$2(d_i^2 + d_j^2)$, $d_i^2 = D_{ii}$: the diagonal of $L_WL_W^*$ for a constraint
-    $\mathcal C(M) = M + M^	op$ (off the diagonal, or everywhere on symmetric multipliers)."""
-    d2 = _diag(D)
-    return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
-
-
 class GramForm:
     r"""The $n\times n$ form of a manifold's tangent constraint and retraction.
 
@@ -283,7 +276,7 @@ def _lyapunov_diagonal(D: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
 class OrthonormalGram(GramForm):
     r"""Stiefel: $\mathcal C(M) = M + M^\top$, $S(\Lambda) = 2\operatorname{sym}\Lambda$,
     $\Sigma_{ij} = (M + M^\top)_{ij}/(d_i^2 + d_j^2)$ ($\operatorname{sym}(M)$ on the manifold, where
-    $d_i^2 = D_{ii} = 1$; exact also at a point $cW$ scaled by weight decay), $\operatorname{diag}(LL^*) = 2(d_i^2 + d_j^2)$ ($4$ on the manifold), and the polar retraction
+    $d_i^2 = D_{ii} = 1$; exact also at a point $cW$ scaled by weight decay), $\operatorname{diag}(LL^*) = 4$, and the polar retraction
     $\rho(Y^\top Y) = (Y^\top Y)^{-1/2}$ (second order; by the series of
     :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a tangent
     step of length $\eta$ from a point on the manifold, and beyond the series' radius by
@@ -314,7 +307,7 @@ class OrthonormalGram(GramForm):
         return lam + lam.mT
 
     def gram_diag(self, D):
-        return _pair_diag(D)  # 4 on the manifold; 4c^2 at a point cW scaled by weight decay
+        return torch.full_like(D, 4.0)
 
     def retraction_factor(self, YtY, terms=6, far=exact_inverse_sqrt):
         return inv_sqrt_unit_diagonal(YtY, terms, far)
@@ -395,7 +388,8 @@ class OrthogonalColumnsGram(GramForm):
         return off_diagonal(lam + lam.mT)
 
     def gram_diag(self, D):
-        return _pair_diag(D)
+        d2 = _diag(D)
+        return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
     def retraction_factor(self, YtY, terms=6, far=exact_inverse_sqrt):
         root = _diag(YtY).sqrt()
