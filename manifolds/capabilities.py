@@ -203,7 +203,8 @@ class GramForm:
         raise NotImplementedError
 
     def gram_diag(self, D: torch.Tensor) -> torch.Tensor:
-        """Diagonal of $L_WL_W^*$ from $D$ (multiplier-shaped, positive)."""
+        """Diagonal of $L_WL_W^*$ from $D$ (multiplier-shaped, positive): the Jacobi step's
+        preconditioner, exact on the manifold (the contract checks it there)."""
         raise NotImplementedError
 
     def retraction_factor(self, YtY: torch.Tensor, terms: int = 6, far=exact_inverse_sqrt) -> torch.Tensor:
@@ -276,7 +277,7 @@ def _lyapunov_diagonal(D: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
 class OrthonormalGram(GramForm):
     r"""Stiefel: $\mathcal C(M) = M + M^\top$, $S(\Lambda) = 2\operatorname{sym}\Lambda$,
     $\Sigma_{ij} = (M + M^\top)_{ij}/(d_i^2 + d_j^2)$ ($\operatorname{sym}(M)$ on the manifold, where
-    $d_i^2 = D_{ii} = 1$; exact also at a point $cW$ scaled by weight decay), $\operatorname{diag}(LL^*) = 4$, and the polar retraction
+    $d_i^2 = D_{ii} = 1$; exact also at a point $cW$ scaled by weight decay), $\operatorname{diag}(LL^*) = 4$ (its value on the manifold, kept at $cW$, where it is $4c^2$: a Jacobi preconditioner need not be exact, and a constant keeps the every-size certificate's algebra scalar), and the polar retraction
     $\rho(Y^\top Y) = (Y^\top Y)^{-1/2}$ (second order; by the series of
     :func:`inv_sqrt_near_identity` in $E = Y^\top Y - I$, which is $O(\eta^2)$ for a tangent
     step of length $\eta$ from a point on the manifold, and beyond the series' radius by

@@ -129,7 +129,6 @@ __all__ = [
     "certify_newton_schulz_step_expansion",
     "certify_newton_schulz_retraction",
     "certify_newton_schulz_equivariance",
-    "certify_inverse_sqrt_equivariance",
     "certify_polar_map_equivariance",
     "certify_dgram_symmetry",
     "certify_sorted_sigma_map_fails",
@@ -2633,34 +2632,6 @@ def certify_newton_schulz_equivariance() -> Certificate:
         "the library's Newton-Schulz step is bi-orthogonally equivariant (every size) and the normalization invariant",
         not step and not norm,
         {"step": step, "normalization": norm},
-    )
-
-
-def certify_inverse_sqrt_equivariance() -> Certificate:
-    r"""The library's :func:`~geomuon.manifolds.linalg.coupled_newton_schulz_step` commutes
-    with conjugation: for square orthogonal $R$ ($R^\top R = RR^\top = I$),
-    $\text{step}(RYR^\top, RZR^\top) = R\,\text{step}(Y, Z)\,R^\top$ componentwise, and the
-    start $Z_0 = I = RIR^\top$; so :func:`~geomuon.manifolds.linalg.inv_sqrt_psd` (whose
-    shift and scale are multiples of $\|A\|_F$, a conjugation invariant) satisfies
-    $f(RAR^\top) = Rf(A)R^\top$, every size, and so would a one-sided polar map
-    $\|D\|_*^\alpha D f(D^\top D)$ built on it ($(LDR^\top)^\top LDR^\top = R D^\top D R^\top$)."""
-    from geomuon.manifolds.linalg import coupled_newton_schulz_step
-
-    algebra = FreeAlgebra({"R": "R'", "Y": "Y", "Z": "Z", "D": "D'", "L": "L'"})
-    R, Y, Z, D, L = (algebra(k) for k in "RYZDL")
-    I = algebra.identity()
-    algebra.rule(R.mT @ R, I)
-    algebra.rule(R @ R.mT, I)
-    algebra.rule(L.mT @ L, I)
-    acted = coupled_newton_schulz_step(R @ Y @ R.mT, R @ Z @ R.mT, I)
-    plain = coupled_newton_schulz_step(Y, Z, I)
-    residual = {f"component {k}": (acted[k] - R @ plain[k] @ R.mT).terms for k in range(2)}
-    acted_D = L @ D @ R.mT
-    residual["gram of L D R'"] = (acted_D.mT @ acted_D - R @ (D.mT @ D) @ R.mT).terms
-    return Certificate(
-        "the coupled Newton-Schulz inverse square root commutes with orthogonal conjugation (every size)",
-        all(not r for r in residual.values()),
-        residual,
     )
 
 
