@@ -61,35 +61,39 @@ def test_manifold_parameter_rejects_bad_shapes_with_our_reason():
         geoopt.ManifoldParameter(torch.randn(4), manifold=Stiefel())
 
 
-def _python(code):
+def _python(code, cwd):
+    # Run in an empty folder (``cwd``): ``python -c`` puts the working directory first on
+    # sys.path, and from the repository root the top-level source folders (manifolds/, ...)
+    # import as packages of their own, shadowing the installed ``geomuon``.
     return subprocess.run(
         [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=cwd,
     )
 
 
-def test_only_geoopt_jit_warnings_are_filtered():
-    # With DeprecationWarnings as errors, importing the library (which imports geoopt)
-    # succeeds; afterwards the same message raised anywhere else is still an error, so the
-    # filter did not leak into the process.
+def test_only_geoopt_jit_warnings_are_filtered(tmp_path):
+    # With DeprecationWarnings as errors, importing the library by its installed name (which
+    # imports geoopt) succeeds; afterwards the same message raised anywhere else is still an
+    # error, so the filter did not leak into the process.
     code = (
-        "import warnings, manifolds, geoopt\n"
+        "import warnings, geomuon.manifolds, geoopt\n"
         "try:\n"
         "    warnings.warn('`torch.jit.script` is deprecated. elsewhere', DeprecationWarning)\n"
         "except DeprecationWarning:\n"
         "    print('still-an-error')\n"
     )
-    result = _python(code)
+    result = _python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "still-an-error" in result.stdout
 
 
-def test_geoopt_alone_still_emits_the_jit_warning():
+def test_geoopt_alone_still_emits_the_jit_warning(tmp_path):
     # Negative control: without our filter the import fails under -W error. When a geoopt
     # or torch release removes the warning, this fails and the filter can go.
-    result = _python("import geoopt")
+    result = _python("import geoopt", tmp_path)
     assert result.returncode != 0
     assert "torch.jit.script` is deprecated" in result.stderr
 
