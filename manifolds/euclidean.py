@@ -46,3 +46,11 @@ class Euclidean(MatrixManifold):
     @matrix_method("u")
     def retr(self, x, u):
         return x + u
+
+    def component_inner(self, x, u, v=None):
+        r"""Entrywise $u \odot v$ ($u \odot u$ without ``v``), broadcast to ``x``: the space is a
+        product of lines, so geoopt's ``RiemannianAdam`` keeps Adam's per-entry second moment
+        on it (as on ``geoopt.Euclidean``; the inherited per-matrix inner product had made it
+        one number per matrix, not Adam)."""
+        inner = u * u if v is None else u * v
+        return inner.expand(torch.broadcast_shapes(x.shape, inner.shape))

@@ -11,7 +11,7 @@ from .oblique import (
     sphere_normalize,
     sphere_proju,
 )
-from .base import matrix_method
+from .base import MatrixManifold, matrix_method
 
 __all__ = ["LPRO"]
 
@@ -97,3 +97,10 @@ class LPRO(Euclidean):
         if self.radius is None:
             return x + u
         return sphere_normalize(x, self.radius, -1, "LPRO.retr", step=u)
+
+    def component_inner(self, x, u, v=None):
+        # entrywise without a radius (Euclidean's); with one, the matrix's inner product
+        # (rows on spheres are not a product of lines)
+        if self.radius is None:
+            return super().component_inner(x, u, v)
+        return MatrixManifold.component_inner(self, x, u, v)

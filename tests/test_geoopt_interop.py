@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from geomuon.manifolds import LPRO, CenteredRouterSpace, Stiefel
+from geomuon.manifolds import LPRO, CenteredRouterSpace, Euclidean, Stiefel
 from geomuon.theory.contracts import default_tolerance, manifold_residual
 
 import geoopt  # noqa: E402  (after manifolds, which imports it with the jit warnings filtered)
@@ -123,3 +123,23 @@ def test_manifolds_are_equal_exactly_when_interchangeable():
     assert LPRO(radius=2.0) == LPRO(radius=2) and LPRO(radius=2.0) != LPRO()
     assert Stiefel() != CenteredRouterSpace() and Stiefel() != geoopt.Stiefel(canonical=False)
     assert len({Stiefel(), Stiefel(), LPRO(), LPRO(radius=3.0)}) == 3
+
+
+@pytest.mark.parametrize("manifold", [Euclidean(), LPRO()], ids=["Euclidean", "LPRO"])
+def test_riemannian_adam_on_the_unconstrained_space_is_adam(manifold):
+    # the space is a product of lines: RiemannianAdam's second moment must be per entry, as on
+    # geoopt.Euclidean; the inherited per-matrix inner product had made it one number per matrix
+    # (0.45 apart from Adam after five steps). Tolerance: both compute the same float64
+    # expressions in the same order, up to a few roundings per step, 1e-12 relative over 5 steps.
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(6, 4, dtype=torch.float64, generator=gen)
+    grads = [torch.randn(6, 4, dtype=torch.float64, generator=gen) for _ in range(5)]
+    ours = geoopt.ManifoldParameter(x0.clone(), manifold=manifold)
+    plain = torch.nn.Parameter(x0.clone())
+    optimizers = geoopt.optim.RiemannianAdam([ours], lr=0.1), torch.optim.Adam([plain], lr=0.1)
+    for g in grads:
+        ours.grad, plain.grad = g.clone(), g.clone()
+        for opt in optimizers:
+            opt.step()
+    assert (ours.data - plain.data).abs().max() <= 1e-12 * x0.abs().max()
+    assert not torch.equal(plain.data, x0)
