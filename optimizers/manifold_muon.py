@@ -78,8 +78,6 @@ DEFAULT_DUAL_UPDATE = "newton"
 #: fail give zero steps); with this floor float64 certifies as float32 to three digits.
 DUALIZER_SHIFT_EPS = torch.finfo(torch.float32).eps
 _RETRACTIONS = ("fused", "manifold")
-_REQUIRED = ("constraint", "constraint_adjoint", "constraint_gram_diag", "proju", "retr",
-             "check_point_on_manifold")
 
 
 def default_dual_steps(manifold) -> int:
@@ -149,13 +147,14 @@ def resolve_manifold(spec, where: str):
     ``"stiefel"``, ``"dgram"``, ...) or a spec dict; ``ValueError`` naming ``where`` otherwise."""
     if isinstance(spec, (str, Mapping)):
         spec = MatrixManifold.resolve(spec, where)
-    missing = [name for name in _REQUIRED if not hasattr(spec, name)]
-    if missing:
+    if not isinstance(spec, MatrixManifold):
+        # (an object with the methods by attribute had passed: geoopt.Scaled forwards its base's,
+        # and its scale was then honoured on some paths and dropped on others)
         raise ValueError(
-            f"{where}: {type(spec).__name__} lacks {missing}; ManifoldMuon needs a matrix manifold "
-            "with the tangent-constraint interface of CONTRIBUTING.md (a manifolds.* class)"
-        )
-    if isinstance(spec, MatrixManifold) and not spec.has_defining_map and (
+            f"{where}: {type(spec).__name__} is not a geomuon.manifolds.MatrixManifold, whose tangent-constraint "
+            "interface ManifoldMuon steps with (CONTRIBUTING.md): pass a geomuon.manifolds class, or subclass "
+            "MatrixManifold")
+    if not spec.has_defining_map and (
             type(spec).projx is MatrixManifold.projx or type(spec).retr is MatrixManifold.retr):
         # (the generic projx and retr project along normal spaces onto F = 0: the first step had
         # raised NotImplementedError)
@@ -182,6 +181,18 @@ def _described(manifold) -> str:
     if isinstance(manifold, MatrixManifold):
         return f"{type(manifold).__name__}{manifold.spec()['args']}"
     return repr(manifold)
+
+
+def _leaves_own(own, manifold: MatrixManifold, shape: tuple[int, ...]) -> bool:
+    """Whether stepping a parameter of ``own`` manifold on its group's ``manifold`` can take it
+    off ``own``: for a geomuon manifold, unless the two are interchangeable (instances compared,
+    not classes: a sphere of radius 1 in a group of radius 2 had been stepped on the group's);
+    for another geoopt manifold (``geoopt.Stiefel``, ``geoopt.Sphere``: they had been stepped on
+    the group's without a word), when it refuses a float64 point of ``manifold`` (its
+    ``geoopt.Euclidean`` default holds every point)."""
+    if isinstance(own, MatrixManifold):
+        return _identity(own) != _identity(manifold)
+    return not own.check_point_on_manifold(manifold.random(*shape, dtype=torch.float64))
 
 
 def _identity(manifold) -> object:
@@ -426,9 +437,7 @@ class ManifoldMuon(MatrixOptimizer):
                 )
             if own is not None and group["manifold"] is None:
                 resolve_manifold(own, f"parameter {name}").identity  # noqa: B018
-            elif own is not None and hasattr(own, "constraint") and _identity(own) != _identity(manifold):
-                # (instances compared, not classes: a sphere of radius 1 in a group of radius 2
-                # had been stepped on the group's, off its own)
+            elif own is not None and _leaves_own(own, manifold, tuple(p.shape)):
                 raise ValueError(
                     f"ManifoldMuon: parameter {name} is a ManifoldParameter on {_described(own)} but its group "
                     f"says {_described(manifold)}; give them the same manifold"

@@ -143,3 +143,31 @@ def test_riemannian_adam_on_the_unconstrained_space_is_adam(manifold):
             opt.step()
     assert (ours.data - plain.data).abs().max() <= 1e-12 * x0.abs().max()
     assert not torch.equal(plain.data, x0)
+
+
+def test_manifold_muon_refuses_a_geoopt_parameter_its_group_would_step_off_its_manifold():
+    # a geoopt.Stiefel parameter in a DGram group had been stepped onto DGram without a word;
+    # controls: geoopt's Stiefel in a Stiefel group, and geoopt's default (Euclidean) parameter,
+    # which holds every point, in any group
+    from geomuon.optimizers import ManifoldMuon
+
+    stiefel = geoopt.Stiefel(canonical=False)
+    with pytest.raises(ValueError, match="ManifoldParameter on .* but its group says DGram"):
+        ManifoldMuon([geoopt.ManifoldParameter(stiefel.random(6, 4), manifold=stiefel)], manifold="dgram")
+    sphere = geoopt.Sphere()
+    with pytest.raises(ValueError, match="ManifoldParameter on .* but its group says Stiefel"):
+        ManifoldMuon([geoopt.ManifoldParameter(sphere.random(6, 4), manifold=sphere)], manifold="stiefel")
+    ManifoldMuon([geoopt.ManifoldParameter(stiefel.random(6, 4), manifold=stiefel)], manifold="stiefel")
+    ManifoldMuon([geoopt.ManifoldParameter(Stiefel().random(6, 4).data)], manifold="dgram")
+
+
+def test_manifold_muon_refuses_a_wrapped_manifold_it_would_half_honour():
+    # geoopt.Scaled forwards its base's methods, so it had passed as a manifold: its scale was then
+    # honoured by the general path's retraction and dropped by the Gram path and the group's spec
+    from geomuon.optimizers import ManifoldMuon
+
+    p = torch.nn.Parameter(Stiefel().random(6, 4).data)
+    with pytest.raises(ValueError, match="Scaled is not a geomuon.manifolds.MatrixManifold"):
+        ManifoldMuon([p], manifold=geoopt.Scaled(Stiefel(), 100.0))
+    with pytest.raises(ValueError, match="Scaled is not a geomuon.manifolds.MatrixManifold"):
+        ManifoldMuon([geoopt.ManifoldParameter(p.data.clone(), manifold=geoopt.Scaled(Stiefel(), 100.0))])
