@@ -366,6 +366,14 @@ class ManifoldMuon(MatrixOptimizer):
     def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
         if group["update"] == "adamw":
+            for i, p in enumerate(group["params"]):
+                own = getattr(p, "manifold", None)
+                # AdamW ignores a manifold: a ManifoldParameter on a constrained one had left it
+                if own is not None and not own.check_point_on_manifold(
+                        torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))):
+                    raise ValueError(f"group {index}: parameter {self._name(group, i, index)} is a ManifoldParameter "
+                                     f"on {_described(own)}, which an update='adamw' group would step off it; give "
+                                     "it a ManifoldMuon group (drop update='adamw')")
             return
         if group["msign_method"] not in MSIGN_METHODS:
             raise ValueError(f"group {index}: msign_method must be one of {MSIGN_METHODS}, "

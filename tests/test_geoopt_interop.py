@@ -171,3 +171,14 @@ def test_manifold_muon_refuses_a_wrapped_manifold_it_would_half_honour():
         ManifoldMuon([p], manifold=geoopt.Scaled(Stiefel(), 100.0))
     with pytest.raises(ValueError, match="Scaled is not a geomuon.manifolds.MatrixManifold"):
         ManifoldMuon([geoopt.ManifoldParameter(p.data.clone(), manifold=geoopt.Scaled(Stiefel(), 100.0))])
+
+
+def test_manifold_muon_refuses_a_constrained_parameter_in_an_adamw_group():
+    # AdamW ignores the manifold: a Stiefel parameter in such a group had left Stiefel at its first
+    # step. Control: an unconstrained ManifoldParameter (geoopt's Euclidean default) stays welcome.
+    from geomuon.optimizers import ManifoldMuon
+
+    on_stiefel = geoopt.ManifoldParameter(Stiefel().random(6, 4).data, manifold=Stiefel())
+    with pytest.raises(ValueError, match="which an update='adamw' group would step off it"):
+        ManifoldMuon([{"params": [on_stiefel], "update": "adamw"}])
+    ManifoldMuon([{"params": [geoopt.ManifoldParameter(torch.randn(6, 4))], "update": "adamw"}])
