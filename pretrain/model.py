@@ -18,7 +18,8 @@ from parameter names.
 Observables for the saturation mechanism proposed by the module-wise Manifold Muon study (softmax Jacobian vanishing as the
 attention logits grow) are recorded only inside :meth:`GPT.observe`, on eval batches:
 the attention path then materialises the score matrix (fp32) instead of calling the fused
-kernel. Everything computes in the parameters' dtype (fp32), or bf16 under autocast.
+kernel. Everything computes in the parameters' dtype (fp32), or bf16 under autocast, except the
+router's softmax and the loss: fp32 then, float64 for a float64 model.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class GPTConfig:
                     if not _of_kind(getattr(self, f.name), f.type)]
         if problems:  # the checks below compare values: a field of another type had crashed them
             raise ValueError("GPTConfig: " + "; ".join(problems))
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:  # the checks below divide by n_head (n_head=0 had raised a bare ZeroDivisionError)
+            raise ValueError("GPTConfig: " + "; ".join(problems))
         for name, least in (("mlp_hidden", 0), ("n_experts", 0)):
             if getattr(self, name) < least:
                 problems.append(f"{name}={getattr(self, name)} must be >= {least}")
@@ -94,9 +100,6 @@ class GPTConfig:
         if self.lipschitz and (self.mlp != "gelu" or self.n_experts):
             problems.append("the Lipschitz variant needs mlp='gelu' and n_experts=0 (the certified bound "
                             "covers the dense GELU MLP only, not SwiGLU or a mixture of experts)")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
         if problems:
             raise ValueError("GPTConfig: " + "; ".join(problems))
 
@@ -130,9 +133,15 @@ CONFIGS: dict[str, GPTConfig] = {
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """A named config with fields overridden (``None`` values are ignored)."""
+    """A named config with fields overridden (``None`` values are ignored).
+
+    Raises ``ValueError`` for an unknown config name or an override that is no ``GPTConfig`` field."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
+    field_names = [f.name for f in fields(GPTConfig)]
+    unknown = sorted(set(overrides) - set(field_names))
+    if unknown:  # dataclasses.replace had raised a TypeError about GPTConfig.__init__
+        raise ValueError(f"get_config({name!r}): {unknown} are no GPTConfig fields; choose from {field_names}")
     return replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -141,11 +150,17 @@ def get_config(name: str, **overrides) -> GPTConfig:
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
-    r"""Rotary position embedding of ``x: [B, H, T, D]`` (pairs of channels rotated by
-    $t\,\theta_i$, $\theta_i = 10000^{-2i/D}$); an isometry for each position."""
+    r"""Rotary position embedding of ``x: [B, H, T, D]``: channels $(2i, 2i+1)$ of position
+    $t = 0, 1, \dots$ rotated by $t\,\theta_i$, $\theta_i = 10000^{-2i/D}$,
+    $(x_{2i}, x_{2i+1}) \mapsto (x_{2i}\cos t\theta_i - x_{2i+1}\sin t\theta_i,\;
+    x_{2i}\sin t\theta_i + x_{2i+1}\cos t\theta_i)$; an isometry for each position.
+
+    The angles are computed in float64 for a float64 ``x`` (float32 ones had left a float64
+    rotation 1e-8 away from an isometry) and in float32 otherwise; returns ``x``'s dtype."""
     T, D = x.shape[-2], x.shape[-1]
-    inv_freq = 10000.0 ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    wide = fp32_or_fp64(x.dtype)
+    inv_freq = 10000.0 ** (-torch.arange(0, D, 2, device=x.device, dtype=wide) / D)
+    angles = torch.arange(T, device=x.device, dtype=wide)[:, None] * inv_freq
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -169,7 +184,9 @@ def softmax_jacobian_frobenius(p: torch.Tensor) -> torch.Tensor:
 
     $\|J\|_F^2 = \sum_i p_i^2 - 2\sum_i p_i^3 + (\sum_i p_i^2)^2$; it tends to 0 as the
     softmax saturates to a one-hot row (the vanishing-gradient regime the module-wise study proposes) and is
-    at most $1/\sqrt{2}$. The three terms cancel near saturation (fp32 loses 5 digits at
+    at most $1/2$, reached by two entries of $1/2$: $\sum_i p_i^3 \ge (\sum_i p_i^2)^2$
+    (Cauchy–Schwarz with weights $p_i$) gives $\|J\|_F^2 \le s - s^2 \le 1/4$ for
+    $s = \sum_i p_i^2$. The three terms cancel near saturation (fp32 loses 5 digits at
     $\|J\|_F \approx 0.05$), so this computes in float64; returns float64 of shape
     ``p.shape[:-1]``.
     """
@@ -297,7 +314,8 @@ class MoE(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         tokens = x.reshape(-1, C)
-        probs = self.router(tokens).float().softmax(dim=-1)
+        # routing in fp32 under a bf16 autocast, in float64 for a float64 model
+        probs = self.router(tokens).to(fp32_or_fp64(x.dtype)).softmax(dim=-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         top_p = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(tokens)
@@ -308,7 +326,7 @@ class MoE(nn.Module):
             token_idx, slot = (top_i == e).nonzero(as_tuple=True)
             out.index_add_(0, token_idx, expert(tokens[token_idx]) * top_p[token_idx, slot, None])
         n_experts = len(self.experts)
-        routed_fraction = F.one_hot(top_i, n_experts).float().sum(1).mean(0) / self.top_k
+        routed_fraction = F.one_hot(top_i, n_experts).to(probs.dtype).sum(1).mean(0) / self.top_k
         self.aux_loss = n_experts * (routed_fraction * probs.mean(0)).sum()
         return out.view(B, T, C)
 
@@ -388,12 +406,45 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(idx.size(1), device=idx.device))
         return x
 
+    def _check_token_ids(self, name: str, tokens: torch.Tensor) -> None:
+        r"""Refuses ``tokens`` (``idx`` or ``targets``) unless it is an integer ``[B, T]`` tensor
+        with $1 \le T \le$ ``block_size`` and, on the CPU, ids in $[0, V)$: the embedding and the
+        cross-entropy had failed with "index out of range in self" or "Dimension out of range"
+        (or refused int16/int32 ids), and an empty sequence had given a NaN loss. Ids on an
+        accelerator are not read back (that would synchronise the host every step; the data
+        loaders check the ids they read)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.is_complex() \
+                or tokens.dtype == torch.bool:
+            kind = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"GPT.forward: {name} must be an integer tensor of token ids, got {kind}")
+        if tokens.dim() != 2 or tokens.size(1) == 0:
+            raise ValueError(f"GPT.forward: {name} of shape {list(tokens.shape)} must be [batch, sequence length] "
+                             "with a sequence length of at least 1")
+        if tokens.size(1) > self.config.block_size:
+            raise ValueError(f"GPT.forward: {name}'s sequence length {tokens.size(1)} exceeds the model's block_size "
+                             f"{self.config.block_size}; crop it to the last {self.config.block_size} tokens")
+        if tokens.device.type == "cpu" and tokens.numel():
+            low, high = tokens.min().item(), tokens.max().item()
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"GPT.forward: {name} holds token ids from {low} to {high}, outside "
+                                 f"[0, vocab_size={self.config.vocab_size})")
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits ``[B, T, V]`` and, with targets, the mean cross-entropy (plus the MoE
-        load-balancing term ``moe_aux_weight``·Σ aux during training)."""
-        T = idx.size(1)
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
+        """Logits ``[B, T, V]`` and, with ``targets`` (the ids of ``idx``'s shape), the mean
+        cross-entropy (plus the MoE load-balancing term ``moe_aux_weight``·Σ aux during
+        training), in float32 (float64 for a float64 model).
+
+        Raises ``ValueError`` for ids that are not an integer ``[B, T]`` tensor, a sequence
+        longer than ``block_size`` or empty, ``targets`` of another shape, and (CPU) ids
+        outside ``[0, vocab_size)``."""
+        self._check_token_ids("idx", idx)
+        idx = idx.long()  # any integer dtype (the embedding takes int32/int64 only, the cross-entropy int64)
+        if targets is not None:
+            self._check_token_ids("targets", targets)
+            if targets.shape != idx.shape:
+                raise ValueError(f"GPT.forward: targets of shape {list(targets.shape)} must have idx's shape "
+                                 f"{list(idx.shape)} (the next token of each position)")
+            targets = targets.long()
         x = self.embed(idx)
         for block in self.h:
             x = block(x)
@@ -402,7 +453,8 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        # fp32 under a bf16 autocast, float64 for a float64 model (a .float() had cast its loss to fp32)
+        loss = F.cross_entropy(logits.to(fp32_or_fp64(logits.dtype)).view(-1, logits.size(-1)), targets.reshape(-1))
         if self.config.n_experts and self.training:
             aux = sum(block.mlp.aux_loss for block in self.h)
             loss = loss + self.config.moe_aux_weight * aux
@@ -418,8 +470,13 @@ class GPT(nn.Module):
         """Record per-layer attention statistics while inside the context.
 
         Yields ``{layer name: AttentionRecord}``; the max attention logit and the mean
-        softmax-Jacobian Frobenius norm over every causal row seen."""
+        softmax-Jacobian Frobenius norm over every causal row seen. Raises ``RuntimeError``
+        inside another ``observe()`` of the same model: the inner context's exit had detached
+        the outer one's records, which then silently stopped recording."""
         layers = self.attention_layers()
+        if any(layer.record is not None for layer in layers.values()):
+            raise RuntimeError("GPT.observe(): the model is already being observed; use the records of the "
+                               "enclosing observe() context instead of nesting another")
         records = {name: AttentionRecord() for name in layers}
         for name, layer in layers.items():
             layer.record = records[name]
