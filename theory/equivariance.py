@@ -17,8 +17,10 @@ update share it, each wrapped in a *subject* that builds examples, evaluates and
 * :class:`OptimizerUpdate` — whole optimizer steps, momentum and other state included: two
   fresh optimizers start from $W_0$ and $g\cdot W_0$ and receive the gradients $G_t$ and
   $g\cdot G_t$; the residual is $\max_t \|W'_t - g\cdot W_t\|$ relative to the path
-  $\sum_{s\le t}\|g\cdot W_s - g\cdot W_{s-1}\|$ travelled so far (a tiny learning rate cannot
-  hide a broken step).
+  $\sum_{s\le t}\|g\cdot W_s - g\cdot W_{s-1}\|$ travelled so far, or the twin's if longer (a
+  tiny learning rate cannot hide a broken step), from the first step that moves either
+  trajectory (an optimizer that only sets up its state on its first step is measured from its
+  second).
 
 **The tolerance is the map's own noise floor, measured.** An *exactly* equivariant update
 computed in floating point differs from $g\cdot U(x)$ only through round-off: the
@@ -80,8 +82,10 @@ floor, which keeps
 "equivariant up to bfloat16" meaning what it says. By the triangle inequality the dtype
 residual differs from the witness's only by the dtype evaluation's own error at $x$ and
 $\mathrm{fl}(g\cdot x)$ and the roundings of $g\cdot x$ and $g\cdot U(x)$: round-off, which the
-witness leaves out and the dtype trial cannot. The witness decides wherever it resolves
-(the trial's ``route`` says which did); it does not apply to an update that returns a
+witness leaves out and the dtype trial cannot — provided the two evaluations *are* that
+round-off apart: the witness decides wherever it resolves and its output at $x$ is within
+:data:`HOLDS_FACTOR` relative-only probes of $d$'s (and at $g\cdot x$ within that many of the
+trial's floors; :func:`run_trial`), the trial's ``route`` saying which did; it does not apply to an update that returns a
 narrower dtype for float64 inputs, or fails in float64. A violation found in $d$ itself
 stands.
 
@@ -289,18 +293,35 @@ def _trajectory(optimizer: torch.optim.Optimizer, gradients: Sequence) -> list[t
 
 
 def _path_residual(actual: Sequence, expected: Sequence) -> float:
-    r"""$\max_t \|a_t - e_t\| / \sum_{s \le t}\|e_s - e_{s-1}\|$ (0 for identical paths)."""
-    travelled, worst = 0.0, 0.0
+    r"""$\max_t \|a_t - e_t\| / \max(\ell^a_t, \ell^e_t)$, $\ell^e_t = \sum_{s \le t}\|e_s - e_{s-1}\|$
+    the path travelled so far (likewise $\ell^a_t$), over the steps $t$ from the first at which
+    either path moves (0 for identical paths; at most $2 + \|a_0 - e_0\|/\max(\ell^a_t, \ell^e_t)$).
+
+    The larger of the two paths, as :func:`_relative` takes the larger of two norms: in float32
+    a step of $10^{-1}$ on weights of $10^8$ is below their round-off, so whether an entry moves
+    is decided by its rounding, and one path moving by an ulp where the other does not had been
+    a residual of $\infty$ ("violated") for an exactly equivariant optimizer. Before either path
+    has moved their difference is their starts' (a probe's round-off of $W_0$, the round trip
+    $g^{-1}(g\cdot W_0)$), not a step's: measured against a path of length 0 it had made the
+    floor of an optimizer that only sets up its state on its first step (SOAP's, a delayed
+    start) infinite on every trial, and the check inconclusive whatever the optimizer. Paths
+    that never move give 0 when identical and $\infty$ otherwise: no step was taken, so such a
+    trial is unresolved, never a vacuous *holds*."""
+    travelled, travelled_actual, worst, start_gap = 0.0, 0.0, 0.0, 0.0
     for t in range(1, len(expected)):
         # Path length, not distance from the start: a trajectory can come back to W_0 (a
         # rotation and its reverse), where the distance vanishes but the round-off does not.
         travelled += _distance(expected[t], expected[t - 1])
+        travelled_actual += _distance(actual[t], actual[t - 1])
         diff = _distance(actual[t], expected[t])
-        if diff != 0.0:
-            worst = max(worst, diff / travelled if travelled > 0 else math.inf)
         if math.isnan(diff):
             return math.nan
-    return worst
+        path = max(travelled, travelled_actual)
+        if path == 0.0:
+            start_gap = max(start_gap, diff)
+        else:
+            worst = max(worst, diff / path)
+    return math.inf if max(travelled, travelled_actual) == 0.0 and start_gap > 0 else worst
 
 
 def _fresh_optimizer(make_optimizer: Callable, start) -> torch.optim.Optimizer:
@@ -314,7 +335,8 @@ def step_residual(
     start,
     gradients: Sequence,
 ) -> float:
-    r"""Largest $\|W'_t - g\cdot W_t\|$ over the steps $t$, relative to the path travelled so far.
+    r"""Largest $\|W'_t - g\cdot W_t\|$ over the steps $t$, relative to the path travelled so far
+    (the longer of the two trajectories', :func:`_path_residual`).
 
     Two fresh optimizers ``make_optimizer(params)`` are stepped, one from ``start`` ($W_0$,
     a tensor or a tuple for several parameters) with ``gradients`` $G_t$, one from
@@ -821,10 +843,12 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
     exception or a non-finite output gives the verdict ``error``. When the example is
     narrower than float64 and this trial is not violated, the float64 witness
     (:func:`_witness`) decides instead wherever it resolves and judges the same function: its
-    outputs at $x$ and $g\cdot x$ within :data:`HOLDS_FACTOR` floors of this trial's (an update
-    that takes another path in the narrow dtype, a fused low-precision kernel, is judged on
-    that path: a 10 % bias in a bf16 path had been certified by its exact float64 path)
-    (``witness=False``: never)."""
+    output at $x$ within :data:`HOLDS_FACTOR` times the change of this trial's output under
+    relative-only probes at $x$ (the same input: only round-off inside the dtype may part them),
+    and at $g\cdot x$ within :data:`HOLDS_FACTOR` of this trial's floors (an update that takes
+    another path in the narrow dtype, a fused low-precision kernel, is judged on that path: a
+    10 % bias in a bf16 path had been certified by its exact float64 path, and a +1 on a column
+    of a bf16 sign under the O(1) floor of a discontinuous map) (``witness=False``: never)."""
     subject = _as_subject(subject)
     evaluate = _evaluator(subject)
     eps = _eps(compute_dtype)
@@ -847,14 +871,26 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         own = torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED)
         found = _witness(subject, element, example, compute=compute, generator=own,
                          stated_precision=compute_dtype != _members(example)[0].dtype, probes=probes)
-        # the same function: U_d(x) and U_64(x) see the same input, so they differ by U's
-        # round-off in d, which this trial's floor measures (probes at d's size); U_d(gx) and
-        # U_64(gx) also by gx's rounding to d, one more probe's worth. Within HOLDS_FACTOR floors
-        # (what a holds verdict itself allows) the witness judges the function the dtype runs
-        if found is not None and _judge(*found[:2]) != "unresolved" and max(
-                subject.relative(out, found[2]), subject.relative(out_g, found[3])) <= HOLDS_FACTOR * floor:
-            return Trial(index, kind, scale, found[0], found[1], _judge(*found[:2]), element,
-                         route="float64 witness")
+        # the same function: U_d(x) and U_64(x) see the same input, so they differ only by U's
+        # round-off inside d, which relative-only probes at d's size reproduce (the rounding of
+        # every entry and internal cast, signs and exact zeros kept); U_d(gx) and U_64(gx) also by
+        # gx's rounding to d, which this trial's full floor measures. Within HOLDS_FACTOR of them
+        # (what a holds verdict itself allows) the witness judges the function the dtype runs.
+        # Not the full floor at x: its additive part flips a discontinuous map's near-zero
+        # entries (a bf16 sign's floor is O(1) at 64x32), and that floor had let a bf16 sign
+        # kernel with a +1 bias on column 0 through as "holds" on its exact float64 path.
+        if found is not None and _judge(*found[:2]) != "unresolved":
+            same_input = []
+            try:
+                for _ in range(probes):
+                    same_input.append(subject.relative(
+                        evaluate(subject.perturb(example, storage, compute, own, additive=False)), out))
+            except Exception:  # no measure of d's round-off at x: no witness, the dtype verdict stands
+                same_input.append(math.inf)
+            if subject.relative(out, found[2]) <= HOLDS_FACTOR * _floor(eps, same_input) and \
+                    subject.relative(out_g, found[3]) <= HOLDS_FACTOR * floor:
+                return Trial(index, kind, scale, found[0], found[1], _judge(*found[:2]), element,
+                             route="float64 witness")
     return Trial(index, kind, scale, residual, floor, verdict, element)
 
 
@@ -981,7 +1017,9 @@ class EquivarianceReport:
         else:
             reason = (f"only {self.resolved} of {len(self.trials)} trials resolved ({self.min_trials} needed); "
                       f"on {unresolved} the update's own round-off floor is >= 1/{VIOLATION_FACTOR:g}, so not even "
-                      "an O(1) violation could be called there — check in a wider dtype or at a smaller condition")
+                      "an O(1) violation could be called there — check in a wider dtype or at a smaller condition "
+                      "(optimizer steps: also where no step moved the weights — give it more steps, or a "
+                      "learning rate whose step the weights' dtype resolves)")
         return f"INCONCLUSIVE: {what}: {reason}.\nWhy this tolerance: {self.derivation()}."
 
 
@@ -1016,6 +1054,21 @@ def trial_scales(dtype: torch.dtype) -> tuple[float, ...]:
 CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _check_precision(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> None:
+    r"""Refuse a ``dtype`` or ``compute_dtype`` outside :data:`CHECK_DTYPES` (an int dtype had
+    failed in ``torch.finfo``, a complex one dropped its imaginary parts), and a
+    ``compute_dtype`` finer than ``dtype`` (a smaller $\varepsilon$): inputs in ``dtype`` carry its
+    round-off whatever precision is stated, so bf16 inputs checked "in float64" had reported a
+    map computing in bf16 as "equivariant" with no precision named."""
+    for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
+        if value is not None and value not in CHECK_DTYPES:
+            raise ValueError(f"{name} must be one of {[str(d) for d in CHECK_DTYPES]}, got {value!r}")
+    if compute_dtype is not None and _eps(compute_dtype) < _eps(dtype):
+        raise ValueError(f"compute_dtype {_dtype_name(compute_dtype)} is finer than dtype {_dtype_name(dtype)} "
+                         f"(eps {_eps(compute_dtype):.1e} < {_eps(dtype):.1e}): the precision to hold is at most "
+                         "the inputs'; leave compute_dtype out to hold dtype's, or check with a wider dtype")
+
+
 def _trial_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed << 16) + index)
 
@@ -1048,8 +1101,8 @@ def check_equivariance(
         expect: ``"holds"`` or ``"violated"`` (``"fails"`` is accepted for it); sets
             :attr:`EquivarianceReport.passed`.
         dtype: dtype of the inputs (synthesized in float64, then rounded).
-        compute_dtype: precision to hold (default ``dtype``): the round-off of the floor's
-            entrywise probe.
+        compute_dtype: precision to hold, at most ``dtype``'s (default ``dtype``): the
+            round-off of the floor's entrywise probe.
         condition: $\\kappa_2$ of the ``conditioned`` inputs (and the smallest singular value
             of the ``clustered`` ones).
         seed: replays a run; default a fresh random seed, recorded in the report.
@@ -1063,8 +1116,9 @@ def check_equivariance(
             nor a name.
         ValueError: ``trials`` or ``min_trials`` below 1, an unknown ``expect`` or kind, a
             ``dtype``/``compute_dtype`` other than float16, bfloat16, float32 or float64, a
-            ``condition`` below 1 or not finite, a ``seed`` outside $[0, 2^{31})$, or a group
-            whose ``sample`` fails (each named: they are the check's inputs, not the update's).
+            ``compute_dtype`` finer than ``dtype``, a ``condition`` below 1 or not finite, a
+            ``seed`` outside $[0, 2^{31})$, or a group whose ``sample`` fails (each named: they
+            are the check's inputs, not the update's).
     """
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
@@ -1079,9 +1133,7 @@ def check_equivariance(
     # the check's own inputs, refused by name: an inf condition had built all-NaN inputs (blamed
     # on the update as a non-finite output), an int dtype failed in torch.finfo, a complex one
     # dropped its imaginary parts, a seed of 2^48 overflowed the trial generators' int64
-    for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
-        if value is not None and value not in CHECK_DTYPES:
-            raise ValueError(f"{name} must be one of {[str(d) for d in CHECK_DTYPES]}, got {value!r}")
+    _check_precision(dtype, compute_dtype)
     if isinstance(condition, bool) or not isinstance(condition, (int, float)) or not (
             math.isfinite(condition) and condition >= 1):
         raise ValueError(f"condition must be a finite number >= 1 (a condition number), got {condition!r}")
@@ -1250,6 +1302,7 @@ def verify_declaration(
     from hypothesis import Phase, assume, find, given, settings
     from hypothesis.errors import NoSuchExample
 
+    _check_precision(dtype, compute_dtype)
     group = _as_group(group)
     subject = _as_subject(update)
     compute_dtype = compute_dtype or dtype
