@@ -707,6 +707,76 @@ def test_one_head_bound_is_nearly_tight():
     assert 0.8 * ours < estimate <= ours  # measured 5.58 vs 6.33
 
 
+# ----------------------------------------------------------------------------- adversarial configurations
+# Weights on which the float64 estimator comes within 2x of a bound: a bound (or its dependence on
+# the input radius) made 2x too small fails these.
+
+
+def set_rank_one_spectra(model, top, generator, rest=1e-3):
+    """Every weight matrix gets RMS->RMS singular values (top, rest·top, ..., rest·top) on random
+    singular vectors: each sub-layer is nearly a rank-one map."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and p is not model.wte.weight:
+                fan_out, fan_in = p.shape
+                rank = min(fan_out, fan_in)
+                spectrum = torch.full((rank,), rest * top, dtype=torch.float64)
+                spectrum[0] = top
+                left, right = orthogonal(fan_out, generator)[:, :rank], orthogonal(fan_in, generator)[:, :rank]
+                # sigma = sqrt(fan_out / fan_in) times the RMS->RMS singular value
+                p.copy_(math.sqrt(fan_out / fan_in) * (left * spectrum) @ right.T)
+
+
+@pytest.mark.parametrize("radius", [1.0, 2.0])
+def test_joint_bound_is_nearly_reached_on_rank_one_weights(radius):
+    # Nearly rank-one weights make the network close to one chain of rank-one maps, which the joint
+    # bound follows direction by direction while the products of norms multiply worst cases. Measured:
+    # estimate / joint = 0.98 (radius 1) and 0.95 (radius 2), estimate / aligned = 0.73 and 0.65, so a
+    # joint bound 2x too small fails here, at the default radius and at one read from the weights.
+    gen = torch.Generator().manual_seed(9)
+    model = GPT(lipschitz_config(n_head=4, n_layer=3, d=16)).double()
+    set_rank_one_spectra(model, 0.7, gen)
+    weights = model.lipschitz_weights() | {"input_radius": radius}
+    bounds = {method: transformer_lipschitz_bound(weights, method=method).bound for method in METHODS}
+    estimate = empirical_lipschitz(body(model), radius * unit_rms_tokens(4, 16, gen), radius=radius, restarts=3,
+                                   steps=60, power_steps=10, generator=gen)
+    assert bounds["joint"] / 2 < estimate.estimate
+    assert all(estimate.estimate <= bound for bound in bounds.values()), bounds
+    certify_domain(torch.stack([estimate.x, estimate.y]), radius)  # the pair lies in the bound's domain
+
+
+@pytest.mark.parametrize("radius", [0.5, 1.7])
+def test_attention_bound_is_nearly_reached_at_radii_other_than_one(radius):
+    # One head with ||W_q|| = ||W_k|| = 3: the score path, which grows as r^2, dominates. Measured:
+    # estimate / bound = 0.77 (radius 0.5) and 0.92 (radius 1.7); at 1.7 a bound with r in place of
+    # r^2 would be 0.60 of this one, below the estimate, as would one 2x too small.
+    gen = torch.Generator().manual_seed(4)
+    layer = attention_only(1, 3.0, gen)
+    bound = attention_lipschitz(layer.q.weight, layer.k.weight, layer.v.weight, layer.c_proj.weight, n_head=1,
+                                score_scale=1 / 16, radius=radius).lipschitz
+    estimate = empirical_lipschitz(layer, radius * unit_rms_tokens(8, 16, gen), radius=radius, restarts=3,
+                                   steps=150, generator=gen)
+    assert bound / 2 < estimate.estimate <= bound
+    certify_domain(torch.stack([estimate.x, estimate.y]), radius)
+
+
+def test_residual_mlp_bounds_are_nearly_reached_on_flat_weights():
+    # Every RMS->RMS singular value of W_in and W_out at 1: the hidden pre-activations of one token can
+    # all sit near GELU's steepest point. Measured: estimate / tight = 0.92, the sampled output radius
+    # 0.91 of the bound's, so either made 2x too small fails.
+    gen = torch.Generator().manual_seed(7)
+    d, hidden, a = 8, 32, 0.25
+    w_in, w_out = (HardCap(w_max=1.0)(100 * torch.randn(shape, generator=gen, dtype=torch.float64), lr=0.0)
+                   for shape in ((hidden, d), (d, hidden)))
+    residual_mlp = residual_mlp_map(w_in, w_out, a)
+    tight = residual_mlp_bound(w_in, w_out, residual_weight=a)
+    estimate = empirical_lipschitz(residual_mlp, unit_rms_tokens(1, d, gen), restarts=3, steps=100,
+                                   generator=gen).estimate
+    assert tight.lipschitz / 2 < estimate <= tight.lipschitz
+    reached = token_rms_max(residual_mlp(unit_rms_tokens(4096, d, gen)).unsqueeze(0)).item()
+    assert tight.output_radius / 2 < reached <= tight.output_radius
+
+
 def test_gelu_is_divided_once():
     # f(x) = W_out GELU(W_in x) / 1.1289 with W_in = 2I, W_out = I/2: the true constant is
     # max GELU' / 1.1289, reached where the pre-activation is sqrt(2) (x = 0.707, inside
@@ -818,15 +888,22 @@ def test_rounding_error_bound_takes_blocks_as_any_iterable():
     assert rounding_error_bound({**weights, "blocks": (b for b in weights["blocks"])}, sequence_length=16) == expected
 
 
+def residual_mlp_map(w_in, w_out, a):
+    r"""The residual MLP sub-layer $x \mapsto (1-a)x + a\,W_\text{out}\,\text{GELU}(W_\text{in}x)/1.1289$, per token."""
+
+    def residual_mlp(x):
+        return (1 - a) * x + a * (F.gelu(x @ w_in.T) / REFERENCE_GELU_DIVISOR) @ w_out.T
+
+    return residual_mlp
+
+
 def test_residual_mlp_bound_holds_and_is_never_above_the_simple_one():
     gen = torch.Generator().manual_seed(7)
     d, hidden, a = 8, 32, 0.25
     w_in = torch.randn(hidden, d, generator=gen, dtype=torch.float64) / 3
     w_out = torch.randn(d, hidden, generator=gen, dtype=torch.float64) / 3
 
-    def residual_mlp(x):
-        return (1 - a) * x + a * (F.gelu(x @ w_in.T) / REFERENCE_GELU_DIVISOR) @ w_out.T
-
+    residual_mlp = residual_mlp_map(w_in, w_out, a)
     tight = residual_mlp_bound(w_in, w_out, residual_weight=a)
     simple = residual_mlp_bound(w_in, w_out, residual_weight=a, method="simple")
     assert tight.lipschitz <= simple.lipschitz and tight.output_radius <= simple.output_radius
@@ -1003,3 +1080,46 @@ def test_empirical_lipschitz_starts_from_zero_and_refuses_degenerate_options():
             empirical_lipschitz(f, torch.full_like(x, math.nan), radius=radius, **options)
     with pytest.raises(ValueError, match="no evaluated pair gave a finite ratio"):  # (estimate -inf)
         empirical_lipschitz(lambda z: z * math.nan, x, **options)
+
+
+def test_attention_with_heads_narrower_than_the_model_is_bounded_soundly():
+    # q, k, v with H d_head = 4 < d = 8 rows (the API takes them): with one token attention is
+    # exactly y = W_o W_v x / 3, of constant sigma(W_o W_v)/3 = 1/3 here, and the whole network's
+    # is sigma((1-a)((1-a)I + a W_o W_v / 3)). W_o's RMS->RMS norm (sqrt(4/8) of its l2 norm) had
+    # certified 0.236 and 0.309 below those. Exact arithmetic up to float64 SVDs: 1e-12.
+    d, width = 8, 4
+    embed = torch.zeros(width, d, dtype=torch.float64)
+    embed[:, :width] = torch.eye(width, dtype=torch.float64)
+    q, k, v, o = torch.zeros(width, d, dtype=torch.float64), embed, embed, embed.T
+    attention = torch.linalg.matrix_norm(o @ v, 2).item() / 3
+    for method in ("aligned", "tight", "simple"):
+        bound = attention_lipschitz(q, k, v, o, n_head=1, score_scale=1 / width, method=method)
+        assert bound.lipschitz >= attention - 1e-12, method
+    a = 0.5
+    weights = {"blocks": [{"q": q, "k": k, "v": v, "o": o, "mlp_in": torch.zeros(16, d, dtype=torch.float64),
+                           "mlp_out": torch.zeros(d, 16, dtype=torch.float64)}],
+               "head": torch.eye(d, dtype=torch.float64), "n_head": 1, "residual_weight": a}
+    network = torch.linalg.matrix_norm((1 - a) * ((1 - a) * torch.eye(d, dtype=torch.float64) + a * o @ v / 3), 2)
+    for method in METHODS:
+        assert transformer_lipschitz_bound(weights, method=method).bound >= network.item() - 1e-12, method
+
+
+def test_each_method_is_never_above_the_next_when_heads_split_values_and_scores():
+    # head 1 carries the values (sigma_v = 1, no scores), head 2 the scores (sigma_q = sigma_k = 5,
+    # sigma_v = 0.1): the shared-query form alone is above the per-head one (Minkowski), and
+    # "tight" (and so "aligned" and "joint") had certified 3.668 against simple's 3.383. The
+    # documented order (METHODS, each never above the next) must hold exactly.
+    d, heads, d_head = 8, 2, 4
+    basis = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    q, k, v = (torch.zeros(d, d, dtype=torch.float64) for _ in range(3))
+    v[:d_head], v[d_head:] = basis[:d_head], 0.1 * basis[:d_head]
+    q[d_head:], k[d_head:] = 5 * basis[:d_head], 5 * basis[:d_head]
+    o = torch.eye(d, dtype=torch.float64)
+    attention = [attention_lipschitz(q, k, v, o, n_head=heads, score_scale=1 / d_head, method=m).lipschitz
+                 for m in ("aligned", "tight", "simple")]
+    assert attention == sorted(attention)
+    block = {"q": q, "k": k, "v": v, "o": o, "mlp_in": torch.eye(d, dtype=torch.float64),
+             "mlp_out": torch.eye(d, dtype=torch.float64)}
+    weights = {"blocks": [block], "head": torch.eye(d, dtype=torch.float64), "n_head": heads}
+    network = [transformer_lipschitz_bound(weights, method=m).bound for m in METHODS]
+    assert network == sorted(network), dict(zip(METHODS, network))

@@ -236,6 +236,11 @@ def attention_lipschitz(
 
     $$L^\text{simple}_\text{att} = c\,\|W_o\|\sqrt{\textstyle\sum_h \sigma_{vh}^2\bigl(1 + 2\varsigma d\,r^2\sigma_{qh}\sigma_{kh}\bigr)^2}.$$
 
+    Here and below $\|W_o\| = \sigma_{\max}(W_o)$: it maps the concatenation's $\ell_2$ norm to
+    the output's, and both are divided by $\sqrt d$. It is $W_o$'s RMS→RMS norm when
+    $Hd_h = d$ (the GPT's case); narrower heads make the RMS→RMS norm
+    $\sqrt{Hd_h/d}\,\sigma_{\max}(W_o)$ the smaller one, which would understate the bound.
+
     **Tight bound** (``method="tight"``): the heads share one query. Stacked over heads, the query
     path is $\varsigma\operatorname{blockdiag}_h(C^h)\,W_q\delta x_t$, of norm
     $\le \varsigma\,\mu\, d r^2\,\sigma_q\sqrt d\,\|\delta X\|$ with
@@ -246,11 +251,13 @@ def attention_lipschitz(
     $W_v^h$ of the ball). Each path also keeps its head-by-head bound, so with
     $\kappa = \min\bigl(\mu\,\sigma_q,\ \sqrt{\sum_h(\sigma_{vh}\sigma_{kh}\sigma_{qh})^2}\bigr)$
 
-    $$L_\text{att} = c\,\|W_o\|\Bigl(\sqrt{\textstyle\sum_h\sigma_{vh}^2} + 2\varsigma d\,r^2\kappa\Bigr)
-    \le L^\text{simple}_\text{att},$$
+    $$L_\text{att} = \min\Bigl(c\,\|W_o\|\Bigl(\sqrt{\textstyle\sum_h\sigma_{vh}^2} + 2\varsigma d\,r^2\kappa\Bigr),\
+    L^\text{simple}_\text{att}\Bigr),$$
 
     which gains up to $\sqrt H$ when the slices have similar norms (a head slice of a
-    near-isometric $W_q$ has $\sigma_{qh} \approx \sigma_q$).
+    near-isometric $W_q$ has $\sigma_{qh} \approx \sigma_q$). Both are bounds; the first alone
+    can exceed the simple one by Minkowski's inequality, when one head carries the values and
+    another the scores, hence the minimum.
 
     **Aligned bound** (``method="aligned"``, and ``"joint"`` for one sub-layer): the query
     path's cross-covariance is bounded by the *alignment* of the value and key slices rather
@@ -319,18 +326,22 @@ def attention_lipschitz(
     }
     score = 2.0 * score_scale * d * radius**2
     head_terms = sigma["v"] * (1.0 + score * sigma["q"] * sigma["k"])
-    outer = attention_scale * rms_operator_norm(o)
+    # the heads' outputs are bounded in l2 per token (sqrt(d) r units), so W_o enters by its l2
+    # norm; its RMS->RMS norm sqrt(H d_head / d) sigma(W_o) is the same only for H d_head = d, and
+    # with narrower heads had made the bound unsound (1/3 of a one-token map certified 0.236)
+    outer = attention_scale * _sigma(o)
     values = sigma["v"].pow(2).sum().sqrt().item()
     alignments = []
-    if method == "simple":
-        lipschitz = outer * head_terms.pow(2).sum().sqrt().item()
-    else:
+    lipschitz = outer * head_terms.pow(2).sum().sqrt().item()
+    if method != "simple":
         key_path = _score_path_factor(sigma["v"] * sigma["k"], sigma["q"], q)
         query_path = key_path
         if method == "aligned":
             nu = _value_key_alignment(_head_slices(v, n_head, "v"), _head_slices(k, n_head, "k"), sigma["v"], sigma["k"])
             query_path, alignments = _score_path_factor(nu, sigma["q"], q), nu.tolist()
-        lipschitz = outer * (values + score / 2 * (query_path + key_path))
+        # both are bounds, and the shared-query form can be the larger one (Minkowski: one head
+        # carrying the values, another the scores had put "tight" above "simple")
+        lipschitz = min(lipschitz, outer * (values + score / 2 * (query_path + key_path)))
     return AttentionBound(lipschitz, outer * values * radius, head_terms.tolist(), alignments)
 
 
@@ -467,12 +478,16 @@ def residual_mlp_bound(
     _check_mlp("residual_mlp_bound", w_in, w_out, gelu_scale, radius)
     a = residual_weight
     gain = rms_operator_norm(w_out) * rms_operator_norm(w_in) * gelu_scale
+    simple = ResidualMLPBound(residual_lipschitz(a, gain * GELU_LIPSCHITZ), ((1 - a) + a * gain) * radius)
     if method == "simple":
-        return ResidualMLPBound(residual_lipschitz(a, gain * GELU_LIPSCHITZ), ((1 - a) + a * gain) * radius)
+        return simple
     P = w_out.detach().double() @ w_in.detach().double()
     # the same centred linear part serves both: GELU' and GELU(z)/z both have midpoint 1/2
     centred = _sigma((1 - a) * torch.eye(P.size(0), dtype=P.dtype, device=P.device) + a * gelu_scale * 0.5 * P)
-    return ResidualMLPBound(centred + a * (GELU_LIPSCHITZ - 0.5) * gain, (centred + a * 0.5 * gain) * radius)
+    # at most the simple constants in exact arithmetic; the minimum keeps them so after rounding
+    # (an aligned P had put "tight" one ulp above "simple")
+    return ResidualMLPBound(min(centred + a * (GELU_LIPSCHITZ - 0.5) * gain, simple.lipschitz),
+                            min((centred + a * 0.5 * gain) * radius, simple.output_radius))
 
 
 @dataclass
@@ -1406,8 +1421,10 @@ def rounding_error_bound(
         softmax_error = (T + elementwise_ulps) * u
         y_error = err["v"] + (score_error + softmax_error + _gamma(T + 1, u)) * size["v"]
         y_size = size["v"]
-        attention = c * (norms["o"] * y_error + _gamma(d + 1, u) * _abs_rms_norm(block["o"]) * y_size) / math.sqrt(d)
-        attention += elementwise * c * norms["o"] * y_size / math.sqrt(d)
+        # W_o acts on the heads' l2 errors: its l2 norms (as in attention_lipschitz)
+        sigma_o, sigma_abs_o = _sigma(block["o"]), _sigma(block["o"].double().abs())
+        attention = c * (sigma_o * y_error + _gamma(d + 1, u) * sigma_abs_o * y_size) / math.sqrt(d)
+        attention += elementwise * c * sigma_o * y_size / math.sqrt(d)
         r_mlp = exact.radii[2 * index + 1]
         hidden_size = norms["mlp_in"] * r_mlp
         hidden_error = _gamma(d + 1, u) * _abs_rms_norm(block["mlp_in"]) * r_mlp
