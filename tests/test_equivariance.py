@@ -455,7 +455,11 @@ def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkey
                           # a precision wider than the inputs' had made a bf16 map "violated" with no hint
                           (("--group", "bi-orthogonal", "--steps", "2"), "--steps applies to an optimizer class"),
                           (("--group", "bi-orthogonal", "--dtype", "bfloat16", "--compute-dtype", "float32"),
-                           "--compute-dtype float32 is wider than --dtype bfloat16")):
+                           "--compute-dtype float32 is finer than --dtype bfloat16"),
+                          # (float16 is finer than bfloat16 at the same size: the API had refused it,
+                          # naming compute_dtype rather than the option)
+                          (("--group", "bi-orthogonal", "--dtype", "bfloat16", "--compute-dtype", "float16"),
+                           "--compute-dtype float16 is finer than --dtype bfloat16")):
         assert _cli(spectral, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     # the replay line replays: --expect is in it (and --steps only for an optimizer class)

@@ -187,10 +187,11 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--condition must be a finite number >= 1, got {args.condition}")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
-        if args.compute_dtype and _DTYPES[args.compute_dtype].itemsize > _DTYPES[args.dtype].itemsize:
-            # a wider stated precision than the inputs' asks the map to hold more than its
-            # inputs carry: a bf16-rounding map was then "violated" with no hint why
-            raise ValueError(f"--compute-dtype {args.compute_dtype} is wider than --dtype {args.dtype}; the "
+        if args.compute_dtype and torch.finfo(_DTYPES[args.compute_dtype]).eps < torch.finfo(_DTYPES[args.dtype]).eps:
+            # a finer stated precision than the inputs' asks the map to hold more than its inputs
+            # carry: a bf16-rounding map was then "violated" with no hint why (compared by eps, not
+            # bytes: float16 is finer than bfloat16 at the same size)
+            raise ValueError(f"--compute-dtype {args.compute_dtype} is finer than --dtype {args.dtype}; the "
                              "precision to hold is at most the inputs' (leave it out to hold --dtype's)")
         kwargs = _arguments(args.arg)
         target = _load(args.target)

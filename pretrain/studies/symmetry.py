@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.optimizers.assign import STRATEGIES, Rule
 from geomuon.pretrain.provenance import markdown_table
 
@@ -89,8 +90,8 @@ def extra_metrics(model, evaluation, memory) -> dict:
     routers = {f"h.{i}": block.mlp for i, block in enumerate(model.h)}
     chosen: dict[str, list[torch.Tensor]] = {name: [] for name in routers}
     hooks = [moe.router.register_forward_hook(
-        lambda module, inputs, logits, name=name: chosen[name].append(logits.float().topk(model.config.moe_top_k,
-                                                                                           dim=-1).indices))
+        lambda module, inputs, logits, name=name: chosen[name].append(  # the model's own routing dtype
+            logits.to(fp32_or_fp64(logits.dtype)).topk(model.config.moe_top_k, dim=-1).indices))
         for name, moe in routers.items()]
     model.eval()
     try:
