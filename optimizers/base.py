@@ -132,10 +132,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
-        group["regulate"] = regulator_spec(group.get("regulate"))
-        self._validate_group(group, index)
-        self._regulators.append((None, None))
-        self._group_regulator(group, index)
+        try:
+            group["regulate"] = regulator_spec(group.get("regulate"))
+            self._validate_group(group, index)
+            self._regulators.append((None, None))
+            self._group_regulator(group, index)
+        except Exception:
+            # a refused group leaves the optimizer as it was (torch had already appended it, and
+            # the next step then failed on a group without a regulator slot)
+            self.param_groups.pop()
+            del self._regulators[index:]
+            self._manifolds.pop(id(group), None)
+            raise
 
     def _group_regulator(self, group: dict, index: int):
         """The live regulator of group ``index``, built from its ``"regulate"`` spec once per

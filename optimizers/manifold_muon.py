@@ -302,8 +302,9 @@ class ManifoldMuon(MatrixOptimizer):
     uninterrupted one. (The update itself depends on the per-matrix state only: momentum,
     warm start and step count tensors.)
 
-    The first step (and the first after :meth:`load_state_dict`) checks on the device that
-    every weight is on its manifold (:meth:`step`), so a weight that left its manifold
+    Every weight's first step (after construction, :meth:`load_state_dict` or
+    ``add_param_group``; a weight without a gradient then, at its first step with one) checks on
+    the device that it is on its manifold (:meth:`step`), so a weight that left its manifold
     raises :class:`~geomuon.optimizers.base.OffManifoldError` (a ``ValueError``) naming it
     instead of being silently retracted; the step reads nothing back from the device.
     """
@@ -354,7 +355,7 @@ class ManifoldMuon(MatrixOptimizer):
             dual_carry=dual_carry, polish_rounds=polish_rounds, dual_smoothing=dual_smoothing, retraction=retraction, certify_every=certify_every, certify_reference=certify_reference, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
         )
         self._certified: dict[str, torch.Tensor] = {}
-        self._checked = False
+        self._unchecked: set[int] = set()  # ids of the weights not yet checked on their manifold
         super().__init__(params, defaults)
 
     @property
@@ -493,15 +494,21 @@ class ManifoldMuon(MatrixOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        # a group added after the first step: its weights are checked at the next step, as
+        # a group added after the first step: its weights are checked at their next step, as
         # the first step checks every weight (unchecked, an off-manifold weight was stepped
         # to a norm of 5e9 in one step)
-        self._checked = False
+        if self.param_groups[-1]["update"] != "adamw":
+            self._unchecked.update(id(p) for p in self.param_groups[-1]["params"])
+
+    def _check_every_weight(self) -> None:
+        """Check every constrained weight again at its next step (:meth:`_admissible`)."""
+        self._unchecked = {id(p) for group in self.param_groups if group["update"] != "adamw"
+                           for p in group["params"]}
 
     def _rebuild_derived_state(self) -> None:
         super()._rebuild_derived_state()
         # Loaded or copied weights may have left their manifold: check again.
-        self._checked = False
+        self._check_every_weight()
         self._certified = getattr(self, "_certified", {})
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
@@ -518,14 +525,14 @@ class ManifoldMuon(MatrixOptimizer):
         raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
         theirs once the flags are on the host: at the end of this step on the CPU, at the
         next step or :meth:`check_finite` elsewhere. Those weights are not stepped."""
-        checking = not self._checked
-        if checking and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
-            self.check_on_manifold()
+        unchecked = len(self._unchecked)
+        if unchecked and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
+            self.check_on_manifold()  # every weight, on the host
+            self._unchecked.clear()
         for group in self.param_groups:
             group["step_count"] = group.get("step_count", 0) + 1
         loss = super().step(closure)
-        self._checked = True
-        if checking:  # non-finite skips are reported at the next step, as for every optimizer
+        if len(self._unchecked) < unchecked:  # this step checked weights  # non-finite skips are reported at the next step, as for every optimizer
             self._report_skips(wait=False, nonfinite=False)
         return loss
 
@@ -533,20 +540,25 @@ class ManifoldMuon(MatrixOptimizer):
         try:
             return super()._report_skips(wait, nonfinite)
         except OffManifoldError:
-            self._checked = False  # check again until every weight is on its manifold
+            self._check_every_weight()  # check again until every weight is on its manifold
             raise
 
     def _admissible(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor | None:
-        """At a checking step, ``[B]`` bool: whether each matrix is on its manifold, by the
-        manifold's device-side :meth:`~geomuon.manifolds.MatrixManifold.points_on_manifold`
-        with the tolerances of :meth:`check_on_manifold` (a matrix of a ``"batch"`` view:
-        every slice). A manifold whose check is host-side only is checked here on the host.
-        ``None`` (all) at the other steps. (Sharded parameters are checked on the host in
-        :meth:`step`: their step reads its finiteness flags back anyway.)"""
-        if self._checked or group["update"] == "adamw":
+        """``[B]`` bool: whether each matrix not checked yet (its first step, see the class
+        docstring) is on its manifold, by the manifold's device-side
+        :meth:`~geomuon.manifolds.MatrixManifold.points_on_manifold` with the tolerances of
+        :meth:`check_on_manifold` (a matrix of a ``"batch"`` view: every slice), true for the
+        matrices checked at earlier steps; ``None`` (all) when every matrix is. A manifold whose
+        check is host-side only is checked here on the host. (Sharded parameters are checked on
+        the host in :meth:`step`: their step reads its finiteness flags back anyway.)"""
+        if group["update"] == "adamw" or self._unchecked.isdisjoint(map(id, params)):
             return None
         flags = []
         for p in params:
+            if id(p) not in self._unchecked:  # checked at an earlier step
+                flags.append(torch.ones((), dtype=torch.bool, device=p.device))
+                continue
+            self._unchecked.discard(id(p))
             matrix, tol = self._checked_point(group, p, 1e-5)
             manifold = self._manifold_of(group, p)
             on = manifold.points_on_manifold(matrix, atol=tol, rtol=1e-5)

@@ -349,6 +349,28 @@ def test_manifold_check_detects_a_point_off_its_manifold(no_host_reads):
     opt.step()
 
 
+def test_a_weight_without_a_gradient_at_the_first_step_is_checked_at_its_first_step_with_one():
+    # the first step had marked every weight checked, also one it did not step: an off-manifold
+    # weight with no gradient then was stepped unchecked later (to a norm of 1.9e8). Control: a
+    # weight on its manifold joining late steps.
+    gen = torch.Generator().manual_seed(3)
+    a = torch.nn.Parameter(Stiefel().random(16, 8, generator=gen).data)
+    late = torch.nn.Parameter(Stiefel().random(16, 8, generator=gen).data)
+    off = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+    opt = ManifoldMuon([("a", a), ("late", late), ("off", off)], manifold="stiefel", lr=0.05)
+    a.grad = torch.randn(16, 8, generator=gen)
+    opt.step()
+    late.grad, a.grad = torch.randn(16, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    before = late.detach().clone()
+    opt.step()
+    assert not torch.equal(late.detach(), before)
+    off.grad, a.grad = torch.randn(16, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    before = off.detach().clone()
+    with pytest.raises(OffManifoldError, match="'off'"):
+        opt.step()
+    assert torch.equal(off.detach(), before)
+
+
 def test_a_group_added_after_the_first_step_is_checked_on_its_manifold():
     # The first step checks every weight; a group added later was stepped unchecked (an
     # off-Stiefel weight went to norm 5e9 in one step). Control: one on its manifold steps.
@@ -692,3 +714,22 @@ def test_named_parameters_gives_the_names_the_reports_use():
             warnings.simplefilter("ignore")
             opt.step()
             assert opt.check_finite() == {expected[1]: 1}
+
+
+@pytest.mark.parametrize("make", [lambda p: Muon([p]), lambda p: ManifoldMuon([p], manifold="stiefel")],
+                         ids=["Muon", "ManifoldMuon"])
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was(make):
+    # torch appends the group before our checks run: a refused one had stayed in param_groups,
+    # and the next step failed with an IndexError. Control: the optimizer steps as before.
+    p = torch.nn.Parameter(Stiefel().random(8, 4).data)
+    q = torch.nn.Parameter(Stiefel().random(8, 4).data)
+    opt = make(p)
+    with pytest.raises(ValueError, match="momentum must be"):
+        opt.add_param_group({"params": [q], "momentum": 2.0})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    opt.step()
+    assert not torch.equal(p.detach(), before)
+    opt.add_param_group({"params": [q]})  # and a sound group is still welcome
+    assert len(opt.param_groups) == 2
