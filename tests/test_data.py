@@ -183,3 +183,40 @@ def test_headerless_shards_whose_start_is_not_a_header_still_load(tmp_path):
         path = tmp_path / "train.bin"
         tokens.tofile(path)
         assert np.array_equal(read_shard(str(path)), tokens)
+
+
+def test_char_splits_are_disjoint_and_their_windows_reach_every_token(tmp_path):
+    """The first 90 % of the text is train, the rest val: together, in order, they are the
+    encoded text. Windows of ``block_size + 1`` tokens start
+    anywhere in ``[0, len - block_size - 1]`` — so the last token of each split is a target
+    — and lie inside their split (a val window never reads train tokens)."""
+    text = "".join(chr(0x3B1 + (i * 37) % 100) for i in range(100))  # 100 distinct characters: a token is a position
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    data = load_data(f"text:{path}")
+    encoded = [data.itos.index(c) for c in text]
+    assert len(data.train) == 90 and list(data.train) + list(data.val) == encoded
+    T = 4
+    for split, tokens in (("train", data.train), ("val", data.val)):
+        starts = set()
+        for step in range(200):  # 200 × 8 draws of ≤ 86 starts: each is missed with probability < 1e-8
+            x, y = data.batch(split, 8, T, seed=3, step=step)
+            for row_x, row_y in zip(x.tolist(), y.tolist()):
+                start = list(tokens).index(row_x[0])
+                assert row_x == list(tokens[start:start + T]) and row_y == list(tokens[start + 1:start + T + 1])
+                starts.add(start)
+        assert starts == set(range(len(tokens) - T)), split
+
+
+def test_the_embedded_corpus_identity_is_its_source_and_the_hash_of_its_tokens():
+    """What a checkpoint keeps of the embedded corpus: its source, vocabulary and split sizes,
+    and a sha256 of the train then val tokens — recomputed here from the arrays."""
+    import hashlib
+
+    data = load_data("embedded")
+    identity = data.identity
+    assert identity["source"] == "embedded:pydoc_data.topics"
+    assert identity["characters"] == "".join(data.itos) and identity["vocab_size"] == len(data.itos)
+    assert (identity["train_tokens"], identity["val_tokens"]) == (len(data.train), len(data.val))
+    digest = hashlib.sha256(np.ascontiguousarray(data.train).tobytes() + np.ascontiguousarray(data.val).tobytes())
+    assert identity["sha256"] == digest.hexdigest()

@@ -1,8 +1,10 @@
 """The training loop: schedule, metrics, JSONL log, the GPT-2 entry point, bad configs."""
 
+import dataclasses
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -13,7 +15,10 @@ from geomuon.pretrain.data import load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.config import TrainConfig
 from geomuon.pretrain.train import (Evaluation, RunFolderClaim, accumulate_gradients, check_same_run, evaluate,
-                                    lr_factor, model_config, owners, train)
+                                    lr_factor, model_config, owners, read_log, train)
+
+
+FLOAT64_EPS = 2.0**-52  # the spacing of float64 at 1
 
 
 def tiny(tmp_path, **overrides):
@@ -25,9 +30,11 @@ def tiny(tmp_path, **overrides):
 
 def test_warmup_then_cosine():
     cfg = TrainConfig(steps=110, warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_factor(0, cfg) == pytest.approx(0.1) and lr_factor(9, cfg) == pytest.approx(1.0)
-    assert lr_factor(60, cfg) == pytest.approx(0.55)  # half way through the cosine
-    assert lr_factor(110, cfg) == pytest.approx(0.1)
+    # a few float64 operations each (cos(π/2) is 6e-17, not 0): 4 ε₆₄ relative covers them
+    exact = lambda value: pytest.approx(value, rel=4 * FLOAT64_EPS, abs=0)  # noqa: E731
+    assert lr_factor(0, cfg) == exact(0.1) and lr_factor(9, cfg) == exact(1.0)
+    assert lr_factor(60, cfg) == exact(0.55)  # half way through the cosine
+    assert lr_factor(110, cfg) == exact(0.1)
     factors = [lr_factor(s, cfg) for s in range(10, 110)]
     assert all(a >= b for a, b in zip(factors, factors[1:]))
 
@@ -198,8 +205,11 @@ def test_extra_metrics_hook_sees_the_evaluated_windows(tmp_path):
     cfg = tiny(tmp_path, out_dir=None, val_seed=7, final_eval_batches=3)
     result = train(cfg, data, extra_metrics=own_loss)
     assert calls == [(0, 1, 7), (6, 1, 7), (12, 3, 7)]
-    for record in result.evals:  # same fp32 forward on the same windows; only the sum order differs
-        assert record["own_val_loss"] == pytest.approx(record["val_loss"], rel=1e-6)
+    # the same fp32 forward on the same windows gives the same per-batch losses l_b; both sides
+    # average them in float64, (Σ l_b)/n here and (Σ l_b·c)/(n·c) in evaluate (c tokens a batch):
+    # at most 2n + 2 roundings of u₆₄ = 2⁻⁵³ apart, n ≤ 3 batches
+    for record in result.evals:
+        assert record["own_val_loss"] == pytest.approx(record["val_loss"], rel=(2 * 3 + 2) * 2.0**-53, abs=0)
     # the validation seed decides the windows: the same initial model scores differently
     other = train(tiny(tmp_path, out_dir=None, steps=2, warmup_steps=1, eval_every=2), data)
     assert other.evals[0]["val_loss"] != pytest.approx(result.evals[0]["val_loss"], rel=1e-4)
@@ -508,3 +518,179 @@ def test_many_processes_need_a_parallel_mode_and_a_divisible_batch(tmp_path, mon
     tiny(tmp_path, parallel="ddp").validate()  # the control: a valid torchrun configuration
     monkeypatch.setenv("WORLD_SIZE", "1")
     tiny(tmp_path).validate()
+
+
+# ----------------------------------------------------------------------------- what a run applies
+
+
+def _documented_factor(step, steps, warmup, min_ratio):
+    r"""The schedule as :func:`lr_factor`'s docstring writes it, computed here on its own:
+    $\min(1, (s+1)/w)$ for $s < w$, then $r + (1-r)\tfrac12(1 + \cos(\pi (s-w)/(S-w)))$."""
+    if step < warmup:
+        return min(1.0, (step + 1) / warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+
+@pytest.mark.parametrize("steps, warmup, stop_after", [(1, 0, None), (5, 0, None), (7, 3, 2)])
+def test_every_group_applies_the_documented_schedule_through_a_resume_in_the_warmup(
+        tmp_path, monkeypatch, steps, warmup, stop_after):
+    """The rate each optimizer group holds when it steps is its base rate (``--lr`` for Muon,
+    ``--adamw-lr`` for AdamW) times the documented warmup + cosine factor, and the log's
+    ``lr_factor`` is that factor — with no warmup, for a single step, and for a run
+    stopped inside its warmup and resumed. Both sides evaluate the same formula in float64
+    with a handful of roundings each: 16 ε₆₄ relative covers them."""
+    from geomuon.optimizers.assign import Assignment
+
+    applied = []
+    step_as_built = Assignment.step
+
+    def recording_step(self):
+        applied.append([(group["lr"], group["base_lr"]) for group in self.param_groups])
+        return step_as_built(self)
+
+    monkeypatch.setattr(Assignment, "step", recording_step)
+    cfg = tiny(tmp_path, strategy="unconstrained", steps=steps, warmup_steps=warmup, batch_size=2, block_size=16,
+               eval_every=steps, lr=0.03, adamw_lr=0.002, min_lr_ratio=0.2)
+    if stop_after is not None:
+        train(dataclasses.replace(cfg, stop_after=stop_after))
+        cfg = dataclasses.replace(cfg, resume=True)
+    train(cfg)
+    assert len(applied) == steps  # the resumed session repeats no step and skips none
+    logged = [r for r in read_log(str(tmp_path / "run" / "log.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in logged] == list(range(steps))
+    for step, (groups, record) in enumerate(zip(applied, logged)):
+        expected = _documented_factor(step, steps, warmup, 0.2)
+        assert record["lr_factor"] == pytest.approx(expected, rel=16 * FLOAT64_EPS, abs=0)
+        assert {base for _, base in groups} == {0.03, 0.002}  # Muon's and AdamW's base rates
+        for rate, base in groups:
+            assert rate == pytest.approx(base * expected, rel=16 * FLOAT64_EPS, abs=0), (step, base)
+
+
+def test_the_logged_gradient_norm_is_the_norm_before_clipping_and_the_step_sees_the_clipped_one(
+        tmp_path, monkeypatch):
+    """``grad_norm`` in the log is the global gradient norm before clipping, recomputed here
+    from a freshly seeded model on the step's windows; the optimizers step on gradients
+    clipped to ``--grad-clip``; ``--grad-clip 0`` leaves them as they are. The gradients
+    are the loop's own fp32 values (the same forward and backward); only the norm's sum
+    order differs, so the two norms agree to P·u₃₂ relative (P parameters, u₃₂ = 2⁻²⁴;
+    Higham's bound for a sum of P squares). The control: after clipping to 10⁻³ the norm
+    is about 10³ times smaller."""
+    from geomuon.optimizers.assign import Assignment
+
+    data = load_data("embedded")
+    seen = []
+    step_as_built = Assignment.step
+
+    def recording_step(self):
+        seen.append(math.sqrt(sum(float(p.grad.double().square().sum()) for group in self.param_groups
+                                  for p in group["params"] if p.grad is not None)))
+        return step_as_built(self)
+
+    monkeypatch.setattr(Assignment, "step", recording_step)
+    clip = 1e-3
+    cfg = tiny(tmp_path, steps=1, warmup_steps=0, eval_every=1, batch_size=3, grad_accum=2, block_size=16,
+               grad_clip=clip, seed=5)
+    train(cfg, data)
+    logged = [r for r in read_log(str(tmp_path / "run" / "log.jsonl")) if r["kind"] == "train"][0]["grad_norm"]
+    torch.manual_seed(5)
+    model = GPT(model_config(cfg, data))
+    x, y = data.batch("train", 6, 16, 5, 0)  # the step's grad_accum × batch_size windows
+    model(x, y)[1].backward()
+    grads = [p.grad.double() for p in model.parameters()]
+    pre_clip = math.sqrt(sum(float(g.square().sum()) for g in grads))
+    tolerance = sum(g.numel() for g in grads) * 2.0**-24
+    assert logged == pytest.approx(pre_clip, rel=tolerance)
+    assert seen[0] == pytest.approx(clip, rel=tolerance)  # the optimizers stepped on the clipped gradient
+    assert pre_clip > 100 * clip
+    seen.clear()
+    train(dataclasses.replace(cfg, grad_clip=0.0, out_dir=None), data)
+    assert seen[0] == pytest.approx(pre_clip, rel=tolerance)  # 0: not clipped
+
+
+def test_validation_loss_is_recomputed_on_the_same_windows_for_every_strategy_and_seed(tmp_path):
+    """With ``val_seed`` set, every strategy and seed scores the windows
+    ``data.batch("val", batch_size, block_size, val_seed, i)``, i < eval_batches; the logged
+    final ``val_loss`` is recomputed here from the returned model as the mean token
+    cross-entropy over those windows. N = 2·4·16 token losses, each the same fp32 forward:
+    only the order of their sum differs, so they agree to N·u₃₂ relative."""
+    data = load_data("embedded")
+    windows = [data.batch("val", 4, 16, 9, i) for i in range(2)]
+    tolerance = 2 * 4 * 16 * 2.0**-24
+    seen = {}
+
+    def record_windows(model, evaluation):
+        seen.setdefault((evaluation.step,), []).append([(x.clone(), y.clone()) for x, y in evaluation.windows()])
+        return {}
+
+    finals = []
+    for strategy, seed in (("adamw", 0), ("hetero", 0), ("adamw", 1)):
+        cfg = tiny(tmp_path, out_dir=None, strategy=strategy, seed=seed, steps=3, warmup_steps=0, eval_every=3,
+                   eval_batches=2, batch_size=4, block_size=16, val_seed=9)
+        result = train(cfg, data, extra_metrics=record_windows)
+        with torch.no_grad():
+            logits = torch.cat([result.model(x, y)[0] for x, y in windows])
+        targets = torch.cat([y for _, y in windows])
+        own = torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), targets.flatten()).item()
+        assert result.evals[-1]["val_loss"] == pytest.approx(own, rel=tolerance), (strategy, seed)
+        finals.append(result.evals[-1]["val_loss"])
+    for batches in seen.values():
+        for scored in batches:
+            assert all(torch.equal(a, b) for (a, _), (b, _) in zip(scored, windows))
+    assert len(set(finals)) == 3  # the control: the runs themselves differ
+
+
+def test_the_same_seed_repeats_a_run_bitwise_and_another_seed_does_not(tmp_path):
+    data = load_data("embedded")
+    cfg = tiny(tmp_path, out_dir=None, strategy="unconstrained", steps=4, warmup_steps=1, eval_every=2,
+               batch_size=2, block_size=16, grad_accum=2)
+    first, again, other = train(cfg, data), train(cfg, data), train(dataclasses.replace(cfg, seed=1), data)
+    assert first.losses == again.losses
+    assert [e["val_loss"] for e in first.evals] == [e["val_loss"] for e in again.evals]
+    assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(),
+                                                   again.model.state_dict().values()))
+    assert all(first.losses[s] != other.losses[s] for s in first.losses)
+
+
+def test_gradient_accumulation_equals_the_larger_batch_in_float64():
+    """The float64 model (``GPT(...).double()``) takes ``accumulate_gradients`` to round-off:
+    each gradient entry sums N = K·B·T per-token terms, so both sides agree to N·u₆₄
+    relative (u₆₄ = 2⁻⁵³, ≈ 1e-14 here) — eight orders of magnitude below the fp32 test's
+    bound, so a micro-batch mis-weighted by a float32 factor would show."""
+    torch.manual_seed(0)
+    data = load_data("embedded")
+    model = GPT(get_config("cpu-tiny", vocab_size=data.vocab_size, block_size=16)).double()
+    K, B, T = 3, 2, 16
+    x, y = data.batch("train", K * B, T, 0, 0)
+    micro = [(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]) for k in range(K)]
+    loss_big, g_big = _gradient(model, [(x, y)])
+    loss_acc, g_acc = _gradient(model, micro)
+    assert loss_acc.dtype == torch.float64
+    tol = K * B * T * 2.0**-53
+    assert float((g_acc - g_big).norm() / g_big.norm()) <= tol
+    assert abs(float(loss_acc - loss_big)) <= tol * float(loss_big)
+    _, g_first = _gradient(model, micro[:1])  # the control: one micro-batch alone
+    assert float((g_first - g_big).norm() / g_big.norm()) > 1e6 * tol
+
+
+def _odd_shards(folder):
+    """A token folder whose train shard ends in half a token (and a valid val shard)."""
+    folder.mkdir()
+    (folder / "train.bin").write_bytes(b"\x01\x00\x02")
+    (folder / "val.bin").write_bytes(b"\x01\x00" * 64)
+
+
+@pytest.mark.parametrize("spec, make, message", [
+    ("text:{dir}/empty.txt", lambda d: (d / "empty.txt").write_text(""), r"empty\.txt: the text is empty"),
+    ("text:{dir}/latin1.txt", lambda d: (d / "latin1.txt").write_bytes(b"caf\xe9 " * 200),
+     r"latin1\.txt' is not UTF-8"),
+    ("text:{dir}/missing.txt", lambda d: None, r"missing\.txt' does not exist"),
+    ("text:{dir}/short.txt", lambda d: (d / "short.txt").write_text("abc" * 10),
+     r"short\.txt: the (train|val) split has \d+ tokens"),
+    ("tokens:{dir}/shards", lambda d: _odd_shards(d / "shards"), r"train\.bin': 3 bytes is not a whole number"),
+])
+def test_a_bad_data_file_is_refused_by_name_before_anything_is_written(tmp_path, capsys, spec, make, message):
+    make(tmp_path)
+    out = tmp_path / "run"
+    assert cli([*PRETRAIN, "--out-dir", str(out), "--data", spec.format(dir=tmp_path)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()  # no run folder left behind
