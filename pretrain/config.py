@@ -155,7 +155,8 @@ class TrainConfig:
                                  "(the unconstrained strategy's)", at_least=0, at_most=MAX_RATE)
     warmup_steps: int = option(10, "linear warmup before the cosine decay (< --steps)", unit="steps",
                                at_least=0)
-    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak", at_least=0, at_most=1)
+    min_lr_ratio: float = option(0.1, "learning rate the cosine reaches at step --steps, as a fraction of the peak "
+                                      "(the last step taken, steps - 1, runs just above it)", at_least=0, at_most=1)
     grad_clip: float = option(1.0, "largest global gradient norm, 0 disables clipping", at_least=0)
     dual_steps: int | None = option(None, "dual-ascent steps of Manifold Muon (default: the optimizer's)",
                                     at_least=0)
@@ -239,6 +240,10 @@ class TrainConfig:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and self.parallel == "none":
             problems.append(f"{world} processes (WORLD_SIZE) but --parallel none; choose --parallel ddp or fsdp")
+        if self.parallel != "none" and "MASTER_ADDR" not in os.environ:  # (it had run as one plain process)
+            problems.append(f"--parallel {self.parallel} runs under torchrun (MASTER_ADDR is unset here, so this would "
+                            "be one ordinary process): launch with torchrun --nproc-per-node N -m geomuon ..., or use "
+                            "--parallel none")
         if self.parallel == "fsdp" and importlib.util.find_spec("geomuon.pretrain.parallel") is None:
             problems.append("--parallel fsdp needs geomuon.pretrain.parallel, which this version does not "
                             "have; use --parallel ddp")

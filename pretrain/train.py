@@ -885,6 +885,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
                                      "with the geomuon version that wrote it, or use a new --out-dir") from None
                 assignment.load_state_dict(payload["optimizer"])
             start = result.last_step = payload["step"]
+            if cfg.stop_after is not None and cfg.stop_after < start:  # (it had exited 0, "done", training nothing)
+                raise ValueError(f"--stop-after {cfg.stop_after} is before the checkpoint's step {start} in "
+                                 f"{cfg.out_dir!r}: give a later one, or leave --resume out for a new run")
             result.losses = {int(k): v for k, v in payload["losses"].items()}
             result.evals = payload["evals"]
             records = payload["log"] if "log" in payload else _records_before(payload)

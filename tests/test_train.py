@@ -323,13 +323,29 @@ PRETRAIN = ["pretrain", "--config", "cpu-tiny", "--strategy", "adamw", "--steps"
     ("--direction-dtype", "fp16", "--direction-dtype 'fp16' is unknown"),
     ("--data", "webtext", "--data: unknown data spec 'webtext'; use one of: embedded, shakespeare:PATH"),
     ("--config", "gpt3", "--config 'gpt3' is unknown; choose one of: .*cpu-tiny"),
+    # outside torchrun these had run one ordinary process
+    ("--parallel", "ddp", "--parallel ddp runs under torchrun"),
+    ("--parallel", "fsdp", "--parallel fsdp runs under torchrun"),
 ])
-def test_every_bad_option_is_refused_before_training(tmp_path, capsys, option, value, message):
+def test_every_bad_option_is_refused_before_training(tmp_path, capsys, option, value, message, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "run"
     assert cli([*PRETRAIN, "--out-dir", str(out), option, value]) == 2
     import re
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()  # refused before the folder, the data and the first step
+
+
+def test_a_resume_told_to_stop_before_its_checkpoint_is_refused(tmp_path, capsys):
+    # --resume --stop-after 2 on a run checkpointed at step 3 had exited 0 with "done: 3 steps"
+    # and trained nothing. Control: stopping at a later step resumes.
+    out = str(tmp_path / "run")
+    assert cli([*PRETRAIN, "--out-dir", out, "--stop-after", "3"]) == 0
+    capsys.readouterr()
+    assert cli([*PRETRAIN, "--out-dir", out, "--resume", "--stop-after", "2"]) == 2
+    assert "--stop-after 2 is before the checkpoint's step 3" in capsys.readouterr().err
+    assert cli([*PRETRAIN, "--out-dir", out, "--resume", "--stop-after", "4"]) == 0
 
 
 def test_the_option_table_refuses_a_value_just_outside_each_bound():
@@ -510,7 +526,8 @@ def test_the_loop_brings_the_loss_to_the_host_only_every_log_every_steps(tmp_pat
 
 
 def test_many_processes_need_a_parallel_mode_and_a_divisible_batch(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets them
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ValueError, match=r"2 processes \(WORLD_SIZE\) but --parallel none; choose --parallel ddp"):
         tiny(tmp_path).validate()
     with pytest.raises(ValueError, match=r"--batch-size 3 must be a multiple of the 2 processes"):
