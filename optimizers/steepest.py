@@ -298,12 +298,15 @@ def certificate(G: torch.Tensor, direction: torch.Tensor, X: torch.Tensor, A: to
     * primal $\langle G, \hat A\rangle$, divided by $\max(1, \|\hat A\|)$ (exact norm) when
       the direction was rescaled by an estimate, so it never overstates;
     * dual $\|X\|_\dagger$ (``certify="exact"``), an upper bound on the optimum by weak
-      duality, or the estimate $\langle X, \Phi(X)\rangle$ (``"fast"``).
+      duality, or the estimate $\langle X, \Phi(X)\rangle$ (``"fast"``), which is that norm
+      only where $\Phi$ is the exact dualizer: a norm whose $\Phi$ is a heuristic (hybrid)
+      takes $\|X\|_\dagger$ either way (its pairing had certified ratios above 1).
     """
     primal = _inner(G, direction)
     if settings.certify == "exact" and not settings.rescale_exactly:
         primal = primal / norm.value(direction, True).clamp_min(1.0)
-    dual = norm.dual(X) if settings.certify == "exact" else _inner(X, A.to(G.dtype))
+    exact_dual = settings.certify == "exact" or not norm.exact_dualizer
+    dual = norm.dual(X) if exact_dual else _inner(X, A.to(G.dtype))
     return primal, dual
 
 
@@ -445,7 +448,9 @@ def steepest_direction(
     measured = s.certify is not None or s.tol > 0
 
     def iterate(delta):
-        X = B if delta is None else B + manifold.constraint_adjoint(Wc, delta.to(Wc.dtype)).to(W.dtype)
+        # the normal offset at W itself, in W's dtype: X - G must be normal at W for ||X||_dual to
+        # bound the optimum (at a bf16 copy of W the certificate had overstated by 1e-6)
+        X = B if delta is None else B + manifold.constraint_adjoint(W, delta)
         return X, nrm.dualize(X if s.compute_dtype is None else X.to(s.compute_dtype), s)
 
     delta = None if warm_start is None else warm_start.to(W.dtype)
@@ -465,11 +470,12 @@ def steepest_direction(
             frozen = worse if frozen is None else frozen | worse
             A, X, delta, residual = (torch.where(_per_matrix(worse, new, batch), old, new)
                                      for old, new in zip(previous, (A, X, delta, residual)))
-        if best is not None and (k % _TRACK_EVERY == 0 or k == steps):
+        # the tolerance test reads back one flag, so only a solve that asks for it pays it
+        stop = k == steps or (s.tol > 0 and bool((residual < s.tol).all()))
+        if best is not None and (k % _TRACK_EVERY == 0 or stop):  # (a tol stop's iterate had gone unscored)
             candidate = _feasible(manifold, W, A, nrm, s.rescale_exactly)
             best.score(candidate, *certificate(G, candidate, X, A, nrm, s))
-        # the tolerance test reads back one flag, so only a solve that asks for it pays it
-        if k == steps or (s.tol > 0 and bool((residual < s.tol).all())):
+        if stop:
             break
         rate = s.alpha * (1.0 - k / steps) if s.decay else s.alpha
         step = _jacobi_step(manifold, W, X, A, H, gram, rate, batch) if s.precondition else _plain_step(H, rate)
