@@ -290,7 +290,7 @@ def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
         raise ValueError(problem)
     kind, _, rest = spec.partition(":")
     if kind == "embedded":
-        return char_data(embedded_corpus(), "embedded:pydoc_data.topics")
+        return char_data(embedded_corpus(), spec_source(spec))
     if kind == "shakespeare":
         # only a trailing ":nocheck" is a flag: the path itself may hold ':' (splitting at
         # the first one had refused "col:on/tiny.txt" as an unknown flag 'on/tiny.txt')
@@ -299,6 +299,14 @@ def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
     if kind == "text":
         return char_data(read_text(rest), f"text:{rest}")
     return shard_data(rest, vocab_size)
+
+
+def spec_source(spec: str) -> str:
+    """The ``source`` of the :class:`TokenData` that ``load_data(spec)`` returns, without
+    reading anything (a ``:nocheck`` flag is not part of it)."""
+    if spec == "embedded":
+        return "embedded:pydoc_data.topics"
+    return spec.removesuffix(":nocheck") if spec.startswith("shakespeare:") else spec
 
 
 #: The forms of a data spec, as ``--data`` accepts them (see the module docstring).

@@ -103,7 +103,7 @@ from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hy
 from geomuon.optimizers.distributed import is_sharded, whole
 from geomuon.optimizers.regulate import Chain, SoftCap, make_regulator, soft_cap_alpha
 from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args
-from geomuon.pretrain.data import TokenData, identity_changes, load_data
+from geomuon.pretrain.data import TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
 from geomuon.pretrain.parallel import (dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
@@ -724,6 +724,11 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         TrainingInterrupted: SIGINT or SIGTERM (runs on disk only), after the checkpoint.
     """
     cfg.validate(named_strategy=build_assignment is None)
+    if data is not None and data.source != spec_source(cfg.data):
+        # the checkpoint records cfg.data, and a resume reloads it: other data had made the run
+        # impossible to resume from the command line
+        raise ValueError(f"train: the data passed ({data.source!r}) is not cfg.data ({cfg.data!r}); set "
+                         "TrainConfig.data to its spec, or pass no data")
     ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", cfg.parallel)
     claim = None
     try:

@@ -220,3 +220,14 @@ def test_the_embedded_corpus_identity_is_its_source_and_the_hash_of_its_tokens()
     assert (identity["train_tokens"], identity["val_tokens"]) == (len(data.train), len(data.val))
     digest = hashlib.sha256(np.ascontiguousarray(data.train).tobytes() + np.ascontiguousarray(data.val).tobytes())
     assert identity["sha256"] == digest.hexdigest()
+
+
+def test_spec_source_is_the_source_load_data_gives(tmp_path):
+    # train() refuses data whose source is not its config's spec; the two must agree for every form
+    from geomuon.pretrain.data import load_data, spec_source
+
+    text = tmp_path / "fox.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    for spec in ("embedded", f"text:{text}"):
+        assert spec_source(spec) == load_data(spec).source
+    assert spec_source(f"shakespeare:{text}:nocheck") == load_data(f"shakespeare:{text}:nocheck").source

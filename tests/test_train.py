@@ -711,3 +711,14 @@ def test_a_bad_data_file_is_refused_by_name_before_anything_is_written(tmp_path,
     assert cli([*PRETRAIN, "--out-dir", str(out), "--data", spec.format(dir=tmp_path)]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()  # no run folder left behind
+
+
+def test_data_other_than_the_configured_data_is_refused(tmp_path):
+    # the checkpoint records cfg.data ("embedded") while the run trained on the text: a resume from the
+    # command line was then refused whatever --data said. Control: the configured data is welcome.
+    text = tmp_path / "fox.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    with pytest.raises(ValueError, match="is not cfg.data"):
+        train(tiny(tmp_path, steps=2, warmup_steps=0), load_data(f"text:{text}"))
+    assert not (tmp_path / "run").exists()
+    train(tiny(tmp_path, steps=2, warmup_steps=0, eval_every=2, data=f"text:{text}"), load_data(f"text:{text}"))
