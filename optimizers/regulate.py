@@ -575,7 +575,9 @@ def ns_output_max(schedule: NSSchedule = KELLER_QUINTIC, steps: int | None = Non
     normalized by $s\|X\|_F$, so every normalized singular value lies there).
 
     Evaluated in float64 on a grid of $2\cdot10^6$ uniform plus $2\cdot10^5$ log-spaced
-    points (the composed polynomial is smooth; the grid error is below $10^{-9}$).
+    points (the composed polynomial is smooth; the grid misses the supremum by about
+    $10^{-9}$: $1.202368604$ against the rigorous enclosure's $1.202368605$ for Keller's quintic,
+    far inside the $5\%$ margin of :func:`muon_update_norm`).
     Keller's quintic, 5 steps: $1.20237$. This is the $\eta$ per unit learning rate of a
     Muon update in exact arithmetic; bf16 adds up to a few $10^{-3}$ relative, hence the
     margin of :func:`muon_update_norm`.

@@ -169,8 +169,8 @@ def declarations() -> list[Declaration]:
             (RIGHT, F, "Right rotations mix columns."),
         ]),
         *_map_rows(maps.right_polar, [
-            (BO, H, "‖D‖_*^α D(DᵀD)^{-1/2}: DᵀD ↦ R DᵀD Rᵀ and the nuclear norm is invariant — on every shape"
-             " (on wide D the Gram matrix is singular; the measured floor carries it)."),
+            (BO, H, "‖D‖_*^α D(DᵀD)^{-1/2} = ‖D‖_*^α msign(D), computed by Polar Express on D itself: msign is"
+             " O_m×O_n-equivariant and the nuclear norm invariant — on every shape."),
         ]),
         *_map_rows(maps.left_polar, [
             (BO, H, "(DDᵀ)^{-1/2}D ‖D‖_*^α: the mirror image of right_polar, on every shape."),
