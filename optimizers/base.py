@@ -15,7 +15,8 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   kernels ``[out, in, kh, kw]`` → ``[out, in·kh·kw]``, as Keller Jordan's Muon does);
   ``"strict"`` accepts 2-D parameters only (``torch.optim.Muon``'s rule).
 * **The AdamW path** (group key ``update="adamw"``, keys ``lr, betas, eps,
-  weight_decay``; defaults of ``torch.optim.AdamW`` for the keys the group omits):
+  weight_decay`` (and ``nonfinite``, ``regulate``; the matrix update's options are refused);
+  defaults of ``torch.optim.AdamW`` for the keys the group omits):
   vectors and other non-matrices are declared, never silently sent to a matrix update.
   A tensor with fewer than two dimensions in a matrix group is a ``ValueError`` at
   construction, naming it.
@@ -74,6 +75,8 @@ __all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEW
 
 #: Defaults of an ``update="adamw"`` group for the keys it does not set (torch's AdamW).
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+#: The keys an ``update="adamw"`` group reads (the others are the matrix update's).
+_ADAMW_GROUP_KEYS = {"params", "param_names", "update", "nonfinite", "regulate", *ADAMW_DEFAULTS}
 #: State entries shaped like their parameter (momentum and AdamW moments), checked on load.
 _PARAMETER_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 MATRIX_VIEWS = ("strict", "batch", "flatten")
@@ -127,6 +130,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("update") == "adamw":
+            # the matrix update's options in an AdamW group would be kept and ignored (momentum=0.5
+            # had done nothing; a scheduler cycling "momentum" never reached its betas)
+            ignored = sorted(set(param_group) & set(self.defaults) - _ADAMW_GROUP_KEYS)
+            if ignored:
+                raise ValueError(f"{type(self).__name__}: an update='adamw' group takes "
+                                 f"{sorted(_ADAMW_GROUP_KEYS - {'params'})}, not {ignored} (options of the matrix "
+                                 "update, which AdamW would ignore); set betas for AdamW's momentum")
             for key, value in ADAMW_DEFAULTS.items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)

@@ -733,3 +733,14 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was(make):
     assert not torch.equal(p.detach(), before)
     opt.add_param_group({"params": [q]})  # and a sound group is still welcome
     assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("make", [lambda g: Muon(g), lambda g: ManifoldMuon(g, manifold="stiefel"),
+                                  lambda g: RightPolarGradM(g)], ids=["Muon", "ManifoldMuon", "RightPolarGradM"])
+def test_an_adamw_group_refuses_the_matrix_updates_options(make):
+    # they had been kept and ignored: momentum=0.5 in an AdamW group did nothing. Control: AdamW's
+    # own keys are taken.
+    v = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match=r"update='adamw' group takes .* not \['momentum'\]"):
+        make([{"params": [v], "update": "adamw", "momentum": 0.5}])
+    make([{"params": [v], "update": "adamw", "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}])
