@@ -84,6 +84,15 @@ def _torch_threads(count: int):
         torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """Every test leaves torch's thread count as it found it: a benchmark script's ``main``,
+    run in-process by its tests, sets its ``--threads``, and a later test comparing an
+    in-process run bit for bit with a subprocess of the suite's thread count had then failed."""
+    with _torch_threads(torch.get_num_threads()):
+        yield
+
+
 @pytest.fixture
 def torch_threads():
     """``with torch_threads(k):`` runs torch on ``k`` intra-op threads, restoring the count
