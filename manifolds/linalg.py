@@ -37,6 +37,7 @@ __all__ = [
     "ScratchBuffers",
     "inv_sqrt_psd",
     "largest_entry",
+    "power_of_two_at_most",
     "coupled_newton_schulz_step",
     "power_iteration",
     "fixed_start",
@@ -568,6 +569,18 @@ def largest_entry(X: torch.Tensor, dim: int | tuple[int, ...] = (-2, -1)):
     if not isinstance(X, torch.Tensor):
         return 1
     return X.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
+
+
+def power_of_two_at_most(largest: torch.Tensor) -> torch.Tensor:
+    r"""$2^e$ with $2^e \le$ ``largest`` $< 2^{e+1}$, elementwise, for positive normal ``largest``
+    (what :func:`largest_entry` returns): the scale the regulators (and the row maps) divide by before
+    any product squares its entries. Dividing and multiplying by a power of two is exact, so
+    the scaled computation is the unscaled one bit for bit wherever the latter neither over-
+    nor underflows, and stays finite beyond (entries of the scaled weight lie in $(-2, 2)$).
+    ``largest`` $= m\,2^{e+1}$ with $m \in [\tfrac12, 1)$ (``frexp``), so the quotient by $2m$
+    is exactly $2^e$ (a correctly rounded division of a representable result)."""
+    mantissa, _ = torch.frexp(largest)
+    return largest / (2 * mantissa)
 
 
 def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tensor):

@@ -195,6 +195,17 @@ def _leaves_own(own, manifold: MatrixManifold, shape: tuple[int, ...]) -> bool:
     return not own.check_point_on_manifold(manifold.random(*shape, dtype=torch.float64))
 
 
+def _holds_every_point(own, p: torch.Tensor) -> bool:
+    """Whether ``own`` constrains nothing at ``p``'s shape: a geomuon manifold whose constraint
+    has no multiplier (Euclidean, LPRO without a radius), or another geoopt manifold that accepts
+    a Gaussian point of ``p``'s shape and dtype (``geoopt.Euclidean``, a ManifoldParameter's
+    default)."""
+    if isinstance(own, MatrixManifold):
+        return own.constraint(p.detach(), p.detach()).numel() == 0
+    probe = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(0)).to(p.device)
+    return bool(own.check_point_on_manifold(probe))
+
+
 def _identity(manifold) -> object:
     """What makes two manifolds interchangeable (``MatrixManifold.identity``; the instance
     itself for another geoopt manifold)."""
@@ -370,8 +381,7 @@ class ManifoldMuon(MatrixOptimizer):
             for i, p in enumerate(group["params"]):
                 own = getattr(p, "manifold", None)
                 # AdamW ignores a manifold: a ManifoldParameter on a constrained one had left it
-                if own is not None and not own.check_point_on_manifold(
-                        torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))):
+                if own is not None and not _holds_every_point(own, p):
                     raise ValueError(f"group {index}: parameter {self._name(group, i, index)} is a ManifoldParameter "
                                      f"on {_described(own)}, which an update='adamw' group would step off it; give "
                                      "it a ManifoldMuon group (drop update='adamw')")
@@ -520,9 +530,9 @@ class ManifoldMuon(MatrixOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Performs one step; the first one (after construction or :meth:`load_state_dict`)
-        checks every weight is on its manifold, on the device (:meth:`_admissible`), and
-        raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
+        """Performs one step; a weight's first step with a gradient (after construction,
+        :meth:`load_state_dict` or ``add_param_group``) checks it is on its manifold, on the
+        device (:meth:`_admissible`), and raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
         theirs once the flags are on the host: at the end of this step on the CPU, at the
         next step or :meth:`check_finite` elsewhere. Those weights are not stepped."""
         unchecked = len(self._unchecked)
@@ -532,7 +542,7 @@ class ManifoldMuon(MatrixOptimizer):
         for group in self.param_groups:
             group["step_count"] = group.get("step_count", 0) + 1
         loss = super().step(closure)
-        if len(self._unchecked) < unchecked:  # this step checked weights  # non-finite skips are reported at the next step, as for every optimizer
+        if len(self._unchecked) < unchecked:  # this step checked weights (non-finite skips: reported at the next step)
             self._report_skips(wait=False, nonfinite=False)
         return loss
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import check_matrix, check_real, fp32_or_fp64, largest_entry, msign
+from geomuon.manifolds.linalg import check_matrix, check_real, fp32_or_fp64, largest_entry, msign, power_of_two_at_most
 
 __all__ = [
     "UpdateMap",
@@ -149,9 +149,7 @@ def _normalized(D: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
             return (D / (norms + eps)).to(D.dtype)
         return D / (D.norm(dim=dim, keepdim=True) + eps)
     tiny = torch.finfo(D.dtype).tiny
-    largest = D.abs().amax(dim=dim, keepdim=True).clamp_min(tiny)
-    # largest = m 2^e, m in [0.5, 1): 2^(e-1) is a normal number for every finite largest >= tiny
-    power_of_two = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
+    power_of_two = power_of_two_at_most(largest_entry(D, dim))
     X = D / power_of_two
     # (not in place: the backward of X.norm reads X)
     return X / (X.norm(dim=dim, keepdim=True) + eps / power_of_two).clamp_min(tiny)

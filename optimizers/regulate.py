@@ -84,6 +84,7 @@ from geomuon.manifolds.linalg import (
     fixed_start,
     fp32_or_fp64,
     largest_entry,
+    power_of_two_at_most,
     msign,
     power_iteration,
     rms_scale,
@@ -132,24 +133,12 @@ def _fraction(value: Any, name: str, who: str) -> float:
     return value
 
 
-def _power_of_two_at_most(largest: torch.Tensor) -> torch.Tensor:
-    r"""$2^e$ with $2^e \le$ ``largest`` $< 2^{e+1}$, elementwise, for positive normal ``largest``
-    (what :func:`largest_entry` returns): the scale the regulators divide a weight by before
-    any product squares its entries. Dividing and multiplying by a power of two is exact, so
-    the scaled computation is the unscaled one bit for bit wherever the latter neither over-
-    nor underflows, and stays finite beyond (entries of the scaled weight lie in $(-2, 2)$).
-    ``largest`` $= m\,2^{e+1}$ with $m \in [\tfrac12, 1)$ (``frexp``), so the quotient by $2m$
-    is exactly $2^e$ (a correctly rounded division of a representable result)."""
-    mantissa, _ = torch.frexp(largest)
-    return largest / (2 * mantissa)
-
-
 def _scaled(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(s, M / s)``, ``s`` ``[..., 1, 1]`` the power of two at most each matrix's largest entry
-    (:func:`_power_of_two_at_most`): ``M / s`` has entries in $(-2, 2)$, so its Gram matrix has
+    (:func:`power_of_two_at_most`): ``M / s`` has entries in $(-2, 2)$, so its Gram matrix has
     entries below $4\max(m, n)$ whatever the weight's scale, and ``(M / s) * s`` is ``M`` (up
     to entries below $2^{-126}$ of the largest in float32, which go subnormal)."""
-    s = _power_of_two_at_most(largest_entry(M))
+    s = power_of_two_at_most(largest_entry(M))
     return s, M / s
 
 
@@ -928,7 +917,7 @@ class ColumnCap(Regulator):
         # norm had overflowed to inf in fp32 from entries near 1e19, and the column became 0);
         # a capped column is (M / s) (w / ||M / s||), one kept is (M / s) s: one pass, and no
         # norm of M itself formed
-        s = _power_of_two_at_most(M.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(M.dtype).tiny))
+        s = power_of_two_at_most(largest_entry(M, dim))
         unit = M / s
         norms = unit.norm(dim=dim, keepdim=True)
         return unit * torch.where(norms * s > self.w_max, self.w_max / norms, s)

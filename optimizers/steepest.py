@@ -437,8 +437,9 @@ def steepest_direction(
     Wc = W if s.compute_dtype is None else W.to(s.compute_dtype)
     # Iterates X_k = B + L^*(Delta_k) around a base B formed in W's dtype: near a
     # constrained optimum G is mostly normal, and forming G + L^*(Lambda) in bf16 would
-    # cancel its small tangent part away. Only the correction Delta goes through the
-    # compute dtype.
+    # cancel its small tangent part away. The correction L^*(Delta) is formed at W in W's dtype
+    # too (X - G exactly normal, so ||X||_dual bounds the optimum); only the dualization and
+    # the constraint of its output run in the compute dtype.
     B, lam0 = _start(manifold, W, G, s.init)
     gram = manifold.constraint_gram_diag(W) if s.precondition else None
     steps = s.steps

@@ -424,7 +424,7 @@ class GPT(nn.Module):
             raise ValueError(f"GPT.forward: {name}'s sequence length {tokens.size(1)} exceeds the model's block_size "
                              f"{self.config.block_size}; crop it to the last {self.config.block_size} tokens")
         if tokens.device.type == "cpu" and tokens.numel():
-            low, high = tokens.min().item(), tokens.max().item()
+            low, high = (bound.item() for bound in torch.aminmax(tokens))  # one pass
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"GPT.forward: {name} holds token ids from {low} to {high}, outside "
                                  f"[0, vocab_size={self.config.vocab_size})")

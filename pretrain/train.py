@@ -921,7 +921,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     end = cfg.stop_after or cfg.steps
     ckpt_every = cfg.ckpt_every or cfg.eval_every
     t0 = time.perf_counter() - elapsed_before
-    saved_at: list[int] = []  # the steps checkpointed by this session
+    last_saved: int | None = None  # the last step checkpointed by this session
     val_seed = cfg.seed if cfg.val_seed is None else cfg.val_seed
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # steps whose loss is on the device
 
@@ -979,8 +979,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             log.write({"kind": "diverged", "step": step - 1, "nonfinite_parameters": nonfinite})
             warn(f"step {step - 1}: non-finite weights in {', '.join(nonfinite)}; stopping without a checkpoint")
             return False
+        nonlocal last_saved
         result.wall_time = time.perf_counter() - t0  # what the checkpoint records, and a resume reads back
-        saved_at.append(step)
+        last_saved = step
         record = _run_record(model, cfg, data, step, result, log, result.wall_time)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
@@ -1041,7 +1042,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     # so reading a finished run back (a resume at its end) reports the same time
     if start == end:
         result.wall_time = elapsed_before
-    elif saved_at[-1:] != [result.last_step]:
+    elif last_saved != result.last_step:
         result.wall_time = time.perf_counter() - t0
     result.model = model
     result.assignment = assignment
@@ -1141,20 +1142,19 @@ def resume_command(verb: str, *configs, defaults: dict | None = None) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``geomuon pretrain`` with parsed arguments; returns the exit code."""
     cfg = from_args(TrainConfig, args)
+    main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints
     try:
         result = train(cfg)
     except ValueError as err:
         print(f"geomuon pretrain: {err}", file=sys.stderr)
         return 2
     except TrainingInterrupted as stop:
-        if int(os.environ.get("RANK", "0")) == 0 and stop.saved:
+        if main:
             again = replace(cfg, out_dir=stop.out_dir, resume=True, overwrite=False)
-            print(f"interrupted at step {stop.step}; resume with: {resume_command('pretrain', again)}",
-                  file=sys.stderr)
-        elif int(os.environ.get("RANK", "0")) == 0:
-            print(f"geomuon pretrain: {stop}", file=sys.stderr)
+            print(f"interrupted at step {stop.step}; resume with: {resume_command('pretrain', again)}"
+                  if stop.saved else f"geomuon pretrain: {stop}", file=sys.stderr)
         return stop.exit_code
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main:
         last = result.evals[-1] if result.evals else None
         measured = f"val_loss={last['val_loss']:.4f} at step {last['step']}" if last else "no evaluation"
         print(f"done: {result.last_step} steps in {result.wall_time:.1f}s, diverged={result.diverged}, "

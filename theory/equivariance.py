@@ -879,18 +879,16 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         # Not the full floor at x: its additive part flips a discontinuous map's near-zero
         # entries (a bf16 sign's floor is O(1) at 64x32), and that floor had let a bf16 sign
         # kernel with a +1 bias on column 0 through as "holds" on its exact float64 path.
-        if found is not None and _judge(*found[:2]) != "unresolved":
-            same_input = []
+        witnessed = None if found is None else _judge(*found[:2])
+        if witnessed not in (None, "unresolved") and subject.relative(out_g, found[3]) <= HOLDS_FACTOR * floor:
             try:
-                for _ in range(probes):
-                    same_input.append(subject.relative(
-                        evaluate(subject.perturb(example, storage, compute, own, additive=False)), out))
+                same_input = [subject.relative(evaluate(subject.perturb(example, storage, compute, own,
+                                                                        additive=False)), out)
+                              for _ in range(probes)]
             except Exception:  # no measure of d's round-off at x: no witness, the dtype verdict stands
-                same_input.append(math.inf)
-            if subject.relative(out, found[2]) <= HOLDS_FACTOR * _floor(eps, same_input) and \
-                    subject.relative(out_g, found[3]) <= HOLDS_FACTOR * floor:
-                return Trial(index, kind, scale, found[0], found[1], _judge(*found[:2]), element,
-                             route="float64 witness")
+                same_input = None
+            if same_input is not None and subject.relative(out, found[2]) <= HOLDS_FACTOR * _floor(eps, same_input):
+                return Trial(index, kind, scale, found[0], found[1], witnessed, element, route="float64 witness")
     return Trial(index, kind, scale, residual, floor, verdict, element)
 
 

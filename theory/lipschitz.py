@@ -1411,18 +1411,18 @@ def rounding_error_bound(
     local = []
     for index, block in enumerate(blocks):
         r = exact.radii[2 * index]
-        norms = {name: rms_operator_norm(block[name]) for name in block}
-        # q, k, v: per-token l2 errors (sqrt(d) r scale) and magnitudes
+        norms = {name: rms_operator_norm(block[name]) for name in ("mlp_in", "mlp_out")}
+        # q, k, v, o: per-token l2 errors and magnitudes (sqrt(d) r scale), so the weights enter by
+        # their l2 norms (their RMS norms are those only when H d_head = d, and smaller for wider heads)
         scale = math.sqrt(d) * r
-        err = {name: _gamma(d + 1, u) * _abs_rms_norm(block[name]) * scale for name in ("q", "k", "v")}
-        size = {name: norms[name] * scale for name in ("q", "k", "v")}
+        err = {name: _gamma(d + 1, u) * _sigma(block[name].abs()) * scale for name in ("q", "k", "v")}
+        size = {name: _sigma(block[name]) * scale for name in ("q", "k", "v")}
         score_error = score_scale * (err["q"] * size["k"] + size["q"] * err["k"]
                                      + _gamma(d_head + 1, u) * size["q"] * size["k"])
         softmax_error = (T + elementwise_ulps) * u
         y_error = err["v"] + (score_error + softmax_error + _gamma(T + 1, u)) * size["v"]
         y_size = size["v"]
-        # W_o acts on the heads' l2 errors: its l2 norms (as in attention_lipschitz)
-        sigma_o, sigma_abs_o = _sigma(block["o"]), _sigma(block["o"].double().abs())
+        sigma_o, sigma_abs_o = _sigma(block["o"]), _sigma(block["o"].abs())
         attention = c * (sigma_o * y_error + _gamma(d + 1, u) * sigma_abs_o * y_size) / math.sqrt(d)
         attention += elementwise * c * sigma_o * y_size / math.sqrt(d)
         r_mlp = exact.radii[2 * index + 1]
