@@ -109,7 +109,7 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
             runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, out_dir=out_dir, resume=resume,
                                             overwrite=(base.overwrite or base.resume) and not resume))
     for cfg in runs:  # fail before the first run, not after the third
-        cfg.validate()
+        cfg.validate(sharing=strategies)
         resolve_out_dir(cfg)
     return root, runs
 
@@ -141,7 +141,7 @@ def compare(
     summaries = []
     try:
         for cfg in runs:
-            result = train(cfg, data)
+            result = train(cfg, data, sharing=strategies)
             final, best, diverged = verdict(result, divergence_margin)
             summaries.append(RunSummary(cfg.strategy, cfg.seed, final, best, diverged, result.wall_time, result))
             if overall is not None:

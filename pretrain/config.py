@@ -35,7 +35,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from geomuon.optimizers.assign import STRATEGIES, strategy_table
+from geomuon.optimizers.assign import STRATEGIES, Rule, strategy_table
 from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
 from geomuon.pretrain.model import CONFIGS, GPTConfig, get_config
 from geomuon.theory.lipschitz import DEFAULT_METHOD, METHODS
@@ -55,6 +55,17 @@ PARALLEL_MODES = ("none", "ddp", "fsdp")
 #: factors, β corrections, lr·weight_decay: about 1e6 at most). --lr 3e38 had passed and
 #: then crashed mid-run with a RuntimeError.
 MAX_RATE = 1e6
+
+#: Options that reach only some rules of a strategy: field -> (whether a rule takes it, which
+#: rules do). A value other than the default that no strategy of the run (or of the comparison)
+#: takes is refused: ``--lr 0.05 --strategy adamw`` had trained at ``--adamw-lr`` without a word,
+#: and ``--w-max`` had been described as capping DGram's columns, which no DGram rule reads.
+RULE_OPTIONS: dict[str, tuple[Callable[[Rule], bool], str]] = {
+    "lr": (lambda rule: rule.update != "adamw", "the matrix updates other than AdamW (AdamW takes --adamw-lr)"),
+    "direction_dtype": (lambda rule: rule.update != "adamw", "the matrix updates other than AdamW"),
+    "dual_steps": (lambda rule: rule.update == "manifold_muon", "Manifold Muon's matrices"),
+    "w_max": (lambda rule: rule.regulate is not None, "the regulated matrices (the lipschitz strategy's soft cap)"),
+}
 
 
 @dataclass(frozen=True)
@@ -162,8 +173,8 @@ class TrainConfig:
                                     at_least=0)
     direction_dtype: str = option("default", "compute dtype of the optimizer directions",
                                   choices=lambda: ("default", "fp32", "bf16"))
-    w_max: float = option(2.0, "largest column norm of DGram matrices; the RMS→RMS spectral cap of the "
-                          "lipschitz strategy's soft cap", above=0)
+    w_max: float = option(2.0, "the RMS→RMS spectral cap of the regulated matrices (the lipschitz strategy's "
+                          "soft cap)", above=0)
     lipschitz_bound: str = option(
         DEFAULT_METHOD, "certified Lipschitz bound logged at each evaluation of a Lipschitz model (off: none); "
         "joint is the tightest and the slowest (one CPU thread, GPT-2 small's shape d = 768, 12 layers, "
@@ -194,11 +205,15 @@ class TrainConfig:
         :meth:`validate` both pass to ``get_config``."""
         return {**self.model_overrides, **{n: getattr(self, n) for n in MODEL_OPTIONS if getattr(self, n) is not None}}
 
-    def validate(self, named_strategy: bool = True) -> None:
+    def validate(self, named_strategy: bool = True, sharing: Iterable[str] | None = None) -> None:
         """Everything that can be checked without touching data: fail before training.
         ``named_strategy=False`` (a run whose optimizers a ``build_assignment`` hook
-        builds) accepts any ``strategy`` label."""
+        builds) accepts any ``strategy`` label. ``sharing``: the strategies that share these
+        options (a comparison's; default: this run's), of which one must take each option of
+        :data:`RULE_OPTIONS` set to other than its default."""
         problems = field_problems(self, skip=() if named_strategy else ("strategy",))
+        if named_strategy and not problems:
+            problems += self.unused_options([self.strategy] if sharing is None else list(sharing))
         if isinstance(self.data, str) and (problem := spec_problem(self.data)):
             problems.append(f"--data: {problem}")
         if isinstance(self.model_overrides, dict):
@@ -251,6 +266,25 @@ class TrainConfig:
             problems.append(f"--batch-size {self.batch_size} must be a multiple of the {world} processes")
         if problems:
             raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+
+
+    def unused_options(self, strategies: list[str]) -> list[str]:
+        """Why each option of :data:`RULE_OPTIONS` set to other than its default is taken by no
+        rule of ``strategies`` (names of :data:`~geomuon.optimizers.assign.STRATEGIES`; others
+        are left to their own check)."""
+        named = [name for name in strategies if name in STRATEGIES]
+        rules = [rule for name in named for rule in strategy_table(name)[1].values()]
+        defaults = {f.name: f.default for f in fields(self)}
+        problems = []
+        for name, (takes, takers) in RULE_OPTIONS.items():
+            value = getattr(self, name)
+            if named and value != defaults[name] and not any(takes(rule) for rule in rules):
+                flag = "--" + name.replace("_", "-")
+                who = (f"--strategy {named[0]} has none" if len(named) == 1
+                       else f"none of --strategies {','.join(named)} has any")
+                problems.append(f"{flag} {value} would be ignored: it reaches {takers}, and {who}; leave it out "
+                                "or choose a strategy that takes it")
+        return problems
 
 
 def _numbers(*values) -> bool:

@@ -696,7 +696,7 @@ def _micro_batches(data: TokenData, cfg: TrainConfig, step: int, block_size: int
 
 def train(cfg: TrainConfig, data: TokenData | None = None, *,
           build_assignment: AssignmentFactory | None = None,
-          extra_metrics: ExtraMetrics | None = None) -> TrainResult:
+          extra_metrics: ExtraMetrics | None = None, sharing: list[str] | None = None) -> TrainResult:
     """Run (or resume) one training run; returns the losses, evals and verdict.
 
     Args:
@@ -718,12 +718,15 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
             keys are added to the evaluation's record (and log line: keep the values
             JSON-able). ``evaluation`` is the :class:`Evaluation` being scored
             (``evaluation.windows()`` yields its batches).
+        sharing: the strategies of a comparison that share ``cfg``'s options (``geomuon
+            compare``): an option one of them takes is accepted in every run
+            (:meth:`TrainConfig.validate`); default: this run's strategy alone.
 
     Raises:
         ValueError: a bad configuration, data or checkpoint, before any training step.
         TrainingInterrupted: SIGINT or SIGTERM (runs on disk only), after the checkpoint.
     """
-    cfg.validate(named_strategy=build_assignment is None)
+    cfg.validate(named_strategy=build_assignment is None, sharing=sharing)
     if data is not None and data.source != spec_source(cfg.data):
         # the checkpoint records cfg.data, and a resume reloads it: other data had made the run
         # impossible to resume from the command line

@@ -1,5 +1,6 @@
 """``geomuon compare``: the verdict, the table and the figures."""
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from geomuon.cli import main as cli
 from geomuon.pretrain import compare as compare_module
 from geomuon.pretrain.compare import RunSummary, results_table, summary_line, verdict
+from geomuon.pretrain.config import TrainConfig
 from geomuon.pretrain.train import TrainResult, read_log
 
 
@@ -123,13 +125,13 @@ def test_an_interrupted_comparison_resumes_with_the_printed_command(tmp_path, mo
 
     real_train, calls = compare_module.train, []
 
-    def train_interrupting_the_second_run(cfg, data):
+    def train_interrupting_the_second_run(cfg, data, sharing):
         calls.append(cfg.strategy)
         def hook(model, evaluation):
             if calls == ["adamw", "unconstrained"] and evaluation.step == 3:
                 signal.raise_signal(signal.SIGINT)
             return {}
-        return real_train(cfg, data, extra_metrics=hook)
+        return real_train(cfg, data, extra_metrics=hook, sharing=sharing)
 
     monkeypatch.setattr(compare_module, "train", train_interrupting_the_second_run)
     out = tmp_path / "cmp"
@@ -254,7 +256,7 @@ def test_an_interrupt_of_a_diverged_run_promises_no_checkpoint(tmp_path, monkeyp
 
     from geomuon.pretrain.train import TrainingInterrupted
 
-    def interrupted(cfg, data):
+    def interrupted(cfg, data, sharing):
         raise TrainingInterrupted(3, signal.SIGINT, cfg.out_dir, saved=False)
 
     monkeypatch.setattr(compare_module, "train", interrupted)
@@ -264,3 +266,16 @@ def test_an_interrupt_of_a_diverged_run_promises_no_checkpoint(tmp_path, monkeyp
     assert line.startswith(f"interrupted at step 3 of {out / 'adamw-s0'}, which had diverged: no checkpoint was "
                            "written (the run restarts from its last finite checkpoint, if any, else from step 0); "
                            "resume with: geomuon compare ")
+
+
+def test_an_option_is_refused_only_when_no_strategy_of_the_comparison_takes_it(tmp_path, capsys):
+    # one refusal before any run: --dual-steps reaches Manifold Muon, which neither strategy has
+    assert cli(["compare", "--strategies", "adamw,unconstrained", "--dual-steps", "3",
+                "--out-dir", str(tmp_path / "c")]) == 2
+    assert "--dual-steps 3 would be ignored" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    # --lr reaches the unconstrained run's Muon: the comparison's AdamW run shares the option
+    base = TrainConfig(lr=0.05)
+    assert base.unused_options(["adamw"]) and not base.unused_options(["adamw", "unconstrained"])
+    for strategy in ("adamw", "unconstrained"):
+        dataclasses.replace(base, strategy=strategy).validate(sharing=["adamw", "unconstrained"])

@@ -31,9 +31,11 @@ STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HA
 def config(out_dir, **options):
     """A tiny run; ``hetero``: Manifold Muon (Gram path; warm starts and step counts are
     whole-matrix state, held by the rank that maps the matrix), Muon and AdamW."""
-    # fp32 directions: the tolerance below is the fp32 one
+    # fp32 directions (the tolerance below is the fp32 one) where there are matrix updates
+    # other than AdamW (an adamw run refuses the option it would ignore)
+    direction_dtype = "default" if options.get("strategy") == "adamw" else "fp32"
     return TrainConfig(**{**dict(model="cpu-tiny", strategy="hetero", steps=STEPS, batch_size=4, block_size=32,
-                                 eval_every=HALF, eval_batches=1, warmup_steps=2, direction_dtype="fp32",
+                                 eval_every=HALF, eval_batches=1, warmup_steps=2, direction_dtype=direction_dtype,
                                  out_dir=str(out_dir), progress=False, print_table=False), **options})
 
 

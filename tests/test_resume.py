@@ -15,14 +15,18 @@ import pytest
 import torch
 
 from geomuon.cli import main as cli
+from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.train import TrainConfig, TrainingInterrupted, load_checkpoint, previous_checkpoint, save_checkpoint, train
 
 STEPS = 400  # the schedule; the runs below stop long before its end
 
 
 def config(out_dir, **overrides):
-    base = dict(model="cpu-tiny", strategy="hetero", steps=STEPS, batch_size=4, block_size=32,
-                eval_every=1000, eval_batches=1, ckpt_every=3, warmup_steps=5, dual_steps=3,
+    strategy = overrides.get("strategy", "hetero")
+    # 3 dual steps where Manifold Muon runs (another strategy refuses the option it would ignore)
+    dual_steps = 3 if any(rule.update == "manifold_muon" for rule in STRATEGIES[strategy].values()) else None
+    base = dict(model="cpu-tiny", strategy=strategy, steps=STEPS, batch_size=4, block_size=32,
+                eval_every=1000, eval_batches=1, ckpt_every=3, warmup_steps=5, dual_steps=dual_steps,
                 out_dir=str(out_dir), progress=False, print_table=False)
     return TrainConfig(**{**base, **overrides})
 
@@ -87,9 +91,12 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
         train(config(tmp_path / "a", steps=8, strategy="all_stiefel", resume=True))
     # options that change the run from the next step on (they had been taken, or ignored
     # while the checkpoint recorded them for the whole run)
-    for option, value in (("grad_clip", 0.01), ("dual_steps", 0), ("direction_dtype", "fp32"), ("w_max", 3.0)):
+    for option, value in (("grad_clip", 0.01), ("dual_steps", 0), ("direction_dtype", "fp32")):
         with pytest.raises(ValueError, match=rf"different run configuration \({option}: "):
             train(config(tmp_path / "a", steps=8, resume=True, **{option: value}))
+    train(config(tmp_path / "b", steps=8, stop_after=3, strategy="lipschitz"))  # w_max reaches the soft cap
+    with pytest.raises(ValueError, match=r"different run configuration \(w_max: "):
+        train(config(tmp_path / "b", steps=8, resume=True, strategy="lipschitz", w_max=3.0))
 
 
 def test_resume_with_other_validation_windows_is_refused(tmp_path):

@@ -337,6 +337,27 @@ def test_every_bad_option_is_refused_before_training(tmp_path, capsys, option, v
     assert not out.exists()  # refused before the folder, the data and the first step
 
 
+@pytest.mark.parametrize("strategy, option, value", [
+    ("adamw", "--lr", "0.05"),  # had trained every matrix at --adamw-lr without a word
+    ("adamw", "--direction-dtype", "bf16"),
+    ("unconstrained", "--dual-steps", "3"),  # Muon has no dual
+    ("all_dgram", "--w-max", "0.5"),  # had been described as capping DGram's columns
+])
+def test_an_option_no_rule_of_the_strategy_takes_is_refused(tmp_path, capsys, strategy, option, value):
+    out = tmp_path / "run"
+    argv = PRETRAIN + ["--strategy", strategy, option, value, "--out-dir", str(out)]
+    assert cli(argv) == 2
+    assert f"{option} {value} would be ignored" in capsys.readouterr().err
+    assert not out.exists()
+    # the default value, and a strategy whose rules take the option, are accepted
+    assert TrainConfig(strategy=strategy).unused_options([strategy]) == []
+    taker = {"--lr": "unconstrained", "--direction-dtype": "unconstrained", "--dual-steps": "all_dgram",
+             "--w-max": "lipschitz"}[option]
+    field = option[2:].replace("-", "_")
+    kind = type(getattr(TrainConfig(), field) or 0)
+    assert TrainConfig(strategy=taker, **{field: kind(value)}).unused_options([taker]) == []
+
+
 def test_a_resume_told_to_stop_before_its_checkpoint_is_refused(tmp_path, capsys):
     # --resume --stop-after 2 on a run checkpointed at step 3 had exited 0 with "done: 3 steps"
     # and trained nothing. Control: stopping at a later step resumes.
@@ -377,7 +398,7 @@ def test_help_lists_the_valid_values(capsys):
                      "tokens:DIR", "[optimizer steps]", "--parallel", "none, ddp, fsdp", "--grad-accum",
                      "default: runs/{strategy}-{time}", "--overwrite",
                      # what the option also sets (the lipschitz strategy's cap, the unconstrained Muon decay)
-                     "largest column norm of DGram matrices; the RMS→RMS spectral cap of the lipschitz strategy",
+                     "the RMS→RMS spectral cap of the regulated matrices (the lipschitz strategy's soft cap)",
                      "decoupled weight decay of AdamW and of the unregulated Muon matrices",
                      "learning rate of the matrix optimizers; > 0 and ≤ 1e+06"):
         assert expected in text, expected
