@@ -670,3 +670,33 @@ def test_verify_declaration_refuses_a_compute_dtype_finer_than_its_inputs():
     # control: a coarser precision to hold is what compute_dtype is for
     verify_declaration(lambda D: D.clone(), "permutation", "holds", dtype=torch.float32,
                        compute_dtype=torch.bfloat16, max_examples=2)
+
+
+def test_every_kind_meets_every_scale():
+    # Old checker: trial i took scale i mod 9, so 3 kinds met 3 scales each (9 of 27 pairs) however
+    # many trials ran, and a map broken on rank-deficient inputs at 1e-6 alone held.
+    from geomuon.theory.equivariance import scale_index, trial_scales
+
+    for kinds, scales in ((3, 9), (8, 9), (6, 9), (4, 2), (1, 9), (5, 1)):
+        assert {(i % kinds, scale_index(i, kinds, scales)) for i in range(kinds * scales)} == {
+            (k, s) for k in range(kinds) for s in range(scales)}
+    assert [scale_index(i, 8, 9) for i in range(72)] == [i % 9 for i in range(72)]  # the default's first 72
+
+    def broken_on_singular_inputs_at_1e_6(D):
+        # rank and RMS are invariant under O_m x O_n: the break fires on x and on g.x alike, and a
+        # fixed matrix added there is not equivariant
+        rms = D.square().mean().sqrt()
+        singular = torch.linalg.svdvals(D)[-1] <= 1e-8 * torch.linalg.svdvals(D)[0]
+        fixed = torch.arange(D.numel(), dtype=D.dtype).reshape(D.shape)
+        return D + rms * fixed if singular and 1e-7 < rms < 1e-5 else D.clone()
+
+    kinds = ("gaussian", "conditioned", "rank_deficient")
+    report = check_equivariance(broken_on_singular_inputs_at_1e_6, "bi-orthogonal", (6, 4), trials=27,
+                                kinds=kinds, seed=0)
+    assert {(t.kind, t.scale) for t in report.trials} == {(k, s) for k in kinds for s in trial_scales(torch.float64)}
+    assert report.verdict == "violated", report.message()
+    violated = [t for t in report.trials if t.verdict == "violated"]
+    assert {(t.kind, t.scale) for t in violated} == {("rank_deficient", 1e-6)}, report.table()
+    # control: the same check of the map without its break holds
+    assert check_equivariance(lambda D: D.clone(), "bi-orthogonal", (6, 4), trials=27, kinds=kinds,
+                              seed=0).verdict == "holds"

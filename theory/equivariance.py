@@ -140,6 +140,7 @@ __all__ = [
     "SCALES",
     "SCALE_HEADROOM",
     "trial_scales",
+    "scale_index",
     "MIN_TRIALS",
     "CONFIRMATION_PROBES",
     "EXTENSION",
@@ -1067,6 +1068,16 @@ def _check_precision(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> N
                          "the inputs'; leave compute_dtype out to hold dtype's, or check with a wider dtype")
 
 
+def scale_index(trial: int, kinds: int, scales: int) -> int:
+    r"""The scale of trial $i$ among ``scales`` when its input kind is $i \bmod k$ ($k$ =
+    ``kinds``, $s$ = ``scales``): $(i + \lfloor i / \operatorname{lcm}(k, s)\rfloor) \bmod s$.
+    Both cycle at once, so a short check sees many kinds and many scales; the shift after each
+    $\operatorname{lcm}(k, s)$ trials moves to the next coset of pairs, so $ks$ trials hold every
+    pair. (Scale $i \bmod s$ alone pairs each kind with only $s / \gcd(k, s)$ scales: 3 kinds
+    of 9 scales had checked 9 of the 27 pairs however many trials ran.)"""
+    return (trial + trial // math.lcm(kinds, scales)) % scales
+
+
 def _trial_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed << 16) + index)
 
@@ -1093,8 +1104,10 @@ def check_equivariance(
         group: a :class:`~geomuon.theory.groups.Group` or its name.
         shape: ``(m, n)``; for ``NeuronPermutation`` the SwiGLU triple with ``h = m, d = n``.
         trials: number of (input, element) draws, at least 1; trial ``i`` uses
-            ``kinds[i % len(kinds)]`` at the ``i``-th scale of :func:`trial_scales` (cyclically); up to :data:`EXTENSION` times more are
-            drawn while fewer than ``min_trials`` are resolved and nothing is decided.
+            ``kinds[i % len(kinds)]`` at scale :func:`scale_index` of :func:`trial_scales`
+            (every pair of a kind and a scale within ``len(kinds) * len(scales)`` trials); up to
+            :data:`EXTENSION` times more are drawn while fewer than ``min_trials`` are resolved
+            and nothing is decided.
 
         expect: ``"holds"`` or ``"violated"`` (``"fails"`` is accepted for it); sets
             :attr:`EquivarianceReport.passed`.
@@ -1165,7 +1178,7 @@ def check_equivariance(
         i = len(results)
         generator = _trial_generator(seed, i)
         kind = kinds[i % len(kinds)]
-        scale = 1.0 if kind == "integer" else scales[i % len(scales)]
+        scale = 1.0 if kind == "integer" else scales[scale_index(i, len(kinds), len(scales))]
         try:
             example = subject.example(
                 [_raw(shapes, k, scale, generator, dtype, condition) for k in subject.input_kinds(kind)]
