@@ -539,9 +539,18 @@ class ManifoldMuon(MatrixOptimizer):
         if unchecked and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
             self.check_on_manifold()  # every weight, on the host
             self._unchecked.clear()
-        for group in self.param_groups:
-            group["step_count"] = group.get("step_count", 0) + 1
-        loss = super().step(closure)
+        counts = [group.get("step_count", 0) for group in self.param_groups]
+        for group, count in zip(self.param_groups, counts):
+            group["step_count"] = count + 1  # the step's certificates read it
+        try:
+            loss = super().step(closure)
+        except Exception:
+            # a refused step (a skip reported under nonfinite="raise", an inadmissible group, a
+            # failing closure) raises before any weight moves: it is not a step, and the
+            # certificates must stay on the steps the weights took
+            for group, count in zip(self.param_groups, counts):
+                group["step_count"] = count
+            raise
         if len(self._unchecked) < unchecked:  # this step checked weights (non-finite skips: reported at the next step)
             self._report_skips(wait=False, nonfinite=False)
         return loss

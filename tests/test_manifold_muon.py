@@ -602,6 +602,27 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_certificates_included(tm
     assert (rest == whole[3:]) == keep_count
 
 
+def test_a_refused_step_is_not_counted():
+    # certify_every counts the group's steps: a step refused before any weight moved (a skip
+    # reported under nonfinite="raise", a closure that raises) had been counted, moving every
+    # later certificate off the steps the weights took
+    gen = torch.Generator().manual_seed(5)
+    param = torch.nn.Parameter(Stiefel().random(12, 4, generator=gen).data)
+    opt = ManifoldMuon([{"params": [param], "manifold": "stiefel"}], lr=0.05, nonfinite="raise")
+    param.grad = torch.full_like(param, float("nan"))
+    opt.step()  # skipped on the device; reported at the next step
+    param.grad = torch.randn(param.shape, generator=gen)
+    before = param.detach().clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step()
+    assert torch.equal(param.detach(), before)
+    with pytest.raises(ZeroDivisionError):
+        opt.step(closure=lambda: 1 / 0)
+    assert opt.param_groups[0]["step_count"] == 1
+    opt.step()  # the step that runs counts
+    assert opt.param_groups[0]["step_count"] == 2 and not torch.equal(param.detach(), before)
+
+
 def test_polish_rounds_move_the_step_and_keep_it_on_the_manifold():
     # polish_rounds reaches the Gram path (the point differs from the unpolished one) and the
     # polished step is still retracted onto the manifold; a negative count is refused by name.
