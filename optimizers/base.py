@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections import OrderedDict
 from functools import partial
 from typing import Any, Iterable, Iterator
 
@@ -244,10 +245,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
         this optimizer's defaults, every group passes the checks a new group passes, and
         every state tensor shaped like its parameter must match it; a refusal names the
         group, option or parameter and changes nothing. Skipped steps not yet reported are
-        reported first (they belong to the run so far)."""
+        reported first (they belong to the run so far).
+
+        The load pre-hooks (``register_load_state_dict_pre_hook``, e.g. one that remaps the state
+        of renamed or reordered parameters, as torch's documentation advises) run first, once,
+        so the checks see the state that loads. Where both the saved groups and this optimizer's
+        carry ``param_names``, they must agree: torch maps state by position, and the momentum of
+        one same-shaped weight had loaded into another when a model listed its modules in
+        another order."""
         self._report_skips(wait=True)
+        state_dict = state_dict.copy()  # shallow, as torch's: a hook may edit its keys
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         self._check_loadable(state_dict)
-        super().load_state_dict(state_dict)
+        hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
+        try:  # torch's load runs the pre-hooks again: they have run
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
         for group in self.param_groups:
             self._complete_group(group)
         # torch casts every floating state entry but "step" to its parameter's dtype; an entry
@@ -283,6 +299,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 len(s["params"]) != len(c["params"]) for s, c in zip(saved_groups, self.param_groups)):
             return
         for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
+            saved_names, names = saved.get("param_names"), current.get("param_names")
+            if saved_names is not None and names is not None and list(saved_names) != list(names):
+                was, now = next((a, b) for a, b in zip(saved_names, names) if a != b)
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: param group {index} was saved with {was!r} where this "
+                    f"optimizer has {now!r} (torch maps state by position): build the optimizer with the "
+                    "parameters in the saved order, or remap the state in a load_state_dict pre-hook")
             group = self._complete_group({**saved, "params": current["params"]})
             try:
                 self._validate_group(group, index)

@@ -497,3 +497,63 @@ def test_loading_a_state_reports_the_skips_of_the_run_so_far():
     opt.step()
     with pytest.raises(ValueError, match="non-finite gradient"):
         opt.load_state_dict(opt.state_dict())
+
+
+def _named_pair(gen, names):
+    """Two same-shape Stiefel weights passed by name, one Muon-family step taken."""
+    start = {name: Stiefel().random(8, 3, generator=gen).data for name in ("q", "k")}
+    params = {name: torch.nn.Parameter(start[name].clone()) for name in ("q", "k")}
+    opt = ManifoldMuon([{"params": [(n, params[n]) for n in names], "manifold": "stiefel"}], lr=0.05)
+    return params, opt
+
+
+def test_a_state_saved_under_other_names_is_refused_and_a_remapping_pre_hook_loads_it():
+    # torch maps optimizer state by position: a model that listed its same-shaped weights in
+    # another order had loaded q's momentum into k without a word
+    gen = torch.Generator().manual_seed(3)
+    params, opt = _named_pair(gen, ("q", "k"))
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    saved = opt.state_dict()
+    reordered, fresh = _named_pair(gen, ("k", "q"))
+    with pytest.raises(ValueError, match="param group 0 was saved with 'q' where this optimizer has 'k'"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state  # nothing loaded
+
+    def remap(optimizer, state_dict):  # the state of each saved name to its position here
+        group, here = state_dict["param_groups"][0], optimizer.param_groups[0]["param_names"]
+        by_name = dict(zip(group["param_names"], group["params"]))
+        state = {here.index(name): state_dict["state"][i] for name, i in by_name.items()}
+        return {"state": state, "param_groups": [{**group, "param_names": list(here),
+                                                  "params": list(range(len(here)))}]}
+
+    fresh.register_load_state_dict_pre_hook(remap)
+    fresh.load_state_dict(saved)
+    for name in ("q", "k"):
+        assert torch.equal(fresh.state[reordered[name]]["momentum_buffer"], opt.state[params[name]]["momentum_buffer"])
+
+
+def test_the_checks_see_the_state_a_pre_hook_returns():
+    # the checks had run before torch's load pre-hooks: a hook's wrongly shaped state loaded
+    gen = torch.Generator().manual_seed(4)
+    params, opt = _named_pair(gen, ("q", "k"))
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    saved = opt.state_dict()
+    _, fresh = _named_pair(gen, ("q", "k"))
+
+    def transpose_momentum(optimizer, state_dict):
+        state_dict["state"] = {i: {**s, "momentum_buffer": s["momentum_buffer"].mT} for i, s in state_dict["state"].items()}
+        return state_dict
+
+    handle = fresh.register_load_state_dict_pre_hook(transpose_momentum)
+    with pytest.raises(ValueError, match="state 'momentum_buffer' of parameter 'q' has shape \\(3, 8\\)"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state
+    handle.remove()  # control: without the hook the same state loads, the hooks ran once per load
+    calls = []
+    fresh.register_load_state_dict_pre_hook(lambda optimizer, state_dict: calls.append(1))
+    fresh.load_state_dict(saved)
+    assert calls == [1] and len(fresh.state) == 2
