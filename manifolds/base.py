@@ -144,6 +144,10 @@ class MatrixManifold(geoopt.Manifold):
         name: the registry name (and the prefix of error messages).
         aliases: further names :meth:`by_name` accepts (lowercase, e.g. ``"stiefel"``
             works for every class by its lowercased name anyway).
+        reversible: geoopt's flag: whether a step can be walked back, i.e. with
+            ``y, v = retr_transp(x, u, u)``, ``retr_transp(y, -v, v)`` returns ``(x, u)``
+            (geoopt's samplers refuse a manifold without it). ``False`` by default; a flat
+            manifold (Euclidean, the router's subspace) sets ``True``.
         transposes_wide: when ``True`` a wide point ($m < n$) uses the transposed
             geometry (the manifold's docstring says which side is then constrained).
         newton_steps: most Gauss–Newton iterations of the generic projection.
@@ -344,6 +348,8 @@ class MatrixManifold(geoopt.Manifold):
     def _check_shape(self, shape, name):
         if len(shape) < 2:
             return False, f"{self.name}: {name} needs shape [..., m, n], got {tuple(shape)}"
+        if any(side < 0 for side in shape):
+            return False, f"{self.name}: {name} {tuple(shape)} has a negative dimension; sizes are counts"
         problem = self.shape_problem(shape[-2], shape[-1])
         if problem is not None:
             return False, f"{self.name}: {name} of shape {tuple(shape)}: {problem}"
@@ -397,7 +403,9 @@ class MatrixManifold(geoopt.Manifold):
         iteration), batched over the leading dimensions of ``x``; see
         :func:`conjugate_gradients` for the stopping rule. $L_xL_x^*$ may be singular (a
         symmetric multiplier stored as a full matrix): the right-hand side lies in its
-        range, where CG started from zero stays up to round-off.
+        range, where CG started from zero stays up to round-off. Each iteration reads its
+        stopping flag back to the host (a device synchronization per iteration, in an optimizer
+        step too); a ``constraint_gram_diag`` that makes $L_xL_x^*$ diagonal stops it after one.
 
         Args:
             x: ``[..., m, n]`` point; its batch dimensions are those of ``rhs``.
@@ -429,9 +437,10 @@ class MatrixManifold(geoopt.Manifold):
         $L_xL_x^*\Lambda = L_xu$.
 
         Generic (conjugate gradients, :meth:`gram_solve`); built-in manifolds override it
-        with their closed form. Computed in ``u``'s dtype.
+        with their closed form. Computed in ``u``'s dtype (``x`` is cast to it), as every
+        built-in ``proju`` is.
         """
-        x, u = broadcast_pair(x, u)
+        x, u = broadcast_pair(x.to(u.dtype), u)
         return u - self.constraint_adjoint(x, self.gram_solve(x, self.constraint(x, u)))
 
     def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -454,7 +463,9 @@ class MatrixManifold(geoopt.Manifold):
         until the step is negligible (quadratic convergence; at most ``newton_steps``).
         Because the correction is normal up to $O(\|u\|)$ and of size $O(\|u\|^2)$, this is
         a second-order retraction. Needs ``defining_map``; computed in float32 (float64
-        for float64 input), returned in ``x.dtype``.
+        for float64 input), returned in ``x.dtype``. Each iteration reads its stopping test
+        back to the host (a device synchronization per iteration, in an optimizer step too):
+        override ``retr`` with a closed form where one exists.
         """
         x, u = broadcast_pair(x, u)
         return self._newton_projection(x + u).to(x.dtype)
@@ -462,6 +473,23 @@ class MatrixManifold(geoopt.Manifold):
     def expmap(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Falls back to :meth:`retr` (no closed-form geodesics are used)."""
         return self.retr(x, u)
+
+    def dist(self, x: torch.Tensor, y: torch.Tensor, *, keepdim=False) -> torch.Tensor:
+        """The geodesic distance: not offered by a manifold without geodesics
+        (``NotImplementedError`` naming it and what to use instead; geoopt's base raised a
+        bare one). A flat manifold (:class:`~geomuon.manifolds.Euclidean`) overrides it."""
+        raise NotImplementedError(
+            f"{self.name} has no geodesic distance (its expmap is the retraction, not a geodesic); "
+            "use the chordal distance (x - y).norm(dim=(-2, -1)) of the ambient space"
+        )
+
+    def logmap(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of the exponential map: not offered by a manifold without geodesics
+        (``NotImplementedError`` naming it and what to use instead). A flat manifold overrides it."""
+        raise NotImplementedError(
+            f"{self.name} has no logmap (its expmap is the retraction, whose inverse is not computed); "
+            "proju(x, y - x) is a tangent vector at x pointing to y to first order"
+        )
 
     @matrix_method("u", "v", result="check")
     def inner(self, x, u, v=None, *, keepdim=False):
@@ -513,10 +541,14 @@ class MatrixManifold(geoopt.Manifold):
     @matrix_method(result="check")
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
+        if ok:
+            return True, None
+        if not bool(torch.isfinite(x).all()):
+            return False, "x has a NaN or infinite entry"
         if self.has_defining_map:
-            return ok, None if ok else (f"defining map F(x) != 0 with atol={atol} (times |F(0)|, the scale of the "
-                                        "constraint's constant, where it has one)")
-        return ok, None if ok else f"projx(x) != x with atol={atol}, rtol={rtol}"
+            return False, (f"defining map F(x) != 0 with atol={atol} (times |F(0)|, the scale of the "
+                           "constraint's constant, where it has one)")
+        return False, f"projx(x) != x with atol={atol}, rtol={rtol}"
 
     @matrix_method(result="multiplier")
     def points_on_manifold(self, x: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5) -> torch.Tensor | None:
@@ -526,7 +558,8 @@ class MatrixManifold(geoopt.Manifold):
 
         Generic rule, with a defining map: ``isclose(F(x), 0)`` in every entry with the absolute
         tolerance scaled by $\|F(0)\|_{\max}$ (1 where $F(0) = 0$), else ``isclose(projx(x), x)``
-        (``torch.isclose``, so ``.all()`` is ``torch.allclose``). A constraint $q(x) = c$ with
+        (``torch.isclose``, so ``.all()`` is ``torch.allclose``); a matrix with a non-finite entry
+        is never a point. A constraint $q(x) = c$ with
         $q$ homogeneous has $F(0) = -c$, and at a point of $M$ the round-off of $F(x)$ is that
         of $c$: an unscaled ``atol`` had refused fp32 points of ``LPRO(radius=10)`` fresh from
         ``projx`` ($\tfrac12(\|x\|^2 - r^2)$ rounds to $r^2$ times fp32's round-off), and one clamped
@@ -546,7 +579,10 @@ class MatrixManifold(geoopt.Manifold):
             close = residual.abs() <= atol * scale  # (rtol has no reference value here: |0| = 0)
         else:
             close = torch.isclose(self.projx(x), x, atol=atol, rtol=rtol)
-        return close.flatten(x.dim() - 2).all(-1)
+        # A matrix with a NaN or an infinite entry is no point of a real manifold; an empty
+        # residual (Euclidean, LPRO without a radius) had accepted one.
+        finite = torch.isfinite(x).flatten(x.dim() - 2).all(-1)
+        return close.flatten(x.dim() - 2).all(-1) & finite
 
     @matrix_method("u", result="check")
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):

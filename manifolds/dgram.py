@@ -39,8 +39,8 @@ class DGram(MatrixManifold):
     column norms of $W + V$ span at most about $10^3$ (the Polar Express design range;
     at a ratio of $10^4$ the smallest columns keep a $10^{-8}$ relative error in float64).
     ``projx`` (thin SVD in float64, rounded once) fixes every point of the manifold but is
-    not the metric projection (which has no closed form). The constraint maps and
-    ``proju`` compute in the input's dtype.
+    not the metric projection (which has no closed form). The constraint maps compute in
+    the input's dtype, ``proju`` in ``u``'s.
 
     A point, a retraction target $W + V$ or a ``projx`` input with a zero column raises
     ``ValueError``: the manifold requires nonzero columns and the formulas divide by them.
@@ -81,6 +81,7 @@ class DGram(MatrixManifold):
 
     @matrix_method("u")
     def proju(self, x, u):
+        x = x.to(u.dtype)  # computed in u's dtype, as MatrixManifold.proju documents
         d2 = self._squared_column_norms(x, "x")
         sigma = off_diagonal(x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
         return u - x @ sigma
@@ -109,6 +110,8 @@ class DGram(MatrixManifold):
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         if bool((x.norm(dim=-2) == 0).any()):
             return False, "x has a zero column (row for wide matrices)"
+        if not bool(torch.isfinite(x).all()):
+            return False, "x has a NaN or infinite entry"
         ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
         return ok, None if ok else f"columns are not orthogonal (cosines) with atol={atol}"
 

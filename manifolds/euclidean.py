@@ -13,10 +13,13 @@ class Euclidean(MatrixManifold):
     r"""All of $\mathbb{R}^{m\times n}$: no constraint, $P_W(X) = X$, $R_W(V) = W + V$.
 
     The constraint is the empty map: its multiplier has shape ``[..., 0]``. ``random``
-    draws a standard Gaussian matrix. Everything computes in the input's dtype.
+    draws a standard Gaussian matrix. The space is flat: ``expmap`` is the retraction,
+    ``logmap(x, y)`` $= y - x$ and ``dist`` $= \|y - x\|_F$. Everything computes in the
+    input's dtype.
     """
 
     name = "Euclidean"
+    reversible = True  # R_{x + u}(-u) = x: geoopt's samplers accept it, as geoopt.Euclidean
 
     @matrix_method("u", result="multiplier")
     def constraint(self, x, u):
@@ -46,6 +49,16 @@ class Euclidean(MatrixManifold):
     @matrix_method("u")
     def retr(self, x, u):
         return x + u
+
+    @matrix_method("y")
+    def logmap(self, x, y):
+        r"""$\log_x(y) = y - x$: the space is flat, the retraction $x + u$ is its exponential map."""
+        x, y = broadcast_pair(x, y)
+        return y - x
+
+    def dist(self, x, y, *, keepdim=False):
+        r"""$\|y - x\|_F$ per matrix (``[...]``, ``[..., 1, 1]`` with ``keepdim``)."""
+        return self.logmap(x, y).norm(dim=(-2, -1), keepdim=keepdim)
 
     def component_inner(self, x, u, v=None):
         r"""Entrywise $u \odot v$ ($u \odot u$ without ``v``), broadcast to ``x``: the space is a

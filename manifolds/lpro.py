@@ -12,6 +12,7 @@ from .oblique import (
     sphere_proju,
 )
 from .base import MatrixManifold, matrix_method
+from .linalg import as_positive
 
 __all__ = ["LPRO"]
 
@@ -38,20 +39,26 @@ class LPRO(Euclidean):
 
     ($\|w_i\|^2 = r^2$ on the manifold; dividing by the actual norm keeps the projection
     orthogonal slightly off it.) ``projx`` and the retraction compute in float32 (float64
-    for float64 points), the constraint maps and ``proju`` in the input's dtype; a zero
+    for float64 points), the constraint maps in the input's dtype, ``proju`` in ``u``'s; a zero
     row given to ``projx`` raises ``ValueError``.
 
     Args:
-        radius: row norm $r > 0$, or ``None`` for no constraint.
+        radius: row norm $r > 0$ (finite), or ``None`` for no constraint.
+
+    Raises:
+        TypeError: ``radius`` is not a real number (a bool or a string).
+        ValueError: ``radius`` is not finite and positive.
     """
 
     name = "LPRO"
 
     def __init__(self, radius: float | None = None):
         super().__init__()
-        if radius is not None and not float(radius) > 0:
-            raise ValueError(f"LPRO: radius must be a positive number or None, got {radius!r}")
-        self.radius = None if radius is None else float(radius)
+        # as_positive refuses what float() took by accident (True as 1, "2" as 2) and an
+        # infinite radius, whose rows had come back infinite from projx
+        self.radius = None if radius is None else as_positive("LPRO", "radius (or None for no constraint)", radius)
+        # flat without a radius (Euclidean's retraction undoes itself); rows on spheres are not
+        self.reversible = self.radius is None
 
     def extra_repr(self) -> str:
         return "" if self.radius is None else f"radius={self.radius}"
@@ -97,6 +104,16 @@ class LPRO(Euclidean):
         if self.radius is None:
             return x + u
         return sphere_normalize(x, self.radius, -1, "LPRO.retr", step=u)
+
+    def dist(self, x, y, *, keepdim=False):
+        if self.radius is None:
+            return super().dist(x, y, keepdim=keepdim)
+        return MatrixManifold.dist(self, x, y, keepdim=keepdim)
+
+    def logmap(self, x, y):
+        if self.radius is None:
+            return super().logmap(x, y)
+        return MatrixManifold.logmap(self, x, y)
 
     def component_inner(self, x, u, v=None):
         # entrywise without a radius (Euclidean's); with one, the matrix's inner product

@@ -32,7 +32,8 @@ def sphere_defining_map(x, radius, dim):
 
 
 def sphere_proju(x, u, dim):
-    r"""$u_j - \dfrac{\langle x_j, u_j\rangle}{\|x_j\|^2}x_j$ per slice."""
+    r"""$u_j - \dfrac{\langle x_j, u_j\rangle}{\|x_j\|^2}x_j$ per slice, in ``u``'s dtype."""
+    x = x.to(u.dtype)
     return u - x * ((x * u).sum(dim, keepdim=True) / x.square().sum(dim, keepdim=True))
 
 
@@ -77,8 +78,8 @@ class Oblique(MatrixManifold):
 
     The projection divides by $\|w_j\|^2$ rather than 1, so it stays an orthogonal
     projection at points slightly off the manifold. ``projx`` and the retraction compute
-    in float32 (float64 for float64 points), the constraint maps and ``proju`` in the
-    input's dtype. A zero column given to ``projx`` raises ``ValueError``.
+    in float32 (float64 for float64 points), the constraint maps in the input's dtype,
+    ``proju`` in ``u``'s. A zero column given to ``projx`` raises ``ValueError``.
     """
 
     name = "Oblique"

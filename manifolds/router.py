@@ -32,10 +32,16 @@ class CenteredRouterSpace(MatrixManifold):
 
     ``proju`` computes in the input's dtype, the retraction in float32 (float64 for
     float64 points), ``projx`` in float64 (rounded once).
+
+    The set is a linear subspace, so it is flat: ``expmap`` (the retraction) is the
+    exponential map, ``logmap(x, y)`` $= \Pi^\perp(y - x)$ and ``dist`` $= \|\Pi^\perp(y - x)\|_F$.
+    The point check is relative to the scale of each column, as the subspace is a cone (see
+    :meth:`points_on_manifold`).
     """
 
     name = "CenteredRouterSpace"
     aliases = ("centered_router",)
+    reversible = True  # a linear subspace: Pi(Pi(x + u) - u) = x for tangent u
 
     def dualizer_keeps_tangent(self, x, norm):
         # Column scaling and msign keep 1^T A = 0 when 1^T X = 0.
@@ -76,3 +82,37 @@ class CenteredRouterSpace(MatrixManifold):
     def retr(self, x, u):
         compute = fp32_or_fp64(x.dtype)
         return _centered(x.to(compute) + u.to(compute)).to(x.dtype)
+
+    @matrix_method("y")
+    def logmap(self, x, y):
+        return _centered(broadcast_pair(x, y)[1] - x)
+
+    def dist(self, x, y, *, keepdim=False):
+        return self.logmap(x, y).norm(dim=(-2, -1), keepdim=keepdim)
+
+    @matrix_method(result="multiplier")
+    def points_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        r"""Per matrix ``[..., e, n]`` → ``[...]`` (bool, on ``x``'s device, no host read): every
+        column sum vanishes relative to the column's absolute sum, finite,
+
+        $$|\mathbf 1^\top w_j| \le \text{atol}\,\mathbf 1^\top|w_j| \quad\text{for every column } j.$$
+
+        The generic test $|\mathbf 1^\top w_j| \le \text{atol}$ was not scale-free on this cone:
+        it refused float32 routers fresh from ``projx`` at scale 10 with 64 experts and accepted any
+        router of scale $10^{-7}$, centered or not. Rounding the exactly centered entries to the
+        dtype moves $\mathbf 1^\top w_j$ by up to $\tfrac{\varepsilon}{2}\mathbf 1^\top|w_j|$ and the
+        sum adds up to $(e - 1)\tfrac{\varepsilon}{2}\mathbf 1^\top|w_j|$, both proportional to the
+        scale. ``rtol`` is unused (the reference value of the residual is 0).
+        """
+        column_sums = x.sum(-2).abs()
+        column_scales = x.abs().sum(-2)
+        close = (column_sums <= atol * column_scales) & torch.isfinite(column_scales)
+        return close.all(-1)
+
+    @matrix_method(result="check")
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        if bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all()):
+            return True, None
+        if not bool(torch.isfinite(x).all()):
+            return False, "x has a NaN or infinite entry"
+        return False, f"column sums over the experts 1^T x are not 0 within atol={atol} times the columns' absolute sums"

@@ -33,7 +33,7 @@ class Stiefel(MatrixManifold):
     the iteration is well conditioned. ``projx`` takes the thin SVD in float64 (a float32
     SVD returns frames orthonormal only to about $n\varepsilon$) and rounds once; its $U$
     is a full orthonormal frame even for a rank-deficient $X$, so it always lands on the
-    manifold. The constraint maps and ``proju`` compute in the input's dtype.
+    manifold. The constraint maps compute in the input's dtype, ``proju`` in ``u``'s.
 
     Against geoopt's ``Stiefel`` (whose default is the canonical metric with the Cayley
     retraction): this is geoopt's Euclidean-metric geometry, but wide points are valid, the
@@ -70,6 +70,7 @@ class Stiefel(MatrixManifold):
 
     @matrix_method("u")
     def proju(self, x, u):
+        x = x.to(u.dtype)  # computed in u's dtype, as MatrixManifold.proju documents
         return u - x @ sym(x.mT @ u)
 
     @matrix_method()

@@ -576,3 +576,114 @@ def test_sphere_projx_normalizes_each_slice_whatever_its_neighbours_scale(manifo
     mixed = g * (factors if dim == -2 else factors[:, None])
     y = manifold.projx(mixed)
     assert (y - reference).abs().max() <= 16 * torch.finfo(dtype).eps * reference.abs().max()
+
+
+# --------------------------------------------------------------------------- geoopt surface
+FLAT = {"euclidean": Euclidean, "lpro": LPRO, "centeredrouterspace": CenteredRouterSpace}
+CURVED = {name: factory for name, factory in MANIFOLDS.items() if name not in FLAT}
+
+
+@pytest.mark.parametrize("name", CURVED)
+def test_dist_and_logmap_of_a_curved_manifold_name_it_and_say_what_to_use(name):
+    # geoopt's base raised a bare NotImplementedError: no manifold, no alternative
+    manifold = MANIFOLDS[name]()
+    x = manifold.random(6, 4, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=rf"^{manifold.name} has no geodesic distance.*\(x - y\)\.norm"):
+        manifold.dist(x, x)
+    with pytest.raises(NotImplementedError, match=rf"^{manifold.name} has no logmap.*proju\(x, y - x\)"):
+        manifold.logmap(x, x)
+
+
+@pytest.mark.parametrize("name", FLAT)
+def test_flat_manifolds_have_exact_logmap_and_dist(name):
+    manifold = MANIFOLDS[name]()
+    gen = torch.Generator().manual_seed(11)
+    x = manifold.random(2, 6, 4, dtype=torch.float64, generator=gen)
+    y = manifold.random(6, 4, dtype=torch.float64, generator=gen)  # broadcast over x's batch
+    u = manifold.logmap(x, y)
+    # Exact inverse of expmap on a flat space; fp64 round-off of one subtraction, one
+    # addition and (router) one centering over 6 rows: 16 eps relative is ample.
+    tol = 16 * torch.finfo(torch.float64).eps
+    assert u.shape == (2, 6, 4)
+    assert ((manifold.expmap(x, u) - y).norm(dim=(-2, -1)) <= tol * y.norm()).all()
+    assert ((manifold.proju(x, u) - u).norm(dim=(-2, -1)) <= tol * u.norm()).all()  # tangent
+    assert torch.equal(manifold.logmap(x, x), torch.zeros_like(x))
+    assert torch.allclose(manifold.dist(x, y), (x - y).norm(dim=(-2, -1)), rtol=tol, atol=0)
+    assert manifold.dist(x, y, keepdim=True).shape == (2, 1, 1)
+
+
+@pytest.mark.parametrize("name", MANIFOLDS)
+def test_reversible_flag_says_whether_the_retraction_undoes_itself(name):
+    # geoopt's samplers read `reversible`; Euclidean and the router's subspace had said False
+    # although R_{R_x(u)}(-transp(u)) = x exactly there (geoopt.Euclidean says True).
+    manifold = MANIFOLDS[name]()
+    gen = torch.Generator().manual_seed(12)
+    x = manifold.random(6, 4, dtype=torch.float64, generator=gen)
+    u = 0.3 * manifold.proju(x, torch.randn(6, 4, dtype=torch.float64, generator=gen))
+    y, v = manifold.retr_transp(x, u, u)
+    back, _ = manifold.retr_transp(y, -v, v)
+    # A reversible round trip is exact to fp64 round-off (64 eps relative); a curved
+    # retraction misses by O(|u|^2) = O(0.1), far outside it.
+    returns = ((back - x).norm() <= 64 * torch.finfo(torch.float64).eps * x.norm()).item()
+    assert manifold.reversible is returns
+
+
+@pytest.mark.parametrize("name", MANIFOLDS)
+@pytest.mark.parametrize("x_dtype,u_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64),
+                                             (torch.bfloat16, torch.float32)], ids=["x64_u32", "x32_u64", "xbf16_u32"])
+def test_proju_computes_in_the_dtype_of_u(name, x_dtype, u_dtype):
+    # MatrixManifold.proju documents u's dtype: Stiefel and DGram had crashed inside a matmul
+    # ("expected m1 and m2 to have the same dtype"), Oblique and LPRO had promoted to float64.
+    manifold = MANIFOLDS[name]()
+    gen = torch.Generator().manual_seed(13)
+    x = manifold.random(6, 4, dtype=torch.float64, generator=gen).to(x_dtype)
+    u = torch.randn(6, 4, dtype=torch.float64, generator=gen).to(u_dtype)
+    for out in (manifold.proju(x, u), manifold.egrad2rgrad(x, u), MatrixManifold.proju(manifold, x, u)):
+        assert out.dtype == u_dtype
+    assert torch.equal(manifold.proju(x, u), manifold.proju(x.to(u_dtype), u))
+
+
+@pytest.mark.parametrize("name", MANIFOLDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_matrix_with_a_non_finite_entry_is_no_point(name, bad):
+    # Euclidean and LPRO without a radius (an empty defining map) had accepted a NaN weight
+    manifold = MANIFOLDS[name]()
+    x = manifold.random(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    x[1, 2, 3] = bad
+    assert manifold.points_on_manifold(x).tolist() == [True, False]
+    # the reason names the entry, not a constraint the NaN only seems to break
+    assert manifold.check_point_on_manifold(x[1], explain=True) == (False, "x has a NaN or infinite entry")
+    assert manifold.check_point_on_manifold(x[0])  # control
+
+
+def test_router_point_check_is_relative_to_the_scale_of_the_weights():
+    # The subspace 1^T W = 0 is a cone; the generic test |1^T w_j| <= atol was not scale-free.
+    router = CenteredRouterSpace()
+    gen = torch.Generator().manual_seed(15)
+    for scale in (1e-3, 1.0, 10.0, 1e3):
+        # float32 weights fresh from projx (float64, rounded once): 64 experts at scale 10 had
+        # been refused. Rounding the centered entries moves a column sum by at most
+        # eps/2 * 1^T|w_j|, the float32 sum adds at most 63 eps/2 of it: 32 eps = 3.8e-6 < atol.
+        point = router.projx(scale * torch.randn(64, 512, generator=gen)).float()
+        assert router.check_point_on_manifold(point), scale
+        # a shift 1 v^T with |v_j| about 1e-3 of the entries moves column sums by 64e-3 |w|,
+        # 1e-3 of their absolute sums: refused at every scale (a router of scale 1e-3 had passed)
+        shifted = point + 1e-3 * point.abs().mean() * torch.ones(64, 1)
+        assert not router.check_point_on_manifold(shifted), scale
+    ok, reason = router.check_point_on_manifold(1e-7 * torch.randn(8, 16, generator=gen), explain=True)
+    assert not ok and "column sums over the experts" in reason
+
+
+@pytest.mark.parametrize("radius,error", [(float("inf"), ValueError), (True, TypeError), ("2", TypeError),
+                                          (-1.0, ValueError)], ids=["inf", "bool", "string", "negative"])
+def test_lpro_refuses_a_radius_that_is_not_a_finite_positive_number(radius, error):
+    # inf had been accepted (projx returned infinite rows), True taken as 1 and "2" as 2
+    with pytest.raises(error, match=r"LPRO: radius"):
+        LPRO(radius=radius)
+
+
+@pytest.mark.parametrize("size", [(6, -4), (-2, 6, 4)], ids=["matrix", "batch"])
+def test_random_refuses_a_negative_size_by_name(size):
+    # torch's "Trying to create tensor with negative dimension" had named no parameter
+    with pytest.raises(ValueError, match=r"Stiefel: size .* has a negative dimension"):
+        Stiefel().random(*size)
