@@ -20,12 +20,17 @@ regulators keep their warm-start vector. ``lr`` is a float, or a 0-dim tensor (a
 on the device): a tensor is an operand, never read back, so no regulator reads a value
 to the host (except ``hard_cap`` with adaptive ``levels``, which reads one bound), and
 it is not validated either (a float is: finite and $\ge 0$). Regulators are functional:
-they never write into ``W``; the optimizer copies the result into the parameter.
+they never write into ``W``; the optimizer copies the result into the parameter. An entry a
+regulator leaves as it is (every entry of a weight inside the ball) comes back bit for bit.
 :func:`make_regulator` builds one from ``None | str | dict | Regulator | callable |
 list`` (a list is applied in order).
 
 Dtypes: every regulator computes in float32 (float64 for float64 weights; bf16/fp16
-weights are upcast) and returns ``W.dtype``.
+weights are upcast) and returns ``W.dtype``. The guarantees below are those of the result in
+the compute dtype: rounding it to bf16/fp16 (unit round-off $u = 2^{-8}$ / $2^{-11}$) moves each
+entry in the normal range by at most $u$ of itself, so every singular value by at most
+$u\|W'\|_F$ (a bf16 weight capped at $w_{\max}$ comes back slightly above it, about $10^{-3}$
+relative).
 
 Costs for an $m\times n$ matrix, $k = \min(m, n)$, one matmul $\approx 2mnk$ FLOPs:
 
@@ -311,9 +316,13 @@ class Regulator:
         if W.size(-2) == 0 or W.size(-1) == 0:  # no singular value to act on: every bound holds as it is
             return W.detach().clone()
         scale = rms_scale(W.shape)
-        M = W.detach().to(fp32_or_fp64(W.dtype)) * scale
+        weight = W.detach().to(fp32_or_fp64(W.dtype))
+        M = weight * scale
         out = self.regulate(M, lr=lr, state=state)
-        return (out / scale).to(W.dtype)
+        # an entry the regulator left as it was is the weight's own: (w * scale) / scale is w only up
+        # to one rounding, which had moved about 1 in 9 entries of a float32 or float64 weight by an
+        # ulp at every step of a regulator that did nothing (a weight inside the ball)
+        return torch.where(out == M, weight, out / scale).to(W.dtype)
 
     def regulate(self, M: torch.Tensor, *, lr: float, state: dict | None) -> torch.Tensor:
         raise NotImplementedError
@@ -647,7 +656,15 @@ def muon_update_norm(
             f"muon_update_norm: adjust_lr must be 'original', 'match_rms_adamw' or None, "
             f"got {adjust_lr!r}"
         )
-    lr = lr if isinstance(lr, torch.Tensor) else float(lr)
+    # (a negative lr or NaN had given a negative or NaN eta, and a margin below 1 a bound below the
+    # iteration's own maximum: the soft cap then fails at the step, or holds no longer)
+    lr = lr if isinstance(lr, torch.Tensor) else as_positive("muon_update_norm", "lr", lr, zero=True)
+    margin = as_real("muon_update_norm", "margin", margin)
+    if not (math.isfinite(margin) and margin >= 1):
+        raise ValueError(
+            f"muon_update_norm: margin must be a finite number >= 1 (it widens the rigorous bound on the "
+            f"Newton-Schulz output for rounding; below 1 eta would not bound the update), got {margin!r}"
+        )
     return lr * ns_output_bound(schedule) * margin * rms_scale(shape) * shape_factor
 
 
@@ -673,18 +690,25 @@ class SoftCap(Regulator):
         w_max: RMS→RMS cap.
         eta: the update-norm bound: ``None`` (default) = :func:`muon_update_norm` for this
             weight's shape at this ``lr`` (Keller's NS, ``adjust_lr="original"``, margin
-            1.05); a float = a fixed bound; a callable ``(lr, shape) -> float``.
+            1.05; another optimizer, ``adjust_lr="match_rms_adamw"`` or another Newton-Schulz
+            schedule needs its own bound); a float = a fixed bound; a callable
+            ``(lr, shape) -> float`` (for direct calls: an optimizer's ``regulate=`` stores its
+            regulator as plain data, :meth:`Regulator.spec`, and refuses it; override
+            :meth:`eta_for` in a subclass there).
         weight_decay: the optimizer's decoupled weight-decay coefficient *applied before
             the step* (tightens $k$); ``0`` is always safe.
         guard_steps: power iterations of a cheap guard: if the estimate of $\sigma_{\max}$
-            exceeds $k$ (weights not yet inside the ball: at initialisation, after a manual
-            edit, or when $\eta$ was underestimated), the matrix is first scaled down to
-            $\sigma_{\max} = k$, because beyond $1/\sqrt{3\alpha}$ the polynomial decreases
-            and then explodes. The guard is a lower bound; initialize weights inside the
-            ball (e.g. apply ``hard_cap`` once) for the guarantee. ``0`` disables it.
+            exceeds $\max(k, w_{\max})$ (weights not yet inside the ball: at initialisation,
+            after a manual edit, or when $\eta$ was underestimated), the matrix is first scaled
+            down to $\sigma_{\max} = \max(k, w_{\max})$, because beyond $1/\sqrt{3\alpha}$ the
+            polynomial decreases and then explodes ($k \le w_{\max}$ means $\alpha = 0$: the
+            guard alone brings the weight back to $w_{\max}$). The guard is a lower bound;
+            initialize weights inside the ball (e.g. apply ``hard_cap`` once) for the
+            guarantee. ``0`` disables it.
 
-    Raises ``ValueError`` (from :func:`soft_cap_alpha`) when $\eta$ is too large for
-    $w_{\max}$. Cost: 4 matmuls (+ ``guard_steps`` mat-vec pairs).
+    Raises ``ValueError`` when $\eta$ is too large for $w_{\max}$ (:func:`soft_cap_alpha`): at
+    construction for a fixed ``eta`` that no learning rate makes feasible, else at the call.
+    Cost: 4 matmuls (+ ``guard_steps`` mat-vec pairs).
     """
 
     w_max: float = 1.0
@@ -698,7 +722,32 @@ class SoftCap(Regulator):
         self.weight_decay = as_positive("SoftCap", "weight_decay", self.weight_decay, zero=True)
         if not (self.eta is None or callable(self.eta)):
             self.eta = as_positive("SoftCap", "eta", self.eta, zero=True)
+            self._refuse_infeasible_eta()
         self.guard_steps = check_count("SoftCap", "guard_steps", self.guard_steps, 0)
+
+    def _refuse_infeasible_eta(self) -> None:
+        r"""Refuse a fixed ``eta`` that no learning rate makes feasible now, not in the first
+        step (which raised after the update had moved the weights). The smallest
+        $k = w_{\max}(1 - \text{lr}\cdot\text{weight\_decay}) + \eta$ of any step is
+        $w_{\max} + \eta$ without weight decay, and tends to $\eta$ as
+        $\text{lr}\cdot\text{weight\_decay} \to 1$ with it; the cap needs
+        $k \le \tfrac{81}{62}w_{\max}$ (:func:`soft_cap_alpha`)."""
+        if self.weight_decay == 0:
+            try:
+                soft_cap_alpha(self.w_max, 0.0, self.eta)  # its own test, so construction and step agree
+            except ValueError:
+                raise ValueError(
+                    f"SoftCap: eta={self.eta:.6g} is too large for w_max={self.w_max:.6g} at every learning "
+                    "rate (weight_decay=0, so k = w_max + eta > (81/62) w_max, and no monotone soft cap maps "
+                    f"it to w_max); use eta <= {self.w_max / SOFT_CAP_MIN_RATIO - self.w_max:.6g}, a larger "
+                    "w_max, or the exact 'hard_cap'"
+                ) from None
+        elif self.eta > 0 and self.w_max / self.eta <= SOFT_CAP_MIN_RATIO:  # (soft_cap_alpha's ratio w_max / k)
+            raise ValueError(
+                f"SoftCap: eta={self.eta:.6g} is too large for w_max={self.w_max:.6g} at every learning rate "
+                "(k = w_max (1 - lr * weight_decay) + eta > eta >= (81/62) w_max); use eta < "
+                f"{self.w_max / SOFT_CAP_MIN_RATIO:.6g}, a larger w_max, or the exact 'hard_cap'"
+            )
 
     def eta_for(self, lr: float | torch.Tensor, shape: tuple[int, ...]) -> float | torch.Tensor:
         r"""$\eta$ at this ``lr``: a float, or a tensor where ``lr`` is one (never read back)."""
@@ -711,21 +760,29 @@ class SoftCap(Regulator):
 
     def regulate(self, M, *, lr, state):
         wd = lr * self.weight_decay
+        if not isinstance(wd, torch.Tensor) and wd >= 1:  # (soft_cap_alpha's error named its own `wd`)
+            raise ValueError(
+                f"SoftCap: lr * weight_decay = {wd:.6g} must be below 1 (weight_decay is the optimizer's decay "
+                f"of the step, whose factor 1 - lr * weight_decay is not positive at lr={lr:.6g}); lower lr or "
+                "weight_decay"
+            )
         eta = self.eta_for(lr, tuple(M.shape))
-        if isinstance(wd, torch.Tensor) or isinstance(eta, torch.Tensor):
+        on_device = isinstance(wd, torch.Tensor) or isinstance(eta, torch.Tensor)
+        if on_device:
             # a rate on the device: alpha there too (alpha = 0 leaves X as it is: X + 0 * Y = X)
             alpha = soft_cap_alpha_tensor(self.w_max, torch.as_tensor(wd), torch.as_tensor(eta)).to(M.device)
         else:
             alpha = soft_cap_alpha(self.w_max, wd, eta)
-            if alpha == 0.0:
-                return M
         if self.guard_steps > 0:
+            # the largest sigma the map keeps at most w_max: k where it caps (f(k) = w_max), w_max where
+            # alpha = 0 (k <= w_max, the identity). The guard had been skipped at alpha = 0 (lr = 0, or a
+            # decay lr * wd * w_max >= eta), which returned a weight of RMS norm 30 at w_max = 1 as it was
             k = self.w_max * (1.0 - wd) + eta
+            reach = torch.as_tensor(k).clamp_min(self.w_max) if on_device else max(k, self.w_max)
             sigma, _ = power_iteration(M, steps=self.guard_steps)
-            excess = (sigma / k).clamp_min(1.0)
-            if isinstance(alpha, torch.Tensor):  # alpha = 0 keeps the weight as it is, as the float path returns it
-                excess = torch.where(alpha > 0, excess, torch.ones_like(excess))
-            M = M / excess[..., None, None]
+            M = M / (sigma / reach).clamp_min(1.0)[..., None, None]
+        if not on_device and alpha == 0.0:
+            return M
         wide = M.size(-2) < M.size(-1)
         X = M.mT if wide else M
         for coefficient in (-alpha, alpha):

@@ -741,3 +741,115 @@ def test_top_ritz_vector_is_the_top_eigenvector_without_an_eigensolver(gap, monk
         expected = rms_spectral_norm(scale * W).clamp_max(0.5)
         assert torch.allclose(rms_spectral_norm(normalized), expected, rtol=1e-4)
         assert scale < 1 or torch.allclose(expected, torch.full((3,), 0.5, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- entries left as they are
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("make", [
+    lambda: SoftCap(w_max=1.0, eta=0.0),  # k = w_max: alpha = 0
+    lambda: HardCap(w_max=1.0), lambda: HardCap(w_max=1.0, levels=2), lambda: SpectralNormalize(w_max=1.0),
+    lambda: SpectralHammer(w_max=1.0), lambda: ColumnCap(w_max=1.0),
+    lambda: WeightDecay(weight_decay=0.0), lambda: SpectralWeightDecay(weight_decay=0.0),
+], ids=["soft_cap", "hard_cap", "hard_cap_levels", "spectral_normalize", "spectral_hammer", "column_cap",
+        "weight_decay", "spectral_weight_decay"])
+def test_a_weight_the_regulator_leaves_alone_comes_back_bit_for_bit(make, dtype):
+    # RMS->RMS norm about 0.45 < w_max (randn's sigma_max ~ sqrt(24) + sqrt(16), times
+    # sqrt(16/24) / 16), and no decay: every regulator is the identity here, and the module promises
+    # the weight back unchanged. It came back as (W * s) / s, s = sqrt(16/24) not a power of two:
+    # about 1 in 9 entries one ulp off, at every step of a run. Exact comparison: the identity has
+    # no rounding to allow for. (A weight built as X / s would hide it: (X / s) * s is often X.)
+    gen = torch.Generator().manual_seed(21)
+    W = torch.randn(24, 16, generator=gen, dtype=dtype) / 16
+    assert rms_spectral_norm(W).item() < 0.6
+    torch.testing.assert_close(make()(W, lr=0.1), W, rtol=0, atol=0)
+
+
+def test_a_column_cap_returns_the_columns_it_keeps_bit_for_bit():
+    # a partial cap: the columns below w_max are the weight's own, the capped ones have RMS norm
+    # w_max up to the three roundings of (M / s) (w / ||M / s||) / scale (3 eps32 relative)
+    gen = torch.Generator().manual_seed(22)
+    W = torch.randn(24, 16, generator=gen)
+    column_norms = W.norm(dim=0) * rms_scale(W.shape)
+    kept = column_norms <= column_norms.median()
+    out = ColumnCap(w_max=column_norms.median().item())(W, lr=0.0)
+    assert torch.equal(out[:, kept], W[:, kept]) and kept.any() and not kept.all()
+    capped = out[:, ~kept].norm(dim=0) * rms_scale(W.shape)
+    torch.testing.assert_close(capped, torch.full_like(capped, column_norms.median().item()), rtol=3 * F32_EPS * 16, atol=0)
+
+
+# ----------------------------------------------------------------------------- soft cap options refused up front
+
+
+def test_soft_cap_refuses_a_fixed_eta_that_no_learning_rate_makes_feasible():
+    # Without weight decay every step has k = w_max + eta, so eta > (81/62 - 1) w_max fails at every
+    # lr: it had been accepted and raised in the first step, after the update had moved the weights.
+    limit = 81 / 62 - 1  # for w_max = 1
+    with pytest.raises(ValueError, match=r"SoftCap: eta=0\.31 is too large for w_max=1 at every learning rate"):
+        SoftCap(w_max=1.0, eta=0.31)
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="SoftCap: eta=5 is too large"):
+        Muon([p], lr=0.02, regulate={"name": "soft_cap", "eta": 5.0})
+    # the construction test is the step's: just inside the limit both accept (and cap to w_max)
+    inside = SoftCap(w_max=1.0, eta=limit * (1 - 1e-9))
+    W = with_rms_spectrum((12, 8), torch.linspace(1 + limit * (1 - 1e-9), 0.1, 8), torch.Generator().manual_seed(23))
+    # f(k) = w_max to the float64 round-off of 4 matmuls of O(1) entries (100 eps64, as above)
+    assert rms_spectral_norm(inside(W, lr=0.1)).item() <= 1 + 100 * F64_EPS
+    # with weight decay, k = w_max (1 - lr wd) + eta > eta: feasible for a large enough lr as long
+    # as eta < (81/62) w_max, and never at or beyond it
+    SoftCap(w_max=1.0, eta=0.31, weight_decay=0.1)
+    SoftCap(w_max=1.0, eta=1.3, weight_decay=0.1)  # feasible from lr * weight_decay = 0.9935
+    with pytest.raises(ValueError, match=r"SoftCap: eta=1\.31 is too large .* at every learning rate"):
+        SoftCap(w_max=1.0, eta=1.31, weight_decay=0.1)
+
+
+def test_soft_cap_names_its_weight_decay_when_lr_times_it_reaches_one():
+    # it had raised "soft_cap_alpha: wd must lie in [0, 1)", naming an argument SoftCap does not have
+    with pytest.raises(ValueError, match=r"SoftCap: lr \* weight_decay = 2 must be below 1.*lower lr or weight_decay"):
+        SoftCap(w_max=1.0, eta=0.1, weight_decay=20.0)(torch.eye(4), lr=0.1)
+
+
+@pytest.mark.parametrize("lr, margin, error, match", [
+    (-0.1, 1.05, ValueError, "muon_update_norm: lr must be a finite number >= 0"),
+    (math.nan, 1.05, ValueError, "muon_update_norm: lr must be a finite number >= 0"),
+    (0.1, 0.5, ValueError, "muon_update_norm: margin must be a finite number >= 1"),
+    (0.1, math.inf, ValueError, "muon_update_norm: margin must be a finite number >= 1"),
+    (0.1, "1.05", TypeError, "muon_update_norm: margin must be a real number"),
+])
+def test_muon_update_norm_refuses_what_would_not_bound_the_update(lr, margin, error, match):
+    # each had returned a number: a negative or NaN eta, or one below the iteration's own maximum
+    with pytest.raises(error, match=match):
+        muon_update_norm(lr, (16, 16), margin=margin)
+
+
+def test_a_bf16_weight_carries_the_cap_up_to_its_rounding():
+    # The documented rule: the cap holds for the float32 result W'; rounding it to bf16 moves each
+    # entry by at most u = 2^-8 of itself, so sigma_max by at most u ||W'||_F (RMS units here, as
+    # the cap). The float32 cap itself is within 160 eps32 (test_hard_cap_float32_kernel).
+    gen = torch.Generator().manual_seed(24)
+    W = torch.randn(32, 48, generator=gen).to(torch.bfloat16)  # RMS->RMS norm ~10: the cap binds
+    out = HardCap(w_max=1.0)(W, lr=0.0)
+    frobenius = out.double().norm().item() * rms_scale(W.shape)
+    assert out.dtype == torch.bfloat16
+    assert rms_spectral_norm(out).item() <= 1 + 160 * F32_EPS + 2.0**-8 * frobenius
+    # and the caveat is real: the bf16 weight is above w_max by more than the float32 error
+    assert rms_spectral_norm(out).item() > 1 + 160 * F32_EPS
+
+
+@pytest.mark.parametrize("cap, lr", [
+    (SoftCap(w_max=1.0), 0.0),  # warm-up from lr = 0: eta = 0, k = w_max
+    (SoftCap(w_max=1.0, eta=0.1, weight_decay=0.5), 0.5),  # k = 0.75 + 0.1 <= w_max
+    (SoftCap(w_max=1.0), torch.tensor(0.0, dtype=torch.float64)),  # the same on the device path
+], ids=["lr_zero", "decay_dominates", "device_lr_zero"])
+def test_soft_cap_guard_brings_back_a_weight_outside_the_ball_where_alpha_is_zero(cap, lr):
+    # k <= w_max gives alpha = 0, and the guard had been skipped there: a weight of RMS norm 30 came
+    # back at 30 with w_max = 1. Now the guard scales it to its estimate sigma-hat = w_max. With
+    # sigma_2 / sigma_1 = 0.1 the 4-step power estimate has relative error at most
+    # (sigma_2 / sigma_1)^(4 * 4) tan^2(theta_0) = 1e-16 tan^2(theta_0), below 1e-9 unless the fixed
+    # start is within 1e-3.5 of orthogonal to the top vector; the rest is float64 round-off.
+    gen = torch.Generator().manual_seed(25)
+    W = with_rms_spectrum((24, 16), torch.cat([torch.tensor([30.0]), torch.linspace(3.0, 0.1, 15)]), gen)
+    out = cap.unchecked(W, lr=lr) if isinstance(lr, torch.Tensor) else cap(W, lr=lr)
+    assert rms_spectral_norm(out).item() == pytest.approx(1.0, rel=1e-9)
+    torch.testing.assert_close(out, W / 30.0, rtol=1e-9, atol=0)  # only scaled: the cap's map is the identity
