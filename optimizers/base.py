@@ -69,7 +69,8 @@ import torch
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import ScratchBuffers, check_compute_dtype, fp32_or_fp64, in_one_thread_workers
 
-from .regulate import WARM_START_KEY, make_regulator, regulator_spec, requires_matrices, unchecked_regulation
+from .regulate import (WARM_START_KEY, UpdateBound, make_regulator, regulator_after, regulator_refusal,
+                       regulator_spec, requires_matrices, unchecked_regulation)
 from . import distributed as _distributed
 
 __all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
@@ -165,13 +166,24 @@ class MatrixOptimizer(torch.optim.Optimizer):
         built_from, regulator = self._regulators[index]
         if built_from is not spec:  # (None, None) to start: a group without a regulator builds nothing
             group["regulate"] = spec = regulator_spec(spec)
-            regulator = make_regulator(spec)
+            bound = None if group["update"] == "adamw" else self.update_bound(group)
+            try:
+                regulator = regulator_after(make_regulator(spec), bound)
+            except ValueError as err:
+                raise ValueError(f"{type(self).__name__}: group {index}, regulate={spec!r}: {err}") from None
             # (a matrix group's vectors are refused by _validate_group already)
             if group["update"] == "adamw" and requires_matrices(regulator):  # now, not after other groups moved
                 self._refuse_vectors(group, index, f"its group's regulate={spec!r} acts on matrices (a vector has "
                                                    "no spectral norm): set regulate=None in its param group")
             self._regulators[index] = (spec, regulator)
         return regulator
+
+    def update_bound(self, group: dict) -> UpdateBound | None:
+        r"""``(lr, shape) -> eta``: a bound on the RMS→RMS norm of one update of this matrix
+        group, for the regulators that read it (:meth:`~geomuon.optimizers.regulate.Regulator.after`:
+        the soft cap's default $\eta$), from the group's options when its regulator is built;
+        ``None`` (the default): the optimizer states none, and such a regulator needs its own."""
+        return None
 
     def _refuse_vectors(self, group: dict, index: int, why: str) -> None:
         """Raise ``ValueError`` naming the first parameter of ``group`` below 2-D, and ``why``."""
@@ -215,6 +227,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     f"with size: {p.size()} ({self._name(group, i, index)}); set matrix_view='batch' "
                     "(stacked matrices [..., m, n]) or 'flatten' (conv kernels) in its group"
                 )
+
+    def _check_regulation(self, group: dict, index: int, regulator, params: list[torch.Tensor]) -> None:
+        """Refuse (``ValueError``, before any group steps) a float rate the group's regulator
+        cannot follow at the shape of one of ``params`` (the soft cap's ``eta`` past its reach):
+        it had raised inside the step, after earlier groups and this one had moved. A tensor
+        rate is never read back, so it is not checked."""
+        lr = group["lr"]
+        if regulator is None or isinstance(lr, torch.Tensor):
+            return
+        shapes = {tuple(p.shape if group["update"] == "adamw" else self._matrix_shape(group, p)[-2:]) for p in params}
+        for shape in sorted(shapes):
+            why = regulator_refusal(regulator, float(lr), shape)
+            if why is not None:
+                raise ValueError(f"{type(self).__name__}: group {index}, regulate={group['regulate']!r} at lr={lr:g} "
+                                 f"and shape {shape}: {why}; nothing was stepped")
 
     def _regulated(self, group: dict, regulator, W: torch.Tensor, lr: float | torch.Tensor,
                    state: dict) -> torch.Tensor:
@@ -381,6 +408,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # nothing half-stepped and no rank waiting in a collective
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
             _distributed.check_group(self, group, index, params, positions)
+            self._check_regulation(group, index, regulators[index], params)
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
             if not params:
                 continue

@@ -15,6 +15,7 @@ $0.2\sqrt{\max(m, n)}$ (``"match_rms_adamw"``), $(m, n)$ the last two dimensions
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Iterable
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, narrower_range
 
 from .base import MatrixOptimizer, require_number
+from .regulate import muon_update_norm
 
 __all__ = ["Muon", "muon_shape_factor"]
 
@@ -136,9 +138,18 @@ class Muon(MatrixOptimizer):
                    keep: torch.Tensor | None = None) -> torch.Tensor:
         # One fixed quintic, no input scaling beyond the Frobenius norm floored at eps:
         # torch.optim.Muon's iteration, run by the package's kernel.
-        quintic = NSSchedule("muon", (tuple(group["ns_coefficients"]),), 1.0, int(group["ns_steps"]))
-        return msign(M, coefficients=quintic, eps=group["eps"], compute_dtype=group["compute_dtype"],
+        return msign(M, coefficients=self._quintic(group), eps=group["eps"], compute_dtype=group["compute_dtype"],
                      buffers=self._scratch())
+
+    @staticmethod
+    def _quintic(group: dict) -> NSSchedule:
+        return NSSchedule("muon", (tuple(group["ns_coefficients"]),), 1.0, int(group["ns_steps"]))
+
+    def update_bound(self, group: dict):
+        r"""$\text{lr}\cdot\sup p^{(K)}\cdot 1.05\cdot\sqrt{\text{fan\_in}/\text{fan\_out}}\;s$ for the
+        group's quintic, its step count and its ``adjust_lr_fn`` (:func:`~geomuon.optimizers.regulate.muon_update_norm`;
+        the soft cap's default $\eta$ for Keller's quintic and ``"original"``, bitwise)."""
+        return partial(muon_update_norm, schedule=self._quintic(group), adjust_lr=group["adjust_lr_fn"] or "original")
 
     def _lr_scale(self, group: dict, shape: tuple[int, ...]) -> float:
         return muon_shape_factor(*shape, group["adjust_lr_fn"])

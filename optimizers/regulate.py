@@ -70,9 +70,10 @@ weight is returned as it is.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import math
-import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Union
@@ -120,7 +121,15 @@ __all__ = [
     "REGULATORS",
     "unchecked_regulation",
     "requires_matrices",
+    "regulator_after",
+    "regulator_refusal",
+    "UpdateBound",
 ]
+
+#: ``(lr, shape) -> eta``: an optimizer's bound on the RMS→RMS norm of one update of a matrix
+#: of ``shape`` (``[..., fan_out, fan_in]``) at rate ``lr`` (a float, or a 0-dim tensor kept on
+#: the device), what :meth:`Regulator.after` receives.
+UpdateBound = Callable[[Union[float, torch.Tensor], tuple], Union[float, torch.Tensor]]
 
 
 # --------------------------------------------------------------------------------------
@@ -284,6 +293,20 @@ class Regulator:
                 )
             spec[field.name] = value
         return spec
+
+    def after(self, update_bound: UpdateBound | None) -> Regulator:
+        r"""This regulator as it runs after an optimizer's update whose RMS→RMS norm, for a
+        matrix of ``shape`` at rate ``lr``, is at most ``update_bound(lr, shape)`` (``None``: the
+        optimizer states no bound). The optimizer calls it when it builds a group's regulator;
+        a regulator that does not read the update's size (every one but :class:`SoftCap` with
+        its default ``eta``) is itself."""
+        return self
+
+    def refusal(self, lr: float, shape: tuple[int, int]) -> str | None:
+        """Why this regulator cannot follow one update at the float rate ``lr`` of a matrix of
+        ``shape`` (``None``: it can). An optimizer asks before any group steps, so a refused
+        step moves nothing."""
+        return None
 
     def __call__(self, W: torch.Tensor, *, lr: float, state: dict | None = None) -> torch.Tensor:
         _check_weight(W, type(self).__name__)
@@ -749,6 +772,30 @@ class SoftCap(Regulator):
                 f"{self.w_max / SOFT_CAP_MIN_RATIO:.6g}, a larger w_max, or the exact 'hard_cap'"
             )
 
+    def after(self, update_bound: UpdateBound | None) -> SoftCap:
+        r"""With the default ``eta``: this cap with $\eta$ = the optimizer's ``update_bound``
+        (the default's :func:`muon_update_norm` holds for Keller's Muon with
+        ``adjust_lr="original"`` only: Muon with ``"match_rms_adamw"`` had pushed the RMS→RMS norm
+        to 1.054 at ``w_max = 1``, the PolarGrad maps to 1.03). An optimizer that states no
+        bound is refused: give ``eta``."""
+        if self.eta is not None:
+            return self
+        if update_bound is None:
+            raise ValueError(
+                "soft_cap: its default eta is the optimizer's bound on the RMS->RMS norm of one update, and this "
+                "optimizer (or this group's update) states none; give eta (a float: an upper bound on that norm at "
+                "the group's largest learning rate)")
+        bound = copy.copy(self)
+        bound.eta = update_bound
+        return bound
+
+    def refusal(self, lr: float, shape: tuple[int, int]) -> str | None:
+        try:
+            soft_cap_alpha(self.w_max, lr * self.weight_decay, self.eta_for(lr, shape))
+        except ValueError as err:
+            return str(err).rstrip(".")
+        return None
+
     def eta_for(self, lr: float | torch.Tensor, shape: tuple[int, ...]) -> float | torch.Tensor:
         r"""$\eta$ at this ``lr``: a float, or a tensor where ``lr`` is one (never read back)."""
         if self.eta is None:
@@ -1001,6 +1048,22 @@ class Chain(Regulator, register=False):
         for regulator in self.regulators:
             W = unchecked_regulation(regulator, W, lr=lr, state=state)
         return W
+
+    def after(self, update_bound):
+        return Chain(regulator_after(r, update_bound) for r in self.regulators)
+
+    def refusal(self, lr, shape):
+        return next((why for r in self.regulators if (why := regulator_refusal(r, lr, shape))), None)
+
+
+def regulator_after(regulator: Callable | None, update_bound: UpdateBound | None) -> Callable | None:
+    """:meth:`Regulator.after` of a :class:`Regulator`; any other callable (or ``None``) as it is."""
+    return regulator.after(update_bound) if isinstance(regulator, Regulator) else regulator
+
+
+def regulator_refusal(regulator: Callable | None, lr: float, shape: tuple[int, int]) -> str | None:
+    """:meth:`Regulator.refusal` of a :class:`Regulator`; ``None`` for any other callable."""
+    return regulator.refusal(lr, shape) if isinstance(regulator, Regulator) else None
 
 
 def requires_matrices(regulator: Callable | None) -> bool:

@@ -790,12 +790,17 @@ def test_a_regulator_that_takes_points_off_the_manifold_is_refused_when_built():
     # soft_cap on Stiefel had left |W^T W - I| = 0.012 after three steps, silently (and a resumed
     # run then refused the weights); spectral_normalize on Oblique likewise
     p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))
-    for manifold, regulate in (("stiefel", "soft_cap"), ("stiefel", "weight_decay"), ("oblique", "spectral_normalize")):
-        with pytest.raises(ValueError, match=f"regulate='{regulate}' takes points of"):
+    # (the soft cap takes its eta, a bound on one update's RMS->RMS norm, from the user here:
+    # ManifoldMuon states none, so the default eta is refused)
+    soft_cap = {"name": "soft_cap", "eta": 0.05}
+    for manifold, regulate in (("stiefel", soft_cap), ("stiefel", "weight_decay"), ("oblique", "spectral_normalize")):
+        with pytest.raises(ValueError, match=r"regulate=.* takes points of (Stiefel|Oblique) off it"):
             ManifoldMuon([p], manifold=manifold, regulate=regulate)
+    with pytest.raises(ValueError, match="default eta is the optimizer's bound .* give eta"):
+        ManifoldMuon([p], manifold="dgram", regulate="soft_cap")
     # controls: a cap DGram's points keep (a spectral function of Q diag(d) is Q diag(f(d))), and
     # one that does not bind at this shape
-    for manifold, regulate in (("dgram", "column_cap"), ("dgram", "soft_cap"), ("stiefel", "hard_cap")):
+    for manifold, regulate in (("dgram", "column_cap"), ("dgram", soft_cap), ("stiefel", "hard_cap")):
         p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))  # (a Stiefel point is one of DGram's too)
         opt = ManifoldMuon([p], manifold=manifold, regulate=regulate)
         p.grad = torch.randn(16, 8)

@@ -853,3 +853,60 @@ def test_soft_cap_guard_brings_back_a_weight_outside_the_ball_where_alpha_is_zer
     out = cap.unchecked(W, lr=lr) if isinstance(lr, torch.Tensor) else cap(W, lr=lr)
     assert rms_spectral_norm(out).item() == pytest.approx(1.0, rel=1e-9)
     torch.testing.assert_close(out, W / 30.0, rtol=1e-9, atol=0)  # only scaled: the cap's map is the identity
+
+
+# ----------------------------------------------------------------------------- the optimizer's update bound
+
+
+def test_the_soft_cap_takes_its_eta_from_the_optimizers_own_update():
+    # The default eta bounds Keller's Muon with adjust_lr_fn="original"; Muon with
+    # "match_rms_adamw" (a larger update for a 64 x 256 weight) had pushed the RMS->RMS norm to
+    # 1.04 at w_max = 1 in 30 steps. Tolerance: the cap holds in exact arithmetic; its fp32
+    # polynomial (four products over an inner dimension of 64) rounds sigma by about
+    # 4 * 64 * 2^-24 = 1.5e-5 relative, so 1e-4 is five times that and far below the 0.04 excess.
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(64, 256))
+    opt = Muon([p], lr=0.02, weight_decay=0, adjust_lr_fn="match_rms_adamw", regulate={"name": "soft_cap", "w_max": 1})
+    largest = 0.0
+    for _ in range(30):
+        p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        largest = max(largest, float(rms_spectral_norm(p.detach())))
+    assert largest <= 1 + 1e-4
+    # Muon's own bound is the default's for Keller's quintic and "original", bitwise, and larger
+    # for "match_rms_adamw" at this shape
+    group = Muon([torch.nn.Parameter(torch.zeros(64, 256))], lr=0.02).param_groups[0]
+    assert opt.update_bound(group)(0.02, (64, 256)) == muon_update_norm(0.02, (64, 256))
+    assert opt.update_bound(opt.param_groups[0])(0.02, (64, 256)) > muon_update_norm(0.02, (64, 256))
+
+
+def test_an_optimizer_that_states_no_update_bound_needs_the_soft_caps_eta():
+    from geomuon.optimizers import HybridPolarGradM, ManifoldMuon
+
+    W = torch.nn.Parameter(torch.randn(8, 4))
+    for make in (lambda regulate: HybridPolarGradM([W], lr=0.02, regulate=regulate),
+                 lambda regulate: ManifoldMuon([W], manifold="dgram", lr=0.02, regulate=regulate),
+                 lambda regulate: Muon([{"params": [W], "update": "adamw", "regulate": regulate}], lr=0.02)):
+        with pytest.raises(ValueError, match="group 0, regulate='soft_cap': soft_cap: its default eta .* give eta"):
+            make("soft_cap")
+        make({"name": "soft_cap", "eta": 0.05})  # control: the same regulator with its eta is accepted
+    with pytest.raises(ValueError, match="give eta"):  # inside a chain too
+        HybridPolarGradM([W], lr=0.02, regulate=["hard_cap", "soft_cap"])
+
+
+def test_a_rate_the_regulator_cannot_follow_is_refused_before_any_group_steps():
+    # the soft cap's infeasible eta had raised inside the step, after the unregulated group and
+    # the regulated one had moved (momentum and weights), and nothing had been regulated
+    gen = torch.Generator().manual_seed(1)
+    free, capped = (torch.nn.Parameter(torch.randn(32, 32, generator=gen)) for _ in range(2))
+    opt = Muon([{"params": [free]}, {"params": [capped], "regulate": "soft_cap"}], lr=0.5)
+    before = [free.detach().clone(), capped.detach().clone()]
+    for p in (free, capped):
+        p.grad = torch.randn(p.shape, generator=gen)
+    with pytest.raises(ValueError, match=r"group 1, regulate='soft_cap' at lr=0.5 and shape \(32, 32\): .*eta=.* "
+                                         r"too large.*nothing was stepped"):
+        opt.step()
+    assert torch.equal(free.detach(), before[0]) and torch.equal(capped.detach(), before[1]) and not opt.state
+    opt.param_groups[1]["lr"] = 0.05  # control: a rate it can follow steps both groups
+    opt.step()
+    assert not torch.equal(free.detach(), before[0]) and not torch.equal(capped.detach(), before[1])

@@ -235,7 +235,7 @@ def test_param_groups_hold_specs_not_live_objects():
     manifold = LPRO(radius=2.0)
     optimizer = ManifoldMuon([{"params": _params(manifold, [(6, 3)], 8), "manifold": manifold},
                               {"params": _params(DGram(), [(6, 3)], 9), "manifold": DGram(),
-                               "regulate": SoftCap(w_max=2.0)}])  # (a spectral cap keeps DGram's points)
+                               "regulate": SoftCap(w_max=2.0, eta=0.05)}])  # (a spectral cap keeps DGram's points)
     group, regulated = optimizer.state_dict()["param_groups"]
     assert group["manifold"] == {"name": "LPRO", "args": {"radius": 2.0}}
     group = regulated
