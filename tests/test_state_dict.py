@@ -499,11 +499,15 @@ def test_loading_a_state_reports_the_skips_of_the_run_so_far():
         opt.load_state_dict(opt.state_dict())
 
 
-def _named_pair(gen, names):
-    """Two same-shape Stiefel weights passed by name, one Muon-family step taken."""
-    start = {name: Stiefel().random(8, 3, generator=gen).data for name in ("q", "k")}
-    params = {name: torch.nn.Parameter(start[name].clone()) for name in ("q", "k")}
+def _named_pair(gen, names, step=False):
+    """Two same-shape Stiefel weights passed to ManifoldMuon by name in the order ``names``
+    (``step``: one step taken)."""
+    params = {name: torch.nn.Parameter(Stiefel().random(8, 3, generator=gen).data) for name in ("q", "k")}
     opt = ManifoldMuon([{"params": [(n, params[n]) for n in names], "manifold": "stiefel"}], lr=0.05)
+    if step:
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
     return params, opt
 
 
@@ -511,10 +515,7 @@ def test_a_state_saved_under_other_names_is_refused_and_a_remapping_pre_hook_loa
     # torch maps optimizer state by position: a model that listed its same-shaped weights in
     # another order had loaded q's momentum into k without a word
     gen = torch.Generator().manual_seed(3)
-    params, opt = _named_pair(gen, ("q", "k"))
-    for p in params.values():
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()
+    params, opt = _named_pair(gen, ("q", "k"), step=True)
     saved = opt.state_dict()
     reordered, fresh = _named_pair(gen, ("k", "q"))
     with pytest.raises(ValueError, match="param group 0 was saved with 'q' where this optimizer has 'k'"):
@@ -537,10 +538,7 @@ def test_a_state_saved_under_other_names_is_refused_and_a_remapping_pre_hook_loa
 def test_the_checks_see_the_state_a_pre_hook_returns():
     # the checks had run before torch's load pre-hooks: a hook's wrongly shaped state loaded
     gen = torch.Generator().manual_seed(4)
-    params, opt = _named_pair(gen, ("q", "k"))
-    for p in params.values():
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()
+    _, opt = _named_pair(gen, ("q", "k"), step=True)
     saved = opt.state_dict()
     _, fresh = _named_pair(gen, ("q", "k"))
 
