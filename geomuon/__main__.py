@@ -1,5 +1,5 @@
 """``python -m geomuon``: the ``geomuon`` command."""
 
-from geomuon.cli import main
+from geomuon.cli import entry
 
-raise SystemExit(main())
+entry()

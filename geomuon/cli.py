@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
@@ -81,5 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def entry() -> None:
+    """The ``geomuon`` command (and ``python -m geomuon``): :func:`main` on ``sys.argv``, then exit
+    with its status.
+
+    A process of a torchrun job (``WORLD_SIZE`` > 1) leaves with ``os._exit`` once its output is
+    flushed (every file of the run is written and closed by then): the trained model holds the
+    gloo process group, whose worker thread can still be releasing the last collective's
+    tensors when the interpreter finalizes, and a thread that needs the GIL then aborts the
+    process ("terminate called without an active exception", SIGABRT after ``done``; 3 of 34
+    two-process CPU runs on a busy machine), which torchrun reports as a failed job."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

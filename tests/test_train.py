@@ -5,6 +5,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -743,3 +745,18 @@ def test_data_other_than_the_configured_data_is_refused(tmp_path):
         train(tiny(tmp_path, steps=2, warmup_steps=0), load_data(f"text:{text}"))
     assert not (tmp_path / "run").exists()
     train(tiny(tmp_path, steps=2, warmup_steps=0, eval_every=2, data=f"text:{text}"), load_data(f"text:{text}"))
+
+
+def test_a_torchrun_process_of_the_command_leaves_without_interpreter_finalization():
+    # A two-process gloo run could abort after "done" (SIGABRT, "terminate called without an active
+    # exception": the process group's worker thread released the last collective's tensors while
+    # the interpreter finalized), failing the torchrun job. Under WORLD_SIZE > 1 the command leaves
+    # by os._exit once its output is flushed: no atexit handler runs, the status and the message
+    # arrive. Control: one process finalizes as usual.
+    script = ("import atexit, sys; atexit.register(lambda: print('finalized', flush=True)); "
+              "sys.argv = ['geomuon', 'pretrain', '--lr', '-1']; from geomuon.cli import entry; entry()")
+    for world, finalized in (("2", False), ("1", True)):
+        env = {**os.environ, "WORLD_SIZE": world}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "--lr must be > 0" in done.stderr, done.stderr
+        assert ("finalized" in done.stdout) == finalized
