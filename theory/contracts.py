@@ -38,6 +38,23 @@ __all__ = [
     "retraction_slope",
 ]
 
+#: Scales of the Gaussian matrices ``projx`` must bring onto $M$: 10 times closer to and farther
+#: from the origin. Not the scales where a float32 sum of squares over- or underflows
+#: ($\sim10^{\pm20}$, which a naive $x/\|x\|$ turns into zeros): the base class's own generic
+#: Gauss–Newton ``projx`` halves the distance per step from afar and leaves $M$ already at
+#: $10^{4}$ and $10^{-5}$ for a generalized Stiefel manifold, so the contract would refuse
+#: manifolds built as the tutorial shows.
+PROJX_SCALES = (0.1, 10.0)
+
+#: Step $t$ (relative to $\|x\|/\|v\|$) and bound of the central-difference test of
+#: $dR_x(0) = \mathrm{id}$, in float64: $\frac{R_x(tv) - R_x(-tv)}{2t} - v$ is
+#: $\tfrac{t^2}{6}R^{(3)}[v, v, v]$ (relative size $t^2\|v\|^2\kappa^2 \approx 10^{-8}$ for
+#: curvature $\kappa \sim 1/\|x\|$ and $\|v\| = \|x\|$) plus round-off $\varepsilon/t \approx 10^{-12}$;
+#: the bound $10^{-6}$ sits two orders above both and catches $dR_x(0) = (1 + \delta)\,\mathrm{id}$
+#: for $\delta \ge 10^{-6}$ (the log-log slope alone passes $\delta = 10^{-5}$ in float64 and
+#: $10^{-3}$ in float32: $\delta t$ hides under $t^2$ over its range of $t$).
+RETRACTION_DERIVATIVE_STEP, RETRACTION_DERIVATIVE_BOUND = 1e-4, 1e-6
+
 #: Smallest accepted log-log slope of $\|R_x(tv) - (x + tv)\|$ against $t$ (2 in theory).
 MIN_RETRACTION_SLOPE = 1.9
 
@@ -45,15 +62,31 @@ MIN_RETRACTION_SLOPE = 1.9
 def default_tolerance(dtype: torch.dtype) -> float:
     """Contract tolerance for relative residuals: 1e-10 in float64, 1e-5 in float32.
 
-    Both sit a few orders of magnitude above the dtype's unit round-off times the
-    $\\sqrt{mn}$ growth of Frobenius-norm sums at the sizes the contract uses, and far
-    below any real defect (a wrong formula gives residuals of order 1).
+    A relative residual of a correct map is its round-off, about $\\varepsilon\\sqrt{mn}$
+    ($\\varepsilon$ = ``torch.finfo(dtype).eps``; Frobenius sums of $mn$ rounded terms).
+    float64: $10^{-10} \\approx 4.5\\cdot10^{5}\\,\\varepsilon$, above $\\varepsilon\\sqrt{mn}$ for any
+    $mn < 2\\cdot10^{11}$. float32: $10^{-5} \\approx 84\\,\\varepsilon$,
+    above $\\varepsilon\\sqrt{mn}$ for $mn < 84^2 \\approx 7000$ (a 64x64 matrix is at the edge:
+    test a float32 manifold on shapes of that order or smaller, as the test suite does). Both
+    are far below any real defect (a wrong formula gives residuals of order 1).
     """
     if dtype == torch.float64:
         return 1e-10
     if dtype == torch.float32:
         return 1e-5
     raise ValueError(f"the manifold contract runs in float32 or float64, got {dtype}")
+
+
+def _validated_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints ``(..., m, n)``, or a ``ValueError`` saying what
+    is wrong with it (an int had raised "'int' object is not iterable", and 2.5 became 2)."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ValueError(f"check_manifold_contract: shape must be a tuple (..., m, n) of ints, got {shape!r}")
+    shape = tuple(shape)
+    if len(shape) < 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape) or min(shape) < 0:
+        raise ValueError(
+            f"check_manifold_contract: shape must be (..., m, n) with at least two non-negative ints, got {shape!r}")
+    return shape
 
 
 def _matrix_norm(x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +113,25 @@ def manifold_residual(manifold: MatrixManifold, x: torch.Tensor) -> float:
     else:
         offset = manifold.projx(x) - x
     return float((_matrix_norm(offset) / _matrix_norm(x).clamp_min(1e-300)).max())
+
+
+def _float64_point_and_tangent(manifold: MatrixManifold, x: torch.Tensor, direction: torch.Tensor):
+    r"""``(projx(x), v)`` in float64, $v = P_x(\text{direction})$ scaled to $\|v\| = \|x\|$ per
+    matrix: where the retraction's derivative is measured (the math of the retraction, as the
+    capability checks test a form's; a float32 point is off $M$ by its round-off, which a
+    difference quotient divides by $t$)."""
+    x = manifold.projx(x.double())
+    v = manifold.proju(x, direction.double())
+    return x, v * (_matrix_norm(x) / _matrix_norm(v).clamp_min(1e-300))[..., None, None]
+
+
+def _retraction_derivative_error(manifold: MatrixManifold, x: torch.Tensor, v: torch.Tensor) -> float:
+    r"""Relative error of the central difference $\frac{R_x(tv) - R_x(-tv)}{2t}$ against $v$,
+    largest over the batch, at $t$ = :data:`RETRACTION_DERIVATIVE_STEP` (float64 ``x``, tangent
+    ``v`` of norm $\|x\|$: :func:`_float64_point_and_tangent`)."""
+    t = RETRACTION_DERIVATIVE_STEP
+    slope = (manifold.retr(x, t * v).double() - manifold.retr(x, -t * v).double()) / (2 * t)
+    return float((_matrix_norm(slope - v) / _matrix_norm(v).clamp_min(1e-300)).max())
 
 
 def retraction_slope(
@@ -176,8 +228,11 @@ def check_manifold_contract(
       given) has derivative ``constraint`` (central differences, bound $10^{-6}$:
       truncation $h^2 = 10^{-8}$ times the curvature, round-off $\varepsilon/h$);
     * ``retr(x, 0) = x``; ``retr`` lands on $M$ for steps of 0.1, 0.5 and 2 times $\|x\|$;
-      $\|R_x(tv) - (x + tv)\|$ shrinks like $t^2$ (log-log slope $\ge 1.9$); ``transp``
+      $\|R_x(tv) - (x + tv)\|$ shrinks like $t^2$ (log-log slope $\ge 1.9$, in float32 also
+      over the float64 math at float64's steps); $dR_x(0) = \mathrm{id}$ by a float64 central
+      difference (bound $10^{-6}$, :data:`RETRACTION_DERIVATIVE_BOUND`); ``transp``
       lands in the new tangent space and is the identity from $x$ to $x$;
+    * ``inner`` is symmetric on tangent vectors and ``inner(x, u)`` is ``inner(x, u, u)``;
     * ``projx`` lands on $M$ also from a point 10 times closer to and farther from the
       origin; ``egrad2rgrad`` is the gradient of the manifold's ``inner``:
       $\langle\operatorname{egrad2rgrad}(x, u), w\rangle_x = \langle u, w\rangle$ for tangent $w$,
@@ -199,7 +254,7 @@ def check_manifold_contract(
 
     Args:
         manifold: the manifold under test.
-        shape: ``(..., m, n)`` of the points.
+        shape: ``(..., m, n)`` of the points, non-negative ints (else ``ValueError``).
         dtype: float64 (tolerance $10^{-10}$) or float32 ($10^{-5}$).
         seed: seeds every random draw (a private ``torch.Generator``).
         tol: override of :func:`default_tolerance`.
@@ -214,7 +269,7 @@ def check_manifold_contract(
             f"{type(manifold).__name__}"
         )
     tol = default_tolerance(dtype) if tol is None else tol
-    shape = tuple(int(s) for s in shape)
+    shape = _validated_shape(shape)
     generator = torch.Generator().manual_seed(seed)
     report = ContractReport(f"{type(manifold).__name__}({manifold.extra_repr()})", shape, dtype)
 
@@ -242,8 +297,8 @@ def check_manifold_contract(
     record("projx_on_manifold", manifold_residual(manifold, manifold.projx(gaussian())))
     record("projx_fixes_points", rel(manifold.projx(x) - x, x))
 
-    record("projx_on_manifold_far_and_near", max(manifold_residual(manifold, manifold.projx(scale * gaussian()))
-                                                  for scale in (0.1, 10.0)))
+    scaled = [manifold.projx(scale * gaussian()) for scale in PROJX_SCALES]
+    record("projx_on_manifold_far_and_near", max(manifold_residual(manifold, y) for y in scaled))
 
     u, v = gaussian(), gaussian()
     pu, pv = manifold.proju(x, u.clone()), manifold.proju(x, v.clone())
@@ -268,7 +323,8 @@ def check_manifold_contract(
             flat(lu).norm(dim=-1) * flat(lam).norm(dim=-1)
             + _matrix_norm(u.double()) * _matrix_norm(adj.double())
         )
-        record("constraint_adjoint", float((pairing.abs() / scale).max()))
+        # (both terms vanish where L_x is identically 0: DGram with one column)
+        record("constraint_adjoint", float((pairing.abs() / scale.clamp_min(1e-300)).max()))
         diag = manifold.constraint_gram_diag(x)
         if diag is not None:
             in_range = manifold.constraint(x, v)
@@ -292,30 +348,45 @@ def check_manifold_contract(
     # steps of different lengths across a batch: a retraction that mixes the matrices of a
     # batch (a norm taken over all of them) lands off M only when they differ
     matrices = math.prod(batch)
-    spread = (torch.linspace(0.5, 1.5, matrices, dtype=dtype) if matrices > 1 else torch.ones(1, dtype=dtype)
+    # (never exactly 1 times a scale: a 1x1 point stepped by -x lands on the origin)
+    spread = (torch.linspace(0.6, 1.4, matrices, dtype=dtype) if matrices > 1 else torch.ones(1, dtype=dtype)
               ).reshape(*batch, 1, 1)  # (linspace of one point is its start: a single matrix keeps its step)
     stepped = [manifold.retr(x, scale * spread * direction) for scale in (0.1, 0.5, 2.0)]
     record("retr_on_manifold", max(manifold_residual(manifold, y) for y in stepped))
     ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)
     slope, errors = retraction_slope(manifold, x, direction, ts)
+    x64, v64 = _float64_point_and_tangent(manifold, x, direction)
+    if dtype != torch.float64:
+        # float32's steps (1e-2..1e-1) let t^2 hide a first-order error 1e-3 t: the float64 math at
+        # float64's steps as well (the dtype's own run still sees a float32-only defect)
+        slope = min(slope, retraction_slope(manifold, x64, v64, torch.logspace(-4, -2, 5))[0])
     record("retr_slope", slope, MIN_RETRACTION_SLOPE, at_least=True,
            note="affine retraction (exact)" if math.isinf(slope) else
            f"errors {errors[0]:.1e}..{errors[-1]:.1e}")
+    record("retr_derivative", _retraction_derivative_error(manifold, x64, v64), RETRACTION_DERIVATIVE_BOUND)
     transported = manifold.transp(x, far, pv.clone())
     record("transp_tangent", rel(normal_component(manifold, far, transported), pv))
     record("transp_identity", rel(manifold.transp(x, x, pv.clone()) - pv, pv))
 
+    def metric(a, b=None):
+        return torch.as_tensor(manifold.inner(x, a, b)).double()
+
+    # a metric is symmetric, and inner(x, u) (the squared norm RiemannianAdam reads) is inner(x, u, u)
+    record("inner_symmetric", float(((metric(pu, pv) - metric(pv, pu)).abs() / uv_norms).max()))
+    record("inner_norm_matches", float(((metric(pu) - metric(pu, pu)).abs()
+                                        / _matrix_norm(u.double()).square()).max()))
     rgrad = manifold.egrad2rgrad(x, u.clone())
     record("egrad2rgrad_tangent", rel(normal_component(manifold, x, rgrad), u))
-    metric = torch.as_tensor(manifold.inner(x, rgrad, pv)).double()
-    record("egrad2rgrad_is_gradient", float(((metric - inner(u, pv)).abs() / uv_norms).max()))
+    record("egrad2rgrad_is_gradient", float(((metric(rgrad, pv) - inner(u, pv)).abs() / uv_norms).max()))
 
     calls = {"projx": lambda a: manifold.projx(a[0]), "proju": lambda a: manifold.proju(x, a[0]),
              "egrad2rgrad": lambda a: manifold.egrad2rgrad(x, a[0]), "retr": lambda a: manifold.retr(x, a[0]),
              "transp": lambda a: manifold.transp(x, far, a[0])}
     written, retyped = [], []
     for name, call in calls.items():
-        argument = (0.1 * direction).clone()
+        # each method gets a matrix of the dtype under test (a retyping proju had also been blamed
+        # on the methods fed its output), projx a Gaussian (a tangent vector may be 0: Oblique 1 x n)
+        argument = (u if name == "projx" else 0.1 * direction).to(dtype).clone()
         kept = argument.clone()
         out = call([argument])
         if not torch.equal(argument, kept):
@@ -328,8 +399,7 @@ def check_manifold_contract(
 
     geoopt_point = _geoopt_steps(manifold, x, gaussian())
     record("geoopt_sgd_on_manifold", manifold_residual(manifold, geoopt_point))
-    produced = [manifold.projx(gaussian()), *(manifold.projx(s * gaussian()) for s in (0.1, 10.0)), *stepped,
-                geoopt_point]
+    produced = [manifold.projx(gaussian()), *scaled, *stepped, geoopt_point]
     _check_own_checks(manifold, x, gaussian(), produced, tol, record)
 
     if raise_on_failure and not report.passed:
@@ -345,7 +415,8 @@ WHAT_TO_FIX = {
     "random_on_manifold": "random must return points of M (projx of a Gaussian, by default)",
     "projx_on_manifold": "projx must land on M; the derived projx (Gauss-Newton on defining_map) may need "
                          "more newton_steps, or the manifold its own closed form",
-    "projx_on_manifold_far_and_near": "projx must land on M from points of any scale, not only Gaussian ones",
+    "projx_on_manifold_far_and_near": "projx must land on M from points 10 times closer to and farther from the "
+                                      "origin than a Gaussian, not only from Gaussian ones",
     "projx_fixes_points": "projx must leave points of M where they are",
     "proju_tangent": "proju(x, u) must satisfy constraint(x, proju(x, u)) = 0",
     "proju_idempotent": "proju applied twice must equal proju once",
@@ -356,6 +427,9 @@ WHAT_TO_FIX = {
     "defining_map_derivative": "constraint must be the derivative of defining_map",
     "retr_zero": "retr(x, 0) must return x",
     "retr_on_manifold": "retr must land on M for short and long steps",
+    "retr_derivative": "retr's derivative at 0 must be the identity: (R_x(tv) - R_x(-tv)) / 2t -> v (float64)",
+    "inner_symmetric": "inner(x, u, v) must equal inner(x, v, u) (a metric is symmetric)",
+    "inner_norm_matches": "inner(x, u) must be the squared norm inner(x, u, u), what geoopt's optimizers read",
     "retr_slope": "retr's derivative at 0 must be the identity: R_x(tv) = x + tv + O(t^2)",
     "transp_tangent": "transp(x, y, v) must return a tangent vector at y",
     "transp_identity": "transp(x, x, v) must return v for a tangent v at x",
@@ -415,7 +489,8 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
                 D = W.mT @ W
                 lam = form.constraint(W.mT @ X)
                 errors += [
-                    _relative(X - W @ form.project(D, W.mT @ X), MatrixManifold.proju(manifold, W, X)),
+                    # (relative to X: where T_WM = {0}, a 1x1 Stiefel point, both projections are round-off)
+                    _relative(X - W @ form.project(D, W.mT @ X), MatrixManifold.proju(manifold, W, X), scale=X),
                     _relative(lam, manifold.constraint(W, X)),
                     _relative(W @ form.adjoint(lam), manifold.constraint_adjoint(W, lam)),
                 ]
@@ -570,10 +645,11 @@ def _exact_dualizer(norm: str, P: torch.Tensor) -> torch.Tensor:
     return NORMS[norm].dualize(P, SolverSettings(msign_method="svd", compute_dtype=None))
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / |b|`` over all entries (float64; matrices or multipliers of any shape)."""
+def _relative(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """``|a - b| / |scale|`` over all entries, ``scale`` defaulting to ``b`` (float64; matrices or
+    multipliers of any shape)."""
     a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    return float((a - b).norm() / (b if scale is None else scale.double()).norm().clamp_min(1e-300))
 
 
 def _geoopt_steps(manifold: MatrixManifold, x: torch.Tensor, target: torch.Tensor, steps: int = 5):

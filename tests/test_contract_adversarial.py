@@ -1,0 +1,142 @@
+"""Deliberately broken manifolds against :func:`check_manifold_contract`, each beside its
+unbroken parent (same shape, seed and dtype) as the negative control.
+
+Every break here had passed the contract. The bounds are the contract's own
+(:func:`default_tolerance`, ``RETRACTION_DERIVATIVE_BOUND``, ``MIN_RETRACTION_SLOPE``, whose
+comments derive them); each break is sized orders of magnitude past them and each unbroken
+parent sits orders below, so no test depends on a seed's luck.
+"""
+
+import pytest
+import torch
+
+from geomuon.manifolds import LPRO, DGram, Oblique, Stiefel
+from geomuon.theory.contracts import check_manifold_contract
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+SHAPE = (6, 4)
+
+
+def failed_checks(manifold, dtype, shape=SHAPE):
+    """Names of the failed checks (the unbroken parent must give ``[]``)."""
+    report = check_manifold_contract(manifold, shape, dtype=dtype, seed=0, raise_on_failure=False)
+    return [check.name for check in report.failures]
+
+
+def fixed_gaussian(x, seed):
+    """A Gaussian matrix of ``x``'s shape and dtype, the same for every call."""
+    return torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(seed))
+
+
+class SlightlyStretchedRetraction(Stiefel):
+    r"""$R_x(u) = \operatorname{msign}(x + (1 + 10^{-5})u)$: on $M$, but $dR_x(0) = (1 + 10^{-5})\,\mathrm{id}$.
+    Over the slope check's steps ($10^{-4}..10^{-2}$) the error $10^{-5}t$ hides under $t^2$."""
+
+    def retr(self, x, u):
+        return super().retr(x, (1 + 1e-5) * u)
+
+
+class KinkedRetraction(Stiefel):
+    r"""$R_x(u) = \operatorname{msign}(x + u + 10^{-3}\|u\|G)$: not differentiable at 0 (an error
+    $10^{-3}t$, even in $t$, so a central difference cancels it); float32's slope steps
+    ($10^{-2}..10^{-1}$) let $t^2$ hide it."""
+
+    def retr(self, x, u):
+        kink = 1e-3 * u.norm(dim=(-2, -1), keepdim=True) * fixed_gaussian(x, 1)
+        return super().retr(x, u + kink)
+
+
+@DTYPES
+def test_a_slightly_wrong_retraction_derivative_is_caught(dtype):
+    assert failed_checks(Stiefel(), dtype) == []
+    assert "retr_derivative" in failed_checks(SlightlyStretchedRetraction(), dtype)
+
+
+def test_a_kinked_retraction_is_caught_in_float32():
+    assert failed_checks(Stiefel(), torch.float32) == []
+    assert "retr_slope" in failed_checks(KinkedRetraction(), torch.float32)
+
+
+class NormNotSquared(Stiefel):
+    r"""``inner(x, u)`` returns $\|u\|$ instead of $\|u\|^2$ (what geoopt's RiemannianAdam reads
+    as the squared gradient norm); ``inner(x, u, v)`` is right."""
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        if v is None:
+            return u.norm(dim=(-2, -1), keepdim=keepdim)
+        return super().inner(x, u, v, keepdim=keepdim)
+
+
+class AsymmetricMetric(Stiefel):
+    r"""$g(u, w) = \langle u, w\rangle + c(\langle u, a\rangle\langle w, b\rangle
+    - \langle u, b\rangle\langle w, a\rangle)$ for orthonormal tangent $a, b$ at $x$: not symmetric,
+    yet ``egrad2rgrad`` is its exact gradient ($g(r, w) = \langle u, w\rangle$ for tangent $w$),
+    so the gradient check alone passes it.
+    For one unbatched point (``[m, n]``)."""
+
+    skew = 0.5
+
+    def _frame(self, x):
+        a = self.proju(x, fixed_gaussian(x, 2))
+        a = a / a.norm()
+        b = self.proju(x, fixed_gaussian(x, 3))
+        b = b - (a * b).sum() * a
+        return a, b / b.norm()
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        v = u if v is None else v
+        a, b = self._frame(x)
+        return (u * v).sum() + self.skew * ((u * a).sum() * (v * b).sum() - (u * b).sum() * (v * a).sum())
+
+    def egrad2rgrad(self, x, u):
+        # r + c(<r, a> b - <r, b> a) = P u, solved on span(a, b): alpha - c beta = <Pu, a>, beta + c alpha = <Pu, b>
+        p = self.proju(x, u)
+        a, b = self._frame(x)
+        pa, pb, c = (p * a).sum(), (p * b).sum(), self.skew
+        alpha, beta = (pa + c * pb) / (1 + c * c), (pb - c * pa) / (1 + c * c)
+        return p - c * (alpha * b - beta * a)
+
+
+@DTYPES
+@pytest.mark.parametrize("broken, check", [(NormNotSquared, "inner_norm_matches"),
+                                           (AsymmetricMetric, "inner_symmetric")])
+def test_a_wrong_metric_is_caught(broken, check, dtype):
+    assert failed_checks(Stiefel(), dtype) == []
+    failures = failed_checks(broken(), dtype)
+    assert check in failures
+    if broken is AsymmetricMetric:
+        assert "egrad2rgrad_is_gradient" not in failures  # its gradient is consistent: only symmetry sees it
+
+
+class RetypingProjection(Stiefel):
+    """``proju`` returns float64 whatever it is given (the other methods are right)."""
+
+    def proju(self, x, u):
+        return super().proju(x, u).double()
+
+
+def test_the_dtype_report_names_only_the_methods_that_retype():
+    assert failed_checks(Stiefel(), torch.float32) == []
+    report = check_manifold_contract(RetypingProjection(), SHAPE, dtype=torch.float32, raise_on_failure=False)
+    note = report["methods_keep_the_dtype"].note
+    # egrad2rgrad and transp call proju, so they retype too; projx and retr do not
+    assert "proju" in note and "projx" not in note and "retr" not in note
+
+
+@DTYPES
+@pytest.mark.parametrize("manifold, shape", [(DGram(), (8, 1)), (DGram(), (1, 8)), (DGram(), (3, 1, 1)),
+                                             (Oblique(), (1, 8)), (Oblique(), (3, 1, 1)), (Stiefel(), (3, 1, 1)),
+                                             (LPRO(radius=2.0), (8, 1))],
+                         ids=["dgram_column", "dgram_row", "dgram_1x1", "oblique_row", "oblique_1x1",
+                              "stiefel_1x1", "lpro_column"])
+def test_correct_manifolds_with_one_row_or_column_pass(manifold, shape, dtype):
+    # a multiplier that vanishes (L_x = 0), a tangent space {0} and a 1x1 step onto the origin
+    # had given NaN residuals, 0/0 comparisons and exceptions; several seeds, none may flake
+    for seed in range(3):
+        check_manifold_contract(manifold, shape, dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("shape", [5, (5,), (-3, 4), (2.5, 3), "ab", (True, 3)])
+def test_bad_shapes_are_refused_with_a_clear_message(shape):
+    with pytest.raises(ValueError, match="check_manifold_contract: shape"):
+        check_manifold_contract(Stiefel(), shape)
