@@ -5,12 +5,13 @@ interop, and the result must match closed forms and pass the whole contract.
 """
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from geomuon.manifolds import MatrixManifold, Oblique
-from geomuon.theory.contracts import check_manifold_contract, manifold_residual
+from geomuon.theory.contracts import check_manifold_contract, default_tolerance, manifold_residual
 
 
 @pytest.fixture(autouse=True)
@@ -248,3 +249,19 @@ def test_manifold_muon_refuses_what_it_cannot_step_with_the_manifold_it_names():
 
     with pytest.raises(ValueError, match="OnlyConstraint defines neither defining_map"):
         ManifoldMuon([torch.nn.Parameter(torch.randn(6, 4))], manifold=OnlyConstraint())
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e4, 1e6])
+def test_the_generic_projection_lands_from_far_and_near(scale):
+    # Old base class: in float32 the conjugate-gradient sums of a right-hand side of 7e12 (from
+    # scale 1e6) overflowed, the solve returned 0 and projx stopped at once, 0.5 off M with no
+    # warning; and 30 Gauss-Newton steps (each about halving the distance from afar) had left a
+    # generalized Stiefel point from 1e4 0.35 off M. Bounds: default_tolerance of each dtype, the
+    # contract's (a relative residual of a correct projection is its round-off).
+    gen = torch.Generator().manual_seed(0)
+    for manifold, dtype in ((UnitColumnsFromMaps(), torch.float32), (GeneralizedStiefel(spd(8)), torch.float64)):
+        x = scale * torch.randn(2, 8, 3, dtype=dtype, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # converged: no "did not converge" warning either
+            y = manifold.projx(x)
+        assert manifold_residual(manifold, y) <= default_tolerance(dtype), (type(manifold).__name__, scale)
