@@ -228,20 +228,23 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     "(stacked matrices [..., m, n]) or 'flatten' (conv kernels) in its group"
                 )
 
-    def _check_regulation(self, group: dict, index: int, regulator, params: list[torch.Tensor]) -> None:
-        """Refuse (``ValueError``, before any group steps) a float rate the group's regulator
-        cannot follow at the shape of one of ``params`` (the soft cap's ``eta`` past its reach):
-        it had raised inside the step, after earlier groups and this one had moved. A tensor
-        rate is never read back, so it is not checked."""
-        lr = group["lr"]
-        if regulator is None or isinstance(lr, torch.Tensor):
-            return
-        shapes = {tuple(p.shape if group["update"] == "adamw" else self._matrix_shape(group, p)[-2:]) for p in params}
+    def regulation_refusal(self, index: int, lr: float) -> str | None:
+        """Why group ``index``'s regulator cannot follow one update of its matrices at the float
+        rate ``lr`` (``None``: it can, or the group has none): the soft cap's reach past what it
+        can bring back. :meth:`step` asks at the group's rate before any group steps (it had
+        raised inside the step, after earlier groups and this one had moved); a training loop
+        can ask at the schedule's peak before the first step."""
+        group = self.param_groups[index]
+        regulator = self._group_regulator(group, index)
+        if regulator is None:
+            return None
+        shapes = {tuple(p.shape if group["update"] == "adamw" else self._matrix_shape(group, p)[-2:])
+                  for p in group["params"]}
         for shape in sorted(shapes):
-            why = regulator_refusal(regulator, float(lr), shape)
+            why = regulator_refusal(regulator, lr, shape)
             if why is not None:
-                raise ValueError(f"{type(self).__name__}: group {index}, regulate={group['regulate']!r} at lr={lr:g} "
-                                 f"and shape {shape}: {why}; nothing was stepped")
+                return f"regulate={group['regulate']!r} at lr={lr:g} and shape {shape}: {why}"
+        return None
 
     def _regulated(self, group: dict, regulator, W: torch.Tensor, lr: float | torch.Tensor,
                    state: dict) -> torch.Tensor:
@@ -291,8 +294,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_pre_hooks = hooks
-        for group in self.param_groups:
-            self._complete_group(group)
+        # (torch's load ends in __setstate__, which completed the groups and rebuilt the derived state)
         # torch casts every floating state entry but "step" to its parameter's dtype; an entry
         # kept in another precision (:meth:`_state_dtype`) is taken from the saved tensor
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -302,7 +304,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 dtype = self._state_dtype(key, p)
                 if dtype is not None and isinstance(value, torch.Tensor) and not _distributed.is_sharded(value):
                     self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
-        self._rebuild_derived_state()
 
     def _complete_group(self, group: dict) -> dict:
         """``group`` with the keys it lacks set as :meth:`add_param_group` sets them."""
@@ -374,7 +375,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.__getstate__ (pickle, copy.deepcopy) keeps only defaults, state and
         # param_groups; everything else is derived from them and rebuilt here.
+        # A loaded group may lack keys (torch.optim.Muon's, an older version's): completed before
+        # the derived state reads them (Muon's update bound had raised KeyError mid-load).
         super().__setstate__(state)
+        for group in self.param_groups:
+            self._complete_group(group)
         self._rebuild_derived_state()
 
     def _rebuild_derived_state(self) -> None:
@@ -408,7 +413,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # nothing half-stepped and no rank waiting in a collective
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
             _distributed.check_group(self, group, index, params, positions)
-            self._check_regulation(group, index, regulators[index], params)
+            if params and regulators[index] is not None and not isinstance(group["lr"], torch.Tensor):
+                if (why := self.regulation_refusal(index, float(group["lr"]))) is not None:
+                    raise ValueError(f"{type(self).__name__}: group {index}, {why}; nothing was stepped")
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
             if not params:
                 continue

@@ -15,7 +15,6 @@ $0.2\sqrt{\max(m, n)}$ (``"match_rms_adamw"``), $(m, n)$ the last two dimensions
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any, Iterable
 
 import torch
@@ -147,9 +146,12 @@ class Muon(MatrixOptimizer):
 
     def update_bound(self, group: dict):
         r"""$\text{lr}\cdot\sup p^{(K)}\cdot 1.05\cdot\sqrt{\text{fan\_in}/\text{fan\_out}}\;s$ for the
-        group's quintic, its step count and its ``adjust_lr_fn`` (:func:`~geomuon.optimizers.regulate.muon_update_norm`;
+        group's quintic, its step count and its ``adjust_lr_fn`` as they are when it is called (a group
+        edited between steps is bound by its new options; :func:`~geomuon.optimizers.regulate.muon_update_norm`,
         the soft cap's default $\eta$ for Keller's quintic and ``"original"``, bitwise)."""
-        return partial(muon_update_norm, schedule=self._quintic(group), adjust_lr=group["adjust_lr_fn"] or "original")
+        def bound(lr, shape):
+            return muon_update_norm(lr, shape, schedule=self._quintic(group), adjust_lr=group["adjust_lr_fn"] or "original")
+        return bound
 
     def _lr_scale(self, group: dict, shape: tuple[int, ...]) -> float:
         return muon_shape_factor(*shape, group["adjust_lr_fn"])

@@ -778,7 +778,7 @@ class SoftCap(Regulator):
         ``adjust_lr="original"`` only: Muon with ``"match_rms_adamw"`` had pushed the RMS→RMS norm
         to 1.054 at ``w_max = 1``, the PolarGrad maps to 1.03). An optimizer that states no
         bound is refused: give ``eta``."""
-        if self.eta is not None:
+        if self.eta is not None or type(self).eta_for is not SoftCap.eta_for:  # (a subclass's own eta)
             return self
         if update_bound is None:
             raise ValueError(

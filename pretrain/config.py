@@ -212,7 +212,7 @@ class TrainConfig:
         options (a comparison's; default: this run's), of which one must take each option of
         :data:`RULE_OPTIONS` set to other than its default."""
         problems = field_problems(self, skip=() if named_strategy else ("strategy",))
-        if named_strategy and not problems:
+        if named_strategy and not problems and not self.resume:  # (a resume must repeat the run's options)
             problems += self.unused_options([self.strategy] if sharing is None else list(sharing))
         if isinstance(self.data, str) and (problem := spec_problem(self.data)):
             problems.append(f"--data: {problem}")

@@ -101,7 +101,7 @@ except ImportError:  # Windows: run folders are not locked
 from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import is_sharded, whole
-from geomuon.optimizers.regulate import Chain, SoftCap, make_regulator, soft_cap_alpha
+from geomuon.optimizers.base import MatrixOptimizer
 from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args
 from geomuon.pretrain.data import TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
@@ -580,45 +580,31 @@ def model_config(cfg: TrainConfig, data: TokenData) -> GPTConfig:
 
 
 def _check_soft_caps(assignment: Assignment) -> None:
-    r"""Refuse a learning rate that a soft-capped group (the ``lipschitz`` strategy's) cannot
-    hold. :func:`~geomuon.optimizers.regulate.soft_cap_alpha` raises when one update can push
-    a singular value further past ``w_max`` than a monotone soft cap can bring back; it runs
-    at every step with that step's rate, so a warmup had reached such a rate mid-run, with
-    nothing of the run checkpointed. The schedule's peak is each group's base rate
-    (:func:`lr_factor` ≤ 1), and the cap's reach $w_{\max}(1 - \text{lr}\cdot\text{wd}) +
-    \eta(\text{lr})$ is linear in the rate for Muon's update bound (the default
-    ``eta``), so its largest value over the schedule is at the peak or at most ``w_max``
-    (where no cap acts): checking the peak checks every step."""
+    r"""Refuse a learning rate that a regulated group (the ``lipschitz`` strategy's soft cap)
+    cannot follow (:meth:`~geomuon.optimizers.base.MatrixOptimizer.regulation_refusal`: one
+    update can push a singular value further past ``w_max`` than a monotone soft cap can bring
+    back). The step refuses such a rate too, so a warmup had reached it mid-run, with nothing of
+    the run checkpointed. The schedule's peak is each group's base rate (:func:`lr_factor` ≤ 1),
+    and the cap's reach $w_{\max}(1 - \text{lr}\cdot\text{wd}) + \eta(\text{lr})$ is linear in
+    the rate for an optimizer's update bound, so its largest value over the schedule is at the
+    peak or at most ``w_max`` (where no cap acts): checking the peak checks every step."""
     for optimizer in assignment.optimizers.values():
-        for group in optimizer.param_groups:
-            regulator = make_regulator(group.get("regulate"))
-            caps = [r for r in (regulator.regulators if isinstance(regulator, Chain) else [regulator])
-                    if isinstance(r, SoftCap)]
-            shapes = {tuple(p.shape) for p in group["params"]}
-            if _soft_caps_hold(caps, shapes, group["lr"]):
+        if not isinstance(optimizer, MatrixOptimizer):  # (torch's optimizers take no regulator)
+            continue
+        for index, group in enumerate(optimizer.param_groups):
+            peak = float(group["lr"])
+            why = optimizer.regulation_refusal(index, peak)
+            if why is None:
                 continue
-            lo, hi = 0.0, group["lr"]  # the largest rate that holds: bisection, to float64 round-off
+            lo, hi = 0.0, peak  # the largest rate that holds: bisection, to float64 round-off
             while lo < (mid := (lo + hi) / 2) < hi:
-                lo, hi = (mid, hi) if _soft_caps_hold(caps, shapes, mid) else (lo, mid)
+                lo, hi = (mid, hi) if optimizer.regulation_refusal(index, mid) is None else (lo, mid)
             flag = "--adamw-lr" if group.get("update") == "adamw" else "--lr"
-            w_max = max(cap.w_max for cap in caps)
             usable = (f"use {flag} ≤ {_round_down(lo)} or a larger --w-max" if lo > 0
                       else "no learning rate fits: use a larger --w-max")
-            raise ValueError(f"{flag} {group['lr']:g} is too large for the soft cap at --w-max {w_max:g} (the "
-                             f"lipschitz strategy's spectral cap): one update can push a singular value further "
-                             f"past w_max than the cap can bring back; {usable}")
-
-
-def _soft_caps_hold(caps: list[SoftCap], shapes: set[tuple[int, ...]], lr: float) -> bool:
-    """Whether each of ``caps`` has a monotone soft cap for one update at rate ``lr`` of a
-    weight of each of ``shapes``."""
-    try:
-        for cap in caps:
-            for shape in shapes:
-                soft_cap_alpha(cap.w_max, lr * cap.weight_decay, cap.eta_for(lr, shape))
-    except ValueError:
-        return False
-    return True
+            raise ValueError(f"{flag} {peak:g} is too large for the soft cap of {type(optimizer).__name__}'s group "
+                             f"{index} (the lipschitz strategy's spectral cap, --w-max): one update can push a "
+                             f"singular value further past w_max than the cap can bring back ({why}); {usable}")
 
 
 def _round_down(x: float, digits: int = 3) -> str:

@@ -2,6 +2,7 @@
 coupling against an independent root finder, and the promised RMS→RMS bounds after every
 step of 500-step Muon runs, measured independently by SVD."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -910,3 +911,48 @@ def test_a_rate_the_regulator_cannot_follow_is_refused_before_any_group_steps():
     opt.param_groups[1]["lr"] = 0.05  # control: a rate it can follow steps both groups
     opt.step()
     assert not torch.equal(free.detach(), before[0]) and not torch.equal(capped.detach(), before[1])
+
+
+def test_the_update_bound_follows_the_groups_options():
+    # Muon's bound had been taken from the group's options when its regulator was built: a group
+    # switched to adjust_lr_fn="match_rms_adamw" (a 3.9x larger update at 384 x 384) kept the old
+    # eta, while a deepcopy or a reload of the same optimizer took the new one. At lr = 0.1 the
+    # soft cap at w_max = 1 holds the original update (eta = 0.126 <= 0.306) but not the new (0.50).
+    import copy
+
+    opt = Muon([torch.nn.Parameter(torch.zeros(384, 384))], lr=0.1, regulate={"name": "soft_cap", "w_max": 1})
+    assert opt.regulation_refusal(0, 0.1) is None
+    opt.param_groups[0]["adjust_lr_fn"] = "match_rms_adamw"
+    assert "too large" in opt.regulation_refusal(0, 0.1)
+    assert copy.deepcopy(opt).regulation_refusal(0, 0.1) == opt.regulation_refusal(0, 0.1)
+
+
+def test_a_soft_cap_subclass_that_computes_its_eta_needs_no_update_bound():
+    # SoftCap.eta documents overriding eta_for for an eta an optimizer cannot store; such a
+    # subclass had been refused wherever the optimizer states no bound (an AdamW group here)
+    @dataclasses.dataclass(repr=False)
+    class ScaledCap(SoftCap):
+        name = "scaled_cap_of_the_eta_for_test"  # (an optimizer stores its regulator by registered name)
+
+        def eta_for(self, lr, shape):
+            return 0.1 * lr
+
+    W = torch.nn.Parameter(torch.randn(8, 4))
+    Muon([{"params": [W], "update": "adamw", "regulate": ScaledCap(w_max=1.0)}], lr=0.02)
+    with pytest.raises(ValueError, match="give eta"):  # control: the plain cap needs its eta there
+        Muon([{"params": [W], "update": "adamw", "regulate": SoftCap(w_max=1.0)}], lr=0.02)
+
+
+def test_a_state_missing_a_group_key_loads_with_a_regulator():
+    # torch's load ends in __setstate__, which rebuilt the regulators before the missing keys were
+    # filled: Muon's bound read the absent adjust_lr_fn, KeyError half-way through the load
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    opt = Muon([W], lr=0.02, regulate={"name": "soft_cap", "w_max": 1})
+    W.grad = torch.randn_like(W)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["adjust_lr_fn"]
+    fresh = Muon([W], lr=0.02, regulate={"name": "soft_cap", "w_max": 1})
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["adjust_lr_fn"] is None and torch.equal(
+        fresh.state[W]["momentum_buffer"], opt.state[W]["momentum_buffer"])

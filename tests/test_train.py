@@ -141,7 +141,7 @@ def test_a_rate_the_soft_cap_cannot_hold_is_refused_before_training(tmp_path):
     # soft_cap_alpha raises for a rate past what the cap can bring back to w_max; it had run at each
     # step's scheduled rate, so the warmup reached it mid-run (no checkpoint, a message about eta)
     lipschitz = dict(model="cpu-lipschitz", strategy="lipschitz", warmup_steps=20, steps=40, lipschitz_bound="off")
-    refused = r"--lr 1 is too large for the soft cap at --w-max 2 .*use --lr ≤ "
+    refused = r"--lr 1 is too large for the soft cap of Muon's group .*w_max=2 .*use --lr ≤ "
     with pytest.raises(ValueError, match=refused) as refusal:
         train(tiny(tmp_path, lr=1.0, **lipschitz))
     assert not (tmp_path / "run").exists()  # before the folder, the log and the first step
@@ -152,8 +152,32 @@ def test_a_rate_the_soft_cap_cannot_hold_is_refused_before_training(tmp_path):
     assert result.last_step == 2 and not result.diverged
     with pytest.raises(ValueError, match="is too large for the soft cap"):
         train(tiny(tmp_path, lr=usable * 1.02, out_dir=None, **lipschitz))
-    with pytest.raises(ValueError, match=r"--lr 1 is too large for the soft cap at --w-max 4 "):
+    with pytest.raises(ValueError, match=r"--lr 1 is too large for the soft cap .*w_max=4 "):
         train(tiny(tmp_path, lr=1.0, w_max=4.0, **lipschitz))  # the cap named is the configured one
+
+
+def test_the_peak_rate_check_asks_the_optimizers_own_update_bound(tmp_path):
+    # A hook's Muon with adjust_lr_fn="match_rms_adamw" takes a 13 % larger step at cpu-tiny's
+    # attention shapes than Keller's "original" (eta 1.43 lr against 1.26 lr): at w_max = 2 the
+    # soft cap holds lr <= 0.43 against 0.49. The check before training had used the default eta,
+    # passed lr = 0.45, and the step then refused it mid-run.
+    def hook(model, hyper):
+        rules = {role: Rule("muon", regulate="soft_cap") for role in ATTENTION_ROLES}
+        return assign(model, rules, dataclasses.replace(hyper, extra={"adjust_lr_fn": "match_rms_adamw"}))
+
+    with pytest.raises(ValueError, match=r"--lr 0.45 is too large for the soft cap .*use --lr ≤ 0\.4"):
+        train(tiny(tmp_path, strategy="capped", lr=0.45), build_assignment=hook)
+    assert not (tmp_path / "run").exists()
+    # control: a rate the cap holds trains
+    assert train(tiny(tmp_path, strategy="capped", lr=0.4, out_dir=None, stop_after=2), build_assignment=hook).last_step == 2
+
+
+def test_a_run_started_with_an_option_its_strategy_ignores_still_resumes(tmp_path):
+    # such runs predate the refusal: their checkpoints record the option, which a resume must repeat
+    started = tiny(tmp_path, lr=0.05)
+    with pytest.raises(ValueError, match="--lr 0.05 would be ignored"):
+        started.validate()
+    dataclasses.replace(started, resume=True).validate()
 
 
 def test_evaluation_metrics_show_a_nan_instead_of_hiding_it():
