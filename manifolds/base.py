@@ -41,7 +41,7 @@ with warnings.catch_warnings():
     import geoopt
 from geoopt.utils import size2shape
 
-from .linalg import check_matrix, fp32_or_fp64, power_of_two_at_most
+from .linalg import check_matrix, fp32_or_fp64, largest_entry, power_of_two_at_most
 
 __all__ = [
     "MatrixManifold",
@@ -679,8 +679,7 @@ def conjugate_gradients(apply, b: torch.Tensor, diag: torch.Tensor) -> torch.Ten
     # ones bit for bit wherever those neither over- nor underflow): in float32 the sums r.z and
     # p.Gp of a right-hand side of 7e12 (Gauss-Newton from a point at scale 1e6) had overflowed,
     # alpha became 0 and the solve returned 0, so projx stopped at once, 0.5 off M, unwarned
-    largest = b.abs().amax(-1, keepdim=True)
-    scale = torch.where(largest > tiny, power_of_two_at_most(largest.clamp_min(tiny)), torch.ones_like(largest))
+    scale = power_of_two_at_most(largest_entry(b, -1))
     b = b / scale
     b_norm = b.norm(dim=-1, keepdim=True)
     gram_norm = torch.zeros_like(b_norm)

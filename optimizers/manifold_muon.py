@@ -191,7 +191,7 @@ def _leaves_own(own, manifold: MatrixManifold, shape: tuple[int, ...]) -> bool:
     the group's without a word), when it refuses a float64 point of ``manifold`` (its
     ``geoopt.Euclidean`` default holds every point)."""
     if isinstance(own, MatrixManifold):
-        return _identity(own) != _identity(manifold)
+        return own.identity != manifold.identity
     return not own.check_point_on_manifold(manifold.random(*shape, dtype=torch.float64))
 
 
@@ -204,12 +204,6 @@ def _holds_every_point(own, p: torch.Tensor) -> bool:
         return own.constraint(p.detach(), p.detach()).numel() == 0
     probe = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(0)).to(p.device)
     return bool(own.check_point_on_manifold(probe))
-
-
-def _identity(manifold) -> object:
-    """What makes two manifolds interchangeable (``MatrixManifold.identity``; the instance
-    itself for another geoopt manifold)."""
-    return manifold.identity if isinstance(manifold, MatrixManifold) else manifold
 
 
 #: Options of the dual iterations (``None``: the manifold's default), which

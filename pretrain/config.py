@@ -273,7 +273,7 @@ class TrainConfig:
         rule of ``strategies`` (names of :data:`~geomuon.optimizers.assign.STRATEGIES`; others
         are left to their own check)."""
         named = [name for name in strategies if name in STRATEGIES]
-        rules = [rule for name in named for rule in strategy_table(name)[1].values()]
+        rules = [rule for name in named for rule in STRATEGIES[name].values()]
         defaults = {f.name: f.default for f in fields(self)}
         problems = []
         for name, (takes, takers) in RULE_OPTIONS.items():

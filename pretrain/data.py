@@ -294,7 +294,7 @@ def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
     if kind == "shakespeare":
         # only a trailing ":nocheck" is a flag: the path itself may hold ':' (splitting at
         # the first one had refused "col:on/tiny.txt" as an unknown flag 'on/tiny.txt')
-        return shakespeare_data(spec_source(spec).removeprefix("shakespeare:"), check=not rest.endswith(":nocheck"))
+        return shakespeare_data(rest.removesuffix(":nocheck"), check=not rest.endswith(":nocheck"))
     if kind == "text":
         return char_data(read_text(rest), f"text:{rest}")
     return shard_data(rest, vocab_size)

@@ -2,7 +2,7 @@
 unbroken parent (same shape, seed and dtype) as the negative control.
 
 Every break here had passed the contract. The bounds are the contract's own
-(:func:`default_tolerance`, ``RETRACTION_DERIVATIVE_BOUND``, ``MIN_RETRACTION_SLOPE``, whose
+(:func:`default_tolerance`, ``CENTRAL_DIFFERENCE_BOUND``, ``MIN_RETRACTION_SLOPE``, whose
 comments derive them); each break is sized orders of magnitude past them and each unbroken
 parent sits orders below, so no test depends on a seed's luck.
 """

@@ -33,8 +33,9 @@ def config(out_dir, **options):
     whole-matrix state, held by the rank that maps the matrix), Muon and AdamW."""
     # fp32 directions (the tolerance below is the fp32 one) where there are matrix updates
     # other than AdamW (an adamw run refuses the option it would ignore)
-    direction_dtype = "default" if options.get("strategy") == "adamw" else "fp32"
-    return TrainConfig(**{**dict(model="cpu-tiny", strategy="hetero", steps=STEPS, batch_size=4, block_size=32,
+    strategy = options.get("strategy", "hetero")
+    direction_dtype = "default" if TrainConfig(direction_dtype="fp32").unused_options([strategy]) else "fp32"
+    return TrainConfig(**{**dict(model="cpu-tiny", strategy=strategy, steps=STEPS, batch_size=4, block_size=32,
                                  eval_every=HALF, eval_batches=1, warmup_steps=2, direction_dtype=direction_dtype,
                                  out_dir=str(out_dir), progress=False, print_table=False), **options})
 

@@ -579,8 +579,8 @@ def test_sphere_projx_normalizes_each_slice_whatever_its_neighbours_scale(manifo
 
 
 # --------------------------------------------------------------------------- geoopt surface
-FLAT = {"euclidean": Euclidean, "lpro": LPRO, "centeredrouterspace": CenteredRouterSpace}
-CURVED = {name: factory for name, factory in MANIFOLDS.items() if name not in FLAT}
+FLAT = ("euclidean", "lpro", "centeredrouterspace")
+CURVED = [name for name in MANIFOLDS if name not in FLAT]
 
 
 @pytest.mark.parametrize("name", CURVED)

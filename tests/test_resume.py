@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from geomuon.cli import main as cli
-from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.train import TrainConfig, TrainingInterrupted, load_checkpoint, previous_checkpoint, save_checkpoint, train
 
 STEPS = 400  # the schedule; the runs below stop long before its end
@@ -24,7 +23,7 @@ STEPS = 400  # the schedule; the runs below stop long before its end
 def config(out_dir, **overrides):
     strategy = overrides.get("strategy", "hetero")
     # 3 dual steps where Manifold Muon runs (another strategy refuses the option it would ignore)
-    dual_steps = 3 if any(rule.update == "manifold_muon" for rule in STRATEGIES[strategy].values()) else None
+    dual_steps = None if TrainConfig(strategy=strategy, dual_steps=3).unused_options([strategy]) else 3
     base = dict(model="cpu-tiny", strategy=strategy, steps=STEPS, batch_size=4, block_size=32,
                 eval_every=1000, eval_batches=1, ckpt_every=3, warmup_steps=5, dual_steps=dual_steps,
                 out_dir=str(out_dir), progress=False, print_table=False)

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from geomuon.theory.equivariance import EXIT_CODES, check_equivariance  # lazy: --help stays fast
+    from geomuon.theory.equivariance import EXIT_CODES, check_equivariance, finer_precision  # lazy: --help stays fast
 
     from geomuon.theory.groups import get_group
 
@@ -187,10 +187,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--condition must be a finite number >= 1, got {args.condition}")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
-        if args.compute_dtype and torch.finfo(_DTYPES[args.compute_dtype]).eps < torch.finfo(_DTYPES[args.dtype]).eps:
-            # a finer stated precision than the inputs' asks the map to hold more than its inputs
-            # carry: a bf16-rounding map was then "violated" with no hint why (compared by eps, not
-            # bytes: float16 is finer than bfloat16 at the same size)
+        if args.compute_dtype and finer_precision(_DTYPES[args.compute_dtype], _DTYPES[args.dtype]):
+            # check_equivariance refuses it too, but by its parameters' names, not the flags: a finer
+            # stated precision than the inputs' asks the map to hold more than its inputs carry
             raise ValueError(f"--compute-dtype {args.compute_dtype} is finer than --dtype {args.dtype}; the "
                              "precision to hold is at most the inputs' (leave it out to hold --dtype's)")
         kwargs = _arguments(args.arg)

@@ -46,14 +46,15 @@ __all__ = [
 #: manifolds built as the tutorial shows.
 PROJX_SCALES = (0.1, 10.0)
 
-#: Step $t$ (relative to $\|x\|/\|v\|$) and bound of the central-difference test of
-#: $dR_x(0) = \mathrm{id}$, in float64: $\frac{R_x(tv) - R_x(-tv)}{2t} - v$ is
+#: Step $t$ (relative to $\|x\|/\|v\|$) and bound of the float64 central differences: of
+#: ``defining_map`` against ``constraint``, and of $dR_x(0) = \mathrm{id}$, where
+#: $\frac{R_x(tv) - R_x(-tv)}{2t} - v$ is
 #: $\tfrac{t^2}{6}R^{(3)}[v, v, v]$ (relative size $t^2\|v\|^2\kappa^2 \approx 10^{-8}$ for
 #: curvature $\kappa \sim 1/\|x\|$ and $\|v\| = \|x\|$) plus round-off $\varepsilon/t \approx 10^{-12}$;
 #: the bound $10^{-6}$ sits two orders above both and catches $dR_x(0) = (1 + \delta)\,\mathrm{id}$
 #: for $\delta \ge 10^{-6}$ (the log-log slope alone passes $\delta = 10^{-5}$ in float64 and
 #: $10^{-3}$ in float32: $\delta t$ hides under $t^2$ over its range of $t$).
-RETRACTION_DERIVATIVE_STEP, RETRACTION_DERIVATIVE_BOUND = 1e-4, 1e-6
+CENTRAL_DIFFERENCE_STEP, CENTRAL_DIFFERENCE_BOUND = 1e-4, 1e-6
 
 #: Smallest accepted log-log slope of $\|R_x(tv) - (x + tv)\|$ against $t$ (2 in theory).
 MIN_RETRACTION_SLOPE = 1.9
@@ -127,9 +128,9 @@ def _float64_point_and_tangent(manifold: MatrixManifold, x: torch.Tensor, direct
 
 def _retraction_derivative_error(manifold: MatrixManifold, x: torch.Tensor, v: torch.Tensor) -> float:
     r"""Relative error of the central difference $\frac{R_x(tv) - R_x(-tv)}{2t}$ against $v$,
-    largest over the batch, at $t$ = :data:`RETRACTION_DERIVATIVE_STEP` (float64 ``x``, tangent
+    largest over the batch, at $t$ = :data:`CENTRAL_DIFFERENCE_STEP` (float64 ``x``, tangent
     ``v`` of norm $\|x\|$: :func:`_float64_point_and_tangent`)."""
-    t = RETRACTION_DERIVATIVE_STEP
+    t = CENTRAL_DIFFERENCE_STEP
     slope = (manifold.retr(x, t * v).double() - manifold.retr(x, -t * v).double()) / (2 * t)
     return float((_matrix_norm(slope - v) / _matrix_norm(v).clamp_min(1e-300)).max())
 
@@ -230,7 +231,7 @@ def check_manifold_contract(
     * ``retr(x, 0) = x``; ``retr`` lands on $M$ for steps of 0.1, 0.5 and 2 times $\|x\|$;
       $\|R_x(tv) - (x + tv)\|$ shrinks like $t^2$ (log-log slope $\ge 1.9$, in float32 also
       over the float64 math at float64's steps); $dR_x(0) = \mathrm{id}$ by a float64 central
-      difference (bound $10^{-6}$, :data:`RETRACTION_DERIVATIVE_BOUND`); ``transp``
+      difference (bound $10^{-6}$, :data:`CENTRAL_DIFFERENCE_BOUND`); ``transp``
       lands in the new tangent space and is the identity from $x$ to $x$;
     * ``inner`` is symmetric on tangent vectors and ``inner(x, u)`` is ``inner(x, u, u)``;
     * ``projx`` lands on $M$ also from a point 10 times closer to and farther from the
@@ -335,12 +336,12 @@ def check_manifold_contract(
     if manifold.has_defining_map:
         # A generic (not tangent) direction, so that a wrong normal part of L is caught.
         x64, u64 = x.double(), u.double()
-        h = 1e-4 * float(_matrix_norm(x64).max() / _matrix_norm(u64).max())
+        h = CENTRAL_DIFFERENCE_STEP * float(_matrix_norm(x64).max() / _matrix_norm(u64).max())
         forward = manifold.defining_map(x64 + h * u64)
         central = (forward - manifold.defining_map(x64 - h * u64)) / (2 * h)
         direct = manifold.constraint(x64, u64)
         error = float((central - direct).norm()) / (float(direct.norm()) + 1e-300)
-        record("defining_map_derivative", error, 1e-6)
+        record("defining_map_derivative", error, CENTRAL_DIFFERENCE_BOUND)
 
     record("retr_zero", rel(manifold.retr(x, torch.zeros_like(x)) - x, x))
     direction = pu * (_matrix_norm(x) / _matrix_norm(pu).clamp_min(1e-30))[..., None, None]
@@ -363,7 +364,7 @@ def check_manifold_contract(
     record("retr_slope", slope, MIN_RETRACTION_SLOPE, at_least=True,
            note="affine retraction (exact)" if math.isinf(slope) else
            f"errors {errors[0]:.1e}..{errors[-1]:.1e}")
-    record("retr_derivative", _retraction_derivative_error(manifold, x64, v64), RETRACTION_DERIVATIVE_BOUND)
+    record("retr_derivative", _retraction_derivative_error(manifold, x64, v64), CENTRAL_DIFFERENCE_BOUND)
     transported = manifold.transp(x, far, pv.clone())
     record("transp_tangent", rel(normal_component(manifold, far, transported), pv))
     record("transp_identity", rel(manifold.transp(x, x, pv.clone()) - pv, pv))

@@ -140,6 +140,7 @@ __all__ = [
     "SCALES",
     "SCALE_HEADROOM",
     "trial_scales",
+    "finer_precision",
     "scale_index",
     "MIN_TRIALS",
     "CONFIRMATION_PROBES",
@@ -689,6 +690,12 @@ def _eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps)
 
 
+def finer_precision(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether ``dtype`` resolves more than ``than`` (a smaller machine epsilon; compared by eps,
+    not bytes: float16 is finer than bfloat16 at the same size)."""
+    return _eps(dtype) < _eps(than)
+
+
 @dataclass
 class Trial:
     """One (input, group element) draw: the residual, the measured noise floor, the verdict
@@ -1062,7 +1069,7 @@ def _check_precision(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> N
     for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
         if value is not None and value not in CHECK_DTYPES:
             raise ValueError(f"{name} must be one of {[str(d) for d in CHECK_DTYPES]}, got {value!r}")
-    if compute_dtype is not None and _eps(compute_dtype) < _eps(dtype):
+    if compute_dtype is not None and finer_precision(compute_dtype, dtype):
         raise ValueError(f"compute_dtype {_dtype_name(compute_dtype)} is finer than dtype {_dtype_name(dtype)} "
                          f"(eps {_eps(compute_dtype):.1e} < {_eps(dtype):.1e}): the precision to hold is at most "
                          "the inputs'; leave compute_dtype out to hold dtype's, or check with a wider dtype")

@@ -1415,16 +1415,17 @@ def rounding_error_bound(
         # q, k, v, o: per-token l2 errors and magnitudes (sqrt(d) r scale), so the weights enter by
         # their l2 norms (their RMS norms are those only when H d_head = d, and smaller for wider heads)
         scale = math.sqrt(d) * r
-        err = {name: _gamma(d + 1, u) * _sigma(block[name].abs()) * scale for name in ("q", "k", "v")}
-        size = {name: _sigma(block[name]) * scale for name in ("q", "k", "v")}
+        sigma = {name: _sigma(block[name]) for name in "qkvo"}
+        sigma_abs = {name: _sigma(block[name].abs()) for name in "qkvo"}
+        err = {name: _gamma(d + 1, u) * sigma_abs[name] * scale for name in "qkv"}
+        size = {name: sigma[name] * scale for name in "qkv"}
         score_error = score_scale * (err["q"] * size["k"] + size["q"] * err["k"]
                                      + _gamma(d_head + 1, u) * size["q"] * size["k"])
         softmax_error = (T + elementwise_ulps) * u
         y_error = err["v"] + (score_error + softmax_error + _gamma(T + 1, u)) * size["v"]
         y_size = size["v"]
-        sigma_o, sigma_abs_o = _sigma(block["o"]), _sigma(block["o"].abs())
-        attention = c * (sigma_o * y_error + _gamma(d + 1, u) * sigma_abs_o * y_size) / math.sqrt(d)
-        attention += elementwise * c * sigma_o * y_size / math.sqrt(d)
+        attention = c * (sigma["o"] * y_error + _gamma(d + 1, u) * sigma_abs["o"] * y_size) / math.sqrt(d)
+        attention += elementwise * c * sigma["o"] * y_size / math.sqrt(d)
         r_mlp = exact.radii[2 * index + 1]
         hidden_size = norms["mlp_in"] * r_mlp
         hidden_error = _gamma(d + 1, u) * _abs_rms_norm(block["mlp_in"]) * r_mlp

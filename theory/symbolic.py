@@ -1596,6 +1596,14 @@ def _frame(m: int, n: int, prefix: str = "s") -> sp.Matrix:
     return cayley(skew(m, prefix))[:, :n] if m > 1 else sp.ones(1, 1)
 
 
+def _rational_frame(m: int, n: int) -> sp.Matrix:
+    """The first ``n`` columns of the Cayley rotation of size ``m`` whose skew entries are the
+    rationals $(k + 1)/(3 + k)$ (an exact orthonormal frame with no free symbols)."""
+    S = skew(m)
+    S = S.subs({x: sp.Rational(k + 1, 3 + k) for k, x in enumerate(sorted(S.free_symbols, key=str))})
+    return cayley(S)[:, :n]
+
+
 def manifold_points(m: int, n: int, generic: bool = True) -> dict[str, tuple[Any, ExactTensor]]:
     r"""``name -> (manifold, exact symbolic m x n point)`` for every built-in manifold.
 
@@ -1612,12 +1620,7 @@ def manifold_points(m: int, n: int, generic: bool = True) -> dict[str, tuple[Any
     from geomuon.manifolds import LPRO, CenteredRouterSpace, DGram, Euclidean, Oblique, Stiefel
 
     tall, short = max(m, n), min(m, n)
-    if generic:
-        Q = _frame(tall, short)
-    else:
-        S = skew(tall)
-        S = S.subs({s: sp.Rational(k + 1, 3 + k) for k, s in enumerate(sorted(S.free_symbols, key=str))})
-        Q = cayley(S)[:, :short]
+    Q = _frame(tall, short) if generic else _rational_frame(tall, short)
     d = sp.diag(*sp.symbols(f"d0:{short}", positive=True))
     orient = (lambda M: M) if m >= n else (lambda M: M.T)
     oblique = sp.Matrix([_unit_vector(m, f"o{j}_") for j in range(n)]).T
@@ -3685,12 +3688,7 @@ def certify_soft_cap_regulator(shape: tuple[int, int] = (3, 2), w_max: float = 1
     m, n = shape
     k = min(m, n)
 
-    def frame(size: int) -> sp.Matrix:
-        S = skew(size)
-        S = S.subs({x: sp.Rational(j + 1, 3 + j) for j, x in enumerate(sorted(S.free_symbols, key=str))})
-        return cayley(S)[:, :k]
-
-    Q, R = frame(m), frame(n)
+    Q, R = _rational_frame(m, k), _rational_frame(n, k)
     sigma = sp.symbols(f"sigma0:{k}", positive=True)
     W = Q * sp.diag(*sigma) * R.T
     regulator = SoftCap(w_max=w_max, eta=eta, weight_decay=weight_decay, guard_steps=0)
