@@ -25,6 +25,7 @@ Usage::
 
     python bench/manifold_inrun.py --data shakespeare:PATH                 # both manifolds, defaults
     python bench/manifold_inrun.py --manifold dgram --dual 1 2 4 --update newton jacobi --polish 0 1 2
+    python bench/manifold_inrun.py --manifold dgram --polish 1 2 3 --polish-method admm alternating --reference 32
     python bench/manifold_inrun.py --manifold stiefel --starts warm cold    # with and without warm starts
     python bench/manifold_inrun.py --manifold stiefel --dual 4 --smoothing 0.03 --alpha 1.5 --steps 200
     python bench/manifold_inrun.py --dualizer polar_express --update newton jacobi  # CUDA's dualizer, on the CPU
@@ -65,19 +66,20 @@ def orientation(shape) -> str:
 
 
 #: ManifoldMuon's option behind each command-line flag (its refusals name the option)
-FLAGS = {"dual_steps": "--dual", "polish_rounds": "--polish", "dual_smoothing": "--smoothing", "dual_alpha": "--alpha",
+FLAGS = {"dual_steps": "--dual", "polish_rounds": "--polish", "polish_method": "--polish-method", "dual_smoothing": "--smoothing", "dual_alpha": "--alpha",
          "gram_dualizer": "--dualizer", "certify_reference": "--reference", "dual_update": "--update",
          "solver": "--solver", "warm_start": "--starts"}
 
 
 def optimizer_settings(update: str | None, dual_steps: int | None, polish: int | None, warm_start: bool,
                        smoothing: float | None, alpha: float | None, dualizer: str | None, reference: int,
-                       solver: str, certify_every: int) -> dict:
+                       solver: str, certify_every: int, polish_method: str | None = None) -> dict:
     """The ManifoldMuon options of one row (``None``: ManifoldMuon's default, left out; the
     projected solver's rows leave out the dual options, which it refuses)."""
     chosen = dict(polish_rounds=polish, gram_dualizer=dualizer)
     if solver != "projected":
-        chosen.update(dual_steps=dual_steps, dual_smoothing=smoothing, dual_alpha=alpha, dual_update=update)
+        chosen.update(dual_steps=dual_steps, dual_smoothing=smoothing, dual_alpha=alpha, dual_update=update,
+                      polish_method=polish_method)
     return dict(certify_every=certify_every, certify_reference=reference, solver=solver, warm_start=warm_start,
                 **{k: v for k, v in chosen.items() if v is not None})
 
@@ -145,6 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--polish", type=int, nargs="+", default=[None],
                         help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default: ManifoldMuon's "
                              "for the manifold and dualizer)")
+    parser.add_argument("--polish-method", nargs="+", default=[None], choices=["admm", "alternating"],
+                        help="method of the polish rounds (ManifoldMuon's polish_method; default: ManifoldMuon's for "
+                             "the manifold; the dual solver's rows)")
     parser.add_argument("--starts", nargs="+", default=["warm"], choices=["warm", "cold"],
                         help="dual start of each step: the previous step's correction (warm, ManifoldMuon's "
                              "default) or none (cold: warm_start=False)")
@@ -177,21 +182,23 @@ def main(argv=None) -> int:
                          f"every {run['eval_every']} steps, after {run['warmup_steps']} warm-up steps), got {args.steps}")
         run["steps"] = args.steps
     from geomuon.manifolds import MatrixManifold
-    from geomuon.optimizers.manifold_muon import default_dual_steps, default_dual_update, default_polish_rounds
+    from geomuon.optimizers.manifold_muon import (default_dual_steps, default_dual_update, default_polish_method,
+                                                  default_polish_rounds)
 
-    combinations = list(itertools.product(args.solver, args.manifold, args.update, args.dual, args.polish, args.starts,
-                                          args.smoothing, args.alpha, args.dualizer))
+    combinations = list(itertools.product(args.solver, args.manifold, args.update, args.dual, args.polish,
+                                          args.polish_method, args.starts, args.smoothing, args.alpha, args.dualizer))
 
-    def settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer):
+    def settings_of(solver, update, dual, polish, method, start, smoothing, alpha, dualizer):
         return optimizer_settings(update, dual, polish, start == "warm", smoothing, alpha, dualizer, args.reference,
-                                  solver, run["eval_every"])
+                                  solver, run["eval_every"], method)
 
-    for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in combinations:  # before any run
-        refuse_bad_settings(parser, manifold, settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer))
+    for solver, manifold, *row in combinations:  # before any run
+        refuse_bad_settings(parser, manifold, settings_of(solver, *row))
     provenance = Provenance(__file__, args, argv, parser, timed=False)
     torch.set_num_threads(args.threads)
 
-    header = ["manifold", "solver", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds", "start",
+    header = ["manifold", "solver", "dualizer", "dual update", "dual steps", "smoothing", "alpha", "polish rounds",
+              "polish method", "start",
               "reference dual steps", "matrices", "certified steps x matrices", "mean certified ratio", "min"]
     lines = [
         f"{run['n_layer']} layers x width {run['n_embd']}, {run['steps']} steps, a certificate every "
@@ -202,7 +209,7 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     projected_runs = set()
-    for solver, manifold, update, dual, polish, start, smoothing, alpha, dualizer in combinations:
+    for solver, manifold, update, dual, polish, method, start, smoothing, alpha, dualizer in combinations:
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
@@ -210,23 +217,25 @@ def main(argv=None) -> int:
             if (manifold, polish, dualizer) in projected_runs:
                 continue
             projected_runs.add((manifold, polish, dualizer))
-        ratios = certified_run(manifold, settings_of(solver, update, dual, polish, start, smoothing, alpha, dualizer),
-                               run, args.data, args.seed)
+        ratios = certified_run(manifold, settings_of(solver, update, dual, polish, method, start, smoothing, alpha,
+                                                     dualizer), run, args.data, args.seed)
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")
         default_polish = default_polish_rounds(owner)
         polish = default_polish if polish is None else polish
         shown_polish = str(polish) + (" (default)" if polish == default_polish else "")
+        method = method or default_polish_method(owner)
+        shown_method = method + (" (default)" if method == default_polish_method(owner) else "")
         groups = dict(sorted(ratios.items()))
         groups["all"] = [r for values in ratios.values() for r in values]
         shown = ["default" if v is None else f"{v:g}" for v in (smoothing, alpha)]
         shown_start = "warm (default)" if start == "warm" else "cold"
-        if solver == "projected":  # no dual: its options do not apply
-            shown_update, shown_dual, shown, shown_start = "-", "0", ["-", "-"], "projection"
+        if solver == "projected":  # no dual: its options do not apply (its rounds alternate)
+            shown_update, shown_dual, shown, shown_start, shown_method = "-", "0", ["-", "-"], "projection", "alternating"
         for kind, values in groups.items():
             lines.append(markdown_row([manifold, solver, dualizer or "eigh (CPU default)", shown_update, shown_dual, *shown, shown_polish,
-                                       shown_start, str(args.reference),
+                                       shown_method, shown_start, str(args.reference),
                                        kind, str(len(values)),
                                        f"{statistics.mean(values):.4f}", f"{min(values):.4f}"]))
             print(lines[-1], flush=True)
