@@ -137,8 +137,9 @@ def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient(solver, comp
 
 
 def test_dual_steps_improve_the_certificate_in_a_run():
-    zero = _regression_run(DGram(), (96, 32), steps=10, dual_steps=0)
-    two = _regression_run(DGram(), (96, 32), steps=10, dual_steps=2)
+    # without polish rounds, which move the direction toward the optimum themselves (ADMM)
+    zero = _regression_run(DGram(), (96, 32), steps=10, dual_steps=0, polish_rounds=0)
+    two = _regression_run(DGram(), (96, 32), steps=10, dual_steps=2, polish_rounds=0)
     assert sum(two) / len(two) > sum(zero) / len(zero) + 0.02
 
 
@@ -418,17 +419,21 @@ def _three_random_steps(manifold, seed, **options):
 @pytest.mark.parametrize("manifold", [Stiefel(), DGram()], ids=["stiefel", "dgram"])
 @pytest.mark.parametrize("dualizer", ["eigh", "polar_express"])
 def test_the_default_polish_is_the_forms_with_either_dualizer(manifold, dualizer, monkeypatch):
-    """The default ``polish_rounds`` steps bitwise as the form's count named explicitly, under
-    ``eigh`` (CPU) and Polar Express (CUDA's dualizer, whose polish calls no ``eigh``: patched
-    to fail); control: the default is not the unpolished step."""
-    from geomuon.optimizers.manifold_muon import default_polish_rounds
+    """The default ``polish_rounds`` and ``polish_method`` step bitwise as the form's named
+    explicitly, under ``eigh`` (CPU) and Polar Express (CUDA's dualizer, whose polish calls no
+    ``eigh``: patched to fail); controls: the default is neither the unpolished step nor the
+    other method's."""
+    from geomuon.optimizers.gram import POLISH_METHODS
+    from geomuon.optimizers.manifold_muon import default_polish_method, default_polish_rounds
 
     run = partial(_three_random_steps, manifold, 4, gram_dualizer=dualizer)
-    rounds = manifold.gram_form.polish_rounds
-    assert rounds >= 1 and default_polish_rounds(manifold) == rounds
+    rounds, method = manifold.gram_form.polish_rounds, manifold.gram_form.polish_method
+    assert rounds >= 1 and default_polish_rounds(manifold) == rounds and default_polish_method(manifold) == method
     default = run()
-    assert torch.equal(default, run(polish_rounds=rounds))
+    assert torch.equal(default, run(polish_rounds=rounds, polish_method=method))
     assert not torch.equal(default, run(polish_rounds=0))
+    other, = set(POLISH_METHODS) - {method}
+    assert not torch.equal(default, run(polish_method=other))
     if dualizer == "polar_express":
         monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **k: pytest.fail("eigh under polar_express"))
         assert torch.equal(run(), default)
@@ -640,6 +645,11 @@ def test_polish_rounds_move_the_step_and_keep_it_on_the_manifold():
     assert not torch.allclose(points[0], points[2], atol=1e-5)
     with pytest.raises(ValueError, match="polish_rounds must be a whole number >= 0"):
         ManifoldMuon([torch.nn.Parameter(start.clone())], manifold="dgram", polish_rounds=-1)
+    with pytest.raises(ValueError, match=r"polish_method must be one of \('admm', 'alternating'\)"):
+        ManifoldMuon([torch.nn.Parameter(start.clone())], manifold="dgram", polish_method="dykstra")
+    # the projected solver's rounds always alternate: a method asked of it would be ignored
+    with pytest.raises(ValueError, match="solver='projected' takes no dual iterations, so polish_method='admm'"):
+        ManifoldMuon([torch.nn.Parameter(start.clone())], manifold="dgram", solver="projected", polish_method="admm")
 
 
 def _rank_spread_certificate(dtype: torch.dtype, dualizer: str) -> float:

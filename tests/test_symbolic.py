@@ -969,6 +969,23 @@ def test_gram_engine_polish_newton_and_jacobi_steps(manifold, shape):
     for certify in (certify_gram_polish, certify_gram_newton_step, certify_gram_jacobi_step):
         certificate = certify(manifold, W, G)
         assert certificate.holds, (certify.__name__, certificate.witness)
+    for method in ("admm", "alternating"):  # the form declares one; either must do what it says
+        certificate = certify_gram_polish(manifold, W, G, method=method)
+        assert certificate.holds, (method, certificate.witness)
+
+
+def test_gram_polish_certificate_rejects_admm_without_its_dual(monkeypatch):
+    # control: "admm" rounds that drop the dual iterate (u = 0, no G term: alternating projections)
+    import geomuon.optimizers.gram as gram
+    from geomuon.theory.symbolic import certify_gram_polish
+
+    polish = gram.polish
+    monkeypatch.setattr(gram, "polish", lambda *args, dual=None: polish(*args))
+    for shape in _ENGINE_SHAPES:
+        W, G = _engine_pair(DGram(), shape)
+        certificate = certify_gram_polish(DGram(), W, G, method="admm")
+        tangency, deviation, _, tol = certificate.witness["round 1: |L_W(A)|, |A - reference|, |A|_F - |A_prev|_F, tol"]
+        assert not certificate.holds and deviation > 1e3 * tol
 
 
 _WEIGHT_DECAY_CASES = [(m, s) for m in (Stiefel(), DGram()) for s in _ENGINE_SHAPES] + [(Oblique(), (7, 4)), (Oblique(), (4, 4))]
@@ -1040,10 +1057,11 @@ def test_gram_engine_certificates_reject_wrong_formulas():
 
     for shape in ((7, 4), (4, 7)):
         W, G = _engine_pair(DGram(), shape)
-        polish = certify_gram_polish(DGram(), W, G, form=NoTangentProjection())
-        assert not polish.holds
-        tangency, _, _, tol = polish.witness["round 1: |L_W(A)|, |A - P_W(Pi(A_prev))|, |A|_F - |A_prev|_F, tol"]
-        assert tangency > 1e3 * tol
+        for method in ("admm", "alternating"):
+            polish = certify_gram_polish(DGram(), W, G, form=NoTangentProjection(), method=method)
+            assert not polish.holds
+            tangency, _, _, tol = polish.witness["round 1: |L_W(A)|, |A - reference|, |A|_F - |A_prev|_F, tol"]
+            assert tangency > 1e3 * tol
         operator = certify_gram_newton_step(DGram(), W, G, form=OperatorXPlusX())
         assert not operator.holds
         residual, tol = operator.witness["CG, 6 steps: |L_W((Z + L*d) P)|, tol"]
