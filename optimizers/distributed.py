@@ -95,8 +95,9 @@ rank sent and received, collectives, and the whole matrices this rank mapped (a
 row-wise map on a shard of $r$ of $m$ rows counts $r/m$).
 
 Placements: a 1-D device mesh with ``Shard(0)`` (FSDP2's default) is supported; other
-placements, a group mixing ``DTensor`` and plain tensors, and a group on several meshes
-raise ``ValueError`` naming the parameter before the step starts, on every rank
+placements, a gradient placed unlike its parameter, a group mixing ``DTensor`` and plain
+tensors, and a group on several meshes raise ``ValueError`` naming the parameter before the
+step starts, on every rank
 (:func:`check_group`). Within a batch every parameter has
 the same shape, so the same row split; the result on the owner is bit-for-bit the
 single-process map of the same momentum up to the batch composition of the kernels.
@@ -226,10 +227,14 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
     group ``index`` (``positions``: ``{id(p): position in the group}``) that its step could not
     take: a group mixing ``DTensor`` and plain tensors, sharded parameters on different device
     meshes, and, where the step needs whole matrices (a matrix group, a regulated AdamW group),
-    any layout but FSDP2's ``Shard(0)`` rows on a 1-D mesh. :meth:`MatrixOptimizer.step` calls it
-    for every group before any work or collective: these are host-side facts that are the
-    same on every rank (placements, meshes), so every rank refuses together, where a torch
-    error inside a collective step would leave the other ranks waiting. One exception is
+    any layout but FSDP2's ``Shard(0)`` rows on a 1-D mesh, and in a matrix group a gradient
+    placed unlike its parameter (the step reads the gradient's local rows as the parameter's:
+    a ``Replicate`` or ``Partial`` gradient's whole local matrix had been sent where its owner
+    expected rows, a mismatched all-to-all after the momentum had moved).
+    :meth:`MatrixOptimizer.step` calls it for every group before any work or collective: these
+    are host-side facts that are the same on every rank (placements, meshes), so every rank
+    refuses together, where a torch error inside a collective step would leave the other
+    ranks waiting. One exception is
     rank-local: a shard whose row count is not the ``torch.chunk`` split (only a hand-made
     ``DTensor.from_local(..., run_check=False)`` has one) is refused on its own rank only."""
     sharded = [is_sharded(p) for p in params]
@@ -259,6 +264,16 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
         for p in params:
             rows, rank = _layout(p, lambda: f"{where}: {name(p)}", world_rank)  # called at once, in the loop
             world_rank = (len(rows), rank)
+            grad = p.grad
+            if group["update"] != "adamw" and not (is_sharded(grad) and grad.device_mesh == mesh
+                                                   and grad.placements == p.placements):
+                placed = "a plain tensor" if not is_sharded(grad) else (
+                    f"placed {tuple(grad.placements)} on the device mesh of ranks {grad.device_mesh.mesh.tolist()}")
+                raise ValueError(
+                    f"{where}: the gradient of {name(p)} is {placed}, the parameter is placed {tuple(p.placements)} "
+                    f"on that of ranks {mesh.mesh.tolist()}; the sharded matrix step reads the gradient's rows as "
+                    "the parameter's: give it the parameter's placement (FSDP2's reduce-scatter does; by hand: "
+                    "p.grad = p.grad.redistribute(p.device_mesh, p.placements))")
 
 
 def _all_to_all(outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[tuple, torch.dtype]]],
@@ -577,5 +592,8 @@ def _owner_step(optimizer, group: dict, owned: list[torch.Tensor], pieces: list,
 def _apply_shards(optimizer, group: dict, params: list[torch.Tensor], local_updates: list[torch.Tensor],
                   lr: float) -> None:
     """``_apply`` on the parameters with the update rows wrapped as ``DTensor`` shards
-    (so shape-dependent factors see the global matrix shape)."""
-    optimizer._apply(group, params, [as_shard(u.to(p.dtype), p) for u, p in zip(local_updates, params)], lr)
+    (so shape-dependent factors see the global matrix shape), in the dtype ``_direction``
+    returned them, as the one-process step hands them over: ``_apply`` scales them by the
+    lr before they meet the parameter's dtype (an fp32 polar update of fp16 weights can
+    exceed fp16's range, 65504, before the lr scales it, and rounding it first wrote inf)."""
+    optimizer._apply(group, params, [as_shard(u, p) for u, p in zip(local_updates, params)], lr)

@@ -351,7 +351,9 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
 
     Raises:
         ValueError: naming ``folder``, for an incomplete folder, one written by another
-            model or strategy (the names that differ), or unreadable tensor files.
+            model or strategy (the names that differ, or an optimizer's parameters in another
+            order: its state is matched by position), or unreadable tensor files; raised
+            before anything is loaded.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -377,6 +379,8 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             raise ValueError(f"distributed checkpoint {folder!r}: {key} has shape {size}, this model's "
                              f"{tuple(value.shape)}; resume with the run's original settings")
     names = _parameter_names(model)
+    for opt_name, opt in assignment.optimizers.items():
+        _check_same_parameter_order(folder, opt_name, opt, record["optimizers"][opt_name], names)
     templates: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
     wanted = []  # (optimizer, parameter, key, state key)
     for opt_name, opt in assignment.optimizers.items():
@@ -417,6 +421,30 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             state = {i: s for i, s in state.items() if saved_opt["names"][i] in mine}
         opt.load_state_dict({"state": state, "param_groups": saved_opt["param_groups"]})
     return record
+
+
+def _check_same_parameter_order(folder: str, opt_name: str, opt, saved: dict, names: dict[int, str]) -> None:
+    """Refuse (``ValueError`` naming ``folder``, the optimizer and the param group) a checkpoint
+    whose optimizer ``opt_name`` stepped other parameters, or the same ones in another order,
+    in some param group: ``load_state_dict`` maps saved state to parameters by position, so the
+    momentum and warm starts of one weight had loaded silently into another of its shape."""
+    saved_groups = [[saved["names"][i] for i in group["params"]] for group in saved["param_groups"]]
+    groups = [[names[id(p)] for p in group["params"]] for group in opt.param_groups]
+    if saved_groups == groups:
+        return
+    # the first group that differs (past the shorter list: the first group one of them lacks)
+    index = next((i for i, (mine, theirs) in enumerate(zip(groups, saved_groups)) if mine != theirs),
+                 min(len(groups), len(saved_groups)))
+
+    def listed(lists):
+        if index >= len(lists):
+            return "no such group"
+        return ", ".join(lists[index][:6]) + (" …" if len(lists[index]) > 6 else "")
+
+    raise ValueError(
+        f"distributed checkpoint {folder!r} was written for another strategy: optimizer {opt_name!r} param group "
+        f"{index} steps {listed(groups)} here and {listed(saved_groups)} in the checkpoint (optimizer state is "
+        "matched by position); resume with the run's original settings")
 
 
 def read_distributed(folder: str, prefix: str = "model/") -> dict[str, torch.Tensor]:

@@ -20,10 +20,28 @@ import types
 import pytest
 import torch
 
-from geomuon.optimizers import ManifoldMuon, Muon
+from geomuon.optimizers import ManifoldMuon, Muon, RightPolarGradM
 
 PG_TIMEOUT = 30  # seconds; a case that waits for it has failed
 SHAPE = (6, 4)  # 3 rows per rank
+
+
+FP16_STEPS = 2
+#: (case, optimizer over the params, fp16 points, gradient of a point): each matrix alone in
+#: its same-shape batch, so the sharded step runs the one-process kernels on the same operands.
+#: "polar": RightPolarGradM's first update ||M||_*^3 msign(M) of M = 0.05 G, G = 56 I_16 (momentum
+#: 0.95, no Nesterov) is (0.05 * 56 * 16)^3 I = 9.0e4 I, past fp16's 65504 (a float32 update,
+#: finite once lr = 1e-5 scales it), while the squared gradient norm (56 * 4)^2 = 50176 stays
+#: within fp16, where the sharded non-finite check combines the ranks' norms.
+#: "muon": Muon's bf16 update added to fp16 weights, which had been rounded to fp16 first: the
+#: add then ran in fp16, with lr rounded to fp16 too (1 ulp off the one-process weights).
+FP16_CASES = (
+    ("polar", lambda params: RightPolarGradM(params, lr=1e-5, alpha=3.0), [torch.zeros(16, 16, dtype=torch.float16)],
+     lambda w: torch.eye(16, dtype=torch.float16) * 56),
+    ("muon", lambda params: Muon(params, lr=0.02),
+     [torch.randn(shape, generator=torch.Generator().manual_seed(3)).half() for shape in ((6, 4), (3, 4))],
+     lambda w: torch.randn(w.shape, generator=torch.Generator().manual_seed(w.shape[0])).half()),
+)
 
 
 def _stiefel_muon(params) -> ManifoldMuon:
@@ -57,7 +75,7 @@ def _outcome(call) -> dict:
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from geomuon.pretrain.parallel import save_distributed
 
@@ -189,8 +207,41 @@ def worker(out_dir: str) -> None:
     results["owner_fails_whole_matrix"] = _outcome(whole_matrix)
     save()
 
+    # D7: fp16 weights, one process and the sharded step (here, on the same threads): the
+    # sharded elementwise apply had rounded the update to the weights' dtype before the lr scaled it
+    def fp16_updates():
+        out = {}
+        for case, make, points, gradient in FP16_CASES:
+            runs = {}
+            for mode in ("one_process", "sharded"):
+                params = [sharded(w) if mode == "sharded" else torch.nn.Parameter(w.clone()) for w in points]
+                opt = make(params)
+                for _ in range(FP16_STEPS):
+                    step(opt, params, [gradient(w) for w in points])
+                runs[mode] = whole(params)
+            out[case] = runs
+        return out
+
+    results["fp16_updates"] = _outcome(fp16_updates)
+    save()
+
     # D2 with Replicate last: before the fix it broke the process group (a gloo mismatch)
     results["batch_replicate"] = _outcome(lambda: refused([sharded(a), sharded(b, Replicate())]))
+    save()
+
+    # D8: Shard(0) weights whose gradients are placed otherwise (by hand, not by FSDP2's
+    # reduce-scatter): the step had sent each gradient's whole local matrix where its owner
+    # expected rows, after moving the momentum: gloo failed inside the all-to-all, unnamed
+    def gradient_placed(placement):
+        params = [sharded(w) for w in _points()]
+        opt = Muon([dict(params=params, param_names=["w0", "w1"])], lr=0.02, compute_dtype=None)
+        for p, g in zip(params, _gradients()):
+            p.grad = (DTensor.from_local(g / world, mesh, [placement]) if placement.is_partial()
+                      else distribute_tensor(g, mesh, [placement]))
+        opt.step()
+
+    results["gradient_replicate"] = _outcome(lambda: gradient_placed(Replicate()))
+    results["gradient_partial"] = _outcome(lambda: gradient_placed(Partial()))
     save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
@@ -254,6 +305,17 @@ def test_a_batch_mixing_placements_is_refused_by_name(runs):
     for case in ("batch_shard1", "batch_shard1_manifold"):
         _refused_by_name(ranks, case, "parameter 'w1'", "Shard(dim=1)", "fully_shard")
     _refused_by_name(ranks, "batch_replicate", "parameter 'w1'", "Replicate()", "fully_shard")
+
+
+def test_a_gradient_placed_unlike_its_parameter_is_refused_by_name(runs):
+    # a Replicate or Partial gradient of a Shard(0) weight had reached a mismatched all-to-all
+    # (gloo: "enforce fail ... inLengthPerRank[myRank] == outLengthPerRank[myRank]"; a probe
+    # with one matrix left a rank waiting there instead), its momentum already moved
+    ranks, _ = runs
+    _refused_by_name(ranks, "gradient_replicate", "gradient of parameter 'w0' is placed (Replicate(),)",
+                     "Shard(dim=0)", "redistribute(p.device_mesh, p.placements)")
+    _refused_by_name(ranks, "gradient_partial", "gradient of parameter 'w0' is placed (Partial(sum),)",
+                     "redistribute(p.device_mesh, p.placements)")
 
 
 def test_a_checkpoint_on_a_sub_mesh_keeps_the_whole_matrix_state(runs):
@@ -328,3 +390,52 @@ def test_an_owner_that_fails_leaves_no_rank_waiting_and_every_rank_raises(runs):
         assert run["check_finite"].get("error") == "RuntimeError" and "'b'" in run["check_finite"]["message"], (r, run)
         assert "ok" in run["check_finite_again"], (r, run)  # reported once
     assert "simulated failure on the owner" in ranks[1]["owner_fails_whole_matrix"]["ok"]["raising_step"]["cause"]
+
+
+def test_fp16_weights_step_as_in_one_process(runs):
+    # the update had been rounded to fp16 before the lr scaled it: RightPolarGradM's 9.0e4 became
+    # inf in the weights (one process: finite), and Muon's fp16 add rounded lr to fp16 (1 ulp off).
+    # Each matrix is alone in its batch, so both runs take the same kernels on the same operands:
+    # bit for bit
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        assert "ok" in results["fp16_updates"], (r, results["fp16_updates"])
+        for case, _, points, _ in FP16_CASES:
+            run = results["fp16_updates"]["ok"][case]
+            for start, one, sharded in zip(points, run["one_process"], run["sharded"]):
+                assert one.dtype == sharded.dtype == torch.float16, (case, one.dtype, sharded.dtype)
+                assert bool(one.isfinite().all()) and not torch.equal(one, start), (case, one)  # it stepped
+                assert torch.equal(sharded, one), (r, case, (sharded.float() - one.float()).abs().max())
+
+
+def test_a_distributed_checkpoint_of_another_parameter_order_is_refused(tmp_path):
+    # load_distributed had mapped the saved state to the parameters by position: an optimizer
+    # listing the same two same-shape weights in the other order loaded a's momentum into b,
+    # silently. One process, no process group: save_distributed and load_distributed take it alone
+    from geomuon.pretrain.parallel import load_distributed, save_distributed
+
+    def model():
+        weights = torch.nn.Module()
+        weights.a, weights.b = (torch.nn.Parameter(w) for w in _points())
+        return weights
+
+    saved = model()
+    opt = Muon([saved.a, saved.b], lr=0.02, compute_dtype=None)
+    for p, g in zip((saved.a, saved.b), _gradients()):
+        p.grad = g
+    opt.step()
+    folder = str(tmp_path / "dcp-step00000001")
+    save_distributed(folder, saved, types.SimpleNamespace(optimizers={"matrices": opt}), {"step": 1})
+
+    swapped = model()
+    reordered = Muon([swapped.b, swapped.a], lr=0.02, compute_dtype=None)
+    with pytest.raises(ValueError, match=r"dcp-step00000001.*optimizer 'matrices' param group 0 steps b, a here "
+                                         r"and a, b in the checkpoint"):
+        load_distributed(folder, swapped, types.SimpleNamespace(optimizers={"matrices": reordered}))
+    assert not reordered.state  # nothing loaded
+    # the same order loads, each momentum onto its own weight (a copy: bit for bit)
+    same = model()
+    ordered = Muon([same.a, same.b], lr=0.02, compute_dtype=None)
+    load_distributed(folder, same, types.SimpleNamespace(optimizers={"matrices": ordered}))
+    for p, q in ((same.a, saved.a), (same.b, saved.b)):
+        assert torch.equal(ordered.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
