@@ -35,9 +35,8 @@ import time
 
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import TrainConfig, add_options, field_problems, from_args, option
-from geomuon.pretrain.data import load_data
 from geomuon.pretrain.train import (TrainingInterrupted, TrainResult, check_same_run, checkpoint_to_resume,
-                                    resolve_out_dir, resume_command, resume_record, run_files, train)
+                                    load_run_data, resolve_out_dir, resume_command, resume_record, run_files, train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -129,7 +128,7 @@ def compare(
     raises :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint."""
     check(CompareConfig(strategies, seeds, divergence_margin))
     _, runs = comparison_runs(base, strategies, seeds)
-    data = load_data(base.data)
+    data = load_run_data(base)
     for cfg in runs:
         if cfg.resume:
             checkpoint, record = resume_record(cfg.out_dir)

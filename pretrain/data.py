@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ LLMC_MAGIC = 20240520
 LLMC_VERSION = 1
 LLMC_HEADER_INTS = 256
 VAL_FRACTION = 0.1
+SPLITS = ("train", "val")
 
 
 class Shards:
@@ -82,19 +84,38 @@ class TokenData:
 
     def check_context(self, block_size: int) -> None:
         """Both splits must hold at least one window of ``block_size + 1`` tokens."""
-        for split in ("train", "val"):
-            n = len(getattr(self, split))
-            if n < block_size + 1:
-                raise ValueError(
-                    f"data {self.source}: the {split} split has {n} tokens, fewer than "
-                    f"block_size + 1 = {block_size + 1}; use a shorter context (--block-size) "
-                    f"or a larger corpus"
-                )
+        for split in SPLITS:
+            self._check_window(split, block_size)
+
+    def _check_window(self, split: str, block_size: int) -> None:
+        """``split`` names a split holding at least one window of ``block_size + 1`` tokens."""
+        if split not in SPLITS:
+            # any other name had silently drawn val windows (with the train split's seeds)
+            raise ValueError(f"data {self.source}: unknown split {split!r}; use one of {SPLITS}")
+        self._check_positive("block_size", block_size)
+        n = len(getattr(self, split))
+        if n < block_size + 1:
+            raise ValueError(
+                f"data {self.source}: the {split} split has {n} tokens, fewer than "
+                f"block_size + 1 = {block_size + 1}; use a shorter context (--block-size) "
+                f"or a larger corpus"
+            )
+
+    def _check_positive(self, name: str, value) -> None:
+        """``value`` is an integer ≥ 1 (numpy integers too); a 0 had given empty windows or
+        numpy's "need at least one array to stack", which names nothing."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"data {self.source}: {name} must be a positive integer (got {value!r})")
 
     def batch(self, split: str, batch_size: int, block_size: int, seed: int, step: int):
         """``(x, y)`` int64 ``[batch_size, block_size]`` windows drawn by a generator seeded
-        from ``(seed, step, split)`` alone — the same on every process and after resume."""
-        tokens = self.train if split == "train" else self.val
+        from ``(seed, step, split)`` alone — the same on every process and after resume.
+        ``split`` is ``"train"`` or ``"val"``; ``ValueError`` (naming the argument) for
+        another split, a ``batch_size`` or ``block_size`` below 1, or a split shorter than
+        one window of ``block_size + 1`` tokens."""
+        self._check_window(split, block_size)
+        self._check_positive("batch_size", batch_size)
+        tokens = getattr(self, split)
         gen = torch.Generator().manual_seed(_mix(seed, step, split == "val"))
         starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=gen).tolist()
         windows = np.stack([np.asarray(tokens[s : s + block_size + 1], dtype=np.int64) for s in starts])
@@ -240,8 +261,9 @@ def read_shard(path: str, vocab_size: int = 50304) -> np.ndarray:
     top = int(tokens.max())
     if top >= vocab_size:
         raise ValueError(
-            f"token shard {path!r}: token id {top} ≥ vocab_size {vocab_size}; not GPT-2 tokens, "
-            f"or the header is wrong"
+            f"token shard {path!r}: token id {top} ≥ vocab_size {vocab_size} (the model's vocabulary); "
+            f"train a model whose vocab_size exceeds {top} (--model-overrides '{{\"vocab_size\": ...}}'), "
+            f"or the shard is not tokens of that vocabulary"
         )
     return tokens
 
@@ -261,18 +283,32 @@ def shard_data(directory: str, vocab_size: int = 50304) -> TokenData:
     """GPT-2 tokens from ``directory``: nanoGPT ``train.bin``/``val.bin``, or llm.c shards
     whose names contain ``val``/``train`` (in sorted order; several shards stay memmaps, read
     as one stream through :class:`Shards`)."""
+    if os.path.isfile(directory):
+        raise ValueError(f"token directory {directory!r} is a file; tokens:DIR takes the folder of the "
+                         f".bin shards (a text file is text:PATH)")
     if not os.path.isdir(directory):
         raise ValueError(f"token directory {directory!r} does not exist")
-    splits = {}
-    for split in ("train", "val"):
+    paths = {}
+    for split in SPLITS:
         plain = os.path.join(directory, f"{split}.bin")
-        paths = [plain] if os.path.isfile(plain) else sorted(glob.glob(os.path.join(directory, f"*{split}*.bin")))
-        if not paths:
+        # the folder's name is not a pattern: one holding '[' had matched none of its shards
+        pattern = os.path.join(glob.escape(directory), f"*{split}*.bin")
+        paths[split] = [plain] if os.path.isfile(plain) else sorted(glob.glob(pattern))
+        if not paths[split]:
             raise ValueError(
                 f"token directory {directory!r} has no {split} shard: expected {split}.bin "
                 f"(nanoGPT) or *{split}*.bin (llm.c)"
             )
-        shards = [read_shard(p, vocab_size) for p in paths]
+    # a name holding both words (approval_train_000.bin) had been trained on and validated on
+    if shared := sorted(set(paths["train"]) & set(paths["val"])):
+        raise ValueError(
+            f"token directory {directory!r}: {', '.join(map(repr, shared))} match both *train*.bin and "
+            f"*val*.bin, so they would be both trained on and validated on; rename them so that "
+            f"each shard's name holds one of 'train' and 'val'"
+        )
+    splits = {}
+    for split in SPLITS:
+        shards = [read_shard(p, vocab_size) for p in paths[split]]
         splits[split] = shards[0] if len(shards) == 1 else Shards(shards)
     return TokenData(splits["train"], splits["val"], vocab_size, f"tokens:{directory}")
 
@@ -315,9 +351,14 @@ DATA_SYNTAX = ("embedded", "shakespeare:PATH[:nocheck]", "text:PATH", "tokens:DI
 def spec_problem(spec: str) -> str | None:
     """What is wrong with the form of a data spec (``None`` when it has one of
     :data:`DATA_SYNTAX`'s forms); the files it names are checked when it is loaded."""
+    if not isinstance(spec, str):  # a pathlib.Path had raised AttributeError: 'partition'
+        return f"data spec {spec!r} is a {type(spec).__name__}; give a string, one of: " + ", ".join(DATA_SYNTAX)
     kind, colon, rest = spec.partition(":")
     if kind == "embedded" and not colon:
         return None
+    if kind == "shakespeare" and colon and not rest.removesuffix(":nocheck"):
+        # "shakespeare::nocheck" had passed the config's check and failed at load with file ''
+        return f"data spec {spec!r} names no file; use shakespeare:PATH[:nocheck]"
     if kind in ("shakespeare", "text", "tokens") and rest:
         return None
     return f"unknown data spec {spec!r}; use one of: " + ", ".join(DATA_SYNTAX)

@@ -573,6 +573,14 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     return model, assignment
 
 
+def load_run_data(cfg: TrainConfig) -> TokenData:
+    """``cfg.data`` loaded for ``cfg``'s model: token shards are read against the model's
+    ``vocab_size`` (a model with GPT-2's 50257 had been refused shards whose every id is below
+    it, because they were always read as a 50304-token vocabulary); a character-level source
+    sets its own."""
+    return load_data(cfg.data, vocab_size=get_config(cfg.model, **cfg.model_kwargs()).vocab_size)
+
+
 def model_config(cfg: TrainConfig, data: TokenData) -> GPTConfig:
     """The configuration of ``cfg``'s model on ``data`` (char-level data sets ``vocab_size``)."""
     char_level = data.itos is not None
@@ -690,7 +698,7 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
             and checked by :func:`resolve_out_dir`: nothing is trained into a folder
             holding another run; and locked for the run by :class:`RunFolderClaim`: nor
             into one another run is writing to).
-        data: the token data (default: ``load_data(cfg.data)``).
+        data: the token data (default: :func:`load_run_data`).
         build_assignment: ``f(model, hyper) -> Assignment`` building the optimizers of the
             freshly initialised ``model`` from the :class:`geomuon.optimizers.assign.Hyper` made of
             ``cfg`` — e.g. ``lambda model, hyper: assign(model, {role: Rule(...)}, hyper)``
@@ -853,7 +861,7 @@ def _records_before(payload: dict) -> list[dict]:
 def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_assignment: AssignmentFactory | None,
            extra_metrics: ExtraMetrics | None, request: _StopRequest) -> TrainResult:
     device = _device(cfg, ddp)
-    data = data or load_data(cfg.data)
+    data = data or load_run_data(cfg)
     model, assignment = build(cfg, data, device, build_assignment)
     block_size = model.config.block_size
     say = print if ddp.main else (lambda *a, **k: None)

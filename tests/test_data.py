@@ -231,3 +231,87 @@ def test_spec_source_is_the_source_load_data_gives(tmp_path):
     for spec in ("embedded", f"text:{text}"):
         assert spec_source(spec) == load_data(spec).source
     assert spec_source(f"shakespeare:{text}:nocheck") == load_data(f"shakespeare:{text}:nocheck").source
+
+
+def test_batch_refuses_another_split_and_windows_it_cannot_draw():
+    """``batch`` had read the val tokens for any split but "train" ("validation", "Train"),
+    seeded as train; a ``block_size`` ≥ the split's length had raised torch's "random_ expects
+    'from' to be less than 'to'", a ``batch_size`` of 0 numpy's "need at least one array to
+    stack", a ``block_size`` of 0 returned empty windows. Each is now a ValueError naming the
+    argument."""
+    data = load_data("embedded")
+    for split in ("validation", "Train", "test"):
+        with pytest.raises(ValueError, match=rf"unknown split '{split}'; use one of \('train', 'val'\)"):
+            data.batch(split, 2, 8, seed=0, step=0)
+    with pytest.raises(ValueError, match=rf"the val split has {len(data.val)} tokens, fewer than block_size \+ 1"):
+        data.batch("val", 2, len(data.val), seed=0, step=0)
+    for name, batch_size, block_size in (("batch_size", 0, 8), ("block_size", 2, 0), ("batch_size", 2.0, 8)):
+        with pytest.raises(ValueError, match=rf"{name} must be a positive integer"):
+            data.batch("train", batch_size, block_size, seed=0, step=0)
+    # the largest window the val split holds, and numpy integers, are drawn
+    x, y = data.batch("val", np.int64(2), len(data.val) - 1, seed=0, step=0)
+    assert x.shape == (2, len(data.val) - 1) and torch.equal(y[0], torch.from_numpy(data.val[1:]))
+
+
+def test_a_token_folder_named_with_glob_characters_loads_its_shards(tmp_path):
+    """The folder had been read as a glob pattern: llm.c shards in ``run[1]`` matched nothing
+    and the folder was reported to have no train shard."""
+    folder = tmp_path / "run[1]"
+    folder.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 50257, size=1500).astype(np.uint16)
+    write_llmc_shard(folder / "fineweb_train_000001.bin", tokens[:1000])
+    write_llmc_shard(folder / "fineweb_val_000000.bin", tokens[1000:])
+    data = load_data(f"tokens:{folder}")
+    assert np.array_equal(data.train, tokens[:1000]) and np.array_equal(data.val, tokens[1000:])
+    # a file given as the folder had been reported as missing
+    with pytest.raises(ValueError, match=r"fineweb_val_000000\.bin' is a file; tokens:DIR takes the folder"):
+        load_data(f"tokens:{folder / 'fineweb_val_000000.bin'}")
+
+
+def test_a_shard_named_for_both_splits_is_refused_not_trained_and_validated_on(tmp_path):
+    """``approval_train_000001.bin`` holds "val" (appro-val) as well as "train": it had been
+    both a train and a val shard, so validation measured the training tokens."""
+    tokens = np.random.default_rng(0).integers(0, 50257, size=1500).astype(np.uint16)
+    write_llmc_shard(tmp_path / "approval_train_000001.bin", tokens[:1000])
+    write_llmc_shard(tmp_path / "approval_val_000000.bin", tokens[1000:])
+    with pytest.raises(ValueError, match=r"approval_train_000001\.bin' match both \*train\*\.bin and \*val\*\.bin"):
+        load_data(f"tokens:{tmp_path}")
+    os.rename(tmp_path / "approval_train_000001.bin", tmp_path / "appro_train_000001.bin")  # the control
+    assert len(load_data(f"tokens:{tmp_path}").val) == 500
+
+
+def test_a_spec_without_a_file_or_not_a_string_is_refused_by_its_form():
+    """``shakespeare::nocheck`` had passed ``spec_problem`` (the config's check, before any
+    work) and failed at load as "data file '' does not exist"; a ``pathlib.Path`` spec had
+    raised AttributeError 'partition'."""
+    from pathlib import Path
+
+    from geomuon.pretrain.data import spec_problem
+
+    for spec in ("shakespeare::nocheck", "shakespeare:"):
+        assert spec_problem(spec) == f"data spec {spec!r} names no file; use shakespeare:PATH[:nocheck]"
+    with pytest.raises(ValueError, match=r"data spec PosixPath\('corpus.txt'\) is a PosixPath; give a string"):
+        load_data(Path("corpus.txt"))
+    for spec in ("shakespeare:a:b.txt", "shakespeare:nocheck", "text:x", "tokens:d", "embedded"):
+        assert spec_problem(spec) is None, spec
+
+
+def test_the_shakespeare_checksum_is_checked_without_the_shared_file(tmp_path, monkeypatch):
+    """The path of ``shakespeare:PATH`` had been tested only where tiny Shakespeare lies in
+    /work/shared (skipped elsewhere): a stand-in file whose sha256 is the expected one loads,
+    a file with another sha256 is refused unless ``:nocheck``, and PATH may hold ':'."""
+    import hashlib
+
+    from geomuon.pretrain import data as data_module
+
+    path = tmp_path / "col:on" / "tiny.txt"
+    path.parent.mkdir()
+    path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20)
+    monkeypatch.setattr(data_module, "SHAKESPEARE_SHA256", hashlib.sha256(path.read_bytes()).hexdigest())
+    data = load_data(f"shakespeare:{path}")
+    assert data.source == f"shakespeare:{path}" and data.decode(data.train[:9].tolist()) == "First Cit"
+    with open(path, "a") as f:
+        f.write("x")
+    with pytest.raises(ValueError, match=r"tiny\.txt'.*differs from the expected"):
+        load_data(f"shakespeare:{path}")
+    assert "x" in load_data(f"shakespeare:{path}:nocheck").itos

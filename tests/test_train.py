@@ -784,3 +784,29 @@ def test_a_torchrun_process_of_the_command_leaves_without_interpreter_finalizati
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "--lr must be > 0" in done.stderr, done.stderr
         assert ("finalized" in done.stdout) == finalized
+
+
+def _token_folder(folder, top: int):
+    """nanoGPT shards (headerless uint16) whose largest token id is ``top``."""
+    import numpy as np
+    folder.mkdir()
+    tokens = np.arange(4096, dtype=np.uint16)
+    tokens[::97] = top
+    tokens.tofile(folder / "train.bin")
+    tokens[:512].tofile(folder / "val.bin")
+    return folder
+
+
+def test_token_shards_are_read_against_the_models_vocabulary(tmp_path):
+    # A model with GPT-2's 50257-token vocabulary trains on shards whose ids are all below it;
+    # shards had always been read as a 50304-token vocabulary, which the model then refused.
+    folder = _token_folder(tmp_path / "shards", top=50256)
+    cfg = tiny(tmp_path, data=f"tokens:{folder}", steps=1, eval_every=1, warmup_steps=0, out_dir=None,
+                model_overrides={"vocab_size": 50257})
+    result = train(cfg)
+    assert result.last_step == 1 and all(math.isfinite(loss) for loss in result.losses.values()) and result.losses
+    assert result.model.config.vocab_size == 50257
+    # control: an id the model's vocabulary cannot embed is refused by name, before training
+    big = _token_folder(tmp_path / "big", top=50257)
+    with pytest.raises(ValueError, match=r"token id 50257 ≥ vocab_size 50257 \(the model's vocabulary\)"):
+        train(dataclasses.replace(cfg, data=f"tokens:{big}"))
