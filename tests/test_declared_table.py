@@ -7,11 +7,14 @@ below 1e-9 as well. Every ``fails`` row: hypothesis finds a confirmed violation 
 maps) and the test re-measures it.
 """
 
+import re
+
 import pytest
 import torch
 from hypothesis import settings
 
-from geomuon.theory.declared import declarations, table_rows
+from geomuon.optimizers.polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
+from geomuon.theory.declared import BO, Declaration, declarations, table_rows
 from geomuon.theory.equivariance import CONFIRMATION_PROBES, VIOLATION_FACTOR, run_trial, verify_declaration
 
 DECLARATIONS = declarations()
@@ -87,3 +90,40 @@ def test_must_fail(declaration):
                        generator=torch.Generator().manual_seed(case.seed), probes=CONFIRMATION_PROBES)
     print(f"{declaration.id}: residual {result.residual:.3e} = {result.ratio:.3g} floors on\n{case!r}")
     assert result.verdict == "violated" and not result.residual <= VIOLATION_FACTOR * result.floor
+
+
+def _groups(kind: str, update: str) -> set[str]:
+    return {d.group.name for d in DECLARATIONS if (d.kind, d.update, d.expected) == (kind, update, "holds")}
+
+
+def test_the_row_and_column_maps_declare_their_documented_groups():
+    # optimizers/maps.py documents row_norm under S_m^± x O_n and col_norm under O_m x S_n^±;
+    # the table had declared row_norm only under unsigned S_m x O_n, so the row signs went unchecked
+    assert "signed-row-permutation" in _groups("map", "row_norm")
+    assert "signed-column-permutation" in _groups("map", "col_norm")
+
+
+@pytest.mark.parametrize("optimizer", [RowNormM, RightPolarGradM, LeftPolarGradM, HybridPolarGradM],
+                         ids=lambda cls: cls.__name__)
+def test_every_map_optimizer_steps_under_a_group_of_its_map(optimizer):
+    # Linear momentum and decoupled decay around the map keep the map's symmetry, so each
+    # PolarGrad step is declared under a group its map holds under (LeftPolarGradM had only
+    # router-shift rows: its O_m x O_n symmetry was never run).
+    assert _groups("step", optimizer.__name__) & _groups("map", optimizer.map_name)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("kind", "maps", "kind must be one of ('map', 'direction', 'step'), got 'maps'"),
+    ("expected", "hold", "expected must be one of ('holds', 'fails'), got 'hold'"),
+    ("orientation", "Tall", "orientation must be one of ('any', 'tall', 'wide'), got 'Tall'"),
+    ("group", "bi-orthogonal", "group must be a geomuon.theory.groups.Group instance"),
+    ("build", None, "build must be a callable"),
+    ("precision", torch.int32, "precision must be a floating torch.dtype or None, got torch.int32"),
+])
+def test_a_misspelt_declaration_is_refused_by_name(field, value, message):
+    # a row saying "hold" had been built and then run by neither test_must_hold nor
+    # test_must_fail; "Tall" had raised KeyError in the docs build
+    fields = dict(update="spectral", kind="map", group=BO, expected="holds", rationale="r", build=lambda: None)
+    fields[field] = value
+    with pytest.raises(ValueError, match=re.escape(f"Declaration 'spectral': {message}")):
+        Declaration(**fields)

@@ -172,3 +172,52 @@ def test_tangent_strategies_refuse_a_bad_relative_norm(value):
         points_and_tangents(manifold, (4, 3), max_relative_norm=value)
     with pytest.raises(ValueError, match="max_relative_norm must be a finite number > 0"):
         tangent_vectors(manifold, torch.eye(4, 3, dtype=torch.float64), max_relative_norm=value)
+
+
+@given(matrices(matrix_shapes(min_side=1, max_side=8), kinds=("column_scaled",), max_condition=10.0))
+def test_column_scaled_matrices_have_bounded_condition(x):
+    """The docstring bounds kappa by max_condition for the column-scaled kind too; Gaussian
+    columns times the scales had reached kappa = 2e3 at max_condition = 10."""
+    s = torch.linalg.svdvals(x)
+    condition = s[..., 0] / s[..., -1]
+    # A backward-stable SVD moves each singular value by at most p(m, n) eps sigma_max, so
+    # the computed kappa is off by a relative kappa p(m, n) eps <= 10 * 64 * 2.2e-16 = 1.4e-13
+    # here (p(m, n) <= 64 for sides <= 8): 1e-9 leaves margin and is far below any violation.
+    assert (condition <= 10.0 * (1 + 1e-9)).all()
+
+
+def test_rank_deficient_matrices_are_refused_where_no_nonzero_one_exists():
+    """At min(m, n) = 1 the rank-deficient kind had drawn a full-rank Gaussian instead."""
+    message = "matrices: kinds=('rank_deficient',) cannot be drawn at shape (1, 5)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        matrices((1, 5), kinds=("rank_deficient",))
+
+    @given(matrices(st.just((1, 5)), kinds=("rank_deficient",)))
+    def drawn_shape(x):
+        pass
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        drawn_shape()
+
+
+@pytest.mark.parametrize("strategy", ["manifold_points", "tangent_vectors", "points_and_tangents"])
+@pytest.mark.parametrize("manifold, message", [
+    (MANIFOLDS["stiefel"], "got the class Stiefel; pass Stiefel()"),
+    ("stiefel", "(e.g. Stiefel()), got 'stiefel'"),
+])
+def test_point_strategies_refuse_what_is_not_a_manifold_instance(strategy, manifold, message):
+    # the class had failed at the first draw ("projx() missing 1 required positional argument")
+    import geomuon.theory.strategies as strategies
+
+    point = torch.eye(4, 3, dtype=torch.float64)
+    arguments = (manifold, point) if strategy == "tangent_vectors" else (manifold, (4, 3))
+    with pytest.raises(ValueError, match=re.escape(f"{strategy}: manifold must be a MatrixManifold instance")
+                       + ".*" + re.escape(message)):
+        getattr(strategies, strategy)(*arguments)
+
+
+def test_tangent_vectors_refuse_an_empty_point():
+    # it had been accepted and failed at the first draw, naming `matrices` and not the point
+    with pytest.raises(ValueError, match=re.escape("tangent_vectors: point must be a floating tensor [..., m, n] "
+                                                   "with every size >= 1, got torch.float64 of shape (0, 3)")):
+        tangent_vectors(MANIFOLDS["stiefel"](), torch.zeros(0, 3, dtype=torch.float64))

@@ -6,11 +6,14 @@ structure (shape, kind, scale, condition number, rank) while the entries come fr
 seeded ``torch.Generator``:
 
 * ``"gaussian"``: i.i.d. standard normal entries;
-* ``"ill_conditioned"``: $U\operatorname{diag}(\sigma)V^\top$ with Haar $U, V$ and
+* ``"ill_conditioned"``: $U\operatorname{diag}(\sigma)V^\top$ with Haar frames $U, V$ and
   $\sigma$ log-spaced over $[1/\kappa, 1]$ in shuffled order;
-* ``"rank_deficient"``: the same with only $r < \min(m, n)$ nonzero singular values;
-* ``"column_scaled"``: Gaussian columns scaled by factors log-spaced over $[1/\kappa, 1]$
-  in shuffled order (unsorted column norms, what DGram cares about).
+* ``"rank_deficient"``: the same with only $r < \min(m, n)$ nonzero singular values (drawn
+  only where $\min(m, n) \ge 2$: the one matrix of rank $< 1$ is zero, which has no RMS to set);
+* ``"column_scaled"``: $A\operatorname{diag}(c)$, $A$ the ill-conditioned kind at
+  $\sqrt\kappa$ and $c$ log-spaced over $[1/\sqrt\kappa, 1]$ in shuffled order (unsorted
+  column norms, what DGram cares about), so that
+  $\kappa(A\operatorname{diag}(c)) \le \kappa(A)\,\kappa(\operatorname{diag}(c)) \le \kappa$.
 
 Every matrix is then rescaled so that its RMS entry equals a drawn ``scale`` in
 $[10^{-3}, 10^3]$ (log-uniform). The default dtype is float64 (tests of math).
@@ -26,6 +29,7 @@ import math
 import torch
 from hypothesis import strategies as st
 
+from geomuon.manifolds.base import MatrixManifold
 from geomuon.manifolds.linalg import check_count, check_real
 
 from .groups import haar_orthogonal
@@ -84,6 +88,31 @@ def _check_dtype(where: str, dtype) -> None:
     truncated the drawn entries, mostly to zero)."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"{where}: dtype must be a real floating torch.dtype (e.g. torch.float64), got {dtype!r}")
+
+
+def _check_manifold(where: str, manifold) -> None:
+    """Refuse a ``manifold`` that is not a :class:`~geomuon.manifolds.MatrixManifold` instance
+    (the class itself had failed at the first draw with "projx() missing 1 required positional
+    argument", a name string with "'str' object has no attribute 'projx'")."""
+    if isinstance(manifold, MatrixManifold):
+        return
+    if isinstance(manifold, type) and issubclass(manifold, MatrixManifold):
+        raise ValueError(f"{where}: manifold must be a MatrixManifold instance, got the class {manifold.__name__}; "
+                         f"pass {manifold.__name__}()")
+    raise ValueError(f"{where}: manifold must be a MatrixManifold instance (e.g. Stiefel()), got {manifold!r}")
+
+
+def _kinds_for(where: str, kinds: tuple[str, ...], shape: tuple[int, ...]) -> tuple[str, ...]:
+    r"""The ``kinds`` a ``shape`` can be drawn as: ``"rank_deficient"`` only where
+    $\min(m, n) \ge 2$ (it had fallen back to a full-rank Gaussian at $\min(m, n) = 1$);
+    ``ValueError`` naming ``kinds`` when none is left."""
+    if min(shape[-2:]) >= 2:
+        return kinds
+    possible = tuple(kind for kind in kinds if kind != "rank_deficient")
+    if not possible:
+        raise ValueError(f"{where}: kinds=('rank_deficient',) cannot be drawn at shape {shape} (min(m, n) = 1: the "
+                         f"only matrix of lower rank is 0); draw shapes with min_side >= 2 or add another kind")
+    return possible
 
 
 def _check_shape(where: str, shape, dtype: torch.dtype, max_scale: float) -> tuple[int, ...]:
@@ -197,8 +226,9 @@ def matrices(
             finite and at least 1.
 
     Raises:
-        ValueError: naming the option, when any of these does not hold (a drawn shape is
-            checked when drawn, everything else here).
+        ValueError: naming the option, when any of these does not hold, or when ``kinds`` is
+            only ``"rank_deficient"`` and $\min(m, n) = 1$ (a drawn shape is checked when
+            drawn, everything else here).
     """
     where = "matrices"
     kinds = _names(where, "kinds", kinds, MATRIX_KINDS)
@@ -212,6 +242,7 @@ def matrices(
         shape = matrix_shapes()
     if not isinstance(shape, st.SearchStrategy):
         shape = _check_shape(where, shape, dtype, max_scale)
+        _kinds_for(where, kinds, shape)
     return _matrices(shape, dtype, kinds, float(min_scale), float(max_scale), float(max_condition))
 
 
@@ -221,21 +252,24 @@ def _matrices(draw, shape, dtype, kinds, min_scale, max_scale, max_condition) ->
         shape = _check_shape("matrices", draw(shape), dtype, max_scale)
     *batch, m, n = shape
     k = min(m, n)
-    kind = draw(st.sampled_from(kinds))
+    kind = draw(st.sampled_from(_kinds_for("matrices", kinds, shape)))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     condition = _log_uniform(draw, 1.0, max_condition)
-    if kind in ("ill_conditioned", "rank_deficient") and k > 1:
-        sigma = _shuffled_logspace(k, condition, generator)
+    if kind == "gaussian":
+        x = torch.randn(*batch, m, n, generator=generator, dtype=torch.float64)
+    else:
+        # column_scaled splits kappa between A and diag(c): kappa(A diag(c)) <= kappa(A) kappa(diag(c))
+        # (a Gaussian A had its own, unbounded, condition: 2e3 at max_condition = 10)
+        spectrum = math.sqrt(condition) if kind == "column_scaled" else condition
+        sigma = _shuffled_logspace(k, spectrum, generator)
         if kind == "rank_deficient":
             rank = draw(st.integers(1, k - 1))
             sigma = torch.where(torch.arange(k) < rank, sigma.sort(descending=True).values, 0.0)
         left = haar_orthogonal(m, generator, tuple(batch))[..., :k]  # Haar frames [..., m, k]
         right = haar_orthogonal(n, generator, tuple(batch))[..., :k]
         x = (left * sigma) @ right.mT
-    else:
-        x = torch.randn(*batch, m, n, generator=generator, dtype=torch.float64)
         if kind == "column_scaled":
-            x = x * _shuffled_logspace(n, condition, generator)
+            x = x * _shuffled_logspace(n, spectrum, generator)
     scale = _log_uniform(draw, min_scale, max_scale)
     rms = x.square().mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-300)
     return (x * (scale / rms)).to(dtype)
@@ -252,8 +286,10 @@ def manifold_points(
     """Points of ``manifold``: ``manifold.projx`` of a drawn matrix (float64 projection, then cast).
 
     The projection runs in float64 so a float32 point is the rounding of an exact point.
-    The options are checked here as :func:`matrices` checks them.
+    The options are checked here as :func:`matrices` checks them, and ``manifold`` must be a
+    :class:`~geomuon.manifolds.MatrixManifold` instance (``ValueError`` otherwise).
     """
+    _check_manifold("manifold_points", manifold)
     _check_dtype("manifold_points", dtype)
     raw = matrices(shape, dtype=torch.float64, kinds=kinds, max_condition=max_condition)
     return raw.map(lambda x: manifold.projx(x).to(dtype))
@@ -283,22 +319,28 @@ def tangent_vectors(
     (the tangent space is $\{0\}$, e.g. a 1x1 Stiefel point).
 
     Raises:
-        ValueError: naming the option, for unknown ``kinds``, a ``max_relative_norm`` that is
-            not finite and > 0, or a ``point`` that is not a floating tensor ``[..., m, n]``.
+        ValueError: naming the option, for a ``manifold`` that is not a
+            :class:`~geomuon.manifolds.MatrixManifold` instance, unknown ``kinds``, a
+            ``max_relative_norm`` that is not finite and > 0, or a ``point`` that is not a
+            floating tensor ``[..., m, n]`` of sizes >= 1.
     """
     where = "tangent_vectors"
+    _check_manifold(where, manifold)
     kinds = _names(where, "kinds", kinds, MATRIX_KINDS)
     check_real(where, "max_relative_norm", max_relative_norm, lambda r: r > 0, "a finite number > 0")
-    if not (isinstance(point, torch.Tensor) and point.dim() >= 2 and point.is_floating_point()):
-        raise ValueError(f"{where}: point must be a floating tensor [..., m, n], got "
-                         f"{point.dtype if isinstance(point, torch.Tensor) else type(point).__name__}")
-    return _tangent_vectors(manifold, point, kinds, float(max_relative_norm))
+    if not (isinstance(point, torch.Tensor) and point.dim() >= 2 and point.is_floating_point()
+            and point.numel() > 0):
+        raise ValueError(f"{where}: point must be a floating tensor [..., m, n] with every size >= 1, got "
+                         + (f"{point.dtype} of shape {tuple(point.shape)}" if isinstance(point, torch.Tensor)
+                            else type(point).__name__))
+    raw = matrices(tuple(point.shape), dtype=torch.float64, kinds=kinds)
+    return _tangent_vectors(manifold, point, raw, float(max_relative_norm))
 
 
 @st.composite
-def _tangent_vectors(draw, manifold, point, kinds, max_relative_norm) -> torch.Tensor:
+def _tangent_vectors(draw, manifold, point, raw_matrices, max_relative_norm) -> torch.Tensor:
     x = point.double()
-    raw = draw(matrices(tuple(point.shape), dtype=torch.float64, kinds=kinds))
+    raw = draw(raw_matrices)
     v = manifold.proju(x, raw)
     # Rescaling a directionless projection (round-off, 1e-16 of |raw|) to a drawn norm had
     # returned full-size normal vectors in about half the draws: redraw those matrices.
@@ -333,6 +375,7 @@ def points_and_tangents(
 ) -> st.SearchStrategy[tuple[torch.Tensor, torch.Tensor]]:
     """A point of ``manifold`` and a tangent vector there, both in ``dtype`` (see
     :func:`manifold_points` and :func:`tangent_vectors`, whose checks apply here)."""
+    _check_manifold("points_and_tangents", manifold)
     check_real("points_and_tangents", "max_relative_norm", max_relative_norm, lambda r: r > 0, "a finite number > 0")
     points = manifold_points(manifold, shape, dtype=dtype, kinds=kinds, max_condition=max_condition)
     return points.flatmap(lambda x: tangent_vectors(manifold, x, kinds=kinds, max_relative_norm=max_relative_norm)

@@ -81,7 +81,7 @@ def _api_section(match: re.Match) -> str:
 
 
 _EXPECTED = {"holds": "holds", "fails": "fails (negative control)"}
-_ORIENTATION = {"any": "", "tall": ", tall m ≥ n", "wide": ", wide m ≤ n"}
+_ORIENTATION = {"any": "", "tall": ", tall m ≥ n", "wide": ", wide m < n"}
 
 
 def symmetry_rows(symmetry) -> list[tuple[str, str, str, str]]:
