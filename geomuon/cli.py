@@ -94,7 +94,7 @@ def entry() -> None:
     process ("terminate called without an active exception", SIGABRT after ``done``; 3 of 34
     two-process CPU runs on a busy machine), which torchrun reports as a failed job."""
     code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # (a malformed value was refused by name in main)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -252,7 +252,12 @@ class TrainConfig:
             problems.append(f"--stop-after must be in [1, steps={self.steps}] (got {self.stop_after})")
         if self.device == "cuda" and not torch.cuda.is_available():
             problems.append("--device cuda was asked for but CUDA is not available; use --device cpu")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        for name in LAUNCHER_VARIABLES:
+            try:
+                launcher_value(name)
+            except ValueError as err:
+                problems.append(str(err))
+        world = launcher_value("WORLD_SIZE") if not any("WORLD_SIZE" in p for p in problems) else 1
         if world > 1 and self.parallel == "none":
             problems.append(f"{world} processes (WORLD_SIZE) but --parallel none; choose --parallel ddp or fsdp")
         if self.parallel != "none" and "MASTER_ADDR" not in os.environ:  # (it had run as one plain process)
@@ -285,6 +290,26 @@ class TrainConfig:
                 problems.append(f"{flag} {value} would be ignored: it reaches {takers}, and {who}; leave it out "
                                 "or choose a strategy that takes it")
         return problems
+
+
+#: The launcher's variables (torchrun's) and the least value each may take.
+LAUNCHER_VARIABLES = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
+
+
+def launcher_value(name: str) -> int:
+    """The launcher's variable ``name`` (:data:`LAUNCHER_VARIABLES`) as an integer (its least
+    value where it is unset); ``ValueError`` naming it when it is set to anything else (``int()``
+    had raised "invalid literal" naming nothing)."""
+    least = LAUNCHER_VARIABLES[name]
+    text = os.environ.get(name, str(least))
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer >= {least}; torchrun sets it: "
+                         f"unset it to run one process, or launch with torchrun --nproc-per-node N")
+    return value
 
 
 def _numbers(*values) -> bool:

@@ -102,7 +102,7 @@ from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import is_sharded, whole
 from geomuon.optimizers.base import MatrixOptimizer
-from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args
+from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args, launcher_value
 from geomuon.pretrain.data import TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
@@ -171,9 +171,7 @@ class Distributed:
     world of one, so ``--parallel fsdp`` runs its sharded path (the CUDA smoke test)."""
 
     def __init__(self, device: str, parallel: str = "none"):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world, self.rank, self.local_rank = map(launcher_value, ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
         self.enabled = self.world > 1 or (parallel != "none" and "MASTER_ADDR" in os.environ)
         if self.enabled and not dist.is_initialized():
             nccl = device.startswith("cuda")
@@ -1131,7 +1129,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def resume_command(verb: str, *configs, defaults: dict | None = None) -> str:
     """The command that continues an interrupted run (``verb``: ``pretrain`` or
     ``compare``) with the options of ``configs`` (which say ``resume=True``)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launcher_value("WORLD_SIZE")
     prefix = f"geomuon {verb}" if world == 1 else f"torchrun --nproc_per_node {world} --no-python geomuon {verb}"
     return command_line(prefix, *configs, exclude=("overwrite",), defaults=defaults)
 
@@ -1139,7 +1137,10 @@ def resume_command(verb: str, *configs, defaults: dict | None = None) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``geomuon pretrain`` with parsed arguments; returns the exit code."""
     cfg = from_args(TrainConfig, args)
-    main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints
+    try:
+        main = launcher_value("RANK") == 0  # the rank that prints
+    except ValueError:
+        main = True  # every process says what is wrong with its RANK (train's config check refuses it)
     try:
         result = train(cfg)
     except ValueError as err:

@@ -810,3 +810,13 @@ def test_token_shards_are_read_against_the_models_vocabulary(tmp_path):
     big = _token_folder(tmp_path / "big", top=50257)
     with pytest.raises(ValueError, match=r"token id 50257 ≥ vocab_size 50257 \(the model's vocabulary\)"):
         train(dataclasses.replace(cfg, data=f"tokens:{big}"))
+
+
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("RANK", "-1"), ("LOCAL_RANK", "x")])
+def test_a_malformed_launcher_variable_is_refused_by_name(tmp_path, capsys, monkeypatch, name, value):
+    # torchrun's variables had been read with a bare int(): "invalid literal for int()", naming nothing
+    monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    assert cli([*PRETRAIN, "--out-dir", str(out)]) == 2
+    assert f"environment variable {name}={value!r} is not an integer" in capsys.readouterr().err
+    assert not out.exists()
