@@ -167,11 +167,11 @@ gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr
 gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)
 gram dual Gram forgets S'F's transpose | return K + SF + SF.mT | return K + 2 * SF
 gram dual Gram drops DS's 1/2 | torch.add(B0, DS, alpha=0.5) | torch.add(B0, DS, alpha=1.0)
-engine: polish drops the tangent projection | y1 = z1 - form.project(mulD.D, mulD(z1 - u1) + B0 @ (z2 - u2)) | y1 = z1 - u1 + u1
-engine: polish projects with W'(W T1) only | mulD(z1 - u1) + B0 @ (z2 - u2)) | mulD(z1 - u1))
+engine: polish drops the tangent projection | x1, x2 = z1 - form.project(mulD.D, mulD(z1) + B0 @ z2), z2 | x1, x2 = z1, z2
+engine: polish projects with W'(W T1) only | mulD(z1) + B0 @ z2) | mulD(z1))
 engine: polish clips T1 only | z1, z2 = y1 @ clip, y2 @ clip | z1, z2 = y1 @ clip, y2
 engine: polish's Gram cross term untransposed | cross + cross.mT | 2 * cross
-engine: ADMM polish drops the momentum's term | y2 = z2 + start | y2 = z2
+engine: ADMM polish drops the momentum's term | b + start | b
 engine: ADMM polish never updates its multiplier | u1, u2 = y1 - z1, y2 - z2 | u1, u2 = u1, u2
 engine: ADMM polish starts its multiplier at Z0 alone | u1, u2 = S * inverse, start | u1, u2 = 0 * S, start
 engine: polish clips at spectral norm 2 | lam.clamp_min(1.0).rsqrt() | lam.clamp_min(4.0).rsqrt()

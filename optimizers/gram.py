@@ -600,22 +600,24 @@ def polish(form: GramForm, mulD: "_PointGram", B0: torch.Tensor, K: torch.Tensor
     """
     if not rounds:
         return T1, T2
-    z1, z2 = T1, T2
-    u1 = u2 = start = torch.zeros_like(T2)
+    x1, x2 = T1, T2  # ADMM's x from z = A, u = Z / rho: P_W(A - Z / rho) + Z_0 / rho = A (P_W(Z) = Z_0)
     if dual is not None:
         S, scale = dual
         inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale)).reshape(*scale.shape, 1, 1)
         start = torch.eye(T2.size(-1), dtype=T2.dtype, device=T2.device) * inverse  # Z_0 / rho: (0, I / rho)
         u1, u2 = S * inverse, start
-    for _ in range(rounds):
-        y1 = z1 - form.project(mulD.D, mulD(z1 - u1) + B0 @ (z2 - u2))  # y = x + u
-        y2 = z2 + start
+    for k in range(rounds):
+        y1, y2 = (x1, x2) if dual is None else (x1 + u1, x2 + u2)
         cross = y1.mT @ (B0 @ y2)
         clip = unit_ball(y1.mT @ mulD(y1) + cross + cross.mT + y2.mT @ (K @ y2))
         z1, z2 = y1 @ clip, y2 @ clip
-        if dual is not None:
+        if dual is None or k == rounds - 1:  # P_W(z): an alternating round, or ADMM's result
+            x1, x2 = z1 - form.project(mulD.D, mulD(z1) + B0 @ z2), z2
+        else:  # ADMM's multiplier and x-steps
             u1, u2 = y1 - z1, y2 - z2
-    return z1 - form.project(mulD.D, mulD(z1) + B0 @ z2), z2
+            a, b = z1 - u1, z2 - u2
+            x1, x2 = a - form.project(mulD.D, mulD(a) + B0 @ b), b + start
+    return x1, x2
 
 
 def _axpy(Y: torch.Tensor, X: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
