@@ -52,11 +52,13 @@ __all__ = [
 ]
 
 
-def matrix_method(*matrix_args: str, result: str = "matrix"):
+def matrix_method(*matrix_args: str, result: str = "matrix", finite: bool = False):
     """Decorate a manifold method taking a point ``x`` first.
 
     The wrapper validates ``x`` (:meth:`MatrixManifold.validate_point`) and the named
-    matrix arguments (same trailing shape as ``x``). On a manifold with
+    matrix arguments (same trailing shape as ``x``); with ``finite=True`` (``projx``: it maps
+    any finite matrix to the manifold) a NaN or infinite entry of ``x`` raises ``ValueError``
+    (a host read: such methods are not called inside an optimizer step). On a manifold with
     ``transposes_wide = True`` a wide point ($m < n$) is handled by the transposed
     geometry: ``x`` and the named matrix arguments are transposed on the way in, and the
     result is transposed back when ``result="matrix"`` (``"multiplier"`` and ``"check"``
@@ -69,6 +71,11 @@ def matrix_method(*matrix_args: str, result: str = "matrix"):
         @functools.wraps(method)
         def wrapper(self, x, *args, **kwargs):
             self.validate_point(x, "x")
+            if finite and not bool(torch.isfinite(x).all()):
+                # (NaN had come back silently on Oblique, LPRO and the router; Stiefel raised
+                # LAPACK's error, naming nothing)
+                raise ValueError(f"{self.name}: x given to {method.__name__} has a NaN or infinite entry; "
+                                 f"{method.__name__} maps finite matrices onto the manifold")
             flip = self.transposes_wide and x.size(-2) < x.size(-1)
             args = list(args)
             for position, name in enumerate(matrix_args):
@@ -450,7 +457,7 @@ class MatrixManifold(geoopt.Manifold):
         """Riemannian gradient of the Euclidean metric: the tangent projection of ``u``."""
         return self.proju(x, u)
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x: torch.Tensor) -> torch.Tensor:
         """A point of $M$ near ``x``: generic Gauss–Newton projection (needs ``defining_map``).
 

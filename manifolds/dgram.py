@@ -86,7 +86,7 @@ class DGram(MatrixManifold):
         sigma = off_diagonal(x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
         return u - x @ sigma
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x):
         # projx(cx) = c projx(x): computed on x over its largest entry, so the squared column
         # norms neither overflow (1e160 in float64 had given inf/NaN) nor underflow

@@ -42,7 +42,7 @@ class Euclidean(MatrixManifold):
     def proju(self, x, u):
         return broadcast_pair(x, u)[1]
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x):
         return x
 

@@ -93,7 +93,7 @@ class LPRO(Euclidean):
             return super().proju(x, u)
         return sphere_proju(x, u, -1)
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x):
         if self.radius is None:
             return x

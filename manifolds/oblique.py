@@ -105,7 +105,7 @@ class Oblique(MatrixManifold):
     def proju(self, x, u):
         return sphere_proju(x, u, -2)
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x):
         return sphere_normalize(x, 1.0, -2, "Oblique.projx")
 

@@ -74,7 +74,7 @@ class CenteredRouterSpace(MatrixManifold):
     def proju(self, x, u):
         return _centered(broadcast_pair(x, u)[1])
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x):
         return _centered(x.double()).to(x.dtype)
 

@@ -73,7 +73,7 @@ class Stiefel(MatrixManifold):
         x = x.to(u.dtype)  # computed in u's dtype, as MatrixManifold.proju documents
         return u - x @ sym(x.mT @ u)
 
-    @matrix_method()
+    @matrix_method(finite=True)
     def projx(self, x):
         U, _, Vh = torch.linalg.svd(x.double(), full_matrices=False)
         return (U @ Vh).to(x.dtype)

@@ -656,6 +656,20 @@ def test_a_matrix_with_a_non_finite_entry_is_no_point(name, bad):
     assert manifold.check_point_on_manifold(x[0])  # control
 
 
+@pytest.mark.parametrize("name", MANIFOLDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_projx_refuses_a_matrix_with_a_non_finite_entry(name, bad):
+    # NaN had come back silently from Oblique, LPRO and the router (Stiefel raised LAPACK's error)
+    manifold = MANIFOLDS[name]()
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+    assert manifold.points_on_manifold(manifold.projx(x)).item()  # control: a finite matrix projects
+    x[2, 3] = bad
+    with pytest.raises(ValueError, match="x given to projx has a NaN or infinite entry"):
+        manifold.projx(x)
+    with pytest.raises(ValueError, match="x given to projx has a NaN or infinite entry"):
+        manifold.projx(x.mT.contiguous())  # wide, through the transposed geometry too
+
+
 def test_router_point_check_is_relative_to_the_scale_of_the_weights():
     # The subspace 1^T W = 0 is a cone; the generic test |1^T w_j| <= atol was not scale-free.
     router = CenteredRouterSpace()
