@@ -113,6 +113,7 @@ euclidean projection is zero | return broadcast_pair(x, u)[1] | return 0 * broad
 matrix_method does not transpose wide results back | return out.mT if result == "matrix" else out | return out
 ## manifolds/linalg.py
 off_diagonal keeps the diagonal | return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1)) | return S
+off_diagonal of a tensor keeps the diagonal | out.diagonal(dim1=-2, dim2=-1).zero_() | out.diagonal(dim1=-2, dim2=-1)
 msign forgets the input scale | clamp_min(floor) * schedule.input_scale | clamp_min(floor)
 sym loses 1/2 | return 0.5 * (X + X.mT) | return (X + X.mT)
 newton-schulz step swaps b and c | polynomial = fma(S, S, S, beta=b, alpha=c) | polynomial = fma(S, S, S, beta=c, alpha=b)
