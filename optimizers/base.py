@@ -34,8 +34,11 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   precision training (``torch.amp.GradScaler`` skips ``optimizer.step`` on an inf; optax's
   ``apply_if_finite`` counts skipped steps in its state): the weights are never touched by
   a non-finite gradient, and the error reaches the user at a point that does not stall the
-  device. Sharded (``DTensor``) groups read the flags back in the step (their step
-  communicates anyway) and report at once.
+  device. **Exception: sharded** (``DTensor``) groups. Their step has no device-side skip,
+  so each sharded param group's finiteness flags (one per matrix; the ranks' squared norms
+  summed in fp32) are read back to the host before it steps — one device-to-host read per
+  sharded group per step, which on CUDA waits for the device (NCCL collectives do not) —
+  and a non-finite matrix is left out of the step on every rank and reported at once.
 * **Regulation** (group key ``regulate``): a spec for
   :func:`geomuon.optimizers.regulate.make_regulator`, applied after the step as
   ``p.copy_(reg(p, lr=lr, state=self.state[p]))`` (a skipped matrix keeps its weight; the
@@ -57,6 +60,7 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -401,7 +405,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Performs a single optimization step; returns the closure's loss if given.
 
         No value is read back from the device (see :meth:`check_finite` for how skipped
-        steps are reported)."""
+        steps are reported), except in a sharded (``DTensor``) param group: one read of its
+        finiteness flags per group and step (:meth:`_finite_on_host`), a host synchronisation
+        on CUDA."""
         self._report_skips(wait=False)
         regulators = [self._group_regulator(group, index) for index, group in enumerate(self.param_groups)]
         loss = None
@@ -458,7 +464,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Report the steps skipped for non-finite gradients now (a host read: call it where
         the loss is read, e.g. at a log step, and once after training).
 
-        :meth:`step` never waits for the device: it records, per matrix, whether the
+        :meth:`step` never waits for the device (sharded groups excepted: they read their flags
+        and report in the step, see :meth:`_finite_on_host`): it records, per matrix, whether the
         gradient was finite, makes the update of a non-finite one a no-op on the device,
         and reports what has already reached the host at the start of the next
         :meth:`step` — a ``RuntimeWarning`` (``nonfinite="skip"``) or a ``ValueError``
@@ -537,12 +544,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int]) -> list[torch.Tensor]:
-        """Sharded parameters: the non-finite check read back now (their step communicates
-        anyway; a DTensor's norms are partial sums, ``whole`` all-reduces them so ranks agree).
-        The same read carries the failure flags of earlier sharded steps on the group's mesh
-        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
-        norms = torch.stack(torch._foreach_norm([p.grad for p in params]))
-        finite = _distributed.read_failures(self, _distributed.whole(norms).isfinite(), params[0].device_mesh)
+        r"""Sharded parameters: the non-finite check, read back to the host now (the sharded step
+        has no device-side skip: the one host read of a step, see :meth:`step`), so every rank
+        drops the same matrices. The whole gradient's norm $\|G\|_F = (\sum_r \|G_r\|_F^2)^{1/2}$
+        over the ranks' shards $G_r$ is formed in fp32 (fp64 for fp64), as the one-process
+        ``_foreach_norm`` accumulates it, and a matrix group then rounds it to the gradient's
+        dtype (:meth:`_keep`'s test: a norm beyond the dtype's range skips). Combined in fp16,
+        the squares of a finite gradient's shard norms had overflowed (two shards of 6000 I_64,
+        norm 48000: inf). The same read carries the failure flags of earlier sharded steps on the
+        group's mesh (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
+        wide = functools.reduce(torch.promote_types, (fp32_or_fp64(p.grad.dtype) for p in params))
+        norms = _distributed.whole(torch.stack([torch.linalg.vector_norm(p.grad, dtype=wide) for p in params]))
+        if group["update"] != "adamw":  # AdamW does not normalize: only a NaN or inf entry skips
+            norms = torch.stack([n.to(p.grad.dtype) for n, p in zip(norms, params)])
+        finite = _distributed.read_failures(self, norms.isfinite(), params[0].device_mesh)
         if all(finite):
             return params
         bad = {self._name(group, positions[id(p)], index): 1 for p, ok in zip(params, finite) if not ok}
@@ -695,15 +710,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _apply(self, group: dict, params: list[torch.Tensor], update, lr: float,
                keep: torch.Tensor | None = None) -> None:
         r"""$W \leftarrow (1 - \eta\lambda)W - \eta\,s(\text{shape})\,U$ (decoupled decay); a
-        matrix with ``keep`` false is not decayed (a factor 1 on the device) and its $U$ is 0."""
+        matrix with ``keep`` false is not decayed (a factor 1 on the device) and its $U$ is 0.
+        The decay factor $1 - \eta\lambda$ multiplies in fp32 (fp64 for fp64), with or without
+        ``keep`` (:func:`_scale_kept_`), so sharded and one-process steps decay alike."""
         weight_decay = group["weight_decay"]
         scale = self._lr_scale(group, self._matrix_shape(group, params[0])[-2:])
         updates = [u.reshape(p.shape) for u, p in zip(update, params)]
-        if weight_decay != 0 and keep is None:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        elif weight_decay != 0:
-            for p, c in zip(params, _where_kept(keep.to(params[0].dtype), 1 - lr * weight_decay)):
-                p.mul_(c)
+        if weight_decay != 0:  # one formula for both paths (on fp16 DTensors, _foreach_mul_ had landed 1 ulp off)
+            for i, p in enumerate(params):
+                _scale_kept_(p, 1 - lr * weight_decay, None if keep is None else keep[i])
         # a skipped matrix's update is already 0 (its momentum was, and every map sends 0 to 0)
         if isinstance(lr, torch.Tensor):  # addcmul computes in the parameter's dtype (U may be bf16)
             for p, u in zip(params, updates):
@@ -729,9 +744,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             g = p.grad if keep is None else torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0).mul_(kept)
             step = state["step"].add_(kept)
             if group["weight_decay"] != 0:
-                p.mul_(_where_kept(kept, 1 - lr * group["weight_decay"]))
+                _scale_kept_(p, 1 - lr * group["weight_decay"], None if keep is None else keep[i])
             _lerp_kept_(state["exp_avg"], g, 1 - beta1, kept)
-            state["exp_avg_sq"].mul_(_where_kept(kept, beta2)).addcmul_(g, g, value=1 - beta2)
+            _scale_kept_(state["exp_avg_sq"], beta2, None if keep is None else keep[i]).addcmul_(g, g, value=1 - beta2)
             counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
             bias1, bias2 = _bias_correction(beta1, counted, p.dtype), _bias_correction(beta2, counted, p.dtype)
             bias2_sqrt = bias2.sqrt()
@@ -813,7 +828,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def project_to_manifolds(self) -> None:
-        """Move every constrained parameter onto its manifold (``projx`` in float32)."""
+        """Move every constrained parameter onto its manifold (``projx`` in float32). A sharded
+        (``DTensor``) parameter is gathered, projected whole on every rank and keeps its rows;
+        its next step costs no skipped step (the owner's replica is dropped: its weights travel
+        once, as in a first step)."""
         for group in self.param_groups:
             if group["update"] == "adamw":
                 continue
@@ -823,6 +841,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     x = _distributed.whole(p.detach()).to(fp32_or_fp64(p.dtype))
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
+                    _distributed.forget_replica(self, p)
 
 
 def require_number(index: int, name: str, value, admissible, what: str) -> None:
@@ -857,6 +876,25 @@ def _bias_correction(beta: float, step: torch.Tensor, dtype: torch.dtype) -> tor
     ``torch.optim.AdamW``'s, which computes it on the host in float64)."""
     log_beta = math.log(beta) if beta > 0 else -math.inf  # beta = 0: 1 - 0^t = 1 for t >= 1
     return -torch.expm1(step.to(fp32_or_fp64(dtype)) * log_beta)
+
+
+def _scale_kept_(tensor: torch.Tensor, factor: float | torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    r"""``tensor`` $\leftarrow c\,$``tensor`` in place, $c$ = ``factor`` where ``kept`` (a 0-dim
+    bool; ``None``: kept) and 1 where not, with no host read: the product formed in fp32 (fp64
+    for fp64) and rounded once to ``tensor``'s dtype, as ``tensor.mul_(float)`` forms it. A
+    factor near 1 must not be rounded to a bf16/fp16 tensor first: in bf16 $1 - 0.02\cdot 0.1
+    = 0.998$ is $0.99609375$ (a decay 2x too strong) and AdamW's $\beta_2 = 0.999$ is $1$ (a
+    second moment that never decays). A ``DTensor`` is scaled on its local shard (elementwise)."""
+    if _distributed.is_sharded(tensor):
+        _scale_kept_(tensor.to_local(), factor, kept)
+        return tensor
+    wide = fp32_or_fp64(tensor.dtype)
+    scale = factor.to(wide) if isinstance(factor, torch.Tensor) else factor
+    if kept is not None:
+        scale = _where_kept(kept.to(wide), scale)
+    if tensor.dtype == wide or not isinstance(scale, torch.Tensor):
+        return tensor.mul_(scale)
+    return tensor.copy_(tensor.to(wide).mul_(scale))
 
 
 def _where_kept(kept: torch.Tensor, value: float) -> torch.Tensor:

@@ -178,6 +178,14 @@ def write_whole(p: torch.Tensor, value: torch.Tensor) -> None:
         p.copy_(value)
 
 
+def forget_replica(optimizer, p: torch.Tensor) -> None:
+    """Drop the owner's whole-matrix replica of ``p`` (host state, the same on every rank)
+    after a write from outside the step (:func:`write_whole`): its next step sends the weights
+    once, as a first step does. Kept, the write had looked like an outside one and that
+    matrix's next step was skipped."""
+    optimizer.__dict__.get("_replicas", {}).pop(id(p), None)
+
+
 def local_rows(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the full tensor ``value``, split like the ``DTensor`` ``like``."""
     rows, rank = _layout(like, "local_rows: a parameter")

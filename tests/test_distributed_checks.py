@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -27,18 +28,25 @@ SHAPE = (6, 4)  # 3 rows per rank
 
 
 FP16_STEPS = 2
+PROJECTED_STEPS = 3
 #: (case, optimizer over the params, fp16 points, gradient of a point): each matrix alone in
 #: its same-shape batch, so the sharded step runs the one-process kernels on the same operands.
 #: "polar": RightPolarGradM's first update ||M||_*^3 msign(M) of M = 0.05 G, G = 56 I_16 (momentum
 #: 0.95, no Nesterov) is (0.05 * 56 * 16)^3 I = 9.0e4 I, past fp16's 65504 (a float32 update,
-#: finite once lr = 1e-5 scales it), while the squared gradient norm (56 * 4)^2 = 50176 stays
-#: within fp16, where the sharded non-finite check combines the ranks' norms.
+#: finite once lr = 1e-5 scales it).
 #: "muon": Muon's bf16 update added to fp16 weights, which had been rounded to fp16 first: the
-#: add then ran in fp16, with lr rounded to fp16 too (1 ulp off the one-process weights).
+#: add then ran in fp16, with lr rounded to fp16 too (1 ulp off the one-process weights). With
+#: weight decay: the one-process (masked) decay had rounded its factor 1 - lr wd to fp16, the
+#: sharded one had not.
+#: "finite_norm": a finite gradient 6000 I_64 (norm 48000 < 65504) whose shards' squared norms
+#: (32 * 6000^2 = 1.15e9 each) overflow fp16: the sharded check had combined them in fp16,
+#: called the gradient non-finite and skipped the matrix (one process steps it).
 FP16_CASES = (
     ("polar", lambda params: RightPolarGradM(params, lr=1e-5, alpha=3.0), [torch.zeros(16, 16, dtype=torch.float16)],
      lambda w: torch.eye(16, dtype=torch.float16) * 56),
-    ("muon", lambda params: Muon(params, lr=0.02),
+    ("finite_norm", lambda params: Muon(params, lr=0.02), [torch.zeros(64, 64, dtype=torch.float16)],
+     lambda w: torch.eye(64, dtype=torch.float16) * 6000),
+    ("muon", lambda params: Muon(params, lr=0.02, weight_decay=0.1),
      [torch.randn(shape, generator=torch.Generator().manual_seed(3)).half() for shape in ((6, 4), (3, 4))],
      lambda w: torch.randn(w.shape, generator=torch.Generator().manual_seed(w.shape[0])).half()),
 )
@@ -77,6 +85,7 @@ def worker(out_dir: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+    from geomuon.optimizers.distributed import sharding_stats
     from geomuon.pretrain.parallel import save_distributed
 
     torch.set_num_threads(1)
@@ -216,13 +225,38 @@ def worker(out_dir: str) -> None:
             for mode in ("one_process", "sharded"):
                 params = [sharded(w) if mode == "sharded" else torch.nn.Parameter(w.clone()) for w in points]
                 opt = make(params)
-                for _ in range(FP16_STEPS):
-                    step(opt, params, [gradient(w) for w in points])
+                with warnings.catch_warnings(record=True) as warned:
+                    warnings.simplefilter("always")
+                    for _ in range(FP16_STEPS):
+                        step(opt, params, [gradient(w) for w in points])
+                    opt.check_finite()
                 runs[mode] = whole(params)
+                runs[mode + "_warnings"] = [str(w.message) for w in warned if "non-finite" in str(w.message)]
             out[case] = runs
         return out
 
     results["fp16_updates"] = _outcome(fp16_updates)
+    save()
+
+    # D9: project_to_manifolds between sharded steps wrote the rows behind the owner's replica:
+    # the owner took it for an outside write and skipped the matrix's next step
+    def projected():
+        runs = {}
+        for mode in ("one_process", "sharded"):
+            params = [sharded(a) if mode == "sharded" else torch.nn.Parameter(a.clone())]
+            opt = _stiefel_muon(params)
+            for k, g in enumerate(_gradients(PROJECTED_STEPS, seed=4)):
+                step(opt, params, [g])
+                if k == 0:
+                    opt.project_to_manifolds()
+            runs[mode] = whole(params)[0]
+            if mode == "sharded":
+                refreshed = torch.as_tensor(sharding_stats(opt).refreshed, dtype=torch.int64)
+                dist.all_reduce(refreshed)
+                runs["refreshed"] = int(refreshed)
+        return runs
+
+    results["projected"] = _outcome(projected)
     save()
 
     # D2 with Replicate last: before the fix it broke the process group (a gloo mismatch)
@@ -402,6 +436,8 @@ def test_fp16_weights_step_as_in_one_process(runs):
         assert "ok" in results["fp16_updates"], (r, results["fp16_updates"])
         for case, _, points, _ in FP16_CASES:
             run = results["fp16_updates"]["ok"][case]
+            # a finite gradient is stepped on every path, and no rank calls it non-finite
+            assert run["one_process_warnings"] == run["sharded_warnings"] == [], (r, case, run)
             for start, one, sharded in zip(points, run["one_process"], run["sharded"]):
                 assert one.dtype == sharded.dtype == torch.float16, (case, one.dtype, sharded.dtype)
                 assert bool(one.isfinite().all()) and not torch.equal(one, start), (case, one)  # it stepped
@@ -439,3 +475,16 @@ def test_a_distributed_checkpoint_of_another_parameter_order_is_refused(tmp_path
     load_distributed(folder, same, types.SimpleNamespace(optimizers={"matrices": ordered}))
     for p, q in ((same.a, saved.a), (same.b, saved.b)):
         assert torch.equal(ordered.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
+
+
+def test_projecting_between_sharded_steps_costs_no_step(runs):
+    # project_to_manifolds wrote every rank's rows behind the owner's replica: the owner took
+    # them for an outside write and skipped the next step (refreshed 1; 1.6e-2 off one process).
+    # One matrix alone in its batch, so the owner runs the one-process kernels on the same
+    # operands, and every rank projects the same gathered matrix: bit for bit
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        assert "ok" in results["projected"], (r, results["projected"])
+        run = results["projected"]["ok"]
+        assert run["refreshed"] == 0, (r, run["refreshed"])
+        assert torch.equal(run["sharded"], run["one_process"]), (r, (run["sharded"] - run["one_process"]).abs().max())

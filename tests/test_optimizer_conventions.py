@@ -744,3 +744,23 @@ def test_an_adamw_group_refuses_the_matrix_updates_options(make):
     with pytest.raises(ValueError, match=r"update='adamw' group takes .* not \['momentum'\]"):
         make([{"params": [v], "update": "adamw", "momentum": 0.5}])
     make([{"params": [v], "update": "adamw", "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("update", ["muon", "adamw"])
+def test_low_precision_weight_decay_rounds_the_product_once(update, dtype):
+    # W <- (1 - lr wd) W as torch.optim.AdamW / Muon form it, p.mul_(1 - lr * wd): the product in
+    # fp32, rounded once to the weights' dtype. The masked (one-process) path had rounded the
+    # factor to the weights' dtype first: bf16(1 - 0.02 * 0.1) = 0.99609375 (a 2x stronger
+    # decay; the sharded path, without a mask, did not). A zero gradient makes the update 0
+    # (msign(0) = 0; AdamW: 0 / (0 + eps)), so the weights are the decay alone: bitwise.
+    lr, weight_decay = 0.02, 0.1
+    start = torch.randn(256, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
+    p = torch.nn.Parameter(start.clone())
+    group = {"params": [p], "lr": lr, "weight_decay": weight_decay}
+    opt = Muon([dict(group, update="adamw") if update == "adamw" else group])
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), start.clone().mul_(1 - lr * weight_decay))
+    rounded_factor = torch.tensor(1 - lr * weight_decay, dtype=dtype)
+    assert not torch.equal(p.detach(), start * rounded_factor)  # control: the rounded factor differs
