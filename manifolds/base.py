@@ -71,7 +71,7 @@ def matrix_method(*matrix_args: str, result: str = "matrix", finite: bool = Fals
         @functools.wraps(method)
         def wrapper(self, x, *args, **kwargs):
             self.validate_point(x, "x")
-            if finite and not bool(torch.isfinite(x).all()):
+            if finite and isinstance(x, torch.Tensor) and not bool(torch.isfinite(x).all()):  # (symbolic arrays: exact)
                 # (NaN had come back silently on Oblique, LPRO and the router; Stiefel raised
                 # LAPACK's error, naming nothing)
                 raise ValueError(f"{self.name}: x given to {method.__name__} has a NaN or infinite entry; "
