@@ -674,7 +674,7 @@ class FreeAlgebra:
     def series(self, t: sp.Symbol, order: int, digits: int | None) -> None:
         r"""Switch to truncated series: every coefficient becomes its Taylor polynomial in
         ``t`` below ``order``, with ``digits``-digit floating-point coefficients (a
-        coefficient below $10^{-(	ext{digits} - 10)}$ is dropped as round-off), or exact
+        coefficient below $10^{-(\text{digits} - 10)}$ is dropped as round-off), or exact
         ones for ``digits=None``. For iterations whose exact coefficients grow without
         bound (twelve Polar Express steps compose a polynomial of degree $5^{12}$):
         products of truncated series are exact to that order, the float coefficients are
@@ -1054,7 +1054,7 @@ class FreeMatrix:
         return self
 
     def norm(self, p="fro", dim=None, keepdim: bool = False) -> "FreeScalar":
-        r"""$\|M\|_F = \sqrt{\operatorname{tr}(M^	op M)}$ as a :class:`FreeScalar`: the trace
+        r"""$\|M\|_F = \sqrt{\operatorname{tr}(M^\top M)}$ as a :class:`FreeScalar`: the trace
         normal form, with $\operatorname{tr}(I) = n$ (the column count) and every other
         closed word a positive symbol ``tr(w)``."""
         if dim in (-1, -2):
@@ -1340,7 +1340,7 @@ class FreeVector(_Wrapped):
         return FreeVector(self.matrix, "right" if dim == -2 else "left")
 
     def sqrt(self) -> "FreeVector":
-        r"""$\sqrt{Q + R} = \sqrt Q + 	frac12 RQ^{-1/2} + O(t^2)$ for a declared square
+        r"""$\sqrt{Q + R} = \sqrt Q + \tfrac12 RQ^{-1/2} + O(t^2)$ for a declared square
         $Q$ (:meth:`FreeAlgebra.square_root`) and $R = O(t)$: exact in series mode of
         order 2 (first-order Taylor coefficients). Outside series mode, any other diagonal
         is rooted by the opaque entrywise square root (:meth:`FreeAlgebra.entrywise`)."""
