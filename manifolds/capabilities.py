@@ -381,7 +381,8 @@ class OrthogonalColumnsGram(GramForm):
     # in-run (400 steps, against a 32-step reference; 1 Newton step; mean / min): alternating
     # projections, 1 round 0.935 / 0.799, 2: 0.952 / 0.830, 3: 0.958 / 0.845; ADMM 2: 0.954 / 0.823,
     # 3: 0.967 / 0.860. tests/test_direction_taken.py's MLP: ADMM 2 rounds 0.981 / 0.940, alternating
-    # 0.970 / 0.884. Each round costs one eigh and about nine n x n products (16 % of the step).
+    # 0.970 / 0.884. Each round costs one eigh and about nine n x n products: the second took the AMX
+    # Xeon's step from 12.0x to 13.8x our Muon (bench/optimizer_step.py, 6 x 384, one thread).
     polish_rounds = 2
 
     def project(self, D, M):
