@@ -175,6 +175,7 @@ engine: polish's Gram cross term untransposed | cross + cross.mT | 2 * cross
 engine: ADMM polish drops the momentum's term | b + start | b
 engine: ADMM polish never updates its multiplier | u1, u2 = y1 - z1, y2 - z2 | u1, u2 = u1, u2
 engine: ADMM polish starts its multiplier at Z0 alone | u1, u2 = S * inverse, start | u1, u2 = 0 * S, start
+engine: ADMM penalty from Z0 instead of the dual iterate | _trace(Q).clamp_min(0).sqrt() * keep | _trace(K).clamp_min(0).sqrt() * keep
 engine: polish clips at spectral norm 2 | lam.clamp_min(1.0).rsqrt() | lam.clamp_min(4.0).rsqrt()
 engine: CG residual update sign | R = R - a * A_step | R = R + a * A_step
 engine: CG without conjugation (steepest descent) | step = Y + (ry / previous.clamp_min(tiny)) * step | step = Y

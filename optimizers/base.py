@@ -712,13 +712,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
         r"""$W \leftarrow (1 - \eta\lambda)W - \eta\,s(\text{shape})\,U$ (decoupled decay); a
         matrix with ``keep`` false is not decayed (a factor 1 on the device) and its $U$ is 0.
         The decay factor $1 - \eta\lambda$ multiplies in fp32 (fp64 for fp64), with or without
-        ``keep`` (:func:`_scale_kept_`), so sharded and one-process steps decay alike."""
+        ``keep`` (:func:`_scale_`), so sharded and one-process steps decay alike."""
         weight_decay = group["weight_decay"]
         scale = self._lr_scale(group, self._matrix_shape(group, params[0])[-2:])
         updates = [u.reshape(p.shape) for u, p in zip(update, params)]
         if weight_decay != 0:  # one formula for both paths (on fp16 DTensors, _foreach_mul_ had landed 1 ulp off)
-            for i, p in enumerate(params):
-                _scale_kept_(p, 1 - lr * weight_decay, None if keep is None else keep[i])
+            decay = 1 - lr * weight_decay
+            factors = [decay] * len(params) if keep is None else _where_kept(keep.to(fp32_or_fp64(params[0].dtype)), decay)
+            for p, factor in zip(params, factors):
+                _scale_(p, factor)
         # a skipped matrix's update is already 0 (its momentum was, and every map sends 0 to 0)
         if isinstance(lr, torch.Tensor):  # addcmul computes in the parameter's dtype (U may be bf16)
             for p, u in zip(params, updates):
@@ -743,10 +745,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
             kept = torch.ones((), dtype=p.dtype, device=p.device) if keep is None else keep[i].to(p.dtype)
             g = p.grad if keep is None else torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0).mul_(kept)
             step = state["step"].add_(kept)
+            wide = None if keep is None else keep[i].to(fp32_or_fp64(p.dtype))  # the factors' 0/1, in fp32
+
+            def factor(value):  # value where kept, 1 where not
+                return value if wide is None else _where_kept(wide, value)
+
             if group["weight_decay"] != 0:
-                _scale_kept_(p, 1 - lr * group["weight_decay"], None if keep is None else keep[i])
+                _scale_(p, factor(1 - lr * group["weight_decay"]))
             _lerp_kept_(state["exp_avg"], g, 1 - beta1, kept)
-            _scale_kept_(state["exp_avg_sq"], beta2, None if keep is None else keep[i]).addcmul_(g, g, value=1 - beta2)
+            _scale_(state["exp_avg_sq"], factor(beta2)).addcmul_(g, g, value=1 - beta2)
             counted = step.clamp_min(1)  # a first step that is skipped divides by 1 - beta^1
             bias1, bias2 = _bias_correction(beta1, counted, p.dtype), _bias_correction(beta2, counted, p.dtype)
             bias2_sqrt = bias2.sqrt()
@@ -878,23 +885,21 @@ def _bias_correction(beta: float, step: torch.Tensor, dtype: torch.dtype) -> tor
     return -torch.expm1(step.to(fp32_or_fp64(dtype)) * log_beta)
 
 
-def _scale_kept_(tensor: torch.Tensor, factor: float | torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    r"""``tensor`` $\leftarrow c\,$``tensor`` in place, $c$ = ``factor`` where ``kept`` (a 0-dim
-    bool; ``None``: kept) and 1 where not, with no host read: the product formed in fp32 (fp64
-    for fp64) and rounded once to ``tensor``'s dtype, as ``tensor.mul_(float)`` forms it. A
-    factor near 1 must not be rounded to a bf16/fp16 tensor first: in bf16 $1 - 0.02\cdot 0.1
-    = 0.998$ is $0.99609375$ (a decay 2x too strong) and AdamW's $\beta_2 = 0.999$ is $1$ (a
-    second moment that never decays). A ``DTensor`` is scaled on its local shard (elementwise)."""
+def _scale_(tensor: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    r"""``tensor`` $\leftarrow c\,$``tensor`` in place, $c$ = ``factor`` (a float, or a 0-dim
+    tensor: a factor per matrix on the device, :func:`_where_kept`), with no host read: the
+    product formed in fp32 (fp64 for fp64) and rounded once to ``tensor``'s dtype, as
+    ``tensor.mul_(float)`` forms it. A factor near 1 must not be rounded to a bf16/fp16 tensor
+    first: in bf16 $1 - 0.02\cdot 0.1 = 0.998$ is $0.99609375$ (a decay 2x too strong) and
+    AdamW's $\beta_2 = 0.999$ is $1$ (a second moment that never decays). A ``DTensor`` is
+    scaled on its local shard (elementwise)."""
     if _distributed.is_sharded(tensor):
-        _scale_kept_(tensor.to_local(), factor, kept)
+        _scale_(tensor.to_local(), factor)
         return tensor
     wide = fp32_or_fp64(tensor.dtype)
-    scale = factor.to(wide) if isinstance(factor, torch.Tensor) else factor
-    if kept is not None:
-        scale = _where_kept(kept.to(wide), scale)
-    if tensor.dtype == wide or not isinstance(scale, torch.Tensor):
-        return tensor.mul_(scale)
-    return tensor.copy_(tensor.to(wide).mul_(scale))
+    if tensor.dtype == wide or not isinstance(factor, torch.Tensor):
+        return tensor.mul_(factor)
+    return tensor.copy_(tensor.to(wide).mul_(factor.to(wide)))
 
 
 def _where_kept(kept: torch.Tensor, value: float) -> torch.Tensor:

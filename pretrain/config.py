@@ -252,12 +252,13 @@ class TrainConfig:
             problems.append(f"--stop-after must be in [1, steps={self.steps}] (got {self.stop_after})")
         if self.device == "cuda" and not torch.cuda.is_available():
             problems.append("--device cuda was asked for but CUDA is not available; use --device cpu")
+        launcher = {}
         for name in LAUNCHER_VARIABLES:
             try:
-                launcher_value(name)
+                launcher[name] = launcher_value(name)
             except ValueError as err:
                 problems.append(str(err))
-        world = launcher_value("WORLD_SIZE") if not any("WORLD_SIZE" in p for p in problems) else 1
+        world = launcher.get("WORLD_SIZE", 1)
         if world > 1 and self.parallel == "none":
             problems.append(f"{world} processes (WORLD_SIZE) but --parallel none; choose --parallel ddp or fsdp")
         if self.parallel != "none" and "MASTER_ADDR" not in os.environ:  # (it had run as one plain process)
