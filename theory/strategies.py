@@ -339,7 +339,9 @@ def tangent_vectors(
 
 @st.composite
 def _tangent_vectors(draw, manifold, point, raw_matrices, max_relative_norm) -> torch.Tensor:
-    x = point.double()
+    # computed on the CPU in float64, where the drawn matrices are made (a CUDA point's
+    # projection had mixed devices), and returned as the point is
+    x = point.detach().to("cpu", torch.float64)
     raw = draw(raw_matrices)
     v = manifold.proju(x, raw)
     # Rescaling a directionless projection (round-off, 1e-16 of |raw|) to a drawn norm had
@@ -361,7 +363,7 @@ def _tangent_vectors(draw, manifold, point, raw_matrices, max_relative_norm) -> 
     norms = _matrix_norm(v)
     target = relative * _matrix_norm(x)
     v = torch.where(norms > 0, v * (target / norms.clamp_min(1e-300)), v)
-    return v.to(point.dtype)
+    return v.to(point)
 
 
 def points_and_tangents(
