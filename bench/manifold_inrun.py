@@ -213,6 +213,9 @@ def main(argv=None) -> int:
         owner = MatrixManifold.resolve(manifold, "--manifold")
         if update == "newton" and default_dual_update(owner) != "newton":
             continue  # the form declares no Newton step: its rows are the Jacobi rows
+        no_rounds = (default_polish_rounds(owner) if polish is None else polish) == 0
+        if solver == "dual" and no_rounds and method != args.polish_method[0]:
+            continue  # without rounds the method does not enter: the first method's row stands for all
         if solver == "projected":  # one run per manifold, polish rounds and dualizer: the dual options do not apply
             if (manifold, polish, dualizer) in projected_runs:
                 continue

@@ -58,7 +58,8 @@ def matrix_method(*matrix_args: str, result: str = "matrix", finite: bool = Fals
     The wrapper validates ``x`` (:meth:`MatrixManifold.validate_point`) and the named
     matrix arguments (same trailing shape as ``x``); with ``finite=True`` (``projx``: it maps
     any finite matrix to the manifold) a NaN or infinite entry of ``x`` raises ``ValueError``
-    (a host read: such methods are not called inside an optimizer step). On a manifold with
+    (a host read: such methods are not called inside an optimizer step; the undecorated
+    path stays as ``method.without_finite_check``). On a manifold with
     ``transposes_wide = True`` a wide point ($m < n$) is handled by the transposed
     geometry: ``x`` and the named matrix arguments are transposed on the way in, and the
     result is transposed back when ``result="matrix"`` (``"multiplier"`` and ``"check"``
@@ -76,6 +77,9 @@ def matrix_method(*matrix_args: str, result: str = "matrix", finite: bool = Fals
                 # LAPACK's error, naming nothing)
                 raise ValueError(f"{self.name}: x given to {method.__name__} has a NaN or infinite entry; "
                                  f"{method.__name__} maps finite matrices onto the manifold")
+            return unchecked(self, x, *args, **kwargs)
+
+        def unchecked(self, x, *args, **kwargs):  # the method without the finite check (no host read)
             flip = self.transposes_wide and x.size(-2) < x.size(-1)
             args = list(args)
             for position, name in enumerate(matrix_args):
@@ -93,6 +97,7 @@ def matrix_method(*matrix_args: str, result: str = "matrix", finite: bool = Fals
             out = method(self, x.mT, *args, **kwargs)
             return out.mT if result == "matrix" else out
 
+        wrapper.without_finite_check = unchecked
         return wrapper
 
     return decorate
@@ -587,8 +592,11 @@ class MatrixManifold(geoopt.Manifold):
             scale = torch.where(scale > 0, scale, 1.0)  # a homogeneous constraint: an absolute tolerance
             scale = scale.reshape(*scale.shape, *(1,) * (residual.dim() - scale.dim()))
             close = residual.abs() <= atol * scale  # (rtol has no reference value here: |0| = 0)
-        else:
-            close = torch.isclose(self.projx(x), x, atol=atol, rtol=rtol)
+        else:  # projx without its finite check (a host read, and a raise where this says False),
+            # of a finite stand-in (an SVD fails on NaN); the finite mask below decides those
+            projx = getattr(type(self).projx, "without_finite_check", type(self).projx)
+            stand_in = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+            close = torch.isclose(projx(self, stand_in), x, atol=atol, rtol=rtol)
         # A matrix with a NaN or an infinite entry is no point of a real manifold; an empty
         # residual (Euclidean, LPRO without a radius) had accepted one.
         finite = torch.isfinite(x).flatten(x.dim() - 2).all(-1)

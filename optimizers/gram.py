@@ -736,7 +736,8 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     T1 = (SP - form.project(D, M)) * keep.reshape(*keep.shape, 1, 1)
     T2 = P * keep.reshape(*keep.shape, 1, 1)
     # ADMM's penalty: the last dual iterate's ||Z||_F = sqrt(tr Q) (0 where the step is zero)
-    dual = (S, _trace(Q).clamp_min(0).sqrt() * keep) if settings.polish_method == "admm" else None
+    admm = settings.polish_method == "admm" and settings.polish_rounds
+    dual = (S, _trace(Q).clamp_min(0).sqrt() * keep) if admm else None
     T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds, UNIT_BALLS[settings.dualizer], dual)
     point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms,
                     far_inverse_sqrt(form, settings, lr, shrink, W.dtype))

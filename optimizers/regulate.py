@@ -791,10 +791,21 @@ class SoftCap(Regulator):
 
     def refusal(self, lr: float, shape: tuple[int, int]) -> str | None:
         try:
-            soft_cap_alpha(self.w_max, lr * self.weight_decay, self.eta_for(lr, shape))
+            soft_cap_alpha(self.w_max, self._decay(lr), self.eta_for(lr, shape))
         except ValueError as err:
             return str(err).rstrip(".")
         return None
+
+    def _decay(self, lr: float | torch.Tensor) -> float | torch.Tensor:
+        """``lr * weight_decay``, refused by name at 1 or above (a rate on the device is not read back)."""
+        wd = lr * self.weight_decay
+        if not isinstance(wd, torch.Tensor) and wd >= 1:  # (soft_cap_alpha's error named its own `wd`)
+            raise ValueError(
+                f"SoftCap: lr * weight_decay = {wd:.6g} must be below 1 (weight_decay is the optimizer's decay "
+                f"of the step, whose factor 1 - lr * weight_decay is not positive at lr={lr:.6g}); lower lr or "
+                "weight_decay"
+            )
+        return wd
 
     def eta_for(self, lr: float | torch.Tensor, shape: tuple[int, ...]) -> float | torch.Tensor:
         r"""$\eta$ at this ``lr``: a float, or a tensor where ``lr`` is one (never read back)."""
@@ -806,13 +817,7 @@ class SoftCap(Regulator):
         return self.eta
 
     def regulate(self, M, *, lr, state):
-        wd = lr * self.weight_decay
-        if not isinstance(wd, torch.Tensor) and wd >= 1:  # (soft_cap_alpha's error named its own `wd`)
-            raise ValueError(
-                f"SoftCap: lr * weight_decay = {wd:.6g} must be below 1 (weight_decay is the optimizer's decay "
-                f"of the step, whose factor 1 - lr * weight_decay is not positive at lr={lr:.6g}); lower lr or "
-                "weight_decay"
-            )
+        wd = self._decay(lr)
         eta = self.eta_for(lr, tuple(M.shape))
         on_device = isinstance(wd, torch.Tensor) or isinstance(eta, torch.Tensor)
         if on_device:

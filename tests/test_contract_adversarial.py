@@ -57,14 +57,18 @@ def test_a_kinked_retraction_is_caught_in_float32():
     assert "retr_slope" in failed_checks(KinkedRetraction(), torch.float32)
 
 
-class NormNotSquared(Stiefel):
+class _NormNotSquared:
     r"""``inner(x, u)`` returns $\|u\|$ instead of $\|u\|^2$ (what geoopt's RiemannianAdam reads
-    as the squared gradient norm); ``inner(x, u, v)`` is right."""
+    as the squared gradient norm); ``inner(x, u, v)`` is right. Mixed into a manifold."""
 
     def inner(self, x, u, v=None, *, keepdim=False):
         if v is None:
             return u.norm(dim=(-2, -1), keepdim=keepdim)
         return super().inner(x, u, v, keepdim=keepdim)
+
+
+class NormNotSquared(_NormNotSquared, Stiefel):
+    """Stiefel with the squared norm wrong."""
 
 
 class AsymmetricMetric(Stiefel):
@@ -134,6 +138,18 @@ def test_correct_manifolds_with_one_row_or_column_pass(manifold, shape, dtype):
     # had given NaN residuals, 0/0 comparisons and exceptions; several seeds, none may flake
     for seed in range(3):
         check_manifold_contract(manifold, shape, dtype=dtype, seed=seed)
+
+
+class NormNotSquaredDGram(_NormNotSquared, DGram):
+    """DGram with the squared norm wrong."""
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (3, 1, 1)], ids=["column", "1x1"])
+def test_one_row_or_column_shapes_still_catch_a_broken_metric(shape):
+    # control for the test above: the comparisons made relative where the tangent space shrinks
+    # must not have gone quiet there
+    assert failed_checks(DGram(), torch.float64, shape) == []
+    assert "inner_norm_matches" in failed_checks(NormNotSquaredDGram(), torch.float64, shape)
 
 
 @pytest.mark.parametrize("shape", [5, (5,), (-3, 4), (2.5, 3), "ab", (True, 3)])

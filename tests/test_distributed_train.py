@@ -40,6 +40,11 @@ def config(out_dir, **options):
                                  out_dir=str(out_dir), progress=False, print_table=False), **options})
 
 
+def test_the_default_run_keeps_its_fp32_directions(tmp_path):
+    # the tolerances below are fp32's: hetero's runs must not lose direction_dtype to unused_options
+    assert config(tmp_path).direction_dtype == "fp32"
+
+
 # Each rank: the run, then (when a path is given) the tensors of the model it holds at the
 # end — its row shards (FSDP2) or the whole tensors (DDP); the process group is gone by then.
 # Every worker leaves by os._exit once its result is out: at interpreter exit a gloo thread of a

@@ -670,6 +670,23 @@ def test_projx_refuses_a_matrix_with_a_non_finite_entry(name, bad):
         manifold.projx(x.mT.contiguous())  # wide, through the transposed geometry too
 
 
+class ProjxJudgedStiefel(Stiefel):
+    """Stiefel judged by projx alone (no defining map): the generic point test's other branch."""
+
+    has_defining_map = False
+
+
+def test_a_point_test_by_projx_says_false_for_a_non_finite_matrix():
+    # projx refuses NaN (and Stiefel's SVD fails on it): the point test by projx had raised instead
+    # of answering False, and check_point_on_manifold could not give its reason
+    manifold = ProjxJudgedStiefel()
+    x = Stiefel().random(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
+    x[1, 2, 3] = float("nan")
+    assert manifold.points_on_manifold(x).tolist() == [True, False]
+    assert manifold.check_point_on_manifold(x[1], explain=True) == (False, "x has a NaN or infinite entry")
+    assert not manifold.points_on_manifold(x[0] + 0.1).item()  # control: the projx test still judges
+
+
 def test_router_point_check_is_relative_to_the_scale_of_the_weights():
     # The subspace 1^T W = 0 is a cone; the generic test |1^T w_j| <= atol was not scale-free.
     router = CenteredRouterSpace()

@@ -811,6 +811,13 @@ def test_soft_cap_names_its_weight_decay_when_lr_times_it_reaches_one():
     # it had raised "soft_cap_alpha: wd must lie in [0, 1)", naming an argument SoftCap does not have
     with pytest.raises(ValueError, match=r"SoftCap: lr \* weight_decay = 2 must be below 1.*lower lr or weight_decay"):
         SoftCap(w_max=1.0, eta=0.1, weight_decay=20.0)(torch.eye(4), lr=0.1)
+    # and so does an optimizer's step, which asks the regulator's refusal before any group moves
+    W = torch.nn.Parameter(torch.eye(4))
+    W.grad = torch.ones(4, 4)
+    opt = Muon([W], lr=0.1, regulate=SoftCap(w_max=1.0, eta=0.1, weight_decay=20.0))
+    with pytest.raises(ValueError, match=r"SoftCap: lr \* weight_decay = 2 must be below 1"):
+        opt.step()
+    assert torch.equal(W.detach(), torch.eye(4))  # nothing moved
 
 
 @pytest.mark.parametrize("lr, margin, error, match", [

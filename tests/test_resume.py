@@ -32,6 +32,7 @@ def config(out_dir, **overrides):
 
 def test_killed_run_resumes_with_identical_losses(tmp_path):
     cfg = config(tmp_path / "killed")
+    assert cfg.dual_steps == 3  # the default strategy's runs take their dual steps (not silently dropped)
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     # same thread count as this process: CPU reductions are bit-reproducible only then
     script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); from geomuon.pretrain.train import *; "

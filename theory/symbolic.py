@@ -3817,6 +3817,15 @@ class _EngineFrame:
     K: torch.Tensor
     point: torch.Tensor  # the step's new point, tall [1, M, N]
 
+    @property
+    def Z(self) -> torch.Tensor:
+        """The last dual iterate $Z = Z_0 + W'S$, tall ``[1, M, N]``."""
+        return self.Z0 + self.Wt @ self.S
+
+    def direction(self, T1: torch.Tensor | None = None, T2: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$\hat A = W'T_1 + Z_0T_2$, tall ``[1, M, N]`` (default: the step's own factors)."""
+        return self.Wt @ (self.T1 if T1 is None else T1) + self.Z0 @ (self.T2 if T2 is None else T2)
+
     def point_layout(self, X: torch.Tensor) -> torch.Tensor:
         """A tall ``[1, M, N]`` matrix back in the point's orientation, ``[m, n]``."""
         return X[0].mT if self.flip else X[0]
@@ -3919,16 +3928,18 @@ def certify_gram_polish(manifold, W: torch.Tensor, G: torch.Tensor, form=None, r
         raise ValueError(f"certify_gram_polish: method must be one of {POLISH_METHODS}, got {method!r}")
     admm = method == "admm"
     converge = (400 if admm else 32) if converge is None else converge
+    if converge < rounds:
+        raise ValueError(f"certify_gram_polish: converge ({converge}) must be at least rounds ({rounds})")
     mulD = _PointGramOf(frame.D)
     m, n = W.shape[-2:]
     eps = torch.finfo(torch.float64).eps
-    Z = frame.Wt @ frame.S + frame.Z0
+    Z = frame.Z
     rho = Z.norm()
     dual = (frame.S, rho.reshape(1)) if admm else None
 
     def run(T1, T2, k):
         U1, U2 = polish(form, mulD, frame.B0, frame.K, T1, T2, k, dual=dual)
-        tall = frame.Wt @ U1 + frame.Z0 @ U2
+        tall = frame.direction(U1, U2)
         scale = float(frame.Wt.norm() * (frame.Wt.norm() * U1.norm() + frame.Z0.norm() * U2.norm()))
         return frame.point_layout(tall), 8 * (m + n) * eps * scale
 
@@ -3936,31 +3947,33 @@ def certify_gram_polish(manifold, W: torch.Tensor, G: torch.Tensor, form=None, r
         U, s, Vh = torch.linalg.svd(A, full_matrices=False)
         return (U * s.clamp_max(1.0)) @ Vh
 
-    start = frame.point_layout(frame.Wt @ frame.T1 + frame.Z0 @ frame.T2)
+    start = frame.point_layout(frame.direction())
     tangent_G = manifold.proju(W, G)
 
-    def reference(k):  # (the direction after k rounds, the multiplier u), from the definitions
+    def references():  # (the direction after k rounds, the multiplier u), k = 1, 2, ..., from the definitions
         z, u = start, (frame.point_layout(Z) / rho if admm else torch.zeros_like(start))
-        for _ in range(k):
+        while True:
             x = manifold.proju(W, z - u) + (tangent_G / rho if admm else 0.0)
             z = ball(x + u)
             u = x + u - z if admm else u
-        return (manifold.proju(W, z) if k else z), u
+            yield manifold.proju(W, z), u
 
     witness: dict[str, Any] = {}
     holds = True
+    reference = references()
     previous, _ = run(frame.T1, frame.T2, 0)
     excess = [max(_spectral(previous) - 1, 0.0)]
     for k in range(1, rounds + 1):
         A, tol = run(frame.T1, frame.T2, k)
         tangency = float(manifold.constraint(W, A).norm())
-        deviation = float((A - reference(k)[0]).norm())
+        expected, u = next(reference)
+        deviation = float((A - expected).norm())
         frobenius = float(A.norm() - previous.norm())
         witness[f"round {k}: |L_W(A)|, |A - reference|, |A|_F - |A_prev|_F, tol"] = (tangency, deviation, frobenius, tol)
         holds &= tangency <= tol and deviation <= (k + 1) * tol and (admm or frobenius <= tol)
         if form is manifold.gram_form:  # gram_step's own wiring: its S, its rho, its masks
             stepped = _engine_frame(manifold, W, G, polish_rounds=k, polish_method=method)
-            wired = float((frame.point_layout(stepped.Wt @ stepped.T1 + stepped.Z0 @ stepped.T2) - A).norm())
+            wired = float((frame.point_layout(stepped.direction()) - A).norm())
             witness[f"round {k}: |gram_step's direction - polish's|, tol"] = (wired, (k + 1) * tol)
             holds &= wired <= (k + 1) * tol
         excess.append(max(_spectral(A) - 1, 0.0))
@@ -3969,7 +3982,8 @@ def certify_gram_polish(manifold, W: torch.Tensor, G: torch.Tensor, form=None, r
     A, tol = run(frame.T1, frame.T2, converge)
     tangency = float(manifold.constraint(W, A).norm())
     if admm:
-        _, u = reference(converge)
+        for _ in range(converge - rounds):  # the reference's multiplier after converge rounds
+            _, u = next(reference)
         y = rho * u
         upper = float(torch.linalg.svdvals(tangent_G + y - manifold.proju(W, y)).sum())
         primal = float((G * A).sum()) / max(1.0, _spectral(A))
@@ -4025,7 +4039,7 @@ def certify_gram_weight_decay(manifold, W: torch.Tensor, G: torch.Tensor, shrink
     def norm(X: torch.Tensor) -> float:  # Frobenius, of a matrix or a multiplier of any shape
         return float(X.norm())
 
-    A = frame.Wt @ frame.T1 + frame.Z0 @ frame.T2
+    A = frame.direction()
     Y = frame.Wt - lr * A
     tau0 = 8 * (m + n) * eps * norm(W) ** 2 * norm(G)
     tau = 8 * (m + n) * eps * norm(W) * (norm(frame.Wt) * norm(frame.T1) + norm(frame.Z0) * norm(frame.T2))
@@ -4175,7 +4189,7 @@ def certify_gram_newton_step(manifold, W: torch.Tensor, G: torch.Tensor, form=No
     m, n = W.shape[-2:]
     N = frame.Wt.size(-1)
     eps = torch.finfo(torch.float64).eps
-    Z = frame.Z0 + frame.Wt @ frame.S
+    Z = frame.Z
     Q = Z.mT @ Z
     dual = eigen_dualizer(Q, torch.diagonal(Q, dim1=-2, dim2=-1).sum(-1))
     P, D = dual.P, frame.D
@@ -4254,7 +4268,7 @@ def certify_gram_jacobi_step(manifold, W: torch.Tensor, G: torch.Tensor, form=No
 
     def step(G):
         frame = _engine_frame(manifold, W, G)
-        Z = frame.Z0 + frame.Wt @ frame.S
+        Z = frame.Z
         Q = Z.mT @ Z
         dual = eigen_dualizer(Q, torch.diagonal(Q, dim1=-2, dim2=-1).sum(-1))
         M = frame.Wt.mT @ Z @ dual.P
