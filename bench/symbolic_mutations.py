@@ -129,8 +129,9 @@ inverse sqrt default 25 -> 20 steps | A: torch.Tensor, steps: int = 25, | A: tor
 inverse sqrt forgets the scale's root | return (Z / (scale.sqrt() * magnitude.sqrt())).to(out_dtype) | return (Z / (scale * magnitude.sqrt())).to(out_dtype)
 sym is the skew part | return 0.5 * (X + X.mT) | return 0.5 * (X - X.mT)
 safety factor on b squared (not cubed) | (a / safety, b / safety**3, c / safety**5) | (a / safety, b / safety**2, c / safety**5)
-newton-schulz step halves a | return fma(Y, polynomial, Y, beta=a) | return fma(Y, polynomial, Y, beta=0.5 * a)
-newton-schulz transposed step negates a | return fma(Y.mT, Y.mT, polynomial, beta=a) | return fma(Y.mT, Y.mT, polynomial, beta=-a)
+newton-schulz step halves a | fma(Y, *factors, beta=a) if out is None | fma(Y, *factors, beta=0.5 * a) if out is None
+newton-schulz tall step multiplies on the wrong side | factors = (Y, polynomial) if tall else | factors = (polynomial, Y) if tall else
+newton-schulz tall step's gram on the long side | left, right = (Y.mT, Y) if tall else | left, right = (Y, Y.mT) if tall else
 inverse sqrt starts at Z = 2I | Z = eye.expand_as(A).clone() | Z = 2 * eye.expand_as(A).clone()
 rms scale inverted | return math.sqrt(fan_in / fan_out) | return math.sqrt(fan_out / fan_in)
 nuclear norm from msign'msign | return (X * msign(X, method=method)).sum(dim=(-2, -1)) | return (msign(X, method=method) * msign(X, method=method)).sum(dim=(-2, -1))

@@ -2116,8 +2116,9 @@ def certify_dgram_step_expansion() -> Certificate:
     DGram point $W$ ($W^\top W = S^2$, $S$ positive diagonal) and tangent $V$
     ($\operatorname{Off}(W^\top V + V^\top W) = 0$, $E = \operatorname{Diag}(W^\top V)$),
     for arbitrary diagonal $F, G$ (free diagonal letters), **every size** (tall, one
-    column included, and square; wide is tall with the letters transposed), both forms the iteration uses ($X = FW^\top + t(FV^\top + GW^\top)$ on the
-    transposed tall matrix, $X = WF + t(VF + WG)$ otherwise) and ``transposed=True``:
+    column included, and square; wide is tall with the letters transposed), both forms of
+    the family ($X = FW^\top + t(FV^\top + GW^\top)$, the transposed tall matrix, and
+    $X = WF + t(VF + WG)$) and both forms of the step (``tall`` false and true):
 
     $$\text{step}(X) = X' \text{ of the same form with } F'S = p(FS),\quad
       G'S + F'ES^{-1} = p'(FS)\,(GS + FES^{-1}),$$
@@ -2143,13 +2144,12 @@ def certify_dgram_step_expansion() -> Certificate:
             X = _family(Wb, Vb, F, G, t, side)
             for a, b, c in sorted(set(POLAR_EXPRESS.coefficients)):
                 A, B, C = (exact(v) for v in (a, b, c))
-                for transposed in (False, True):
+                for tall in (False, True):
                     with _FreeFactories(algebra):
-                        out = newton_schulz_step(X, a, b, c, transposed=transposed)
+                        out = newton_schulz_step(X, a, b, c, tall=tall)
                     parts = _family_parts(out, Wb, Vb, t)
-                    expected_side = side if not transposed else {"rows": "columns", "columns": "rows"}[side]
-                    if parts is None or parts[2] != expected_side:
-                        witness[(orientation, side, a, transposed)] = "not of the family's form"
+                    if parts is None or parts[2] != side:
+                        witness[(orientation, side, a, tall)] = "not of the family's form"
                         holds = False
                         continue
                     F1, G1, _ = parts
@@ -2159,7 +2159,7 @@ def certify_dgram_step_expansion() -> Certificate:
                     residual = {"F'S - p(FS)": (F1 @ S - p).terms,
                                 "G'S + F'ES^-1 - p'(FS)(GS + FES^-1)": (G1 @ S + F1 @ E @ Si - dp @ dot).terms}
                     if any(residual.values()):
-                        witness[(orientation, side, a, transposed)] = residual
+                        witness[(orientation, side, a, tall)] = residual
                         holds = False
     return Certificate("one Newton-Schulz step on a DGram point's first-order family: sigma -> p(sigma), "
                        "sigma' -> p'(sigma) sigma', every size", holds, witness)
@@ -2184,7 +2184,7 @@ def _probed_retraction(manifold, orientation: str) -> dict:
     steps: list[dict] = []
     problems: list[str] = []
 
-    def probe(X, a, b, c, *, transposed=False):
+    def probe(X, a, b, c, *, tall=False):
         parts = _family_parts(X, Wb, Vb, t)
         if parts is None:
             problems.append(f"step {len(steps)}: input not of the family's form")
@@ -2194,9 +2194,8 @@ def _probed_retraction(manifold, orientation: str) -> dict:
         for name in (f"F{k:02d}", f"G{k:02d}"):
             algebra.diagonal.add(name)
             algebra.transpose_of[name] = name
-        steps.append({"coefficients": (a, b, c), "F": F, "G": G, "side": side, "transposed": transposed})
-        out_side = side if not transposed else {"rows": "columns", "columns": "rows"}[side]
-        return _family(Wb, Vb, algebra(f"F{k:02d}"), algebra(f"G{k:02d}"), t, out_side)
+        steps.append({"coefficients": (a, b, c), "F": F, "G": G, "side": side, "tall": tall})
+        return _family(Wb, Vb, algebra(f"F{k:02d}"), algebra(f"G{k:02d}"), t, side)
 
     original = linalg.newton_schulz_step
     linalg.newton_schulz_step = probe
@@ -2427,9 +2426,9 @@ def certify_newton_schulz_step_expansion() -> Certificate:
     r"""One step of the library's :func:`~geomuon.manifolds.linalg.newton_schulz_step`,
     for every coefficient tuple of every library schedule, on $Y^\top$ with $Y = \sigma W + t\tau V$ for a
     frame $W$ ($W^\top W = I$) and a tangent $V$ ($V^\top W = -W^\top V$), of **every**
-    size $m \ge n$:
+    size $m \ge n$, in both of its forms (the wide step on $Y^\top$, the ``tall`` step on $Y$):
 
-    $$\text{step}(Y^\top)^\top = p(\sigma)\,W + t\,\frac{p(\sigma)}{\sigma}\tau\,V + O(t^2),
+    $$\text{step}(Y^\top)^\top = \text{step}_{\text{tall}}(Y) = p(\sigma)\,W + t\,\frac{p(\sigma)}{\sigma}\tau\,V + O(t^2),
       \qquad p(\sigma) = a\sigma + b\sigma^3 + c\sigma^5,$$
 
     so the ratio $\tau/\sigma$ is preserved and $K$ steps of any schedule give
@@ -2447,11 +2446,11 @@ def certify_newton_schulz_step_expansion() -> Certificate:
     Y = sigma * W + t * tau * V
     residual = {}
     for a, b, c in _library_coefficients():
-        out = newton_schulz_step(Y.mT, a, b, c).mT.truncate(t, 2)
         p = exact(a) * sigma + exact(b) * sigma**3 + exact(c) * sigma**5
-        gap = (out - (p * W + t * (p / sigma) * tau * V)).terms
-        if gap:
-            residual[(a, b, c)] = gap
+        for form, out in (("wide", newton_schulz_step(Y.mT, a, b, c).mT), ("tall", newton_schulz_step(Y, a, b, c, tall=True))):
+            gap = (out.truncate(t, 2) - (p * W + t * (p / sigma) * tau * V)).terms
+            if gap:
+                residual[(a, b, c, form)] = gap
     norm_residual = algebra.trace((W + t * V).mT @ (W + t * V))
     # tr(W'W) = n: the empty word; the O(t) term must vanish.
     first_order = {w: sp.expand(cf).coeff(t, 1) for w, cf in norm_residual.items()}
@@ -2614,7 +2613,8 @@ def _counterexample(update: Callable, group, D: sp.Matrix, element: tuple) -> Ce
 
 def certify_newton_schulz_equivariance() -> Certificate:
     r"""The library's :func:`~geomuon.manifolds.linalg.newton_schulz_step`, for every
-    coefficient tuple of every library schedule, satisfies $\text{step}(LXR^\top) = L\,\text{step}(X)\,R^\top$ in the free
+    coefficient tuple of every library schedule and both forms of the step (``tall`` false and
+    true), satisfies $\text{step}(LXR^\top) = L\,\text{step}(X)\,R^\top$ in the free
     algebra reduced by $L^\top L = I$, $R^\top R = I$ (every shape, every coefficient
     table, every number of steps), and the normalization is invariant:
     $\operatorname{tr}((LXR^\top)^\top LXR^\top) = \operatorname{tr}(X^\top X)$. Hence
@@ -2629,9 +2629,10 @@ def certify_newton_schulz_equivariance() -> Certificate:
     Y = L @ X @ R.mT
     step = {}
     for a, b, c in _library_coefficients():
-        gap = (newton_schulz_step(Y, a, b, c) - L @ newton_schulz_step(X, a, b, c) @ R.mT).terms
-        if gap:
-            step[(a, b, c)] = gap
+        for tall in (False, True):
+            gap = (newton_schulz_step(Y, a, b, c, tall=tall) - L @ newton_schulz_step(X, a, b, c, tall=tall) @ R.mT).terms
+            if gap:
+                step[(a, b, c, tall)] = gap
     norm = algebra.trace(Y.mT @ Y - X.mT @ X)
     return Certificate(
         "the library's Newton-Schulz step is bi-orthogonally equivariant (every size) and the normalization invariant",
@@ -2708,8 +2709,7 @@ def certify_dgram_symmetry(orientation: str = "tall", dgram=None) -> Certificate
     * ``retr``: $R_{gW}(gV) = g\,R_W(V)$ for any $W, V$ (hypothesis: the norm of $W + V$ is
       above msign's floor), the library's method with each Newton–Schulz step replaced by a
       probe that accepts $AZB$ with $A, B$ group letters (or none) and returns
-      $A\,N(Z)\,B$ for a fresh letter $N(Z)$ (its transpose for the ``transposed`` last
-      step) — the action :func:`certify_newton_schulz_equivariance` proves of the real
+      $A\,N(Z)\,B$ for a fresh letter $N(Z)$ — the action :func:`certify_newton_schulz_equivariance` proves of the real
       step for orthogonal factors, which signed permutations are; the column norms of the
       acted target are $P\operatorname{Diag}(Y^\top Y)P^\top$ and their root
       $P\sqrt{\cdot}P^\top$ (entrywise).
@@ -2737,7 +2737,7 @@ def certify_dgram_symmetry(orientation: str = "tall", dgram=None) -> Certificate
     def act(M):
         return P @ M @ L.mT if wide else L @ M @ P.mT
 
-    def probe(Y, a, b, c, *, transposed=False):
+    def probe(Y, a, b, c, *, tall=False):
         heads = {w[0] for w in Y.terms}
         tails = {w[-1] for w in Y.terms}
         A = next(iter(heads)) if len(heads) == 1 and heads <= group else None
@@ -2747,8 +2747,7 @@ def certify_dgram_symmetry(orientation: str = "tall", dgram=None) -> Certificate
         if name not in algebra.transpose_of:
             algebra.transpose_of[name], algebra.transpose_of[name + "'"] = name + "'", name
             algebra.shapes[name], algebra.shapes[name + "'"] = inner._shape, inner._shape[::-1]
-        out = (algebra(A) if A else algebra.identity()) @ algebra(name) @ (algebra(B) if B else algebra.identity())
-        return out.mT if transposed else out
+        return (algebra(A) if A else algebra.identity()) @ algebra(name) @ (algebra(B) if B else algebra.identity())
 
     residuals = {}
     step = linalg.newton_schulz_step
