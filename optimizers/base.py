@@ -64,7 +64,6 @@ import functools
 import math
 import threading
 import warnings
-from collections import OrderedDict
 from functools import partial
 from typing import Any, Iterable, Iterator
 
@@ -281,23 +280,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
         group, option or parameter and changes nothing. Skipped steps not yet reported are
         reported first (they belong to the run so far).
 
-        The load pre-hooks (``register_load_state_dict_pre_hook``, e.g. one that remaps the state
-        of renamed or reordered parameters, as torch's documentation advises) run first, once,
-        so the checks see the state that loads. Where both the saved groups and this optimizer's
-        carry ``param_names``, they must agree: torch maps state by position, and the momentum of
-        one same-shaped weight had loaded into another when a model listed its modules in
-        another order."""
+        The checks run as torch's last load pre-hook, registered for this call only: after the
+        user's (``register_load_state_dict_pre_hook``, e.g. one that remaps the state of renamed
+        or reordered parameters, as torch's documentation advises), so they see the state that
+        loads, and torch runs every pre- and post-hook once. Where both the saved groups and this
+        optimizer's carry ``param_names``, they must agree: torch maps state by position, and the
+        momentum of one same-shaped weight had loaded into another when a model listed its
+        modules in another order."""
         self._report_skips(wait=True)
-        state_dict = state_dict.copy()  # shallow, as torch's: a hook may edit its keys
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            state_dict = state_dict if result is None else result
-        self._check_loadable(state_dict)
-        hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
-        try:  # torch's load runs the pre-hooks again: they have run
+
+        def check_loadable(optimizer: MatrixOptimizer, loading: dict[str, Any]) -> None:
+            nonlocal state_dict
+            optimizer._check_loadable(loading)
+            state_dict = loading  # torch's shallow copy, or the dict a user's pre-hook returned
+
+        handle = self.register_load_state_dict_pre_hook(check_loadable)
+        try:
             super().load_state_dict(state_dict)
         finally:
-            self._optimizer_load_state_dict_pre_hooks = hooks
+            handle.remove()
         # (torch's load ends in __setstate__, which completed the groups and rebuilt the derived state)
         # torch casts every floating state entry but "step" to its parameter's dtype; an entry
         # kept in another precision (:meth:`_state_dtype`) is taken from the saved tensor

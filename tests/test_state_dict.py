@@ -555,3 +555,46 @@ def test_the_checks_see_the_state_a_pre_hook_returns():
     fresh.register_load_state_dict_pre_hook(lambda optimizer, state_dict: calls.append(1))
     fresh.load_state_dict(saved)
     assert calls == [1] and len(fresh.state) == 2
+
+
+def test_user_load_hooks_run_once_each_and_see_what_torchs_load_gives_them():
+    # the override had run torch's pre-hook loop itself (and hidden the hooks from torch's);
+    # a twin loaded by torch's own Optimizer.load_state_dict is the reference of what each
+    # hook sees, and in what order
+    gen = torch.Generator().manual_seed(5)
+    params, opt = _named_pair(gen, ("q", "k"), step=True)
+    saved = opt.state_dict()
+
+    def hooked():
+        calls = []
+        _, fresh = _named_pair(gen, ("q", "k"))
+
+        def pre(name):
+            def hook(optimizer, state_dict):  # a shallow copy of the caller's dict, before any state loads
+                calls.append((name, optimizer is fresh, state_dict is saved, state_dict["state"] is saved["state"],
+                              len(optimizer.state)))
+            return hook
+
+        def post(optimizer):  # after the state has loaded
+            momenta = [optimizer.state[p]["momentum_buffer"] for p in optimizer.param_groups[0]["params"]]
+            calls.append(("post", optimizer is fresh, [torch.equal(m, opt.state[params[n]]["momentum_buffer"])
+                                                       for m, n in zip(momenta, ("q", "k"))]))
+
+        fresh.register_load_state_dict_pre_hook(pre("pre"))
+        fresh.register_load_state_dict_pre_hook(pre("first"), prepend=True)
+        fresh.register_load_state_dict_post_hook(post)
+        return fresh, calls
+
+    twin, expected = hooked()
+    torch.optim.Optimizer.load_state_dict(twin, saved)
+    fresh, calls = hooked()
+    fresh.load_state_dict(saved)
+    assert calls == expected == [("first", True, False, True, 0), ("pre", True, False, True, 0),
+                                 ("post", True, [True, True])]
+    # a refused load ran the pre-hooks once, no post-hook, and leaves only the user's hooks registered
+    calls.clear()
+    bad = {**saved, "param_groups": [{**saved["param_groups"][0], "momentum": 1.5}]}
+    with pytest.raises(ValueError, match="the saved group 0: momentum"):
+        fresh.load_state_dict(bad)
+    assert [call[0] for call in calls] == ["first", "pre"]
+    assert len(fresh._optimizer_load_state_dict_pre_hooks) == 2
