@@ -490,13 +490,23 @@ class MatrixManifold(geoopt.Manifold):
         return self.retr(x, u)
 
     def dist(self, x: torch.Tensor, y: torch.Tensor, *, keepdim=False) -> torch.Tensor:
-        """The geodesic distance: not offered by a manifold without geodesics
-        (``NotImplementedError`` naming it and what to use instead; geoopt's base raised a
-        bare one). A flat manifold (:class:`~geomuon.manifolds.Euclidean`) overrides it."""
-        raise NotImplementedError(
-            f"{self.name} has no geodesic distance (its expmap is the retraction, not a geodesic); "
-            "use the chordal distance (x - y).norm(dim=(-2, -1)) of the ambient space"
-        )
+        r"""The geodesic distance $d(x, y) = \|\log_x(y)\|_F$ per matrix (``[...]``,
+        ``[..., 1, 1]`` with ``keepdim``; ``logmap``'s dtype): the length of the geodesic
+        $t \mapsto \exp_x(t\log_x y)$ in the Frobenius metric.
+
+        A manifold with a ``logmap`` (a flat one: Euclidean, the router's subspace, LPRO
+        without a radius) has it from there; one without (its expmap is the retraction) raises
+        ``NotImplementedError`` naming it and the chordal distance to use instead (geoopt's
+        base raised a bare one).
+        """
+        try:
+            log = self.logmap(x, y)
+        except NotImplementedError as no_logmap:
+            raise NotImplementedError(
+                f"{self.name} has no geodesic distance (its expmap is the retraction, not a geodesic); "
+                "use the chordal distance (x - y).norm(dim=(-2, -1)) of the ambient space"
+            ) from no_logmap
+        return log.norm(dim=(-2, -1), keepdim=keepdim)
 
     def logmap(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The inverse of the exponential map: not offered by a manifold without geodesics
@@ -555,15 +565,24 @@ class MatrixManifold(geoopt.Manifold):
 
     @matrix_method(result="check")
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        ok = bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all())
-        if ok:
+        """geoopt's ``(ok, reason)``: :meth:`points_on_manifold` of every matrix, read back; the
+        reason names a non-finite entry, else the constraint (:meth:`_off_manifold_reason`)."""
+        if bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all()):
             return True, None
         if not bool(torch.isfinite(x).all()):
             return False, "x has a NaN or infinite entry"
+        return False, self._off_manifold_reason(x, atol=atol, rtol=rtol)
+
+    def _off_manifold_reason(self, x: torch.Tensor, *, atol: float, rtol: float) -> str:
+        """The reason ``check_point_on_manifold`` gives for a finite ``x`` that
+        :meth:`points_on_manifold` refuses: the constraint broken, with its tolerances. ``x`` is
+        in the manifold's own orientation (the transpose of a wide point when
+        ``transposes_wide``). A subclass with its own ``points_on_manifold`` states its own
+        constraint here; the default names the generic rule's."""
         if self.has_defining_map:
-            return False, (f"defining map F(x) != 0 with atol={atol} (times |F(0)|, the scale of the "
-                           "constraint's constant, where it has one)")
-        return False, f"projx(x) != x with atol={atol}, rtol={rtol}"
+            return (f"defining map F(x) != 0 with atol={atol} (times |F(0)|, the scale of the "
+                    "constraint's constant, where it has one)")
+        return f"projx(x) != x with atol={atol}, rtol={rtol}"
 
     @matrix_method(result="multiplier")
     def points_on_manifold(self, x: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5) -> torch.Tensor | None:

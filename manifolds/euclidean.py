@@ -56,10 +56,6 @@ class Euclidean(MatrixManifold):
         x, y = broadcast_pair(x, y)
         return y - x
 
-    def dist(self, x, y, *, keepdim=False):
-        r"""$\|y - x\|_F$ per matrix (``[...]``, ``[..., 1, 1]`` with ``keepdim``)."""
-        return self.logmap(x, y).norm(dim=(-2, -1), keepdim=keepdim)
-
     def component_inner(self, x, u, v=None):
         r"""Entrywise $u \odot v$ ($u \odot u$ without ``v``), broadcast to ``x``: the space is a
         product of lines, so geoopt's ``RiemannianAdam`` keeps Adam's per-entry second moment

@@ -105,11 +105,6 @@ class LPRO(Euclidean):
             return x + u
         return sphere_normalize(x, self.radius, -1, "LPRO.retr", step=u)
 
-    def dist(self, x, y, *, keepdim=False):
-        if self.radius is None:
-            return super().dist(x, y, keepdim=keepdim)
-        return MatrixManifold.dist(self, x, y, keepdim=keepdim)
-
     def logmap(self, x, y):
         if self.radius is None:
             return super().logmap(x, y)

@@ -87,9 +87,6 @@ class CenteredRouterSpace(MatrixManifold):
     def logmap(self, x, y):
         return _centered(broadcast_pair(x, y)[1] - x)
 
-    def dist(self, x, y, *, keepdim=False):
-        return self.logmap(x, y).norm(dim=(-2, -1), keepdim=keepdim)
-
     @matrix_method(result="multiplier")
     def points_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         r"""Per matrix ``[..., e, n]`` → ``[...]`` (bool, on ``x``'s device, no host read): every
@@ -109,10 +106,5 @@ class CenteredRouterSpace(MatrixManifold):
         close = (column_sums <= atol * column_scales) & torch.isfinite(column_scales)
         return close.all(-1)
 
-    @matrix_method(result="check")
-    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        if bool(self.points_on_manifold(x, atol=atol, rtol=rtol).all()):
-            return True, None
-        if not bool(torch.isfinite(x).all()):
-            return False, "x has a NaN or infinite entry"
-        return False, f"column sums over the experts 1^T x are not 0 within atol={atol} times the columns' absolute sums"
+    def _off_manifold_reason(self, x, *, atol, rtol):
+        return f"column sums over the experts 1^T x are not 0 within atol={atol} times the columns' absolute sums"

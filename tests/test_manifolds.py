@@ -362,6 +362,22 @@ def test_point_checks_report_reasons():
     assert not ok and "zero column" in reason
 
 
+def test_dgram_names_its_constraint_for_a_wide_point_in_the_transposed_geometry():
+    # The base check asks _off_manifold_reason for a finite point that points_on_manifold
+    # refuses, with a wide point transposed first: its zero row is the zero column seen there.
+    manifold = DGram()
+    wide = manifold.random(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert manifold.check_point_on_manifold(wide)  # control
+    zero_row = wide.clone()
+    zero_row[2] = 0
+    assert manifold.check_point_on_manifold(zero_row, explain=True) == (
+        False, "x has a zero column (row for wide matrices)")
+    skewed = wide.clone()
+    skewed[0] += wide[1]  # rows 0 and 1 at cosine 1/sqrt(2) or so, far past atol
+    assert manifold.check_point_on_manifold(skewed, explain=True) == (
+        False, "columns are not orthogonal (cosines) with atol=1e-05")
+
+
 def test_generic_projection_solves_a_non_diagonal_gram():
     # A Stiefel point far from the manifold makes L L* non-diagonal: the Jacobi guess is
     # wrong and CG must iterate. The generic projection must still be exactly orthogonal.
