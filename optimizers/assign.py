@@ -296,34 +296,41 @@ class Assignment:
                 f"{sorted(self.optimizers)}; resume with the strategy the checkpoint was written with"
             )
         for update, opt in self.optimizers.items():  # all checked before any is loaded
-            self._check_same_groups(update, opt.param_groups, state[update].get("param_groups", []))
+            check_same_groups(update, self.strategy, opt.param_groups, state[update].get("param_groups", []))
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
 
-    def _check_same_groups(self, update: str, current: list[dict], saved: list[dict]) -> None:
-        """Refuse a saved optimizer state whose groups hold other parameters, or give them
-        another geometry, than this assignment's: torch maps state by position and replaces the
-        groups' options, so ``hetero``'s state had loaded into ``hetero_inv`` and turned it into
-        ``hetero`` (Stiefel attention, DGram MLP) under the ``hetero_inv`` label."""
-        advice = "resume with the strategy (and roles) the checkpoint was written with"
-        if len(saved) != len(current):
-            raise ValueError(f"optimizer state of {update!r} holds {len(saved)} param group(s) but strategy "
-                             f"{self.strategy!r} builds {len(current)}; {advice}")
-        for index, (was, now) in enumerate(zip(saved, current)):
-            names = now.get("param_names")
-            saved_names = was.get("param_names", names)  # a group saved without names: by position
-            if len(was["params"]) != len(now["params"]) or (names is not None and list(saved_names) != list(names)):
-                raise ValueError(f"optimizer state of {update!r}, group {index}, holds "
-                                 f"{saved_names or len(was['params'])} but strategy {self.strategy!r} puts "
-                                 f"{names or len(now['params'])} there; {advice}")
-            saved_geometry, geometry = _geometry(was), _geometry(now)
-            differ = [key for key in geometry if saved_geometry[key] != geometry[key]]
-            if differ:
-                who = repr(names[0]) if names else f"param group {index}"
-                raise ValueError(f"optimizer state of {update!r} gives {who} (and its group) "
-                                 + ", ".join(f"{key}={saved_geometry[key]!r}" for key in differ)
-                                 + f" but strategy {self.strategy!r} gives it "
-                                 + ", ".join(f"{key}={geometry[key]!r}" for key in differ) + f"; {advice}")
+
+def check_same_groups(update: str, strategy: str, current: list[dict], saved: list[dict]) -> None:
+    """Refuse (``ValueError`` naming optimizer ``update``, the param group and what to do) the
+    ``saved`` param groups of a checkpoint when they hold other parameters than ``current``, the
+    groups strategy ``strategy`` builds, or the same ones in another order, or give them another
+    geometry (:func:`_geometry`): torch maps state by position and replaces the groups' options,
+    so ``hetero``'s state had loaded into ``hetero_inv`` and turned it into ``hetero`` (Stiefel
+    attention, DGram MLP) under the ``hetero_inv`` label, and the momentum of one weight had
+    loaded into another of its shape. Parameters are compared by the groups' ``param_names``
+    (a saved group without them: by position; a current one without them: by count). Both
+    resumes run it: :meth:`Assignment.load_state_dict` and, per checkpoint folder,
+    :func:`geomuon.pretrain.parallel.load_distributed`."""
+    advice = "resume with the strategy (and roles) the checkpoint was written with"
+    if len(saved) != len(current):
+        raise ValueError(f"optimizer state of {update!r} holds {len(saved)} param group(s) but strategy "
+                         f"{strategy!r} builds {len(current)}; {advice}")
+    for index, (was, now) in enumerate(zip(saved, current)):
+        names = now.get("param_names")
+        saved_names = was.get("param_names", names)  # a group saved without names: by position
+        if len(was["params"]) != len(now["params"]) or (names is not None and list(saved_names) != list(names)):
+            raise ValueError(f"optimizer state of {update!r}, group {index}, holds "
+                             f"{saved_names or len(was['params'])} but strategy {strategy!r} puts "
+                             f"{names or len(now['params'])} there (state is matched by position); {advice}")
+        saved_geometry, geometry = _geometry(was), _geometry(now)
+        differ = [key for key in geometry if saved_geometry[key] != geometry[key]]
+        if differ:
+            who = repr(names[0]) if names else f"param group {index}"
+            raise ValueError(f"optimizer state of {update!r} gives {who} (and its group) "
+                             + ", ".join(f"{key}={saved_geometry[key]!r}" for key in differ)
+                             + f" but strategy {strategy!r} gives it "
+                             + ", ".join(f"{key}={geometry[key]!r}" for key in differ) + f"; {advice}")
 
 
 def _geometry(group: dict) -> dict:

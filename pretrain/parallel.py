@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from geomuon.optimizers.assign import check_same_groups
 from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, matrix_owner, whole
 
 __all__ = ["OwnerGather", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record", "read_distributed", "dcp_folder",
@@ -351,9 +352,11 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
 
     Raises:
         ValueError: naming ``folder``, for an incomplete folder, one written by another
-            model or strategy (the names that differ, or an optimizer's parameters in another
-            order: its state is matched by position), or unreadable tensor files; raised
-            before anything is loaded.
+            model or strategy (the names that differ; or, as a one-process resume refuses it,
+            :func:`geomuon.optimizers.assign.check_same_groups`, an optimizer's param group
+            holding other parameters, the same ones in another order, or another geometry: its
+            state is matched by position), or unreadable tensor files; raised before anything
+            is loaded.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -380,7 +383,15 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
                              f"{tuple(value.shape)}; resume with the run's original settings")
     names = _parameter_names(model)
     for opt_name, opt in assignment.optimizers.items():
-        _check_same_parameter_order(folder, opt_name, opt, record["optimizers"][opt_name], names)
+        # what a one-process resume refuses, with both sides named as this checkpoint keys their
+        # state: by the model's names (an optimizer built without param_names is compared by name too)
+        saved_opt = record["optimizers"][opt_name]
+        here = [{**g, "param_names": [names[id(p)] for p in g["params"]]} for g in opt.param_groups]
+        there = [{**g, "param_names": [saved_opt["names"][i] for i in g["params"]]} for g in saved_opt["param_groups"]]
+        try:
+            check_same_groups(opt_name, assignment.strategy, here, there)
+        except ValueError as err:
+            raise ValueError(f"distributed checkpoint {folder!r}: {err}") from None
     templates: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
     wanted = []  # (optimizer, parameter, key, state key)
     for opt_name, opt in assignment.optimizers.items():
@@ -421,30 +432,6 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             state = {i: s for i, s in state.items() if saved_opt["names"][i] in mine}
         opt.load_state_dict({"state": state, "param_groups": saved_opt["param_groups"]})
     return record
-
-
-def _check_same_parameter_order(folder: str, opt_name: str, opt, saved: dict, names: dict[int, str]) -> None:
-    """Refuse (``ValueError`` naming ``folder``, the optimizer and the param group) a checkpoint
-    whose optimizer ``opt_name`` stepped other parameters, or the same ones in another order,
-    in some param group: ``load_state_dict`` maps saved state to parameters by position, so the
-    momentum and warm starts of one weight had loaded silently into another of its shape."""
-    saved_groups = [[saved["names"][i] for i in group["params"]] for group in saved["param_groups"]]
-    groups = [[names[id(p)] for p in group["params"]] for group in opt.param_groups]
-    if saved_groups == groups:
-        return
-    # the first group that differs (past the shorter list: the first group one of them lacks)
-    index = next((i for i, (mine, theirs) in enumerate(zip(groups, saved_groups)) if mine != theirs),
-                 min(len(groups), len(saved_groups)))
-
-    def listed(lists):
-        if index >= len(lists):
-            return "no such group"
-        return ", ".join(lists[index][:6]) + (" …" if len(lists[index]) > 6 else "")
-
-    raise ValueError(
-        f"distributed checkpoint {folder!r} was written for another strategy: optimizer {opt_name!r} param group "
-        f"{index} steps {listed(groups)} here and {listed(saved_groups)} in the checkpoint (optimizer state is "
-        "matched by position); resume with the run's original settings")
 
 
 def read_distributed(folder: str, prefix: str = "model/") -> dict[str, torch.Tensor]:

@@ -447,37 +447,72 @@ def test_fp16_weights_step_as_in_one_process(runs):
                 assert torch.equal(sharded, one), (r, case, (sharded.float() - one.float()).abs().max())
 
 
+def _two_weights() -> torch.nn.Module:
+    weights = torch.nn.Module()
+    weights.a, weights.b = (torch.nn.Parameter(w) for w in _points())
+    return weights
+
+
 def test_a_distributed_checkpoint_of_another_parameter_order_is_refused(tmp_path):
     # load_distributed had mapped the saved state to the parameters by position: an optimizer
     # listing the same two same-shape weights in the other order loaded a's momentum into b,
-    # silently. One process, no process group: save_distributed and load_distributed take it alone
+    # silently. Its optimizers carry no param_names: the model's names identify the parameters.
+    # One process, no process group: save_distributed and load_distributed take it alone
+    from geomuon.optimizers.assign import Assignment
     from geomuon.pretrain.parallel import load_distributed, save_distributed
 
-    def model():
-        weights = torch.nn.Module()
-        weights.a, weights.b = (torch.nn.Parameter(w) for w in _points())
-        return weights
-
-    saved = model()
+    saved = _two_weights()
     opt = Muon([saved.a, saved.b], lr=0.02, compute_dtype=None)
     for p, g in zip((saved.a, saved.b), _gradients()):
         p.grad = g
     opt.step()
     folder = str(tmp_path / "dcp-step00000001")
-    save_distributed(folder, saved, types.SimpleNamespace(optimizers={"matrices": opt}), {"step": 1})
+    save_distributed(folder, saved, Assignment("a then b", [], {"matrices": opt}), {"step": 1})
 
-    swapped = model()
+    swapped = _two_weights()
     reordered = Muon([swapped.b, swapped.a], lr=0.02, compute_dtype=None)
-    with pytest.raises(ValueError, match=r"dcp-step00000001.*optimizer 'matrices' param group 0 steps b, a here "
-                                         r"and a, b in the checkpoint"):
-        load_distributed(folder, swapped, types.SimpleNamespace(optimizers={"matrices": reordered}))
+    with pytest.raises(ValueError, match=r"dcp-step00000001.*optimizer state of 'matrices', group 0, holds "
+                                         r"\['a', 'b'\] but strategy 'b then a' puts \['b', 'a'\] there"):
+        load_distributed(folder, swapped, Assignment("b then a", [], {"matrices": reordered}))
     assert not reordered.state  # nothing loaded
     # the same order loads, each momentum onto its own weight (a copy: bit for bit)
-    same = model()
+    same = _two_weights()
     ordered = Muon([same.a, same.b], lr=0.02, compute_dtype=None)
-    load_distributed(folder, same, types.SimpleNamespace(optimizers={"matrices": ordered}))
+    load_distributed(folder, same, Assignment("a then b", [], {"matrices": ordered}))
     for p, q in ((same.a, saved.a), (same.b, saved.b)):
         assert torch.equal(ordered.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
+
+
+def test_a_distributed_checkpoint_of_another_geometry_is_refused_as_one_process_refuses_it(tmp_path):
+    # load_distributed compared the parameters only: a Stiefel run's state loaded into a DGram
+    # optimizer replaced its groups (torch loads the saved options), and the run went on on
+    # Stiefel under the DGram label. Now it refuses what Assignment.load_state_dict refuses,
+    # with the same words and the folder
+    from geomuon.optimizers.assign import Assignment
+    from geomuon.pretrain.parallel import load_distributed, save_distributed
+
+    def run(manifold: str):
+        weights = _two_weights()  # QR factors: on Stiefel and on DGram
+        opt = ManifoldMuon([dict(params=[weights.a, weights.b], param_names=["a", "b"])], lr=0.02,
+                           manifold=manifold, compute_dtype=None)
+        return weights, Assignment(f"all_{manifold}", [], {"manifold_muon": opt})
+
+    saved, written = run("stiefel")
+    for p, g in zip((saved.a, saved.b), _gradients()):
+        p.grad = g
+    written.step()
+    folder = str(tmp_path / "dcp-step00000001")
+    save_distributed(folder, saved, written, {"step": 1})
+
+    model, other = run("dgram")
+    with pytest.raises(ValueError) as one_process:
+        other.load_state_dict(written.state_dict())
+    with pytest.raises(ValueError, match=r"dcp-step00000001.*'manifold_muon' gives 'a' .*manifold='Stiefel.*' but "
+                                         r"strategy 'all_dgram' gives it manifold='DGram") as distributed:
+        load_distributed(folder, model, other)
+    assert str(distributed.value) == f"distributed checkpoint {folder!r}: {one_process.value}"
+    assert not other.optimizers["manifold_muon"].state  # nothing loaded, the groups kept
+    assert [g["manifold"]["name"] for g in other.optimizers["manifold_muon"].param_groups] == ["DGram"]
 
 
 def test_projecting_between_sharded_steps_costs_no_step(runs):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from geomuon.manifolds.base import MatrixManifold
+from geomuon.manifolds.linalg import check_count
 
 __all__ = [
     "ContractCheck",
@@ -79,15 +80,15 @@ def default_tolerance(dtype: torch.dtype) -> float:
 
 
 def _validated_shape(shape) -> tuple[int, ...]:
-    """``shape`` as a tuple of non-negative ints ``(..., m, n)``, or a ``ValueError`` saying what
-    is wrong with it (an int had raised "'int' object is not iterable", and 2.5 became 2)."""
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise ValueError(f"check_manifold_contract: shape must be a tuple (..., m, n) of ints, got {shape!r}")
-    shape = tuple(shape)
-    if len(shape) < 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape) or min(shape) < 0:
-        raise ValueError(
-            f"check_manifold_contract: shape must be (..., m, n) with at least two non-negative ints, got {shape!r}")
-    return shape
+    """``shape`` as a tuple ``(..., m, n)`` of ints, each a whole number >= 0 (:func:`check_count`,
+    which names it ``shape[i]``), or a ``ValueError`` saying what is wrong with it (an int had
+    raised "'int' object is not iterable", and 2.5 became 2). A size of 0 passes: whether the
+    manifold takes an empty matrix is its own ``shape_problem``'s to say."""
+    where = "check_manifold_contract"
+    sizes = () if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") else tuple(shape)
+    if len(sizes) < 2:
+        raise ValueError(f"{where}: shape must be a tuple (..., m, n) of at least two whole numbers, got {shape!r}")
+    return tuple(int(check_count(where, f"shape[{i}]", size)) for i, size in enumerate(sizes))
 
 
 def _matrix_norm(x: torch.Tensor) -> torch.Tensor:
