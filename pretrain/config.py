@@ -230,10 +230,12 @@ class TrainConfig:
                                 f"{self.data!r} sets itself; leave it out")
             elif not problems and self.model in CONFIGS:  # the model's own checks, before the data is read
                 try:
-                    get_config(self.model, **self.model_kwargs())
+                    model = get_config(self.model, **self.model_kwargs())
                 except (TypeError, ValueError) as err:
                     problems.append(f"--config {self.model} with --model-overrides "
                                     f"{json.dumps(self.model_overrides)}: {err}")
+                else:
+                    problems += self._unused_lipschitz_bound(model)
         if named_strategy and self.direction_dtype == "fp32" and self.strategy in STRATEGIES and any(
                 rule.update == "torch_muon" for rule in strategy_table(self.strategy)[1].values()):
             # (assign refuses it too, but a comparison had trained its other strategies first)
@@ -273,6 +275,16 @@ class TrainConfig:
         if problems:
             raise ValueError("bad training config:\n  " + "\n  ".join(problems))
 
+
+    def _unused_lipschitz_bound(self, model: GPTConfig) -> list[str]:
+        """A ``--lipschitz-bound`` other than the default for a model without the Lipschitz
+        architecture, whose evaluations log no bound (it had been accepted and ignored); a resume
+        repeats the run's options, as :meth:`unused_options` lets it."""
+        if model.lipschitz or self.resume or self.lipschitz_bound in (DEFAULT_METHOD, "off"):
+            return []
+        return [f"--lipschitz-bound {self.lipschitz_bound} would be ignored: --config {self.model} is not a Lipschitz "
+                "model (lipschitz=False), and the bound is certified and logged only for those; leave it out or "
+                "choose a Lipschitz configuration (e.g. --config cpu-lipschitz)"]
 
     def unused_options(self, strategies: list[str]) -> list[str]:
         """Why each option of :data:`RULE_OPTIONS` set to other than its default is taken by no

@@ -16,6 +16,7 @@ from geomuon.optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, 
 from geomuon.pretrain.data import load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.config import TrainConfig
+from geomuon.theory.lipschitz import DEFAULT_METHOD
 from geomuon.pretrain.train import (Evaluation, RunFolderClaim, accumulate_gradients, check_same_run, evaluate,
                                     lr_factor, model_config, owners, read_log, train)
 
@@ -381,6 +382,23 @@ def test_an_option_no_rule_of_the_strategy_takes_is_refused(tmp_path, capsys, st
     field = option[2:].replace("-", "_")
     kind = type(getattr(TrainConfig(), field) or 0)
     assert TrainConfig(strategy=taker, **{field: kind(value)}).unused_options([taker]) == []
+
+
+def test_a_lipschitz_bound_asked_of_a_model_without_the_architecture_is_refused(tmp_path, capsys):
+    # --lipschitz-bound tight on --config cpu-tiny (no Lipschitz architecture: no bound is logged)
+    # had trained with the option ignored
+    out = tmp_path / "run"
+    assert cli([*PRETRAIN, "--out-dir", str(out), "--lipschitz-bound", "tight"]) == 2
+    assert "--lipschitz-bound tight would be ignored: --config cpu-tiny is not a Lipschitz model" in capsys.readouterr().err
+    assert not out.exists()
+    # controls: the same option on a Lipschitz configuration, "off" and the default on any model,
+    # and a resume (which repeats the run's options) are accepted
+    assert TrainConfig(model="cpu-lipschitz", lipschitz_bound="tight")._unused_lipschitz_bound(
+        get_config("cpu-lipschitz")) == []
+    for value in ("off", DEFAULT_METHOD):
+        assert TrainConfig(model="cpu-tiny", lipschitz_bound=value)._unused_lipschitz_bound(get_config("cpu-tiny")) == []
+    assert TrainConfig(model="cpu-tiny", lipschitz_bound="tight", resume=True)._unused_lipschitz_bound(
+        get_config("cpu-tiny")) == []
 
 
 def test_a_resume_told_to_stop_before_its_checkpoint_is_refused(tmp_path, capsys):
