@@ -360,8 +360,9 @@ def newton_schulz_step(Y: torch.Tensor, a: float, b: float, c: float, *, tall: b
 
     Both are the same polynomial of $Y$ ($Y(Y^\top Y)^k = (YY^\top)^kY$); iterating a tall
     matrix in its own orientation needs no transposed operand and leaves the result
-    contiguous (on one Xeon thread a bf16 $1536\times384$ Muon iteration: 6.1 ms, against 7.6 ms
-    through the transposed wide form, whose products copy their strided operands).
+    contiguous (on one AMX Xeon thread a bf16 $1536\times384$ polar factor, 5 steps: 6.39 ms,
+    against 7.00 ms through the transposed wide form, whose products copy their strided
+    operands).
     ``tall`` is the caller's choice, not read off the shape: the symbolic certificates
     (:mod:`geomuon.theory.symbolic`) run this very function on matrices of symbolic size.
 
