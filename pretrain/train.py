@@ -103,7 +103,7 @@ from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hy
 from geomuon.optimizers.distributed import is_sharded, whole
 from geomuon.optimizers.base import MatrixOptimizer
 from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args, launcher_value
-from geomuon.pretrain.data import TokenData, identity_changes, load_data, spec_source
+from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
 from geomuon.pretrain.parallel import (dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
@@ -1085,7 +1085,8 @@ RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "grad_accum"
 def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     """Refuse to resume the checkpoint ``record`` (:func:`_run_record`'s data) as the run of
     ``cfg`` on ``data`` unless it is the same run: the options of :data:`RUN_IDENTITY`, the
-    data (:attr:`~geomuon.pretrain.data.TokenData.identity`) and the model's configuration.
+    batch seeding (:data:`~geomuon.pretrain.data.BATCH_SEEDING`), the data
+    (:attr:`~geomuon.pretrain.data.TokenData.identity`) and the model's configuration.
     ``ValueError`` naming what changed and what to do."""
     # a checkpoint written before a field existed ran with that field's default
     saved = {**asdict(TrainConfig()), **record["config"]}
@@ -1093,6 +1094,12 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     if changed:
         raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
                          + "); use the original settings or a new --out-dir")
+    seeding = record.get("batch_seeding", "linear")  # (checkpoints before it had the linear seeding)
+    if seeding != BATCH_SEEDING:
+        raise ValueError(f"the checkpoint's run drew its batches by the {seeding!r} seeding, which this geomuon "
+                         f"version replaced by {BATCH_SEEDING!r} (geomuon.pretrain.data.BATCH_SEEDING): resumed here "
+                         "it would train on other batches; resume with the geomuon version that wrote it, or use a "
+                         "new --out-dir")
     changed = identity_changes(record["data"], data.identity) if "data" in record else []  # (older checkpoints: none)
     if changed:
         restore = ("resume under the Python version that started the run (the embedded corpus is its "
@@ -1112,7 +1119,7 @@ def _run_record(model: GPT, cfg: TrainConfig, data: TokenData, step: int, result
     """What a checkpoint keeps besides the tensors (plain data), :func:`check_same_run`'s
     references among them."""
     return {"step": step, "config": asdict(cfg), "model_config": asdict(model.config), "data": data.identity,
-            "losses": result.losses, "evals": result.evals, "log": log.records, "wall_time": wall_time}
+            "batch_seeding": BATCH_SEEDING, "losses": result.losses, "evals": result.evals, "log": log.records, "wall_time": wall_time}
 
 
 # ----------------------------------------------------------------------------- CLI

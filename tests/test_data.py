@@ -9,6 +9,7 @@ import torch
 
 from geomuon.pretrain.data import (
     SHAKESPEARE_SHA256,
+    _batch_seed,
     load_data,
     read_shard,
     shard_data,
@@ -158,6 +159,29 @@ def test_batches_depend_only_on_seed_and_step():
     assert not torch.equal(x1, data.batch("train", 4, 16, seed=0, step=6)[0])
     assert not torch.equal(x1, data.batch("train", 4, 16, seed=1, step=5)[0])
     assert x1.dtype == torch.int64 and x1.shape == (4, 16)
+
+
+def test_no_two_seeds_share_a_stream_of_batches():
+    # The linear seed * 1_000_003 + 2 * step + val had given seed 0's batch 1,000,003 the
+    # generator of seed 2's batch 0 (and so every later one: two "independent" seeds trained
+    # on one stream, shifted). Control: the pairs below are the ones it made equal.
+    def linear(seed, step, val):
+        return (seed * 1_000_003 + step * 2 + int(val)) % (2**63 - 1)
+
+    collided = [((0, 1_000_003, False), (2, 0, False)), ((5, 2_000_006, False), (9, 0, False)),
+                ((0, 500_002, False), (1, 0, True))]
+    data = load_data("embedded")
+    for first, second in collided:
+        assert linear(*first) == linear(*second)
+        assert _batch_seed(*first) != _batch_seed(*second)
+        (seed_a, step_a, val_a), (seed_b, step_b, val_b) = first, second
+        if val_a == val_b:  # one split: the batches themselves (one generator seed had drawn one batch)
+            split = "val" if val_a else "train"
+            a = data.batch(split, 4, 16, seed=seed_a, step=step_a)[0]
+            assert not torch.equal(a, data.batch(split, 4, 16, seed=seed_b, step=step_b)[0])
+    # and over a grid of small seeds and steps, every (seed, step, split) has its own generator seed
+    grid = [(seed, step, val) for seed in range(8) for step in range(2000) for val in (False, True)]
+    assert len({_batch_seed(*key) for key in grid}) == len(grid)
 
 
 @pytest.mark.parametrize("magic, version", [(1234, 1), (20240801, 7), (20240520 + 1, 1)])

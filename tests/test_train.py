@@ -13,7 +13,7 @@ import torch
 
 from geomuon.cli import main as cli
 from geomuon.optimizers.assign import ATTENTION_ROLES, STRATEGIES, Hyper, Rule, assign
-from geomuon.pretrain.data import load_data
+from geomuon.pretrain.data import BATCH_SEEDING, load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.config import TrainConfig
 from geomuon.theory.lipschitz import DEFAULT_METHOD
@@ -225,7 +225,10 @@ def test_extra_metrics_hook_sees_the_evaluated_windows(tmp_path):
     calls = []
 
     def own_loss(model, evaluation):
-        losses = [model(x, y)[1].item() for x, y in evaluation.windows()]
+        # the forward evaluate runs: its attention observed (explicit softmax), not the fused
+        # kernel, which rounds otherwise (1 ulp of the loss at some windows)
+        with model.observe():
+            losses = [model(x, y)[1].item() for x, y in evaluation.windows()]
         calls.append((evaluation.step, evaluation.batches, evaluation.seed))
         return {"own_val_loss": sum(losses) / len(losses)}
 
@@ -284,10 +287,27 @@ def test_resume_identity_includes_model_overrides(tmp_path):
     cfg = tiny(tmp_path)
     data = load_data(cfg.data)
     saved = {k: v for k, v in vars(cfg).items() if k != "model_overrides"}
-    record = {"config": saved, "model_config": vars(model_config(cfg, data))}
+    record = {"config": saved, "model_config": vars(model_config(cfg, data)), "batch_seeding": BATCH_SEEDING}
     check_same_run(record, cfg, data)  # a checkpoint from before the field: its default, the same run
     with pytest.raises(ValueError, match=r"model_overrides: \{'mlp': 'swiglu'\} → \{\}"):
         check_same_run({**record, "config": {**saved, "model_overrides": {"mlp": "swiglu"}}}, cfg, data)
+
+
+def test_a_checkpoint_of_another_batch_seeding_is_not_resumed(tmp_path):
+    # a run checkpointed before the hashed seeding drew its batches by the linear one: resumed
+    # under the new one it would have trained on other batches without a word
+    out = str(tmp_path / "run")
+    assert cli([*PRETRAIN, "--out-dir", out, "--stop-after", "2"]) == 0
+    path = os.path.join(out, "ckpt.pt")
+    payload = torch.load(path, weights_only=False)
+    assert payload["batch_seeding"] == BATCH_SEEDING  # what every checkpoint records now
+    cfg = TrainConfig(**{**payload["config"], "resume": True})  # the run as the CLI started it
+    data = load_data(cfg.data)
+    check_same_run(payload, cfg, data)  # control: the checkpoint as written resumes
+    older = {k: v for k, v in payload.items() if k != "batch_seeding"}
+    with pytest.raises(ValueError, match=r"by the 'linear' seeding, which this geomuon version replaced by "
+                                         r"'blake2b-64'.*resume with the geomuon version that wrote it"):
+        check_same_run(older, cfg, data)
 
 
 @pytest.fixture(scope="module")
