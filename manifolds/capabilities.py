@@ -380,7 +380,7 @@ class OrthogonalColumnsGram(GramForm):
     newton_alpha = 1.5
     # in-run (400 steps, against a 32-step reference; 1 Newton step; mean / min): alternating
     # projections, 1 round 0.935 / 0.799, 2: 0.952 / 0.830, 3: 0.958 / 0.845; ADMM 1: 0.924 / 0.778,
-    # 2: 0.954 / 0.824, 3: 0.967 / 0.860. At two rounds the two methods are level in GPT training;
+    # 2: 0.954 / 0.8235, 3: 0.967 / 0.860. At two rounds the two methods are level in GPT training;
     # ADMM is the method because it keeps improving with rounds (it converges to the optimum,
     # alternating projections to a feasible point) and on tests/test_direction_taken.py's MLP two
     # rounds reach 0.981 / 0.940 against alternating's 0.970 / 0.884. Each round costs one eigh and about nine n x n products: the second took the AMX

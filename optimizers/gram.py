@@ -104,8 +104,9 @@ class GramSettings:
     Attributes:
         solver: ``"dual"`` (:func:`gram_step`'s dual iterations; every attribute below
             applies) or ``"projected"`` (:func:`projected_step`: ``msign_steps``,
-            ``compute_dtype``, ``polish_rounds``, ``retraction_terms`` and the dualizer's
-            unit ball apply, the dual attributes do not).
+            ``compute_dtype``, ``polish_rounds``, ``retraction_terms``, ``stored_dtype`` and
+            the dualizer's unit ball and far inverse square root apply, the dual attributes
+            and ``polish_method`` do not).
         dual_steps: dual iterations whose result is dualized again within the step (each
             costs one dualization; 0: the direction is $\operatorname{msign}$ of the
             warm-started iterate).

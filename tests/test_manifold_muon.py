@@ -816,3 +816,82 @@ def test_a_regulator_that_takes_points_off_the_manifold_is_refused_when_built():
         p.grad = torch.randn(16, 8)
         opt.step()
         assert opt.check_on_manifold(raise_error=False) == [], (manifold, regulate)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(polish_method="admn"), "group 1: polish_method must be one of"),  # had raised from GramSettings mid-step
+    (dict(solver="projected", dual_steps=3), "group 1: solver='projected' takes no dual iterations"),  # ignored
+    (dict(polish_rounds=2.5), "group 1: polish_rounds must be a whole number"),  # had been truncated to 2
+    (dict(retraction="fuse"), "group 1: retraction must be one of"),  # had taken the general path
+    (dict(weight_decay=100.0), r"group 1: lr \* weight_decay must be < 1"),  # had negated the point
+    (dict(lr=60.0, weight_decay=0.02), r"group 1: lr \* weight_decay must be < 1"),  # a schedule's lr
+])
+def test_an_option_edited_between_steps_is_refused_before_any_group_steps(edit, message):
+    # param-group edits (a sweep, a schedule) had skipped every check: a typo raised inside the
+    # step after group 0 had moved, other edits were ignored or stepped the weights wrongly
+    torch.manual_seed(0)
+    first, second = (torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8))) for _ in range(2))
+    opt = ManifoldMuon([{"params": [first]}, {"params": [second]}], manifold="stiefel")
+    for p in (first, second):
+        p.grad = torch.randn(16, 8)
+    opt.step()
+    before = [first.detach().clone(), second.detach().clone()]
+    opt.param_groups[1].update(edit)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert torch.equal(first, before[0]) and torch.equal(second, before[1])  # nothing was stepped
+
+
+def test_an_unedited_group_is_not_checked_again_in_a_step(monkeypatch):
+    # the check of an edit compares recorded options; a step of unedited groups (and the first
+    # step after a state_dict round trip) runs no group check
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))
+    opt = ManifoldMuon([p], manifold="dgram", lr=torch.tensor(0.02), polish_method="alternating")
+    opt.load_state_dict(opt.state_dict())
+    checks = []
+    monkeypatch.setattr(opt, "_check_group", lambda *args: checks.append(args))
+    for _ in range(2):
+        p.grad = torch.randn(16, 8)
+        opt.step()
+    assert checks == []
+    opt.param_groups[0]["polish_rounds"] = 3
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    assert len(checks) == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lr=torch.tensor(2.0), weight_decay=1.0), r"lr \* weight_decay must be < 1"),  # a float lr was refused
+    (dict(dual_alpha=torch.tensor(1.5)), "dual_alpha must be a Python number"),  # read back every step
+    (dict(polish_rounds=torch.tensor(2)), "polish_rounds must be a Python number"),
+    (dict(polish_method="admm", polish_rounds=0), "polish_method='admm' with polish_rounds=0 would be ignored"),
+])
+def test_options_a_step_cannot_honour_are_refused(options, message):
+    p = torch.nn.Parameter(Stiefel().projx(torch.randn(8, 4)))
+    with pytest.raises(ValueError, match=message):
+        ManifoldMuon([p], manifold="dgram", **options)
+    ManifoldMuon([p], manifold="dgram", lr=torch.tensor(0.02), weight_decay=1.0, polish_method="admm",
+                 polish_rounds=1, dual_alpha=1.5)  # control
+
+
+def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):
+    # the carried step only feeds the next warm start: with warm_start=False it had been computed
+    # (one more Newton solve per matrix and step) and thrown away
+    updates = []
+    newton_update = gram.newton_update
+    monkeypatch.setattr(gram, "newton_update", lambda *args: updates.append(1) or newton_update(*args))
+    gen = torch.Generator().manual_seed(0)
+    start = Stiefel().projx(torch.randn(16, 8, dtype=torch.float64, generator=gen))
+    momentum = torch.randn(16, 8, dtype=torch.float64, generator=gen)
+    points = {}
+    for warm_start in (False, True):
+        p = torch.nn.Parameter(start.clone())
+        opt = ManifoldMuon([p], manifold="stiefel", dual_steps=1, warm_start=warm_start, polish_rounds=0)
+        p.grad = momentum.clone()
+        updates.clear()
+        opt.step()
+        points[warm_start] = p.detach()
+        assert len(updates) == (2 if warm_start else 1), warm_start  # dual_steps, plus the carried one
+    # the carried step never reaches the direction: the two first steps are bitwise the same
+    assert torch.equal(points[False], points[True])
