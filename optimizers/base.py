@@ -86,6 +86,21 @@ _ADAMW_GROUP_KEYS = {"params", "param_names", "update", "nonfinite", "regulate",
 _PARAMETER_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 MATRIX_VIEWS = ("strict", "batch", "flatten")
 _NONFINITE = ("skip", "raise")
+#: Group options a schedule rewrites at every step (torch's LR schedulers ``lr``; OneCycleLR and
+#: CyclicLR ``momentum`` or ``betas``): :meth:`MatrixOptimizer.step` checks their values each
+#: step (floats only: a tensor is never read in a step), not against the options as checked.
+SCHEDULED_OPTIONS = ("lr", "momentum", "betas")
+
+
+def _same_option(before, now) -> bool:
+    """Whether a group option is unchanged since it was checked: the same object, or an equal
+    plain value of the same type. A tensor, dict or list counts as changed unless it is the same
+    object (a manifold's spec may hold tensors: comparing them would read a device back)."""
+    if before is now:
+        return True
+    if isinstance(before, (torch.Tensor, dict, list)) or type(before) is not type(now):
+        return False
+    return before == now
 
 
 class MatrixOptimizer(torch.optim.Optimizer):
@@ -130,6 +145,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._manifolds: dict[int, tuple] = {}
         self._skipped = _SkippedSteps(_report_nonfinite)
         self._refused = _SkippedSteps(_report_off_manifold)
+        self._checked_options: list[dict] = []  # per group: its options as last checked
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ construction
@@ -152,6 +168,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._validate_group(group, index)
             self._regulators.append((None, None))
             self._group_regulator(group, index)
+            self._checked_options[index:] = [self._options_of(group)]  # (the regulator's spec as normalized)
         except Exception:
             # a refused group leaves the optimizer as it was (torch had already appended it, and
             # the next step then failed on a group without a regulator slot)
@@ -196,16 +213,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
                                  f"{tuple(p.shape)}; {why}")
 
     def _validate_group(self, group: dict, index: int) -> None:
-        for key in ("lr", "weight_decay"):
-            require_number(index, key, group[key], lambda x: x >= 0, "a finite number >= 0")
+        require_number(index, "weight_decay", group["weight_decay"], lambda x: x >= 0, "a finite number >= 0")
         if group["nonfinite"] not in _NONFINITE:
             raise ValueError(f"group {index}: nonfinite must be one of {_NONFINITE}, got {group['nonfinite']!r}")
         if group["update"] == "adamw":
             betas = group["betas"]
             if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
                 raise ValueError(f"group {index}: betas must be a pair (beta1, beta2), got {betas!r}")
-            for k, beta in enumerate(betas):
-                require_number(index, f"betas[{k}]", beta, lambda x: 0 <= x < 1, "a number in [0, 1)")
+            self._check_scheduled(group, index)
             require_number(index, "eps", group["eps"], lambda x: x >= 0, "a finite number >= 0")
             return
         if group["update"] != self.matrix_update:
@@ -215,7 +230,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             )
         if group["matrix_view"] not in MATRIX_VIEWS:
             raise ValueError(f"group {index}: matrix_view must be one of {MATRIX_VIEWS}, got {group['matrix_view']!r}")
-        require_number(index, "momentum", group["momentum"], lambda x: 0 <= x < 1, "a number in [0, 1)")
+        self._check_scheduled(group, index)
         if not isinstance(group.get("nesterov", False), bool):  # a truthy string ("no") had switched it on
             raise ValueError(f"group {index}: nesterov must be True or False, got {group['nesterov']!r}")
         if "compute_dtype" in group:
@@ -230,6 +245,55 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     f"with size: {p.size()} ({self._name(group, i, index)}); set matrix_view='batch' "
                     "(stacked matrices [..., m, n]) or 'flatten' (conv kernels) in its group"
                 )
+
+    def _options_of(self, group: dict) -> dict:
+        """The group's options as they are now: every key of the defaults and of an AdamW group
+        but :data:`SCHEDULED_OPTIONS` (and ``params``)."""
+        keys = (self.defaults.keys() | ADAMW_DEFAULTS.keys()) - {"params", *SCHEDULED_OPTIONS}
+        return {key: group.get(key) for key in sorted(keys)}
+
+    def _check_edited_groups(self) -> None:
+        """Before any group steps: check again (:meth:`_validate_group`) every group whose
+        options were edited since they were checked (a param-group edit had skipped every check:
+        ``nesterov="no"`` switched Nesterov on, a typo'd ManifoldMuon ``polish_method`` raised
+        mid-step after earlier groups had moved), and the values of
+        :data:`SCHEDULED_OPTIONS` of every group (:meth:`_check_scheduled`). Host values only;
+        a tensor ``lr`` is read where its group was edited (its check reads it, once)."""
+        for index, group in enumerate(self.param_groups):
+            checked = self._checked_options[index]
+            now = self._options_of(group)
+            if any(not _same_option(value, now[key]) for key, value in checked.items()):
+                try:
+                    self._validate_group(group, index)
+                except ValueError as err:
+                    raise ValueError(f"{type(self).__name__}: {err} (an edited param group; nothing was stepped)") from None
+                self._group_regulator(group, index)  # (an edited spec normalized now, before it is recorded)
+                self._checked_options[index] = self._options_of(group)
+            self._check_scheduled(group, index, in_step=True)
+
+    def _check_scheduled(self, group: dict, index: int, *, in_step: bool = False) -> None:
+        """``lr`` a finite number >= 0, ``momentum`` (a matrix group) or each of ``betas`` (an AdamW
+        group) in [0, 1): the options a schedule rewrites (:data:`SCHEDULED_OPTIONS`), checked
+        with the group and again at every step (``in_step``: a tensor is not read there;
+        ``momentum`` = 1.5 written by hand had stepped)."""
+        for key, value in self._scheduled_values(group):
+            if in_step and isinstance(value, torch.Tensor):
+                continue
+            admissible, what = (lambda x: x >= 0, "a finite number >= 0") if key == "lr" else \
+                (lambda x: 0 <= x < 1, "a number in [0, 1)")
+            try:
+                require_number(index, key, value, admissible, what)
+            except ValueError as err:
+                if not in_step:
+                    raise
+                raise ValueError(f"{type(self).__name__}: {err}; nothing was stepped") from None
+
+    @staticmethod
+    def _scheduled_values(group: dict) -> list[tuple[str, Any]]:
+        """``(name, value)`` of the group's :data:`SCHEDULED_OPTIONS` that its update reads."""
+        if group["update"] == "adamw":
+            return [("lr", group["lr"]), *((f"betas[{k}]", beta) for k, beta in enumerate(group["betas"]))]
+        return [("lr", group["lr"]), ("momentum", group["momentum"])]
 
     def regulation_refusal(self, index: int, lr: float) -> str | None:
         """Why group ``index``'s regulator cannot follow one update of its matrices at the float
@@ -392,6 +456,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._regulators = [(None, None) for _ in self.param_groups]
         for index, group in enumerate(self.param_groups):
             self._group_regulator(group, index)
+        self._checked_options = [self._options_of(group) for group in self.param_groups]  # (checked on load)
         self._manifolds = {}
         # positions refer to these groups: a loaded state starts afresh
         self._skipped = _SkippedSteps(_report_nonfinite)
@@ -409,6 +474,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         steps are reported), except in a sharded (``DTensor``) param group: one read of its
         finiteness flags per group and step (:meth:`_finite_on_host`), a host synchronisation
         on CUDA."""
+        self._check_edited_groups()
         self._report_skips(wait=False)
         regulators = [self._group_regulator(group, index) for index, group in enumerate(self.param_groups)]
         loss = None

@@ -218,35 +218,10 @@ def _holds_every_point(own, p: torch.Tensor) -> bool:
 #: Options of the dual iterations (``None``: the manifold's default), which
 #: ``solver="projected"`` does not run.
 _DUAL_OPTIONS = ("dual_steps", "cold_dual_steps", "dual_alpha", "dual_update", "polish_method")
-#: The group keys :meth:`ManifoldMuon._validate_group` checks that a step reads as they are: an
-#: edit of one between steps is checked again before any group steps (:meth:`ManifoldMuon.step`).
-#: ``lr`` is not among them (a schedule edits it every step; :meth:`ManifoldMuon.step` checks its
-#: decay factor), nor the keys the base checks and schedules edit (``momentum``).
-_ENGINE_OPTIONS = ("update", "manifold", "norm", "solver", "dual_steps", "cold_dual_steps", "dual_alpha",
-                   "dual_update", "gram_dualizer", "warm_start", "msign_method", "msign_steps", "compute_dtype",
-                   "dual_carry", "polish_rounds", "polish_method", "dual_smoothing", "retraction", "certify_every",
-                   "certify_reference", "weight_decay", "matrix_view")
 #: Options a step converts with ``int``/``float``: a tensor there would be read back to the host
 #: at every step (``lr`` alone may be a tensor, an operand of the update).
 _NUMBER_OPTIONS = ("weight_decay", "dual_steps", "cold_dual_steps", "dual_alpha", "msign_steps", "polish_rounds",
                    "dual_smoothing", "certify_every", "certify_reference")
-
-
-def _options_of(group: dict) -> dict:
-    """A group's :data:`_ENGINE_OPTIONS` as they are now."""
-    return {key: group.get(key) for key in _ENGINE_OPTIONS}
-
-
-def _same_option(before, now) -> bool:
-    """Whether a group option is unchanged since it was checked: the same object, or an equal
-    plain value of the same type. A tensor, dict or list counts as changed unless it is the same
-    object (the manifold's spec, which the check replaces by its own, may hold tensors: comparing
-    them would read a device back)."""
-    if before is now:
-        return True
-    if isinstance(before, (torch.Tensor, dict, list)) or type(before) is not type(now):
-        return False
-    return before == now
 
 
 class ManifoldMuon(MatrixOptimizer):
@@ -348,8 +323,8 @@ class ManifoldMuon(MatrixOptimizer):
         certificates: ``{parameter name: certified ratio}`` of the last certified step.
 
     The options are checked when a group is added or loaded, and again at the next step, before
-    any group steps, when a param-group edit changed one (:data:`_ENGINE_OPTIONS`; ``lr`` each
-    step against ``weight_decay`` where it is a float). Options other than ``lr`` are Python
+    any group steps, when a param-group edit changed one (the base's rule; ``lr`` each step
+    against ``weight_decay`` where it is a float). Options other than ``lr`` are Python
     numbers: a step would read a tensor back to the host.
 
     Each param group counts its optimizer steps in its key ``"step_count"`` (what
@@ -412,7 +387,6 @@ class ManifoldMuon(MatrixOptimizer):
             dual_carry=dual_carry, polish_rounds=polish_rounds, polish_method=polish_method, dual_smoothing=dual_smoothing, retraction=retraction, certify_every=certify_every, certify_reference=certify_reference, nonfinite=nonfinite, regulate=regulate, matrix_view=matrix_view,
         )
         self._certified: dict[str, torch.Tensor] = {}
-        self._checked_options: dict[int, dict] = {}  # group index -> its options as checked
         self._unchecked: set[int] = set()  # ids of the weights not yet checked on their manifold
         super().__init__(params, defaults)
 
@@ -422,35 +396,19 @@ class ManifoldMuon(MatrixOptimizer):
         the device here, never inside a step)."""
         return {name: float(ratio) for name, ratio in self._certified.items()}
 
-    def _validate_group(self, group: dict, index: int) -> None:
-        self._check_group(group, index)
-        self._checked_options[index] = _options_of(group)
-
-    def _check_edited_groups(self) -> None:
-        """Check again, before any group steps, every matrix group whose options
-        (:data:`_ENGINE_OPTIONS`) were edited since they were checked (a typo'd ``polish_method``
-        had raised inside the step after earlier groups had moved; ``solver="projected"`` set
-        beside ``dual_steps`` had ignored them), and each float ``lr`` against the decay factor
-        (``lr`` * ``weight_decay`` < 1). Host-side values: a tensor ``lr`` is read only where its
-        group was edited (the group's check reads it once, as at construction)."""
-        for index, group in enumerate(self.param_groups):
-            options = self._checked_options.get(index)
-            if options is None or any(not _same_option(value, group.get(key)) for key, value in options.items()):
-                self._validate_group(group, index)
-            if group["update"] != "adamw" and not isinstance(group["lr"], torch.Tensor):
-                self._check_decay(group, index, "; nothing was stepped")
-
-    @staticmethod
-    def _check_decay(group: dict, index: int, then: str = "") -> None:
-        r"""``lr`` * ``weight_decay`` < 1: the decay factor $1 - \eta\lambda$ scales the point (a
-        factor <= 0 had scaled it to 0 or through it). A tensor ``lr`` is read: call it when the
-        group is checked, not in a step."""
+    def _check_scheduled(self, group: dict, index: int, *, in_step: bool = False) -> None:
+        r"""The base's, and ``lr`` * ``weight_decay`` < 1 for a matrix group: the decay factor
+        $1 - \eta\lambda$ scales the point (a factor <= 0 had scaled it to 0 or through it). A
+        tensor ``lr`` is read when the group is checked, not in a step."""
+        super()._check_scheduled(group, index, in_step=in_step)
+        if group["update"] == "adamw" or in_step and isinstance(group["lr"], torch.Tensor):
+            return
         if float(group["lr"]) * float(group["weight_decay"]) >= 1:
             raise ValueError(f"group {index}: lr * weight_decay must be < 1 (the decay factor 1 - lr * weight_decay "
-                             f"scales the point), got {group['lr']} * {group['weight_decay']}{then}")
+                             f"scales the point), got {group['lr']} * {group['weight_decay']}"
+                             + ("; nothing was stepped" if in_step else ""))
 
-    def _check_group(self, group: dict, index: int) -> None:
-        """The checks of :meth:`_validate_group`."""
+    def _validate_group(self, group: dict, index: int) -> None:
         super()._validate_group(group, index)
         if group["update"] == "adamw":
             for i, p in enumerate(group["params"]):
@@ -517,7 +475,6 @@ class ManifoldMuon(MatrixOptimizer):
             if isinstance(group.get(key), torch.Tensor):
                 raise ValueError(f"group {index}: {key} must be a Python number, got a tensor (the step would read "
                                  f"it back to the host); pass {key}={group[key].item()!r}")
-        self._check_decay(group, index)  # (a tensor lr too: its value now, as the base's check reads it)
         require_number(index, "dual_smoothing", group["dual_smoothing"], lambda x: x >= 0, "a finite number >= 0")
         if float(group["dual_smoothing"]) and group["gram_dualizer"] == "polar_express":
             raise ValueError(f"group {index}: dual_smoothing needs gram_dualizer='eigh' (mu is read off the "
@@ -603,8 +560,6 @@ class ManifoldMuon(MatrixOptimizer):
         # Loaded or copied weights may have left their manifold: check again.
         self._check_every_weight()
         self._certified = getattr(self, "_certified", {})
-        # the groups as copied or loaded (checked when built or loaded): a later edit is checked again
-        self._checked_options = {index: _options_of(group) for index, group in enumerate(self.param_groups)}
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
         return self._group_manifold(group) if group["manifold"] is not None else p.manifold
@@ -620,7 +575,6 @@ class ManifoldMuon(MatrixOptimizer):
         device (:meth:`_admissible`), and raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
         theirs once the flags are on the host: at the end of this step on the CPU, at the
         next step or :meth:`check_finite` elsewhere. Those weights are not stepped."""
-        self._check_edited_groups()
         unchecked = len(self._unchecked)
         if unchecked and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
             self.check_on_manifold()  # every weight, on the host

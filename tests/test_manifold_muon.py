@@ -850,7 +850,7 @@ def test_an_unedited_group_is_not_checked_again_in_a_step(monkeypatch):
     opt = ManifoldMuon([p], manifold="dgram", lr=torch.tensor(0.02), polish_method="alternating")
     opt.load_state_dict(opt.state_dict())
     checks = []
-    monkeypatch.setattr(opt, "_check_group", lambda *args: checks.append(args))
+    monkeypatch.setattr(opt, "_validate_group", lambda *args: checks.append(args))
     for _ in range(2):
         p.grad = torch.randn(16, 8)
         opt.step()

@@ -764,3 +764,51 @@ def test_low_precision_weight_decay_rounds_the_product_once(update, dtype):
     assert torch.equal(p.detach(), start.clone().mul_(1 - lr * weight_decay))
     rounded_factor = torch.tensor(1 - lr * weight_decay, dtype=dtype)
     assert not torch.equal(p.detach(), start * rounded_factor)  # control: the rounded factor differs
+
+
+@pytest.mark.parametrize("edit, message", [
+    ((0, "nesterov", "no"), "group 0: nesterov must be True or False"),  # a truthy string had switched it on
+    ((0, "ns_steps", 200), "group 0: ns_steps must be in"),
+    ((0, "nonfinite", "ignore"), "group 0: nonfinite must be one of"),
+    ((0, "momentum", 1.5), r"group 0: momentum must be a number in \[0, 1\)"),  # a schedule's key, checked by value
+    ((1, "betas", (0.9, 1.5)), r"group 1: betas\[1\] must be a number in \[0, 1\)"),
+    ((0, "lr", -0.1), "group 0: lr must be a finite number >= 0"),
+])
+def test_a_param_group_edited_between_steps_is_checked_before_any_group_steps(edit, message):
+    # param-group edits had skipped every check: momentum=1.5 or nesterov="no" stepped, and a
+    # bad value in a later group raised after the earlier groups had moved
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    b = torch.nn.Parameter(torch.randn(4, generator=gen))
+    opt = Muon([{"params": [W]}, {"params": [b], "update": "adamw"}], lr=0.02)
+    for p in (W, b):
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    before = [W.detach().clone(), b.detach().clone()]
+    index, key, value = edit
+    opt.param_groups[index][key] = value
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert torch.equal(W, before[0]) and torch.equal(b, before[1])  # nothing was stepped
+
+
+def test_schedules_and_valid_edits_step_and_an_unedited_group_is_not_checked_again(monkeypatch):
+    # OneCycleLR rewrites lr and momentum every step (checked by value, no group check); a valid
+    # edit is checked once and takes effect (control for the test above)
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    opt = Muon([W], lr=0.02)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+    checks = []
+    validate = opt._validate_group
+    monkeypatch.setattr(opt, "_validate_group", lambda *args: checks.append(args) or validate(*args))
+    for _ in range(4):
+        W.grad = torch.randn(W.shape, generator=gen)
+        opt.step()
+        schedule.step()
+    assert checks == []
+    opt.param_groups[0]["ns_steps"] = 3
+    for _ in range(2):
+        W.grad = torch.randn(W.shape, generator=gen)
+        opt.step()
+    assert len(checks) == 1
