@@ -923,6 +923,8 @@ def require_number(index: int, name: str, value, admissible, what: str) -> None:
     a finite number with ``admissible(value)`` (NaN and infinities are never admissible: they
     reach the weights as NaN, or as a silent no-op step); the message names the group, the
     option and ``what`` it must be."""
+    if isinstance(value, torch.Tensor):  # its value, detached (float() of a requires_grad tensor warns)
+        value = value.detach()
     try:  # (a 1-element tensor lr is a number; a bool or a string is not, though float() takes them)
         number = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
     except (TypeError, ValueError, RuntimeError):

@@ -812,3 +812,14 @@ def test_schedules_and_valid_edits_step_and_an_unedited_group_is_not_checked_aga
         W.grad = torch.randn(W.shape, generator=gen)
         opt.step()
     assert len(checks) == 1
+
+
+def test_a_learning_rate_tensor_that_requires_grad_is_checked_without_a_warning():
+    # float() of a requires_grad tensor warns ("Converting a tensor with requires_grad=True to a
+    # scalar"): the check reads the detached value
+    lr = torch.tensor(0.02, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([torch.nn.Parameter(torch.randn(4, 3))], lr=lr)
+    with pytest.raises(ValueError, match="group 0: lr must be a finite number >= 0"):  # still checked
+        Muon([torch.nn.Parameter(torch.randn(4, 3))], lr=torch.tensor(float("nan"), requires_grad=True))
