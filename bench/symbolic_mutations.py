@@ -188,7 +188,7 @@ engine: Jacobi sigma over |A|_F (not |A|_F^2) | sigma = dual.value / dual.froben
 engine: Jacobi divides by the root of diag(LL*) | H / diag.clamp_min(tiny) | H / diag.clamp_min(tiny).sqrt()
 engine: dualizer value tr(PQP) for tr(QP) | value=(lam * f).sum(-1) | value=(lam * f * f).sum(-1)
 ## theory/lipschitz.py
-residual rule drops a | return (1.0 - a) + a * inner | return (1.0 - a) + inner
+residual rule drops a | return (1.0 - a) + (a * inner if a else 0.0) | return (1.0 - a) + (inner if a else 0.0)
 GELU constant: e^-1 -> e^-1/2 | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi) | GELU_LIPSCHITZ = 0.5 * (1.0 + math.erf(1.0)) + math.exp(-0.5) / math.sqrt(math.pi)
 ## optimizers/muon.py
 shape factor n/m (not m/n) | return math.sqrt(max(1.0, rows / cols)) | return math.sqrt(max(1.0, cols / rows))

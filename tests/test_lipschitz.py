@@ -7,6 +7,7 @@ value-key alignment is the best antipodal pair's constant, the two corrections
 to the reference formula (per-head norms, GELU counted once) are necessary, the rounding term
 covers the float32 one-ulp counterexample, and uncovered configurations are refused."""
 
+import copy
 import math
 
 import pytest
@@ -838,7 +839,7 @@ def test_model_weights_protocol():
     (lambda w: {**w, "attention_scale": -1 / 3}, "attention_scale must be a finite number > 0"),
     (lambda w: {**w, "score_scale": float("nan")}, "score_scale must be a finite number > 0"),
     (lambda w: {**w, "gelu_scale": -1.0}, "gelu_scale must be a finite number > 0"),
-    (lambda w: {**w, "residual_weight": 1.5}, r"residual_weight must lie in \[0, 1\]"),
+    (lambda w: {**w, "residual_weight": 1.5}, r"residual_weight \(a residual weight\) must lie in \[0, 1\]"),
     (lambda w: {**w, "n_head": 2.7}, "n_head must be a whole number"),
     # matrices: non-finite, of the wrong shape, not matrices (raw torch errors, or a silent bound)
     (lambda w: {**w, "head": w["head"].index_fill(0, torch.tensor([0]), math.inf)}, "head has non-finite"),
@@ -1123,3 +1124,154 @@ def test_each_method_is_never_above_the_next_when_heads_split_values_and_scores(
     weights = {"blocks": [block], "head": torch.eye(d, dtype=torch.float64), "n_head": heads}
     network = [transformer_lipschitz_bound(weights, method=m).bound for m in METHODS]
     assert network == sorted(network), dict(zip(METHODS, network))
+
+
+def test_n_head_is_inferred_from_the_rows_of_q_not_the_model_width():
+    # one head of width 4 in a model of width 8 (score_scale 1/4, no "n_head"): the values read
+    # coordinates 0, 1 through the head's rows 0, 1, the queries and keys coordinates 0, 1 through
+    # its rows 2, 3. Inferred as d * score_scale = 2 heads of width 2, one head had only values and
+    # the other only scores, and the network was certified 1/3 (its value path alone).
+    d, width, a = 8, 4, 0.5
+    q, k, v = (torch.zeros(width, d, dtype=torch.float64) for _ in range(3))
+    v[0, 0] = v[1, 1] = 1.0
+    q[2, 0] = q[3, 1] = k[2, 0] = k[3, 1] = 4.0
+    o = v.T.clone()
+    zero_mlp = {"mlp_in": torch.zeros(16, d, dtype=torch.float64), "mlp_out": torch.zeros(d, 16, dtype=torch.float64)}
+    weights = {"blocks": [{"q": q, "k": k, "v": v, "o": o, **zero_mlp}], "head": torch.eye(d, dtype=torch.float64),
+               "score_scale": 1 / width, "residual_weight": a}
+
+    def network(x):  # [B, T, d] -> [B, T, d]: the residual attention, a zero MLP, an identity head
+        T = x.size(-2)
+        scores = (x @ q.T) @ (x @ k.T).transpose(-1, -2) / width
+        p = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf).softmax(-1)
+        return (1 - a) * ((1 - a) * x + a * (p @ (x @ v.T)) @ o.T / 3)
+
+    # token 0 = sqrt(d) e_0 (key 4 sqrt(d), value sqrt(d) along row 0), token 1 along e_2 (no query, key or
+    # value): attention splits (1/2, 1/2). Moving token 1 by delta e_0 moves its query by 4 delta, its score
+    # on token 0 by (1/4)(4 delta)(4 sqrt(d)) and so its weight by dp = (1/4) 4 sqrt(d) delta, and
+    # dy_1 = dp sqrt(d) + delta/2 = (d + 1/2) delta along e_0: the slope is (1-a)((1-a) + a (d + 1/2)/3) = 23/24.
+    slope = (1 - a) * ((1 - a) + a * (d + 0.5) / 3)
+    x = torch.zeros(1, 2, d, dtype=torch.float64)
+    x[0, 0, 0], x[0, 1, 2] = math.sqrt(d), 0.9 * math.sqrt(d)
+    step = torch.zeros_like(x)
+    step[0, 1, 0] = 1e-6
+    ratio = (token_rms_max(network(x + step) - network(x - step)) / token_rms_max(2 * step)).item()
+    # the pair's ratio is the slope up to the O(step^2) curvature and float64 round-off of f over 2e-6: 1e-9
+    assert abs(ratio - slope) <= 1e-8 * slope
+    inferred = {m: transformer_lipschitz_bound(weights, method=m).bound for m in METHODS}
+    assert inferred == {m: transformer_lipschitz_bound({**weights, "n_head": 1}, method=m).bound for m in METHODS}
+    # a true ratio of two admissible inputs, computed to 1e-9 relative (above): never above a bound
+    assert min(inferred.values()) >= ratio * (1 - 1e-8), inferred
+
+
+def test_sublayer_bounds_refuse_complex_and_integer_weights_and_non_whole_head_counts():
+    # the float64 cast had dropped the imaginary part: an imaginary w_in was certified 0, and a
+    # complex matrix's norm was its real part's; n_head=2.0 had failed inside reshape and True was one head
+    w_in, w_out = torch.ones(16, 8, dtype=torch.float64), torch.ones(8, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="mlp_lipschitz: w_in must be a real floating-point tensor"):
+        mlp_lipschitz(1j * w_in, w_out)
+    with pytest.raises(TypeError, match="residual_mlp_bound: w_out must be a real floating-point tensor"):
+        residual_mlp_bound(w_in, w_out.long(), residual_weight=0.5)
+    q = torch.eye(8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="attention_lipschitz: v must be a real floating-point tensor"):
+        attention_lipschitz(q, q, q.to(torch.complex128), q, n_head=2, score_scale=0.25)
+    with pytest.raises(TypeError, match="rms_operator_norm: W must be real"):
+        rms_operator_norm(q + 1j * q)
+    with pytest.raises(TypeError, match="attention_lipschitz: n_head must be a real number"):
+        attention_lipschitz(q, q, q, q, n_head=True, score_scale=0.25)
+    # a whole number of another type is the count it names
+    assert attention_lipschitz(q, q, q, q, n_head=2.0, score_scale=0.25) == attention_lipschitz(
+        q, q, q, q, n_head=2, score_scale=0.25)
+
+
+def test_residual_weights_and_constants_are_refused_by_name():
+    # a negative inner constant had given a negative one, True had been a = 1, a string or None had
+    # failed in a comparison or float() that named no option
+    with pytest.raises(ValueError, match=r"residual_lipschitz: inner must be a Lipschitz constant \(a number >= 0\)"):
+        residual_lipschitz(0.5, -3.0)
+    with pytest.raises(ValueError, match=r"residual_lipschitz: inner must be a Lipschitz constant \(a number >= 0\)"):
+        residual_lipschitz(0.5, math.nan)
+    with pytest.raises(TypeError, match="residual_lipschitz: a must be a real number"):
+        residual_lipschitz(True, 2.0)
+    w_in, w_out = torch.ones(16, 8, dtype=torch.float64), torch.ones(8, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="residual_mlp_bound: residual_weight must be a real number"):
+        residual_mlp_bound(w_in, w_out, residual_weight="0.5")
+    weights = GPT(lipschitz_config(n_head=2)).lipschitz_weights()
+    for bad in ("x", None, True):
+        with pytest.raises(TypeError, match="transformer_lipschitz_bound: residual_weight must be a real number"):
+            transformer_lipschitz_bound({**weights, "residual_weight": bad})
+    # control: the proved expression on admissible arguments
+    assert residual_lipschitz(0.25, 3.0) == 0.75 + 0.25 * 3.0
+
+
+@pytest.mark.parametrize("weights", [None, [1], {"head": torch.eye(4)}, {"blocks": 3, "head": torch.eye(4)}])
+def test_weights_that_are_not_a_model_dict_are_refused_by_name(weights):
+    # rounding_error_bound had failed with "'NoneType' object is not a mapping" or a bare KeyError
+    # 'blocks', and both functions with "'int' object is not iterable" for blocks=3
+    with pytest.raises(ValueError, match=r"rounding_error_bound: weights(\['blocks'\])? must be a (dict|list)"):
+        rounding_error_bound(weights, sequence_length=4)
+    with pytest.raises(ValueError, match=r"transformer_lipschitz_bound: weights(\['blocks'\])? must be a (dict|list)"):
+        transformer_lipschitz_bound(weights)
+
+
+def test_empirical_lipschitz_refuses_maps_and_norms_that_do_not_keep_the_batch():
+    # an in_norm of the whole batch (one number) had been broadcast over it: 0.587 "estimated" for a map
+    # of constant 2.7; an f without the batch dimension had failed in a broadcast that named nothing
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    x = unit_rms_tokens(3, 4, gen)
+    options = dict(restarts=2, steps=2, power_steps=1)
+    with pytest.raises(ValueError, match=r"in_norm must map \[B, \.\.\.\] to the \[B\] norms"):
+        empirical_lipschitz(lambda z: z @ A.T, x, in_norm=lambda z: z.norm(), **options)
+    with pytest.raises(ValueError, match=r"out_norm must map \[B, \.\.\.\] to the \[B\] norms"):
+        empirical_lipschitz(lambda z: z @ A.T, x, out_norm=lambda z: z.norm(), **options)
+    with pytest.raises(ValueError, match=r"f must map a batch \[B, \.\.\.\] to \[B, \.\.\.\]"):
+        empirical_lipschitz(lambda z: z[0] @ A.T, x, **options)
+    with pytest.raises(ValueError, match="x0 of shape \\(\\) is empty or has no token dimension"):
+        empirical_lipschitz(lambda z: 2 * z, torch.tensor(0.5, dtype=torch.float64), **options)
+    with pytest.raises(ValueError, match="searches must be a non-empty subset"):
+        empirical_lipschitz(lambda z: z @ A.T, x, searches=None, **options)
+    # control: the same map and norms, batch kept, give a ratio of an admissible pair
+    assert 0 < empirical_lipschitz(lambda z: z @ A.T, x, **options).estimate <= rms_operator_norm(A) * (1 + 1e-12)
+
+
+def test_a_token_an_ulp_outside_the_domain_is_reported_with_every_digit():
+    # a float32 token normalised to RMS 1 is a float32 ulp (6e-8) above it: refused (the bound is for RMS
+    # <= 1), but 6 digits had printed "a token has RMS 1 (input_radius=1)"
+    token = torch.full((1, 8), 1.0 + 2.0**-23, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"a token has RMS 1\.0000001\d* \(input_radius=1\.0\)"):
+        certify_domain(token)
+
+
+@pytest.mark.parametrize("radius", [1e100, 1e160])
+def test_an_overflowing_constant_gives_an_infinite_bound_never_nan(radius):
+    # at these radii attention's score term (d r^2) overflows to inf: with a zero head the network is
+    # constant (bound 0), where 0 * inf had given NaN, which passes every `bound > limit` gate; at
+    # r = 1e160 radius**2 had raised a bare OverflowError
+    gen = torch.Generator().manual_seed(0)
+    block = {name: torch.randn(8, 8, generator=gen, dtype=torch.float64) for name in "qkvo"}
+    block |= {"mlp_in": torch.randn(32, 8, generator=gen, dtype=torch.float64),
+              "mlp_out": torch.randn(8, 32, generator=gen, dtype=torch.float64)}
+    weights = {"blocks": [block, block], "n_head": 2, "input_radius": radius}
+    for method in METHODS:
+        zero_head = transformer_lipschitz_bound({**weights, "head": torch.zeros(16, 8, dtype=torch.float64)},
+                                                method=method)
+        assert zero_head.bound == 0.0, method
+        head = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+        assert transformer_lipschitz_bound({**weights, "head": head}, method=method).bound == math.inf, method
+
+
+def test_rounding_error_bound_refuses_a_dtype_the_network_overflows():
+    # a head of RMS->RMS norm 3e5 puts logits near 1e5, past float16's 65504: the float16 network returns
+    # inf/NaN, and the first-order model (which assumes no overflow) had still given a finite E
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(lipschitz_config(n_head=2)).double()
+    set_rms_spectra(model, 1.0, gen)
+    x = unit_rms_tokens(4, 16, gen)[None]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3e5)
+        assert not torch.isfinite(body(copy.deepcopy(model).half())(x.half())).all()  # the premise: it overflows
+    with pytest.raises(ValueError, match="rounding_error_bound: the torch.float16 network can overflow"):
+        rounding_error_bound(model.lipschitz_weights(), dtype=torch.float16, sequence_length=4)
+    # control: float32's range holds these values, and E is finite
+    assert math.isfinite(rounding_error_bound(model.lipschitz_weights(), dtype=torch.float32, sequence_length=4))

@@ -68,11 +68,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
-from geomuon.manifolds.linalg import as_count, as_positive, rms_scale
+from geomuon.manifolds.linalg import as_count, as_positive, as_real, rms_scale
 
 __all__ = [
     "GELU_LIPSCHITZ",
@@ -121,6 +121,8 @@ def rms_operator_norm(W: torch.Tensor) -> float:
             f"rms_operator_norm: expected a [fan_out, fan_in] matrix, got "
             f"{tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__}"
         )
+    if W.is_complex():  # the float64 cast had dropped the imaginary part: the norm of another matrix
+        raise TypeError(f"rms_operator_norm: W must be real, got {W.dtype}")
     sigma = torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
     return rms_scale(W.shape) * sigma
 
@@ -144,9 +146,20 @@ def sequence_rms(X: torch.Tensor) -> torch.Tensor:
 def residual_lipschitz(a: float, inner: float) -> float:
     r"""Lipschitz constant of $x \mapsto (1-a)x + a f(x)$ for an $L_f$-Lipschitz $f$ and
     $a \in [0, 1]$: $\|(1-a)(x-y) + a(f(x)-f(y))\| \le ((1-a) + aL_f)\|x-y\|$."""
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"residual_lipschitz: the residual weight a must lie in [0, 1], got {a}")
-    return (1.0 - a) + a * inner
+    a = _residual_weight("residual_lipschitz", "a", a)
+    inner = as_real("residual_lipschitz", "inner", inner)
+    if not inner >= 0:  # a negative or NaN inner constant had given a negative or NaN one (inf: no bound, kept)
+        raise ValueError(f"residual_lipschitz: inner must be a Lipschitz constant (a number >= 0), got {inner}")
+    return (1.0 - a) + (a * inner if a else 0.0)  # (a = 0 is the identity whatever f is: not 0 * inf)
+
+
+def _residual_weight(where: str, name: str, a) -> float:
+    """``a`` as a float in $[0, 1]$, refused by ``name`` otherwise (a bool, a string, ``None`` and NaN too:
+    ``True`` had been 1, a string had failed in a comparison that named no option)."""
+    a = as_real(where, name, a)
+    if not 0.0 <= a <= 1.0:  # (NaN fails this too)
+        raise ValueError(f"{where}: {name} (a residual weight) must lie in [0, 1], got {a}")
+    return a
 
 
 def mlp_lipschitz(
@@ -174,7 +187,7 @@ def _check_mlp(where: str, w_in, w_out, gelu_scale: float, radius: float = 1.0) 
 @dataclass
 class AttentionBound:
     """Constants of one attention sub-layer for inputs of token RMS $\\le$ ``radius``:
-    ``lipschitz`` (the tight bound unless ``method="simple"``), ``output_radius``, the
+    ``lipschitz`` (the bound of ``method``; the aligned one for ``"joint"``), ``output_radius``, the
     per-head terms of the simple bound, and the value–key alignments $\\nu_h$ of the aligned
     bound (empty for the others)."""
 
@@ -304,14 +317,15 @@ def attention_lipschitz(
         k: ``[n_head·d_head, d]``.
         v: ``[n_head·d_head, d]``.
         o: ``[d, n_head·d_head]``.
-        method: ``"aligned"``, ``"tight"`` or ``"simple"`` (:data:`METHODS`).
+        method: ``"aligned"``, ``"tight"`` or ``"simple"``; ``"joint"`` (the default) is ``"aligned"`` for one
+            sub-layer (:data:`METHODS`).
 
     Returns:
         :class:`AttentionBound` (``head_terms`` = the per-head square-root terms of the
         simple bound).
     """
-    if n_head < 1:
-        raise ValueError(f"attention_lipschitz: n_head must be >= 1, got {n_head}")
+    # a whole number of any real type (2.0 had failed inside reshape, True had been one head)
+    n_head = as_count("attention_lipschitz", "n_head", n_head, 1)
     method = _sublayer_method(method, "attention_lipschitz")
     _require_matrix("attention_lipschitz", "q", q)
     for name, W, shape in (("k", k, q.shape), ("v", v, q.shape), ("o", o, (q.size(1), q.size(0)))):
@@ -324,7 +338,7 @@ def attention_lipschitz(
         name: torch.linalg.matrix_norm(_head_slices(W, n_head, name), ord=2)
         for name, W in (("q", q), ("k", k), ("v", v))
     }
-    score = 2.0 * score_scale * d * radius**2
+    score = 2.0 * score_scale * d * radius * radius  # (a float product overflows to inf; ** raised OverflowError)
     head_terms = sigma["v"] * (1.0 + score * sigma["q"] * sigma["k"])
     # the heads' outputs are bounded in l2 per token (sqrt(d) r units), so W_o enters by its l2
     # norm; its RMS->RMS norm sqrt(H d_head / d) sigma(W_o) is the same only for H d_head = d, and
@@ -476,7 +490,7 @@ def residual_mlp_bound(
     """
     method = _sublayer_method(method, "residual_mlp_bound")
     _check_mlp("residual_mlp_bound", w_in, w_out, gelu_scale, radius)
-    a = residual_weight
+    a = _residual_weight("residual_mlp_bound", "residual_weight", residual_weight)
     gain = rms_operator_norm(w_out) * rms_operator_norm(w_in) * gelu_scale
     simple = ResidualMLPBound(residual_lipschitz(a, gain * GELU_LIPSCHITZ), ((1 - a) + a * gain) * radius)
     if method == "simple":
@@ -518,12 +532,12 @@ def transformer_lipschitz_bound(
 
     ``weights`` (what ``geomuon.pretrain.model.GPT.lipschitz_weights()`` returns):
 
-    * ``"blocks"``: a list, one dict per block with ``"q", "k", "v"`` (``[d, d]``), ``"o"``
-      (``[d, d]``), ``"mlp_in"`` (``[hidden, d]``), ``"mlp_out"`` (``[d, hidden]``), all in
-      ``nn.Linear`` ``[out, in]`` layout;
+    * ``"blocks"``: a list, one dict per block with ``"q", "k", "v"`` (``[H d_head, d]``: ``[d, d]`` in the
+      GPT), ``"o"`` (``[d, H d_head]``), ``"mlp_in"`` (``[hidden, d]``), ``"mlp_out"`` (``[d, hidden]``), all
+      in ``nn.Linear`` ``[out, in]`` layout;
     * ``"head"``: ``[vocab, d]``;
     * ``"n_head"``: heads per block. If absent, inferred from the Lipschitz model's
-      convention ``score_scale`` $= 1/d_\text{head}$ as $d\cdot$``score_scale``;
+      convention ``score_scale`` $= 1/d_\text{head}$ as (rows of ``q``)$\cdot$``score_scale``;
       ``"n_embd"`` (optional): the width $d$, checked against the weights;
     * ``"residual_weight"`` $a$ (default $1/(2N)$), ``"attention_scale"`` (default 1/3),
       ``"score_scale"`` (default $1/d_\text{head}$), ``"gelu_scale"`` (default 1/1.1289),
@@ -599,8 +613,8 @@ def transformer_lipschitz_bound(
 
     ``sequence_length`` $T$ switches to the whole-sequence norm :func:`sequence_rms`
     ($\ell_2$ over tokens of per-token RMS) on input and output, for sequences up to $T$
-    tokens. Two bounds hold and the smaller is returned: (i) per-token maps keep their
-    constants and each attention constant is multiplied by $\sqrt T$ (every output token
+    tokens. Two bounds hold and the smaller is returned (``method="simple"``: (i) alone): (i) per-token
+    maps keep their constants and each attention constant is multiplied by $\sqrt T$ (every output token
     moves by at most $L_\text{att}\max_s\|\delta x_s\| \le L_\text{att}\|\delta X\|$ and there
     are $T$ of them); (ii) $\|\delta Y\|_\text{seq} \le \sqrt T\,\|\delta Y\|_{\max} \le
     \sqrt T\,L\,\|\delta X\|_{\max} \le \sqrt T\,L\,\|\delta X\|_\text{seq}$ with the per-token
@@ -609,15 +623,8 @@ def transformer_lipschitz_bound(
     Returns:
         :class:`TransformerBound`; norms and spaces as in the module docstring.
     """
-    if not isinstance(weights, Mapping) or "blocks" not in weights or "head" not in weights:
-        raise ValueError(
-            "transformer_lipschitz_bound: weights must be a dict with 'blocks' (list of "
-            "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (see the docstring)"
-        )
+    _check_weights("transformer_lipschitz_bound", weights)
     _check_method(method, "transformer_lipschitz_bound")
-    if isinstance(weights["blocks"], (Mapping, torch.Tensor, str)):
-        raise ValueError("transformer_lipschitz_bound: weights['blocks'] must be a list of per-block dicts "
-                         f"{sorted(_BLOCK_KEYS)}, got a {type(weights['blocks']).__name__}")
     weights = _float64_on_cpu(weights)  # (blocks may be a generator: read once, here)
     _refuse_unmodelled(weights)
     blocks = weights["blocks"]
@@ -638,6 +645,21 @@ def transformer_lipschitz_bound(
 _MODEL_KEYS = {"blocks", "head", "n_embd", "n_head", "residual_weight", "attention_scale", "score_scale",
                "gelu_scale", "input_radius"}
 _BLOCK_KEYS = {"q", "k", "v", "o", "mlp_in", "mlp_out"}
+
+
+def _check_weights(where: str, weights) -> None:
+    """Refuse ``weights`` unless it is a dict with ``"blocks"``, an iterable of per-block dicts (not one
+    dict, a tensor or a string), and ``"head"``, naming what is missing (a list or ``None`` had failed with
+    "not a mapping", a missing key with a bare ``KeyError``, ``blocks=3`` with "not iterable")."""
+    if not isinstance(weights, Mapping) or "blocks" not in weights or "head" not in weights:
+        raise ValueError(
+            f"{where}: weights must be a dict with 'blocks' (list of "
+            "{'q','k','v','o','mlp_in','mlp_out'}) and 'head' (GPT.lipschitz_weights() returns one)"
+        )
+    blocks = weights["blocks"]
+    if isinstance(blocks, (Mapping, torch.Tensor, str)) or not isinstance(blocks, Iterable):
+        raise ValueError(f"{where}: weights['blocks'] must be a list of per-block dicts "
+                         f"{sorted(_BLOCK_KEYS)}, got a {type(blocks).__name__}")
 
 
 def _refuse_unmodelled(weights: Mapping) -> None:
@@ -721,24 +743,28 @@ class _Architecture:
             _require_matrix(where, f"blocks[{index}]['mlp_in']", block["mlp_in"], (None, d))
             _require_matrix(where, f"blocks[{index}]['mlp_out']", block["mlp_out"], (d, block["mlp_in"].size(0)))
         _require_matrix(where, "head", weights["head"], (None, d))
-        n_head = _n_head(weights, d)
+        n_head = _n_head(weights, heads_width)
         if heads_width % n_head:
             raise ValueError(f"{where}: the blocks' q, k and v have {heads_width} rows, not divisible by "
                              f"n_head = {n_head}")
         scalars = {"score_scale": n_head / heads_width, "attention_scale": 1.0 / 3.0,
                    "gelu_scale": 1.0 / REFERENCE_GELU_DIVISOR, "input_radius": 1.0}
         values = {key: as_positive(where, key, weights.get(key, default)) for key, default in scalars.items()}
-        residual_weight = float(weights.get("residual_weight", 1.0 / (2 * len(blocks))))
-        if not 0.0 <= residual_weight <= 1.0:  # (NaN fails this too)
-            raise ValueError(f"{where}: residual_weight must lie in [0, 1], got {residual_weight}")
+        residual_weight = _residual_weight(where, "residual_weight",
+                                           weights.get("residual_weight", 1.0 / (2 * len(blocks))))
         return cls(d=d, n_head=n_head, residual_weight=residual_weight, **values)
 
 
 def _require_matrix(where: str, name: str, W, shape: tuple[int | None, int | None] = (None, None)) -> None:
-    """Refuse a weight that is not a finite 2-D tensor of ``shape`` (``None``: any size), naming it."""
+    """Refuse a weight that is not a finite, real floating-point 2-D tensor of ``shape`` (``None``: any
+    size), naming it: the float64 cast had dropped a complex weight's imaginary part (``mlp_lipschitz`` of
+    an imaginary ``w_in`` was 0), and the whole-model bound refuses int and bool weights likewise."""
     if not isinstance(W, torch.Tensor) or W.dim() != 2:
         got = f"a {W.dim()}-D tensor" if isinstance(W, torch.Tensor) else type(W).__name__
         raise ValueError(f"{where}: {name} must be a 2-D tensor, got {got}")
+    if not W.is_floating_point():
+        raise TypeError(f"{where}: {name} must be a real floating-point tensor, got {W.dtype}; the bound is for "
+                        "the real-valued network")
     if any(want is not None and have != want for have, want in zip(W.shape, shape)):
         expected = "x".join("*" if want is None else str(want) for want in shape)
         raise ValueError(f"{where}: {name} is {W.size(0)}x{W.size(1)}, expected {expected} (the blocks' width "
@@ -751,7 +777,6 @@ def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> Tr
     arch = _Architecture.of(weights, blocks)
     a, radius = arch.residual_weight, arch.input_radius
     sublayers, residuals, radii, alignments = [], [], [], []
-    bound = 1.0
     for block in blocks:
         attention = attention_lipschitz(
             block["q"], block["k"], block["v"], block["o"], n_head=arch.n_head,
@@ -768,10 +793,13 @@ def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> Tr
         sublayers.append(mlp_lipschitz(block["mlp_in"], block["mlp_out"], arch.gelu_scale))
         residuals.append(mlp.lipschitz)
         radius = mlp.output_radius
-        bound *= residuals[-2] * residuals[-1]
     radii.append(radius)
     head = rms_operator_norm(weights["head"])
-    result = TransformerBound(bound * head, sublayers, residuals, radii, head, method)
+    factors = residuals + [head]
+    # a zero factor makes the map constant from there on (constant 0), where 0 * inf (a constant that
+    # overflowed earlier, e.g. at a huge input_radius) had made the bound NaN, which passes every `bound > limit`
+    bound = 0.0 if 0.0 in factors else math.prod(factors)
+    result = TransformerBound(bound, sublayers, residuals, radii, head, method)
     if method == "joint" and spread == 1.0:
         joint, joint_radii = _joint_bound(weights, blocks, arch, radii, alignments)
         result.bound = min(result.bound, joint)
@@ -779,7 +807,11 @@ def _propagate(weights: Mapping, blocks: list, spread: float, method: str) -> Tr
     return result
 
 
-def _n_head(weights: Mapping, d: int) -> int:
+def _n_head(weights: Mapping, heads_width: int) -> int:
+    r"""``weights["n_head"]``, or $H = Hd_h\cdot\varsigma$ from the Lipschitz model's ``score_scale``
+    $\varsigma = 1/d_h$ and the ``heads_width`` $Hd_h$ (rows of $W_q$). Not the model width $d$: heads
+    narrower than the model ($Hd_h < d$) had been split into $d\varsigma$ heads, and one head of width 4 in a
+    model of width 8 was certified as two heads of width 2 (0.33 for a map whose constant exceeds 1.1)."""
     if "n_head" in weights:
         n_head = as_count("transformer_lipschitz_bound", "n_head", weights["n_head"])
         if n_head < 1:
@@ -790,12 +822,12 @@ def _n_head(weights: Mapping, d: int) -> int:
             "transformer_lipschitz_bound: weights need 'n_head' (or the Lipschitz model's "
             "'score_scale' = 1/d_head to infer it)"
         )
-    inferred = d * float(weights["score_scale"])
-    n_head = round(inferred)
-    if n_head < 1 or abs(inferred - n_head) > 1e-9 or d % n_head:
+    inferred = heads_width * as_real("transformer_lipschitz_bound", "score_scale", weights["score_scale"])
+    n_head = round(inferred) if math.isfinite(inferred) else 0
+    if n_head < 1 or abs(inferred - n_head) > 1e-9 or heads_width % n_head:
         raise ValueError(
             f"transformer_lipschitz_bound: cannot infer n_head from score_scale="
-            f"{weights['score_scale']} and d={d}; pass weights['n_head']"
+            f"{weights['score_scale']} and the {heads_width} rows of q; pass weights['n_head']"
         )
     return n_head
 
@@ -954,7 +986,8 @@ def _set_alignment(values: torch.Tensor, keys: torch.Tensor, reach_v: torch.Tens
         out = []
         for gram, t in zip(grams, log_tau.tolist()):
             scale = torch.tensor([math.exp(t / 2)] * d_head + [math.exp(-t / 2)] * d_head, dtype=gram.dtype)
-            out.append(0.5 * _relaxed_sup_of_grams(gram * scale[:, None] * scale[None, :]) ** 2)
+            sup = _relaxed_sup_of_grams(gram * scale[:, None] * scale[None, :])
+            out.append(0.5 * sup * sup)
         return torch.tensor(out, dtype=torch.float64)
 
     least = _least_over_log_tau(half_squares, reach_v, reach_k, _SET_ALIGNMENT_STEPS)
@@ -1006,7 +1039,8 @@ def _joint_bound(weights: Mapping, blocks: list, arch: _Architecture, radii: lis
         q_on_G, k_on_G = G.map(q), G.map(k)
         reach = {name: torch.minimum(per_head(on_X[name]), sigma[name] * x_radius) for name in on_X}
         # ||Cov_p(v^h, k^h)|| <= the alignment on X, <= R_vh R_kh and <= nu_h |x|^2 (the aligned bound's step)
-        ball = torch.minimum(reach["v"] * reach["k"], torch.tensor(alignments[index], dtype=torch.float64) * x_radius**2)
+        ball = torch.minimum(reach["v"] * reach["k"],
+                             torch.tensor(alignments[index], dtype=torch.float64) * x_radius * x_radius)
         coupling = torch.minimum(ball, _set_alignment(on_X["v"], on_X["k"], reach["v"], reach["k"]))
         query_path = min(coupling.max().item() * _relaxed_sup(q_on_G), heads_scaled(q_on_G, coupling))
         key_weight = reach["v"] * per_head(k_on_G)
@@ -1101,10 +1135,12 @@ def certify_domain(X: torch.Tensor, radius: float = 1.0) -> None:
     # written as "not <=": NaN (a NaN token, which max propagates) fails it, where "largest >
     # bound" had passed every NaN input
     if not largest <= radius * (1 + 4 * torch.finfo(torch.float64).eps):
-        token = "a token has NaN entries" if math.isnan(largest) else f"a token has RMS {largest:.6g}"
+        # every digit: a float32 token normalised to RMS 1 can be an ulp above it, which 6 digits had
+        # printed as "RMS 1 (input_radius=1)"
+        token = "a token has NaN entries" if math.isnan(largest) else f"a token has RMS {largest!r}"
         raise ValueError(
-            f"input outside the certified domain: {token} (input_radius={radius:g}); "
-            "the bound holds only for token RMS <= input_radius (the Lipschitz model's embedding gives 1)"
+            f"input outside the certified domain: {token} (input_radius={radius!r}); the bound holds only for "
+            "token RMS <= input_radius (the Lipschitz model's embedding gives 1; normalise in float64)"
         )
 
 
@@ -1210,14 +1246,15 @@ def empirical_lipschitz(
     lr, ascent_lr, near, perturbation = (as_positive(where, name, value) for name, value in
                                          (("lr", lr), ("ascent_lr", ascent_lr), ("near", near),
                                           ("perturbation", perturbation)))
-    unknown = set(searches) - set(SEARCHES)
-    if unknown or not searches:
+    if isinstance(searches, str) or not isinstance(searches, Iterable) or set(searches) - set(SEARCHES) \
+            or not searches:
         raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
     if not (isinstance(x0, torch.Tensor) and x0.is_floating_point()):
         raise TypeError(f"{where}: x0 must be a floating-point tensor, got "
                         f"{x0.dtype if isinstance(x0, torch.Tensor) else type(x0).__name__}")
-    if not x0.numel():
-        raise ValueError(f"{where}: x0 of shape {tuple(x0.shape)} is empty: give one input, e.g. [T, d]")
+    if not x0.numel() or not x0.dim():  # (a 0-D x0, with no token dimension, had failed in an index)
+        raise ValueError(f"{where}: x0 of shape {tuple(x0.shape)} is empty or has no token dimension (the last): "
+                         "give one input, e.g. [T, d]")
     if not bool(torch.isfinite(x0).all()):  # (it had failed in Adam, as "Invalid learning rate: nan")
         raise ValueError(f"{where}: x0 has non-finite entries (NaN or inf)")
     if radius is not None:
@@ -1257,9 +1294,11 @@ def empirical_lipschitz(
             one[(j % restarts) % positions] = 1.0
             mask[j] = one.reshape(tuple(base.shape[:-1]) + (1,))
     is_near = torch.tensor([kind == "near" for kind in kinds], device=base.device).reshape(column)
+    _check_batch_shapes(where, f, in_norm, out_norm, x.detach())
     optimizer = torch.optim.Adam([x, offset], lr=lr * scale)
 
-    best = torch.full((len(kinds),), -math.inf, dtype=torch.float64)
+    # on x0's device: a CPU tensor here had made the first comparison with a CUDA ratio fail
+    best = torch.full((len(kinds),), -math.inf, dtype=torch.float64, device=base.device)
     best_x, best_y = x.detach().clone(), x.detach().clone()
     for step in range(steps + 1):
         moved_by = offset * mask
@@ -1295,6 +1334,25 @@ def empirical_lipschitz(
     return EmpiricalLipschitz(best[winner].item(), best_x[winner], best_y[winner], best.tolist(), by_search)
 
 
+def _check_batch_shapes(where: str, f, in_norm, out_norm, x: torch.Tensor) -> None:
+    """Refuse ``f``, ``in_norm`` or ``out_norm`` unless they map the batch ``x`` (``[B, ...]``) row by row, to
+    ``[B, ...]`` and ``[B]``: one evaluation of each, before the search (a norm returning one number for
+    the whole batch had been broadcast over it, and the estimate was not a ratio of any pair)."""
+    batch = x.size(0)
+    with torch.no_grad():
+        out = f(x)
+        if not (isinstance(out, torch.Tensor) and out.dim() and out.size(0) == batch):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"{where}: f must map a batch [B, ...] to [B, ...] row by row (a tensor); for B = {batch} "
+                             f"it returned {got}")
+        for name, norm, value in (("in_norm", in_norm, x), ("out_norm", out_norm, out)):
+            norms = norm(value)
+            if not (isinstance(norms, torch.Tensor) and norms.shape == (batch,)):
+                got = tuple(norms.shape) if isinstance(norms, torch.Tensor) else type(norms).__name__
+                raise ValueError(f"{where}: {name} must map [B, ...] to the [B] norms of the rows; for B = {batch} "
+                                 f"it returned {got}")
+
+
 def _jacobian_power_iteration(f, x, y, steps, ascent_steps, step_size, lr, radius, in_norm, out_norm):
     """Best symmetric-pair slope per row, and its pairs: ``steps`` power steps at a fixed centre, then
     ``ascent_steps`` that also move the centre (see :func:`empirical_lipschitz`)."""
@@ -1317,7 +1375,7 @@ def _jacobian_power_iteration(f, x, y, steps, ascent_steps, step_size, lr, radiu
         centre = x + along[slopes.argmax(0)].reshape(column) * (y - x)
     centre.requires_grad_(True)
     optimizer = torch.optim.Adam([centre], lr=lr)
-    best = torch.full((x.size(0),), -math.inf, dtype=torch.float64)
+    best = torch.full((x.size(0),), -math.inf, dtype=torch.float64, device=x.device)
     best_x, best_y = x.clone(), y.clone()
     for step in range(steps + ascent_steps + 1):
         ascending = steps <= step < steps + ascent_steps
@@ -1389,8 +1447,13 @@ def rounding_error_bound(
     $W_\text{out}$'s. Autocast (bf16 matmuls, float32 softmax) is covered by the bf16 bound.
 
     This is a procedure under a stated model (correctly rounded elementary operations up to
-    ``elementwise_ulps``), not a certificate of a particular kernel library; the test
+    ``elementwise_ulps``, no overflow), not a certificate of a particular kernel library; the test
     suite checks it against a float64 evaluation and against the one-ulp counterexample.
+
+    Raises:
+        ValueError: ``dtype``'s range may not hold an intermediate value (bounded through
+            $\sigma_{\max}(|W|)$ and the radii, partial sums included; float16's 65504 on large
+            weights), where the error is unbounded; or options as named.
 
     Returns:
         $E$ in the max per-token RMS norm of the logits (float).
@@ -1401,6 +1464,7 @@ def rounding_error_bound(
     # a negative count had lowered E below the rounding it bounds (unsound), a NaN made it NaN
     elementwise_ulps = as_positive("rounding_error_bound", "elementwise_ulps", elementwise_ulps, zero=True)
     u = torch.finfo(dtype).eps / 2
+    _check_weights("rounding_error_bound", weights)
     weights = {**weights, "blocks": list(weights["blocks"])}  # (a generator of blocks: read once, here)
     exact = transformer_lipschitz_bound(weights)
     blocks = weights["blocks"]
@@ -1409,6 +1473,9 @@ def rounding_error_bound(
     a, score_scale, c, s = arch.residual_weight, arch.score_scale, arch.attention_scale, arch.gelu_scale
     elementwise = elementwise_ulps * u
     local = []
+    # Higham's model holds only without overflow: an l2 bound on every token vector (which bounds its entries),
+    # partial sums included (|sum_j w_ij x_j| <= (|W||x|)_i, so sigma(|W|) ||x||), before and after each scaling
+    peaks = []
     for index, block in enumerate(blocks):
         r = exact.radii[2 * index]
         norms = {name: rms_operator_norm(block[name]) for name in ("mlp_in", "mlp_out")}
@@ -1428,14 +1495,28 @@ def rounding_error_bound(
         attention += elementwise * c * sigma["o"] * y_size / math.sqrt(d)
         r_mlp = exact.radii[2 * index + 1]
         hidden_size = norms["mlp_in"] * r_mlp
-        hidden_error = _gamma(d + 1, u) * _abs_rms_norm(block["mlp_in"]) * r_mlp
+        abs_norms = {name: _abs_rms_norm(block[name]) for name in ("mlp_in", "mlp_out")}
+        hidden_error = _gamma(d + 1, u) * abs_norms["mlp_in"] * r_mlp
         gelu_error = s * (GELU_LIPSCHITZ * hidden_error + 2 * elementwise * hidden_size)
-        mlp = norms["mlp_out"] * gelu_error + _gamma(block["mlp_out"].size(1) + 1, u) * _abs_rms_norm(
-            block["mlp_out"]) * s * hidden_size
+        mlp = (norms["mlp_out"] * gelu_error
+               + _gamma(block["mlp_out"].size(1) + 1, u) * abs_norms["mlp_out"] * s * hidden_size)
         # residual (1-a)x + a f: the products and the sum, a few ulps of the result
         local.append(a * attention + elementwise * exact.radii[2 * index + 1])
         local.append(a * mlp + elementwise * exact.radii[2 * index + 2])
+        reach = {name: sigma_abs[name] * scale for name in "qkv"}
+        hidden = block["mlp_in"].size(0)
+        hidden_reach = abs_norms["mlp_in"] * r_mlp * math.sqrt(hidden)  # (the RMS norms of |W|, in l2 units)
+        peaks += [scale, *reach.values(), max(score_scale, 1.0) * reach["q"] * reach["k"],
+                  max(c, 1.0) * sigma_abs["o"] * y_size, max(s, 1.0) * hidden_reach,
+                  abs_norms["mlp_out"] * math.sqrt(d / hidden) * s * hidden_reach]
+    head_abs_norm = _abs_rms_norm(weights["head"])
+    peaks.append(head_abs_norm * exact.radii[-1] * math.sqrt(weights["head"].size(0)))
+    # the computed values are within a factor 1 + gamma < 2 of these (first order, as above)
+    if not 2 * max(peaks) <= torch.finfo(dtype).max:
+        raise ValueError(f"rounding_error_bound: the {dtype} network can overflow (an intermediate value of "
+                         f"magnitude up to {max(peaks):.3g}, past the largest {dtype} {torch.finfo(dtype).max:.3g}) "
+                         "and its error is then unbounded; use a wider dtype (torch.float32 or torch.bfloat16)")
     total = 0.0
     for i, epsilon in enumerate(local):
         total += epsilon * math.prod(exact.residuals[i + 1:])
-    return exact.head * total + _gamma(d + 1, u) * _abs_rms_norm(weights["head"]) * exact.radii[-1]
+    return exact.head * total + _gamma(d + 1, u) * head_abs_norm * exact.radii[-1]
