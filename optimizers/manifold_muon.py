@@ -218,6 +218,8 @@ def _holds_every_point(own, p: torch.Tensor) -> bool:
 #: Options of the dual iterations (``None``: the manifold's default), which
 #: ``solver="projected"`` does not run.
 _DUAL_OPTIONS = ("dual_steps", "cold_dual_steps", "dual_alpha", "dual_update", "polish_method")
+#: Options only the Gram path reads (``None``: the default), which the general path would ignore.
+_GRAM_OPTIONS = ("dual_update", "gram_dualizer", "polish_rounds", "polish_method")
 #: Options a step converts with ``int``/``float``: a tensor there would be read back to the host
 #: at every step (``lr`` alone may be a tensor, an operand of the update).
 _NUMBER_OPTIONS = ("weight_decay", "dual_steps", "cold_dual_steps", "dual_alpha", "msign_steps", "polish_rounds",
@@ -325,7 +327,9 @@ class ManifoldMuon(MatrixOptimizer):
     The options are checked when a group is added or loaded, and again at the next step, before
     any group steps, when a param-group edit changed one (the base's rule; ``lr`` each step
     against ``weight_decay`` where it is a float). Options other than ``lr`` are Python
-    numbers: a step would read a tensor back to the host.
+    numbers: a step would read a tensor back to the host. The Gram path's own options
+    (``dual_update``, ``gram_dualizer``, ``polish_rounds``, ``polish_method``,
+    ``dual_smoothing``) are refused in a group none of whose matrices takes that path.
 
     Each param group counts its optimizer steps in its key ``"step_count"`` (what
     ``certify_every`` counts): the groups are saved by :meth:`state_dict`, copied by
@@ -503,8 +507,28 @@ class ManifoldMuon(MatrixOptimizer):
                 )
             if group["solver"] == "projected":
                 self._check_projected(group, p, own if manifold is None else manifold, name)
+        self._refuse_gram_options_off_the_gram_path(group, index, manifold)
         if group["regulate"] is not None:
             self._refuse_regulators_that_leave(group, index, manifold)
+
+    def _refuse_gram_options_off_the_gram_path(self, group: dict, index: int, manifold) -> None:
+        """Refuse the Gram path's options (:data:`_GRAM_OPTIONS`, a nonzero ``dual_smoothing``) in
+        a group none of whose matrices takes that path (:meth:`_gram_form`): the general path
+        would ignore them (``norm="row"`` with ``polish_rounds=3`` had run no polish)."""
+        ignored = [f"{key}={group[key]!r}" for key in _GRAM_OPTIONS if group.get(key) is not None]
+        ignored += [f"dual_smoothing={group['dual_smoothing']!r}"] if group["dual_smoothing"] else []
+        if not ignored or not group["params"]:
+            return
+        for p in group["params"]:
+            owner = manifold if manifold is not None else resolve_manifold(p.manifold, f"param group {index}")
+            if self._gram_form(group, owner, self._matrix_shape(group, p)) is not None:
+                return
+        raise ValueError(
+            f"group {index}: {', '.join(ignored)} would be ignored: they are options of the Gram path, which no "
+            f"matrix of the group takes (it needs norm='spectral', msign_method='polar_express', "
+            f"retraction='fused', a manifold with a Gram form, and tall or square matrices or a manifold that "
+            f"steps wide ones transposed; here norm={group['norm']!r}, msign_method={group['msign_method']!r}, "
+            f"retraction={group['retraction']!r}); leave them out")
 
     def _refuse_regulators_that_leave(self, group: dict, index: int, manifold) -> None:
         """Refuse a group regulator that takes points of the group's manifold off it: the

@@ -480,8 +480,9 @@ def test_muon_in_float16_takes_the_momentum_normalized(scale):
 def test_sound_options_are_accepted():
     p = torch.nn.Parameter(Stiefel().random(8, 4).data)
     Muon([{"params": [p], "momentum": 0.9, "eps": 1e-7, "weight_decay": 0.0}], compute_dtype=None)
-    ManifoldMuon([p], manifold="stiefel", momentum=0.0, msign_method="svd", msign_steps=None, dual_smoothing=0.1,
+    ManifoldMuon([p], manifold="stiefel", momentum=0.0, msign_method="svd", msign_steps=None,
                  certify_every=5, compute_dtype=torch.float32)
+    ManifoldMuon([p], manifold="stiefel", dual_smoothing=0.1, polish_rounds=1, gram_dualizer="eigh")  # the Gram path's
     Muon([{"params": [p], "update": "adamw", "betas": [0.0, 0.99], "eps": 0.0}])
 
 
@@ -823,3 +824,16 @@ def test_a_learning_rate_tensor_that_requires_grad_is_checked_without_a_warning(
         Muon([torch.nn.Parameter(torch.randn(4, 3))], lr=lr)
     with pytest.raises(ValueError, match="group 0: lr must be a finite number >= 0"):  # still checked
         Muon([torch.nn.Parameter(torch.randn(4, 3))], lr=torch.tensor(float("nan"), requires_grad=True))
+
+
+@pytest.mark.parametrize("path", [dict(norm="row"), dict(msign_method="svd"), dict(retraction="manifold")])
+@pytest.mark.parametrize("option", [dict(polish_rounds=3), dict(polish_method="admm"), dict(dual_smoothing=0.1),
+                                    dict(gram_dualizer="eigh"), dict(dual_update="newton")])
+def test_the_gram_paths_options_are_refused_where_no_matrix_takes_it(path, option):
+    # off the Gram path they had been accepted and ignored (norm="row", polish_rounds=3: no polish)
+    p = torch.nn.Parameter(Stiefel().random(8, 4).data)
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=rf"group 0: {name}=.* would be ignored: they are options of the Gram path"):
+        ManifoldMuon([p], manifold="stiefel", **path, **option)
+    ManifoldMuon([p], manifold="stiefel", **path)  # control: the path itself is accepted
+    ManifoldMuon([p], manifold="stiefel", **option)  # and the option on the Gram path
