@@ -51,6 +51,10 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   every step, float or 1-element tensor; a tensor enters the update as a 0-dim operand,
   never read back, so a schedule may live on the device — regulators receive it as it is); ``state_dict``/``load_state_dict`` (all state
   is tensors and the groups plain data, so a resumed run is bit-identical on CPU).
+* **Edited groups**: a group's options are checked when it is added or loaded, and a
+  param-group edit between steps is checked at the next :meth:`MatrixOptimizer.step`
+  before any group steps (the whole group again where an option changed; the values of
+  :data:`SCHEDULED_OPTIONS`, which schedules rewrite, at every step; floats only).
 * :meth:`MatrixOptimizer.check_on_manifold`: reports (and by default raises for)
   parameters that are not on their group's manifold (a host read, outside any step). In a
   step, a subclass refuses matrices on the device through :meth:`MatrixOptimizer._admissible`
