@@ -27,6 +27,7 @@ Figures (matplotlib, Agg backend, written to ``<out_dir>``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -36,7 +37,8 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import TrainConfig, add_options, field_problems, from_args, option
 from geomuon.pretrain.train import (TrainingInterrupted, TrainResult, check_same_run, checkpoint_to_resume,
-                                    load_run_data, resolve_out_dir, resume_command, resume_record, run_files, train)
+                                    load_run_data, previous_checkpoint, resolve_out_dir, resume_command, resume_record,
+                                    run_files, train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -83,12 +85,18 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     """The folder of a comparison and the configuration of each of its runs
     (``<folder>/<strategy>-s<seed>``), all checked before the first one trains: a folder
     holding an earlier comparison is refused unless ``--resume`` (finished runs are read
-    back, the interrupted one continues, the others start) or ``--overwrite``."""
+    back, the interrupted one continues, the others start) or ``--overwrite``. The fresh
+    folder a template (``{time}``) gives is created here, after every check, under a name no
+    other comparison holds; the caller removes it again if it stops before writing into it."""
     base.validate(named_strategy=False)  # the strategy is each run's
     for option, values in (("--strategies", strategies), ("--seeds", seeds)):
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:  # the second run of a pair would find the first one's folder after it trained
             raise ValueError(f"{option} lists {', '.join(twice)} more than once; give each once")
+    if base.out_dir == "":  # the current directory, which os.path.isdir("") denies: the check for an earlier
+        # comparison was skipped, and the figures went into the current directory over the earlier ones
+        raise ValueError("--out-dir '' names no folder; name one (e.g. --out-dir runs/my-comparison), or leave "
+                         "--out-dir out for a fresh runs/compare-<UTC time>")
     root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
     if base.resume and not os.path.isdir(root):
         raise ValueError(f"--resume: there is no comparison in {root!r} to continue")
@@ -103,14 +111,45 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     for strategy in strategies:
         for seed in seeds:
             out_dir = None if root is None else os.path.join(root, f"{strategy}-s{seed}")
-            # a run of the comparison may have been checkpointed by one process or by several
-            resume = base.resume and out_dir is not None and os.path.exists(checkpoint_to_resume(out_dir))
+            # a run of the comparison may have been checkpointed by one process or by several; a run
+            # whose ckpt.pt is gone but whose ckpt.prev.pt is there resumes too, so that load_checkpoint
+            # says what to do (started afresh, it had deleted that checkpoint)
+            checkpoint = None if out_dir is None else checkpoint_to_resume(out_dir)
+            resume = base.resume and checkpoint is not None and (
+                os.path.exists(checkpoint) or os.path.exists(previous_checkpoint(checkpoint)))
             runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, out_dir=out_dir, resume=resume,
                                             overwrite=(base.overwrite or base.resume) and not resume))
     for cfg in runs:  # fail before the first run, not after the third
         cfg.validate(sharing=strategies)
         resolve_out_dir(cfg)
+    if root is not None and root != base.out_dir:
+        root = _claim_fresh_folder(base, root)
+        runs = [dataclasses.replace(cfg, out_dir=os.path.join(root, os.path.basename(cfg.out_dir))) for cfg in runs]
     return root, runs
+
+
+def _claim_fresh_folder(base: TrainConfig, root: str) -> str:
+    """Create the fresh folder ``root`` that the template ``base.out_dir`` gave, or, when a
+    comparison started in the same second created it first, the template's next free name.
+    Only resolved, the folder had been given to every comparison started in that second:
+    their runs collided ("in use by another run") and their figures overwrote each other's."""
+    for _ in range(100):
+        try:
+            os.makedirs(root)
+            return root
+        except FileExistsError:
+            root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
+        except OSError as err:
+            raise ValueError(f"--out-dir {root!r} cannot be created ({err.strerror}); choose another "
+                             "--out-dir") from None
+    raise ValueError(f"--out-dir {base.out_dir!r}: no free folder among its first 100 names")
+
+
+def _remove_if_empty(folder: str | None) -> None:
+    """Remove the fresh folder of a comparison that stopped before writing into it."""
+    if folder is not None:
+        with contextlib.suppress(OSError):  # not empty, or gone: it stays as it is
+            os.rmdir(folder)
 
 
 def compare(
@@ -127,18 +166,19 @@ def compare(
     changed option cannot leave the comparison half trained on it. An interrupted run
     raises :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint."""
     check(CompareConfig(strategies, seeds, divergence_margin))
-    _, runs = comparison_runs(base, strategies, seeds)
-    data = load_run_data(base)
-    for cfg in runs:
-        if cfg.resume:
-            checkpoint, record = resume_record(cfg.out_dir)
-            try:
-                check_same_run(record, cfg, data)
-            except ValueError as err:  # which of the comparison's runs: its checkpoint
-                raise ValueError(f"{checkpoint!r}: {err}") from None
-    overall = _runs_bar(len(runs), base.progress)
-    summaries = []
+    root, runs = comparison_runs(base, strategies, seeds)
+    fresh = root if root != base.out_dir else None  # created by comparison_runs for a template
+    overall, summaries = None, []
     try:
+        data = load_run_data(base)
+        for cfg in runs:
+            if cfg.resume:
+                checkpoint, record = resume_record(cfg.out_dir)
+                try:
+                    check_same_run(record, cfg, data)
+                except ValueError as err:  # which of the comparison's runs: its checkpoint
+                    raise ValueError(f"{checkpoint!r}: {err}") from None
+        overall = _runs_bar(len(runs), base.progress)
         for cfg in runs:
             result = train(cfg, data, sharing=strategies)
             final, best, diverged = verdict(result, divergence_margin)
@@ -149,6 +189,7 @@ def compare(
     finally:
         if overall is not None:
             overall.close()
+        _remove_if_empty(fresh)  # a comparison that stopped before its first run wrote anything
     return summaries
 
 
@@ -316,9 +357,11 @@ def run(args: argparse.Namespace) -> int:
     base = from_args(TrainConfig, args)
     options = from_args(CompareConfig, args)
     started = time.perf_counter()
+    fresh = None  # the folder comparison_runs creates for a templated --out-dir
     try:
         check(options)
         root, _ = comparison_runs(base, options.strategies, options.seeds)
+        fresh = root if root != base.out_dir else None
         base = dataclasses.replace(base, out_dir=root)
         summaries = compare(base, options.strategies, options.seeds, options.divergence_margin)
     except ValueError as err:
@@ -332,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
                                        "last finite checkpoint, if any, else from step 0)")
         print(f"interrupted at step {stop.step} of {stop.out_dir}{where}; resume with: {again}", file=sys.stderr)
         return stop.exit_code
+    finally:  # a comparison that stopped before its first run wrote anything leaves no folder
+        _remove_if_empty(fresh)
     print(results_table(summaries))
     if root is not None:
         for path in plot(summaries, root):

@@ -279,3 +279,61 @@ def test_an_option_is_refused_only_when_no_strategy_of_the_comparison_takes_it(t
     assert base.unused_options(["adamw"]) and not base.unused_options(["adamw", "unconstrained"])
     for strategy in ("adamw", "unconstrained"):
         dataclasses.replace(base, strategy=strategy).validate(sharing=["adamw", "unconstrained"])
+
+
+def test_an_empty_out_dir_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    # "" is the current directory, which os.path.isdir("") denies: the check for an earlier
+    # comparison was skipped and a second `--out-dir ''` comparison wrote its figures over the first's
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loss.png").write_bytes(b"an earlier comparison's figure")
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", ""]) == 2
+    assert "--out-dir '' names no folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
+    assert (tmp_path / "loss.png").read_bytes() == b"an earlier comparison's figure"
+
+
+def test_a_resumed_run_without_its_checkpoint_keeps_the_previous_one(tmp_path, capsys):
+    # a run folder holding ckpt.prev.pt but no ckpt.pt had started afresh under --resume,
+    # overwriting the one checkpoint of the run left; now load_checkpoint says what to do
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(out)]) == 0
+    run = out / "adamw-s0"
+    (run / "ckpt.pt").unlink()
+    kept = (run / "ckpt.prev.pt").read_bytes()
+    capsys.readouterr()
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {str(run / 'ckpt.pt')!r} does not exist" in err and "(step 3) loads: move it over" in err
+    assert (run / "ckpt.prev.pt").read_bytes() == kept and not (run / "ckpt.pt").exists()
+
+
+def test_comparisons_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch, capsys):
+    """A templated --out-dir was only resolved, not claimed, until the first run started: a
+    comparison started in the same second took the same folder (in parallel launches its runs
+    were refused as "in use" or it wrote its figures over the other's). Here the other
+    comparison claims the folder while this one checks its runs."""
+    import os
+
+    real_validate, other = TrainConfig.validate, []
+
+    def validate_while_another_comparison_starts(cfg, *args, **kwargs):
+        if cfg.out_dir is not None and os.path.basename(cfg.out_dir) == "adamw-s0" and not other:
+            other.append(os.path.dirname(cfg.out_dir))  # the folder the template gave this comparison
+            os.makedirs(os.path.join(other[0], "hetero-s0"))  # the other one's first run, in progress
+            open(os.path.join(other[0], "hetero-s0", ".lock"), "w").close()
+        return real_validate(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(TrainConfig, "validate", validate_while_another_comparison_starts)
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(tmp_path / "cmp-{time}")]) == 0
+    root = capsys.readouterr().out.strip().splitlines()[-1].split("runs and figures in ")[1]
+    assert root != other[0] and sorted(os.listdir(root)) == sorted(["adamw-s0", *compare_module.FIGURES])
+    assert os.listdir(other[0]) == ["hetero-s0"]  # nothing of this comparison in the other's folder
+
+
+def test_a_fresh_folder_is_removed_when_the_comparison_stops_before_writing(tmp_path, capsys):
+    # the templated folder is created when the comparison's options pass; bad data refused after
+    # that leaves nothing behind
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--data", f"text:{tmp_path / 'missing.txt'}",
+                "--out-dir", str(tmp_path / "cmp-{time}")]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -113,6 +113,15 @@ def test_study_writes_page_figures_and_record(study_run):
 
 
 @needs_data
+def test_the_page_states_the_number_of_seeds_it_ran(study_run):
+    # every page had said "with three seeds" whatever --seeds gave; these runs have two
+    study, tmp_path, code = study_run
+    assert code == 0
+    page = (tmp_path / "results" / f"{study.NAME}.md").read_text()
+    assert f"with {len(SEEDS)} seeds per variant this is a rough screen" in page and "three seeds" not in page
+
+
+@needs_data
 def test_cli_dispatch_reuses_cached_runs(run_once, tmp_path, capsys):
     """``geomuon study NAME`` reaches the study; a rerun with the same settings trains
     nothing (every record comes from the work directory's cache)."""
@@ -610,6 +619,22 @@ def test_worker_processes_reproduce_the_in_process_numbers(tmp_path):
     """A published run trains in ``--jobs 2`` worker processes; a check may run in one: both
     write the same tables, digit for digit."""
     assert _fresh_tables(tmp_path, "one", "--jobs", "1") == _fresh_tables(tmp_path, "two", "--jobs", "2")
+
+
+@needs_data
+@pytest.mark.parametrize("name", [n for n, s in STUDIES.items() if isinstance(s, sweep.LearningRateSweep)])
+def test_a_sweeps_help_offers_no_seeds_it_refuses(name, tmp_path, capsys):
+    # the help of every study had offered "--seeds (default: the size's, 3 seeds)", and a sweep
+    # refuses every --seeds but its grid's
+    with pytest.raises(SystemExit):
+        common.main(STUDIES[name], ["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
+    grid_seeds = ",".join(map(str, STUDIES[name].grids["full"].seeds))
+    assert f"--seeds SEEDS not for a sweep, which trains its grid's seeds: full: {grid_seeds} per point" in help_text
+    assert common.main(STUDIES[name], ["--size", "tiny", "--data", str(DATA), "--seeds", "0,1",
+                                       "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]) == 2
+    assert "--seeds: a sweep's seeds are its grid's" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before any run or folder
 
 
 @pytest.mark.parametrize("name", [n for n, s in STUDIES.items() if isinstance(s, sweep.LearningRateSweep)])

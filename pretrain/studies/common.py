@@ -369,6 +369,16 @@ def separated(a, b) -> bool | None:
     return abs(ma - mb) > sa + sb
 
 
+def screen_heading(seeds) -> str:
+    """The opening of a page's "What the numbers say" section: what :func:`separated` calls
+    resolved, and how many seeds the runs had (``seeds``: the size's, ``--seeds`` included;
+    the pages had said "three seeds" whatever ``--seeds`` gave)."""
+    n = len(seeds)
+    return ("## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
+            f"not overlap; with {n} seed{'' if n == 1 else 's'} per variant this is a rough screen, not a "
+            "significance test.")
+
+
 def compare_sentence(name_a: str, a, name_b: str, b, what: str, lower_is_better: bool | None = True,
                      digits: int = 3) -> str:
     """One sentence comparing two variants' seed values of ``what``, claiming a difference
@@ -559,7 +569,10 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
                         help="run cache, reused by later runs (default: runs/studies/cache/<study>/)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel runs (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the size's, 3 seeds)")
+    # a sweep's seeds are its grid's: it says so itself (the generic help had offered a choice it refuses)
+    parser.add_argument("--seeds", default=None, help=getattr(
+        study, "SEEDS_HELP", "comma-separated seeds (default: the size's, "
+        + "; ".join(f"{name}: {','.join(map(str, size.seeds))}" for name, size in study.SIZES.items()) + ")"))
     parser.add_argument("--fresh", action="store_true", help="retrain runs that are cached")
 
 

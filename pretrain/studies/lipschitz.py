@@ -156,9 +156,7 @@ def report(results, size, meta, figure_dir) -> str:
         "bound at the current learning rate. " + RATE_CHOICE,
         "## Results\n\nMean ± sample standard deviation over seeds, at the last step, on the same "
         "validation windows for every run.\n\n" + markdown_table(header, rows),
-        "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
-        "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
-        + "\n".join(f"* {f}" for f in findings) + "\n\n" + why,
+        common.screen_heading(size.seeds) + "\n\n" + "\n".join(f"* {f}" for f in findings) + "\n\n" + why,
         # the tightness table (bench/lipschitz_tightness.py), expanded by the docs hook
         "## How tight the certified bound is\n\n<!-- geomuon:benchmark lipschitz_tightness -->",
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),

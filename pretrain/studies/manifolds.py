@@ -317,9 +317,7 @@ def report(results, size, meta, figure_dir) -> str:
         "## Results\n\nMean ± sample standard deviation over seeds, at the last step, on the same "
         "validation windows for every run. The mechanism columns are the largest value over layers.\n\n"
         + markdown_table(header, rows),
-        "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
-        "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
-        + "\n".join(f"* {f}" for f in findings)
+        common.screen_heading(size.seeds) + "\n\n" + "\n".join(f"* {f}" for f in findings)
         + "\n\nThe paper's instability appeared after 15k–20k steps of a 124M-parameter model; a run of "
         f"{steps} steps cannot show whether DGram attention would diverge later. What it can show is the "
         "direction of the mechanism (whether σ(W_Q)σ(W_K) and the attention logits grow faster under "

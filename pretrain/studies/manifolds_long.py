@@ -89,9 +89,7 @@ def page(study, results, size, figure_dir, comparisons, rows_note: str, figures:
         f"## Results\n\n{size.steps} steps, seeds {', '.join(map(str, size.seeds))}; the final validation loss is "
         f"measured on {size.final_eval_batches} batches of {size.batch_size} windows of the validation split, the "
         "same windows for every run. Mean ± sample standard deviation over seeds.\n\n" + results_table(results),
-        "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
-        "not overlap (a rough screen with three seeds, not a significance test).\n\n"
-        + "\n".join(f"* {f}" for f in findings),
+        common.screen_heading(size.seeds) + "\n\n" + "\n".join(f"* {f}" for f in findings),
         "## Figures\n\n" + "\n\n".join(f"![{f}]({study.NAME}/{f})" for f in figures),
     ])
 

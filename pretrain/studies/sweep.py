@@ -143,6 +143,10 @@ class LearningRateSweep:
                  grids: dict[str, Grid] = GRIDS, note: str = ""):
         self.base, self.NAME, self.TITLE, self.SIZES = base, name, title, base.SIZES
         self.comparisons, self.grids, self.note = comparisons, grids, note
+        #: ``--help`` of ``--seeds``: :meth:`run` takes no seeds but its grid's
+        self.SEEDS_HELP = "not for a sweep, which trains its grid's seeds: " + "; ".join(
+            f"{name}: {','.join(map(str, g.seeds))} per point, {','.join(map(str, g.best_seeds))} at the best"
+            for name, g in grids.items()) + " (leave --seeds out)"
         self.__doc__ = f"Learning-rate sweep of the {base.NAME} study."
 
     def grid(self, size: Size) -> Grid:

@@ -215,9 +215,7 @@ def report(results, size, meta, figure_dir) -> str:
         "step on the same validation windows for every run; churn averaged over the second half of the "
         "evaluations; the loss spike is the largest rise of the train loss above the median of the "
         "previous 20 steps.\n\n" + markdown_table(header, rows) + "\n\n" + shift_note,
-        "## What the numbers say\n\nA difference is called resolved only when the two mean ± std bands do "
-        "not overlap; with three seeds this is a rough screen, not a significance test.\n\n"
-        + "\n".join(f"* {f}" for f in findings),
+        common.screen_heading(size.seeds) + "\n\n" + "\n".join(f"* {f}" for f in findings),
         "## Figures\n\n" + "\n\n".join(f"![{f}]({NAME}/{f})" for f in figures),
     ])
 
