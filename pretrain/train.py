@@ -815,37 +815,40 @@ class RunLog:
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def log_line(record: dict) -> str:
-    """``record`` as one line of strict JSON: a float that is not finite becomes its name in
-    :data:`NONFINITE` (a bare ``NaN`` token, Python's default, is refused by ``jq`` and
-    ``JSON.parse``)."""
-    def spelled(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
-        if isinstance(value, dict):
-            return {k: spelled(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [spelled(v) for v in value]
-        return value
+def spell_nonfinite(value):
+    """``value`` (nested dicts, lists and tuples) with every float that is not finite replaced
+    by its name in :data:`NONFINITE`, for strict JSON (a bare ``NaN`` token, Python's default,
+    is refused by ``jq`` and ``JSON.parse``); :func:`read_nonfinite` inverts it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: spell_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [spell_nonfinite(v) for v in value]
+    return value
 
-    return json.dumps(spelled(record), allow_nan=False) + "\n"
+
+def read_nonfinite(value):
+    """``value`` read from JSON with the names of :data:`NONFINITE` back as floats (so a string
+    ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` always reads as the float)."""
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: read_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [read_nonfinite(v) for v in value]
+    return value
+
+
+def log_line(record: dict) -> str:
+    """``record`` as one line of strict JSON (:func:`spell_nonfinite`)."""
+    return json.dumps(spell_nonfinite(record), allow_nan=False) + "\n"
 
 
 def read_log(path: str) -> list[dict]:
-    """The records of a run's ``log.jsonl``, with the floats :func:`log_line` spelled as
-    strings read back as floats (so a string value ``"NaN"``, ``"Infinity"`` or
-    ``"-Infinity"`` always reads as the float)."""
-    def number(value):
-        if isinstance(value, str):
-            return NONFINITE.get(value, value)
-        if isinstance(value, dict):
-            return {k: number(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [number(v) for v in value]
-        return value
-
+    """The records of a run's ``log.jsonl``, non-finite floats read back (:func:`read_nonfinite`)."""
     with open(path) as f:
-        return [number(json.loads(line)) for line in f]
+        return [read_nonfinite(json.loads(line)) for line in f]
 
 
 def _records_before(payload: dict) -> list[dict]:

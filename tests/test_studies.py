@@ -11,6 +11,8 @@ the studies' numbers.
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import math
 import re
 import types
@@ -32,7 +34,8 @@ from geomuon.pretrain.studies import symmetry as symmetry_study
 
 REGISTERED_STRATEGIES = frozenset(STRATEGIES)
 # CI copies the shared data beside the clone (../shared); the studies take it by --data.
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 needs_data = pytest.mark.skipif(not DATA.is_file(), reason=f"tiny Shakespeare not at {DATA}")
 
 # study → an observable its extra_metrics must add to every evaluation
@@ -102,6 +105,8 @@ def test_study_writes_page_figures_and_record(study_run):
 
     record = common.read_results(tmp_path / "results" / study.NAME)
     assert record["size"] == "tiny" and record["config"]["steps"] == study.SIZES["tiny"].steps
+    # strict JSON, as jq and JSON.parse read it (a NaN metric spelled "NaN", read back as the float)
+    strict_json((tmp_path / "results" / study.NAME / common.RESULTS).read_bytes())
     assert list(record["runs"]) == variant_names
     for name, runs in record["runs"].items():
         assert [r["seed"] for r in runs] == list(SEEDS)
@@ -113,6 +118,28 @@ def test_study_writes_page_figures_and_record(study_run):
 
 
 @needs_data
+def strict_json(compressed: bytes):
+    """The gzip-compressed JSON parsed strictly: a bare NaN or Infinity token is refused."""
+    def refuse(token):
+        raise ValueError(f"not strict JSON: a bare {token}")
+
+    return json.loads(gzip.decompress(compressed), parse_constant=refuse)
+
+
+def test_the_published_results_are_strict_json():
+    # symmetry's results.json.gz had held 42 bare NaN tokens (routing churn at the first
+    # evaluation), which jq and JSON.parse refuse; read_results gives them back as floats
+    pages = sorted((ROOT / "docs" / "results").glob(f"*/{common.RESULTS}"))
+    assert pages
+    for path in pages:
+        strict_json(path.read_bytes())
+    churn = [value for runs in common.read_results(ROOT / "docs" / "results" / "symmetry")["runs"].values()
+             for run in runs for record in run["evals"] for value in (record.get("routing_churn") or {}).values()]
+    assert any(isinstance(v, float) and math.isnan(v) for v in churn)
+    with pytest.raises(ValueError, match="bare NaN"):  # control: the former encoding is refused
+        strict_json(gzip.compress(json.dumps({"churn": math.nan}).encode()))
+
+
 def test_the_page_states_the_number_of_seeds_it_ran(study_run):
     # every page had said "with three seeds" whatever --seeds gave; these runs have two
     study, tmp_path, code = study_run

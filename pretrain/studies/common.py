@@ -498,15 +498,20 @@ RESULTS = "results.json.gz"
 
 
 def read_results(path: str | Path) -> dict:
-    """The payload :func:`write_page` stored: a page folder (``docs/results/NAME``) or the file itself."""
+    """The payload :func:`write_page` stored: a page folder (``docs/results/NAME``) or the file
+    itself; non-finite floats, stored by name, read back (:func:`~geomuon.pretrain.train.read_nonfinite`)."""
+    from geomuon.pretrain.train import read_nonfinite
+
     path = Path(path)
-    return json.loads(gzip.decompress((path / RESULTS if path.is_dir() else path).read_bytes()))
+    return read_nonfinite(json.loads(gzip.decompress((path / RESULTS if path.is_dir() else path).read_bytes())))
 
 
 def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir: Path,
                results: dict[str, list[dict]], variants: dict[str, Variant]) -> Path:
     """``<out_dir>/<NAME>.md`` (title, status, the study's body, config, provenance) and
     ``<out_dir>/<NAME>/results.json.gz`` (every run's record; see :func:`read_results`)."""
+    from geomuon.pretrain.train import spell_nonfinite
+
     figure_dir = out_dir / study.NAME
     figure_dir.mkdir(parents=True, exist_ok=True)
     # the per-parameter assignment table is the same for every seed: stored once per variant
@@ -515,9 +520,11 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
     runs = {name: [{k: v for k, v in r.items() if k != "assignment"} for r in records] for name, records in results.items()}
     payload = {"study": study.NAME, "size": size_name, "config": dataclasses.asdict(size), **meta,
                "variants": identities, "runs": runs}
-    # gzip: every run's per-step losses and per-evaluation observables are megabytes of JSON
+    # strict JSON (a NaN metric, e.g. routing churn at the first evaluation, by name): jq and JSON.parse
+    # read it; gzip: every run's per-step losses and per-evaluation observables are megabytes of JSON
     # (4x smaller compressed); mtime=0 makes the file a function of its content alone
-    (figure_dir / RESULTS).write_bytes(gzip.compress(json.dumps(payload, default=str).encode(), mtime=0))
+    strict = json.dumps(spell_nonfinite(payload), default=str, allow_nan=False)
+    (figure_dir / RESULTS).write_bytes(gzip.compress(strict.encode(), mtime=0))
     if size_name == "full":
         status = (f"Measured at the study's full default size (`--size full`): {meta['n_runs']} runs "
                   f"({len(results)} variants, seeds as listed), {size.steps} steps each.")
