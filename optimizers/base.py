@@ -94,6 +94,9 @@ _NONFINITE = ("skip", "raise")
 #: CyclicLR ``momentum`` or ``betas``): :meth:`MatrixOptimizer.step` checks their values each
 #: step (floats only: a tensor is never read in a step), not against the options as checked.
 SCHEDULED_OPTIONS = ("lr", "momentum", "betas")
+#: What the snapshot of checked options holds for a scheduled option that is a host value (any
+#: float: a schedule's change is no edit); a tensor is held as itself, so swapping one in is an edit.
+_HOST_VALUE = object()
 
 
 def _same_option(before, now) -> bool:
@@ -172,7 +175,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._validate_group(group, index)
             self._regulators.append((None, None))
             self._group_regulator(group, index)
-            self._checked_options[index:] = [self._options_of(group)]  # (the regulator's spec as normalized)
+            self._checked_options.append(self._options_of(group))  # (the regulator's spec as normalized)
+            self._group_checked(group, index)
         except Exception:
             # a refused group leaves the optimizer as it was (torch had already appended it, and
             # the next step then failed on a group without a regulator slot)
@@ -250,11 +254,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     "(stacked matrices [..., m, n]) or 'flatten' (conv kernels) in its group"
                 )
 
+    @functools.cached_property
+    def _option_keys(self) -> tuple[str, ...]:
+        """The keys of a group's options: the defaults' and an AdamW group's (not ``params``)."""
+        return tuple((self.defaults.keys() | ADAMW_DEFAULTS.keys()) - {"params"})
+
+    def _option_value(self, group: dict, key: str):
+        """What the snapshot of checked options holds for ``key`` (:data:`_HOST_VALUE` for a
+        scheduled option's host value)."""
+        value = group.get(key)
+        if key in SCHEDULED_OPTIONS and not isinstance(value, torch.Tensor):
+            return _HOST_VALUE
+        return value
+
     def _options_of(self, group: dict) -> dict:
-        """The group's options as they are now: every key of the defaults and of an AdamW group
-        but :data:`SCHEDULED_OPTIONS` (and ``params``)."""
-        keys = (self.defaults.keys() | ADAMW_DEFAULTS.keys()) - {"params", *SCHEDULED_OPTIONS}
-        return {key: group.get(key) for key in sorted(keys)}
+        """The group's options as they are now (:meth:`_option_value` of each key)."""
+        return {key: self._option_value(group, key) for key in self._option_keys}
+
+    def _group_checked(self, group: dict, index: int) -> None:
+        """Called when group ``index`` has passed its checks, added or edited (default: nothing;
+        ManifoldMuon checks its weights on their manifold at their next step)."""
 
     def _check_edited_groups(self) -> None:
         """Before any group steps: check again (:meth:`_validate_group`) every group whose
@@ -262,17 +281,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         ``nesterov="no"`` switched Nesterov on, a typo'd ManifoldMuon ``polish_method`` raised
         mid-step after earlier groups had moved), and the values of
         :data:`SCHEDULED_OPTIONS` of every group (:meth:`_check_scheduled`). Host values only;
-        a tensor ``lr`` is read where its group was edited (its check reads it, once)."""
+        a tensor ``lr`` is read where its group was edited, a tensor swapped in for it included
+        (its check reads it, once; a schedule's in-place update keeps the tensor)."""
         for index, group in enumerate(self.param_groups):
             checked = self._checked_options[index]
-            now = self._options_of(group)
-            if any(not _same_option(value, now[key]) for key, value in checked.items()):
+            if any(not _same_option(value, self._option_value(group, key)) for key, value in checked.items()):
                 try:
                     self._validate_group(group, index)
                 except ValueError as err:
                     raise ValueError(f"{type(self).__name__}: {err} (an edited param group; nothing was stepped)") from None
                 self._group_regulator(group, index)  # (an edited spec normalized now, before it is recorded)
                 self._checked_options[index] = self._options_of(group)
+                self._group_checked(group, index)
             self._check_scheduled(group, index, in_step=True)
 
     def _check_scheduled(self, group: dict, index: int, *, in_step: bool = False) -> None:

@@ -220,6 +220,13 @@ def _holds_every_point(own, p: torch.Tensor) -> bool:
 _DUAL_OPTIONS = ("dual_steps", "cold_dual_steps", "dual_alpha", "dual_update", "polish_method")
 #: Options only the Gram path reads (``None``: the default), which the general path would ignore.
 _GRAM_OPTIONS = ("dual_update", "gram_dualizer", "polish_rounds", "polish_method")
+
+
+def _options_set(group: dict, keys: tuple[str, ...]) -> list[str]:
+    """``key=value`` of each of ``keys`` (``None`` by default) set in ``group``, and of a nonzero
+    ``dual_smoothing`` (a Gram-path dual option, default 0): the options a path would ignore."""
+    named = [f"{key}={group[key]!r}" for key in keys if group.get(key) is not None]
+    return named + ([f"dual_smoothing={group['dual_smoothing']!r}"] if group["dual_smoothing"] else [])
 #: Options a step converts with ``int``/``float``: a tensor there would be read back to the host
 #: at every step (``lr`` alone may be a tensor, an operand of the update).
 _NUMBER_OPTIONS = ("weight_decay", "dual_steps", "cold_dual_steps", "dual_alpha", "msign_steps", "polish_rounds",
@@ -444,8 +451,7 @@ class ManifoldMuon(MatrixOptimizer):
                              f"{group['norm']!r}, {group['msign_method']!r}, {group['retraction']!r})")
         if group["solver"] == "projected":
             # the dual options would be ignored: a user setting dual_steps=5 got no dual step
-            ignored = [f"{key}={group[key]!r}" for key in _DUAL_OPTIONS if group.get(key) is not None]
-            ignored += [f"dual_smoothing={group['dual_smoothing']!r}"] if group["dual_smoothing"] else []
+            ignored = _options_set(group, _DUAL_OPTIONS)
             if ignored:
                 raise ValueError(f"group {index}: solver='projected' takes no dual iterations, so "
                                  f"{', '.join(ignored)} would be ignored; leave them out or use solver='dual'")
@@ -515,8 +521,7 @@ class ManifoldMuon(MatrixOptimizer):
         """Refuse the Gram path's options (:data:`_GRAM_OPTIONS`, a nonzero ``dual_smoothing``) in
         a group none of whose matrices takes that path (:meth:`_gram_form`): the general path
         would ignore them (``norm="row"`` with ``polish_rounds=3`` had run no polish)."""
-        ignored = [f"{key}={group[key]!r}" for key in _GRAM_OPTIONS if group.get(key) is not None]
-        ignored += [f"dual_smoothing={group['dual_smoothing']!r}"] if group["dual_smoothing"] else []
+        ignored = _options_set(group, _GRAM_OPTIONS)
         if not ignored or not group["params"]:
             return
         for p in group["params"]:
@@ -566,13 +571,12 @@ class ManifoldMuon(MatrixOptimizer):
         # changed a resumed run's next step by 5e-4
         return fp32_or_fp64(p.dtype) if key == "dual_correction" else super()._state_dtype(key, p)
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        # a group added after the first step: its weights are checked at their next step, as
-        # the first step checks every weight (unchecked, an off-manifold weight was stepped
-        # to a norm of 5e9 in one step)
-        if self.param_groups[-1]["update"] != "adamw":
-            self._unchecked.update(id(p) for p in self.param_groups[-1]["params"])
+    def _group_checked(self, group: dict, index: int) -> None:
+        # a group added after the first step, or edited (its manifold, say): its weights are
+        # checked at their next step, as the first step checks every weight (unchecked, an
+        # off-manifold weight was stepped to a norm of 5e9 in one step)
+        if group["update"] != "adamw":
+            self._unchecked.update(id(p) for p in group["params"])
 
     def _check_every_weight(self) -> None:
         """Check every constrained weight again at its next step (:meth:`_admissible`)."""
@@ -599,6 +603,7 @@ class ManifoldMuon(MatrixOptimizer):
         device (:meth:`_admissible`), and raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
         theirs once the flags are on the host: at the end of this step on the CPU, at the
         next step or :meth:`check_finite` elsewhere. Those weights are not stepped."""
+        self._check_edited_groups()  # first: an edited group's weights are among those this step checks
         unchecked = len(self._unchecked)
         if unchecked and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
             self.check_on_manifold()  # every weight, on the host

@@ -93,10 +93,6 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:  # the second run of a pair would find the first one's folder after it trained
             raise ValueError(f"{option} lists {', '.join(twice)} more than once; give each once")
-    if base.out_dir == "":  # the current directory, which os.path.isdir("") denies: the check for an earlier
-        # comparison was skipped, and the figures went into the current directory over the earlier ones
-        raise ValueError("--out-dir '' names no folder; name one (e.g. --out-dir runs/my-comparison), or leave "
-                         "--out-dir out for a fresh runs/compare-<UTC time>")
     root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
     if base.resume and not os.path.isdir(root):
         raise ValueError(f"--resume: there is no comparison in {root!r} to continue")

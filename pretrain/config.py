@@ -241,6 +241,10 @@ class TrainConfig:
             # (assign refuses it too, but a comparison had trained its other strategies first)
             problems.append(f"--direction-dtype fp32 cannot apply to --strategy {self.strategy}: torch.optim.Muon "
                             "computes its directions in bf16; use --direction-dtype default or bf16")
+        if self.out_dir == "":  # names no folder (compare's check for an earlier comparison in it had been
+            # skipped, its figures written over the current directory's; a run failed only when it started)
+            problems.append("--out-dir '' names no folder; name one (e.g. --out-dir runs/my-run), or leave --out-dir "
+                            "out for a fresh folder")
         if self.out_dir is None and (self.resume or self.overwrite):
             problems.append("--resume/--overwrite need an --out-dir holding the run (out_dir is None)")
         if self.resume and self.overwrite:

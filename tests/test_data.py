@@ -179,9 +179,6 @@ def test_no_two_seeds_share_a_stream_of_batches():
             split = "val" if val_a else "train"
             a = data.batch(split, 4, 16, seed=seed_a, step=step_a)[0]
             assert not torch.equal(a, data.batch(split, 4, 16, seed=seed_b, step=step_b)[0])
-    # and over a grid of small seeds and steps, every (seed, step, split) has its own generator seed
-    grid = [(seed, step, val) for seed in range(8) for step in range(2000) for val in (False, True)]
-    assert len({_batch_seed(*key) for key in grid}) == len(grid)
 
 
 @pytest.mark.parametrize("magic, version", [(1234, 1), (20240801, 7), (20240520 + 1, 1)])

@@ -824,7 +824,6 @@ def test_a_regulator_that_takes_points_off_the_manifold_is_refused_when_built():
     (dict(polish_rounds=2.5), "group 1: polish_rounds must be a whole number"),  # had been truncated to 2
     (dict(retraction="fuse"), "group 1: retraction must be one of"),  # had taken the general path
     (dict(weight_decay=100.0), r"group 1: lr \* weight_decay must be < 1"),  # had negated the point
-    (dict(lr=60.0, weight_decay=0.02), r"group 1: lr \* weight_decay must be < 1"),  # a schedule's lr
 ])
 def test_an_option_edited_between_steps_is_refused_before_any_group_steps(edit, message):
     # param-group edits (a sweep, a schedule) had skipped every check: a typo raised inside the
@@ -840,6 +839,26 @@ def test_an_option_edited_between_steps_is_refused_before_any_group_steps(edit, 
     with pytest.raises(ValueError, match=message):
         opt.step()
     assert torch.equal(first, before[0]) and torch.equal(second, before[1])  # nothing was stepped
+
+
+def test_a_scheduled_lr_past_the_decay_factor_is_refused_at_the_step_by_value(monkeypatch):
+    # a schedule rewrites lr every step: no group check runs for it (that would read a tensor lr),
+    # its float value is checked against weight_decay at every step, before any group steps
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))
+    opt = ManifoldMuon([p], manifold="stiefel", weight_decay=0.02)
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    checks = []
+    monkeypatch.setattr(opt, "_validate_group", lambda *args: checks.append(args))
+    opt.param_groups[0]["lr"] = 49.0  # lr * weight_decay = 0.98: a step (control)
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = 60.0
+    with pytest.raises(ValueError, match=r"group 0: lr \* weight_decay must be < 1 .*; nothing was stepped"):
+        opt.step()
+    assert torch.equal(p, before) and checks == []
 
 
 def test_an_unedited_group_is_not_checked_again_in_a_step(monkeypatch):
@@ -893,5 +912,5 @@ def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):
         opt.step()
         points[warm_start] = p.detach()
         assert len(updates) == (2 if warm_start else 1), warm_start  # dual_steps, plus the carried one
-    # the carried step never reaches the direction: the two first steps are bitwise the same
+    # control: leaving out the carried step keeps the step's own dual steps (the first steps agree)
     assert torch.equal(points[False], points[True])

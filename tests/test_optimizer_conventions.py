@@ -837,3 +837,42 @@ def test_the_gram_paths_options_are_refused_where_no_matrix_takes_it(path, optio
         ManifoldMuon([p], manifold="stiefel", **path, **option)
     ManifoldMuon([p], manifold="stiefel", **path)  # control: the path itself is accepted
     ManifoldMuon([p], manifold="stiefel", **option)  # and the option on the Gram path
+
+
+def test_a_tensor_lr_swapped_in_is_checked_once_and_an_in_place_schedule_is_not(monkeypatch):
+    # a float lr swapped for a tensor had skipped every check (NaN reached the weights); a
+    # schedule that updates the tensor in place (fill_, as torch's schedulers do) is no edit
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    opt = Muon([W], lr=0.02)
+    W.grad = torch.randn(W.shape, generator=gen)
+    opt.step()
+    before = W.detach().clone()
+    opt.param_groups[0]["lr"] = torch.tensor(float("nan"))
+    with pytest.raises(ValueError, match="group 0: lr must be a finite number >= 0"):
+        opt.step()
+    assert torch.equal(W, before)
+    opt.param_groups[0]["lr"] = lr = torch.tensor(0.02)  # control: a sound tensor steps
+    opt.step()
+    assert not torch.equal(W, before)
+    checks = []
+    validate = opt._validate_group
+    monkeypatch.setattr(opt, "_validate_group", lambda *args: checks.append(args) or validate(*args))
+    lr.fill_(0.01)  # in place: not an edit (a group check would read the tensor)
+    opt.step()
+    assert checks == []
+
+
+def test_a_group_edited_to_another_manifold_checks_its_weights_on_it():
+    # a DGram weight whose group was edited to Stiefel had stepped off the new manifold (norm 9e14)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(3 * DGram().projx(torch.randn(16, 8)))
+    opt = ManifoldMuon([{"params": [p], "manifold": "dgram"}])
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["manifold"] = "stiefel"
+    p.grad = torch.randn(16, 8)
+    with pytest.raises(OffManifoldError):
+        opt.step()
+    assert torch.equal(p, before)

@@ -117,7 +117,6 @@ def test_study_writes_page_figures_and_record(study_run):
             assert STUDY_KEYS[study] in run["evals"][-1]
 
 
-@needs_data
 def strict_json(compressed: bytes):
     """The gzip-compressed JSON parsed strictly: a bare NaN or Infinity token is refused."""
     def refuse(token):
@@ -140,6 +139,7 @@ def test_the_published_results_are_strict_json():
         strict_json(gzip.compress(json.dumps({"churn": math.nan}).encode()))
 
 
+@needs_data
 def test_the_page_states_the_number_of_seeds_it_ran(study_run):
     # every page had said "with three seeds" whatever --seeds gave; these runs have two
     study, tmp_path, code = study_run

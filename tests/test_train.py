@@ -350,6 +350,7 @@ PRETRAIN = ["pretrain", "--config", "cpu-tiny", "--strategy", "adamw", "--steps"
 
 @pytest.mark.parametrize("option, value, message", [
     ("--grad-clip", "-1", "--grad-clip must be ≥ 0"),  # was: gradient ascent, exit 0
+    ("--out-dir", "", "--out-dir '' names no folder"),  # had failed only when the run claimed its folder
     ("--eval-every", "0", "--eval-every must be ≥ 1"),  # was: ZeroDivisionError after training started
     ("--weight-decay", "-5", r"--weight-decay must be in \[0, 1e\+06\] \(got -5.0\)"),
     ("--ckpt-every", "-1", "--ckpt-every must be ≥ 0"),

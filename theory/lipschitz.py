@@ -1443,7 +1443,8 @@ def rounding_error_bound(
     Attention's $\varepsilon$: the $q, k, v$ errors (scores move by $\le \varsigma(\|\delta q\|\|k\| +
     \|q\|\|\delta k\|) + \gamma_{d_h}\varsigma\|q\|\|k\|$, which moves $y$ by at most that times
     $\max\|v\|$, as in :func:`attention_lipschitz`), the softmax and $PV$ errors, and
-    $W_o$'s. The MLP's: $W_\text{in}$'s error through $s\,g_+\|W_\text{out}\|$, GELU's, and
+    $W_o$'s; each head averages its own values, so the heads' sizes and errors enter $y$ (the
+    heads side by side) in squares, $(\sum_h\sigma(W_v^h)^2)^{1/2}$, not as $\sigma(W_v)$. The MLP's: $W_\text{in}$'s error through $s\,g_+\|W_\text{out}\|$, GELU's, and
     $W_\text{out}$'s. Autocast (bf16 matmuls, float32 softmax) is covered by the bf16 bound.
 
     This is a procedure under a stated model (correctly rounded elementary operations up to
@@ -1484,13 +1485,18 @@ def rounding_error_bound(
         scale = math.sqrt(d) * r
         sigma = {name: _sigma(block[name]) for name in "qkvo"}
         sigma_abs = {name: _sigma(block[name].abs()) for name in "qkvo"}
-        err = {name: _gamma(d + 1, u) * sigma_abs[name] * scale for name in "qkv"}
-        size = {name: sigma[name] * scale for name in "qkv"}
+        err = {name: _gamma(d + 1, u) * sigma_abs[name] * scale for name in "qk"}
+        size = {name: sigma[name] * scale for name in "qk"}
         score_error = score_scale * (err["q"] * size["k"] + size["q"] * err["k"]
                                      + _gamma(d_head + 1, u) * size["q"] * size["k"])
         softmax_error = (T + elementwise_ulps) * u
-        y_error = err["v"] + (score_error + softmax_error + _gamma(T + 1, u)) * size["v"]
-        y_size = size["v"]
+        # y, the heads side by side: each head averages its own values over the tokens, so the heads'
+        # sizes and errors add in squares (sigma(W_v) bounds one head's; H heads attending H tokens
+        # had reached sqrt(H) times that)
+        v_heads = _head_slices(block["v"], arch.n_head, "v")
+        y_size = math.hypot(*torch.linalg.matrix_norm(v_heads, ord=2).tolist()) * scale
+        v_error = _gamma(d + 1, u) * math.hypot(*torch.linalg.matrix_norm(v_heads.abs(), ord=2).tolist()) * scale
+        y_error = v_error + (score_error + softmax_error + _gamma(T + 1, u)) * y_size
         attention = c * (sigma["o"] * y_error + _gamma(d + 1, u) * sigma_abs["o"] * y_size) / math.sqrt(d)
         attention += elementwise * c * sigma["o"] * y_size / math.sqrt(d)
         r_mlp = exact.radii[2 * index + 1]
