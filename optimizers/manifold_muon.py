@@ -266,6 +266,7 @@ class ManifoldMuon(MatrixOptimizer):
             yet (the first step; after loading a state saved without one). Default ``None``:
             :func:`default_cold_dual_steps` (DGram: at least 2, where one certified its
             first step at 0.918 of the optimum on ``bench/manifold_frontier.py``'s GPT set).
+            Refused with ``warm_start=False``, where every step takes ``dual_steps``.
         dual_alpha: dual step size, in units of the full Newton or Jacobi step (default
             ``None``: :func:`default_dual_alpha`, 1 except for the Newton update on a form
             that declares over-relaxation: DGram's 1.5 raised its in-run certificate from
@@ -465,6 +466,11 @@ class ManifoldMuon(MatrixOptimizer):
             # no round runs: the method had been accepted and ignored
             raise ValueError(f"group {index}: polish_method={group['polish_method']!r} with polish_rounds=0 would be "
                              "ignored (no polish round runs); leave polish_method out or set polish_rounds >= 1")
+        if group.get("cold_dual_steps") is not None and group["warm_start"] is False:
+            # every step starts cold and takes dual_steps: the option had been accepted and ignored
+            raise ValueError(f"group {index}: cold_dual_steps={group['cold_dual_steps']!r} with warm_start=False "
+                             "would be ignored (it sets the dual steps of a warm-started run's first step; without "
+                             "warm starts every step takes dual_steps); leave cold_dual_steps out or set dual_steps")
         if group["gram_dualizer"] not in (*DUALIZERS, None):
             raise ValueError(f"group {index}: gram_dualizer must be one of {DUALIZERS} (or None: by the device), "
                              f"got {group['gram_dualizer']!r}")

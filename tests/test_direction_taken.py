@@ -337,7 +337,7 @@ def test_wrong_directions_fail_the_targets(kind, task):
 def test_the_optimizer_without_its_dual_solve_fails_the_targets(kind, task):
     # The projection start P_W msign(P_W G): the optimizer with no dual step, no carried step, no
     # warm start and no polish. The check must tell it from the default's solve.
-    solve_off = dict(dual_steps=0, cold_dual_steps=0, dual_carry=False, warm_start=False, polish_rounds=0)
+    solve_off = dict(dual_steps=0, dual_carry=False, warm_start=False, polish_rounds=0)
     steps = _train(kind, task, steps=max(RECORDED), record=RECORDED, **solve_off)
     fractions = [_measure(kind, s).fraction_high for s in steps]
     assert not _meets_targets(fractions), fractions

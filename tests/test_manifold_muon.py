@@ -495,6 +495,20 @@ def test_a_negative_cold_dual_step_count_is_refused_by_name():
         ManifoldMuon([W], manifold="dgram", cold_dual_steps=-1)
 
 
+def test_cold_dual_steps_without_warm_starts_is_refused_at_construction_and_after_an_edit():
+    # without warm starts every step takes dual_steps: cold_dual_steps would be ignored
+    W = torch.nn.Parameter(DGram().random(8, 4).data)
+    with pytest.raises(ValueError, match="cold_dual_steps=3 with warm_start=False would be ignored"):
+        ManifoldMuon([W], manifold="dgram", cold_dual_steps=3, warm_start=False)
+    opt = ManifoldMuon([W], manifold="dgram", cold_dual_steps=3)  # control: it applies with warm starts
+    opt.param_groups[0]["warm_start"] = False
+    W.grad = torch.randn_like(W)
+    before = W.detach().clone()
+    with pytest.raises(ValueError, match="cold_dual_steps=3 with warm_start=False"):
+        opt.step()
+    assert torch.equal(W.detach(), before)
+
+
 @pytest.mark.parametrize("manifold,update,alpha", [
     (DGram(), None, 1.5),  # the form's over-relaxation of its Newton step
     (DGram(), "jacobi", 1.0),  # declared for the Newton update only
