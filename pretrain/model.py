@@ -516,6 +516,14 @@ class GPT(nn.Module):
                 + "; build the model with get_config('cpu-lipschitz') or GPTConfig(lipschitz=True, "
                 "rope=True, fused_qkv=False, bias=False, tie_weights=False, mlp='gelu', n_experts=0)"
             )
+        # the blocks' own residual weight, as forward uses it (a block edited after construction
+        # had been certified with the config's 1/(2N)); the bound takes one weight for all
+        weights = {b.residual_weight for b in self.h}
+        if len(weights) > 1:
+            raise ValueError(
+                "lipschitz_weights(): the blocks' residual_weight differ ("
+                + ", ".join(f"block {i}: {b.residual_weight!r}" for i, b in enumerate(self.h))
+                + "); the certified bound takes one residual weight for every block: set them equal")
         blocks = [
             {
                 "q": b.attn.q.weight,
@@ -530,7 +538,7 @@ class GPT(nn.Module):
         return {
             "blocks": blocks,
             "head": self.lm_head.weight,
-            "residual_weight": 1.0 / (2 * self.config.n_layer),
+            "residual_weight": weights.pop(),
             "attention_scale": 1.0 / 3.0,
             "score_scale": 1.0 / (self.config.n_embd // self.config.n_head),
             "n_embd": self.config.n_embd,

@@ -63,6 +63,17 @@ def test_lipschitz_residual_and_embedding():
         GPT(get_config("cpu-tiny")).lipschitz_weights()
 
 
+def test_lipschitz_weights_report_the_residual_weight_the_blocks_use():
+    # forward reads each block's residual_weight: an edited one is what the bound must take
+    model = GPT(get_config("cpu-lipschitz"))
+    for block in model.h:
+        block.residual_weight = 0.4
+    assert model.lipschitz_weights()["residual_weight"] == 0.4
+    model.h[0].residual_weight = 0.3  # one weight per model in the bound: blocks that differ are refused
+    with pytest.raises(ValueError, match=r"residual_weight differ \(block 0: 0.3, block 1: 0.4"):
+        model.lipschitz_weights()
+
+
 def test_rotary_is_an_isometry_and_depends_on_position():
     x = torch.randn(2, 3, 7, 8, dtype=torch.float64)
     y = rotary(x)
