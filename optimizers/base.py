@@ -18,6 +18,10 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   weight_decay`` (and ``nonfinite``, ``regulate``; the matrix update's options are refused);
   defaults of ``torch.optim.AdamW`` for the keys the group omits):
   vectors and other non-matrices are declared, never silently sent to a matrix update.
+  A momentum-cycling schedule (``OneCycleLR``, ``CyclicLR``: ``cycle_momentum=True``) cycles
+  the matrix groups' ``momentum``; an AdamW group keeps its ``betas`` (torch writes
+  ``momentum`` into every group; AdamW does not read it): give AdamW its own
+  ``torch.optim.AdamW`` and scheduler where $\beta_1$ must cycle.
   A tensor with fewer than two dimensions in a matrix group is a ``ValueError`` at
   construction, naming it.
 * **Non-finite gradients** (group key ``nonfinite``), with no host read in the step: a
