@@ -216,6 +216,7 @@ def declarations() -> list[Declaration]:
         ]),
         *_map_rows(maps.hybrid, [
             (LPRO_G, H, "msign(row_norm(D)) scaled by its nuclear norm: both stages are S_m × O_n-equivariant."),
+            (SRP, H, "Signed row permutations are orthogonal and keep row norms: both stages commute with them."),
             (BO, F, "The row normalization breaks left rotations."),
         ]),
         # the centered (router) maps: one shift-invariance row each
@@ -223,6 +224,7 @@ def declarations() -> list[Declaration]:
             ("spectral", "Π^⊥ kills the shift and commutes with P; msign is O_d-equivariant on the right."),
             ("row_norm", "Centered input, row scaling, re-centered output: invariant to shifts."),
             ("left_polar", "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α."),
+            ("right_polar", "RightPolarGradM's router map: Π^⊥ M_c (M_cᵀM_c)^{-1/2} ‖M_c‖_*^α."),
             ("hybrid", "Centered row normalization then msign: both stages ignore the shift."),
         ] for row in _map_rows(maps.centered(getattr(maps, inner)), [(SHIFT, H, rationale)], f"centered({inner})")),
         *_map_rows(_swiglu_symmetry_update, [

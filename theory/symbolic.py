@@ -2855,11 +2855,11 @@ def certify_map_row(declaration) -> Certificate:
     The certificate's ``holds`` says whether the *declared* relation was certified
     (proof found for ``holds``, counterexample found for ``fails``): a ``holds`` row whose
     proof is for a fixed group (the spectral, polar, hybrid and centered maps: $O_m\times
-    O_n$, $S_m\times O_n$, expert permutations with shifts; the neuron permutation for the
+    O_n$, $S_m^\pm\times O_n$, expert permutations with shifts; the neuron permutation for the
     stacks) is certified only when its group lies within that one (:func:`_within`); the
     elementwise maps are proved for the declared group itself."""
     from geomuon.optimizers import maps
-    from geomuon.theory.groups import BiOrthogonal, LeftPermRightOrth, NeuronPermutation, RouterShift
+    from geomuon.theory.groups import BiOrthogonal, NeuronPermutation, RouterShift, SignedRowPermutation
 
     name, group, expected = declaration.update, declaration.group, declaration.expected
     shapes = [(3, 2), (2, 3)]
@@ -2871,7 +2871,7 @@ def certify_map_row(declaration) -> Certificate:
     witness: dict[str, Any] = {}
     if expected == "holds":
         proved = {"spectral": (BiOrthogonal(),), "spectral per matrix": (BiOrthogonal(), NeuronPermutation()),
-                  "right_polar": (BiOrthogonal(),), "left_polar": (BiOrthogonal(),), "hybrid": (LeftPermRightOrth(),),
+                  "right_polar": (BiOrthogonal(),), "left_polar": (BiOrthogonal(),), "hybrid": (SignedRowPermutation(),),
                   "swiglu hybrid stack": (NeuronPermutation(),)}.get(name)
         if name.startswith("centered("):
             proved = (RouterShift(),)
@@ -2889,10 +2889,11 @@ def certify_map_row(declaration) -> Certificate:
             parts.append(certify_newton_schulz_equivariance())
         elif name in ("hybrid", "swiglu hybrid stack"):
             # The library's hybrid with 0 Newton-Schulz steps (its row normalization and
-            # msign's normalization) is S_m^± x O_n-equivariant; every Newton-Schulz step
-            # is O_m x O_n-equivariant; the SwiGLU stack applies hybrid to W_gate, W_up
-            # (rows permuted) and to W_down^T.
-            parts += [certify_equivariance_every_size(_hybrid_stages, LeftPermRightOrth(), o) for o in orientations]
+            # msign's normalization) is S_m^± x O_n-equivariant (the monomial letter stands
+            # for every signed permutation, unsigned ones included); every Newton-Schulz step is
+            # O_m x O_n-equivariant; the SwiGLU stack applies hybrid to W_gate, W_up (rows
+            # permuted) and to W_down^T.
+            parts += [certify_equivariance_every_size(_hybrid_stages, SignedRowPermutation(), o) for o in orientations]
             parts.append(certify_newton_schulz_equivariance())
         elif name.startswith("centered("):
             inner = name[len("centered(") : -1]
@@ -2903,9 +2904,9 @@ def certify_map_row(declaration) -> Certificate:
                 stages = _centered_stages(maps.spectral) if inner == "spectral" else _centered_stages(maps.hybrid, alpha=0)
                 parts += [certify_equivariance_every_size(stages, RouterShift(), o) for o in orientations]
                 parts.append(certify_newton_schulz_equivariance())
-            elif inner == "left_polar":
-                # left_polar's msign is a probe there: the step proof is what it rests on
-                parts += [certify_polar_map_equivariance(maps.left_polar, o) for o in orientations]
+            elif inner in ("left_polar", "right_polar"):
+                # the polar map's msign is a probe there: the step proof is what it rests on
+                parts += [certify_polar_map_equivariance(getattr(maps, inner), o) for o in orientations]
                 parts.append(certify_newton_schulz_equivariance())
             else:
                 return Certificate(f"no certificate for the map row {declaration.id}", False, None)
