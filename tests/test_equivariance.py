@@ -700,3 +700,52 @@ def test_every_kind_meets_every_scale():
     # control: the same check of the map without its break holds
     assert check_equivariance(lambda D: D.clone(), "bi-orthogonal", (6, 4), trials=27, kinds=kinds,
                               seed=0).verdict == "holds"
+
+
+def sign_with_positive_zero(D):
+    """``D.ge(0) * 2 - 1``: an entrywise sign with sign(0) = +1. Not odd, so a signed
+    permutation breaks it at exact zeros, the very inputs where it also jumps under round-off."""
+    return torch.where(D >= 0, 1.0, -1.0).to(D.dtype)
+
+
+def test_a_holds_verdict_names_the_inputs_it_could_not_see():
+    # Old checker: "HOLDS ... all 20 resolved trials" and not a word of the 20 zero_lines trials,
+    # every one unresolved: the additive probe flips the zeros, so the floor there is O(1) and
+    # sign(0) = +1 is unseen (a blind spot of the design: the SVD's null pair of a singular input
+    # is the same kind of jump). The verdict must say which inputs it did not see.
+    report = check_equivariance(sign_with_positive_zero, "signed-permutation", (6, 4), seed=3,
+                                kinds=("gaussian", "zero_lines"))
+    assert report.verdict == "holds"
+    unresolved = [t for t in report.trials if t.verdict == "unresolved"]
+    assert unresolved and {t.kind for t in unresolved} == {"zero_lines"}
+    message = report.message()
+    assert f"Not seen: {len(unresolved)} of {len(report.trials)} trials unresolved (zero_lines {len(unresolved)})" \
+        in message
+    assert "no zero_lines input resolved at all" in message
+    # a check that resolved every trial has nothing unseen to report
+    full = check_equivariance(cubic, "bi-orthogonal", (5, 3), seed=1)
+    assert full.verdict == "holds" and full.resolved == len(full.trials) and "Not seen" not in full.message()
+
+
+@pytest.mark.parametrize("options, message", [
+    # old checker: ran the profile's 100 examples
+    (dict(max_examples=0), "max_examples must be a whole number >= 1, got 0"),
+    # old checker: failed every case, after a full shrink, with "(cap nan)"
+    (dict(tolerance_cap=math.nan), "tolerance_cap must be a finite number > 0"),
+    (dict(tolerance_cap=-1.0), "tolerance_cap must be a finite number > 0"),
+    # old checker: the cap of a must-fail declaration was ignored
+    (dict(expected="violated", tolerance_cap=1e-9), "tolerance_cap bounds the residual of a 'holds' declaration"),
+    # old checker: drew inf condition numbers (NaN inputs) / failed inside hypothesis
+    (dict(max_condition=math.inf), "max_condition must be a finite number >= 1"),
+    (dict(max_condition=0.5), "max_condition must be a finite number >= 1"),
+])
+def test_verify_declaration_refuses_bad_options_before_any_example(options, message):
+    evaluations = []
+
+    def counted(D):
+        evaluations.append(1)
+        return D.clone()
+
+    with pytest.raises(ValueError, match=message):
+        verify_declaration(counted, "permutation", **{"expected": "holds", "max_examples": 2, **options})
+    assert not evaluations

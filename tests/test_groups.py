@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from geomuon.theory.equivariance import check_equivariance
 from geomuon.theory.groups import (
     GROUPS,
     BiOrthogonal,
@@ -190,3 +191,38 @@ def test_without_a_generator_each_sample_is_a_new_draw_and_bad_arguments_are_nam
         get_group(None)
     with pytest.raises(TypeError, match="register_group: expected a Group instance"):
         register_group("x")
+
+
+@pytest.mark.parametrize("left", ["orthogonal", "signed_permutation", "positive_diagonal"])
+def test_a_shift_group_whose_left_factor_moves_the_ones_vector_is_refused(left):
+    # Old groups.py: sampled, with an inverse that assumes L^-1 1 = 1, so g^-1(g x) missed x by
+    # O(1) (7.2 at 6x4 with a rotation) and a check of a correct centered map came back
+    # "inconclusive, 0 of 120 resolved", blaming the map's round-off.
+    class ShiftedRows(TwoSidedGroup):
+        name = "shifted-rows-test"
+        right, shift = "orthogonal", True
+
+    ShiftedRows.left = left
+    with pytest.raises(ValueError, match=rf"ShiftedRows\.sample: shift = True .* left = '{left}'"):
+        ShiftedRows().sample((6, 4), _gen(13))
+    # the refusal reaches a check as the group's fault, before any trial
+    with pytest.raises(ValueError, match="group shifted-rows-test: sample.*fix the group"):
+        check_equivariance(lambda D: D - D.mean(dim=-2, keepdim=True), ShiftedRows(), (6, 4), seed=0)
+
+
+def test_a_shift_group_round_trips_and_bad_group_options_are_named():
+    # the left factors that fix 1 keep an exact inverse (permutations: every operation exact up to
+    # the shift's own rounding, |v| eps per entry; 1e-12 is far above that and far below O(1))
+    gen = _gen(14)
+    D = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    element = RouterShift().sample((6, 4), gen)
+    assert (element.inverse().act(element.act(D)) - D).abs().max() < 1e-12
+    for scale in (0.0, -1.0, math.nan, math.inf):  # 0 had sampled shifts that never shift; NaN, NaN inputs
+        with pytest.raises(ValueError, match="RouterShift: shift_scale must be a finite number > 0"):
+            RouterShift(shift_scale=scale)
+
+    class Misspelled(TwoSidedGroup):
+        left = "orthogonl"
+
+    with pytest.raises(ValueError, match=r"Misspelled\.left = 'orthogonl' is no factor; choose one of orthogonal"):
+        Misspelled().sample((3, 2), gen)

@@ -72,6 +72,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from geomuon.manifolds.linalg import check_real
+
 __all__ = [
     "Group",
     "GroupElement",
@@ -336,7 +338,8 @@ class TwoSidedGroup(Group):
     r"""The group $\{D \mapsto L D R^\top\}$ with $L$ from ``left`` and $R$ from ``right``
     (names in :data:`FACTORS`), and shifts $D \mapsto D + \mathbf 1 v^\top$,
     $v \sim \mathcal N(0, \text{shift\_scale}^2 I)$ when ``shift`` is set (which requires a
-    permutation on the left so that $\mathbf 1$ is fixed)."""
+    left factor that fixes $\mathbf 1$, a permutation or the identity: :meth:`sample` refuses
+    another)."""
 
     left: str = "orthogonal"
     right: str = "orthogonal"
@@ -345,15 +348,35 @@ class TwoSidedGroup(Group):
     invariant: bool = False
 
     def __init__(self, shift_scale: float = 1.0):
+        check_real(type(self).__name__, "shift_scale", shift_scale, lambda s: s > 0, "a finite number > 0")
         self.shift_scale = float(shift_scale)
 
+    def _factor(self, side: str) -> Callable[[int, torch.Generator | None], torch.Tensor]:
+        name = getattr(self, side)
+        if name not in FACTORS:
+            raise ValueError(f"{type(self).__name__}.{side} = {name!r} is no factor; choose one of "
+                             f"{', '.join(FACTORS)} (or add a sampler to geomuon.theory.groups.FACTORS)")
+        return FACTORS[name]
+
     def sample(self, shapes, generator: torch.Generator | None = None) -> TwoSidedElement:
-        m, n = _check_shape(shapes, f"{type(self).__name__}.sample")
+        r"""An element for ``shapes = (m, n)``. With ``shift`` set, the left factor must fix
+        $\mathbf 1$ ($L\mathbf 1 = \mathbf 1$, checked on the sample to the float64 round-off
+        of a row sum, $m\,\varepsilon$): only then is $D \mapsto LDR^\top + \mathbf 1v^\top$ a
+        group action whose inverse is $L^{-1}DR^{-\top} - \mathbf 1(R^{-1}v)^\top$. A rotation or
+        a signed permutation on the left had got that wrong inverse: the round trip was off by
+        $O(1)$, every trial of a check "unresolved" and the update blamed for its round-off."""
+        where = f"{type(self).__name__}.sample"
+        m, n = _check_shape(shapes, where)
         gen = _generator(generator)
-        left = FACTORS[self.left](m, gen)
-        right = FACTORS[self.right](n, gen)
+        left = self._factor("left")(m, gen)
+        right = self._factor("right")(n, gen)
         shift = None
         if self.shift:
+            row_sums = left.sum(dim=-1)
+            if not bool(((row_sums - 1).abs() <= m * torch.finfo(torch.float64).eps).all()):
+                raise ValueError(f"{where}: shift = True needs a left factor that fixes the all-ones vector "
+                                 f"(L 1 = 1), but left = {self.left!r} does not: set left = 'permutation' or "
+                                 "'identity', or shift = False")
             shift = self.shift_scale * torch.randn(n, generator=gen, dtype=torch.float64)
         return TwoSidedElement(left, right, shift, not self.invariant)
 
