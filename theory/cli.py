@@ -76,7 +76,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument of the map or the optimizer constructor (Python literal; repeatable)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps per trajectory, for an optimizer class target (default 3)")
+                        help="optimizer steps per trajectory, for an optimizer class target (default 3; only "
+                             "these steps are checked: an update that changes later, e.g. a preconditioner "
+                             "refreshed every k steps, needs more)")
     parser.set_defaults(func=run)
 
 

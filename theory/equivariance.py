@@ -619,7 +619,9 @@ class OptimizerUpdate(_Subject):
     Examples are ``(W_0, [G_1, ..., G_steps])``; ``W_0`` is put on ``manifold`` when one is
     given (:func:`_unit_rms_point`; the group's move of it is checked, :func:`_moved_point`). The output is the trajectory $W_0, W_1, \\dots$; the group moves weights
     with ``act_point`` and gradients with ``act_gradient``, and the residual is relative to
-    the path travelled (:func:`step_residual`)."""
+    the path travelled (:func:`step_residual`). Only the first ``steps`` steps are seen: an
+    update that changes after more (a preconditioner refreshed every $k$ steps, a warm-up, a
+    cold first step) needs ``steps`` past that point."""
 
     make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     name: str = ""
