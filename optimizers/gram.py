@@ -136,7 +136,7 @@ class GramSettings:
             :func:`polish` (the dual solver's; the projected solver's rounds alternate).
         smoothing: $c$ of the smoothed dual $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$,
             $\sqrt\mu = c\,\|Z\|_*/n$ (:func:`eigen_dualizer`; ``"eigh"`` only; 0: the
-            round-off shift alone). Its optimum certifies $\ge 1 - 0.3c$.
+            round-off shift alone). Its optimum certifies $\ge 1 - 0.301c$.
         shift_eps: a floor on the unit round-off $\varepsilon$ of the dualizer's shift
             (:func:`eigen_dualizer`, :func:`gram_msign`; ``None``: the dtype's own), so that a
             float64 step can keep float32's regularization (ManifoldMuon's choice,
@@ -290,9 +290,10 @@ def eigen_dualizer(Q: torch.Tensor, scale: torch.Tensor, smoothing: float = 0.0,
     multiplier $ZP$ is tangent with $\|ZP\|_2 < 1$, so it is feasible and certifies
 
     $$\frac{\langle G, ZP\rangle}{\|Z\|_*} = \frac{\sum_i\sigma_i^2/\sqrt{\sigma_i^2 + \mu}}{\sum_i\sigma_i}
-    \ \ge\ 1 - 0.3\,c$$
+    \ \ge\ 1 - 0.301\,c$$
 
-    (each $\sigma_i$ loses $\sigma_i(1 - \sigma_i/\sqrt{\sigma_i^2+\mu}) \le 0.3\sqrt\mu$). Without it the
+    (each $\sigma_i$ loses $\sigma_i(1 - \sigma_i/\sqrt{\sigma_i^2+\mu}) \le 0.301\sqrt\mu$, the maximum of $t(1 - t/\sqrt{t^2+1})$ being
+    $0.30028$ at $t \approx 0.786$). Without it the
     dual is nonsmooth where $Z$ is rank-deficient (a transformer's momentum), and the tangent
     projection of $\operatorname{msign}$ of even a converged iterate leaves the unit ball. $\mu$ is a
     spectral function of $Q$, so the map stays equivariant.

@@ -309,7 +309,7 @@ class ManifoldMuon(MatrixOptimizer):
         dual_smoothing: $c$ of the Gram path's smoothed dual
             $\operatorname{tr}(Z^\top Z + \mu I)^{1/2}$, $\sqrt\mu = c\,\|Z\|_*/n$
             (:func:`geomuon.optimizers.gram.eigen_dualizer`; ``"eigh"`` dualizer only): its
-            optimum's direction is tangent and certifies $\ge 1 - 0.3c$, where the unsmoothed
+            optimum's direction is tangent and certifies $\ge 1 - 0.301c$, where the unsmoothed
             dual is nonsmooth (a rank-spread momentum). Default 0.
         retraction: ``"fused"`` (default: a manifold with a Gram form retracts inside the
             Gram-space assembly with the form's retraction; any other manifold with its

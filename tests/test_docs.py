@@ -17,6 +17,7 @@ import html.parser
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -420,7 +421,11 @@ BENCHMARKS = {"polar_kernels": "polar_kernels", "optimizer_step": "optimizer_ste
               "manifold_frontier_jacobi": "manifold_frontier",
               "manifold_frontier_projected": "manifold_frontier",
               "manifold_inrun": "manifold_inrun", "manifold_inrun_reference": "manifold_inrun",
-              "manifold_inrun_projected": "manifold_inrun"}
+              "manifold_inrun_projected": "manifold_inrun",
+              "optimizer_step_amx": "optimizer_step", "optimizer_step_amx_2threads": "optimizer_step",
+              "optimizer_step_gpt2_small_amx": "optimizer_step",
+              "manifold_inrun_polar_express": "manifold_inrun", "manifold_inrun_polish": "manifold_inrun",
+              "distributed_step": "distributed_step", "equivariance_checker": "equivariance_checker"}
 
 
 def test_benchmark_tables_are_included_as_their_scripts_wrote_them(site):
@@ -461,3 +466,116 @@ def test_benchmark_marker_includes_the_file_or_says_not_yet_measured(tmp_path, c
     with caplog.at_level("WARNING", logger="mkdocs.hooks.geomuon_pages"):
         geomuon_pages.on_page_markdown("<!-- geomuon:benchmark no_such_script -->", None, config, None)
     assert "no bench/no_such_script.py" in caplog.text
+
+
+# --- numbers and conventions the concept and results pages state, held against their sources
+
+DOCS = ROOT / "docs"
+TABLES = DOCS / "results" / "benchmarks"
+
+
+def _table_header(name: str) -> dict[str, str]:
+    """The commit and the bf16 / fp32 matmul rate a benchmark table's header records."""
+    text = (TABLES / f"{name}.md").read_text()
+    commit = re.search(r"^\| commit \| `([0-9a-f]+)(?:-dirty)?` \|", text, re.MULTILINE).group(1)
+    rate = re.search(r"^\| bf16 / fp32 matmul rate \| ([\d.]+)x ", text, re.MULTILINE).group(1)
+    return {"commit": commit, "rate": rate}
+
+
+# (what the prose says, with named groups `commit` and/or `rate`) -> the table it describes
+RESULTS_PROSE_TABLES = [
+    (r"bf16 products at \*\*(?P<rate>[\d.]+)× the fp32 rate\*\*, a gap like", "optimizer_step_fast_bf16"),
+    (r"On a CPU with AMX\*\* \(an Intel Xeon whose bf16 products run at \*\*(?P<rate>[\d.]+)× the fp32 rate",
+     "optimizer_step_amx"),
+    (r"\(process clock, `(?P<commit>[0-9a-f]+)`, the first table\)", "optimizer_step_amx"),
+    (r"\(wall clock, the second table, `(?P<commit>[0-9a-f]+)`, quiet machine\)", "optimizer_step_amx_2threads"),
+    (r"The same block on the AMX Xeon \(`(?P<commit>[0-9a-f]+)`, bf16 (?P<rate>[\d.]+)× fp32",
+     "optimizer_step_gpt2_small_amx"),
+    (r"The same block on the fast-bf16 AMD EPYC \(`(?P<commit>[0-9a-f]+)`", "optimizer_step_gpt2_small_fast_bf16"),
+    (r"Measured here \(`(?P<commit>[0-9a-f]+)`, the Intel Xeon whose bf16 products run at (?P<rate>[\d.]+)× its",
+     "manifold_frontier"),
+    (r"the same AMD EPYC with bf16 at\s+(?P<rate>[\d.]+)× fp32\) one polish round", "manifold_frontier_projected"),
+    (r"an Intel Xeon without AMX: bf16 matrix products at \*\*(?P<rate>[\d.]+)× the fp32", "optimizer_step"),
+]
+
+
+@pytest.mark.parametrize("prose, table", RESULTS_PROSE_TABLES, ids=[t for _, t in RESULTS_PROSE_TABLES])
+def test_results_prose_quotes_the_commit_and_bf16_rate_of_its_table(prose, table):
+    text = (DOCS / "results" / "index.md").read_text()
+    found = re.search(prose, text)
+    assert found, f"results/index.md no longer says {prose!r}: update this test with the prose"
+    header = _table_header(table)
+    for key, value in found.groupdict().items():
+        assert value == header[key], f"results/index.md quotes {key} {value} for {table}.md, whose header says {header[key]}"
+
+
+def test_lipschitz_page_quotes_the_composition_numbers_of_the_tightness_table():
+    # The composition paragraph of the Lipschitz concept page quotes the results page's
+    # table: the product of the sub-layer estimates and the network estimate, 1000 steps.
+    table = (TABLES / "lipschitz_tightness.md").read_text()
+    page = (DOCS / "concepts" / "lipschitz.md").read_text().replace(",", "")
+    paragraph = page[page.index("Any bound that multiplies per-sub-layer constants"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    commit = re.search(r"^\| commit \| `([0-9a-f]+)` \|", table, re.MULTILINE).group(1)
+    assert f"the table at\n`{commit}`" in paragraph or f"the table at `{commit}`" in paragraph
+    for model in ("2 layers, 2 heads", "3 layers, 4 heads"):
+        row = re.search(rf"^\| {model} \| 1000 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", table, re.MULTILINE)
+        product, estimate, ratio = row.groups()
+        assert product in paragraph and estimate in paragraph, (model, product, estimate)
+        assert f"{float(ratio):.0f}×" in paragraph or f"{float(ratio):.1f}×" in paragraph, (model, ratio)
+    # The radii bullet quotes the table's last two columns (joint bound / reached, 1000 steps).
+    radii = page[page.index("*The composed radius is not.*"):]
+    radii = radii[:radii.index("\n* ")]
+    for model in ("2 layers, 2 heads", "3 layers, 4 heads"):
+        row = re.search(rf"^\| {model} \| 1000 \|.*\| ([\d.]+) / ([\d.]+) \| ([\d.]+) / ([\d.]+) \|$", table, re.MULTILINE)
+        for value in row.groups():
+            assert f"{float(value):.2f}" in radii, (model, value)
+
+
+def test_smoothed_dual_certificate_constant_is_an_upper_bound():
+    # Each singular value loses sigma (1 - sigma / sqrt(sigma^2 + mu)) = sqrt(mu) f(t),
+    # t = sigma / sqrt(mu), f(t) = t (1 - t / sqrt(t^2 + 1)); the page's constant must be at
+    # least max f (0.30028..., at t = 0.786), or the stated certificate 1 - const c is false.
+    page = (DOCS / "concepts" / "steepest-descent.md").read_text()
+    stated = float(re.search(r"certifies at least \$1 - ([\d.]+)c\$", page).group(1))
+    lo, hi = 0.0, 3.0
+    f = lambda t: t * (1 - t / math.sqrt(t * t + 1))  # noqa: E731 (unimodal on [0, inf))
+    for _ in range(200):  # golden-section search for the maximum
+        a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+        lo, hi = (a, hi) if f(a) < f(b) else (lo, b)
+    assert 0.3002 < f(lo) < 0.3004
+    assert stated >= f(lo), f"steepest-descent.md states 1 - {stated}c; each singular value can lose {f(lo):.5f} sqrt(mu)"
+
+
+def test_symmetry_page_states_the_action_its_gradient_formula_assumes():
+    # grad L(g.W) = L^-T grad L(W) R^-1 holds for g.W = L W R^T (R^-T for g.W = L W R); the
+    # page must say which, and act_gradient must compute it.
+    from geomuon.theory.groups import get_group
+
+    page = (DOCS / "concepts" / "symmetry.md").read_text()
+    formula = r"\nabla\mathcal L(g\cdot W) = L^{-\top}\nabla\mathcal L(W)R^{-1}"
+    assert formula in page
+    assert r"g\cdot W = LWR^\top" in page[: page.index(formula)], "the page uses L and R without defining the action"
+    torch = importlib.import_module("torch")
+    g = get_group("bi-orthogonal").sample((4, 3), generator=torch.Generator().manual_seed(0))
+    G = torch.randn(4, 3, dtype=torch.float64)
+    expected = torch.linalg.inv(g.left).mT @ G @ torch.linalg.inv(g.right)
+    torch.testing.assert_close(g.act_gradient(G), expected)
+
+
+def _step_ms(name: str, optimizer: str) -> float:
+    """The median step time of one optimizer in a step-cost table."""
+    text = (TABLES / f"{name}.md").read_text()
+    return float(re.search(rf"^\| {re.escape(optimizer)} \| ([\d.]+) \|", text, re.MULTILINE).group(1))
+
+
+def test_results_prose_thread_scaling_is_the_ratio_of_the_two_tables():
+    text = (DOCS / "results" / "index.md").read_text()
+    found = re.search(r"the whole step scales by (?P<step>[\d.]+)× from one\s+thread to two \(Stiefel "
+                      r"(?P<one>\d+) ms in the one-thread table, (?P<two>\d+) ms here.*?our Muon's scales by "
+                      r"(?P<muon>[\d.]+)× \((?P<muon_one>\d+) → (?P<muon_two>\d+) ms\)", text, re.DOTALL)
+    assert found, "results/index.md no longer states the two-thread scaling: update this test with the prose"
+    for optimizer, ratio, one, two in (("ManifoldMuon Stiefel", "step", "one", "two"), ("Muon (ours)", "muon", "muon_one", "muon_two")):
+        t1, t2 = _step_ms("optimizer_step", optimizer), _step_ms("optimizer_step_2threads", optimizer)
+        assert (round(t1), round(t2)) == (int(found[one]), int(found[two])), (optimizer, t1, t2)
+        assert found[ratio] == f"{t1 / t2:.2f}", f"{optimizer}: {t1} / {t2} = {t1 / t2:.3f}, the page says {found[ratio]}"

@@ -180,8 +180,8 @@ def test_smoothed_newton_steps_certify_the_smoothing_bound_on_a_rank_spread_mome
     # nonsmooth there, and msign of a converged dual iterate is ambiguous on Z's near-null
     # space, so its tangent projection leaves the unit ball. Newton steps on the smoothed dual
     # tr((Z^T Z + mu I)^{1/2}), sqrt(mu) = c ||Z||_* / n, converge to a Z whose Z(Z^T Z + mu I)^{-1/2}
-    # is tangent with norm < 1, certifying >= 1 - 0.3 c (each singular value loses at most
-    # max_t t(1 - t/sqrt(1 + t^2)) sqrt(mu) <= 0.3 sqrt(mu)); float64 round-off is far below.
+    # is tangent with norm < 1, certifying >= 1 - 0.301 c (each singular value loses at most
+    # max_t t(1 - t/sqrt(1 + t^2)) sqrt(mu) = 0.30028 sqrt(mu), at t = 0.786); float64 round-off is far below.
     # Measured after 32 steps: c = 0.03 -> 0.996, c = 0 -> 0.935 (96 x 32).
     manifold = Stiefel()
     W, G = _problem(manifold, 96, 32, seed=3)
@@ -192,7 +192,7 @@ def test_smoothed_newton_steps_certify_the_smoothing_bound_on_a_rank_spread_mome
         settings = GramSettings(dual_steps=32, carry=False, compute_dtype=None, smoothing=c)
         A, Z, _ = _gram_direction(manifold, W, G, settings)
         ratios[c] = certified_ratio(G, A, Z).item()
-    assert ratios[0.03] >= 1 - 0.3 * 0.03
+    assert ratios[0.03] >= 1 - 0.301 * 0.03
     assert ratios[0.0] < 0.95  # negative control: without smoothing the same steps certify less
 
 
