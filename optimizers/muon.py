@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, msign, narrower_range
+from geomuon.manifolds.linalg import KELLER_QUINTIC, NSSchedule, check_count, check_real, msign, narrower_range
 
 from .base import MatrixOptimizer, require_number
 from .regulate import muon_update_norm
@@ -67,9 +67,9 @@ class Muon(MatrixOptimizer):
 
     Raises:
         ValueError: negative ``lr``/``momentum``/``weight_decay``, a multi-element
-            tensor ``lr``, an unknown ``adjust_lr_fn``, ``ns_steps >= 100``, coefficients
-            that are not three numbers, a parameter that is not 2-D (under
-            ``matrix_view="strict"``).
+            tensor ``lr``, an unknown ``adjust_lr_fn``, ``ns_steps`` not a whole number in
+            $[0, 100)$, ``ns_coefficients`` that are not three finite real numbers, a
+            parameter that is not 2-D (under ``matrix_view="strict"``).
         RuntimeError: at ``step``, for complex parameters or sparse gradients.
     """
 
@@ -117,12 +117,24 @@ class Muon(MatrixOptimizer):
         require_number(index, "eps", group["eps"], lambda x: x >= 0, "a finite number >= 0")
         if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
-        if not 0 <= int(group["ns_steps"]) < 100:
+        # a whole number, not one int() makes whole: 2.7 had run 2 steps, "5" five, True one
+        ns_steps = check_count(f"group {index}", "ns_steps", group["ns_steps"], 0)
+        if ns_steps >= 100:
             raise ValueError(
                 f"group {index}: ns_steps must be in [0, 100) for computational efficiency, got {group['ns_steps']}"
             )
-        if len(tuple(group["ns_coefficients"])) != 3:
-            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+        coefficients = group["ns_coefficients"]
+        try:
+            count = len(coefficients)
+        except TypeError:
+            count = None
+        if count != 3:
+            raise ValueError(f"Coefficients must be a tuple of exactly 3 values (group {index}: ns_coefficients="
+                             f"{coefficients!r})")
+        # each a finite real number: a NaN had written NaN into the weights with no skip reported
+        # (the gradient was finite), a string had failed inside addmm
+        for name, value in zip("abc", coefficients):
+            check_real(f"group {index}", f"ns_coefficients ({name})", value)
 
     def _stack_dtype(self, group: dict, p: torch.Tensor) -> torch.dtype:
         # fp16 for wider weights: the momentum stays in their dtype, and msign narrows it after

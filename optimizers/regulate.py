@@ -330,12 +330,14 @@ class Regulator:
         """:meth:`__call__` without its finiteness test (a host read of the weight): what an
         optimizer step runs, whose weights stay finite because a non-finite gradient makes
         the step of its matrix a no-op on the device. A tensor ``lr`` is passed on as a
-        0-dim tensor, unread."""
+        0-dim tensor, unread; a float one is refused as :meth:`refusal` says (``ValueError``)."""
         _check_weight(W, type(self).__name__)
         if isinstance(lr, torch.Tensor):
             lr = lr.reshape(())
         else:
             lr = as_positive(type(self).__name__, "lr", lr, zero=True)
+            if (why := self.refusal(lr, tuple(W.shape[-2:]))) is not None:  # what an optimizer asks first
+                raise ValueError(why)
         if W.size(-2) == 0 or W.size(-1) == 0:  # no singular value to act on: every bound holds as it is
             return W.detach().clone()
         scale = rms_scale(W.shape)
@@ -359,6 +361,15 @@ class Regulator:
 # the regulators
 
 
+def _decay_refusal(regulator: "Regulator", lr: float, flips: str) -> str | None:
+    r"""A decay's refusal: a factor $1 - \eta\lambda$ below 0 would flip ``flips`` (asked before
+    any group steps: raised inside the step, the other groups' weights had moved)."""
+    if lr * regulator.weight_decay > 1:
+        return (f"{type(regulator).__name__}: lr * weight_decay = {lr * regulator.weight_decay} > 1 would flip "
+                f"{flips}; lower lr or weight_decay")
+    return None
+
+
 @dataclass(repr=False)
 class WeightDecay(Regulator):
     r"""lr-coupled decoupled weight decay $W \leftarrow (1 - \text{lr}\cdot\text{wd})\,W$.
@@ -373,14 +384,11 @@ class WeightDecay(Regulator):
     def __post_init__(self):
         self.weight_decay = as_positive("WeightDecay", "weight_decay", self.weight_decay, zero=True)
 
+    def refusal(self, lr, shape):
+        return _decay_refusal(self, lr, "the weights' sign")
+
     def regulate(self, M, *, lr, state):
-        factor = 1.0 - lr * self.weight_decay
-        if not isinstance(factor, torch.Tensor) and factor < 0:
-            raise ValueError(
-                f"WeightDecay: lr * weight_decay = {lr * self.weight_decay} > 1 would flip the "
-                "weights' sign; lower lr or weight_decay"
-            )
-        return M * factor
+        return M * (1.0 - lr * self.weight_decay)
 
 
 @dataclass(repr=False)
@@ -461,13 +469,11 @@ class SpectralWeightDecay(Regulator):
         self.steps, self.block = check_count("SpectralWeightDecay", "steps", self.steps, 1), \
             check_count("SpectralWeightDecay", "block", self.block, 1)
 
+    def refusal(self, lr, shape):
+        return _decay_refusal(self, lr, "the top singular direction")
+
     def regulate(self, M, *, lr, state):
         shrink = lr * self.weight_decay
-        if not isinstance(shrink, torch.Tensor) and shrink > 1:
-            raise ValueError(
-                f"SpectralWeightDecay: lr * weight_decay = {shrink} > 1 would flip the top "
-                "singular direction; lower lr or weight_decay"
-            )
         s, unit = _scaled(M)
         sigma, u, v = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)
         return M - (shrink * sigma)[..., None, None] * s * u.unsqueeze(-1) * v.unsqueeze(-2)  # (sigma-hat / s) s

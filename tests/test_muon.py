@@ -301,3 +301,26 @@ def test_a_tensor_learning_rate_is_never_read_back(no_host_reads):
     for p, q, w in zip(*results, start):
         assert torch.allclose(p, q, atol=4 * eps * p.abs().max().item(), rtol=0)
         assert not torch.equal(p, w)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"ns_steps": 2.7}, r"group 0: ns_steps must be a whole number >= 0, got 2\.7"),
+    ({"ns_steps": "5"}, r"group 0: ns_steps must be a whole number >= 0, got '5'"),
+    ({"ns_steps": True}, r"group 0: ns_steps must be a whole number >= 0, got True"),
+    ({"ns_coefficients": (float("nan"), -4.775, 2.0315)}, r"group 0: ns_coefficients \(a\) must be a finite number"),
+    ({"ns_coefficients": (3.4445, "b", 2.0315)}, r"group 0: ns_coefficients \(b\) must be a finite number"),
+])
+def test_newton_schulz_options_are_refused_by_name_before_any_step(options, match):
+    # ns_steps=2.7 had run 2 steps ("5" five, True one); a NaN coefficient had written NaN into
+    # the weights with no skip reported (the gradient was finite); a string one failed inside addmm
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=match):
+        Muon([p], lr=0.02, **options)
+    # the same options edited into a built optimizer's group are refused at the step, before it moves
+    opt = Muon([p], lr=0.02)
+    opt.param_groups[0].update(options)
+    p.grad = torch.randn(8, 4)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert torch.equal(p.detach(), before)

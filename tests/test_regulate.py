@@ -922,6 +922,27 @@ def test_a_rate_the_regulator_cannot_follow_is_refused_before_any_group_steps():
     assert not torch.equal(free.detach(), before[0]) and not torch.equal(capped.detach(), before[1])
 
 
+@pytest.mark.parametrize("name, what", [("weight_decay", "weight_decay = 1.25 > 1 would flip the weights' sign"),
+                                        ("spectral_weight_decay", "weight_decay = 1.25 > 1 would flip the top singular")])
+def test_a_decay_past_one_is_refused_before_any_group_steps(name, what):
+    # lr * weight_decay = 1.25 had raised inside the step, after the unregulated group and the
+    # regulated one had moved (weights and momentum): a retried step counted the gradient twice
+    gen = torch.Generator().manual_seed(1)
+    free, decayed = (torch.nn.Parameter(torch.randn(8, 4, generator=gen)) for _ in range(2))
+    spec = {"name": name, "weight_decay": 25.0}
+    opt = Muon([{"params": [free]}, {"params": [decayed], "regulate": spec}], lr=0.05)
+    before = [free.detach().clone(), decayed.detach().clone()]
+    for p in (free, decayed):
+        p.grad = torch.randn(p.shape, generator=gen)
+    with pytest.raises(ValueError, match=rf"group 1, regulate=.*{name}.* at lr=0.05 and shape \(8, 4\): .*"
+                                         rf"{what}.*nothing was stepped"):
+        opt.step()
+    assert torch.equal(free.detach(), before[0]) and torch.equal(decayed.detach(), before[1]) and not opt.state
+    opt.param_groups[1]["lr"] = 0.02  # control: lr * weight_decay = 0.5 steps both groups
+    opt.step()
+    assert not torch.equal(free.detach(), before[0]) and not torch.equal(decayed.detach(), before[1])
+
+
 def test_the_update_bound_follows_the_groups_options():
     # Muon's bound had been taken from the group's options when its regulator was built: a group
     # switched to adjust_lr_fn="match_rms_adamw" (a 3.9x larger update at 384 x 384) kept the old
