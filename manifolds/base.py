@@ -263,7 +263,12 @@ class MatrixManifold(geoopt.Manifold):
         if unknown:
             raise ValueError(f"manifold spec {spec['name']!r}: unknown keys {sorted(unknown)}")
         manifold_cls = MatrixManifold.by_name(spec["name"])
-        args = dict(spec.get("args") or {})
+        args = spec.get("args")
+        if args is not None and not isinstance(args, Mapping):
+            # (dict() of a list had raised "cannot convert dictionary update sequence", naming nothing)
+            raise ValueError(f"manifold spec {spec['name']!r}: 'args' must be a dict of constructor arguments "
+                             f"by name, got {type(args).__name__} {args!r}")
+        args = dict(args or {})
         positional, keywords = [], {}
         parameters = list(inspect.signature(manifold_cls.__init__).parameters.values())[1:]
         for parameter in parameters:
@@ -441,7 +446,7 @@ class MatrixManifold(geoopt.Manifold):
 
         def gram(v):
             lam = v.reshape(rhs.shape)
-            return self.constraint(x, self.constraint_adjoint(x, lam)).reshape(b.shape)
+            return self.constraint(x, self._normal_of(x, lam)).reshape(b.shape)
 
         return conjugate_gradients(gram, b, diag).reshape(rhs.shape)
 
@@ -456,7 +461,7 @@ class MatrixManifold(geoopt.Manifold):
         built-in ``proju`` is.
         """
         x, u = broadcast_pair(x.to(u.dtype), u)
-        return u - self.constraint_adjoint(x, self.gram_solve(x, self.constraint(x, u)))
+        return u - self._normal_of(x, self.gram_solve(x, self.constraint(x, u)))
 
     def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Riemannian gradient of the Euclidean metric: the tangent projection of ``u``."""
@@ -623,12 +628,39 @@ class MatrixManifold(geoopt.Manifold):
 
     @matrix_method("u", result="check")
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
-        x, u = broadcast_pair(x, u)
-        residual = self.constraint(x, u)
-        ok = torch.allclose(residual, torch.zeros_like(residual), atol=atol, rtol=rtol)
-        return ok, None if ok else f"constraint L_x(u) != 0 with atol={atol}"
+        r"""geoopt's ``(ok, reason)``: whether the normal component of ``u`` is small beside
+        ``u``, matrix by matrix,
+
+        $$\|N_xu\|_F \le \text{atol}\,\|u\|_F,\qquad N_xu = L_x^*(L_xL_x^*)^{-1}L_xu,$$
+
+        measured in float32 (float64 for float64 input). Scale-free in ``x`` and ``u``, as
+        tangency is: the test $|L_x(u)| \le \text{atol}$ had refused float32 tangent vectors
+        fresh from ``proju`` once $\|x\|\|u\|$ reached $10^2$ (round-off of $L_x(u)$ grows with
+        it) and accepted a unit normal at a point of ``LPRO(radius=1e-6)``. ``rtol`` is unused
+        (the reference value of the normal component is 0)."""
+        compute = fp32_or_fp64(u.dtype)
+        x, u = broadcast_pair(x.to(compute), u.to(compute))
+        normal = self._normal_of(x, self.gram_solve(x, self.constraint(x, u)))
+        relative = normal.norm(dim=(-2, -1)) / u.norm(dim=(-2, -1)).clamp_min(torch.finfo(compute).tiny)
+        worst = float(relative.max()) if relative.numel() else 0.0
+        ok = worst <= atol
+        return ok, None if ok else (f"the normal component of u is {worst:.1e} of |u| (atol={atol}): "
+                                    "u is not tangent, L_x(u) != 0")
 
     # ---------------------------------------------------------------- internals
+    def _normal_of(self, x: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        r"""$L_x^*(\Lambda)$ by ``constraint_adjoint``, refused (``ValueError`` naming it) unless a
+        matrix of ``x``'s shape: a user's adjoint returning the multiplier's shape had failed in
+        the next ``constraint`` call, whose message blamed a tangent vector ``u`` the caller never
+        passed."""
+        out = self.constraint_adjoint(x, lam)
+        if isinstance(out, torch.Tensor) and (out.dim() < 2 or out.shape[-2:] != x.shape[-2:]):
+            raise ValueError(
+                f"{self.name}: constraint_adjoint(x, lam) returned shape {tuple(out.shape)} for x of shape "
+                f"{tuple(x.shape)} and lam of shape {tuple(lam.shape)}; L_x^*(lam) is a matrix [..., m, n] like x"
+            )
+        return out
+
     def _newton_projection(self, y: torch.Tensor) -> torch.Tensor:
         if not self.has_defining_map:
             raise NotImplementedError(
@@ -641,7 +673,7 @@ class MatrixManifold(geoopt.Manifold):
         small = 1e-2 * torch.finfo(y.dtype).eps ** 0.5
         tiny = torch.finfo(y.dtype).tiny
         for _ in range(self.newton_steps):
-            step = self.constraint_adjoint(y, self.gram_solve(y, self.defining_map(y)))
+            step = self._normal_of(y, self.gram_solve(y, self.defining_map(y)))
             y = y - step
             relative_step = step.norm(dim=(-2, -1)) / y.norm(dim=(-2, -1)).clamp_min(tiny)
             if bool((relative_step <= small).all()):
@@ -654,7 +686,33 @@ class MatrixManifold(geoopt.Manifold):
                 RuntimeWarning,
                 stacklevel=3,
             )
+            return y
+        # A small step is also what a stall looks like: where the normal space degenerates (a
+        # zero or rank-deficient input) F(y) leaves the range of L_y, whose solve then moves y
+        # by nothing. Converged, F(y) is round-off of its terms, about eps (|L_y(y)| + |F(0)|)
+        # (L_y(y) = k q(y) for a q homogeneous of degree k, F = q - F(0)); sqrt(eps) of that
+        # scale parts the two by orders of magnitude (the generic projx had returned the zero
+        # matrix for a Frobenius sphere, and a generalized Stiefel frame 0.58 off M, unwarned).
+        residual = self._flat_multiplier(self.defining_map(y), y).norm(dim=-1)
+        scale = (self._flat_multiplier(self.constraint(y, y), y).norm(dim=-1)
+                 + self._flat_multiplier(self.defining_map(torch.zeros_like(y)), y).norm(dim=-1))
+        stalled = residual > torch.finfo(y.dtype).eps ** 0.5 * scale
+        if bool(stalled.any()):
+            worst = float((residual / scale.clamp_min(tiny)).max())
+            warnings.warn(
+                f"{self.name}: the Gauss-Newton projection stalled off the manifold (|F(y)| = {worst:.1e} of the "
+                "scale of its terms) where the normal space of the constraint degenerates, as at a zero or "
+                "rank-deficient matrix: start from a generic (full-rank) matrix, or override projx and retr "
+                "with a closed form",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return y
+
+    @staticmethod
+    def _flat_multiplier(multiplier: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A multiplier-shaped tensor of the points ``x`` ``[..., m, n]`` as ``[..., p]``."""
+        return multiplier.reshape(*x.shape[:-2], -1)
 
 
 def _class_path(cls: type) -> str:

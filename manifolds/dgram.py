@@ -42,8 +42,15 @@ class DGram(MatrixManifold):
     not the metric projection (which has no closed form). The constraint maps compute in
     the input's dtype, ``proju`` in ``u``'s.
 
-    A point, a retraction target $W + V$ or a ``projx`` input with a zero column raises
-    ``ValueError``: the manifold requires nonzero columns and the formulas divide by them.
+    A retraction target $W + V$ or a ``projx`` input with a zero column raises ``ValueError``:
+    the manifold requires nonzero columns and those maps divide by them (a host read, once per
+    retraction). The maps an optimizer's step calls at its point, ``proju`` and
+    ``constraint_gram_diag``, read nothing back: a point with a zero column is refused by the
+    point check (:meth:`points_on_manifold`, an optimizer's first step), and past it only a
+    retraction, which raises, could make one. At such a point ``proju`` is still the orthogonal
+    projection onto $\ker L_W$ (the denominators $d_i^2 + d_j^2$ are clamped at ``tiny``, where
+    the numerator vanishes: on the diagonal, and between two zero columns), and the Gram
+    diagonal is 0 on the multipliers $L_W$ cannot reach.
     """
 
     name = "DGram"
@@ -71,8 +78,9 @@ class DGram(MatrixManifold):
     @matrix_method(result="multiplier")
     def constraint_gram_diag(self, x):
         # The diagonal entries of the multiplier are always zero; 4 d_i^2 there is a safe
-        # positive placeholder given by the same formula.
-        d2 = self._squared_column_norms(x, "x")
+        # positive placeholder given by the same formula. No zero-column check: a host read in
+        # every optimizer step (the solvers treat a zero entry as a multiplier L_W cannot reach).
+        d2 = x.square().sum(-2)
         return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
     @matrix_method(result="multiplier")
@@ -82,8 +90,13 @@ class DGram(MatrixManifold):
     @matrix_method("u")
     def proju(self, x, u):
         x = x.to(u.dtype)  # computed in u's dtype, as MatrixManifold.proju documents
-        d2 = self._squared_column_norms(x, "x")
-        sigma = off_diagonal(x.mT @ u + u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2))
+        d2 = x.square().sum(-2)
+        # clamped, not checked (a host read in every optimizer step): where d_i^2 + d_j^2 = 0 the
+        # numerator is 0 too (the diagonal, or two zero columns), so 0 / tiny = 0 is the projection
+        denominator = d2.unsqueeze(-1) + d2.unsqueeze(-2)
+        if isinstance(denominator, torch.Tensor):  # (the symbolic certificates' columns are nonzero letters)
+            denominator = denominator.clamp_min(torch.finfo(denominator.dtype).tiny)
+        sigma = off_diagonal(x.mT @ u + u.mT @ x) / denominator
         return u - x @ sigma
 
     @matrix_method(finite=True)

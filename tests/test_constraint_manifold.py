@@ -130,6 +130,42 @@ def test_unconverged_projection_warns():
         OneStep().retr(x, 3 * Oblique().proju(x, torch.randn_like(x)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("degenerate", ["zero_column", "repeated_column"])
+def test_a_stalled_projection_warns(degenerate, dtype):
+    # Where the normal space degenerates, F(y) leaves the range of L_y and Gauss-Newton steps by
+    # nothing: its small-step stop had returned a generalized Stiefel frame 0.58 off M, unwarned.
+    manifold = GeneralizedStiefel(spd(6, seed=3).to(dtype))
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    x[:, 1] = 0.0 if degenerate == "zero_column" else x[:, 0]
+    with pytest.warns(RuntimeWarning, match="GeneralizedStiefel: the Gauss-Newton projection stalled off"):
+        y = manifold.projx(x)
+    assert manifold_residual(manifold, y) < default_tolerance(dtype)  # the first-order residual cannot see it
+    assert not manifold.check_point_on_manifold(y)
+    # control: from a generic matrix it converges, with no warning (the test's filter makes one an error)
+    x[:, 1] = torch.randn(6, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert manifold.check_point_on_manifold(manifold.projx(x))
+
+
+def test_an_adjoint_of_the_wrong_shape_is_named():
+    # returning the multiplier's shape (S instead of W S) had failed in the next constraint call,
+    # "u of shape (3, 3) does not match the point's matrix shape (5, 3)", blaming a u never passed
+    class MultiplierShapedAdjoint(GeneralizedStiefel):
+        def constraint_adjoint(self, x, lam):
+            return lam + lam.mT
+
+    manifold = MultiplierShapedAdjoint(spd(5))
+    x = GeneralizedStiefel(spd(5)).random(5, 3, dtype=torch.float64)
+    for call in (lambda: manifold.proju(x, torch.randn_like(x)), lambda: manifold.projx(x),
+                 lambda: manifold.retr(x, torch.zeros_like(x)), lambda: manifold.random(5, 3)):
+        with pytest.raises(ValueError, match=r"MultiplierShapedAdjoint: constraint_adjoint\(x, lam\) returned shape "
+                                             r"\(3, 3\) for x of shape \(5, 3\)"):
+            call()
+    assert manifold.constraint(x, x).shape == (3, 3)  # control: the constraint itself is fine
+
+
 def test_a_float32_point_of_a_large_radius_is_a_point_to_the_optimizer():
     # The generic check compared F(x) = (|x|^2 - r^2)/2 with 0 at atol 1e-5: its fp32 round-off
     # grows like r^2, so ManifoldMuon refused fp32 points of LPRO(radius=10) fresh from projx,

@@ -156,3 +156,20 @@ def test_one_row_or_column_shapes_still_catch_a_broken_metric(shape):
 def test_bad_shapes_are_refused_with_a_clear_message(shape):
     with pytest.raises(ValueError, match="check_manifold_contract: shape"):
         check_manifold_contract(Stiefel(), shape)
+
+
+BAD_FORM_SETTINGS = {"dual_steps": 2.5, "cold_dual_steps": -1, "polish_rounds": True, "newton_cg_steps": -5,
+                     "newton_alpha": float("nan"), "polish_method": "admm_typo", "retraction_order": 0}
+
+
+@pytest.mark.parametrize("setting", BAD_FORM_SETTINGS)
+def test_a_gram_form_with_an_invalid_optimizer_default_is_caught(setting):
+    # ManifoldMuon reads these at a matrix's first step: dual_steps = 2.5 ran as 2 steps, the
+    # others raised there naming GramSettings, not the manifold; the contract had passed them all
+    value = BAD_FORM_SETTINGS[setting]
+    form = type("BadSettingForm", (type(Oblique.gram_form),), {setting: value})()
+    broken = type("BadSettingOblique", (Oblique,), {"name": "BadSettingOblique", "gram_form": form})()
+    report = check_manifold_contract(broken, SHAPE, dtype=torch.float64, seed=0, raise_on_failure=False)
+    assert [check.name for check in report.failures] == ["gram_form_settings"]
+    assert f"{setting} = {value!r}" in report["gram_form_settings"].note
+    assert failed_checks(Oblique(), torch.float64) == []  # control: the declared defaults are valid

@@ -441,12 +441,11 @@ def test_dgram_zero_column_is_rejected():
     manifold = DGram()
     for call in (
         lambda: manifold.projx(W),
-        lambda: manifold.proju(W, torch.randn_like(W)),
-        lambda: manifold.constraint_gram_diag(W),
         lambda: manifold.retr(W, torch.zeros_like(W)),
     ):
         with pytest.raises(ValueError, match="zero column"):
             call()
+    assert not manifold.check_point_on_manifold(W)  # what refuses such weights before a step
     # A step that annihilates a column (V = -W is tangent: Off(-2 W^T W) = 0).
     with pytest.raises(ValueError, match="zero column"):
         manifold.retr(dgram_point(), -dgram_point())
@@ -734,3 +733,55 @@ def test_random_refuses_a_negative_size_by_name(size):
     # torch's "Trying to create tensor with negative dimension" had named no parameter
     with pytest.raises(ValueError, match=r"Stiefel: size .* has a negative dimension"):
         Stiefel().random(*size)
+
+
+@pytest.mark.parametrize("manifold,scale", [
+    (LPRO(radius=1e-6), 1.0), (LPRO(radius=1e3), 1.0), (DGram(), 1e-4), (DGram(), 1e2),
+    (CenteredRouterSpace(), 1e-4), (CenteredRouterSpace(), 1e2), (Stiefel(), 1.0), (Oblique(), 1.0),
+], ids=["lpro_1e-6", "lpro_1e3", "dgram_1e-4", "dgram_1e2", "router_1e-4", "router_1e2", "stiefel", "oblique"])
+def test_tangent_check_is_scale_free(manifold, scale):
+    # |L_x(u)| <= atol had refused float32 tangent vectors of size 1e2 (the round-off of L_x(u)
+    # grows with |x||u|) and accepted a unit normal at a point of LPRO(radius=1e-6).
+    # Tolerance: a float32 proju output keeps a normal component of its round-off, about
+    # sqrt(n) eps |u| = 7e-7 |u| for n = 32 summed terms, and the check's own float32 solve adds
+    # as much; the default atol 1e-5 (84 eps) is 7x above both. A normal vector's ratio is 1.
+    gen = torch.Generator().manual_seed(16)
+    x = manifold.random(64, 32, generator=gen).data * scale  # (each manifold here is a cone or a point set at that scale)
+    assert manifold.check_point_on_manifold(x)
+    for size in (1e-4, 1e2):
+        tangent = manifold.proju(x, size * torch.randn(64, 32, generator=gen))
+        assert manifold.check_vector_on_tangent(x, tangent), size
+        normal = normal_component(manifold, x, torch.randn(64, 32, generator=gen, dtype=torch.float64))
+        normal = (size * normal / normal.norm()).float()
+        ok, reason = manifold.check_vector_on_tangent(x, normal, explain=True)
+        assert not ok and "normal component of u" in reason, size
+
+
+def test_dgram_maps_of_an_optimizer_step_read_nothing_back():
+    # proju and constraint_gram_diag had checked for a zero column with bool(), a host read in
+    # every step of ManifoldMuon's general path (three per step); the point check and the
+    # retraction (which raises) keep zero columns out. Counted by bool() on any tensor.
+    manifold, reads = DGram(), []
+    W, G = dgram_point(), torch.randn(10, 6, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    original = torch.Tensor.__bool__
+    torch.Tensor.__bool__ = lambda tensor: reads.append(1) or original(tensor)
+    try:
+        P, diag = manifold.proju(W, G), manifold.constraint_gram_diag(W)
+        W0 = W.clone()
+        W0[:, 2] = 0
+        P0 = manifold.proju(W0, G)
+    finally:
+        torch.Tensor.__bool__ = original
+    assert reads == []
+    # still the orthogonal projection onto ker L_W, at a zero column too (no NaN from 0/0):
+    # idempotent, tangent and self-adjoint to float64 round-off (the contract's tolerance)
+    tol = default_tolerance(torch.float64)
+    for point, projected in ((W, P), (W0, P0)):
+        assert torch.isfinite(projected).all()
+        assert (manifold.proju(point, projected) - projected).norm() <= tol * G.norm()
+        assert manifold.constraint(point, projected).norm() <= tol * point.norm() * G.norm()
+        H = torch.randn(10, 6, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
+        assert abs((projected * H).sum() - (G * manifold.proju(point, H)).sum()) <= tol * G.norm() * H.norm()
+    # the Jacobi diagonal is L_W L_W^* on the range of L_W
+    lam = manifold.constraint(W, G)
+    assert (manifold.constraint(W, manifold.constraint_adjoint(W, lam)) - diag * lam).norm() <= tol * (diag * lam).norm()

@@ -126,6 +126,17 @@ def test_from_spec_refuses_bad_specs_by_name():
         MatrixManifold.resolve("nope", "param group 3")
 
 
+@pytest.mark.parametrize("args", [[2.0], "radius=2", 2.0], ids=["list", "string", "number"])
+def test_from_spec_refuses_args_that_are_not_a_dict_by_name(args):
+    # dict() of them had raised "cannot convert dictionary update sequence element #0 to a
+    # sequence" (a list), "dictionary update sequence element #0 has length 1" (a string) or
+    # "'float' object is not iterable", naming neither the spec nor its 'args'
+    with pytest.raises(ValueError, match=r"manifold spec 'LPRO': 'args' must be a dict"):
+        MatrixManifold.from_spec({"name": "LPRO", "args": args})
+    with pytest.raises(ValueError, match=r"param group 0: manifold spec 'LPRO': 'args' must be a dict"):
+        MatrixManifold.resolve({"name": "LPRO", "args": args}, "param group 0")
+
+
 def test_unserialisable_constructor_argument_is_refused_by_spec():
     class WithCallable(Euclidean):
         name = "WithCallableForTest"
