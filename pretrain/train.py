@@ -32,9 +32,13 @@ on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --para
 * **Schedules.** Linear warmup then cosine decay to ``min_lr_ratio`` of every group's
   base learning rate (the matrix and AdamW rates share the schedule).
 * **Checkpoints** are written atomically (temp file, fsync, ``os.replace``) and the
-  previous one is kept as ``ckpt.prev.pt``. Resuming restores parameters, optimizer
-  state, the step and the log records; batches are a function of (seed, step), so the
-  remaining losses and the log are bit-identical to an uninterrupted run on CPU.
+  previous one is kept as ``ckpt.prev.pt``; a write that fails (a full disk) removes its
+  partial file and stops the run with :class:`RunWriteError` naming the file (the
+  command line: one line, exit 1), the previous checkpoint intact (so does a log write that
+  fails). Resuming restores
+  parameters, optimizer state, the step and the log records; batches are a function of
+  (seed, step), so the remaining losses and the log are bit-identical to an uninterrupted
+  run on CPU.
   Under ``torchrun`` they are **distributed checkpoints** (``torch.distributed.checkpoint``):
   a folder ``dcp-step<N>`` in which every rank writes the shards and optimizer state it
   holds, renamed into place once complete; the latest two are kept
@@ -168,12 +172,16 @@ def owners(params: list[torch.Tensor], world: int) -> list[int]:
 class Distributed:
     """Rank bookkeeping; a no-op when ``WORLD_SIZE`` is unset or 1, unless ``parallel``
     asks for DDP/FSDP2 under ``torchrun`` (``MASTER_ADDR`` set): then one process is a
-    world of one, so ``--parallel fsdp`` runs its sharded path (the CUDA smoke test)."""
+    world of one, so ``--parallel fsdp`` runs its sharded path (the CUDA smoke test).
+    A process group the caller initialized before is used and left to it: :meth:`close`
+    destroys only the group this object created (it had destroyed the caller's, whose next
+    collective then failed with "Default process group has not been initialized")."""
 
     def __init__(self, device: str, parallel: str = "none"):
         self.world, self.rank, self.local_rank = map(launcher_value, ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
         self.enabled = self.world > 1 or (parallel != "none" and "MASTER_ADDR" in os.environ)
-        if self.enabled and not dist.is_initialized():
+        self.created_group = self.enabled and not dist.is_initialized()
+        if self.created_group:
             nccl = device.startswith("cuda")
             if nccl:  # before the first collective: NCCL runs each rank's on its current device
                 torch.cuda.set_device(self.local_rank)
@@ -212,7 +220,8 @@ class Distributed:
         return [bool(flag) for flag in flags.tolist()]
 
     def close(self):
-        if self.enabled and dist.is_initialized():
+        """Destroy the process group if this object created it (the caller's stays)."""
+        if self.created_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -324,21 +333,39 @@ def _prepare_out_dir(path: str, overwrite: bool) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
+class RunWriteError(OSError):
+    """A checkpoint or the log of a run could not be written (a full disk, a quota, a folder
+    gone): the run stops, and its folder keeps the checkpoint it held before, if any."""
+
+
 def save_checkpoint(path: str, payload: dict) -> None:
-    """Write ``payload`` atomically to ``path``; the previous file becomes ``*.prev.pt``."""
+    """Write ``payload`` atomically to ``path``; the previous file becomes ``*.prev.pt``.
+    A write that fails (``OSError``) removes its partial files and raises
+    :class:`RunWriteError` naming ``path``, whether an earlier checkpoint is intact,
+    and what to do (a full disk had raised a bare ``[Errno 28]`` and left the partial
+    ``ckpt.pt.tmp`` taking the space)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(path):
-        prev = previous_checkpoint(path)
-        try:  # a hard link keeps `path` valid until the new file replaces it
-            os.link(path, prev + ".tmp")
-        except OSError:
-            shutil.copy2(path, prev + ".tmp")
-        os.replace(prev + ".tmp", prev)
-    os.replace(tmp, path)
+    prev = previous_checkpoint(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            try:  # a hard link keeps `path` valid until the new file replaces it
+                os.link(path, prev + ".tmp")
+            except OSError:
+                shutil.copy2(path, prev + ".tmp")
+            os.replace(prev + ".tmp", prev)
+        os.replace(tmp, path)
+    except OSError as err:
+        for partial in (tmp, prev + ".tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+        kept = (f"{path!r} still holds the previous checkpoint: make room and continue with --resume"
+                if os.path.exists(path) else "no earlier checkpoint exists: make room and start again")
+        raise RunWriteError(err.errno, f"checkpoint {path!r} could not be written "
+                                   f"({err.strerror or err}); {kept}") from err
 
 
 def previous_checkpoint(path: str) -> str:
@@ -792,7 +819,7 @@ class RunLog:
 
     def __init__(self, path: str | None, records: list[dict]):
         self.records = list(records)
-        self.file = None
+        self.path, self.file = path, None
         if path is not None:
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
@@ -803,8 +830,13 @@ class RunLog:
     def write(self, record: dict) -> None:
         self.records.append(record)
         if self.file is not None:
-            self.file.write(log_line(record))
-            self.file.flush()
+            try:
+                self.file.write(log_line(record))
+                self.file.flush()
+            except OSError as err:  # (a full disk had raised a bare "[Errno 28]" naming no file)
+                raise RunWriteError(err.errno, f"log {self.path!r} could not be written ({err.strerror or err}); a "
+                                    "resume rewrites it from the run's last checkpoint: make room and continue "
+                                    "with --resume (or start again if no checkpoint was written)") from err
 
     def close(self) -> None:
         if self.file is not None:
@@ -920,6 +952,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     ckpt_every = cfg.ckpt_every or cfg.eval_every
     t0 = time.perf_counter() - elapsed_before
     last_saved: int | None = None  # the last step checkpointed by this session
+    # the step of the folder's newest checkpoint: a stop there writes none again (a second copy
+    # had pushed the distinct checkpoint before it out of ckpt.prev.pt)
+    newest_checkpoint = start if on_disk and cfg.resume else None
     val_seed = cfg.seed if cfg.val_seed is None else cfg.val_seed
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # steps whose loss is on the device
 
@@ -977,9 +1012,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             log.write({"kind": "diverged", "step": step - 1, "nonfinite_parameters": nonfinite})
             warn(f"step {step - 1}: non-finite weights in {', '.join(nonfinite)}; stopping without a checkpoint")
             return False
-        nonlocal last_saved
+        nonlocal last_saved, newest_checkpoint
         result.wall_time = time.perf_counter() - t0  # what the checkpoint records, and a resume reads back
-        last_saved = step
+        last_saved = newest_checkpoint = step
         record = _run_record(model, cfg, data, step, result, log, result.wall_time)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
@@ -991,12 +1026,13 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         """After a signal (on any rank): checkpoint the ``step`` steps done, with their losses,
         then stop. Under torchrun the ranks agree by an all-reduce read back to the host (a
         synchronisation), so they ask only right after a step whose losses came to the host
-        (``step - 1`` a multiple of ``log_every``), not at every step."""
+        (``step - 1`` a multiple of ``log_every``), not at every step. A ``step`` the folder's
+        newest checkpoint holds already is not written again, so the one before stays."""
         if ddp.enabled and (step - 1) % cfg.log_every:
             return
         signum = ddp.largest(request.signum)
         if signum:  # a run found diverged saves nothing, as at its other checkpoints
-            saved = on_disk and flush() and save(step)
+            saved = on_disk and flush() and (step == newest_checkpoint or save(step))
             raise TrainingInterrupted(step, signum, cfg.out_dir, saved=saved)
 
     progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")
@@ -1156,6 +1192,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"geomuon pretrain: {err}", file=sys.stderr)
         return 2
+    except RunWriteError as err:
+        print(f"geomuon pretrain: {err.strerror}", file=sys.stderr)
+        return 1
     except TrainingInterrupted as stop:
         if main:
             again = replace(cfg, out_dir=stop.out_dir, resume=True, overwrite=False)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -302,3 +303,28 @@ def test_folder_holding_a_distributed_checkpoint_is_a_run(tmp_path):
     assert resolve_out_dir(config(tmp_path, resume=True)) == str(tmp_path)
     (tmp_path / "dcp-step00000006").rename(tmp_path / "dcp-step00000006.tmp")  # unfinished: not a run
     assert resolve_out_dir(config(tmp_path)) == str(tmp_path)
+
+
+
+def test_train_leaves_a_process_group_the_caller_initialized(tmp_path, monkeypatch):
+    # train() under torchrun on a group the caller set up must not destroy it: it had, and the
+    # caller's next collective failed with "Default process group has not been initialized".
+    # One process, a world of one (--parallel ddp with MASTER_ADDR set runs the DDP path).
+    import torch.distributed as dist
+
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="1", RANK="0",
+                            LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    cfg = config(tmp_path / "own", parallel="ddp", strategy="adamw", steps=2, warmup_steps=0, eval_every=2)
+    train(cfg)  # control: the group train() creates, it destroys
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        train(replace(cfg, out_dir=str(tmp_path / "caller")))
+        assert dist.is_initialized()
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the caller's group still works
+        assert total.item() == 1.0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

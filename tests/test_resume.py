@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import replace
 
 import pytest
 import torch
 
 from geomuon.cli import main as cli
-from geomuon.pretrain.train import TrainConfig, TrainingInterrupted, load_checkpoint, previous_checkpoint, save_checkpoint, train
+from geomuon.pretrain.train import (RunLog, RunWriteError, TrainConfig, TrainingInterrupted, load_checkpoint,
+                                    previous_checkpoint, save_checkpoint, train)
 
 STEPS = 400  # the schedule; the runs below stop long before its end
 
@@ -365,3 +367,78 @@ def test_resumed_log_has_the_fields_and_order_of_an_uninterrupted_one(tmp_path):
     split, whole = _records(tmp_path / "split" / "log.jsonl"), _records(tmp_path / "whole" / "log.jsonl")
     assert [list(r) for r in split] == [list(r) for r in whole] and split == whole
     assert [r["step"] for r in whole if r["kind"] == "train"] == [0, 3, 6, 9, 12, 15, 18]
+
+
+def test_a_full_disk_while_checkpointing_names_the_file_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    # a full disk had raised a bare "[Errno 28]" naming nothing and left ckpt.pt.tmp (a partial
+    # file taking the space a retry needs); now the error names the checkpoint and whether the
+    # one before is intact, and the partial file is gone
+    import errno
+
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"model": {"w": torch.ones(2)}, "step": 1})
+    write = torch.save
+
+    def disk_full(payload, file, *args, **kwargs):
+        file.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(RunWriteError, match=rf"checkpoint '{re.escape(path)}' could not be written "
+                                                   r"\(No space left on device\); .* still holds the previous"):
+        save_checkpoint(path, {"model": {"w": torch.zeros(2)}, "step": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    monkeypatch.setattr(torch, "save", write)
+    assert load_checkpoint(path)["step"] == 1  # the earlier checkpoint, untouched
+    with pytest.raises(RunWriteError, match=r"no earlier checkpoint exists"):
+        monkeypatch.setattr(torch, "save", disk_full)
+        save_checkpoint(str(tmp_path / "other.pt"), {"model": {}, "step": 1})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    # the command line says it in one line and exits 1 (it had printed a traceback)
+    out = tmp_path / "run"
+    assert cli(["pretrain", *SMALL, "--steps", "8", "--eval-every", "2", "--out-dir", str(out)]) == 1
+    assert f"geomuon pretrain: checkpoint '{out / 'ckpt.pt'}' could not be written" in capsys.readouterr().err
+    assert not (out / "ckpt.pt.tmp").exists()
+
+
+def test_a_signal_at_a_checkpointed_step_keeps_the_checkpoint_before_it(tmp_path):
+    # the signal lands at the evaluation of step 4, whose checkpoint is then written; the stop
+    # before step 5's training had written step 4 a second time, so ckpt.prev.pt became a copy
+    # of it and the step 2 checkpoint was gone
+    cfg = config(tmp_path / "run", strategy="adamw", eval_every=2, ckpt_every=2)
+    with pytest.raises(TrainingInterrupted) as stop:
+        train(cfg, extra_metrics=_signal_at_evaluation(4, signal.SIGINT))
+    assert stop.value.step == 4 and stop.value.saved
+    newest = str(tmp_path / "run" / "ckpt.pt")
+    assert load_checkpoint(newest)["step"] == 4
+    assert load_checkpoint(previous_checkpoint(newest))["step"] == 2
+    # resumed and stopped before its first step (a signal while its optimizers are built): the
+    # folder still holds steps 4 and 2
+    from geomuon.optimizers.assign import assign
+
+    def build_then_signal(model, hyper):
+        assignment = assign(model, "adamw", hyper)
+        signal.raise_signal(signal.SIGINT)
+        return assignment
+
+    with pytest.raises(TrainingInterrupted) as again:
+        train(replace(cfg, resume=True), build_assignment=build_then_signal)
+    assert again.value.step == 4 and again.value.saved
+    assert load_checkpoint(previous_checkpoint(newest))["step"] == 2
+
+
+def test_a_full_disk_while_logging_names_the_log(tmp_path):
+    # a log line that could not be written had raised a bare "[Errno 28]" naming no file
+    import errno
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    path = str(tmp_path / "log.jsonl")
+    log = RunLog(path, [{"kind": "train", "step": 0, "loss": 1.0}])
+    log.file.close()
+    log.file = FullDisk()
+    with pytest.raises(RunWriteError, match=rf"log '{re.escape(path)}' could not be written \(No space left on "
+                                            r"device\); a resume rewrites it .* --resume"):
+        log.write({"kind": "train", "step": 1, "loss": 0.5})
