@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from geomuon.optimizers import Muon
 from geomuon.optimizers.regulate import HardCap
-from geomuon.pretrain.model import GPT, GPTConfig, CausalSelfAttention
+from geomuon.pretrain.model import GPT, GPTConfig, CausalSelfAttention, rotary
 from geomuon.theory.lipschitz import (
     GELU_LIPSCHITZ,
     METHODS,
@@ -1275,3 +1275,57 @@ def test_rounding_error_bound_refuses_a_dtype_the_network_overflows():
         rounding_error_bound(model.lipschitz_weights(), dtype=torch.float16, sequence_length=4)
     # control: float32's range holds these values, and E is finite
     assert math.isfinite(rounding_error_bound(model.lipschitz_weights(), dtype=torch.float32, sequence_length=4))
+
+
+def rope_split_model(T, key_scale, d=16):
+    """One block, one head of width d: W_q and W_k put channels (0, 1) resp. (2, 3) on RoPE pair 1
+    (angle t theta_1, theta_1 = 10^(-8/d)) with gain ``key_scale``; W_v keeps channels 4.., W_o and the
+    head are the identity, the MLP is 0. The query's own key is 0, so it attends only to the tokens
+    the input places."""
+    config = GPTConfig(block_size=T, vocab_size=d, n_layer=1, n_head=1, n_embd=d, lipschitz=True,
+                       fused_qkv=False, rope=True, tie_weights=False, bias=False)
+    model = GPT(config).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        attention = model.h[0].attn
+        attention.q.weight[2, 0] = attention.q.weight[3, 1] = key_scale
+        attention.k.weight[2, 2] = attention.k.weight[3, 3] = key_scale
+        attention.v.weight[4:, 4:] = torch.eye(d - 4, dtype=torch.float64)
+        attention.c_proj.weight.copy_(torch.eye(d))
+        model.lm_head.weight.copy_(torch.eye(d))
+    return model
+
+
+def test_rounding_error_bound_covers_the_rotary_angles_at_long_positions():
+    # RoPE's angles t theta_i are computed in float32: theta_i is rounded, so the angle at position t is
+    # off by ~t theta_i u, hundreds of ulps at t ~ 1000, where the q/k matmuls err by gamma_{d+1} ~ 17 u.
+    # A query at the worst position splitting its attention between two keys at phases +-pi/4 (values
+    # opposite) turns that into an output error; the bound had taken the rotation as exact (error 1.9 E).
+    T, d, key_scale = 1024, 16, 40.0
+    model = rope_split_model(T, key_scale, d)
+    E = rounding_error_bound(model.lipschitz_weights(), dtype=torch.float32, sequence_length=T)
+    pair_one = torch.zeros(1, 1, T, d, dtype=torch.float64)
+    pair_one[..., 2] = 1.0
+    angle_error = (rotary(pair_one.float()).double() - rotary(pair_one))[0, 0, :, 2:4].norm(dim=-1)
+    t = int(angle_error.argmax())  # the query where float32's rotation is worst
+    theta = 10000.0 ** (-2 / d)
+    x = torch.zeros(T, d, dtype=torch.float64)
+    x[t, 0] = math.sqrt(d)  # token RMS 1, all of it on the query's channels
+    for s, sign in ((0, 1.0), (1, -1.0)):  # keys of RMS 1, half on the key's channels, half on the values
+        phase = (t - s) * theta - sign * math.pi / 4
+        x[s, 2], x[s, 3] = math.sqrt(d / 2) * math.cos(phase), math.sqrt(d / 2) * math.sin(phase)
+        x[s, 4:] = sign * math.sqrt(d / 2 / (d - 4))
+    certify_domain(x)
+    with torch.no_grad():
+        exact = body(model)(x[None])
+        computed = body(model.float())(x[None].float()).double()
+    # E is a first-order bound: its neglected terms are O(u^2) relative (u = 6e-8), far below the
+    # margin, so no tolerance enters
+    assert token_rms_max(computed - exact).item() <= E
+    # and its RoPE term bounds the rotation's own error at every position < T, relative to the vector
+    u = torch.finfo(torch.float32).eps / 2
+    vectors = torch.randn(1, 1, T, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    vectors = vectors.float().double()  # representable in float32: the error is the rotation's alone
+    relative = ((rotary(vectors.float()).double() - rotary(vectors)).norm(dim=-1) / vectors.norm(dim=-1)).max()
+    assert relative.item() <= lipschitz_module._rope_rounding(d, T, u, 4.0)

@@ -1409,6 +1409,32 @@ def _gamma(n: int, unit_roundoff: float) -> float:
     return n * unit_roundoff / (1 - n * unit_roundoff)
 
 
+def _rope_rounding(d_head: int, sequence_length: int, unit_roundoff: float, elementwise_ulps: float) -> float:
+    r"""First-order bound $\varepsilon_\text{rope}$ on $\|\hat R_tx - R_tx\| / \|x\|$ for the rotary embedding
+    of :func:`geomuon.pretrain.model.rotary` computed with unit round-off $u$ (that of the network's dtype,
+    at least that of the angles' wider dtype), at every position $t \le T - 1$, $T$ = ``sequence_length``.
+
+    Pair $i$ of a head of width $D$ = ``d_head`` is rotated by $\phi = t\theta_i$,
+    $\theta_i = 10^{4e_i}$ with $e_i = -2i/D \in (-1, 0]$. The code computes $\hat e_i = e_i(1 + \delta)$
+    ($|\delta| \le u$), $\hat\theta_i = 10^{4\hat e_i}(1 + \delta')$ ($|\delta'| \le eu$, $e$ =
+    ``elementwise_ulps``) and $\hat\phi = t\hat\theta_i(1 + \delta'')$, so
+
+    $$|\hat\phi - \phi| \le (T - 1)\,\max_i\theta_i\bigl(|e_i|\ln 10^4 + e + 1\bigr)u =: \alpha,$$
+
+    and a rotation by the wrong angle moves a pair by $\|R(\hat\phi) - R(\phi)\| = 2|\sin\tfrac{\hat\phi - \phi}2|
+    \le \min(\alpha, 2)$ of its norm. $\cos\hat\phi$ and $\sin\hat\phi$ are each off by at most $(e + 1)u$
+    (the function, then the cast to the network's dtype), a perturbation of the $2\times2$ rotation of norm
+    $\le \sqrt2(e + 1)u$; and $x_1c - x_2s$, $x_1s + x_2c$ (two products and a sum each) err by
+    $\gamma_2(|x_1c| + |x_2s|) \le \gamma_2\|(x_1, x_2)\|$ each, $\sqrt2\gamma_2$ of the pair together.
+    The bound is the same for every pair, so it holds for the whole head vector:
+
+    $$\varepsilon_\text{rope} = \min(\alpha, 2) + \sqrt2(e + 1)u + \sqrt2\gamma_2.$$"""
+    exponents = [-2 * i / d_head for i in range(d_head // 2)]  # (none for d_head < 2: no rotation)
+    angle = max((10.0 ** (4 * e) * (abs(e) * math.log(1e4) + elementwise_ulps + 1) for e in exponents), default=0.0)
+    return (min((sequence_length - 1) * angle * unit_roundoff, 2.0) + math.sqrt(2) * (elementwise_ulps + 1) * unit_roundoff
+            + math.sqrt(2) * _gamma(2, unit_roundoff))
+
+
 def _abs_rms_norm(W: torch.Tensor) -> float:
     return rms_operator_norm(W.detach().double().abs())
 
@@ -1442,7 +1468,9 @@ def rounding_error_bound(
 
     Attention's $\varepsilon$: the $q, k, v$ errors (scores move by $\le \varsigma(\|\delta q\|\|k\| +
     \|q\|\|\delta k\|) + \gamma_{d_h}\varsigma\|q\|\|k\|$, which moves $y$ by at most that times
-    $\max\|v\|$, as in :func:`attention_lipschitz`), the softmax and $PV$ errors, and
+    $\max\|v\|$, as in :func:`attention_lipschitz`), where $\delta q$ and $\delta k$ include RoPE's
+    rounding (:func:`_rope_rounding`: the angles $t\theta_i$ are computed, so the error grows with the
+    position, up to $T - 1$), the softmax and $PV$ errors, and
     $W_o$'s; each head averages its own values, so the heads' sizes and errors enter $y$ (the
     heads side by side) in squares, $(\sum_h\sigma(W_v^h)^2)^{1/2}$, not as $\sigma(W_v)$. The MLP's: $W_\text{in}$'s error through $s\,g_+\|W_\text{out}\|$, GELU's, and
     $W_\text{out}$'s. Autocast (bf16 matmuls, float32 softmax) is covered by the bf16 bound.
@@ -1473,6 +1501,7 @@ def rounding_error_bound(
     d, d_head = arch.d, blocks[0]["q"].size(0) // arch.n_head
     a, score_scale, c, s = arch.residual_weight, arch.score_scale, arch.attention_scale, arch.gelu_scale
     elementwise = elementwise_ulps * u
+    rope = _rope_rounding(d_head, T, u, elementwise_ulps)
     local = []
     # Higham's model holds only without overflow: an l2 bound on every token vector (which bounds its entries),
     # partial sums included (|sum_j w_ij x_j| <= (|W||x|)_i, so sigma(|W|) ||x||), before and after each scaling
@@ -1485,8 +1514,10 @@ def rounding_error_bound(
         scale = math.sqrt(d) * r
         sigma = {name: _sigma(block[name]) for name in "qkvo"}
         sigma_abs = {name: _sigma(block[name].abs()) for name in "qkvo"}
-        err = {name: _gamma(d + 1, u) * sigma_abs[name] * scale for name in "qk"}
         size = {name: sigma[name] * scale for name in "qk"}
+        # the matmul's error, then RoPE's on the rotated vector (relative to its size): the rotation
+        # had been taken as exact, and a float32 query at position 948 of 1024 moved the output by 1.9 E
+        err = {name: _gamma(d + 1, u) * sigma_abs[name] * scale + rope * size[name] for name in "qk"}
         score_error = score_scale * (err["q"] * size["k"] + size["q"] * err["k"]
                                      + _gamma(d_head + 1, u) * size["q"] * size["k"])
         softmax_error = (T + elementwise_ulps) * u
