@@ -486,12 +486,24 @@ class GPT(nn.Module):
             for layer in layers.values():
                 layer.record = None
 
+    def _blocks_share(self, name: str, read) -> float:
+        """The value ``read(block)`` every block has (the certified bound takes one per model),
+        refused by ``name`` where the blocks differ."""
+        values = [read(block) for block in self.h]
+        if len(set(values)) > 1:
+            raise ValueError(f"lipschitz_weights(): the blocks' {name} differ ("
+                             + ", ".join(f"block {i}: {v!r}" for i, v in enumerate(values))
+                             + f"); the certified bound takes one {name} for every block: set them equal")
+        return values[0]
+
     def lipschitz_weights(self) -> dict:
         """The weights the certified Lipschitz bound needs (Lipschitz variant only).
 
         Returns ``{"blocks": [{"q", "k", "v", "o", "mlp_in", "mlp_out"}: [out, in]
         tensors], "head": [V, d], "residual_weight": a, "attention_scale": 1/3,
-        "score_scale": 1/d_head, "n_embd": d, "n_head": H, "input_radius": 1}``
+        "score_scale": 1/d_head, "gelu_scale": 1/1.1289, "n_embd": d, "n_head": H, "input_radius": 1}``
+        (``a``, the score and GELU scales as the blocks hold them: one value each, refused where
+        the blocks differ)
         (:meth:`embed` gives every token RMS exactly 1); tensors are the live parameters
         (detach before modifying).
 
@@ -516,14 +528,11 @@ class GPT(nn.Module):
                 + "; build the model with get_config('cpu-lipschitz') or GPTConfig(lipschitz=True, "
                 "rope=True, fused_qkv=False, bias=False, tie_weights=False, mlp='gelu', n_experts=0)"
             )
-        # the blocks' own residual weight, as forward uses it (a block edited after construction
-        # had been certified with the config's 1/(2N)); the bound takes one weight for all
-        weights = {b.residual_weight for b in self.h}
-        if len(weights) > 1:
-            raise ValueError(
-                "lipschitz_weights(): the blocks' residual_weight differ ("
-                + ", ".join(f"block {i}: {b.residual_weight!r}" for i, b in enumerate(self.h))
-                + "); the certified bound takes one residual weight for every block: set them equal")
+        # the constants forward uses, read from the modules (a model edited after construction had
+        # been certified with the config's: attn.scale = 4 gave an estimate 12x its "bound")
+        residual_weight, score_scale, gelu_scale = (self._blocks_share(name, read) for name, read in (
+            ("residual_weight", lambda b: b.residual_weight), ("attn.scale", lambda b: b.attn.scale),
+            ("mlp.gelu_scale", lambda b: b.mlp.gelu_scale)))
         blocks = [
             {
                 "q": b.attn.q.weight,
@@ -538,9 +547,10 @@ class GPT(nn.Module):
         return {
             "blocks": blocks,
             "head": self.lm_head.weight,
-            "residual_weight": weights.pop(),
+            "residual_weight": residual_weight,
             "attention_scale": 1.0 / 3.0,
-            "score_scale": 1.0 / (self.config.n_embd // self.config.n_head),
+            "score_scale": score_scale,
+            "gelu_scale": gelu_scale,
             "n_embd": self.config.n_embd,
             "n_head": self.config.n_head,
             "input_radius": 1.0,

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -71,6 +72,22 @@ def test_lipschitz_weights_report_the_residual_weight_the_blocks_use():
     assert model.lipschitz_weights()["residual_weight"] == 0.4
     model.h[0].residual_weight = 0.3  # one weight per model in the bound: blocks that differ are refused
     with pytest.raises(ValueError, match=r"residual_weight differ \(block 0: 0.3, block 1: 0.4"):
+        model.lipschitz_weights()
+
+
+@pytest.mark.parametrize("name, edit, key", [("attn.scale", lambda b: setattr(b.attn, "scale", 4.0), "score_scale"),
+                                             ("mlp.gelu_scale", lambda b: setattr(b.mlp, "gelu_scale", 60.0),
+                                              "gelu_scale")])
+def test_lipschitz_weights_report_the_scales_the_blocks_use(name, edit, key):
+    # the config's scales had been reported for a model whose blocks were edited: the bound of
+    # the unedited network (an estimate 12x (attn.scale = 4) or 17x (gelu_scale = 60) above it)
+    model = GPT(get_config("cpu-lipschitz"))
+    for block in model.h:
+        edit(block)
+    edited = model.lipschitz_weights()[key]
+    assert edited == (4.0 if key == "score_scale" else 60.0)
+    model.h[1] = GPT(get_config("cpu-lipschitz")).h[1]  # one block as built: they differ
+    with pytest.raises(ValueError, match=rf"the blocks' {re.escape(name)} differ"):
         model.lipschitz_weights()
 
 
