@@ -1,7 +1,8 @@
 r"""Muon: momentum, then the Newton–Schulz polar factor, batched over same-shape matrices.
 
-A drop-in for ``torch.optim.Muon`` (same arguments, same meaning, same refusals), with
-the package's conventions on top (AdamW groups, batching, non-finite handling,
+A drop-in for ``torch.optim.Muon`` (same arguments, same meaning; every value it refuses is
+refused here, and more: a ``momentum`` of 1 or more, a fractional ``ns_steps``, a non-finite
+coefficient), with the package's conventions on top (AdamW groups, batching, non-finite handling,
 regulation; see :mod:`geomuon.optimizers.base`). One step, for every matrix $W$ with gradient $G$:
 
 $$B \leftarrow \mu B + (1-\mu)G,\qquad \tilde B = \begin{cases}(1-\mu)G + \mu B & \text{Nesterov}\\ B\end{cases},$$
