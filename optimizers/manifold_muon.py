@@ -49,7 +49,7 @@ from typing import Any, Iterable
 import torch
 
 from geomuon.manifolds import MatrixManifold
-from geomuon.manifolds.linalg import fp32_or_fp64
+from geomuon.manifolds.linalg import check_count, check_real, fp32_or_fp64
 from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS
 
 from . import distributed as _distributed
@@ -85,7 +85,7 @@ def default_dual_steps(manifold) -> int:
     it declares one (chosen on the measured frontier per manifold), else
     :data:`DEFAULT_DUAL_STEPS`."""
     form = getattr(manifold, "gram_form", None)
-    return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
+    return DEFAULT_DUAL_STEPS if form is None else check_count(_form_name(form), "dual_steps", form.dual_steps)
 
 
 def default_cold_dual_steps(manifold, dual_steps: int) -> int:
@@ -93,7 +93,8 @@ def default_cold_dual_steps(manifold, dual_steps: int) -> int:
     start yet: ``dual_steps``, or the Gram form's ``cold_dual_steps`` where it declares
     more."""
     form = getattr(manifold, "gram_form", None)
-    return dual_steps if form is None else max(dual_steps, form.cold_dual_steps)
+    return dual_steps if form is None else max(dual_steps, check_count(_form_name(form), "cold_dual_steps",
+                                                                       form.cold_dual_steps))
 
 
 def default_polish_method(manifold) -> str:
@@ -102,7 +103,12 @@ def default_polish_method(manifold) -> str:
     cannot reach it, alternating projections where the dual steps converge; each form's comment
     gives the measurements); ``"admm"`` off the Gram path, which has no polish."""
     form = getattr(manifold, "gram_form", None)
-    return form.polish_method if form is not None else "admm"
+    if form is None:
+        return "admm"
+    if form.polish_method not in POLISH_METHODS:
+        raise ValueError(f"{_form_name(form)}: polish_method must be one of {POLISH_METHODS}, "
+                         f"got {form.polish_method!r}")
+    return form.polish_method
 
 
 def default_polish_rounds(manifold) -> int:
@@ -111,7 +117,7 @@ def default_polish_rounds(manifold) -> int:
     (``"eigh"`` clips by an eigendecomposition, ``"polar_express"`` by matrix products:
     :data:`geomuon.optimizers.gram.UNIT_BALLS`); 0 off the Gram path, which has no polish."""
     form = getattr(manifold, "gram_form", None)
-    return form.polish_rounds if form is not None else 0
+    return check_count(_form_name(form), "polish_rounds", form.polish_rounds) if form is not None else 0
 
 
 def default_dual_alpha(manifold, update: str) -> float:
@@ -119,7 +125,30 @@ def default_dual_alpha(manifold, update: str) -> float:
     Gram form's ``newton_alpha`` for the Newton update (DGram over-relaxes, 1.5), else 1 (the
     Jacobi update, the general path)."""
     form = getattr(manifold, "gram_form", None)
-    return form.newton_alpha if form is not None and update == "newton" else 1.0
+    if form is None or update != "newton":
+        return 1.0
+    check_real(_form_name(form), "newton_alpha", form.newton_alpha, lambda x: x > 0, "a finite number > 0")
+    return form.newton_alpha
+
+
+def _form_name(form) -> str:
+    """How a refusal of a Gram form's declared default names it: a manifold's declaration
+    (``dual_steps = 2.5`` had run as 2 steps)."""
+    return f"the Gram form {type(form).__name__} (a manifold's gram_form)"
+
+
+def _check_form_defaults(manifold, where: str) -> None:
+    """Refuse (``ValueError`` naming ``where``, the manifold, its form and the attribute) a Gram
+    form whose declared optimizer defaults ManifoldMuon cannot take: called when a group is
+    checked, so a bad declaration stops the run before any step."""
+    try:
+        default_cold_dual_steps(manifold, default_dual_steps(manifold))
+        default_polish_rounds(manifold)
+        default_polish_method(manifold)
+        default_dual_alpha(manifold, "newton")
+    except ValueError as err:
+        raise ValueError(f"{where}: the manifold {_described(manifold)} declares a default ManifoldMuon cannot "
+                         f"take: {err}; fix its gram_form (check_manifold_contract checks it)") from None
 
 
 def default_dual_update(manifold) -> str:
@@ -502,6 +531,7 @@ class ManifoldMuon(MatrixOptimizer):
             group["manifold"] = manifold.spec()
             self._manifolds[id(group)] = (group["manifold"], manifold)
             manifold.identity  # computed here, not in a step  # noqa: B018
+            _check_form_defaults(manifold, f"group {index}")
         for i, p in enumerate(group["params"]):
             own = getattr(p, "manifold", None)
             name = self._name(group, i, index)
@@ -512,6 +542,7 @@ class ManifoldMuon(MatrixOptimizer):
                 )
             if own is not None and group["manifold"] is None:
                 resolve_manifold(own, f"parameter {name}").identity  # noqa: B018
+                _check_form_defaults(resolve_manifold(own, f"parameter {name}"), f"parameter {name}")
             elif own is not None and _leaves_own(own, manifold, tuple(p.shape)):
                 raise ValueError(
                     f"ManifoldMuon: parameter {name} is a ManifoldParameter on {_described(own)} but its group "

@@ -1,5 +1,6 @@
 """ManifoldMuon: known optimum, staying on the manifold, certified quality in a run."""
 
+import re
 from functools import partial
 
 import geoopt
@@ -928,3 +929,30 @@ def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):
         assert len(updates) == (2 if warm_start else 1), warm_start  # dual_steps, plus the carried one
     # control: leaving out the carried step keeps the step's own dual steps (the first steps agree)
     assert torch.equal(points[False], points[True])
+
+
+@pytest.mark.parametrize("attribute, value, message", [
+    ("dual_steps", 2.5, "dual_steps must be a whole number >= 0, got 2.5"),
+    ("cold_dual_steps", -1, "cold_dual_steps must be a whole number >= 0, got -1"),
+    ("polish_rounds", True, "polish_rounds must be a whole number >= 0, got True"),
+    ("polish_method", "admm_typo", "polish_method must be one of"),
+    ("newton_alpha", float("nan"), "newton_alpha must be a finite number > 0"),
+])
+def test_a_gram_form_declaring_a_bad_default_is_refused_before_any_step(attribute, value, message):
+    # ManifoldMuon read these at a matrix's first step: dual_steps = 2.5 had run as 2 steps, the
+    # others failed there naming GramSettings, not the manifold
+    from geomuon.manifolds.capabilities import UnitColumnsGram
+
+    class BadForm(UnitColumnsGram):
+        pass
+
+    setattr(BadForm, attribute, value)
+
+    class BadOblique(Oblique):
+        gram_form = BadForm()
+
+    W = torch.nn.Parameter(Oblique().random(8, 4).data)
+    with pytest.raises(ValueError, match=rf"group 0: the manifold BadOblique.* declares a default ManifoldMuon "
+                                         rf"cannot take: the Gram form BadForm .*{re.escape(message)}"):
+        ManifoldMuon([W], manifold=BadOblique())
+    ManifoldMuon([W], manifold=Oblique())  # control: the form as declared is taken
