@@ -80,7 +80,7 @@ import torch
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import ScratchBuffers, check_compute_dtype, fp32_or_fp64, in_one_thread_workers
 
-from .regulate import (WARM_START_KEY, UpdateBound, make_regulator, regulator_after, regulator_refusal,
+from .regulate import (UpdateBound, is_warm_start_key, make_regulator, regulator_after, regulator_refusal,
                        regulator_spec, requires_matrices, unchecked_regulation)
 from . import distributed as _distributed
 
@@ -467,7 +467,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         as torch's ``load_state_dict`` casts it): the regulators' warm start is kept in their
         compute dtype (fp32 for bf16/fp16 weights; a bf16 copy had moved a resumed run's
         weights by 0.03)."""
-        return fp32_or_fp64(p.dtype) if key == WARM_START_KEY else None
+        return fp32_or_fp64(p.dtype) if is_warm_start_key(key) else None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.__getstate__ (pickle, copy.deepcopy) keeps only defaults, state and

@@ -155,6 +155,18 @@ def _normalized(D: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     return X / (X.norm(dim=dim, keepdim=True) + eps / power_of_two).clamp_min(tiny)
 
 
+def _times_nuclear_power(polar: torch.Tensor, nuclear: torch.Tensor, alpha: float) -> torch.Tensor:
+    r"""$\nu^\alpha Q$ of each polar factor $Q$ (``polar``, ``[..., m, n]``) with its nuclear norm $\nu$
+    (``nuclear``, ``[..., 1, 1]``, float64), in ``polar.dtype``; 0 for a matrix where it is not finite
+    there: $\nu^\alpha$ beyond the dtype's range (a tiny $\nu$ at $\alpha < 0$: a float32 gradient
+    of entries $10^{-43}$ had given $\nu^{-1} = \infty$ and infinite weights; a huge one at
+    $\alpha > 0$), or $0\cdot\infty$ of the zero matrix at $\alpha < 0$. Selected on the device,
+    no host read: the matrix's step is then a no-op, as msign's beyond its range."""
+    out = polar * nuclear.clamp_min(0).pow(alpha).to(polar.dtype)
+    finite = torch.isfinite(out).all(dim=-1, keepdim=True).all(dim=-2, keepdim=True)
+    return torch.where(finite, out, torch.zeros_like(out))
+
+
 def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
     if isinstance(D, torch.Tensor) and D.numel() == 0:  # (an empty matrix has no largest entry to scale by)
         return D.clone()
@@ -170,9 +182,10 @@ def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.
     # 2e-6 (fp32, 384 x 384). msign's rank threshold sends a null space to 0, as the pseudo-
     # inverse root does.
     polar = msign(X, "polar_express")
-    # nu = <D, msign(D)> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product.
-    nuclear = s * (X * polar).sum(dim=(-2, -1), keepdim=True)
-    out = polar * nuclear.clamp_min(0).pow(alpha) if alpha != 0 else polar
+    # nu = <D, msign(D)> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product (in float64: the
+    # product s nu of a float32 D leaves float32's range where nu^alpha need not)
+    nuclear = s.double() * (X * polar).sum(dim=(-2, -1), keepdim=True).double()
+    out = _times_nuclear_power(polar, nuclear, alpha) if alpha != 0 else polar
     nonzero = s * X.norm(dim=(-2, -1), keepdim=True) > (eps or 0.0)
     return torch.where(nonzero, out, torch.zeros_like(out)).to(D.dtype)
 
@@ -187,6 +200,12 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
     read off the same product. $\alpha = 0$ gives Muon's direction $\operatorname{msign}(D)$;
     the reference PolarGrad uses $\alpha = 1$. Since $D f(D^\top D) = f(DD^\top) D$, this is
     the same map as :func:`left_polar`.
+
+    Range: $\|D\|_*^\alpha$ is taken in float64, and a matrix whose update is not finite in the
+    compute dtype (float32: $\|D\|_*^\alpha$ beyond $3.4\cdot10^{38}$, e.g. $\|D\|_* < 3\cdot10^{-39}$ at
+    $\alpha = -1$, or $D$ of entries $10^{36}$ at $\alpha = 1$) gives **zero**, selected on the
+    device with no host read, as msign gives zero beyond its range: an optimizer's step of that
+    matrix moves the weights by its weight decay only (no report: the gradient was finite).
 
     **Equivariant under** $O_m \times O_n$.
 
@@ -206,7 +225,8 @@ def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None)
     r"""Left polar update (LeftPolarGradM): $U(D) = \|D\|_*^{\alpha}\,(DD^\top)^{-1/2}D$.
 
     The same map as :func:`right_polar` (Lau & Su's name for routers
-    ``[experts, features]``), computed as it is.
+    ``[experts, features]``), computed as it is; zero where its update leaves the compute
+    dtype's range, as there.
 
     **Equivariant under** $O_m \times O_n$.
 
@@ -235,7 +255,8 @@ def hybrid(
     $U(D) = \|R\|_*^{\alpha}\operatorname{msign}(R)$.
 
     Rows are equalized first (the vocabulary / neuron side), then the result is
-    orthogonalized; $\|R\|_* = \langle R, \operatorname{msign}(R)\rangle$.
+    orthogonalized; $\|R\|_* = \langle R, \operatorname{msign}(R)\rangle$. Zero where the update
+    leaves ``D.dtype``'s range (a tiny $\|R\|_*$ at $\alpha < 0$), as :func:`right_polar`.
 
     **Equivariant under** $S_m^\pm \times O_n$; **not** under $O_m$.
 
@@ -255,11 +276,8 @@ def hybrid(
     Q = msign(R, method=method, steps=steps, compute_dtype=compute_dtype)
     if alpha == 0:
         return Q
-    nuclear = (R * Q).sum(dim=(-2, -1), keepdim=True).clamp_min(0)
-    scale = nuclear.pow(alpha)
-    if alpha < 0:  # the zero matrix: Q = 0 and 0^alpha = inf, whose product had been NaN
-        scale = torch.where(nuclear > 0, scale, torch.zeros_like(scale))
-    return Q * scale
+    # (the zero matrix at alpha < 0: Q = 0 and 0^alpha = inf, whose product had been NaN)
+    return _times_nuclear_power(Q, (R * Q).sum(dim=(-2, -1), keepdim=True).double(), alpha)
 
 
 def _center_rows(D: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,11 @@ class _MapOptimizer(MatrixOptimizer):
         nesterov: default ``False`` (the reference skeleton).
         weight_decay: decoupled $\lambda$ (default 0).
         alpha: exponent of the nuclear-norm scale of the polar maps (default 1, the
-            reference; 0 gives the unit-scale direction). Ignored by RowNormM.
+            reference; 0 gives the unit-scale direction). Ignored by RowNormM. A matrix whose
+            scaled update leaves the compute dtype's range (a gradient of entries $10^{-43}$ at
+            $\alpha = -1$ in float32: $\|M\|_*^{-1} = \infty$) gets a zero update, as the map
+            gives (:func:`geomuon.optimizers.maps.right_polar`): its weights move by the weight
+            decay only, its momentum as usual, and nothing is reported (the gradient was finite).
         centered: use the centered map (default ``False``).
         eps: the map's epsilon (row-norm floor, or the polar maps' zero threshold on $\|M\|_F$;
             ``None``: the map's default).

@@ -37,7 +37,7 @@ Costs for an $m\times n$ matrix, $k = \min(m, n)$, one matmul $\approx 2mnk$ FLO
 | regulator | guarantee on $\|W'\|_{\mathrm{RMS}\to\mathrm{RMS}}$ | cost |
 |---|---|---|
 | ``weight_decay`` | none (shrinks all $\sigma$ by $1-\text{lr}\cdot\text{wd}$) | 1 scale |
-| ``spectral_normalize`` | $\le w_{\max}$ up to the $\hat\sigma$ error | Gram + ``steps`` block products |
+| ``spectral_normalize`` | $\le w_{\max}\,\sigma_{\max}/\hat\sigma$ (the $\hat\sigma$ error) | Gram + ``steps`` block products |
 | ``spectral_hammer`` | $\sigma_{\max}\to w_{\max}$ if one $\sigma$ exceeds, up to the $\hat\sigma$ error | same + rank-1 |
 | ``spectral_weight_decay`` | none (shrinks the top $\sigma$ only) | same + rank-1 |
 | ``soft_cap`` | $\le w_{\max}$ if $\sigma \le k$ before (Muon coupling) | 4 matmuls, no SVD |
@@ -49,9 +49,14 @@ power iteration (8 vectors, 16 steps, on the short-side Gram matrix: a $k\times 
 product, then $16$ products $k\times k$ by $k\times 8$ and thin QRs). The estimate is a
 lower bound; its relative error decays like $(\sigma_9/\sigma_1)^{64}$ (measured in float64 over
 20 spectra: at most $4.7\cdot10^{-3}$ at $\sigma_9/\sigma_1 = 0.9$, $7.8\cdot10^{-6}$ at 0.8, round-off
-below about 0.6), and it is off by at most $\sigma_1 - \sigma_9$ in any case (a cluster of 9+
-singular values at the top, e.g. right after a hard cap). Passing ``state`` warm-starts the
-block across steps.
+below about 0.6), and it is off by at most $\sigma_1 - \sigma_9$ (a cluster of 9+ singular values
+at the top, e.g. right after a hard cap) from a start block with a component along the top
+singular vectors. No bound holds beyond that: a weight whose top singular vectors are orthogonal
+to the (fixed) start block is estimated below them, since the iteration reaches them only through
+round-off (9 singular values 1.3 orthogonal to it and 8 of 1 along it, float32: $\hat\sigma = 1$,
+and ``spectral_normalize`` left the weight at $1.3\,w_{\max}$; warm-started, the next call found the
+top). Passing ``state`` warm-starts the block across steps (each regulator of a chain from its own
+entry, see :class:`Chain`).
 
 Non-finite weights raise ``ValueError`` in ``reg(W, ...)`` (a regulator never hands a NaN
 back as weights), and so does a non-finite result of finite weights (a safeguard, see the
@@ -110,6 +115,8 @@ __all__ = [
     "make_regulator",
     "regulator_spec",
     "WARM_START_KEY",
+    "warm_start_key",
+    "is_warm_start_key",
     "soft_cap_alpha",
     "soft_cap_alpha_tensor",
     "soft_cap_polynomial",
@@ -197,8 +204,22 @@ def _top_ritz_vector(T: torch.Tensor) -> torch.Tensor:
 
 
 #: The per-parameter state entry where the power-iteration regulators keep their warm start
-#: (an orthonormal block, in the regulator's compute dtype: fp32 for bf16/fp16 weights).
+#: (an orthonormal block, in the regulator's compute dtype: fp32 for bf16/fp16 weights): a single
+#: regulator's, and the first of a :class:`Chain`'s (the others: :func:`warm_start_key`).
 WARM_START_KEY = "regulate_v"
+
+
+def is_warm_start_key(key: str) -> bool:
+    """Whether state entry ``key`` holds a power-iteration warm start (of any slot)."""
+    return key == WARM_START_KEY or key.startswith(WARM_START_KEY + ".")
+
+
+def warm_start_key(slot: int) -> str:
+    """The state entry of the warm start in ``slot``: :data:`WARM_START_KEY` for slot 0 (a single
+    regulator, the first power-iteration regulator of a :class:`Chain`), ``"regulate_v.{slot}"``
+    for the ``slot``-th after it (a chain's regulators had shared one entry, whose block of one
+    width never fitted the next regulator: each started cold at every step)."""
+    return WARM_START_KEY if slot == 0 else f"{WARM_START_KEY}.{slot}"
 
 
 def _top_singular_triplet(
@@ -310,6 +331,8 @@ class Regulator:
 
     def __call__(self, W: torch.Tensor, *, lr: float, state: dict | None = None) -> torch.Tensor:
         _check_weight(W, type(self).__name__)
+        if not isinstance(lr, torch.Tensor) and (why := self.refusal(lr, tuple(W.shape[-2:]))) is not None:
+            raise ValueError(why)  # what an optimizer asks before its step
         if not torch.isfinite(W).all():
             raise ValueError(
                 f"{type(self).__name__}: the weight has non-finite entries; regulation cannot "
@@ -330,14 +353,13 @@ class Regulator:
         """:meth:`__call__` without its finiteness test (a host read of the weight): what an
         optimizer step runs, whose weights stay finite because a non-finite gradient makes
         the step of its matrix a no-op on the device. A tensor ``lr`` is passed on as a
-        0-dim tensor, unread; a float one is refused as :meth:`refusal` says (``ValueError``)."""
+        0-dim tensor, unread. :meth:`refusal` is not asked: an optimizer asks it before any group
+        steps."""
         _check_weight(W, type(self).__name__)
         if isinstance(lr, torch.Tensor):
             lr = lr.reshape(())
         else:
             lr = as_positive(type(self).__name__, "lr", lr, zero=True)
-            if (why := self.refusal(lr, tuple(W.shape[-2:]))) is not None:  # what an optimizer asks first
-                raise ValueError(why)
         if W.size(-2) == 0 or W.size(-1) == 0:  # no singular value to act on: every bound holds as it is
             return W.detach().clone()
         scale = rms_scale(W.shape)
@@ -353,8 +375,20 @@ class Regulator:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        # (private attributes are not options: a chain's warm-start slot)
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
+
+
+class _PowerIterationRegulator(Regulator, register=False):
+    r"""A regulator that estimates the top singular triplet by block power iteration
+    (:func:`_top_singular_triplet` with its ``steps`` and ``block``), warm-started from the state
+    entry ``_warm_start_key``: :data:`WARM_START_KEY`, or the slot a :class:`Chain` gives it."""
+
+    _warm_start_key = WARM_START_KEY
+
+    def _top_triplet(self, unit: torch.Tensor, state: dict | None):
+        return _top_singular_triplet(unit, self.steps, self.block, state, self._warm_start_key)
 
 
 # --------------------------------------------------------------------------------------
@@ -392,14 +426,21 @@ class WeightDecay(Regulator):
 
 
 @dataclass(repr=False)
-class SpectralNormalize(Regulator):
+class SpectralNormalize(_PowerIterationRegulator):
     r"""Spectral normalization $W \leftarrow W / \max(1, \hat\sigma/w_{\max})$.
 
     $\hat\sigma$: RMS→RMS top singular value by block power iteration (``block`` vectors,
-    ``steps`` steps; see the module docstring), a lower bound, so the result can exceed
-    $w_{\max}$ by the estimate's relative error (warm start through ``state`` to make it
-    small). Shrinks all singular values together. Cost: one $k\times k$ Gram product, then
-    ``steps`` products $k\times k$ by $k\times$ ``block`` and thin QRs ($k$ the short side).
+    ``steps`` steps; see the module docstring), a lower bound. What holds is the estimate's
+    bound: on the same block, $\hat\sigma(W') = \min(\hat\sigma, w_{\max}) \le w_{\max}$, so
+
+    $$\|W'\|_{\mathrm{RMS}\to\mathrm{RMS}} \le w_{\max}\,\sigma_{\max}(W)/\hat\sigma(W),$$
+
+    above $w_{\max}$ by the estimate's error ratio (scale-free, so the same for $W$ and $W'$): about
+    $(\sigma_9/\sigma_1)^{64}$ relative for a generic start, unbounded for a weight whose top
+    singular vectors the start block misses (the module docstring's example: $1.3\,w_{\max}$). Warm
+    start through ``state`` to make it small. Shrinks all singular values together. Cost: one
+    $k\times k$ Gram product, then ``steps`` products $k\times k$ by $k\times$ ``block`` and thin
+    QRs ($k$ the short side).
     """
 
     w_max: float = 1.0
@@ -414,7 +455,7 @@ class SpectralNormalize(Regulator):
 
     def regulate(self, M, *, lr, state):
         s, unit = _scaled(M)
-        sigma = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)[0][..., None, None]
+        sigma = self._top_triplet(unit, state)[0][..., None, None]
         # sigma is sigma-hat / s: M w / sigma-hat = unit (w / sigma), and M = unit s; one pass,
         # and no factor of sigma-hat itself, which need not be representable (sigma * s = inf
         # still compares right)
@@ -422,7 +463,7 @@ class SpectralNormalize(Regulator):
 
 
 @dataclass(repr=False)
-class SpectralHammer(Regulator):
+class SpectralHammer(_PowerIterationRegulator):
     r"""Spectral hammer: set the top singular value to $w_{\max}$ when it exceeds it,
     $W \leftarrow W - (\hat\sigma - w_{\max})^+\,\hat u\hat v^\top$.
 
@@ -446,13 +487,13 @@ class SpectralHammer(Regulator):
 
     def regulate(self, M, *, lr, state):
         s, unit = _scaled(M)
-        sigma, u, v = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)
+        sigma, u, v = self._top_triplet(unit, state)
         excess = (sigma * s.squeeze(-1).squeeze(-1) - self.w_max).clamp_min(0.0)  # (sigma is sigma-hat / s)
         return M - excess[..., None, None] * u.unsqueeze(-1) * v.unsqueeze(-2)
 
 
 @dataclass(repr=False)
-class SpectralWeightDecay(Regulator):
+class SpectralWeightDecay(_PowerIterationRegulator):
     r"""Spectral weight decay: shrink only the top singular value,
     $W \leftarrow W - \text{lr}\cdot\text{wd}\cdot\hat\sigma\,\hat u\hat v^\top$
     (lr-coupled like decoupled weight decay). No norm guarantee. Cost:
@@ -475,7 +516,7 @@ class SpectralWeightDecay(Regulator):
     def regulate(self, M, *, lr, state):
         shrink = lr * self.weight_decay
         s, unit = _scaled(M)
-        sigma, u, v = _top_singular_triplet(unit, self.steps, self.block, state, WARM_START_KEY)
+        sigma, u, v = self._top_triplet(unit, state)
         return M - (shrink * sigma)[..., None, None] * s * u.unsqueeze(-1) * v.unsqueeze(-2)  # (sigma-hat / s) s
 
 
@@ -1044,12 +1085,19 @@ class ColumnCap(Regulator):
 
 class Chain(Regulator, register=False):
     """Several regulators applied in order (what a list spec builds); each sees the
-    previous one's output and the same ``lr`` and ``state``."""
+    previous one's output and the same ``lr`` and ``state``.
+
+    Each power-iteration regulator (``spectral_normalize``, ``spectral_hammer``,
+    ``spectral_weight_decay``) keeps its own warm start: the ``j``-th of them in the order they
+    run (counted through nested chains) in the state entry :func:`warm_start_key` ``(j)``, so the
+    first in :data:`WARM_START_KEY` as a single regulator does. The slots follow from the spec
+    alone: a resumed run (``state_dict`` round trip) finds each block where it left it. A
+    regulator given in a slot other than 0 is copied (the one given is left as it is)."""
 
     name = "chain"
 
     def __init__(self, regulators: Iterable[Callable]):
-        self.regulators = list(regulators)
+        self.regulators, _ = _in_warm_start_slots(regulators, 0)
 
     def spec(self) -> list:
         """The list spec of the chained regulators (see :meth:`Regulator.spec`)."""
@@ -1065,6 +1113,23 @@ class Chain(Regulator, register=False):
 
     def refusal(self, lr, shape):
         return next((why for r in self.regulators if (why := regulator_refusal(r, lr, shape))), None)
+
+
+def _in_warm_start_slots(regulators: Iterable[Callable], first: int) -> tuple[list, int]:
+    """``regulators`` with the power-iteration ones' warm starts in the slots ``first``,
+    ``first + 1``, ... in the order they run (through nested chains, copied), and the next free slot."""
+    placed, slot = [], first
+    for regulator in regulators:
+        if isinstance(regulator, Chain):
+            regulator = copy.copy(regulator)
+            regulator.regulators, slot = _in_warm_start_slots(regulator.regulators, slot)
+        elif isinstance(regulator, _PowerIterationRegulator):
+            if regulator._warm_start_key != warm_start_key(slot):
+                regulator = copy.copy(regulator)
+                regulator._warm_start_key = warm_start_key(slot)
+            slot += 1
+        placed.append(regulator)
+    return placed, slot
 
 
 def regulator_after(regulator: Callable | None, update_bound: UpdateBound | None) -> Callable | None:

@@ -340,3 +340,32 @@ def test_spectral_is_scale_free(scale):
     assert kappa < 10
     bound = 100 * N * torch.finfo(torch.float64).eps * kappa
     assert ((spectral(D * scale) - polar).norm() / polar.norm()).item() <= bound
+
+
+@pytest.mark.parametrize("update", [right_polar, left_polar, hybrid, centered(right_polar)], ids=lambda f: f.__name__)
+def test_a_scale_beyond_the_range_gives_zero_and_the_rest_of_the_batch_its_update(update):
+    # ||D||_*^alpha beyond float32's range had written inf (and NaN, 0 * inf) into the update: a
+    # float32 D of entries 1e-43 has ||D||_* ~ 1e-42 (subnormal), whose inverse is 1e42; hybrid's
+    # rows of entries 1e-30 normalize to about 1e-22 (the floor 1e-8), whose nuclear norm squared
+    # inverts to about 1e42. The map gives 0 for that matrix, as msign beyond its range, on the device.
+    gen = torch.Generator().manual_seed(6)
+    D = torch.randn(2, 16, 8, generator=gen)
+    D[0] *= 1e-30 if update is hybrid else 1e-43
+    alpha = -2.0 if update is hybrid else -1.0
+    out = update(D, alpha=alpha)
+    assert torch.equal(out[0], torch.zeros(16, 8))
+    # the other matrix of the batch keeps its update: the float64 map within 1e-4 relative, the
+    # tolerance of test_polar_maps_in_fp32_at_any_scale (12 Polar Express steps in float32, ~1e3 eps)
+    reference = update(D[1].double(), alpha=alpha)
+    assert ((out[1].double() - reference).norm() / reference.norm()).item() <= 1e-4
+
+
+def test_a_huge_polar_update_gives_zero_and_one_in_range_its_value():
+    # float32 D of entries 1e36: ||D||_* ~ 5e38 leaves float32 (the update was inf and NaN); its
+    # square root does not, and had been inf too (the product s nu overflowed before the power)
+    gen = torch.Generator().manual_seed(7)
+    D = torch.randn(64, 64, generator=gen) * 1e36
+    assert torch.equal(right_polar(D), torch.zeros(64, 64))
+    reference = right_polar(D.double(), alpha=0.5)
+    # as above: the float64 map within 1e-4 relative
+    assert ((right_polar(D, alpha=0.5).double() - reference).norm() / reference.norm()).item() <= 1e-4

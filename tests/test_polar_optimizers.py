@@ -1,6 +1,7 @@
 """RowNormM and the PolarGrad optimizers: the seed-004 skeleton with each update map."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -117,6 +118,28 @@ def test_skipped_step_with_negative_alpha_leaves_the_weights():
         opt.check_finite()
     assert torch.equal(W.detach(), before)
 
+
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("cls", [RightPolarGradM, LeftPolarGradM, HybridPolarGradM], ids=lambda c: c.__name__)
+def test_a_finite_gradient_whose_update_overflows_takes_a_zero_update(cls, centered, no_host_reads):
+    # alpha < 0 and a tiny gradient: ||M||_*^alpha leaves float32 (entries 1e-43, 1e42 at alpha = -1;
+    # hybrid's row-normalized momentum: entries 1e-30, about 1e44 at alpha = -2, see test_maps), and
+    # the step had written inf into the weights with no report. The map gives 0 for that matrix (documented): the weights move by their
+    # weight decay only, the momentum as usual, no value is read back in the step, and nothing is
+    # reported (the gradient was finite).
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    before = W.detach().clone()
+    lr, wd = 1e-3, 0.5
+    opt = cls([W], lr=lr, weight_decay=wd, alpha=-2.0 if cls is HybridPolarGradM else -1.0, centered=centered)
+    W.grad = torch.randn(16, 8) * (1e-30 if cls is HybridPolarGradM else 1e-43)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no report
+        with no_host_reads():
+            opt.step()
+        opt.check_finite()
+    # the decay: one float32 product per entry
+    torch.testing.assert_close(W.detach(), before * (1 - lr * wd), rtol=torch.finfo(torch.float32).eps, atol=0)
+    assert opt.state[W]["momentum_buffer"].abs().max() > 0
 
 @pytest.mark.parametrize("cls", [c[0] for c in CASES], ids=[c[0].__name__ for c in CASES])
 def test_docstring_math_has_no_latex_line_breaks(cls):
