@@ -109,7 +109,22 @@ def matrix_method(*matrix_args: str, result: str = "matrix", finite: bool = Fals
 ManifoldSpec = dict
 
 
-class MatrixManifold(geoopt.Manifold):
+class _ManifoldType(type(geoopt.Manifold)):
+    """The metaclass of :class:`MatrixManifold`: a constructor call hands the manifold a
+    private copy of each tensor argument and fixes the arguments once ``__init__`` returns
+    (see :attr:`MatrixManifold.identity`)."""
+
+    def __call__(cls, *args, **kwargs):
+        # the caller's own tensor stays the caller's: an in-place change of it (B.mul_(2)) had
+        # changed the manifold's geometry and spec() while its cached identity kept the old value
+        args = [_private_copy(value) for value in args]
+        kwargs = {key: _private_copy(value) for key, value in kwargs.items()}
+        manifold = super().__call__(*args, **kwargs)
+        object.__setattr__(manifold, "_arguments_fixed", True)
+        return manifold
+
+
+class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
     r"""A manifold of matrices $M \subset \mathbb{R}^{m\times n}$, batched over ``[..., m, n]``.
 
     Subclasses provide the tangent constraint:
@@ -146,6 +161,13 @@ class MatrixManifold(geoopt.Manifold):
     * :attr:`identity` is hashable and equal for two instances exactly when they are
       interchangeable: same class and same constructor arguments (tensors compared by
       dtype, shape and value). Optimizers batch matrices by it.
+
+    A manifold is a value, as its ``==`` and hash say: an attribute named like a constructor
+    argument (``LPRO(1.0).radius``) cannot be set or deleted once the constructor has
+    returned (``AttributeError``: build a new manifold), and a tensor argument is the
+    manifold's private copy (the caller may change theirs in place). An in-place change of
+    that copy itself (``manifold.weights.mul_(2)``) moves its version counter and
+    :attr:`identity` follows it.
 
     A subclass whose constructor takes arguments stores whatever it likes; the spec is
     read from the arguments as passed, not from attributes, so nothing else is needed.
@@ -315,12 +337,39 @@ class MatrixManifold(geoopt.Manifold):
     @property
     def identity(self) -> tuple:
         """Hashable; equal exactly when two manifolds are interchangeable (same class, same
-        constructor arguments, tensors compared by value). Computed once per instance."""
+        constructor arguments, tensors compared by value). Computed once, and again only
+        after a tensor argument changed in place (its ``_version`` counter moved): a stale
+        identity had let two geometries share an optimizer's batch."""
+        versions = tuple(value._version for value in getattr(self, "_spec_args", {}).values()
+                         if isinstance(value, torch.Tensor))
         cached = self.__dict__.get("_identity")
-        if cached is None:
-            cached = (type(self), _frozen(self.spec()["args"]))
+        if cached is None or cached[0] != versions:
+            cached = (versions, (type(self), _frozen(self.spec()["args"])))
             object.__setattr__(self, "_identity", cached)
-        return cached
+        return cached[1]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._refuse_fixed_argument(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._refuse_fixed_argument(name)
+        super().__delattr__(name)
+
+    def _refuse_fixed_argument(self, name: str) -> None:
+        """``AttributeError`` when ``name`` is a constructor argument and construction is over
+        (``m.radius = 2.0`` had left ``m == LPRO(1.0)`` and ``spec()`` saying 1.0)."""
+        arguments = self.__dict__.get("_spec_args", {})
+        if not self.__dict__.get("_arguments_fixed") or name not in arguments:
+            return
+        call = ", ".join(f"{key}={'...' if isinstance(value, torch.Tensor) else repr(value)}"
+                         for key, value in arguments.items())
+        raise AttributeError(
+            f"{type(self).__name__}.{name} is fixed after construction: the constructor arguments define "
+            f"the manifold (its spec(), == and hash, by which optimizers batch parameters of one "
+            f"geometry); build a new manifold with the {name} you want (this one is "
+            f"{type(self).__name__}({call}))"
+        )
 
     # Equality is interchangeability: geoopt.ManifoldParameter(point, manifold=m) compares
     # the point's manifold with ``m`` by ``!=``, and Stiefel() == Stiefel() there.
@@ -717,6 +766,12 @@ class MatrixManifold(geoopt.Manifold):
 
 def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _private_copy(value: Any) -> Any:
+    """A constructor argument as the manifold keeps it: a tensor detached and copied, anything
+    else as given."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _plain(value: Any, where: str) -> Any:

@@ -10,7 +10,7 @@ parent sits orders below, so no test depends on a seed's luck.
 import pytest
 import torch
 
-from geomuon.manifolds import LPRO, DGram, Oblique, Stiefel
+from geomuon.manifolds import LPRO, DGram, MatrixManifold, Oblique, Stiefel
 from geomuon.theory.contracts import check_manifold_contract
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -173,3 +173,53 @@ def test_a_gram_form_with_an_invalid_optimizer_default_is_caught(setting):
     assert [check.name for check in report.failures] == ["gram_form_settings"]
     assert f"{setting} = {value!r}" in report["gram_form_settings"].note
     assert failed_checks(Oblique(), torch.float64) == []  # control: the declared defaults are valid
+
+
+class FrobeniusSphere(MatrixManifold):
+    r"""$\{x : \|x\|_F = 1\}$ from its constraint $L_x(u) = \langle x, u\rangle$ (multiplier ``[..., 1]``),
+    ``projx`` $x/\|x\|$ and the retraction $\operatorname{projx}(x + u)$: right from any point."""
+
+    name = "FrobeniusSphereForContractTest"
+
+    def constraint(self, x, u):
+        return (x * u).sum(dim=(-2, -1)).unsqueeze(-1)
+
+    def constraint_adjoint(self, x, lam):
+        return lam.unsqueeze(-1) * x
+
+    def constraint_gram_diag(self, x):
+        return x.square().sum(dim=(-2, -1)).unsqueeze(-1)
+
+    def defining_map(self, x):
+        return 0.5 * (x.square().sum(dim=(-2, -1)) - 1).unsqueeze(-1)
+
+    def projx(self, x):
+        return x / x.norm(dim=(-2, -1), keepdim=True)
+
+    def retr(self, x, u):
+        return self.projx(x + u)
+
+
+class RetractsOnlyFromTheSphere(FrobeniusSphere):
+    r"""$R_x(u) = (x + u)/\sqrt{1 + \|u\|^2}$: on the sphere for $x$ on it and tangent $u$
+    ($\|x + u\|^2 = 1 + \|u\|^2$), off it from ManifoldMuon's decayed point $cx$ (norm
+    $\sqrt{c^2 + \|u\|^2}/\sqrt{1 + \|u\|^2} \approx c$: at weight_decay 0.5, lr 0.05, $\|W\| = 0.64$
+    after 20 steps)."""
+
+    name = "RetractsOnlyFromTheSphereForContractTest"
+
+    def retr(self, x, u):
+        return (x + u) / (1 + u.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
+
+
+@DTYPES
+def test_a_retraction_right_only_on_the_manifold_is_caught(dtype):
+    # from 0.7x with a tangent step of 0.1|x| it lands at norm sqrt(0.49 + 0.01) / sqrt(1.01) = 0.71:
+    # a residual of order 0.3, against the bound 1e-10 (fp64) or 1e-5 (fp32)
+    assert failed_checks(FrobeniusSphere(), dtype) == []
+    # the two others see the same retraction: geoopt's RiemannianSGD starts its momentum at the raw
+    # (not tangent) gradient, and the point retracted from 0.7x is among those the own check refuses
+    assert failed_checks(RetractsOnlyFromTheSphere(), dtype) == ["retr_from_scaled_point", "geoopt_sgd_on_manifold",
+                                                                 "points_pass_own_check"]
+    with pytest.raises(AssertionError, match=r"retr_from_scaled_point: .*weight decay.*projx\(x \+ u\)"):
+        check_manifold_contract(RetractsOnlyFromTheSphere(), SHAPE, dtype=dtype)

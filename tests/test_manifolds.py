@@ -144,6 +144,21 @@ class _WrongNewtonStiefel(Stiefel):
     gram_form = _WrongNewtonForm()
 
 
+class _WrongNewtonDiagonalForm(OrthonormalGram):
+    def newton_diagonal(self, D, P):
+        # one entry below the diagonal off by half: the basis element C(E_0,n-1) = E_0,n-1 + E_n-1,0
+        # is the only one whose support holds it (the check runs on the upper half of a symmetric basis)
+        diagonal = super().newton_diagonal(D, P).clone()
+        diagonal[..., -1, 0] *= 1.5
+        return diagonal
+
+
+class _WrongNewtonDiagonalStiefel(Stiefel):
+    """A Newton preconditioner wrong at one multiplier entry (conjugate gradients would lose symmetry)."""
+
+    gram_form = _WrongNewtonDiagonalForm()
+
+
 class _OverconfidentForm(OrthonormalGram):
     def series_covers(self, step, normal, shrink, terms, dtype):
         return True
@@ -172,11 +187,13 @@ class _MismatchedFormOblique(Oblique):
         (_BatchCoupledRetractionOblique(), {"retr_on_manifold"}, (3, 8, 5)),
         (_WrongGramDiagonalOblique(), {"gram_form_matches"}, (8, 5)),
         (_WrongNewtonStiefel(), {"gram_newton_matches"}, (8, 5)),
+        (_WrongNewtonDiagonalStiefel(), {"gram_newton_matches"}, (2, 8, 5)),
         (_OverconfidentSeriesStiefel(), {"gram_series_covers"}, (8, 5)),
         (_MismatchedFormOblique(), {"gram_form_matches"}, (8, 5)),
     ],
     ids=["wrong_adjoint", "not_a_retraction", "non_orthogonal_projection", "zero_projx_far_out", "lax_checks",
-         "batch_coupled_retraction", "wrong_form_gram_diag", "wrong_newton_operator", "overconfident_series",
+         "batch_coupled_retraction", "wrong_form_gram_diag", "wrong_newton_operator", "wrong_newton_diagonal_entry",
+         "overconfident_series",
          "form_of_another_multiplier_shape"],
 )
 def test_contract_detects_broken_manifolds(broken, failing, shape):
@@ -184,6 +201,65 @@ def test_contract_detects_broken_manifolds(broken, failing, shape):
     assert failing <= {check.name for check in report.failures}, str(report)
     with pytest.raises(AssertionError, match="manifold contract failed"):
         check_manifold_contract(broken, shape)
+
+
+class _CountingNewtonForm(OrthonormalGram):
+    operator_calls = 0
+
+    def newton_operator(self, D, lam, P):
+        self.operator_calls += 1
+        return super().newton_operator(D, lam, P)
+
+
+class _CountingNewtonStiefel(Stiefel):
+    """Stiefel whose form counts the applications of its Newton operator."""
+
+    gram_form = _CountingNewtonForm()
+
+
+def test_the_newton_diagonal_check_probes_instead_of_applying_the_operator_per_basis_element():
+    # one call per basis element C(E_ij), n^2 of them, had cost 97% of the contract at 256 x 128;
+    # now one call checks the definition and one stack of round-robin probes the diagonal
+    manifold = _CountingNewtonStiefel()
+    manifold.gram_form.operator_calls = 0
+    check_manifold_contract(manifold, (8, 5))
+    assert manifold.gram_form.operator_calls == 2
+
+
+class _FullGramNewtonForm(OrthonormalGram):
+    r"""The Newton operator by its definition $\mathcal C(DS(\Lambda)P)$ with the whole $D$, and its
+    exact diagonal: Stiefel's $2(D_{ii}P_{jj} + P_{ii}D_{jj})$ plus $4D_{ij}P_{ij}$ off the diagonal. At
+    a point off Stiefel ($D$ not diagonal) it couples basis elements of disjoint index pairs."""
+
+    def newton_operator(self, D, lam, P):
+        return self.constraint(D @ self.adjoint(lam) @ P)
+
+    def newton_diagonal(self, D, P):
+        coupling = D * P
+        return super().newton_diagonal(D, P) + 4 * (coupling - torch.diag_embed(torch.diagonal(coupling, dim1=-2,
+                                                                                                  dim2=-1)))
+
+
+class _DiagonalDNewtonForm(_FullGramNewtonForm):
+    """The diagonal of the diagonal-D operator declared for the full one (the coupling term left out)."""
+
+    def newton_diagonal(self, D, P):
+        return OrthonormalGram.newton_diagonal(self, D, P)
+
+
+def test_the_newton_diagonal_check_takes_every_basis_element_where_probes_interact():
+    from geomuon.theory.contracts import _newton_mismatch, _probed_diagonal_mismatch
+
+    generator = torch.Generator().manual_seed(0)
+    W, X = (torch.randn(8, 5, dtype=torch.float64, generator=generator) for _ in range(2))
+    D, P = W.mT @ W, torch.eye(5, dtype=torch.float64) + 0.1
+    form = _FullGramNewtonForm()
+    # the probes see the coupling and step aside (their quotients would be O(1) off)
+    assert _probed_diagonal_mismatch(form, D, P, form.newton_diagonal(D, P), True, generator) is None
+    tol = default_tolerance(torch.float64)  # exact formulas: the mismatch is round-off, ~1e-16
+    assert _newton_mismatch(form, W, X, torch.Generator().manual_seed(1)) <= tol
+    # the coupling term 4 D_ij P_ij is of the size of the diagonal: an O(1) error, caught
+    assert _newton_mismatch(_DiagonalDNewtonForm(), W, X, torch.Generator().manual_seed(1)) > 0.1
 
 
 # --------------------------------------------------------------------------- hypothesis

@@ -156,3 +156,49 @@ def test_copies_and_pickles_keep_the_constructor_arguments():
         assert clone.identity == manifold.identity and clone.radius == 1.5
     with pytest.raises(TypeError, match="radius"):
         WeightedSphere()  # a real call with missing arguments is still refused
+
+
+def test_a_constructor_argument_cannot_be_changed_after_construction():
+    # identity is cached for the batch keys: setting the radius had left m == LPRO(1.0) (so
+    # ManifoldMuon batched it with radius-1 matrices) while spec() still said 1.0
+    manifold = LPRO(1.0)
+    assert manifold.identity == LPRO(1.0).identity
+    with pytest.raises(AttributeError, match=r"LPRO\.radius is fixed after construction.*build a new manifold"):
+        manifold.radius = 2.0
+    with pytest.raises(AttributeError, match=r"LPRO\.radius is fixed"):
+        del manifold.radius
+    assert manifold.radius == 1.0 and manifold == LPRO(1.0) and manifold != LPRO(2.0)
+    sphere = WeightedSphere(1.0, torch.tensor([1.0, 2.0]))
+    # (the message spells the manifold's arguments, a tensor as ...)
+    fixed = r"WeightedSphere\.weights is fixed.*WeightedSphere\(radius=1\.0, weights=\.\.\., label='w'\)"
+    with pytest.raises(AttributeError, match=fixed):
+        sphere.weights = torch.tensor([3.0, 4.0])  # a buffer, set through nn.Module
+    sphere.scratch = 1  # an attribute that is no constructor argument stays free
+    for clone in (copy.deepcopy(manifold), pickle.loads(pickle.dumps(manifold))):
+        with pytest.raises(AttributeError, match=r"LPRO\.radius is fixed"):
+            clone.radius = 2.0
+
+
+def test_a_tensor_argument_is_the_manifolds_private_copy():
+    # the caller's in-place change had changed the manifold's geometry and spec() while its
+    # cached identity kept the old value
+    weights = torch.tensor([1.0, 2.0])
+    manifold = WeightedSphere(1.0, weights)
+    before = manifold.identity
+    x, u = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    constraint = manifold.constraint(x, u)
+    weights.mul_(2)
+    assert manifold.identity == before == WeightedSphere(1.0, torch.tensor([1.0, 2.0])).identity
+    assert manifold != WeightedSphere(1.0, weights)
+    assert torch.equal(manifold.spec()["args"]["weights"], torch.tensor([1.0, 2.0]))
+    assert torch.equal(manifold.constraint(x, u), constraint)
+
+
+def test_identity_follows_an_in_place_change_of_the_manifolds_own_tensor():
+    manifold = WeightedSphere(1.0, torch.tensor([1.0, 2.0]))
+    copied = copy.deepcopy(manifold)
+    assert manifold.identity == copied.identity
+    manifold.weights.mul_(2)  # the geometry and spec() change with it, and so must ==, hash and identity
+    doubled = WeightedSphere(1.0, torch.tensor([2.0, 4.0]))
+    assert manifold == doubled and hash(manifold) == hash(doubled) and manifold != copied
+    assert MatrixManifold.from_spec(manifold.spec()) == manifold

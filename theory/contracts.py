@@ -57,6 +57,12 @@ PROJX_SCALES = (0.1, 10.0)
 #: $10^{-3}$ in float32: $\delta t$ hides under $t^2$ over its range of $t$).
 CENTRAL_DIFFERENCE_STEP, CENTRAL_DIFFERENCE_BOUND = 1e-4, 1e-6
 
+#: The factor $c$ of the scaled point $cx$ the contract retracts from and checks the Gram form
+#: at: what weight decay makes of a point of $M$ before ManifoldMuon's step, $W \leftarrow cW$
+#: ($c = 1 - \text{lr}\cdot\text{weight\_decay}$; 0.7 is far past a usual decay, so that a map
+#: right only on $M$ is off by an order-one residual, not by round-off).
+DECAYED_SCALE = 0.7
+
 #: Smallest accepted log-log slope of $\|R_x(tv) - (x + tv)\|$ against $t$ (2 in theory).
 MIN_RETRACTION_SLOPE = 1.9
 
@@ -229,7 +235,10 @@ def check_manifold_contract(
       (when given) is the diagonal of $L_xL_x^*$ on its range; ``defining_map`` (when
       given) has derivative ``constraint`` (central differences, bound $10^{-6}$:
       truncation $h^2 = 10^{-8}$ times the curvature, round-off $\varepsilon/h$);
-    * ``retr(x, 0) = x``; ``retr`` lands on $M$ for steps of 0.1, 0.5 and 2 times $\|x\|$;
+    * ``retr(x, 0) = x``; ``retr`` lands on $M$ for steps of 0.1, 0.5 and 2 times $\|x\|$, and
+      from the scaled point $0.7x$ (:data:`DECAYED_SCALE`, what weight decay makes of $x$
+      before ManifoldMuon retracts) for a tangent step of $0.1\|x\|$ (``retr`` must project
+      onto $M$, not assume its point on it);
       $\|R_x(tv) - (x + tv)\|$ shrinks like $t^2$ (log-log slope $\ge 1.9$, in float32 also
       over the float64 math at float64's steps); $dR_x(0) = \mathrm{id}$ by a float64 central
       difference (bound $10^{-6}$, :data:`CENTRAL_DIFFERENCE_BOUND`); ``transp``
@@ -356,6 +365,15 @@ def check_manifold_contract(
               ).reshape(*batch, 1, 1)  # (linspace of one point is its start: a single matrix keeps its step)
     stepped = [manifold.retr(x, scale * spread * direction) for scale in (0.1, 0.5, 2.0)]
     record("retr_on_manifold", max(manifold_residual(manifold, y) for y in stepped))
+    # ManifoldMuon's general path decays first, W <- cW, and retracts from cW along a direction
+    # tangent there: a retraction right only from points of M (a sphere's (x + u) / sqrt(1 + |u|^2))
+    # had left |W| = 0.64 after 20 steps at weight_decay 0.5, lr 0.05, with no error
+    decayed = DECAYED_SCALE * x
+    decayed_direction = manifold.proju(decayed, pu)
+    decayed_direction = decayed_direction * (_matrix_norm(x) / _matrix_norm(decayed_direction).clamp_min(1e-30)
+                                             )[..., None, None]
+    from_decayed = manifold.retr(decayed, 0.1 * decayed_direction)
+    record("retr_from_scaled_point", manifold_residual(manifold, from_decayed))
     ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)
     slope, errors = retraction_slope(manifold, x, direction, ts)
     x64, v64 = _float64_point_and_tangent(manifold, x, direction)
@@ -402,7 +420,7 @@ def check_manifold_contract(
 
     geoopt_point = _geoopt_steps(manifold, x, gaussian())
     record("geoopt_sgd_on_manifold", manifold_residual(manifold, geoopt_point))
-    produced = [manifold.projx(gaussian()), *scaled, *stepped, geoopt_point]
+    produced = [manifold.projx(gaussian()), *scaled, *stepped, from_decayed, geoopt_point]
     _check_own_checks(manifold, x, gaussian(), produced, tol, record)
 
     if raise_on_failure and not report.passed:
@@ -430,6 +448,9 @@ WHAT_TO_FIX = {
     "defining_map_derivative": "constraint must be the derivative of defining_map",
     "retr_zero": "retr(x, 0) must return x",
     "retr_on_manifold": "retr must land on M for short and long steps",
+    "retr_from_scaled_point": "retr(0.7x, u) must land on M: ManifoldMuon's weight decay scales the point (W <- cW) "
+                              "before it retracts, so retr must project whatever point it starts from (e.g. "
+                              "projx(x + u)), not assume x on M (or do not use weight decay with this manifold)",
     "retr_derivative": "retr's derivative at 0 must be the identity: (R_x(tv) - R_x(-tv)) / 2t -> v (float64)",
     "inner_symmetric": "inner(x, u, v) must equal inner(x, v, u) (a metric is symmetric)",
     "inner_norm_matches": "inner(x, u) must be the squared norm inner(x, u, u), what geoopt's optimizers read",
@@ -493,7 +514,7 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
                                                            f"{shapes[1]} (manifold)")
         elif W0.size(-2) >= W0.size(-1):  # the form's maps are stated for tall points
             errors = []
-            for W in (W0, 0.7 * W0):
+            for W in (W0, DECAYED_SCALE * W0):
                 D = W.mT @ W
                 lam = form.constraint(W.mT @ X)
                 errors += [
@@ -557,41 +578,127 @@ def _invalid_form_settings(form) -> list[str]:
     return invalid
 
 
+#: Largest relative disagreement between two probe draws (:func:`_probed_diagonal_mismatch`) taken
+#: as "the basis elements of one probe do not interact": what is left then errs every Rayleigh
+#: quotient by about as much, 1% of the float64 contract tolerance $10^{-10}$; a valid probe
+#: agrees to round-off, $\sim n\varepsilon \approx 10^{-14}$ at $n = 128$.
+PROBE_AGREEMENT = 1e-12
+
+
 def _newton_mismatch(form, W: torch.Tensor, X: torch.Tensor, generator: torch.Generator) -> float:
     r"""Largest relative error of a form's Newton declarations at the tall point ``W`` (float64):
     ``newton_operator`` against its definition $\mathcal C(D\,S(\Lambda)\,P)$ and
     ``newton_diagonal`` against the operator's Rayleigh quotients on the basis
-    $\mathcal C(E_{ij})$ of its range (both where ``newton_cg_steps``), ``newton_increment``
-    against $S(\text{increment}(E)) = E$ (where ``has_newton``); $P$ symmetric positive definite,
-    as $(Z^\top Z)^{-1/2}$ is. A wrong operator had crashed the first step (``eigh`` of a
-    diverged dual)."""
+    $\mathcal C(E_{ij})$ of its range (both where ``newton_cg_steps``; probes,
+    :func:`_probed_diagonal_mismatch`, where they are exact, else every basis element,
+    :func:`_basis_diagonal_mismatch`), ``newton_increment`` against $S(\text{increment}(E)) = E$
+    (where ``has_newton``); $P$ symmetric positive definite, as $(Z^\top Z)^{-1/2}$ is. A wrong
+    operator had crashed the first step (``eigh`` of a diverged dual).
+
+    A transpose-invariant $\mathcal C$, $\mathcal C(M^\top) = \mathcal C(M)$ (Stiefel's, DGram's;
+    tested on a random $M$, which a nonzero linear $\mathcal C(M^\top) - \mathcal C(M)$ fails with
+    probability 1), has $\mathcal C(E_{ji}) = \mathcal C(E_{ij})$: half the basis serves."""
     batch, n = W.shape[:-2], W.size(-1)
     D = W.mT @ W
     Z = torch.randn(*batch, n, n, dtype=W.dtype, generator=generator)
     P = torch.linalg.matrix_exp(-0.5 * (Z + Z.mT) / math.sqrt(n))  # symmetric positive definite
     lam = form.constraint(W.mT @ X)
-
-    def flat(t):  # multiplier-shaped -> [*batch, p]
-        return t.reshape(*batch, -1)
-
     errors = []
     if form.newton_cg_steps > 0:
         errors.append(_relative(form.newton_operator(D, lam, P), form.constraint(D @ form.adjoint(lam) @ P)))
-        diagonal = form.newton_diagonal(D, P)
-        for i, j in itertools.product(range(n), repeat=2):
-            unit = torch.zeros_like(D)
-            unit[..., i, j] = 1.0
-            basis = flat(form.constraint(unit))
-            support = basis != 0
-            if not bool(support.any()):
-                continue
-            quotient = (basis * flat(form.newton_operator(D, basis.reshape(lam.shape), P))).sum(-1) / \
-                basis.square().sum(-1)
-            declared = flat(diagonal.expand_as(lam))
-            errors.append(_relative(declared[support], quotient.unsqueeze(-1).expand_as(support)[support]))
+        declared = form.newton_diagonal(D, P).expand_as(lam)
+        symmetric = torch.equal(form.constraint(Z), form.constraint(Z.mT))
+        probed = _probed_diagonal_mismatch(form, D, P, declared, symmetric, generator)
+        errors.append(_basis_diagonal_mismatch(form, D, P, declared, symmetric) if probed is None else probed)
     if form.has_newton:
         E = form.adjoint(lam)
         errors.append(_relative(form.adjoint(form.newton_increment(D, E)), E))
+    return max(errors)
+
+
+def _probed_diagonal_mismatch(form, D: torch.Tensor, P: torch.Tensor, declared: torch.Tensor, symmetric: bool,
+                              generator: torch.Generator) -> float | None:
+    r"""The Newton diagonal check of :func:`_newton_mismatch` by about $n$ probes, or ``None``
+    where the probes cannot separate the basis elements (then every element is needed).
+
+    A probe is $\Lambda = \mathcal C(Z)$, $Z = \sum_{(i,j) \in R} z_{ij}E_{ij}$ over one round $R$
+    of a round-robin tournament on the indices (pairs with disjoint $\{i, j\}$, and one
+    $(r, r)$): with $S = \mathcal C^*$, $\langle\mathcal C(E_{ij}), \mathcal A\Lambda\rangle =
+    S(\mathcal A\Lambda)_{ij}$ and $\|\mathcal C(E_{ij})\|^2 z_{ij} = S(\Lambda)_{ij}$ where the
+    elements of a round interact neither through $\mathcal A$ nor in their supports (a Gram form
+    whose maps touch rows and columns $i, j$ only, at a diagonal $D$: Stiefel's, DGram's), so
+    $q_{ij} = S(\mathcal A\Lambda)_{ij} / S(\Lambda)_{ij}$, and on the support of $\Lambda$ the entry
+    $\mathcal C(q \odot Z) / \Lambda$ is the quotient of the element owning it. Two independent
+    draws of $z$ (signs, magnitudes in $[1, 2]$) agree, to :data:`PROBE_AGREEMENT`, exactly
+    when (with probability 1) no cross term is left. Every pair $\{i, j\}$ lies in one round of
+    the $N = n$ (odd) or $n + 1$ (even) rounds; a $\mathcal C$ that is not transpose-invariant
+    takes the rounds again with $E_{ji}$. Error: the largest $|d - q| / |q|$ over the support
+    (per entry, where the basis check takes the norm over an element's entries: as strict or
+    stricter). $2N$ or $4N$ applications of the operator to $n\times n$ multipliers, against
+    $n^2$ (``[k, n, n]`` stacks) of the basis check: at $n = 128$, $O(n^4)$ against $O(n^5)$ work."""
+    batch, n = D.shape[:-2], D.size(-1)
+    rounds = n | 1
+    r, t = torch.arange(rounds).unsqueeze(1), torch.arange(1, rounds // 2 + 1)
+    first, second = (r + t) % rounds, (r - t) % rounds  # [rounds, (rounds - 1) / 2]: round r's pairs
+    kept = (first < n) & (second < n)  # (the extra index of an even n sits the round out)
+    pattern = torch.zeros(rounds, n, n, dtype=D.dtype)
+    pattern[r.expand_as(first)[kept], first[kept], second[kept]] = 1.0
+    diagonal = torch.arange(n)
+    pattern[diagonal, diagonal, diagonal] = 1.0  # round r's (r, r): its index is in no pair there
+    if not symmetric:  # E_ji in rounds of their own (the diagonal is in the first already)
+        pattern = torch.cat([pattern, (pattern - torch.diag_embed(torch.diagonal(pattern, dim1=-2, dim2=-1))).mT])
+    pattern = pattern.reshape(-1, *(1,) * len(batch), n, n)
+    draws = torch.rand(2, *pattern.shape[:1], *batch, n, n, dtype=D.dtype, generator=generator)
+    signs = torch.randint(0, 2, draws.shape, generator=generator).to(D.dtype) * 2 - 1
+    Z = pattern * (1 + draws) * signs  # [2, rounds, *batch, n, n]
+    probe = form.constraint(Z)
+    paired, norms = form.adjoint(form.newton_operator(D, probe, P)), form.adjoint(probe)
+    owned = (Z != 0) & (norms != 0)  # (an element C(E_ij) = 0 owns no entry: 0/0)
+    quotient = torch.where(owned, paired / torch.where(owned, norms, 1), 0)
+    support = probe != 0
+    if not torch.equal(support[0], support[1]):
+        return None
+    support = support[0]
+    if not bool(support.any()):
+        return 0.0  # no multiplier anywhere: nothing declared to check
+    entry = form.constraint(quotient * Z)[:, support] / probe[:, support]  # [2, entries of the support]
+    if float(((entry[0] - entry[1]).abs() / entry[0].abs().clamp_min(1e-300)).max()) > PROBE_AGREEMENT:
+        return None
+    return float(((declared.expand_as(probe[0])[support] - entry[0]).abs() / entry[0].abs().clamp_min(1e-300)).max())
+
+
+def _basis_diagonal_mismatch(form, D: torch.Tensor, P: torch.Tensor, declared: torch.Tensor,
+                             symmetric: bool) -> float:
+    r"""The Newton diagonal check of :func:`_newton_mismatch` on every basis element, for a form
+    whose elements the probes cannot separate: the quotient of $B_{ij} = \mathcal C(E_{ij})$ is
+    $q_{ij} = \langle B_{ij}, \mathcal A(B_{ij})\rangle / \|B_{ij}\|^2$, compared with the declared
+    diagonal on the support of $B_{ij}$ (error $\|d - q_{ij}\| / \|q_{ij}\|$ there, every
+    $(i, j)$ and batch entry seen; $j \ge i$ only for a transpose-invariant $\mathcal C$). The
+    operator takes one row of the basis per call, a stack ``[k, *batch, n, n]`` (the form's
+    maps broadcast over leading dimensions, as torch's do): $n$ calls, not $n^2$."""
+    batch, n = D.shape[:-2], D.size(-1)
+
+    def flat(t, leading=0):  # multiplier-shaped [*leading, *batch, ...] -> [*leading, *batch, p]
+        return t.reshape(*t.shape[:leading + len(batch)], -1)
+
+    declared = flat(declared)
+    errors = [0.0]
+    for i in range(n):
+        first = i if symmetric else 0
+        units = torch.zeros(n - first, n, n, dtype=D.dtype)
+        units[:, i, first:] = torch.eye(n - first, dtype=D.dtype)  # units[j - first] = E_ij
+        basis = form.constraint(units.reshape(n - first, *(1,) * len(batch), n, n).expand(-1, *batch, n, n))
+        applied = flat(form.newton_operator(D, basis, P), 1)
+        basis = flat(basis, 1)  # [k, *batch, p]
+        support = basis != 0
+        # (where B_ij vanishes in a batch entry its quotient is 0/0, outside the support)
+        quotient = ((basis * applied).sum(-1) / basis.square().sum(-1).clamp_min(1e-300)).unsqueeze(-1)
+        matrix_dims = tuple(range(1, basis.dim()))
+        mismatch = torch.where(support, declared - quotient, 0).square().sum(matrix_dims).sqrt()
+        size = torch.where(support, quotient, 0).square().sum(matrix_dims).sqrt()
+        seen = support.flatten(1).any(-1)
+        if bool(seen.any()):
+            errors.append(float((mismatch / size.clamp_min(1e-300))[seen].max()))
     return max(errors)
 
 
