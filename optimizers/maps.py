@@ -155,6 +155,11 @@ def _normalized(D: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     return X / (X.norm(dim=dim, keepdim=True) + eps / power_of_two).clamp_min(tiny)
 
 
+def _float64(value):
+    """A tensor in float64 (the symbolic certificates' letters as they are)."""
+    return value.double() if isinstance(value, torch.Tensor) else value
+
+
 def _times_nuclear_power(polar: torch.Tensor, nuclear: torch.Tensor, alpha: float) -> torch.Tensor:
     r"""$\nu^\alpha Q$ of each polar factor $Q$ (``polar``, ``[..., m, n]``) with its nuclear norm $\nu$
     (``nuclear``, ``[..., 1, 1]``, float64), in ``polar.dtype``; 0 for a matrix where it is not finite
@@ -162,7 +167,10 @@ def _times_nuclear_power(polar: torch.Tensor, nuclear: torch.Tensor, alpha: floa
     of entries $10^{-43}$ had given $\nu^{-1} = \infty$ and infinite weights; a huge one at
     $\alpha > 0$), or $0\cdot\infty$ of the zero matrix at $\alpha < 0$. Selected on the device,
     no host read: the matrix's step is then a no-op, as msign's beyond its range."""
-    out = polar * nuclear.clamp_min(0).pow(alpha).to(polar.dtype)
+    scale = nuclear.clamp_min(0).pow(alpha)
+    if not isinstance(polar, torch.Tensor):  # the symbolic certificates' letters: exact, no range
+        return polar * scale
+    out = polar * scale.to(polar.dtype)
     finite = torch.isfinite(out).all(dim=-1, keepdim=True).all(dim=-2, keepdim=True)
     return torch.where(finite, out, torch.zeros_like(out))
 
@@ -184,7 +192,7 @@ def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.
     polar = msign(X, "polar_express")
     # nu = <D, msign(D)> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product (in float64: the
     # product s nu of a float32 D leaves float32's range where nu^alpha need not)
-    nuclear = s.double() * (X * polar).sum(dim=(-2, -1), keepdim=True).double()
+    nuclear = _float64(s) * _float64((X * polar).sum(dim=(-2, -1), keepdim=True))
     out = _times_nuclear_power(polar, nuclear, alpha) if alpha != 0 else polar
     nonzero = s * X.norm(dim=(-2, -1), keepdim=True) > (eps or 0.0)
     return torch.where(nonzero, out, torch.zeros_like(out)).to(D.dtype)
@@ -277,7 +285,7 @@ def hybrid(
     if alpha == 0:
         return Q
     # (the zero matrix at alpha < 0: Q = 0 and 0^alpha = inf, whose product had been NaN)
-    return _times_nuclear_power(Q, (R * Q).sum(dim=(-2, -1), keepdim=True).double(), alpha)
+    return _times_nuclear_power(Q, _float64((R * Q).sum(dim=(-2, -1), keepdim=True)), alpha)
 
 
 def _center_rows(D: torch.Tensor) -> torch.Tensor:
