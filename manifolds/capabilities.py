@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from .linalg import eigh, off_diagonal
+from .linalg import check_count, check_real, eigh, off_diagonal
+
+#: The polish methods a form may declare as ManifoldMuon's default (the engine's
+#: :func:`geomuon.optimizers.gram.polish` implements them).
+POLISH_METHODS = ("admm", "alternating")
 
 __all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
            "series_radius", "gram_retraction", "SERIES_MAX_TERMS"]
@@ -164,7 +168,7 @@ class GramForm:
         polish_rounds: ManifoldMuon's default rounds of
             :func:`geomuon.optimizers.gram.polish` on this manifold (chosen likewise).
         polish_method: ManifoldMuon's default method of those rounds on this manifold,
-            one of :data:`geomuon.optimizers.gram.POLISH_METHODS` (``"admm"``: from the dual
+            one of :data:`POLISH_METHODS` (``"admm"``: from the dual
             iterate, toward the optimum; ``"alternating"``: alternating projections, toward
             the feasible set; chosen likewise).
         newton_alpha: ManifoldMuon's default dual step size of the Newton update on this
@@ -189,6 +193,27 @@ class GramForm:
     polish_rounds = 0
     polish_method = "admm"
     newton_alpha = 1.0
+
+    def invalid_defaults(self) -> list[str]:
+        """What is wrong with the optimizer defaults this form declares, one message each (empty:
+        nothing): whole step and round counts >= 0, ``retraction_order`` >= 1, ``newton_alpha``
+        finite and > 0, ``polish_method`` one of :data:`POLISH_METHODS`. ManifoldMuon refuses a
+        form with any (``dual_steps = 2.5`` had run as 2 steps) and the manifold contract reports
+        them."""
+        where = f"the Gram form {type(self).__name__}"
+        checks = [*(lambda name=name: check_count(where, name, getattr(self, name))
+                    for name in ("dual_steps", "cold_dual_steps", "polish_rounds", "newton_cg_steps")),
+                  lambda: check_count(where, "retraction_order", self.retraction_order, 1),
+                  lambda: check_real(where, "newton_alpha", self.newton_alpha, lambda x: x > 0, "a finite number > 0")]
+        invalid = []
+        for check in checks:
+            try:
+                check()
+            except ValueError as err:
+                invalid.append(str(err))
+        if self.polish_method not in POLISH_METHODS:
+            invalid.append(f"{where}: polish_method must be one of {POLISH_METHODS}, got {self.polish_method!r}")
+        return invalid
 
     @property
     def declares_newton(self) -> bool:

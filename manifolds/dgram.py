@@ -57,8 +57,14 @@ class DGram(MatrixManifold):
     transposes_wide = True
     gram_form = OrthogonalColumnsGram()
 
-    def _squared_column_norms(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        d2 = x.square().sum(-2)
+    @staticmethod
+    def _squared_column_norms(x: torch.Tensor) -> torch.Tensor:
+        r"""$d_j^2 = \|x_{:,j}\|^2$, ``[..., n]``."""
+        return x.square().sum(-2)
+
+    def _nonzero_squared_column_norms(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """:meth:`_squared_column_norms`, refused (a host read) where a column of ``what`` is zero."""
+        d2 = self._squared_column_norms(x)
         if bool((d2 == 0).any()):
             raise ValueError(
                 f"DGram: {what} has a zero column (a zero row if it is wide); DGram points "
@@ -80,7 +86,7 @@ class DGram(MatrixManifold):
         # The diagonal entries of the multiplier are always zero; 4 d_i^2 there is a safe
         # positive placeholder given by the same formula. No zero-column check: a host read in
         # every optimizer step (the solvers treat a zero entry as a multiplier L_W cannot reach).
-        d2 = x.square().sum(-2)
+        d2 = self._squared_column_norms(x)
         return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 
     @matrix_method(result="multiplier")
@@ -90,7 +96,7 @@ class DGram(MatrixManifold):
     @matrix_method("u")
     def proju(self, x, u):
         x = x.to(u.dtype)  # computed in u's dtype, as MatrixManifold.proju documents
-        d2 = x.square().sum(-2)
+        d2 = self._squared_column_norms(x)
         # clamped, not checked (a host read in every optimizer step): where d_i^2 + d_j^2 = 0 the
         # numerator is 0 too (the diagonal, or two zero columns), so 0 / tiny = 0 is the projection
         denominator = d2.unsqueeze(-1) + d2.unsqueeze(-2)
@@ -106,7 +112,7 @@ class DGram(MatrixManifold):
         x64 = x.double()
         largest = largest_entry(x64)
         x64 = x64 / largest
-        d2 = self._squared_column_norms(x64, "x given to projx")
+        d2 = self._nonzero_squared_column_norms(x64, "x given to projx")
         U, _, Vh = torch.linalg.svd(x64, full_matrices=False)
         return ((U @ Vh) * (d2.sqrt().unsqueeze(-2) * largest)).to(x.dtype)
 
@@ -114,7 +120,7 @@ class DGram(MatrixManifold):
     def retr(self, x, u):
         compute = fp32_or_fp64(x.dtype)
         y = x.to(compute) + u.to(compute)
-        d2 = self._squared_column_norms(y, "the retraction target x + u")
+        d2 = self._nonzero_squared_column_norms(y, "the retraction target x + u")
         # sqrt(tiny) as msign's norm floor: the default 1e-7 would mis-scale tiny columns.
         polar = msign(y, "polar_express", eps=torch.finfo(compute).tiny ** 0.5)
         return (polar * d2.sqrt().unsqueeze(-2)).to(x.dtype)

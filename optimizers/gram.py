@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import (SERIES_MAX_TERMS, GramForm, exact_inverse_sqrt, gram_retraction,
+from geomuon.manifolds.capabilities import (POLISH_METHODS, SERIES_MAX_TERMS, GramForm, exact_inverse_sqrt, gram_retraction,
                                             inv_sqrt_near_identity, spectral_function)
 from geomuon.manifolds.linalg import POLAR_EXPRESS, check_compute_dtype, check_count, check_real, eigh, msign
 
@@ -89,9 +89,6 @@ __all__ = ["GramSettings", "GramStep", "gram_step", "projected_step", "dual_gram
 DUALIZERS = ("eigh", "polar_express")
 #: ``GramSettings.update``: Su's Newton (Lyapunov) step where the form declares it, Jacobi.
 UPDATES = ("newton", "jacobi")
-#: ``GramSettings.polish_method``: ADMM from the dual iterate, or alternating projections
-#: (:func:`polish`).
-POLISH_METHODS = ("admm", "alternating")
 #: ``GramSettings.solver``: dual iterations in Gram space (:func:`gram_step`), or the polar
 #: factor of the projected momentum on the $m\times n$ matrix in bf16 (:func:`projected_step`).
 SOLVERS = ("dual", "projected")

@@ -49,7 +49,7 @@ from typing import Any, Iterable
 import torch
 
 from geomuon.manifolds import MatrixManifold
-from geomuon.manifolds.linalg import check_count, check_real, fp32_or_fp64
+from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS
 
 from . import distributed as _distributed
@@ -85,7 +85,7 @@ def default_dual_steps(manifold) -> int:
     it declares one (chosen on the measured frontier per manifold), else
     :data:`DEFAULT_DUAL_STEPS`."""
     form = getattr(manifold, "gram_form", None)
-    return DEFAULT_DUAL_STEPS if form is None else check_count(_form_name(form), "dual_steps", form.dual_steps)
+    return DEFAULT_DUAL_STEPS if form is None else form.dual_steps
 
 
 def default_cold_dual_steps(manifold, dual_steps: int) -> int:
@@ -93,8 +93,7 @@ def default_cold_dual_steps(manifold, dual_steps: int) -> int:
     start yet: ``dual_steps``, or the Gram form's ``cold_dual_steps`` where it declares
     more."""
     form = getattr(manifold, "gram_form", None)
-    return dual_steps if form is None else max(dual_steps, check_count(_form_name(form), "cold_dual_steps",
-                                                                       form.cold_dual_steps))
+    return dual_steps if form is None else max(dual_steps, form.cold_dual_steps)
 
 
 def default_polish_method(manifold) -> str:
@@ -103,12 +102,7 @@ def default_polish_method(manifold) -> str:
     cannot reach it, alternating projections where the dual steps converge; each form's comment
     gives the measurements); ``"admm"`` off the Gram path, which has no polish."""
     form = getattr(manifold, "gram_form", None)
-    if form is None:
-        return "admm"
-    if form.polish_method not in POLISH_METHODS:
-        raise ValueError(f"{_form_name(form)}: polish_method must be one of {POLISH_METHODS}, "
-                         f"got {form.polish_method!r}")
-    return form.polish_method
+    return form.polish_method if form is not None else "admm"
 
 
 def default_polish_rounds(manifold) -> int:
@@ -117,7 +111,7 @@ def default_polish_rounds(manifold) -> int:
     (``"eigh"`` clips by an eigendecomposition, ``"polar_express"`` by matrix products:
     :data:`geomuon.optimizers.gram.UNIT_BALLS`); 0 off the Gram path, which has no polish."""
     form = getattr(manifold, "gram_form", None)
-    return check_count(_form_name(form), "polish_rounds", form.polish_rounds) if form is not None else 0
+    return form.polish_rounds if form is not None else 0
 
 
 def default_dual_alpha(manifold, update: str) -> float:
@@ -125,30 +119,18 @@ def default_dual_alpha(manifold, update: str) -> float:
     Gram form's ``newton_alpha`` for the Newton update (DGram over-relaxes, 1.5), else 1 (the
     Jacobi update, the general path)."""
     form = getattr(manifold, "gram_form", None)
-    if form is None or update != "newton":
-        return 1.0
-    check_real(_form_name(form), "newton_alpha", form.newton_alpha, lambda x: x > 0, "a finite number > 0")
-    return form.newton_alpha
-
-
-def _form_name(form) -> str:
-    """How a refusal of a Gram form's declared default names it: a manifold's declaration
-    (``dual_steps = 2.5`` had run as 2 steps)."""
-    return f"the Gram form {type(form).__name__} (a manifold's gram_form)"
+    return form.newton_alpha if form is not None and update == "newton" else 1.0
 
 
 def _check_form_defaults(manifold, where: str) -> None:
     """Refuse (``ValueError`` naming ``where``, the manifold, its form and the attribute) a Gram
     form whose declared optimizer defaults ManifoldMuon cannot take: called when a group is
     checked, so a bad declaration stops the run before any step."""
-    try:
-        default_cold_dual_steps(manifold, default_dual_steps(manifold))
-        default_polish_rounds(manifold)
-        default_polish_method(manifold)
-        default_dual_alpha(manifold, "newton")
-    except ValueError as err:
+    form = getattr(manifold, "gram_form", None)
+    invalid = form.invalid_defaults() if form is not None else []
+    if invalid:
         raise ValueError(f"{where}: the manifold {_described(manifold)} declares a default ManifoldMuon cannot "
-                         f"take: {err}; fix its gram_form (check_manifold_contract checks it)") from None
+                         f"take: {'; '.join(invalid)}; fix its gram_form (check_manifold_contract checks it)")
 
 
 def default_dual_update(manifold) -> str:

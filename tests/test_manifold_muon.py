@@ -953,6 +953,6 @@ def test_a_gram_form_declaring_a_bad_default_is_refused_before_any_step(attribut
 
     W = torch.nn.Parameter(Oblique().random(8, 4).data)
     with pytest.raises(ValueError, match=rf"group 0: the manifold BadOblique.* declares a default ManifoldMuon "
-                                         rf"cannot take: the Gram form BadForm .*{re.escape(message)}"):
+                                         rf"cannot take: the Gram form BadForm: .*{re.escape(message)}"):
         ManifoldMuon([W], manifold=BadOblique())
     ManifoldMuon([W], manifold=Oblique())  # control: the form as declared is taken

@@ -466,7 +466,7 @@ WHAT_TO_FIX = {
                          "maps (at x or at a scaled 0.7x): fix the form or declare none",
     "gram_form_settings": "the declared gram_form's optimizer defaults (class attributes of GramForm) must be "
                           "valid: whole step and round counts >= 0, newton_alpha > 0, a polish_method of "
-                          "geomuon.optimizers.gram.POLISH_METHODS (the note names each bad one)",
+                          "geomuon.manifolds.capabilities.POLISH_METHODS (the note names each bad one)",
     "gram_retraction_on_manifold": "the declared gram_form's retraction_factor must land on M",
     "gram_retraction_slope": "the declared gram_form's retraction must be first order: R_W(tV) = W + tV + O(t^2)",
     "gram_newton_matches": "the declared gram_form's Newton step disagrees with its definition: newton_operator must "
@@ -504,7 +504,7 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
     x, g = manifold.projx(x.double()), g.double()
     form = getattr(manifold, "gram_form", None)
     if form is not None:
-        invalid = _invalid_form_settings(form)
+        invalid = form.invalid_defaults()
         record("gram_form_settings", float(len(invalid)), 0.0, note="; ".join(invalid))
         flip = manifold.transposes_wide and x.size(-2) < x.size(-1)
         W0, X = (x.mT, g.mT) if flip else (x, g)
@@ -553,29 +553,6 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
                   for name, A in ((name, _exact_dualizer(name, P)) for name in declared)}
         worst = max(normal, key=normal.get)
         record("dualizer_keeps_tangent", normal[worst], tol, note=f"norms {', '.join(declared)}; worst {worst}")
-
-
-def _invalid_form_settings(form) -> list[str]:
-    """What is wrong with the optimizer defaults a Gram form declares (its class attributes of
-    :class:`~geomuon.manifolds.capabilities.GramForm`), one line each: ManifoldMuon reads them at a
-    matrix's first step, where a bad one raised naming ``GramSettings`` and not the manifold, and
-    a fractional step count (``dual_steps = 2.5``) ran as 2."""
-    from geomuon.optimizers.gram import POLISH_METHODS
-
-    invalid = []
-    for name in ("dual_steps", "cold_dual_steps", "polish_rounds", "newton_cg_steps"):
-        value = getattr(form, name)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            invalid.append(f"{name} = {value!r}, not a whole number >= 0")
-    alpha = form.newton_alpha
-    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha) and alpha > 0):
-        invalid.append(f"newton_alpha = {alpha!r}, not a finite number > 0")
-    if form.polish_method not in POLISH_METHODS:
-        invalid.append(f"polish_method = {form.polish_method!r}, not one of {POLISH_METHODS}")
-    order = form.retraction_order
-    if not (isinstance(order, int) and not isinstance(order, bool) and order >= 1):
-        invalid.append(f"retraction_order = {order!r}, not a whole number >= 1")
-    return invalid
 
 
 #: Largest relative disagreement between two probe draws (:func:`_probed_diagonal_mismatch`) taken
