@@ -68,15 +68,15 @@ stiefel projection adds W sym(W'X) | return u - x @ sym(x.mT @ u) | return u + x
 stiefel wide points not transposed | transposes_wide = True | transposes_wide = False
 ## manifolds/dgram.py
 dgram adjoint keeps the diagonal | return 2 * x @ off_diagonal(sym(lam)) | return 2 * x @ sym(lam)
-dgram projection divides by 2 d_i^2 | u.mT @ x) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | u.mT @ x) / (2 * d2.unsqueeze(-1))
+dgram projection divides by 2 d_i^2 | denominator = d2.unsqueeze(-1) + d2.unsqueeze(-2) | denominator = 2 * d2.unsqueeze(-1)
 dgram gram diagonal doubled | return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | return 4 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
 dgram retraction forgets the column norms' root | (polar * d2.sqrt().unsqueeze(-2)) | (polar * d2.unsqueeze(-2))
 dgram retraction steps along -u | y = x.to(compute) + u.to(compute) | y = x.to(compute) - u.to(compute)
-dgram retraction rescales by the point's column norms | d2 = self._squared_column_norms(y, "the retraction target x + u") | d2 = self._squared_column_norms(x.to(compute), "the retraction target x + u")
+dgram retraction rescales by the point's column norms | d2 = self._nonzero_squared_column_norms(y, "the retraction target x + u") | d2 = self._nonzero_squared_column_norms(x.to(compute), "the retraction target x + u")
 dgram constraint's sign flipped | return off_diagonal(x.mT @ u + u.mT @ x) | return off_diagonal(x.mT @ u - u.mT @ x)
 dgram defining map keeps the diagonal | return off_diagonal(x.mT @ x) | return x.mT @ x
 dgram projection adds W Sigma | return u - x @ sigma | return u + x @ sigma
-dgram column norms summed over columns | d2 = x.square().sum(-2) | d2 = x.square().sum(-1)
+dgram column norms summed over columns | return x.square().sum(-2) | return x.square().sum(-1)
 dgram projx forgets the column norms' root | return ((U @ Vh) * (d2.sqrt().unsqueeze(-2) * largest)) | return ((U @ Vh) * (d2.unsqueeze(-2) * largest))
 dgram wide points not transposed | transposes_wide = True | transposes_wide = False
 ## manifolds/oblique.py
@@ -152,8 +152,8 @@ engine: Lyapunov operator without D | X = (_diag(D).unsqueeze(-1) * S) @ P | X =
 ## optimizers/maps.py
 row_norm normalizes columns | return _normalized(D, -1, eps) | return _normalized(D, -2, eps)
 col_norm normalizes rows | return _normalized(D, -2, eps) | return _normalized(D, -1, eps)
-polar maps: nuclear norm squared | polar * nuclear.clamp_min(0).pow(alpha) | polar * nuclear.clamp_min(0).pow(2 * alpha)
-polar maps: nuclear norm from polar'polar | nuclear = s * (X * polar).sum | nuclear = s * (polar * polar).sum
+polar maps: nuclear norm squared | scale = nuclear.clamp_min(0).pow(alpha) | scale = nuclear.clamp_min(0).pow(2 * alpha)
+polar maps: nuclear norm from polar'polar | nuclear = _float64(s) * _float64((X * polar).sum | nuclear = _float64(s) * _float64((polar * polar).sum
 polar maps: msign of |D| | polar = msign(X, "polar_express" | polar = msign(X.abs(), "polar_express"
 hybrid normalizes columns | R = row_norm(D, eps=eps) | R = col_norm(D, eps=eps)
 centered map does not re-center | return _center_rows(update(_center_rows(D), **kwargs)) | return update(_center_rows(D), **kwargs)
@@ -162,8 +162,7 @@ centering subtracts row means | return D - D.mean(dim=-2, keepdim=True) | return
 row and col norms divide by the squared norm | return D / (D.norm(dim=dim, keepdim=True) + eps) | return D / (D.norm(dim=dim, keepdim=True) + eps) ** 2
 sign map doubled | return torch.sign(D) | return 2 * torch.sign(D)
 spectral map with Keller's quintic | D: torch.Tensor,\n    *,\n    method: str = "polar_express", | D: torch.Tensor,\n    *,\n    method: str = "newton_schulz",
-hybrid nuclear norm from msign'msign | nuclear = (R * Q).sum | nuclear = (Q * Q).sum
-hybrid nuclear norm squared | scale = nuclear.pow(alpha) | scale = nuclear.pow(2 * alpha)
+hybrid nuclear norm from msign'msign | _times_nuclear_power(Q, _float64((R * Q).sum | _times_nuclear_power(Q, _float64((Q * Q).sum
 ## optimizers/gram.py
 gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr)
 gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)
