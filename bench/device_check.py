@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from geomuon.pretrain.train import read_log
 
 if __package__ in (None, ""):  # run as `python bench/device_check.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -116,8 +117,8 @@ def pretrain_smoke(device: str, out: Path, quick: bool) -> list[list[str]]:
         if result.returncode != 0:
             rows.append([strategy, "-", "-", "-", f"failed: {result.stderr.strip().splitlines()[-1:]}"])
             continue
-        losses = [r["loss"] for r in map(json.loads, (folder / "log.jsonl").read_text().splitlines())
-                  if r.get("kind") == "train" and "loss" in r]
+        # read_log: a "NaN" loss is spelled as a string in the log, and read back as a float there
+        losses = [r["loss"] for r in read_log(str(folder / "log.jsonl")) if r.get("kind") == "train" and "loss" in r]
         ok = all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
         rows.append([strategy, str(len(losses)), f"{losses[0]:.4f}", f"{losses[-1]:.4f}", "yes" if ok else "NO"])
     return rows

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from geomuon.optimizers.assign import check_same_groups
 from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, matrix_owner, whole
 
-__all__ = ["OwnerGather", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record", "read_distributed", "dcp_folder",
-           "dcp_folders"]
+__all__ = ["OwnerGather", "RunWriteError", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
+           "read_distributed", "dcp_folder", "dcp_folders"]
 
 
 @dataclass
@@ -230,6 +230,21 @@ def _holds(optimizer, p, value, owned) -> bool:
     return owner is None or owner == p.device_mesh.get_local_rank()
 
 
+class RunWriteError(OSError):
+    """A checkpoint or the log of a run could not be written (a full disk, a quota, a folder
+    gone): the run stops, and its folder keeps the checkpoint it held before, if any."""
+
+
+def checkpoint_write_error(path: str, err: OSError, kept: str | None, rank: int | None = None) -> RunWriteError:
+    """The :class:`RunWriteError` of the checkpoint ``path`` that ``err`` (on process ``rank``, under
+    torchrun) stopped: it names ``path``, the previous checkpoint ``kept`` (``None``: there is
+    none) and what to do."""
+    cause = (err.strerror or str(err)) + ("" if rank is None else f" on rank {rank}")
+    then = (f"{kept!r} still holds the previous checkpoint: make room and continue with --resume" if kept
+            else "no earlier checkpoint exists: make room and start again")
+    return RunWriteError(err.errno, f"checkpoint {path!r} could not be written ({cause}); {then}")
+
+
 def save_distributed(folder: str, model, assignment, record: dict, owned=None) -> None:
     r"""Write a distributed checkpoint to ``folder`` (every rank calls it; collective).
 
@@ -243,9 +258,12 @@ def save_distributed(folder: str, model, assignment, record: dict, owned=None) -
 
     Atomic: everything is written to ``folder + ".tmp"`` (files fsynced), and rank 0
     renames it to ``folder`` once every rank has finished; the older checkpoints beyond
-    :data:`DCP_KEEP` are removed after that.
+    :data:`DCP_KEEP` are removed after that. A write that fails (``OSError``, a full disk) on
+    any rank raises :class:`RunWriteError` on every rank, naming ``folder``, the rank and the
+    previous checkpoint, which stays intact; the partial ``.tmp`` folder is removed.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     together = dist.is_initialized()
@@ -270,12 +288,19 @@ def save_distributed(folder: str, model, assignment, record: dict, owned=None) -
                     tensors[_state_key(opt_name, names[id(p)], key)] = value
                 else:
                     extra.setdefault(names[id(p)], {})[key] = value
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not together)
-    gathered = [plain]
-    if together:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, plain)
-    if main:
+    failure = None  # (rank, OSError) of a write that failed
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not together)
+    except CheckpointException as err:  # raised on every rank, whichever rank failed
+        failure = _disk_failure(err)
+    except OSError as err:  # (one process: DCP raises the error itself)
+        failure = 0, err
+    if failure is None:
+        gathered = [plain]
+        if together:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, plain)
+    if main and failure is None:
         optimizers = {}
         for opt_name, opt in assignment.optimizers.items():
             extra = {}
@@ -284,24 +309,66 @@ def save_distributed(folder: str, model, assignment, record: dict, owned=None) -
             optimizers[opt_name] = {"param_groups": opt.state_dict()["param_groups"],
                                     "names": [names[id(p)] for g in opt.param_groups for p in g["params"]],
                                     "plain_state": extra}
-        with open(os.path.join(tmp, RUN_RECORD), "wb") as f:
-            torch.save({"format": DCP_FORMAT, **record, "optimizers": optimizers}, f)
-            f.flush()
-            os.fsync(f.fileno())
-    _barrier(together)
+        try:
+            with open(os.path.join(tmp, RUN_RECORD), "wb") as f:
+                torch.save({"format": DCP_FORMAT, **record, "optimizers": optimizers}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _move_into_place(tmp, folder)
+        except OSError as err:
+            failure = 0, err
+    failure = _agreed(failure, together)  # rank 0's own failure too: every rank raises, none waits for it
+    if failure is not None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space a retry needs
+        _barrier(together)  # every rank raises once it is gone
+        rank, err = failure
+        previous = dcp_folders(root)
+        raise checkpoint_write_error(folder, err, previous[-1][1] if previous else None,
+                                     rank if together else None) from err
     if main:
-        old = folder + ".old"
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        if os.path.exists(folder):  # the same step written again (a run resumed and stopped at once)
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        _fsync_dir(root)
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        for _, stale in dcp_folders(root)[:-DCP_KEEP]:
-            shutil.rmtree(stale)
+        with contextlib.suppress(OSError):  # the next checkpoint removes them again
+            for _, stale in dcp_folders(root)[:-DCP_KEEP]:
+                shutil.rmtree(stale)
     _barrier(together)
+
+
+def _disk_failure(err) -> tuple[int, OSError]:
+    """The first rank's ``OSError`` among the failures DCP gathered in ``err``; ``err`` itself when
+    no rank failed to write (a fault of the program, not of the disk)."""
+    for rank, (failure, _) in sorted(err.failures.items()):
+        if isinstance(failure, OSError):
+            return rank, failure
+    raise err
+
+
+def _agreed(failure, together: bool):
+    """The first failure of any rank, on every rank (a collective under torchrun)."""
+    if not together:
+        return failure
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)
+
+
+def _move_into_place(tmp: str, folder: str) -> None:
+    """Rename the complete ``tmp`` to ``folder``. A ``folder`` already there (the same step
+    written again: a run resumed and stopped at once) is replaced, and put back when the rename
+    fails."""
+    old = folder + ".old"
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    if os.path.exists(folder):
+        os.replace(folder, old)
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        if os.path.exists(old):
+            os.replace(old, folder)
+        raise
+    _fsync_dir(os.path.dirname(folder) or ".")
+    if os.path.exists(old):
+        shutil.rmtree(old)
 
 
 def load_checked(path: str):

@@ -42,7 +42,8 @@ on many processes ``torchrun --nproc_per_node 2 -m geomuon.pretrain.train --para
   Under ``torchrun`` they are **distributed checkpoints** (``torch.distributed.checkpoint``):
   a folder ``dcp-step<N>`` in which every rank writes the shards and optimizer state it
   holds, renamed into place once complete; the latest two are kept
-  (:func:`geomuon.pretrain.parallel.save_distributed`). A run resumes from the newest
+  (:func:`geomuon.pretrain.parallel.save_distributed`; a write that fails on any rank stops
+  every rank with :class:`RunWriteError`, the partial folder removed). A run resumes from the newest
   checkpoint of its folder, of either kind, on any number of processes: the tensors are
   read into the new layout (:func:`geomuon.pretrain.parallel.load_distributed`); on the
   same world size the remaining steps are bit-identical to an uninterrupted run.
@@ -110,8 +111,8 @@ from geomuon.pretrain.config import TrainConfig, add_options, command_line, from
 from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
-from geomuon.pretrain.parallel import (dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
-                                      save_distributed)
+from geomuon.pretrain.parallel import (RunWriteError, checkpoint_write_error, dcp_folder, dcp_folders,
+                                      load_checked, load_distributed, read_record, save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
 
 
@@ -277,30 +278,55 @@ class RunFolderClaim:
     not. Two runs started at once into one folder had both passed the checks (no run files
     yet) and then written into each other's checkpoints and log; now the second is refused
     before it loads its data. Where ``fcntl`` is missing (Windows) nothing is locked. A
-    folder the claim created and no run wrote to is removed again by :meth:`release`."""
+    folder the claim created and no run wrote to is removed again by :meth:`release`.
+
+    Only the holder removes ``.lock``, and only while it holds the lock; a claimant whose lock
+    is on a file no longer at ``<folder>/.lock`` (it opened the file before the holder removed
+    it) drops it and claims again, so that two runs never hold one folder."""
 
     def __init__(self, path: str):
-        self.path, self.created = path, not os.path.exists(path)
+        self.path = path
+        self.file = None
+        while self.file is None:
+            self.file = self._locked_file()
+
+    def _locked_file(self):
+        """``.lock`` opened and locked (``ValueError`` when another run holds it); ``None`` to
+        claim again, when another run's :meth:`release` removed the file or folder meanwhile."""
+        self.created = not os.path.exists(self.path)
+        lock = os.path.join(self.path, LOCK_FILE)
         try:
-            os.makedirs(path, exist_ok=True)
-            self.file = open(os.path.join(path, LOCK_FILE), "a")
+            os.makedirs(self.path, exist_ok=True)
+            file = open(lock, "a")
+        except FileNotFoundError:  # a releasing run removed the folder after makedirs
+            return None
         except OSError as err:
-            raise ValueError(f"--out-dir {path!r} cannot be written ({err.strerror}); "
+            raise ValueError(f"--out-dir {self.path!r} cannot be written ({err.strerror}); "
                              "choose another --out-dir") from None
+        if fcntl is None:
+            return file
         try:
-            if fcntl is not None:
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(file.fileno()), os.stat(lock)):
+                return file
         except BlockingIOError:
-            self.file.close()
-            raise ValueError(f"--out-dir {path!r} is in use by another run (it holds {LOCK_FILE!r}); wait for it to "
-                             "finish or choose another --out-dir") from None
+            file.close()
+            raise ValueError(f"--out-dir {self.path!r} is in use by another run (it holds {LOCK_FILE!r}); wait for "
+                             "it to finish or choose another --out-dir") from None
+        except FileNotFoundError:  # locked after the holder removed it, with the folder
+            pass
+        file.close()  # a file no longer at .lock: locking it excludes no one
+        return None
 
     def release(self) -> None:
-        self.file.close()
-        with contextlib.suppress(OSError):  # the folder may be gone: nothing to tidy then
+        """Unlock the folder; one the claim created and no run wrote to is removed first, while the
+        lock is held: removed after, a run that locked ``.lock`` in between lost it with the
+        folder, and a third one could lock a new ``.lock`` and write beside it."""
+        with contextlib.suppress(OSError):  # the folder may be gone, or a claimant's new .lock in it: leave it
             if self.created and os.listdir(self.path) == [LOCK_FILE]:  # nothing was written: leave no folder
                 os.remove(os.path.join(self.path, LOCK_FILE))
                 os.rmdir(self.path)
+        self.file.close()
 
 
 def claim_out_dir(cfg: TrainConfig) -> tuple[str | None, RunFolderClaim | None]:
@@ -333,11 +359,6 @@ def _prepare_out_dir(path: str, overwrite: bool) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-class RunWriteError(OSError):
-    """A checkpoint or the log of a run could not be written (a full disk, a quota, a folder
-    gone): the run stops, and its folder keeps the checkpoint it held before, if any."""
-
-
 def save_checkpoint(path: str, payload: dict) -> None:
     """Write ``payload`` atomically to ``path``; the previous file becomes ``*.prev.pt``.
     A write that fails (``OSError``) removes its partial files and raises
@@ -362,10 +383,7 @@ def save_checkpoint(path: str, payload: dict) -> None:
         for partial in (tmp, prev + ".tmp"):
             with contextlib.suppress(OSError):
                 os.remove(partial)
-        kept = (f"{path!r} still holds the previous checkpoint: make room and continue with --resume"
-                if os.path.exists(path) else "no earlier checkpoint exists: make room and start again")
-        raise RunWriteError(err.errno, f"checkpoint {path!r} could not be written "
-                                   f"({err.strerror or err}); {kept}") from err
+        raise checkpoint_write_error(path, err, path if os.path.exists(path) else None) from err
 
 
 def previous_checkpoint(path: str) -> str:
@@ -822,10 +840,15 @@ class RunLog:
         self.path, self.file = path, None
         if path is not None:
             tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(log_line(record) for record in self.records)
-            os.replace(tmp, path)
-            self.file = open(path, "a")
+            try:
+                with open(tmp, "w") as f:
+                    f.writelines(log_line(record) for record in self.records)
+                os.replace(tmp, path)
+                self.file = open(path, "a")
+            except OSError as err:  # (a resume's rewrite on a full disk had left the .tmp file)
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise self._write_error(err) from err
 
     def write(self, record: dict) -> None:
         self.records.append(record)
@@ -834,9 +857,17 @@ class RunLog:
                 self.file.write(log_line(record))
                 self.file.flush()
             except OSError as err:  # (a full disk had raised a bare "[Errno 28]" naming no file)
-                raise RunWriteError(err.errno, f"log {self.path!r} could not be written ({err.strerror or err}); a "
-                                    "resume rewrites it from the run's last checkpoint: make room and continue "
-                                    "with --resume (or start again if no checkpoint was written)") from err
+                # the line stays in the file's buffer: closed here, or the run's final close had
+                # flushed it again and raised a bare OSError in place of this one
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                self.file = None
+                raise self._write_error(err) from err
+
+    def _write_error(self, err: OSError) -> RunWriteError:
+        return RunWriteError(err.errno, f"log {self.path!r} could not be written ({err.strerror or err}); a resume "
+                             "rewrites it from the run's last checkpoint: make room and continue with --resume (or "
+                             "start again if no checkpoint was written)")
 
     def close(self) -> None:
         if self.file is not None:
@@ -878,9 +909,27 @@ def log_line(record: dict) -> str:
 
 
 def read_log(path: str) -> list[dict]:
-    """The records of a run's ``log.jsonl``, non-finite floats read back (:func:`read_nonfinite`)."""
-    with open(path) as f:
-        return [read_nonfinite(json.loads(line)) for line in f]
+    """The records of a run's ``log.jsonl``, non-finite floats read back (:func:`read_nonfinite`).
+
+    A last line cut short (no newline: the run was killed while writing it, or is writing it
+    now) is left out, as a resume leaves it out (it rewrites the log from its checkpoint). Any
+    other line that is not a JSON record raises ``ValueError`` naming the file and the line."""
+    records = []
+    with open(path, "rb") as f:  # bytes: a line whose UTF-8 is cut or damaged is named like the others
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                problem = None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
+            except ValueError as err:
+                if not line.endswith(b"\n"):  # the last line, cut short
+                    break
+                problem = f"{err.msg}: column {err.colno}" if isinstance(err, json.JSONDecodeError) else "not UTF-8"
+            if problem:
+                raise ValueError(f"log {path!r}: line {number} is not a JSON record ({problem}); the log is damaged: "
+                                 "rewrite it from the run's last checkpoint by running the run's command again "
+                                 "with --resume, or remove that line")
+            records.append(read_nonfinite(record))
+    return records
 
 
 def _records_before(payload: dict) -> list[dict]:

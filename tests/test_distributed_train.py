@@ -94,6 +94,18 @@ def spawn(world: int, script: str, cfg, *args: str) -> list[subprocess.Popen]:
                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
 
 
+def finished(procs: list[subprocess.Popen], timeout: float = 60) -> list[str]:
+    """The outputs of ``procs``, which must all exit 0 within ``timeout`` seconds (a rank left
+    waiting in a collective is killed)."""
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    return outputs
+
+
 def processes(world: int, cfg, dump=None) -> dict | None:
     """Run ``cfg`` on ``world`` gloo processes; the final whole weights when ``dump`` (a path)."""
     procs = spawn(world, WORKER, cfg, *([str(dump)] if dump else []))
@@ -155,14 +167,57 @@ NAN_AT_SIX = textwrap.dedent("""
 def test_a_divergence_found_at_an_evaluation_stops_every_rank(tmp_path):
     # only rank 0 evaluates: the ranks agree on its verdict, so none goes on alone into the next
     # step's collectives (the run would hang) or skips the checkpoint its peers write
-    procs = spawn(2, NAN_AT_SIX, config(tmp_path / "run", parallel="ddp", strategy="adamw"))
-    try:
-        outputs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    outputs = finished(spawn(2, NAN_AT_SIX, config(tmp_path / "run", parallel="ddp", strategy="adamw")))
     assert all("diverged True after step 6" in out for out in outputs), outputs
+
+
+DISK_FULL_AT_THE_SECOND_CHECKPOINT = textwrap.dedent("""
+    import errno, os, sys, torch
+    torch.set_num_threads(1)
+    from torch.distributed.checkpoint import FileSystemWriter
+    from geomuon.pretrain.train import RunWriteError, TrainConfig, train
+    failing_rank, part = sys.argv[2:]
+    write_tensors, write_record, saves = FileSystemWriter.write_data, torch.save, []
+
+    def disk_full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def tensors(writer, plan, planner):  # DCP writing this rank's share of the tensors
+        saves.append(plan)
+        if part == "tensors" and os.environ["RANK"] == failing_rank and len(saves) == 2:
+            disk_full()
+        return write_tensors(writer, plan, planner)
+
+    def record(payload, file, *args, **kwargs):  # rank 0 alone writes the plain data, after the tensors
+        if part == "record" and len(saves) == 2 and getattr(file, "name", "").endswith("run.pt"):
+            disk_full()
+        return write_record(payload, file, *args, **kwargs)
+
+    FileSystemWriter.write_data, torch.save = tensors, record
+    try:
+        train(TrainConfig(**eval(sys.argv[1])))
+    except RunWriteError as err:
+        print(f"RunWriteError: {err.strerror}", flush=True)
+        stopped = err  # kept to os._exit: freeing it frees the run's DDP module and with it the gloo
+        # group, whose destructor can deadlock on the GIL with its own thread (seen 1 in ~10)
+    os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("failing_rank, part", [("1", "tensors"), ("0", "record")])
+def test_a_full_disk_on_one_rank_stops_every_rank_with_the_previous_checkpoint_intact(tmp_path, failing_rank, part):
+    # a write that failed under torchrun had surfaced as DCP's CheckpointException (a traceback
+    # naming no folder or what to do) and left dcp-step<N>.tmp taking the space; rank 0's failure
+    # to write the plain data left the other ranks waiting in a barrier
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=4, eval_every=2)
+    outputs = finished(spawn(2, DISK_FULL_AT_THE_SECOND_CHECKPOINT, cfg, failing_rank, part))
+    folder, previous = (os.path.join(cfg.out_dir, f"dcp-step0000000{step}") for step in (4, 2))
+    expected = (f"RunWriteError: checkpoint {folder!r} could not be written (No space left on device on rank "
+                f"{failing_rank}); {previous!r} still holds the previous checkpoint: make room and continue with "
+                "--resume")
+    assert all(expected in out for out in outputs), outputs
+    assert dcp_folders(cfg.out_dir) == [(2, previous)] and not os.path.exists(folder + ".tmp")
+    assert read_record(previous)["step"] == 2 and read_distributed(previous)  # intact
 
 
 def relative_difference(a: dict, b: dict) -> float:

@@ -17,7 +17,7 @@ import torch
 
 from geomuon.cli import main as cli
 from geomuon.pretrain.train import (RunLog, RunWriteError, TrainConfig, TrainingInterrupted, load_checkpoint,
-                                    previous_checkpoint, save_checkpoint, train)
+                                    previous_checkpoint, read_log, save_checkpoint, train)
 
 STEPS = 400  # the schedule; the runs below stop long before its end
 
@@ -245,9 +245,8 @@ def _signal_after_step(proc, log_path, step, signum):
     deadline = time.time() + 60
     while proc.poll() is None and time.time() < deadline:
         if os.path.exists(log_path):
-            with open(log_path) as f:
-                if any('"kind": "train"' in line and json.loads(line)["step"] >= step for line in f):
-                    break
+            if any(r["kind"] == "train" and r["step"] >= step for r in read_log(log_path)):  # the run writes on
+                break
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signum)
@@ -431,9 +430,11 @@ def test_a_full_disk_while_logging_names_the_log(tmp_path):
     # a log line that could not be written had raised a bare "[Errno 28]" naming no file
     import errno
 
-    class FullDisk:
-        def write(self, text):
+    class FullDisk:  # a buffered file on a full disk: its close flushes the line again, and fails
+        def write(self, text=None):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        close = flush = write
 
     path = str(tmp_path / "log.jsonl")
     log = RunLog(path, [{"kind": "train", "step": 0, "loss": 1.0}])
@@ -441,4 +442,36 @@ def test_a_full_disk_while_logging_names_the_log(tmp_path):
     log.file = FullDisk()
     with pytest.raises(RunWriteError, match=rf"log '{re.escape(path)}' could not be written \(No space left on "
                                             r"device\); a resume rewrites it .* --resume"):
-        log.write({"kind": "train", "step": 1, "loss": 0.5})
+        try:
+            log.write({"kind": "train", "step": 1, "loss": 0.5})
+        finally:
+            log.close()  # as the run closes its log: it had raised a bare OSError over the RunWriteError
+
+
+def test_a_log_line_cut_short_by_a_kill_is_left_out_and_the_resume_rewrites_it(tmp_path):
+    # a run killed while writing a log line leaves it cut short (no newline): read_log had raised
+    # a bare JSONDecodeError naming no file; it reads the complete records, as a resume keeps them
+    kw = dict(strategy="adamw", steps=4, eval_every=2, ckpt_every=2, log_every=1, warmup_steps=1)
+    train(config(tmp_path / "split", **kw, stop_after=2))
+    log = tmp_path / "split" / "log.jsonl"
+    complete = read_log(log)
+    with open(log, "a") as f:
+        f.write('{"kind": "train", "step": 2, "lo')
+    assert read_log(log) == complete
+    train(config(tmp_path / "split", **kw, resume=True))
+    train(config(tmp_path / "whole", **kw))
+    assert _records(log) == _records(tmp_path / "whole" / "log.jsonl")
+
+
+@pytest.mark.parametrize("damaged, problem", [(b'{"kind": "train" "step": 2}\n', "Expecting ',' delimiter: column 18"),
+                                              (b"\xff\xfe{}\n", "not UTF-8"), (b"\n", "Expecting value"),
+                                              (b"[1, 2]\n", "a JSON list, not an object")])
+def test_a_damaged_log_line_is_named_with_what_to_do(tmp_path, damaged, problem):
+    # anything but a last line cut short is damage: a ValueError naming the file and the line
+    path = tmp_path / "log.jsonl"
+    RunLog(str(path), [{"kind": "train", "step": s, "loss": 1.0} for s in range(3)]).close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:2] + [damaged] + lines[2:]))
+    with pytest.raises(ValueError, match=rf"log '{re.escape(str(path))}': line 3 is not a JSON record "
+                                         rf"\({re.escape(problem)}.*\); .* with --resume"):
+        read_log(str(path))

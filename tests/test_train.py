@@ -517,6 +517,61 @@ def test_a_folder_in_use_by_a_running_run_is_refused(tmp_path, monkeypatch, caps
     first.release()
 
 
+def _claim_unless_in_use(folder: str) -> RunFolderClaim | None:
+    """A rival run's claim on ``folder``: the claim, or ``None`` when refused as in use."""
+    try:
+        return RunFolderClaim(folder)
+    except ValueError as err:
+        assert "is in use by another run" in str(err)
+        return None
+
+
+def _holds_the_folder(claim: RunFolderClaim) -> bool:
+    """The claim's lock is on the file at ``<folder>/.lock`` (a lock on a removed file excludes no one)."""
+    return os.path.samestat(os.fstat(claim.file.fileno()), os.stat(os.path.join(claim.path, ".lock")))
+
+
+def test_a_released_folder_is_never_held_by_two_runs(tmp_path, monkeypatch):
+    # release unlocked first and then removed .lock and the folder: a run that locked .lock in
+    # between lost it, and the next run locked a new .lock in the same folder, both "holding" it.
+    # A rival claims right before each step of release, and once after it: one of them holds it.
+    folder = str(tmp_path / "run")
+    releasing, rivals = RunFolderClaim(folder), []
+    for name in ("listdir", "remove", "rmdir"):
+        def claim_then(*args, step=getattr(os, name)):
+            rivals.append(_claim_unless_in_use(folder))
+            return step(*args)
+        monkeypatch.setattr(os, name, claim_then)
+    releasing.release()
+    monkeypatch.undo()
+    assert len(rivals) == 3  # each step ran (the folder was empty but for .lock)
+    rivals.append(_claim_unless_in_use(folder))
+    held = [claim for claim in rivals if claim is not None]
+    assert len(held) == 1 and _holds_the_folder(held[0]), rivals
+    held[0].release()
+
+
+def test_a_claim_on_a_lock_file_released_meanwhile_claims_again(tmp_path, monkeypatch):
+    # a rival that opened .lock before the holder released (and removed) it, and locked it after,
+    # had held a removed file, so a third run locked a new .lock beside it
+    import fcntl
+
+    folder = str(tmp_path / "run")
+    releasing, lock = RunFolderClaim(folder), fcntl.flock
+
+    def release_then_lock(file, operation):
+        monkeypatch.setattr(fcntl, "flock", lock)
+        releasing.release()
+        return lock(file, operation)
+
+    monkeypatch.setattr(fcntl, "flock", release_then_lock)
+    rival = RunFolderClaim(folder)
+    assert fcntl.flock is lock  # the release ran between the rival's open and its lock
+    assert _holds_the_folder(rival) and _claim_unless_in_use(folder) is None
+    rival.release()
+    assert not os.path.exists(folder)
+
+
 @pytest.mark.parametrize("out_dir, message", [("x/{seed}", "not a folder template"), ("x/run{}", "not a folder template"),
                                               ("x/a{b", "not a folder template"), ("afile", "is a file, not a folder"),
                                               ("afile/run", "cannot be written")])
