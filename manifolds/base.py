@@ -510,7 +510,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         built-in ``proju`` is.
         """
         x, u = broadcast_pair(x.to(u.dtype), u)
-        return u - self._normal_of(x, self.gram_solve(x, self.constraint(x, u)))
+        return u - self._normal_component(x, u)
 
     def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Riemannian gradient of the Euclidean metric: the tangent projection of ``u``."""
@@ -689,7 +689,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         (the reference value of the normal component is 0)."""
         compute = fp32_or_fp64(u.dtype)
         x, u = broadcast_pair(x.to(compute), u.to(compute))
-        normal = self._normal_of(x, self.gram_solve(x, self.constraint(x, u)))
+        normal = self._normal_component(x, u)
         relative = normal.norm(dim=(-2, -1)) / u.norm(dim=(-2, -1)).clamp_min(torch.finfo(compute).tiny)
         worst = float(relative.max()) if relative.numel() else 0.0
         ok = worst <= atol
@@ -697,6 +697,11 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
                                     "u is not tangent, L_x(u) != 0")
 
     # ---------------------------------------------------------------- internals
+    def _normal_component(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""$N_xu = L_x^*(L_xL_x^*)^{-1}L_xu$, the component of ``u`` normal to $T_xM$ (what the
+        generic :meth:`proju` removes)."""
+        return self._normal_of(x, self.gram_solve(x, self.constraint(x, u)))
+
     def _normal_of(self, x: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
         r"""$L_x^*(\Lambda)$ by ``constraint_adjoint``, refused (``ValueError`` naming it) unless a
         matrix of ``x``'s shape: a user's adjoint returning the multiplier's shape had failed in
