@@ -1053,43 +1053,31 @@ def test_an_optimizer_that_states_no_update_bound_needs_the_soft_caps_eta():
         HybridPolarGradM([W], lr=0.02, regulate=["hard_cap", "soft_cap"])
 
 
-def test_a_rate_the_regulator_cannot_follow_is_refused_before_any_group_steps():
-    # the soft cap's infeasible eta had raised inside the step, after the unregulated group and
-    # the regulated one had moved (momentum and weights), and nothing had been regulated
+@pytest.mark.parametrize("spec, shape, lr, why, lr_it_follows", [
+    # the soft cap's infeasible eta had raised inside the step (nothing had been regulated)
+    ("soft_cap", (32, 32), 0.5, r"eta=.* too large", 0.05),
+    # lr * weight_decay = 1.25: a retried step had counted the gradient twice
+    ({"name": "weight_decay", "weight_decay": 25.0}, (8, 4), 0.05,
+     "weight_decay = 1.25 > 1 would flip the weights' sign", 0.02),
+    ({"name": "spectral_weight_decay", "weight_decay": 25.0}, (8, 4), 0.05,
+     "weight_decay = 1.25 > 1 would flip the top singular", 0.02),
+], ids=["soft_cap", "weight_decay", "spectral_weight_decay"])
+def test_a_rate_the_regulator_cannot_follow_is_refused_before_any_group_steps(spec, shape, lr, why, lr_it_follows):
+    # it had raised inside the step, after the unregulated group and the regulated one had moved
+    # (momentum and weights)
     gen = torch.Generator().manual_seed(1)
-    free, capped = (torch.nn.Parameter(torch.randn(32, 32, generator=gen)) for _ in range(2))
-    opt = Muon([{"params": [free]}, {"params": [capped], "regulate": "soft_cap"}], lr=0.5)
-    before = [free.detach().clone(), capped.detach().clone()]
-    for p in (free, capped):
+    free, regulated = (torch.nn.Parameter(torch.randn(shape, generator=gen)) for _ in range(2))
+    opt = Muon([{"params": [free]}, {"params": [regulated], "regulate": spec}], lr=lr)
+    before = [free.detach().clone(), regulated.detach().clone()]
+    for p in (free, regulated):
         p.grad = torch.randn(p.shape, generator=gen)
-    with pytest.raises(ValueError, match=r"group 1, regulate='soft_cap' at lr=0.5 and shape \(32, 32\): .*eta=.* "
-                                         r"too large.*nothing was stepped"):
+    with pytest.raises(ValueError, match=rf"group 1, regulate=.* at lr={lr} and shape \({shape[0]}, {shape[1]}\): "
+                                         rf".*{why}.*nothing was stepped"):
         opt.step()
-    assert torch.equal(free.detach(), before[0]) and torch.equal(capped.detach(), before[1]) and not opt.state
-    opt.param_groups[1]["lr"] = 0.05  # control: a rate it can follow steps both groups
+    assert torch.equal(free.detach(), before[0]) and torch.equal(regulated.detach(), before[1]) and not opt.state
+    opt.param_groups[1]["lr"] = lr_it_follows  # control: a rate it can follow steps both groups
     opt.step()
-    assert not torch.equal(free.detach(), before[0]) and not torch.equal(capped.detach(), before[1])
-
-
-@pytest.mark.parametrize("name, what", [("weight_decay", "weight_decay = 1.25 > 1 would flip the weights' sign"),
-                                        ("spectral_weight_decay", "weight_decay = 1.25 > 1 would flip the top singular")])
-def test_a_decay_past_one_is_refused_before_any_group_steps(name, what):
-    # lr * weight_decay = 1.25 had raised inside the step, after the unregulated group and the
-    # regulated one had moved (weights and momentum): a retried step counted the gradient twice
-    gen = torch.Generator().manual_seed(1)
-    free, decayed = (torch.nn.Parameter(torch.randn(8, 4, generator=gen)) for _ in range(2))
-    spec = {"name": name, "weight_decay": 25.0}
-    opt = Muon([{"params": [free]}, {"params": [decayed], "regulate": spec}], lr=0.05)
-    before = [free.detach().clone(), decayed.detach().clone()]
-    for p in (free, decayed):
-        p.grad = torch.randn(p.shape, generator=gen)
-    with pytest.raises(ValueError, match=rf"group 1, regulate=.*{name}.* at lr=0.05 and shape \(8, 4\): .*"
-                                         rf"{what}.*nothing was stepped"):
-        opt.step()
-    assert torch.equal(free.detach(), before[0]) and torch.equal(decayed.detach(), before[1]) and not opt.state
-    opt.param_groups[1]["lr"] = 0.02  # control: lr * weight_decay = 0.5 steps both groups
-    opt.step()
-    assert not torch.equal(free.detach(), before[0]) and not torch.equal(decayed.detach(), before[1])
+    assert not torch.equal(free.detach(), before[0]) and not torch.equal(regulated.detach(), before[1])
 
 
 def test_the_update_bound_follows_the_groups_options():
