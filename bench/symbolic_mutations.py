@@ -162,7 +162,7 @@ centering subtracts row means | return D - D.mean(dim=-2, keepdim=True) | return
 row and col norms divide by the squared norm | return D / (D.norm(dim=dim, keepdim=True) + eps) | return D / (D.norm(dim=dim, keepdim=True) + eps) ** 2
 sign map doubled | return torch.sign(D) | return 2 * torch.sign(D)
 spectral map with Keller's quintic | D: torch.Tensor,\n    *,\n    method: str = "polar_express", | D: torch.Tensor,\n    *,\n    method: str = "newton_schulz",
-hybrid nuclear norm from msign'msign | _times_nuclear_power(Q, _float64((R * Q).sum | _times_nuclear_power(Q, _float64((Q * Q).sum
+hybrid nuclear norm from msign'msign | Q * _nuclear_power(_float64((R * Q).sum | Q * _nuclear_power(_float64((Q * Q).sum
 ## optimizers/gram.py
 gram retract steps along +T1 | N1 = _axpy(eye, T1, -lr) | N1 = _axpy(eye, T1, lr)
 gram retract drops the tangent part's sign | Z0, T2, -lr) | Z0, T2, lr)

@@ -340,8 +340,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         constructor arguments, tensors compared by value). Computed once, and again only
         after a tensor argument changed in place (its ``_version`` counter moved): a stale
         identity had let two geometries share an optimizer's batch."""
-        versions = tuple(value._version for value in getattr(self, "_spec_args", {}).values()
-                         if isinstance(value, torch.Tensor))
+        versions = tuple(_tensor_versions(getattr(self, "_spec_args", {})))
         cached = self.__dict__.get("_identity")
         if cached is None or cached[0] != versions:
             cached = (versions, (type(self), _frozen(self.spec()["args"])))
@@ -774,9 +773,30 @@ def _class_path(cls: type) -> str:
 
 
 def _private_copy(value: Any) -> Any:
-    """A constructor argument as the manifold keeps it: a tensor detached and copied, anything
-    else as given."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    """A constructor argument as the manifold keeps it: every tensor in it (lists, tuples and
+    dicts of them included) detached and copied, as a normal tensor even under
+    ``torch.inference_mode`` (an inference tensor has no version counter for :attr:`identity`
+    to follow); anything else as given."""
+    if isinstance(value, torch.Tensor):
+        with torch.inference_mode(False):
+            return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_private_copy(item) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _private_copy(item) for key, item in value.items()}
+    return value
+
+
+def _tensor_versions(value: Any):
+    """The version counters of the tensors in a constructor argument, in order (nested too)."""
+    if isinstance(value, torch.Tensor):
+        yield value._version
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensor_versions(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensor_versions(item)
 
 
 def _plain(value: Any, where: str) -> Any:

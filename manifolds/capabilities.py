@@ -34,7 +34,7 @@ from .linalg import check_count, check_real, eigh, off_diagonal
 POLISH_METHODS = ("admm", "alternating")
 
 __all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
-           "series_radius", "gram_retraction", "SERIES_MAX_TERMS"]
+           "series_radius", "gram_retraction", "SERIES_MAX_TERMS", "POLISH_METHODS"]
 
 #: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
 _INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)

@@ -523,8 +523,9 @@ class ManifoldMuon(MatrixOptimizer):
                     "(e.g. 'stiefel') or pass a geoopt.ManifoldParameter"
                 )
             if own is not None and group["manifold"] is None:
-                resolve_manifold(own, f"parameter {name}").identity  # noqa: B018
-                _check_form_defaults(resolve_manifold(own, f"parameter {name}"), f"parameter {name}")
+                resolved = resolve_manifold(own, f"parameter {name}")
+                resolved.identity  # noqa: B018
+                _check_form_defaults(resolved, f"parameter {name}")
             elif own is not None and _leaves_own(own, manifold, tuple(p.shape)):
                 raise ValueError(
                     f"ManifoldMuon: parameter {name} is a ManifoldParameter on {_described(own)} but its group "

@@ -160,19 +160,24 @@ def _float64(value):
     return value.double() if isinstance(value, torch.Tensor) else value
 
 
-def _times_nuclear_power(polar: torch.Tensor, nuclear: torch.Tensor, alpha: float) -> torch.Tensor:
-    r"""$\nu^\alpha Q$ of each polar factor $Q$ (``polar``, ``[..., m, n]``) with its nuclear norm $\nu$
-    (``nuclear``, ``[..., 1, 1]``, float64), in ``polar.dtype``; 0 for a matrix where it is not finite
-    there: $\nu^\alpha$ beyond the dtype's range (a tiny $\nu$ at $\alpha < 0$: a float32 gradient
-    of entries $10^{-43}$ had given $\nu^{-1} = \infty$ and infinite weights; a huge one at
-    $\alpha > 0$), or $0\cdot\infty$ of the zero matrix at $\alpha < 0$. Selected on the device,
-    no host read: the matrix's step is then a no-op, as msign's beyond its range."""
+def _nuclear_power(nuclear: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    r"""$
+u^lpha$ of each matrix's nuclear norm $
+u$ (``nuclear``, ``[..., 1, 1]``, float64) as a
+    factor in ``dtype``, 0 where it is not below half ``dtype``'s largest value: a polar factor's
+    entries are at most its largest singular value, about 1, so its product with a factor in range
+    stays finite, and a matrix out of range gets a zero update (a tiny $
+u$ at $lpha < 0$: a
+    float32 gradient of entries $10^{-43}$ had given $
+u^{-1} = \infty$ and infinite weights; a huge
+    one at $lpha > 0$; $0^lpha = \infty$ of the zero matrix). Selected on the device, no host
+    read, no pass over the matrix: its step is then a no-op, as msign's beyond its range. The
+    symbolic certificates' letters are exact and have no range: taken as they are."""
     scale = nuclear.clamp_min(0).pow(alpha)
-    if not isinstance(polar, torch.Tensor):  # the symbolic certificates' letters: exact, no range
-        return polar * scale
-    out = polar * scale.to(polar.dtype)
-    finite = torch.isfinite(out).all(dim=-1, keepdim=True).all(dim=-2, keepdim=True)
-    return torch.where(finite, out, torch.zeros_like(out))
+    if not isinstance(scale, torch.Tensor):
+        return scale
+    in_range = scale < torch.finfo(dtype).max / 2  # (NaN compares false)
+    return torch.where(in_range, scale, torch.zeros_like(scale)).to(dtype)
 
 
 def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.Tensor:
@@ -193,7 +198,7 @@ def _polar_scaled(D: torch.Tensor, *, alpha: float, eps: float | None) -> torch.
     # nu = <D, msign(D)> = tr((D^T D)^{1/2}) = ||D||_*, read off the same product (in float64: the
     # product s nu of a float32 D leaves float32's range where nu^alpha need not)
     nuclear = _float64(s) * _float64((X * polar).sum(dim=(-2, -1), keepdim=True))
-    out = _times_nuclear_power(polar, nuclear, alpha) if alpha != 0 else polar
+    out = polar * _nuclear_power(nuclear, alpha, D.dtype) if alpha != 0 else polar
     nonzero = s * X.norm(dim=(-2, -1), keepdim=True) > (eps or 0.0)
     return torch.where(nonzero, out, torch.zeros_like(out)).to(D.dtype)
 
@@ -209,8 +214,8 @@ def right_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None
     the reference PolarGrad uses $\alpha = 1$. Since $D f(D^\top D) = f(DD^\top) D$, this is
     the same map as :func:`left_polar`.
 
-    Range: $\|D\|_*^\alpha$ is taken in float64, and a matrix whose update is not finite in the
-    compute dtype (float32: $\|D\|_*^\alpha$ beyond $3.4\cdot10^{38}$, e.g. $\|D\|_* < 3\cdot10^{-39}$ at
+    Range: $\|D\|_*^\alpha$ is taken in float64, and a matrix where it is not below half the
+    largest value of ``D.dtype`` (float32: $1.7\cdot10^{38}$, e.g. $\|D\|_* < 6\cdot10^{-39}$ at
     $\alpha = -1$, or $D$ of entries $10^{36}$ at $\alpha = 1$) gives **zero**, selected on the
     device with no host read, as msign gives zero beyond its range: an optimizer's step of that
     matrix moves the weights by its weight decay only (no report: the gradient was finite).
@@ -233,8 +238,7 @@ def left_polar(D: torch.Tensor, *, alpha: float = 1.0, eps: float | None = None)
     r"""Left polar update (LeftPolarGradM): $U(D) = \|D\|_*^{\alpha}\,(DD^\top)^{-1/2}D$.
 
     The same map as :func:`right_polar` (Lau & Su's name for routers
-    ``[experts, features]``), computed as it is; zero where its update leaves the compute
-    dtype's range, as there.
+    ``[experts, features]``), computed as it is; zero where its scale leaves the range, as there.
 
     **Equivariant under** $O_m \times O_n$.
 
@@ -285,7 +289,7 @@ def hybrid(
     if alpha == 0:
         return Q
     # (the zero matrix at alpha < 0: Q = 0 and 0^alpha = inf, whose product had been NaN)
-    return _times_nuclear_power(Q, _float64((R * Q).sum(dim=(-2, -1), keepdim=True)), alpha)
+    return Q * _nuclear_power(_float64((R * Q).sum(dim=(-2, -1), keepdim=True)), alpha, Q.dtype)
 
 
 def _center_rows(D: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ class _MapOptimizer(MatrixOptimizer):
         weight_decay: decoupled $\lambda$ (default 0).
         alpha: exponent of the nuclear-norm scale of the polar maps (default 1, the
             reference; 0 gives the unit-scale direction). Ignored by RowNormM. A matrix whose
-            scaled update leaves the compute dtype's range (a gradient of entries $10^{-43}$ at
+            nuclear-norm scale leaves the dtype's range (a gradient of entries $10^{-43}$ at
             $\alpha = -1$ in float32: $\|M\|_*^{-1} = \infty$) gets a zero update, as the map
             gives (:func:`geomuon.optimizers.maps.right_polar`): its weights move by the weight
             decay only, its momentum as usual, and nothing is reported (the gradient was finite).

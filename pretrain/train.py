@@ -322,6 +322,8 @@ class RunFolderClaim:
         """Unlock the folder; one the claim created and no run wrote to is removed first, while the
         lock is held: removed after, a run that locked ``.lock`` in between lost it with the
         folder, and a third one could lock a new ``.lock`` and write beside it."""
+        if fcntl is None:  # no lock to hold (and Windows removes no file that is open)
+            self.file.close()
         with contextlib.suppress(OSError):  # the folder may be gone, or a claimant's new .lock in it: leave it
             if self.created and os.listdir(self.path) == [LOCK_FILE]:  # nothing was written: leave no folder
                 os.remove(os.path.join(self.path, LOCK_FILE))

@@ -202,3 +202,33 @@ def test_identity_follows_an_in_place_change_of_the_manifolds_own_tensor():
     doubled = WeightedSphere(1.0, torch.tensor([2.0, 4.0]))
     assert manifold == doubled and hash(manifold) == hash(doubled) and manifold != copied
     assert MatrixManifold.from_spec(manifold.spec()) == manifold
+
+
+class ScaledColumnsSphere(WeightedSphere):
+    """WeightedSphere with its column weights given as a list of 0-dim tensors (a nested argument)."""
+
+    def __init__(self, radius: float, column_weights: list):
+        super().__init__(radius, torch.stack(list(column_weights)))
+        self.column_weights = column_weights
+
+
+def test_tensors_nested_in_an_argument_are_private_and_followed_by_the_identity():
+    # only top-level tensors had been copied and version-tracked: a list of them stayed the
+    # caller's, and an in-place change left a stale identity (two geometries in one batch)
+    first, second = torch.tensor(1.0), torch.tensor(2.0)
+    manifold = ScaledColumnsSphere(1.0, [first, second])
+    before = manifold.identity
+    first.mul_(3)  # the caller's tensor: not the manifold's
+    assert manifold.column_weights[0] is not first and manifold.identity == before
+    manifold.column_weights[0].mul_(3)  # the manifold's own: identity and spec follow it
+    assert manifold.identity != before
+    assert manifold == ScaledColumnsSphere(1.0, [torch.tensor(3.0), torch.tensor(2.0)])
+
+
+def test_a_manifold_built_under_inference_mode_compares_and_hashes():
+    # its copied tensor had been an inference tensor, whose missing version counter made
+    # identity, == and hash raise (an evaluation script loading a checkpoint's spec)
+    with torch.inference_mode():
+        built = WeightedSphere(1.0, torch.tensor([1.0, 2.0]))
+        loaded = MatrixManifold.from_spec(built.spec())
+    assert built == loaded == WeightedSphere(1.0, torch.tensor([1.0, 2.0])) and hash(built) == hash(loaded)
