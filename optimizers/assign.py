@@ -325,6 +325,12 @@ def check_same_groups(update: str, strategy: str, current: list[dict], saved: li
                              f"{names or len(now['params'])} there (state is matched by position); {advice}")
         saved_geometry, geometry = _geometry(was), _geometry(now)
         differ = [key for key in geometry if saved_geometry[key] != geometry[key]]
+        if not differ and _manifold_identity(was) != _manifold_identity(now):
+            # tensor arguments are printed rounded (4 decimals, long ones elided): their values had
+            # been compared as printed, and another geometry loaded under this label
+            differ = ["manifold"]
+            geometry = {**geometry, "manifold": f"{geometry['manifold']} (its tensor arguments differ from the "
+                                                f"saved ones beyond their printed digits)"}
         if differ:
             who = repr(names[0]) if names else f"param group {index}"
             raise ValueError(f"optimizer state of {update!r} gives {who} (and its group) "
@@ -343,6 +349,18 @@ def _geometry(group: dict) -> dict:
     if isinstance(regulate, Mapping):
         regulate = regulate.get("name", regulate.get("kind"))
     return {"manifold": manifold, "centered": bool(group.get("centered", False)), "regulate": regulate}
+
+
+def _manifold_identity(group: dict):
+    """The identity of the manifold a param group's spec builds (tensors compared by value), or
+    the spec as it is where it builds none here (an unknown class: the printed comparison)."""
+    manifold = group.get("manifold")
+    if not isinstance(manifold, Mapping):
+        return manifold
+    try:
+        return MatrixManifold.from_spec(manifold).identity
+    except (ValueError, TypeError):
+        return _geometry(group)["manifold"]
 
 
 _UPDATE_CLASSES = {

@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from geomuon.manifolds import DGram, Stiefel
-from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, ROLES, STRATEGIES, Hyper, Rule, assign, classify
+from geomuon.manifolds import DGram, MatrixManifold, Stiefel
+from geomuon.optimizers import ManifoldMuon
+from geomuon.optimizers.assign import (ATTENTION_ROLES, MLP_ROLES, ROLES, STRATEGIES, Assignment, Hyper, Rule, assign,
+                                      classify)
 from geomuon.pretrain.model import GPT, get_config
 
 
@@ -482,3 +484,44 @@ def test_a_weight_decay_in_hyper_extra_that_muon_would_override_is_refused():
     # control: where no Muon group is built, the polar maps take it
     built = assign(GPT(get_config("cpu-tiny")), {"mlp_in": Rule("hybrid")}, Hyper(extra={"weight_decay": 0.5}))
     assert {g["weight_decay"] for g in built.optimizers["hybrid"].param_groups} == {0.5}
+
+
+class _WeightedSphere(MatrixManifold):
+    """Rows of norm ``radius`` after scaling column j by ``weights[j]``: a tensor-argument manifold."""
+
+    def __init__(self, radius: float, weights: torch.Tensor):
+        super().__init__()
+        self.radius = float(radius)
+        self.register_buffer("weights", weights)
+
+    def constraint(self, x, u):
+        return (x * u * self.weights.to(x.dtype) ** 2).sum(-1)
+
+    def constraint_adjoint(self, x, lam):
+        return lam.unsqueeze(-1) * x * self.weights.to(x.dtype) ** 2
+
+    def defining_map(self, x):
+        return 0.5 * ((x * self.weights.to(x.dtype)) ** 2).sum(-1) - 0.5 * self.radius**2
+
+
+def test_a_checkpoint_of_a_geometry_whose_tensors_differ_beyond_their_printed_digits_is_refused():
+    # the manifolds were compared as printed, and a tensor prints 4 decimals: weights [.., 3.0] had
+    # loaded into an optimizer on [.., 3.00001], whose group torch then gave the saved geometry
+    saved_geometry = _WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))
+    here = _WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.00001], dtype=torch.float64))
+    w = torch.nn.Parameter(saved_geometry.projx(torch.randn(6, 4, dtype=torch.float64)))
+    saved = ManifoldMuon([dict(params=[w], param_names=["w"], manifold=saved_geometry)], lr=0.01, compute_dtype=None)
+    w.grad = torch.randn(6, 4, dtype=torch.float64)
+    saved.step()
+    state = Assignment("saved", [], {"m": saved}).state_dict()
+
+    def load_into(manifold):
+        current = ManifoldMuon([dict(params=[w], param_names=["w"], manifold=manifold)], lr=0.01, compute_dtype=None)
+        Assignment("here", [], {"m": current}).load_state_dict(state)
+        return current
+
+    with pytest.raises(ValueError, match=r"gives 'w' .*manifold=.* but strategy 'here' gives it manifold=.*its tensor "
+                                         r"arguments differ from the saved ones beyond their printed digits"):
+        load_into(here)
+    # control: the same geometry built anew loads
+    assert load_into(_WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))).state

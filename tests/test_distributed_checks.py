@@ -1,5 +1,7 @@
 """The sharded (FSDP2 / DTensor) step refuses what it cannot take, on every rank and before
-any collective, and never leaves a rank waiting: 2 gloo processes, tiny float64 matrices.
+any collective, and never leaves a rank waiting; whole-matrix state (chained regulators' warm
+starts), manifolds with constructor arguments and the polar maps' out-of-range guard step, save and
+resume as one process does: 2 gloo processes, tiny matrices (float64 unless a case is about a dtype).
 
 One spawn runs every case (``worker``) and saves, per rank, what each case returned or
 raised; the tests read it. Run as a script (``python tests/test_distributed_checks.py OUT``)
@@ -21,7 +23,9 @@ import warnings
 import pytest
 import torch
 
-from geomuon.optimizers import ManifoldMuon, Muon, RightPolarGradM
+from geomuon.manifolds import LPRO, MatrixManifold, Stiefel
+from geomuon.manifolds.capabilities import OrthonormalGram
+from geomuon.optimizers import HybridPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 
 PG_TIMEOUT = 30  # seconds; a case that waits for it has failed
 SHAPE = (6, 4)  # 3 rows per rank
@@ -49,6 +53,83 @@ FP16_CASES = (
     ("muon", lambda params: Muon(params, lr=0.02, weight_decay=0.1),
      [torch.randn(shape, generator=torch.Generator().manual_seed(3)).half() for shape in ((6, 4), (3, 4))],
      lambda w: torch.randn(w.shape, generator=torch.Generator().manual_seed(w.shape[0])).half()),
+)
+
+
+class ColumnWeightedSphere(MatrixManifold):
+    """Rows of norm ``radius`` after scaling column j by ``weights[j]``: a user's manifold with a
+    tensor constructor argument (the manifold keeps a private copy; its spec carries the tensor)."""
+
+    def __init__(self, radius: float, weights: torch.Tensor):
+        super().__init__()
+        self.radius = float(radius)
+        self.register_buffer("weights", weights)
+
+    def constraint(self, x, u):
+        return (x * u * self.weights.to(x.dtype) ** 2).sum(-1)
+
+    def constraint_adjoint(self, x, lam):
+        return lam.unsqueeze(-1) * x * self.weights.to(x.dtype) ** 2
+
+    def defining_map(self, x):
+        return 0.5 * ((x * self.weights.to(x.dtype)) ** 2).sum(-1) - 0.5 * self.radius**2
+
+
+class _HalfStepGram(OrthonormalGram):
+    dual_steps = 2.5  # a declared default ManifoldMuon refuses (it had run as 2 steps)
+
+
+class HalfStepStiefel(Stiefel):
+    """Stiefel whose Gram form declares a fractional ``dual_steps``."""
+
+    name = "HalfStepStiefel"
+    gram_form = _HalfStepGram()
+
+
+def _column_weights() -> torch.Tensor:
+    return torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64)
+
+
+#: steps before the distributed checkpoint, and after it (the resumed run's and the uninterrupted one's)
+RESUME_STEPS = 2
+#: the two matrices of a whole-matrix case: different shapes, so each is alone in its batch (the
+#: owner runs the one-process kernels on the same operands: bit for bit) and each rank owns one
+#: (the first of each batch is owned by rank position % 2: 0 and 1)
+WHOLE_SHAPES = ((8, 4), (6, 4))
+TINY = 1e-43  # a float32 subnormal: ||M||_* ~ 1e-42, whose power -1 (~1e42) is past float32's 3.4e38
+
+
+def _whole_case_points(dtype: torch.dtype, manifold=None, seed: int = 5) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    points = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in WHOLE_SHAPES]
+    return [(manifold.projx(w) if manifold is not None else w).to(dtype) for w in points]
+
+
+def _whole_case_gradients(step: int, dtype: torch.dtype, tiny_second: bool = False) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    gradients = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in WHOLE_SHAPES]
+    if tiny_second:
+        gradients[1] = gradients[1] * TINY
+    return [x.to(dtype) for x in gradients]
+
+
+#: (case, optimizer class, group options, weights' dtype, manifold the points start on, tiny second gradient).
+#: "chain": two power-iteration regulators, each with its own warm start (regulate_v, regulate_v.1),
+#: kept whole by the owner; bf16 weights keep them in fp32. "lpro", "user_manifold": manifolds with
+#: constructor arguments (a float; a tensor). "*_tiny": the polar maps' zero update where
+#: ||M||_*^alpha leaves float32 (alpha = -1 on a 1e-43 gradient had written inf weights).
+WHOLE_CASES = (
+    ("chain", Muon, dict(regulate=[{"name": "spectral_hammer", "block": 4}, "spectral_normalize"],
+                         compute_dtype=None), torch.float64, None, False),
+    ("chain_bf16", Muon, dict(regulate=[{"name": "spectral_hammer", "block": 4}, "spectral_normalize"]),
+     torch.bfloat16, None, False),
+    ("lpro", ManifoldMuon, dict(manifold=LPRO(radius=2.0), compute_dtype=None), torch.float64, LPRO(radius=2.0),
+     False),
+    ("user_manifold", ManifoldMuon, dict(manifold=ColumnWeightedSphere(1.5, _column_weights()), compute_dtype=None),
+     torch.float64, ColumnWeightedSphere(1.5, _column_weights()), False),
+    ("right_polar_tiny", RightPolarGradM, dict(alpha=-1.0, weight_decay=0.1), torch.float32, None, True),
+    ("hybrid_tiny", HybridPolarGradM, dict(alpha=-1.0, weight_decay=0.1), torch.float32, None, True),
+    ("row_norm_tiny", RowNormM, dict(weight_decay=0.1), torch.float32, None, True),
 )
 
 
@@ -85,8 +166,9 @@ def worker(out_dir: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from geomuon.optimizers.distributed import sharding_stats
-    from geomuon.pretrain.parallel import save_distributed
+    from geomuon.optimizers.assign import Assignment
+    from geomuon.optimizers.distributed import matrix_owner, sharding_stats
+    from geomuon.pretrain.parallel import load_distributed, save_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT))
@@ -277,6 +359,80 @@ def worker(out_dir: str) -> None:
     results["gradient_replicate"] = _outcome(lambda: gradient_placed(Replicate()))
     results["gradient_partial"] = _outcome(lambda: gradient_placed(Partial()))
     save()
+
+    # the group checks ManifoldMuon gained (cold_dual_steps without warm starts, a Gram form's
+    # bad declared defaults), met by a sharded group edited after construction: every rank
+    # refuses before any collective
+    def edited(**options):
+        params = [sharded(w) for w in _points()]
+        opt = _stiefel_muon(params)
+        opt.param_groups[0].update(options)
+        step(opt, params, _gradients())
+
+    results["cold_dual_steps_without_warm_start"] = _outcome(lambda: edited(warm_start=False, cold_dual_steps=2))
+    results["form_with_bad_defaults"] = _outcome(lambda: edited(manifold=HalfStepStiefel().spec()))
+    save()
+
+    # today's whole-matrix state and arguments (WHOLE_CASES): one process, the sharded run
+    # (its owners' whole-matrix state gathered), and a run resumed from its distributed checkpoint
+    def owners_state(opt, params):
+        """Each matrix's whole-matrix state (plain tensors), as its owner holds it."""
+        gathered = []
+        for p in params:
+            owner = matrix_owner(opt, p)
+            mine = {k: v for k, v in opt.state[p].items()
+                    if isinstance(v, torch.Tensor) and not hasattr(v, "placements")}
+            box = [mine if owner in (None, rank) else None]
+            dist.broadcast_object_list(box, src=owner if owner is not None else 0)
+            gathered.append(box[0])
+        return gathered
+
+    def whole_case(case, opt_class, options, dtype, manifold, tiny):
+        def build(params):
+            return opt_class([dict(params=params, param_names=["w0", "w1"], **options)], lr=0.01)
+
+        def run(model, opt, steps):
+            for k in steps:
+                step(opt, [model.w0, model.w1], _whole_case_gradients(k, dtype, tiny))
+            opt.check_finite()
+
+        def model_of(points, distributed):
+            model = torch.nn.Module()
+            model.w0, model.w1 = (sharded(w) if distributed else torch.nn.Parameter(w.clone()) for w in points)
+            return model
+
+        before, after = range(RESUME_STEPS), range(RESUME_STEPS, 2 * RESUME_STEPS)
+        out = {}
+        one = model_of(_whole_case_points(dtype, manifold), False)
+        one_opt = build([one.w0, one.w1])
+        run(one, one_opt, before)
+        out["one_process_state"] = [{k: v.clone() for k, v in one_opt.state[p].items() if k != "momentum_buffer"}
+                                    for p in (one.w0, one.w1)]
+        run(one, one_opt, after)
+        out["one_process"] = whole([one.w0, one.w1])
+
+        model = model_of(_whole_case_points(dtype, manifold), True)
+        opt = build([model.w0, model.w1])
+        run(model, opt, before)
+        out["sharded_state"] = owners_state(opt, [model.w0, model.w1])
+        folder = os.path.join(out_dir, f"dcp-{case}", f"dcp-step{RESUME_STEPS:08d}")
+        os.makedirs(os.path.dirname(folder), exist_ok=True)  # (every rank: a run folder exists before it saves)
+        save_distributed(folder, model, Assignment(case, [], {"opt": opt}), {"step": RESUME_STEPS})
+        run(model, opt, after)
+        out["sharded"] = whole([model.w0, model.w1])
+
+        resumed = model_of(_whole_case_points(dtype, manifold, seed=6), True)  # other weights, overwritten
+        resumed_opt = build([resumed.w0, resumed.w1])
+        load_distributed(folder, resumed, Assignment(case, [], {"opt": resumed_opt}))
+        out["loaded_state"] = owners_state(resumed_opt, [resumed.w0, resumed.w1])
+        out["loaded_manifold"] = resumed_opt.param_groups[0].get("manifold")
+        run(resumed, resumed_opt, after)
+        out["resumed"] = whole([resumed.w0, resumed.w1])
+        return out
+
+    for case, *spec in WHOLE_CASES:
+        results[f"whole:{case}"] = _outcome(lambda: whole_case(case, *spec))  # noqa: B023 - called at once
+        save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
         dist.destroy_process_group()
@@ -526,3 +682,77 @@ def test_projecting_between_sharded_steps_costs_no_step(runs):
         run = results["projected"]["ok"]
         assert run["refreshed"] == 0, (r, run["refreshed"])
         assert torch.equal(run["sharded"], run["one_process"]), (r, (run["sharded"] - run["one_process"]).abs().max())
+
+
+def _one_process_refusal(**options) -> str:
+    params = [torch.nn.Parameter(w) for w in _points()]
+    opt = _stiefel_muon(params)
+    opt.param_groups[0].update(options)
+    for p, g in zip(params, _gradients()):
+        p.grad = g
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    return str(refused.value)
+
+
+def test_a_sharded_group_edited_past_manifold_muons_checks_is_refused_as_in_one_process(runs):
+    # cold_dual_steps with warm_start=False (accepted and ignored before) and a Gram form declaring
+    # dual_steps = 2.5 (run as 2 steps before): refused by the group check, which runs before any
+    # collective, on every rank, with the one-process words
+    ranks, _ = runs
+    for case, options, words in (
+            ("cold_dual_steps_without_warm_start", dict(warm_start=False, cold_dual_steps=2),
+             ("cold_dual_steps=2 with warm_start=False",)),
+            ("form_with_bad_defaults", dict(manifold=HalfStepStiefel().spec()),
+             ("HalfStepStiefel", "dual_steps must be a whole number"))):
+        _refused_by_name(ranks, case, *words)
+        one_process = _one_process_refusal(**options)
+        assert all(r[case]["message"] == one_process for r in ranks), (case, one_process, ranks[0][case]["message"])
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("case, opt_class, options, dtype, manifold, tiny", WHOLE_CASES,
+                         ids=[case[0] for case in WHOLE_CASES])
+def test_whole_matrix_state_and_arguments_step_save_and_resume_as_one_process(runs, case, opt_class, options, dtype,
+                                                                             manifold, tiny):
+    # Each matrix is alone in its batch and every step's operands are the one-process step's, so
+    # the sharded run is the one-process run bit for bit; a resume reads back the bytes that were
+    # saved, so it is the uninterrupted run bit for bit. The chains' second warm start had been
+    # shared with the first (a block that never fitted); the manifolds' arguments are private
+    # copies now, in the param group as spec() (a tensor for the user's); the polar maps' scale
+    # ||M||_*^-1 of a 1e-43 gradient overflows float32 (inf weights before)
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        outcome = results[f"whole:{case}"]
+        assert "ok" in outcome, (r, case, outcome)
+        run = outcome["ok"]
+        for one, sharded, resumed in zip(run["one_process"], run["sharded"], run["resumed"]):
+            assert one.dtype == sharded.dtype == dtype and bool(one.isfinite().all()), (case, one)
+            assert torch.equal(sharded, one), (r, case, (sharded.double() - one.double()).abs().max())
+            assert torch.equal(resumed, sharded), (r, case, (resumed.double() - sharded.double()).abs().max())
+        for one, sharded, loaded in zip(run["one_process_state"], run["sharded_state"], run["loaded_state"]):
+            if opt_class is RowNormM:  # row-wise: no whole-matrix state, no owner
+                assert sharded == {} and loaded == {}, (case, sharded, loaded)
+                continue
+            # the owner holds what one process holds, and the checkpoint brings it back
+            assert _same_tensors(sharded, one), (r, case, sorted(sharded), sorted(one))
+            assert _same_tensors(loaded, sharded), (r, case, sorted(loaded), sorted(sharded))
+        if case.startswith("chain"):
+            for state in run["loaded_state"]:  # one warm start per regulator, in fp32 for bf16 weights
+                assert state["regulate_v"].shape == (4, 4) and state["regulate_v.1"].shape[0] == 4, state
+                assert {state[k].dtype for k in ("regulate_v", "regulate_v.1")} == {torch.float64 if dtype ==
+                                                                                      torch.float64 else torch.float32}
+        if manifold is not None:
+            assert MatrixManifold.resolve(run["loaded_manifold"], case) == manifold, run["loaded_manifold"]
+        if tiny:
+            # the tiny gradient's matrix got a zero update (RowNormM: its rows under the eps floor) and
+            # moved by the weight decay alone, (1 - lr wd)^4 of its start in float32: 4 steps, each a
+            # rounded product and a rounded factor, <= 8 * 2^-24 = 4.8e-7 of its largest entry (1e-6:
+            # twice that). The other matrix stepped: 4e-3 to 4e-2 past the decay (four lr-sized steps)
+            decay = (1 - 0.01 * 0.1) ** (2 * RESUME_STEPS)
+            tiny_start, other_start = (w.double() for w in _whole_case_points(dtype)[::-1])
+            assert (run["one_process"][1].double() - decay * tiny_start).abs().max() <= 1e-6 * tiny_start.abs().max()
+            assert (run["one_process"][0].double() - decay * other_start).abs().max() > 1e-3, case
