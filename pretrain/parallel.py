@@ -36,7 +36,7 @@ import torch.distributed as dist
 from geomuon.optimizers.assign import check_same_groups
 from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, matrix_owner, whole
 
-__all__ = ["OwnerGather", "RunWriteError", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
+__all__ = ["OwnerGather", "RunWriteError", "DamagedCheckpoint", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
            "read_distributed", "dcp_folder", "dcp_folders"]
 
 
@@ -384,6 +384,12 @@ def load_checked(path: str):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+class DamagedCheckpoint(ValueError):
+    """A distributed checkpoint folder that is incomplete or whose files cannot be read (the
+    previous folder may be whole), as against one written by other settings (which no folder of
+    the run resumes under these)."""
+
+
 def read_record(folder: str) -> dict:
     """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
     naming the folder when it is not a complete geomuon distributed checkpoint."""
@@ -402,7 +408,7 @@ def read_record(folder: str) -> dict:
             if not isinstance(record, dict) or record.get("format") != DCP_FORMAT:
                 problem = f"has a {RUN_RECORD} that is not a {DCP_FORMAT} record"
     if problem is not None:
-        raise ValueError(f"distributed checkpoint {folder!r} {problem}")
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
     return record
 
 
@@ -422,8 +428,9 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             model or strategy (the names that differ; or, as a one-process resume refuses it,
             :func:`geomuon.optimizers.assign.check_same_groups`, an optimizer's param group
             holding other parameters, the same ones in another order, or another geometry: its
-            state is matched by position), or unreadable tensor files; raised before anything
-            is loaded.
+            state is matched by position; or saved options the optimizer's load refuses), or
+            (:class:`DamagedCheckpoint`) an incomplete folder or unreadable files; raised before
+            anything is loaded (the tensor files' damage: before the model is).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -434,7 +441,7 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
     try:
         saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     except Exception as err:
-        raise ValueError(f"distributed checkpoint {folder!r} has an unreadable .metadata ({err})") from None
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} has an unreadable .metadata ({err})") from None
     model_state = get_model_state_dict(model)
     expected = {f"model/{k}" for k in model_state}
     present = {k for k in saved if k.startswith("model/")}
@@ -457,6 +464,11 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
         there = [{**g, "param_names": [saved_opt["names"][i] for i in g["params"]]} for g in saved_opt["param_groups"]]
         try:
             check_same_groups(opt_name, assignment.strategy, here, there)
+            # the saved options too, as the optimizer's load checks them, before the model is
+            # loaded (a refusal there had left this run's weights overwritten)
+            check_loadable = getattr(opt, "_check_loadable", None)
+            if check_loadable is not None:
+                check_loadable({"state": {}, "param_groups": saved_opt["param_groups"]})
         except ValueError as err:
             raise ValueError(f"distributed checkpoint {folder!r}: {err}") from None
     templates: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
@@ -481,8 +493,8 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             dcp.load(templates, storage_reader=dcp.FileSystemReader(folder), no_dist=not together)
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         cause = str(err).strip().splitlines()[-1]  # DCP's message ends with the rank's error
-        raise ValueError(f"distributed checkpoint {folder!r} could not be read ({cause}); its tensor files "
-                         "are damaged or missing") from None
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} could not be read ({cause}); its tensor files "
+                                "are damaged or missing") from None
     set_model_state_dict(model, {k: templates[f"model/{k}"] for k in model_state},
                          options=StateDictOptions(strict=True))
     for opt_name, opt in assignment.optimizers.items():

@@ -111,7 +111,7 @@ from geomuon.pretrain.config import TrainConfig, add_options, command_line, from
 from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
-from geomuon.pretrain.parallel import (RunWriteError, checkpoint_write_error, dcp_folder, dcp_folders,
+from geomuon.pretrain.parallel import (DamagedCheckpoint, RunWriteError, checkpoint_write_error, dcp_folder, dcp_folders,
                                       load_checked, load_distributed, read_record, save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
 
@@ -470,7 +470,7 @@ def distributed_record(folder: str) -> dict:
     one is complete, or start again)."""
     try:
         return read_record(folder)
-    except ValueError as err:
+    except DamagedCheckpoint as err:
         _with_previous_checkpoint(folder, str(err))
 
 
@@ -990,7 +990,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     if on_disk and cfg.resume and os.path.isdir(resume_from):
         try:
             load_distributed(resume_from, model, assignment, parallel.owned)
-        except ValueError as err:  # damaged tensor files: the previous folder may be complete
+        except DamagedCheckpoint as err:  # the previous folder may be complete (other settings: none is)
             _with_previous_checkpoint(resume_from, str(err))
     whole_model = parallel.full_model or (lambda: model)
     train_model = torch.compile(parallel.module) if cfg.compile else parallel.module

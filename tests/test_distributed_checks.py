@@ -671,6 +671,41 @@ def test_a_distributed_checkpoint_of_another_geometry_is_refused_as_one_process_
     assert [g["manifold"]["name"] for g in other.optimizers["manifold_muon"].param_groups] == ["DGram"]
 
 
+def test_a_distributed_checkpoint_whose_options_are_refused_leaves_the_model_and_is_no_damage(tmp_path):
+    # a saved group the optimizer's load refuses (here: cold_dual_steps with warm_start=False, as a
+    # checkpoint written before that pair was refused holds it) had been found after the model's
+    # weights were loaded over this run's; and it is a settings refusal, not a damaged folder (the
+    # run had then advised resuming from the previous folder, which holds the same options)
+    from geomuon.optimizers.assign import Assignment
+    from geomuon.pretrain.parallel import RUN_RECORD, DamagedCheckpoint, load_distributed, save_distributed
+
+    def run():
+        weights = _two_weights()
+        opt = ManifoldMuon([dict(params=[weights.a, weights.b], param_names=["a", "b"], warm_start=False)],
+                           lr=0.02, manifold="stiefel", compute_dtype=None)
+        return weights, Assignment("all_stiefel", [], {"manifold_muon": opt})
+
+    saved, written = run()
+    for p, g in zip((saved.a, saved.b), _gradients()):
+        p.grad = g
+    written.step()
+    folder = str(tmp_path / "dcp-step00000001")
+    save_distributed(folder, saved, written, {"step": 1})
+    record = torch.load(os.path.join(folder, RUN_RECORD), weights_only=True)
+    record["optimizers"]["manifold_muon"]["param_groups"][0]["cold_dual_steps"] = 2
+    torch.save(record, os.path.join(folder, RUN_RECORD))
+
+    model, fresh = run()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"dcp-step00000001.*cold_dual_steps=2 with warm_start=False") as refused:
+        load_distributed(folder, model, fresh)
+    assert not isinstance(refused.value, DamagedCheckpoint)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # the weights were not loaded
+    os.remove(os.path.join(folder, ".metadata"))  # control: an unfinished folder is damage
+    with pytest.raises(DamagedCheckpoint, match="has no .metadata"):
+        load_distributed(folder, model, fresh)
+
+
 def test_projecting_between_sharded_steps_costs_no_step(runs):
     # project_to_manifolds wrote every rank's rows behind the owner's replica: the owner took
     # them for an outside write and skipped the next step (refreshed 1; 1.6e-2 off one process).
