@@ -4,11 +4,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from geomuon.manifolds import DGram, MatrixManifold, Stiefel
+from geomuon.manifolds import DGram, Stiefel
 from geomuon.optimizers import ManifoldMuon
 from geomuon.optimizers.assign import (ATTENTION_ROLES, MLP_ROLES, ROLES, STRATEGIES, Assignment, Hyper, Rule, assign,
                                       classify)
 from geomuon.pretrain.model import GPT, get_config
+from test_packaging_manifold_spec import WeightedSphere  # a user's manifold with a tensor argument
 
 
 def test_classify_gpt2_layout_with_fused_qkv_and_tied_head():
@@ -486,29 +487,11 @@ def test_a_weight_decay_in_hyper_extra_that_muon_would_override_is_refused():
     assert {g["weight_decay"] for g in built.optimizers["hybrid"].param_groups} == {0.5}
 
 
-class _WeightedSphere(MatrixManifold):
-    """Rows of norm ``radius`` after scaling column j by ``weights[j]``: a tensor-argument manifold."""
-
-    def __init__(self, radius: float, weights: torch.Tensor):
-        super().__init__()
-        self.radius = float(radius)
-        self.register_buffer("weights", weights)
-
-    def constraint(self, x, u):
-        return (x * u * self.weights.to(x.dtype) ** 2).sum(-1)
-
-    def constraint_adjoint(self, x, lam):
-        return lam.unsqueeze(-1) * x * self.weights.to(x.dtype) ** 2
-
-    def defining_map(self, x):
-        return 0.5 * ((x * self.weights.to(x.dtype)) ** 2).sum(-1) - 0.5 * self.radius**2
-
-
 def test_a_checkpoint_of_a_geometry_whose_tensors_differ_beyond_their_printed_digits_is_refused():
     # the manifolds were compared as printed, and a tensor prints 4 decimals: weights [.., 3.0] had
     # loaded into an optimizer on [.., 3.00001], whose group torch then gave the saved geometry
-    saved_geometry = _WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))
-    here = _WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.00001], dtype=torch.float64))
+    saved_geometry = WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))
+    here = WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.00001], dtype=torch.float64))
     w = torch.nn.Parameter(saved_geometry.projx(torch.randn(6, 4, dtype=torch.float64)))
     saved = ManifoldMuon([dict(params=[w], param_names=["w"], manifold=saved_geometry)], lr=0.01, compute_dtype=None)
     w.grad = torch.randn(6, 4, dtype=torch.float64)
@@ -524,4 +507,4 @@ def test_a_checkpoint_of_a_geometry_whose_tensors_differ_beyond_their_printed_di
                                          r"arguments differ from the saved ones beyond their printed digits"):
         load_into(here)
     # control: the same geometry built anew loads
-    assert load_into(_WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))).state
+    assert load_into(WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))).state

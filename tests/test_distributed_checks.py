@@ -26,6 +26,7 @@ import torch
 from geomuon.manifolds import LPRO, MatrixManifold, Stiefel
 from geomuon.manifolds.capabilities import OrthonormalGram
 from geomuon.optimizers import HybridPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
+from test_packaging_manifold_spec import WeightedSphere  # a user's manifold with a tensor argument
 
 PG_TIMEOUT = 30  # seconds; a case that waits for it has failed
 SHAPE = (6, 4)  # 3 rows per rank
@@ -54,25 +55,6 @@ FP16_CASES = (
      [torch.randn(shape, generator=torch.Generator().manual_seed(3)).half() for shape in ((6, 4), (3, 4))],
      lambda w: torch.randn(w.shape, generator=torch.Generator().manual_seed(w.shape[0])).half()),
 )
-
-
-class ColumnWeightedSphere(MatrixManifold):
-    """Rows of norm ``radius`` after scaling column j by ``weights[j]``: a user's manifold with a
-    tensor constructor argument (the manifold keeps a private copy; its spec carries the tensor)."""
-
-    def __init__(self, radius: float, weights: torch.Tensor):
-        super().__init__()
-        self.radius = float(radius)
-        self.register_buffer("weights", weights)
-
-    def constraint(self, x, u):
-        return (x * u * self.weights.to(x.dtype) ** 2).sum(-1)
-
-    def constraint_adjoint(self, x, lam):
-        return lam.unsqueeze(-1) * x * self.weights.to(x.dtype) ** 2
-
-    def defining_map(self, x):
-        return 0.5 * ((x * self.weights.to(x.dtype)) ** 2).sum(-1) - 0.5 * self.radius**2
 
 
 class _HalfStepGram(OrthonormalGram):
@@ -125,8 +107,8 @@ WHOLE_CASES = (
      torch.bfloat16, None, False),
     ("lpro", ManifoldMuon, dict(manifold=LPRO(radius=2.0), compute_dtype=None), torch.float64, LPRO(radius=2.0),
      False),
-    ("user_manifold", ManifoldMuon, dict(manifold=ColumnWeightedSphere(1.5, _column_weights()), compute_dtype=None),
-     torch.float64, ColumnWeightedSphere(1.5, _column_weights()), False),
+    ("user_manifold", ManifoldMuon, dict(manifold=WeightedSphere(1.5, _column_weights()), compute_dtype=None),
+     torch.float64, WeightedSphere(1.5, _column_weights()), False),
     ("right_polar_tiny", RightPolarGradM, dict(alpha=-1.0, weight_decay=0.1), torch.float32, None, True),
     ("hybrid_tiny", HybridPolarGradM, dict(alpha=-1.0, weight_decay=0.1), torch.float32, None, True),
     ("row_norm_tiny", RowNormM, dict(weight_decay=0.1), torch.float32, None, True),
