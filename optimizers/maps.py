@@ -161,16 +161,12 @@ def _float64(value):
 
 
 def _nuclear_power(nuclear: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
-    r"""$
-u^lpha$ of each matrix's nuclear norm $
-u$ (``nuclear``, ``[..., 1, 1]``, float64) as a
+    r"""$\nu^\alpha$ of each matrix's nuclear norm $\nu$ (``nuclear``, ``[..., 1, 1]``, float64) as a
     factor in ``dtype``, 0 where it is not below half ``dtype``'s largest value: a polar factor's
     entries are at most its largest singular value, about 1, so its product with a factor in range
-    stays finite, and a matrix out of range gets a zero update (a tiny $
-u$ at $lpha < 0$: a
-    float32 gradient of entries $10^{-43}$ had given $
-u^{-1} = \infty$ and infinite weights; a huge
-    one at $lpha > 0$; $0^lpha = \infty$ of the zero matrix). Selected on the device, no host
+    stays finite, and a matrix out of range gets a zero update (a tiny $\nu$ at $\alpha < 0$: a
+    float32 gradient of entries $10^{-43}$ had given $\nu^{-1} = \infty$ and infinite weights; a huge
+    one at $\alpha > 0$; $0^\alpha = \infty$ of the zero matrix). Selected on the device, no host
     read, no pass over the matrix: its step is then a no-op, as msign's beyond its range. The
     symbolic certificates' letters are exact and have no range: taken as they are."""
     scale = nuclear.clamp_min(0).pow(alpha)
