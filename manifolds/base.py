@@ -116,10 +116,16 @@ class _ManifoldType(type(geoopt.Manifold)):
 
     def __call__(cls, *args, **kwargs):
         # the caller's own tensor stays the caller's: an in-place change of it (B.mul_(2)) had
-        # changed the manifold's geometry and spec() while its cached identity kept the old value
-        args = [_private_copy(value) for value in args]
-        kwargs = {key: _private_copy(value) for key, value in kwargs.items()}
-        manifold = super().__call__(*args, **kwargs)
+        # changed the manifold's geometry and spec() while its cached identity kept the old value.
+        # Defaults included: a tensor default is one object, shared by every instance built with it
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        except TypeError:  # refused by __init__ itself, with its own message
+            return super().__call__(*args, **kwargs)
+        bound.apply_defaults()
+        for key, value in bound.arguments.items():
+            bound.arguments[key] = _private_copy(value)
+        manifold = super().__call__(*bound.args[1:], **bound.kwargs)
         object.__setattr__(manifold, "_arguments_fixed", True)
         return manifold
 
@@ -773,16 +779,16 @@ def _class_path(cls: type) -> str:
 
 
 def _private_copy(value: Any) -> Any:
-    """A constructor argument as the manifold keeps it: every tensor in it (lists, tuples and
-    dicts of them included) detached and copied, as a normal tensor even under
+    """A constructor argument as the manifold keeps it: every tensor in it (plain lists, tuples
+    and dicts of them included) detached and copied, as a normal tensor even under
     ``torch.inference_mode`` (an inference tensor has no version counter for :attr:`identity`
     to follow); anything else as given."""
     if isinstance(value, torch.Tensor):
         with torch.inference_mode(False):
             return value.detach().clone()
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):  # (a namedtuple or another container is kept as given)
         return type(value)(_private_copy(item) for item in value)
-    if isinstance(value, Mapping):
+    if type(value) is dict:
         return {key: _private_copy(item) for key, item in value.items()}
     return value
 

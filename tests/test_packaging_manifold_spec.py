@@ -232,3 +232,36 @@ def test_a_manifold_built_under_inference_mode_compares_and_hashes():
         built = WeightedSphere(1.0, torch.tensor([1.0, 2.0]))
         loaded = MatrixManifold.from_spec(built.spec())
     assert built == loaded == WeightedSphere(1.0, torch.tensor([1.0, 2.0])) and hash(built) == hash(loaded)
+
+
+class DefaultWeightedSphere(WeightedSphere):
+    """WeightedSphere with a tensor default (one object, made when the class is defined)."""
+
+    def __init__(self, radius: float = 1.0, weights: torch.Tensor = torch.ones(3)):
+        super().__init__(radius, weights)
+
+
+def test_a_tensor_default_is_each_manifolds_own_copy():
+    # only the arguments passed had been copied: every instance built with the default shared one
+    # tensor, and an in-place change of one manifold's moved the others' (and their saved specs')
+    first, second = DefaultWeightedSphere(), DefaultWeightedSphere()
+    spec = second.spec()
+    first.weights.mul_(2)
+    assert torch.equal(second.weights, torch.ones(3)) and torch.equal(DefaultWeightedSphere().weights, torch.ones(3))
+    assert second == MatrixManifold.from_spec(spec) and first != second
+
+
+class BoxedSphere(WeightedSphere):
+    """WeightedSphere with a namedtuple argument (kept as given: only plain containers are rebuilt)."""
+
+    def __init__(self, bounds: tuple):
+        super().__init__(1.0, torch.ones(2))
+        self.bounds = bounds
+
+
+def test_a_namedtuple_argument_is_accepted():
+    # rebuilding every tuple had passed a generator to the namedtuple's constructor (TypeError)
+    from collections import namedtuple
+
+    Bounds = namedtuple("Bounds", "lo hi")
+    assert BoxedSphere(Bounds(0.0, 2.0)).bounds == Bounds(0.0, 2.0)
