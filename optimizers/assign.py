@@ -289,7 +289,8 @@ class Assignment:
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict`'s output, refusing (``ValueError``, before anything loads) a
         state of other update families, or whose groups hold other parameters or give them
-        another manifold, ``centered`` or regulator than this assignment does."""
+        another manifold, ``centered`` or regulator than this assignment does; where an
+        optimizer's own load refuses its part, the optimizers loaded before it are restored."""
         if set(state) != set(self.optimizers):
             raise ValueError(
                 f"optimizer state holds {sorted(state)} but strategy {self.strategy!r} builds "
@@ -297,8 +298,18 @@ class Assignment:
             )
         for update, opt in self.optimizers.items():  # all checked before any is loaded
             check_same_groups(update, self.strategy, opt.param_groups, state[update].get("param_groups", []))
-        for name, opt in self.optimizers.items():
-            opt.load_state_dict(state[name])
+        loaded = []
+        try:
+            for name, opt in self.optimizers.items():
+                before = opt.state_dict()  # (a load replaces the state's tensors, never writes into them)
+                opt.load_state_dict(state[name])
+                loaded.append((opt, before))
+        except Exception:
+            # an optimizer's own load refused its state (after its users' load hooks ran): the ones
+            # loaded before it go back to what they held (they had stayed loaded)
+            for opt, before in reversed(loaded):
+                opt.load_state_dict(before)
+            raise
 
 
 def check_same_groups(update: str, strategy: str, current: list[dict], saved: list[dict]) -> None:
@@ -324,13 +335,15 @@ def check_same_groups(update: str, strategy: str, current: list[dict], saved: li
                              f"{saved_names or len(was['params'])} but strategy {strategy!r} puts "
                              f"{names or len(now['params'])} there (state is matched by position); {advice}")
         saved_geometry, geometry = _geometry(was), _geometry(now)
-        differ = [key for key in geometry if saved_geometry[key] != geometry[key]]
-        if not differ and _manifold_identity(was) != _manifold_identity(now):
-            # tensor arguments are printed rounded (4 decimals, long ones elided): their values had
-            # been compared as printed, and another geometry loaded under this label
-            differ = ["manifold"]
-            geometry = {**geometry, "manifold": f"{geometry['manifold']} (its tensor arguments differ from the "
-                                                f"saved ones beyond their printed digits)"}
+        # the manifold by value (the identity of the manifold its spec builds): as printed, a tensor
+        # rounds to 4 decimals (another geometry had loaded under this label) and equal manifolds
+        # can print differently (arguments in another order)
+        differ = [key for key in geometry if key != "manifold" and saved_geometry[key] != geometry[key]]
+        if _manifold_identity(was) != _manifold_identity(now):
+            differ.insert(0, "manifold")
+            if saved_geometry["manifold"] == geometry["manifold"]:
+                geometry = {**geometry, "manifold": f"{geometry['manifold']} (its tensor arguments differ from the "
+                                                    f"saved ones beyond their printed digits)"}
         if differ:
             who = repr(names[0]) if names else f"param group {index}"
             raise ValueError(f"optimizer state of {update!r} gives {who} (and its group) "

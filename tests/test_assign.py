@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from geomuon.manifolds import DGram, Stiefel
-from geomuon.optimizers import ManifoldMuon
+from geomuon.optimizers import ManifoldMuon, Muon
 from geomuon.optimizers.assign import (ATTENTION_ROLES, MLP_ROLES, ROLES, STRATEGIES, Assignment, Hyper, Rule, assign,
                                       classify)
 from geomuon.pretrain.model import GPT, get_config
@@ -508,3 +508,53 @@ def test_a_checkpoint_of_a_geometry_whose_tensors_differ_beyond_their_printed_di
         load_into(here)
     # control: the same geometry built anew loads
     assert load_into(WeightedSphere(1.0, torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64))).state
+
+
+def test_a_state_one_optimizer_refuses_leaves_every_optimizer_as_it_was():
+    # Muon's state had loaded (its lr and momentum) before ManifoldMuon's load refused its own part
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.linalg.qr(torch.randn(6, 4, generator=gen, dtype=torch.float64))[0])
+
+    def build():
+        muon = Muon([dict(params=[a], param_names=["a"])], lr=0.02)
+        manifold_muon = ManifoldMuon([dict(params=[b], param_names=["b"], warm_start=False)], lr=0.02,
+                                     manifold="stiefel", compute_dtype=None)
+        return Assignment("s", [], {"muon": muon, "manifold_muon": manifold_muon})
+
+    written = build()
+    a.grad, b.grad = torch.randn(6, 4, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen,
+                                                                                      dtype=torch.float64)
+    written.step()
+    state = written.state_dict()
+    state["muon"]["param_groups"][0]["lr"] = 0.5
+    state["manifold_muon"]["param_groups"][0]["cold_dual_steps"] = 2  # refused with warm_start=False
+    fresh = build()
+    with pytest.raises(ValueError, match="cold_dual_steps=2 with warm_start=False"):
+        fresh.load_state_dict(state)
+    assert fresh.optimizers["muon"].param_groups[0]["lr"] == 0.02 and not fresh.optimizers["muon"].state
+    del state["manifold_muon"]["param_groups"][0]["cold_dual_steps"]  # control: the state as written loads
+    fresh.load_state_dict(state)
+    assert fresh.optimizers["muon"].param_groups[0]["lr"] == 0.5 and fresh.optimizers["muon"].state
+
+
+class _OptionedSphere(WeightedSphere):
+    """WeightedSphere with a dict argument (equal whatever the order of its keys)."""
+
+    def __init__(self, options: dict):
+        super().__init__(1.0, torch.ones(4, dtype=torch.float64))
+        self.options = options
+
+
+def test_a_checkpoint_of_the_same_geometry_printed_otherwise_loads():
+    # the manifolds had been compared as printed first: the same one with its dict argument's keys
+    # in another order was refused
+    w = torch.nn.Parameter(torch.linalg.qr(torch.randn(6, 4, dtype=torch.float64))[0] / 2)
+    saved_manifold, here = _OptionedSphere({"a": 1, "b": 2}), _OptionedSphere({"b": 2, "a": 1})
+    assert saved_manifold == here and str(saved_manifold.spec()) != str(here.spec())
+
+    def optimizer(manifold):
+        return Assignment("s", [], {"m": ManifoldMuon([dict(params=[w], param_names=["w"], manifold=manifold)],
+                                                      lr=0.01, compute_dtype=None)})
+
+    optimizer(here).load_state_dict(optimizer(saved_manifold).state_dict())
