@@ -385,7 +385,7 @@ def test_a_chains_warm_starts_survive_a_resume_bit_for_bit(dtype):
     saved, halfway = copy.deepcopy(optimizer.state_dict()), W.detach().clone()
     run(W, optimizer, grads[2:])
     assert saved["state"][0]["regulate_v"].shape == (24, 4) and saved["state"][0]["regulate_v.1"].shape == (24, 8)
-    resumed = torch.nn.Parameter(halfway)
+    resumed = torch.nn.Parameter(halfway.clone())
     optimizer_resumed = Muon([resumed], lr=0.05, regulate=chain)
     optimizer_resumed.load_state_dict(saved)
     run(resumed, optimizer_resumed, grads[2:])
@@ -393,6 +393,14 @@ def test_a_chains_warm_starts_survive_a_resume_bit_for_bit(dtype):
     for key in ("regulate_v", "regulate_v.1"):
         assert optimizer_resumed.state[resumed][key].dtype == torch.float32
         assert torch.equal(optimizer_resumed.state[resumed][key], optimizer.state[W][key])
+    # negative control: a resume without the second regulator's block (it starts cold) is not
+    # the uninterrupted run, so the equality above needs that block restored
+    del saved["state"][0]["regulate_v.1"]
+    cold = torch.nn.Parameter(halfway.clone())
+    optimizer_cold = Muon([cold], lr=0.05, regulate=chain)
+    optimizer_cold.load_state_dict(saved)
+    run(cold, optimizer_cold, grads[2:])
+    assert not torch.equal(cold.detach(), W.detach())
 
 
 # ----------------------------------------------------------------------------- DGram column cap
