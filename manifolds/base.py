@@ -794,13 +794,14 @@ def _private_copy(value: Any) -> Any:
 
 
 def _tensor_versions(value: Any):
-    """The version counters of the tensors in a constructor argument, in order (nested too)."""
+    """The version counters of the tensors in a constructor argument, in order, nested in the
+    containers :func:`_private_copy` copies (plain lists, tuples and dicts)."""
     if isinstance(value, torch.Tensor):
         yield value._version
-    elif isinstance(value, (list, tuple)):
+    elif type(value) in (list, tuple):
         for item in value:
             yield from _tensor_versions(item)
-    elif isinstance(value, Mapping):
+    elif type(value) is dict:
         for item in value.values():
             yield from _tensor_versions(item)
 

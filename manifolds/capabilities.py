@@ -201,16 +201,16 @@ class GramForm:
         form with any (``dual_steps = 2.5`` had run as 2 steps) and the manifold contract reports
         them."""
         where = f"the Gram form {type(self).__name__}"
-        checks = [*(lambda name=name: check_count(where, name, getattr(self, name))
-                    for name in ("dual_steps", "cold_dual_steps", "polish_rounds", "newton_cg_steps")),
-                  lambda: check_count(where, "retraction_order", self.retraction_order, 1),
-                  lambda: check_real(where, "newton_alpha", self.newton_alpha, lambda x: x > 0, "a finite number > 0")]
         invalid = []
-        for check in checks:
+        for name in ("dual_steps", "cold_dual_steps", "polish_rounds", "newton_cg_steps", "retraction_order"):
             try:
-                check()
+                check_count(where, name, getattr(self, name), 1 if name == "retraction_order" else 0)
             except ValueError as err:
                 invalid.append(str(err))
+        try:
+            check_real(where, "newton_alpha", self.newton_alpha, lambda x: x > 0, "a finite number > 0")
+        except ValueError as err:
+            invalid.append(str(err))
         if self.polish_method not in POLISH_METHODS:
             invalid.append(f"{where}: polish_method must be one of {POLISH_METHODS}, got {self.polish_method!r}")
         return invalid

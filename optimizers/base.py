@@ -297,7 +297,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._group_regulator(group, index)  # (an edited spec normalized now, before it is recorded)
                 self._checked_options[index] = self._options_of(group)
                 self._group_checked(group, index)
-            self._check_scheduled(group, index, in_step=True)
+            else:  # (a re-validated group's scheduled values were checked with it)
+                self._check_scheduled(group, index, in_step=True)
 
     def _check_scheduled(self, group: dict, index: int, *, in_step: bool = False) -> None:
         """``lr`` a finite number >= 0, ``momentum`` (a matrix group) or each of ``betas`` (an AdamW
@@ -503,6 +504,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
         finiteness flags per group and step (:meth:`_finite_on_host`), a host synchronisation
         on CUDA."""
         self._check_edited_groups()
+        return self._step_checked(closure)
+
+    @torch.no_grad()
+    def _step_checked(self, closure=None):
+        """:meth:`step` once the edited groups are checked (a subclass that checks them first,
+        for work of its own before the step, calls this)."""
         self._report_skips(wait=False)
         regulators = [self._group_regulator(group, index) for index, group in enumerate(self.param_groups)]
         loss = None

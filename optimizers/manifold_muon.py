@@ -632,7 +632,7 @@ class ManifoldMuon(MatrixOptimizer):
         for group, count in zip(self.param_groups, counts):
             group["step_count"] = count + 1  # the step's certificates read it
         try:
-            loss = super().step(closure)
+            loss = self._step_checked(closure)
         except Exception:
             # a refused step (a skip reported under nonfinite="raise", an inadmissible group, a
             # failing closure) raises before any weight moves: it is not a step, and the

@@ -93,7 +93,7 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:  # the second run of a pair would find the first one's folder after it trained
             raise ValueError(f"{option} lists {', '.join(twice)} more than once; give each once")
-    root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
+    root = _comparison_folder(base)
     if base.resume and not os.path.isdir(root):
         raise ValueError(f"--resume: there is no comparison in {root!r} to continue")
     if root is not None and os.path.isdir(root) and not (base.resume or base.overwrite):
@@ -124,6 +124,11 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     return root, runs
 
 
+def _comparison_folder(base: TrainConfig) -> str | None:
+    """The folder ``base.out_dir`` names for a comparison (a ``{time}`` template: its next free name)."""
+    return resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
+
+
 def _claim_fresh_folder(base: TrainConfig, root: str) -> str:
     """Create the fresh folder ``root`` that the template ``base.out_dir`` gave, or, when a
     comparison started in the same second created it first, the template's next free name.
@@ -134,7 +139,7 @@ def _claim_fresh_folder(base: TrainConfig, root: str) -> str:
             os.makedirs(root)
             return root
         except FileExistsError:
-            root = resolve_out_dir(dataclasses.replace(base, strategy="compare", resume=False, overwrite=True))
+            root = _comparison_folder(base)
         except OSError as err:
             raise ValueError(f"--out-dir {root!r} cannot be created ({err.strerror}); choose another "
                              "--out-dir") from None

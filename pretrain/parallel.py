@@ -314,7 +314,7 @@ def save_distributed(folder: str, model, assignment, record: dict, owned=None) -
                 torch.save({"format": DCP_FORMAT, **record, "optimizers": optimizers}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _move_into_place(tmp, folder)
+            _move_into_place(tmp, folder, root)
         except OSError as err:
             failure = 0, err
     failure = _agreed(failure, together)  # rank 0's own failure too: every rank raises, none waits for it
@@ -351,7 +351,7 @@ def _agreed(failure, together: bool):
     return next((f for f in failures if f is not None), None)
 
 
-def _move_into_place(tmp: str, folder: str) -> None:
+def _move_into_place(tmp: str, folder: str, root: str) -> None:
     """Rename the complete ``tmp`` to ``folder``. A ``folder`` already there (the same step
     written again: a run resumed and stopped at once) is replaced, and put back when the rename
     fails."""
@@ -366,7 +366,7 @@ def _move_into_place(tmp: str, folder: str) -> None:
         if os.path.exists(old):
             os.replace(old, folder)
         raise
-    _fsync_dir(os.path.dirname(folder) or ".")
+    _fsync_dir(root)
     if os.path.exists(old):
         shutil.rmtree(old)
 

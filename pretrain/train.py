@@ -1003,9 +1003,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     ckpt_every = cfg.ckpt_every or cfg.eval_every
     t0 = time.perf_counter() - elapsed_before
     last_saved: int | None = None  # the last step checkpointed by this session
-    # the step of the folder's newest checkpoint: a stop there writes none again (a second copy
-    # had pushed the distinct checkpoint before it out of ckpt.prev.pt)
-    newest_checkpoint = start if on_disk and cfg.resume else None
+    resumed_at = start if on_disk and cfg.resume else None  # the step of the checkpoint it resumed from
     val_seed = cfg.seed if cfg.val_seed is None else cfg.val_seed
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # steps whose loss is on the device
 
@@ -1063,9 +1061,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             log.write({"kind": "diverged", "step": step - 1, "nonfinite_parameters": nonfinite})
             warn(f"step {step - 1}: non-finite weights in {', '.join(nonfinite)}; stopping without a checkpoint")
             return False
-        nonlocal last_saved, newest_checkpoint
+        nonlocal last_saved
         result.wall_time = time.perf_counter() - t0  # what the checkpoint records, and a resume reads back
-        last_saved = newest_checkpoint = step
+        last_saved = step
         record = _run_record(model, cfg, data, step, result, log, result.wall_time)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
@@ -1083,7 +1081,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             return
         signum = ddp.largest(request.signum)
         if signum:  # a run found diverged saves nothing, as at its other checkpoints
-            saved = on_disk and flush() and (step == newest_checkpoint or save(step))
+            # the folder's newest checkpoint is not written again (a second copy had pushed the
+            # distinct checkpoint before it out of ckpt.prev.pt)
+            saved = on_disk and flush() and (step in (last_saved, resumed_at) or save(step))
             raise TrainingInterrupted(step, signum, cfg.out_dir, saved=saved)
 
     progress = _progress(start, end, ddp.main and cfg.progress, f"{cfg.strategy} s{cfg.seed}")

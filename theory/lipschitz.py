@@ -1512,7 +1512,7 @@ def rounding_error_bound(
         # q, k, v, o: per-token l2 errors and magnitudes (sqrt(d) r scale), so the weights enter by
         # their l2 norms (their RMS norms are those only when H d_head = d, and smaller for wider heads)
         scale = math.sqrt(d) * r
-        sigma = {name: _sigma(block[name]) for name in "qkvo"}
+        sigma = {name: _sigma(block[name]) for name in "qko"}  # (W_v enters by its heads, below)
         sigma_abs = {name: _sigma(block[name].abs()) for name in "qkvo"}
         size = {name: sigma[name] * scale for name in "qk"}
         # the matmul's error, then RoPE's on the rotated vector (relative to its size): the rotation
