@@ -42,6 +42,7 @@ import inspect
 import math
 import os
 import re
+import shlex
 import sys
 
 import torch
@@ -154,13 +155,28 @@ def _check_keywords(obj, kwargs: dict, target: str) -> None:
         raise ValueError(f"--arg does not fit {target}: {err}") from None
 
 
-def _subject(obj, kwargs: dict, steps: int, target: str):
+def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape: tuple[int, int],
+                              dtype: torch.dtype) -> None:
+    """Build ``optimizer(params, **kwargs)`` once over a parameter of the checked shape and dtype,
+    before any trial, so that a value the constructor refuses (``--arg lr=-1``: "Learning rate
+    should be >= 0") is a usage error, exit 2, as the module's exit codes say, not exit 4 ("the
+    update raised") on trial 0."""
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(shape, dtype=dtype))], **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--arg: {target} refused {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}: "
+                         f"{type(err).__name__}: {err}") from None
+
+
+def _subject(obj, kwargs: dict, steps: int, target: str, shape: tuple[int, int], dtype: torch.dtype):
     from geomuon.theory.equivariance import MapUpdate, OptimizerUpdate
 
     name = target.partition(":")[2]
     if kwargs and not hasattr(obj, "evaluate"):
         _check_keywords(obj, kwargs, target)
     if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer):
+        if kwargs:
+            _check_constructor_values(obj, kwargs, target, shape, dtype)
         label = name + (f"({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})" if kwargs else "")
         return OptimizerUpdate(lambda params: obj(params, **kwargs), name=label, steps=steps)
     if hasattr(obj, "evaluate"):
@@ -168,6 +184,24 @@ def _subject(obj, kwargs: dict, steps: int, target: str):
             raise ValueError("--arg applies to maps and optimizer classes, not to an update subject")
         return obj
     return MapUpdate(functools.partial(obj, **kwargs) if kwargs else obj, name=name)
+
+
+def _replay_command(args: argparse.Namespace, seed: int) -> str:
+    """The shell command that reruns this check: every option that changes it, each word quoted
+    for a POSIX shell (``--arg 'factors=(2.0, 3.0)'`` had been printed bare, a syntax error in
+    bash) and ``--condition`` to its last digit (``{:g}`` had printed 1234567 as 1.23457e+06,
+    so the "replay" drew other conditioned inputs)."""
+    words = ["geomuon", "check-equivariance", args.target, "--group", args.group, "--shape", args.shape,
+             "--dtype", args.dtype, "--condition", repr(args.condition), "--trials", str(args.trials)]
+    for pair in args.arg:
+        words += ["--arg", pair]
+    if args.steps:
+        words += ["--steps", str(args.steps)]
+    if args.compute_dtype:
+        words += ["--compute-dtype", args.compute_dtype]
+    if args.expect != "holds":
+        words += ["--expect", args.expect]
+    return shlex.join(words + ["--seed", str(seed)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,7 +233,8 @@ def _run(args: argparse.Namespace) -> int:
         optimizer = isinstance(target, type) and issubclass(target, torch.optim.Optimizer)
         if args.steps is not None and not optimizer:  # it had been ignored, and echoed in the replay line
             raise ValueError(f"--steps applies to an optimizer class, not to {args.target}")
-        subject = _subject(target, kwargs, 3 if args.steps is None else args.steps, args.target)
+        subject = _subject(target, kwargs, 3 if args.steps is None else args.steps, args.target, shape,
+                           _DTYPES[args.dtype])
         # after the target: a group its module registers has a name now
         group = get_group(args.group, importer=importlib.import_module)
     except ValueError as err:
@@ -225,11 +260,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:  # called in-process (tests, notebooks): leave the caller's thread count as it was
         torch.set_num_threads(threads)
     print(report.table())
-    extra = "".join(f" --arg {pair}" for pair in args.arg) + (f" --steps {args.steps}" if args.steps else "")
-    extra += f" --compute-dtype {args.compute_dtype}" if args.compute_dtype else ""
-    extra += f" --expect {args.expect}" if args.expect != "holds" else ""
-    print(f"replay: geomuon check-equivariance {args.target} --group {args.group} --shape {args.shape} "
-          f"--dtype {args.dtype} --condition {args.condition:g} --trials {args.trials}{extra} --seed {report.seed}")
+    print(f"replay: {_replay_command(args, report.seed)}")
     if expect == "violated" and report.verdict in ("holds", "violated"):
         print(f"expected violated: {'as declared' if report.verdict == 'violated' else 'NOT observed'}")
         return EXIT_CODES["holds"] if report.verdict == "violated" else EXIT_CODES["violated"]

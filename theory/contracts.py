@@ -13,21 +13,24 @@ float64, so a float32 manifold is judged on its own round-off, not on the checke
 Distances to the manifold and to tangent spaces are measured through the manifold's own
 constraint: the normal component of $v$ at $x$ is $N_x v = L_x^*(L_xL_x^*)^{-1}L_xv$, and
 the first-order distance of $x$ to $M = \{F = 0\}$ is the Gauss–Newton step
-$\|L_x^*(L_xL_x^*)^{-1}F(x)\|$. A manifold without ``defining_map`` is measured by
-$\|\operatorname{projx}(x) - x\|$ instead.
+$\|L_x^*(L_xL_x^*)^{-1}F(x)\|$, taken together with the part of $F(x)$ that step cannot
+remove, relative to the scale of $F$'s terms, by the checks that points lie on $M$ (where the
+normal space degenerates the step vanishes while $F(x) \ne 0$). A manifold without
+``defining_map`` is measured by $\|\operatorname{projx}(x) - x\|$ instead.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import types
 from dataclasses import dataclass, field
 
 import torch
 
 from geomuon.manifolds.base import MatrixManifold
-from geomuon.manifolds.linalg import check_count
+from geomuon.manifolds.linalg import as_positive, check_count
 
 __all__ = [
     "ContractCheck",
@@ -87,14 +90,38 @@ def default_tolerance(dtype: torch.dtype) -> float:
 
 def _validated_shape(shape) -> tuple[int, ...]:
     """``shape`` as a tuple ``(..., m, n)`` of ints, each a whole number >= 0 (:func:`check_count`,
-    which names it ``shape[i]``), or a ``ValueError`` saying what is wrong with it (an int had
-    raised "'int' object is not iterable", and 2.5 became 2). A size of 0 passes: whether the
-    manifold takes an empty matrix is its own ``shape_problem``'s to say."""
+    which names it ``shape[i]``), batch sizes >= 1, or a ``ValueError`` saying what is wrong with
+    it (an int had raised "'int' object is not iterable", 2.5 became 2, and a batch size of 0
+    crashed in ``gram_solve`` with "cannot reshape tensor of 0 elements": an empty batch holds no
+    matrix to check). A matrix size of 0 passes: whether the manifold takes an empty matrix is its
+    own ``shape_problem``'s to say."""
     where = "check_manifold_contract"
     sizes = () if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") else tuple(shape)
     if len(sizes) < 2:
         raise ValueError(f"{where}: shape must be a tuple (..., m, n) of at least two whole numbers, got {shape!r}")
-    return tuple(int(check_count(where, f"shape[{i}]", size)) for i, size in enumerate(sizes))
+    return tuple(int(check_count(where, f"shape[{i}]", size, least=1 if i < len(sizes) - 2 else 0))
+                 for i, size in enumerate(sizes))
+
+
+#: The seeds ``torch.Generator.manual_seed`` takes (a 64-bit word, negative ones wrapped).
+SEED_RANGE = (-(2**63), 2**64)
+
+
+def _validated_options(dtype, seed, tol) -> float:
+    """The contract's tolerance, ``tol`` or :func:`default_tolerance` of ``dtype``, after refusing
+    (``ValueError`` naming the parameter; ``TypeError`` for a ``tol`` that is no number) a
+    ``dtype`` other than float32/float64, a ``seed`` that is not a whole number in
+    :data:`SEED_RANGE` (1.5 and $2^{70}$ had raised inside ``manual_seed``, naming no parameter)
+    and a ``tol`` that is not a finite number > 0 (NaN had failed every check against a bound
+    printed as nan, a negative one raised "math domain error" after the whole run, a string a
+    ``TypeError`` at the first comparison), all before any method of the manifold runs."""
+    where = "check_manifold_contract"
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{where}: dtype must be torch.float32 or torch.float64, got {dtype!r}")
+    whole = isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+    if not (whole and SEED_RANGE[0] <= seed < SEED_RANGE[1]):
+        raise ValueError(f"{where}: seed must be a whole number in [-2**63, 2**64), got {seed!r}")
+    return default_tolerance(dtype) if tol is None else as_positive(where, "tol", tol)
 
 
 def _matrix_norm(x: torch.Tensor) -> torch.Tensor:
@@ -113,14 +140,47 @@ def manifold_residual(manifold: MatrixManifold, x: torch.Tensor) -> float:
     r"""Relative distance of ``x`` to the manifold, largest over the batch, measured in float64.
 
     $\|L_x^*(L_xL_x^*)^{-1}F(x)\| / \|x\|$ (the first Gauss–Newton step) when the manifold
-    has a ``defining_map``, else $\|\operatorname{projx}(x) - x\| / \|x\|$.
+    has a ``defining_map``, else $\|\operatorname{projx}(x) - x\| / \|x\|$. First order: where
+    the normal space degenerates it cannot see $F(x) \ne 0$ (the contract's checks that points lie
+    on $M$ measure that part of $F(x)$ too).
     """
     x = x.detach().double()
-    if manifold.has_defining_map:
-        offset = manifold.constraint_adjoint(x, manifold.gram_solve(x, manifold.defining_map(x)))
-    else:
-        offset = manifold.projx(x) - x
+    offset = _gauss_newton_step(manifold, x)[1] if manifold.has_defining_map else manifold.projx(x) - x
     return float((_matrix_norm(offset) / _matrix_norm(x).clamp_min(1e-300)).max())
+
+
+def _gauss_newton_step(manifold: MatrixManifold, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""$(F(x), L_x^*\Lambda)$ with $\Lambda = (L_xL_x^*)^{-1}F(x)$, at a float64 ``x``."""
+    residual = manifold.defining_map(x)
+    return residual, manifold.constraint_adjoint(x, manifold.gram_solve(x, residual))
+
+
+def _off_manifold(manifold: MatrixManifold, x: torch.Tensor) -> float:
+    r"""What the contract's ``*_on_manifold`` checks measure (float64, largest over the batch):
+    :func:`manifold_residual`, and with a ``defining_map`` the part of $F(x)$ its Gauss–Newton
+    step cannot remove, relative to the scale of $F$'s terms,
+
+    $$\frac{\|F(x) - L_xL_x^*\Lambda\|}{\|L_x(x)\| + \|F(0)\|},\qquad \Lambda = (L_xL_x^*)^{-1}F(x)$$
+
+    (for $F = q - F(0)$ with $q$ homogeneous of degree $k$, $L_x(x) = k\,q(x)$: round-off, about
+    $\varepsilon$, at a point of $M$, and 0 wherever $F(x)$ lies in the range of $L_x$). Where the
+    normal space degenerates $F(x)$ leaves that range and the step vanishes with it: the step
+    alone had passed ``random``, ``projx`` and ``retr`` of a generalized Stiefel manifold on a
+    wide $4\times6$ shape ($x^\top Bx = I_6$ has no solution: rank 4) at $10^{-17}$, its points
+    26% off $M$ by $|F|$."""
+    if not manifold.has_defining_map:
+        return manifold_residual(manifold, x)
+    x = x.detach().double()
+    residual, step = _gauss_newton_step(manifold, x)
+
+    def size(multiplier):  # per matrix, [*batch]
+        return MatrixManifold._flat_multiplier(multiplier.double(), x).norm(dim=-1)
+
+    unreachable = size(residual - manifold.constraint(x, step))
+    scale = size(manifold.constraint(x, x)) + size(manifold.defining_map(torch.zeros_like(x)))
+    distances = torch.maximum(_matrix_norm(step) / _matrix_norm(x).clamp_min(1e-300),
+                              unreachable / scale.clamp_min(1e-300))
+    return float(distances.max())
 
 
 def _float64_point_and_tangent(manifold: MatrixManifold, x: torch.Tensor, direction: torch.Tensor):
@@ -248,9 +308,10 @@ def check_manifold_contract(
       origin; ``egrad2rgrad`` is the gradient of the manifold's ``inner``:
       $\langle\operatorname{egrad2rgrad}(x, u), w\rangle_x = \langle u, w\rangle$ for tangent $w$,
       and tangent itself;
-    * every method leaves its input tensors as they were (a ``proju`` that wrote into its
-      argument had turned the self-adjointness check into a comparison of a result with
-      itself) and returns the dtype it was given;
+    * every method leaves its input tensors as they were, points and vectors (a ``proju`` that
+      wrote into its argument had turned the self-adjointness check into a comparison of a
+      result with itself), given a Gaussian vector and the scaled point $0.7x$ where they take
+      any, and returns the dtype it was given;
     * the declared capabilities agree with the maps (float64): a ``gram_form``'s
       projection, constraint, adjoint and diagonal with the manifold's own, at $x$ and at
       $0.7x$ (a point scaled by weight decay), its retraction on $M$ and first order, its
@@ -266,10 +327,14 @@ def check_manifold_contract(
 
     Args:
         manifold: the manifold under test.
-        shape: ``(..., m, n)`` of the points, non-negative ints (else ``ValueError``).
-        dtype: float64 (tolerance $10^{-10}$) or float32 ($10^{-5}$).
-        seed: seeds every random draw (a private ``torch.Generator``).
-        tol: override of :func:`default_tolerance`.
+        shape: ``(..., m, n)`` of the points: ints, ``m, n >= 0`` and batch sizes ``>= 1``
+            (else ``ValueError``).
+        dtype: float64 (tolerance $10^{-10}$) or float32 ($10^{-5}$); another dtype is a
+            ``ValueError``.
+        seed: seeds every random draw (a private ``torch.Generator``): an int in
+            $[-2^{63}, 2^{64})$ (else ``ValueError``).
+        tol: override of :func:`default_tolerance`, a finite number $> 0$ (else ``ValueError``
+            or, for a non-number, ``TypeError``).
         raise_on_failure: raise ``AssertionError`` listing the failed checks.
 
     Returns:
@@ -280,7 +345,7 @@ def check_manifold_contract(
             "check_manifold_contract: expected a geomuon.manifolds.MatrixManifold, got "
             f"{type(manifold).__name__}"
         )
-    tol = default_tolerance(dtype) if tol is None else tol
+    tol = _validated_options(dtype, seed, tol)
     shape = _validated_shape(shape)
     generator = torch.Generator().manual_seed(seed)
     report = ContractReport(f"{type(manifold).__name__}({manifold.extra_repr()})", shape, dtype)
@@ -302,15 +367,15 @@ def check_manifold_contract(
     same_kind = tuple(x.shape) == shape and x.dtype == dtype
     record("random_shape_dtype", 0.0 if same_kind else 1.0, 0.0,
            note="" if same_kind else f"got {tuple(x.shape)} {x.dtype}")
-    record("random_on_manifold", manifold_residual(manifold, x))
+    record("random_on_manifold", _off_manifold(manifold, x))
     own = bool(manifold.check_point_on_manifold(x))  # what an optimizer's first step asks of its weights
     record("random_passes_own_check", 0.0 if own else 1.0, 0.0)
 
-    record("projx_on_manifold", manifold_residual(manifold, manifold.projx(gaussian())))
+    record("projx_on_manifold", _off_manifold(manifold, manifold.projx(gaussian())))
     record("projx_fixes_points", rel(manifold.projx(x) - x, x))
 
     scaled = [manifold.projx(scale * gaussian()) for scale in PROJX_SCALES]
-    record("projx_on_manifold_far_and_near", max(manifold_residual(manifold, y) for y in scaled))
+    record("projx_on_manifold_far_and_near", max(_off_manifold(manifold, y) for y in scaled))
 
     u, v = gaussian(), gaussian()
     pu, pv = manifold.proju(x, u.clone()), manifold.proju(x, v.clone())
@@ -364,7 +429,7 @@ def check_manifold_contract(
     spread = (torch.linspace(0.6, 1.4, matrices, dtype=dtype) if matrices > 1 else torch.ones(1, dtype=dtype)
               ).reshape(*batch, 1, 1)  # (linspace of one point is its start: a single matrix keeps its step)
     stepped = [manifold.retr(x, scale * spread * direction) for scale in (0.1, 0.5, 2.0)]
-    record("retr_on_manifold", max(manifold_residual(manifold, y) for y in stepped))
+    record("retr_on_manifold", max(_off_manifold(manifold, y) for y in stepped))
     # ManifoldMuon's general path decays first, W <- cW, and retracts from cW along a direction
     # tangent there: a retraction right only from points of M (a sphere's (x + u) / sqrt(1 + |u|^2))
     # had left |W| = 0.64 after 20 steps at weight_decay 0.5, lr 0.05, with no error
@@ -373,7 +438,7 @@ def check_manifold_contract(
     decayed_direction = decayed_direction * (_matrix_norm(x) / _matrix_norm(decayed_direction).clamp_min(1e-30)
                                              )[..., None, None]
     from_decayed = manifold.retr(decayed, 0.1 * decayed_direction)
-    record("retr_from_scaled_point", manifold_residual(manifold, from_decayed))
+    record("retr_from_scaled_point", _off_manifold(manifold, from_decayed))
     ts = torch.logspace(-4, -2, 5) if dtype == torch.float64 else torch.logspace(-2, -1, 5)
     slope, errors = retraction_slope(manifold, x, direction, ts)
     x64, v64 = _float64_point_and_tangent(manifold, x, direction)
@@ -400,18 +465,26 @@ def check_manifold_contract(
     record("egrad2rgrad_tangent", rel(normal_component(manifold, x, rgrad), u))
     record("egrad2rgrad_is_gradient", float(((metric(rgrad, pv) - inner(u, pv)).abs() / uv_norms).max()))
 
-    calls = {"projx": lambda a: manifold.projx(a[0]), "proju": lambda a: manifold.proju(x, a[0]),
-             "egrad2rgrad": lambda a: manifold.egrad2rgrad(x, a[0]), "retr": lambda a: manifold.retr(x, a[0]),
-             "transp": lambda a: manifold.transp(x, far, a[0])}
+    # The tensors each method is given, by parameter: every one is checked, the point too (a
+    # proju normalising x in place had passed, and rescales the weights ManifoldMuon hands it),
+    # each of the dtype under test (a retyping proju had also been blamed on the methods fed its
+    # output). The vector is a Gaussian where any matrix is an argument: a tangent one has a
+    # normal part of round-off, which an in-place projection left bit for bit as it was (an
+    # egrad2rgrad writing into its argument had passed in float32). The point is the decayed 0.7x
+    # where ManifoldMuon calls the method: an in-place normalisation leaves a point of M as it is.
+    # ((re)scaled here: the checks above may have handed `decayed` to a method that rescaled it)
+    arguments = {"projx": {"x": u}, "proju": {"x": DECAYED_SCALE * x, "u": u},
+                 "egrad2rgrad": {"x": DECAYED_SCALE * x, "u": u},
+                 "retr": {"x": DECAYED_SCALE * x, "u": 0.1 * decayed_direction},
+                 "transp": {"x": x, "y": far, "v": 0.1 * direction}}
     written, retyped = [], []
-    for name, call in calls.items():
-        # each method gets a matrix of the dtype under test (a retyping proju had also been blamed
-        # on the methods fed its output), projx a Gaussian (a tangent vector may be 0: Oblique 1 x n)
-        argument = (u if name == "projx" else 0.1 * direction).to(dtype).clone()
-        kept = argument.clone()
-        out = call([argument])
-        if not torch.equal(argument, kept):
-            written.append(name)
+    for name, given in arguments.items():
+        given = {key: value.to(dtype).clone() for key, value in given.items()}
+        kept = {key: value.clone() for key, value in given.items()}
+        out = getattr(manifold, name)(*given.values())
+        changed = [key for key in given if not torch.equal(given[key], kept[key])]
+        if changed:
+            written.append(f"{name} ({', '.join(changed)})")
         if out.dtype != dtype:
             retyped.append(f"{name} -> {out.dtype}")
     record("methods_leave_their_inputs", float(len(written)), 0.0, note=", ".join(written))
@@ -419,7 +492,7 @@ def check_manifold_contract(
     _check_capabilities(manifold, x, gaussian(), record)
 
     geoopt_point = _geoopt_steps(manifold, x, gaussian())
-    record("geoopt_sgd_on_manifold", manifold_residual(manifold, geoopt_point))
+    record("geoopt_sgd_on_manifold", _off_manifold(manifold, geoopt_point))
     produced = [manifold.projx(gaussian()), *scaled, *stepped, from_decayed, geoopt_point]
     _check_own_checks(manifold, x, gaussian(), produced, tol, record)
 
@@ -460,7 +533,8 @@ WHAT_TO_FIX = {
     "egrad2rgrad_tangent": "egrad2rgrad must return a tangent vector",
     "egrad2rgrad_is_gradient": "egrad2rgrad must be the Riemannian gradient of inner: inner(x, egrad2rgrad(x, u), w) "
                                "= <u, w> for tangent w (the embedded metric: proju)",
-    "methods_leave_their_inputs": "these methods wrote into their argument: compute out of place",
+    "methods_leave_their_inputs": "these methods wrote into the arguments named in parentheses (the point x, y or "
+                                  "the vector): compute out of place",
     "methods_keep_the_dtype": "these methods changed the dtype: return the input's",
     "gram_form_matches": "the declared gram_form's project/constraint/adjoint/gram_diag disagree with the manifold's "
                          "maps (at x or at a scaled 0.7x): fix the form or declare none",
@@ -542,7 +616,7 @@ def _check_capabilities(manifold: MatrixManifold, x: torch.Tensor, g: torch.Tens
             V = MatrixManifold.proju(manifold, W0, X)
             V = V * (_matrix_norm(W0) / _matrix_norm(V).clamp_min(1e-300))[..., None, None]
             stepped = gram_retraction(form, W0, 0.3 * V)
-            record("gram_retraction_on_manifold", manifold_residual(manifold, stepped.mT if flip else stepped), tol)
+            record("gram_retraction_on_manifold", _off_manifold(manifold, stepped.mT if flip else stepped), tol)
             shim = types.SimpleNamespace(retr=lambda W, step: gram_retraction(form, W, step))
             slope, _ = retraction_slope(shim, W0, V, torch.logspace(-4, -2, 5))
             record("gram_retraction_slope", slope, MIN_RETRACTION_SLOPE, at_least=True)
