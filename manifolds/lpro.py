@@ -38,7 +38,8 @@ class LPRO(Euclidean):
     | retraction / ``projx`` | rescale every row of $W + V$ / $X$ to norm $r$ |
 
     ($\|w_i\|^2 = r^2$ on the manifold; dividing by the actual norm keeps the projection
-    orthogonal slightly off it.) ``projx`` and the retraction compute in float32 (float64
+    orthogonal onto $\ker L_W$ off it, where a zero row constrains nothing and keeps $X$'s row.)
+    ``projx`` and the retraction compute in float32 (float64
     for float64 points), the constraint maps in the input's dtype, ``proju`` in ``u``'s; a zero
     row given to ``projx`` raises ``ValueError``.
 

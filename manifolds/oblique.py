@@ -2,6 +2,8 @@ r"""The oblique manifold (unit columns), and the sphere-product maps it shares w
 
 from __future__ import annotations
 
+import torch
+
 from .base import MatrixManifold, matrix_method
 from .linalg import fp32_or_fp64, largest_entry
 from .capabilities import UnitColumnsGram
@@ -32,9 +34,24 @@ def sphere_defining_map(x, radius, dim):
 
 
 def sphere_proju(x, u, dim):
-    r"""$u_j - \dfrac{\langle x_j, u_j\rangle}{\|x_j\|^2}x_j$ per slice, in ``u``'s dtype."""
+    r"""The orthogonal projection onto $\ker L_x$, per slice
+    $u_j - \dfrac{\langle \hat x_j, u_j\rangle}{\|\hat x_j\|^2}\hat x_j$ with
+    $\hat x_j = x_j / \max_i |x_{ij}|$ (the same map: it is invariant under scaling $x_j$), in
+    ``u``'s dtype; ``x`` and ``u`` are ``[..., m, n]`` (batches broadcast).
+
+    The scaling keeps $\|\hat x_j\|^2 \in [1, m]$ (or $[1, n]$) for a slice whose largest entry
+    is a normal number, so it neither overflows nor underflows (in float16 a row of norm 300 had
+    squared to inf and ``u`` came back unprojected; float32 overflowed at 1e20 and gave inf at
+    1e-25). A zero slice $x_j = 0$ constrains nothing ($\langle x_j, \cdot\rangle = 0$), so $u_j$ is kept,
+    as the generic projection keeps it (the quotient had been $0/0$: NaN). No host read.
+    """
     x = x.to(u.dtype)
-    return u - x * ((x * u).sum(dim, keepdim=True) / x.square().sum(dim, keepdim=True))
+    x = x / largest_entry(x, dim)
+    squared_norms = x.square().sum(dim, keepdim=True)
+    if isinstance(squared_norms, torch.Tensor):  # (the symbolic certificates' slices are nonzero letters)
+        # 1 in place of a zero slice's 0: its numerator <x_j, u_j> is exactly 0 too
+        squared_norms = torch.where(squared_norms > 0, squared_norms, 1)
+    return u - x * ((x * u).sum(dim, keepdim=True) / squared_norms)
 
 
 def sphere_normalize(x, radius, dim, who, step=None):
@@ -54,7 +71,11 @@ def sphere_normalize(x, radius, dim, who, step=None):
         # as the zero matrix) nor underflows (a nonzero 1e-300 matrix in fp64 had been "zero"),
         # whatever its neighbours' scale (a column of 1e-25 beside one of 1e20 had been "zero")
         y = y / largest_entry(y, dim)
-    norms = y.norm(dim=dim, keepdim=True)
+    # the square root of a sum, not Tensor.norm: torch's float32 norm along a strided dim (the
+    # columns) accumulates sequentially on the CPU, 1e-5 relative off at m = 1e5 rows and 2e-4
+    # at 1e6 (Oblique's points failed the point check); the sum is pairwise. (The same range:
+    # projx has divided by the largest entry, a retraction target has the radius's scale.)
+    norms = y.square().sum(dim, keepdim=True).sqrt()
     if step is None and bool((norms == 0).any()):
         slice_name = "column" if dim == -2 else "row"
         raise ValueError(f"{who}: a {slice_name} of the input is zero and cannot be normalized")
@@ -76,8 +97,9 @@ class Oblique(MatrixManifold):
     | tangent projection | $P_W(X) = X - W\operatorname{diag}\big(\operatorname{diag}(W^\top X) \oslash (\|w_j\|^2)_j\big)$ |
     | retraction / ``projx`` | normalize the columns of $W + V$ / of $X$ |
 
-    The projection divides by $\|w_j\|^2$ rather than 1, so it stays an orthogonal
-    projection at points slightly off the manifold. ``projx`` and the retraction compute
+    The projection divides by $\|w_j\|^2$ rather than 1, so it stays the orthogonal
+    projection onto $\ker L_W$ at points off the manifold, at any scale; a zero column of $W$
+    constrains nothing and keeps $X$'s column. ``projx`` and the retraction compute
     in float32 (float64 for float64 points), the constraint maps in the input's dtype,
     ``proju`` in ``u``'s. A zero column given to ``projx`` raises ``ValueError``.
     """
