@@ -35,9 +35,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from geomuon.optimizers.assign import STRATEGIES, Rule, strategy_table
+from geomuon.optimizers.assign import ADAMW, ROLES, STRATEGIES, Rule, classify, strategy_table
 from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
-from geomuon.pretrain.model import CONFIGS, GPTConfig, get_config
+from geomuon.pretrain.model import CONFIGS, GPT, GPTConfig, get_config
 from geomuon.theory.lipschitz import DEFAULT_METHOD, METHODS
 
 #: TrainConfig fields that set a GPTConfig field through their own option.
@@ -56,12 +56,21 @@ PARALLEL_MODES = ("none", "ddp", "fsdp")
 #: then crashed mid-run with a RuntimeError.
 MAX_RATE = 1e6
 
+#: Upper bound of ``--seed``: ``torch.manual_seed`` takes seeds up to $2^{64} - 1$ (a larger one had
+#: passed the check and failed after the data was read, with torch's "Overflow when unpacking long
+#: long", which names no option).
+MAX_SEED = 2**64 - 1
+
 #: Options that reach only some rules of a strategy: field -> (whether a rule takes it, which
 #: rules do). A value other than the default that no strategy of the run (or of the comparison)
-#: takes is refused: ``--lr 0.05 --strategy adamw`` had trained at ``--adamw-lr`` without a word,
-#: and ``--w-max`` had been described as capping DGram's columns, which no DGram rule reads.
+#: takes, on the roles the model's parameters have, is refused: ``--lr 0.05 --strategy adamw`` had
+#: trained at ``--adamw-lr`` without a word, ``--w-max`` had been described as capping DGram's
+#: columns, which no DGram rule reads, and ``--adamw-lr`` had been ignored by ``--strategy symmetry``
+#: on a Lipschitz model (no gains or biases: no parameter is left to AdamW).
 RULE_OPTIONS: dict[str, tuple[Callable[[Rule], bool], str]] = {
     "lr": (lambda rule: rule.update != "adamw", "the matrix updates other than AdamW (AdamW takes --adamw-lr)"),
+    "adamw_lr": (lambda rule: rule.update == "adamw", "the parameters AdamW updates (vectors, and the matrices a "
+                 "strategy leaves to AdamW)"),
     "direction_dtype": (lambda rule: rule.update != "adamw", "the matrix updates other than AdamW"),
     "dual_steps": (lambda rule: rule.update == "manifold_muon", "Manifold Muon's matrices"),
     "w_max": (lambda rule: rule.regulate is not None, "the regulated matrices (the lipschitz strategy's soft cap)"),
@@ -87,13 +96,18 @@ class Option:
     syntax: str = ""
 
     def valid_values(self) -> str:
-        """The valid values in words: ``≥ 1``, ``> 0``, ``in [0, 1]``, ``one of …``."""
+        """The valid values in words: ``≥ 1``, ``> 0``, ``in [0, 1]``, ``one of …`` (an integer
+        bound in full: ``:g`` had written $2^{64} - 1$ as 1.84467e+19, a value it is not)."""
         if self.choices is not None:
             return "one of: " + ", ".join(self.choices())
+
+        def spell(bound: float) -> str:
+            return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
         if self.at_least is not None and self.at_most is not None:
-            return f"in [{self.at_least:g}, {self.at_most:g}]"
-        bounds = [f"{sign} {bound:g}" for sign, bound in (("≥", self.at_least), (">", self.above), ("≤", self.at_most))
-                  if bound is not None]
+            return f"in [{spell(self.at_least)}, {spell(self.at_most)}]"
+        bounds = [f"{sign} {spell(bound)}" for sign, bound in (("≥", self.at_least), (">", self.above),
+                                                                ("≤", self.at_most)) if bound is not None]
         return " and ".join(bounds) or self.syntax
 
     def problem(self, flag: str, kind: type, value) -> str | None:
@@ -188,7 +202,7 @@ class TrainConfig:
                             "device in between (no host sync per step)", unit="steps", at_least=1)
     ckpt_every: int = option(0, "checkpoint every this many steps, 0: at each evaluation (always at the "
                              "end and on SIGINT/SIGTERM)", unit="steps", at_least=0)
-    seed: int = option(0, "seed of the initialisation and the training batches", at_least=0)
+    seed: int = option(0, "seed of the initialisation and the training batches", at_least=0, at_most=MAX_SEED)
     device: str = option("auto", "where to train (auto: CUDA when available)",
                          choices=lambda: ("auto", "cpu", "cuda"))
     parallel: str = option("none", "how to spread the run over torchrun processes",
@@ -212,8 +226,8 @@ class TrainConfig:
         options (a comparison's; default: this run's), of which one must take each option of
         :data:`RULE_OPTIONS` set to other than its default."""
         problems = field_problems(self, skip=() if named_strategy else ("strategy",))
-        if named_strategy and not problems and not self.resume:  # (a resume must repeat the run's options)
-            problems += self.unused_options([self.strategy] if sharing is None else list(sharing))
+        check_unused = named_strategy and not problems and not self.resume  # (a resume must repeat the run's options)
+        roles = None  # the roles of the model's parameters, once its configuration builds
         if isinstance(self.data, str) and (problem := spec_problem(self.data)):
             problems.append(f"--data: {problem}")
         if isinstance(self.model_overrides, dict):
@@ -236,6 +250,9 @@ class TrainConfig:
                                     f"{json.dumps(self.model_overrides)}: {err}")
                 else:
                     problems += self._unused_lipschitz_bound(model)
+                    roles = parameter_roles(model)
+        if check_unused:
+            problems += self.unused_options([self.strategy] if sharing is None else list(sharing), roles)
         if named_strategy and self.direction_dtype == "fp32" and self.strategy in STRATEGIES and any(
                 rule.update == "torch_muon" for rule in strategy_table(self.strategy)[1].values()):
             # (assign refuses it too, but a comparison had trained its other strategies first)
@@ -290,12 +307,16 @@ class TrainConfig:
                 "model (lipschitz=False), and the bound is certified and logged only for those; leave it out or "
                 "choose a Lipschitz configuration (e.g. --config cpu-lipschitz)"]
 
-    def unused_options(self, strategies: list[str]) -> list[str]:
+    def unused_options(self, strategies: list[str], roles: Iterable[str] | None = None) -> list[str]:
         """Why each option of :data:`RULE_OPTIONS` set to other than its default is taken by no
         rule of ``strategies`` (names of :data:`~geomuon.optimizers.assign.STRATEGIES`; others
-        are left to their own check)."""
+        are left to their own check) on ``roles``, the roles of the model's parameters
+        (:func:`parameter_roles`; default: every role of :data:`~geomuon.optimizers.assign.ROLES`).
+        A role a strategy leaves out, and every vector, is AdamW's, as ``assign`` gives it."""
         named = [name for name in strategies if name in STRATEGIES]
-        rules = [rule for name in named for rule in STRATEGIES[name].values()]
+        of_model = "" if roles is None else f" on the parameters of --config {self.model}"
+        roles = ROLES if roles is None else tuple(roles)
+        rules = [STRATEGIES[name].get(role, ADAMW) if role != "vector" else ADAMW for name in named for role in roles]
         defaults = {f.name: f.default for f in fields(self)}
         problems = []
         for name, (takes, takers) in RULE_OPTIONS.items():
@@ -303,10 +324,22 @@ class TrainConfig:
             if named and value != defaults[name] and not any(takes(rule) for rule in rules):
                 flag = "--" + name.replace("_", "-")
                 who = (f"--strategy {named[0]} has none" if len(named) == 1
-                       else f"none of --strategies {','.join(named)} has any")
+                       else f"none of --strategies {','.join(named)} has any") + of_model
                 problems.append(f"{flag} {value} would be ignored: it reaches {takers}, and {who}; leave it out "
                                 "or choose a strategy that takes it")
         return problems
+
+
+def parameter_roles(model: GPTConfig) -> frozenset[str]:
+    """The roles (:data:`~geomuon.optimizers.assign.ROLES`) of the trainable parameters of the GPT
+    ``model`` describes, as :func:`~geomuon.optimizers.assign.classify` gives them. They depend on
+    the kinds of modules, not on their number or sizes, so a copy with one block, a vocabulary of 2
+    and a context of 2 is built (milliseconds even for GPT-2 small; on the meta device the first
+    initialisation imports torch._dynamo, seconds), its initialisation drawn from a forked RNG so
+    the caller's random state is left as it was."""
+    one_block = dataclasses.replace(model, n_layer=1, vocab_size=2, block_size=2)
+    with torch.random.fork_rng(devices=[]):
+        return frozenset(classify(GPT(one_block)).values())
 
 
 #: The launcher's variables (torchrun's) and the least value each may take.

@@ -92,7 +92,7 @@ class TokenData:
         if split not in SPLITS:
             # any other name had silently drawn val windows (with the train split's seeds)
             raise ValueError(f"data {self.source}: unknown split {split!r}; use one of {SPLITS}")
-        self._check_positive("block_size", block_size)
+        self._check_integer("block_size", block_size)
         n = len(getattr(self, split))
         if n < block_size + 1:
             raise ValueError(
@@ -101,23 +101,28 @@ class TokenData:
                 f"or a larger corpus"
             )
 
-    def _check_positive(self, name: str, value) -> None:
-        """``value`` is an integer ≥ 1 (numpy integers too); a 0 had given empty windows or
+    def _check_integer(self, name: str, value, least: int = 1) -> None:
+        """``value`` is an integer ≥ ``least`` (numpy integers too); a 0 had given empty windows or
         numpy's "need at least one array to stack", which names nothing."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"data {self.source}: {name} must be a positive integer (got {value!r})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise ValueError(f"data {self.source}: {name} must be {kind} (got {value!r})")
 
     def batch(self, split: str, batch_size: int, block_size: int, seed: int, step: int):
         """``(x, y)`` int64 ``[batch_size, block_size]`` windows drawn by a generator seeded
         from ``(seed, step, split)`` alone (:data:`BATCH_SEEDING`; distinct triples, distinct
         streams) — the same on every process and after resume.
         ``split`` is ``"train"`` or ``"val"``; ``ValueError`` (naming the argument) for
-        another split, a ``batch_size`` or ``block_size`` below 1, or a split shorter than
-        one window of ``block_size + 1`` tokens."""
+        another split, a ``batch_size`` or ``block_size`` below 1, a ``seed`` or ``step`` that is
+        not an integer ≥ 0 (the seed is their decimal spelling: a float ``1.0`` or a tensor step
+        had silently drawn other batches than ``1``), or a split shorter than one window of
+        ``block_size + 1`` tokens."""
         self._check_window(split, block_size)
-        self._check_positive("batch_size", batch_size)
+        self._check_integer("batch_size", batch_size)
+        self._check_integer("seed", seed, least=0)
+        self._check_integer("step", step, least=0)
         tokens = getattr(self, split)
-        gen = torch.Generator().manual_seed(_batch_seed(seed, step, split == "val"))
+        gen = torch.Generator().manual_seed(_batch_seed(int(seed), int(step), split == "val"))
         starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=gen).tolist()
         windows = np.stack([np.asarray(tokens[s : s + block_size + 1], dtype=np.int64) for s in starts])
         windows = torch.from_numpy(windows)

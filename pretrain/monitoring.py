@@ -37,15 +37,17 @@ def nan_max(values: Iterable[float]) -> float:
 
 
 def default_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """The modules monitored by default: every element of every ``nn.ModuleList`` (a
+    """The modules monitored by default: every element of every outermost ``nn.ModuleList`` (a
     transformer's blocks, e.g. ``h.0``, ``h.1``); a model without any gets its leaf modules.
-    """
-    blocks = {
-        f"{name}.{index}" if name else str(index): child
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for index, child in enumerate(module)
-    }
+
+    A ``ModuleList`` inside a block (a mixture of experts' ``h.0.mlp.experts``) is part of that
+    block: its elements had been monitored as blocks too, so ``"max"`` reported an expert's
+    output (before gating, on the tokens routed to it) as a block output."""
+    blocks: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():  # pre-order: an outer list comes before what it holds
+        inside_a_block = any(name.startswith(block + ".") for block in blocks)
+        if isinstance(module, nn.ModuleList) and not inside_a_block:
+            blocks.update({f"{name}.{index}" if name else str(index): child for index, child in enumerate(module)})
     if blocks:
         return blocks
     return {

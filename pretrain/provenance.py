@@ -62,7 +62,8 @@ def git_commit(short: bool = True, repo: Path | None = None) -> str:
 
 #: The subpackages whose source decides what a training run computes. ``pretrain/studies``
 #: is left out: it writes pages, and what a study trains is named in each run's key, with the
-#: source files of its hooks hashed there (``geomuon.pretrain.studies.common``).
+#: source files of its hooks and the sources of the functions that build its runs hashed there
+#: (``geomuon.pretrain.studies.common``).
 _TRAINING_CODE = ("manifolds", "optimizers", "theory", "pretrain")
 
 
@@ -92,11 +93,15 @@ def code_fingerprint() -> str:
 
 def machine() -> str:
     """``"x86_64 Linux, 2 CPU(s), Intel(R) Xeon(R) Processor"``: what every table and study page
-    says it ran on. The CPU model matters for digit-for-digit reproduction: the math libraries
-    pick kernels (and so rounding) by instruction set, so a run on another CPU kind agrees only
-    to within the seed spread."""
+    says it ran on. The CPU count is of the CPUs this process may run on (its affinity mask, where
+    the system has one): ``os.cpu_count()`` counts the host's, so a run confined to 8 of a node's
+    128 CPUs (``taskset``, a batch scheduler) had been recorded as a 128-CPU measurement. The CPU
+    model matters for digit-for-digit reproduction: the math libraries pick kernels (and so
+    rounding) by instruction set, so a run on another CPU kind agrees only to within the seed
+    spread."""
     model = _cpu_model()
-    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU(s)" + (f", {model}" if model else "")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{platform.machine()} {platform.system()}, {usable} CPU(s)" + (f", {model}" if model else "")
 
 
 def _cpu_model() -> str:

@@ -181,6 +181,20 @@ def test_no_two_seeds_share_a_stream_of_batches():
             assert not torch.equal(a, data.batch(split, 4, 16, seed=seed_b, step=step_b)[0])
 
 
+
+def test_a_seed_or_step_that_is_not_an_integer_is_refused_not_drawn_as_another_stream():
+    """The generator seed is the decimal spelling of ``(seed, step)``: a float seed ``1.0``
+    had drawn other batches than ``1`` ("1.0/5/train" vs "1/5/train"), and a tensor step
+    (an optimizer's ``state["step"]``) those of the text "tensor(5.)", both without a word.
+    Each is now a ValueError naming the argument; numpy integers are the same integers."""
+    data = load_data("embedded")
+    for name, seed, step in (("seed", 1.0, 5), ("seed", -1, 5), ("seed", True, 5),
+                             ("step", 1, 5.0), ("step", 1, torch.tensor(5.0)), ("step", 1, -1)):
+        with pytest.raises(ValueError, match=rf"{name} must be an integer >= 0"):
+            data.batch("train", 2, 8, seed=seed, step=step)
+    control = data.batch("train", 2, 8, seed=1, step=5)[0]
+    assert torch.equal(data.batch("train", 2, 8, seed=np.int64(1), step=np.uint32(5))[0], control)
+
 @pytest.mark.parametrize("magic, version", [(1234, 1), (20240801, 7), (20240520 + 1, 1)])
 def test_an_llmc_header_with_another_magic_is_refused_not_read_as_tokens(tmp_path, magic, version):
     """Before: a header starting with 1234 was taken for a headerless nanoGPT file and its
@@ -336,3 +350,41 @@ def test_the_shakespeare_checksum_is_checked_without_the_shared_file(tmp_path, m
     with pytest.raises(ValueError, match=r"tiny\.txt'.*differs from the expected"):
         load_data(f"shakespeare:{path}")
     assert "x" in load_data(f"shakespeare:{path}:nocheck").itos
+
+
+def test_a_seed_beyond_torchs_range_is_refused_by_the_config_before_any_data_is_read():
+    """``--seed`` seeds the training batches and the initialisation (``torch.manual_seed``, whose
+    range ends at 2**64 - 1). ``--seed 2**70`` had passed the config's check and failed after
+    the data was read with torch's "Overflow when unpacking long long", naming no option.
+    Control: the largest seed torch takes is valid, and torch does take it."""
+    from geomuon.pretrain.config import MAX_SEED, TrainConfig
+
+    torch.manual_seed(MAX_SEED)  # the bound is torch's own: this must not raise
+    with pytest.raises(ValueError):
+        torch.manual_seed(MAX_SEED + 1)
+    TrainConfig(seed=MAX_SEED).validate()
+    with pytest.raises(ValueError, match=rf"--seed must be in \[0, {MAX_SEED}\] \(got {MAX_SEED + 1}\)"):
+        TrainConfig(seed=MAX_SEED + 1).validate()
+
+
+def test_an_adamw_rate_no_parameter_of_the_model_takes_is_refused():
+    """``--adamw-lr`` reaches the parameters a strategy leaves to AdamW and every vector. A
+    Lipschitz model has no gains or biases, and ``symmetry`` gives each of its matrices another
+    update, so the rate reached nothing; it had been accepted and ignored. Ground truth, on a
+    real (small) model: no parameter is a vector, and symmetry names every role it has with an
+    update other than AdamW (``assign`` would build no AdamW; building the optimizers is left
+    out: its first call imports torch._dynamo, seconds). Controls: the same option with gains
+    (``cpu-tiny``), with a strategy that leaves the embedding to AdamW, and the default rate."""
+    from geomuon.optimizers.assign import STRATEGIES, classify
+    from geomuon.pretrain.config import TrainConfig
+    from geomuon.pretrain.model import GPT, get_config
+
+    small = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16}
+    roles = set(classify(GPT(get_config("cpu-lipschitz", **small))).values())
+    assert "vector" not in roles and all(STRATEGIES["symmetry"][role].update != "adamw" for role in roles)
+    with pytest.raises(ValueError, match=r"--adamw-lr 0\.01 would be ignored: .* --strategy symmetry has none on "
+                                         r"the parameters of --config cpu-lipschitz"):
+        TrainConfig(model="cpu-lipschitz", strategy="symmetry", adamw_lr=0.01, warmup_steps=0).validate()
+    for model, strategy, rate in (("cpu-tiny", "symmetry", 0.01), ("cpu-lipschitz", "lipschitz", 0.01),
+                                  ("cpu-lipschitz", "symmetry", TrainConfig().adamw_lr)):
+        TrainConfig(model=model, strategy=strategy, adamw_lr=rate, warmup_steps=0).validate()

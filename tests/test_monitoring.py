@@ -136,3 +136,29 @@ def test_names_given_as_a_generator_are_all_monitored():
     assert monitor.summary() == {"blocks.0": 2.0, "blocks.1": 6.0, "max": 6.0}
     with pytest.raises(ValueError, match=r"no submodule named \['blocks.7'\]"):
         ActivationMonitor(model, (name for name in ["blocks.0", "blocks.7"]))
+
+
+class Experts(nn.Module):
+    """A block holding its own ModuleList: the sum of its experts' outputs, halved."""
+
+    def __init__(self, factors):
+        super().__init__()
+        self.experts = nn.ModuleList(Scale(f) for f in factors)
+
+    def forward(self, x):
+        return sum(expert(x) for expert in self.experts) / 2
+
+
+def test_a_module_list_inside_a_block_is_part_of_the_block():
+    # the experts of a mixture (h.0.mlp.experts.i) had been monitored as blocks too, so "max"
+    # was an expert's output (10 here), not a block's (the experts' mean, 5.5). Control: the
+    # MoE GPT's default blocks are its transformer blocks.
+    model = Stack([1.0])
+    model.blocks.append(Experts([10.0, 1.0]))
+    assert list(default_blocks(model)) == ["blocks.0", "blocks.1"]
+    with ActivationMonitor(model) as monitor:
+        model(torch.ones(1))
+    assert monitor.summary() == {"blocks.0": 1.0, "blocks.1": 5.5, "max": 5.5}
+    moe = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=8, mlp="swiglu", n_experts=4,
+                        moe_top_k=2))
+    assert list(default_blocks(moe)) == ["h.0", "h.1"]

@@ -203,6 +203,34 @@ def test_a_run_made_by_other_code_is_never_reused(tmp_path, monkeypatch):
     assert folder() != before
 
 
+def test_a_run_whose_definition_in_the_study_runner_changed_is_never_reused(tmp_path, monkeypatch):
+    """What a study makes of a (variant, size, seed) is written in ``studies/common.py``
+    (``train_config``, ``train_run``, ``VAL_SEED``), which the code fingerprint leaves out: the
+    key had not changed when they did, so records scored on other validation windows, or
+    trained with other options, were read back as this code's. Control: unchanged, the same
+    folder."""
+    study = STUDIES["manifolds"]
+    size = common.size_from(study, "tiny")
+    variant = study.variants(size)[0]
+
+    def folder():
+        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
+
+    before = folder()
+    assert folder() == before
+    with monkeypatch.context() as patched:
+        patched.setattr(common, "VAL_SEED", common.VAL_SEED + 1)
+        assert folder() != before
+    assert folder() == before
+
+    def train_config(size, variant, seed, data_path):  # another definition of a run
+        return dataclasses.replace(original(size, variant, seed, data_path), log_every=1)
+
+    original = common.train_config
+    monkeypatch.setattr(common, "train_config", train_config)
+    assert folder() != before
+
+
 def test_the_code_fingerprint_sees_a_changed_source_file(tmp_path, monkeypatch):
     """:func:`code_fingerprint` hashes the source files themselves (uncommitted edits
     included), not a version string: a copy of a training module with one byte changed
@@ -233,6 +261,17 @@ def test_the_code_fingerprint_sees_a_changed_source_file(tmp_path, monkeypatch):
     engine.write_bytes(engine.read_bytes() + b" ")
     assert fingerprint() != first
     provenance.code_fingerprint.cache_clear()
+
+
+def test_the_machine_counts_the_cpus_the_process_may_use(monkeypatch):
+    """A run confined to 3 of a host's 64 CPUs (taskset, a batch scheduler) had been recorded
+    as run on 64: ``machine()`` read ``os.cpu_count()``, the host's count. Both counts are
+    faked here, so the test reads the same on any machine."""
+    from geomuon.pretrain import provenance
+
+    monkeypatch.setattr(provenance.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(provenance.os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    assert ", 3 CPU(s)" in provenance.machine()
 
 
 @needs_data
@@ -475,6 +514,67 @@ def test_reference_optimizer_takes_a_step_of_its_learning_rate():
     assert moved(0.1) > bound
 
 
+def test_reference_optimizer_stops_its_dual_ascent_on_the_device(monkeypatch):
+    """The seed solver stops at the first dual step whose constraint RMS is below 1e-6; that
+    test was read on the host (``bool(...)``: a device synchronisation at every dual step of
+    every optimizer step). Now a device flag freezes Λ and A instead. Checked twice, on the
+    study's own pairing with the sorted-σ map: the step reads no tensor on the host (control:
+    the guard catches ``bool`` of a tensor), and with
+    convergence forced at the third dual step it leaves the weights the stopping loop does
+    (written out below: the seed code's loop; same operations in the same order, so equal)."""
+    from geomuon.manifolds import DGram
+    from geomuon.manifolds.linalg import msign
+
+    def problem(steps=20):
+        gen = torch.Generator().manual_seed(1)
+        W = torch.nn.Parameter(DGram().projx(torch.randn(24, 8, generator=gen)))
+        W.grad = torch.randn(24, 8, generator=gen)
+        return W, manifolds_study.ReferenceManifoldMuon([{"params": [W], "manifold": manifolds_study.SortedSigmaDGram()}],
+                                                        lr=0.05, weight_decay=0.0, reference_steps=steps)
+
+    W, optimizer = problem()
+    with monkeypatch.context() as guarded:
+        def host_read(self, *args):
+            raise AssertionError("a tensor was read on the host")
+        for method in ("__bool__", "item", "tolist", "__float__", "__int__"):
+            guarded.setattr(torch.Tensor, method, host_read)
+        with pytest.raises(AssertionError, match="read on the host"):
+            bool(torch.ones(()))
+        optimizer.step()
+
+    calls, rms = [], manifolds_study._rms
+
+    def rms_converging_at_third_step(H):  # the real RMS, scaled below 1e-6 from the third dual step on
+        calls.append(None)
+        return rms(H) * (1e-12 if len(calls) >= 3 else 1.0)
+
+    monkeypatch.setattr(manifolds_study, "_rms", rms_converging_at_third_step)
+    directions = []  # the momentum each _direction call receives (what the dual ascent is run on)
+    direction = manifolds_study.ReferenceManifoldMuon._direction
+    monkeypatch.setattr(manifolds_study.ReferenceManifoldMuon, "_direction",
+                        lambda self, group, M, params, keep=None: (directions.append(M.clone()),
+                                                                   direction(self, group, M, params, keep))[1])
+    W, optimizer = problem()
+    before = W.detach().clone()
+    optimizer.step()
+    (G,) = directions  # ManifoldMuon batches same-shape matrices: [1, 24, 8]
+    before = before.unsqueeze(0)
+
+    calls.clear()
+    manifold, K = manifolds_study.SortedSigmaDGram(), 20
+    lam = -0.25 * manifold.constraint(before, G)
+    for k in range(K):
+        A = msign(G + manifold.constraint_adjoint(before, lam), "polar_express", compute_dtype=torch.bfloat16)
+        H = manifold.constraint(before, A)
+        if bool((manifolds_study._rms(H) < 1e-6).all()):
+            break
+        lam = lam - 0.1 * (1 - k / K) * H
+    assert k == 2  # the forced stop happened where intended
+    assert torch.equal(W.detach(), manifold.retr(before, -0.05 * A)[0])
+    with pytest.raises(ValueError, match="reference_steps must be an integer >= 1"):
+        problem(steps=0)
+
+
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 
@@ -662,6 +762,27 @@ def test_a_sweeps_help_offers_no_seeds_it_refuses(name, tmp_path, capsys):
                                        "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]) == 2
     assert "--seeds: a sweep's seeds are its grid's" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before any run or folder
+
+
+@needs_data
+@pytest.mark.parametrize("name", [n for n, s in STUDIES.items() if isinstance(s, sweep.LearningRateSweep)])
+def test_a_sweep_refuses_seeds_equal_to_a_sizes_default(name, tmp_path, capsys, monkeypatch):
+    """A sweep trains its grid's seeds whatever ``--seeds`` says; its check compared the size's
+    seeds with its sizes' defaults, so ``--seeds 0,1,2`` (every size's default) passed it and was
+    ignored, the page's command still listing it. Control: without --seeds the sweep goes on to
+    train (stopped here at its first batch of runs)."""
+    default = ",".join(map(str, STUDIES[name].SIZES["tiny"].seeds))
+
+    def no_training(*args, **kwargs):
+        raise RuntimeError("the sweep started training")
+
+    monkeypatch.setattr(common, "run_jobs", no_training)
+    argv = ["--size", "tiny", "--data", str(DATA), "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
+    assert common.main(STUDIES[name], [*argv, "--seeds", default]) == 2
+    assert f"--seeds: a sweep's seeds are its grid's, whatever --seeds says (got '{default}')" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before any run or folder
+    with pytest.raises(RuntimeError, match="started training"):
+        common.main(STUDIES[name], argv)
 
 
 @pytest.mark.parametrize("name", [n for n, s in STUDIES.items() if isinstance(s, sweep.LearningRateSweep)])

@@ -238,10 +238,23 @@ RECORD = "record.json"
 def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) -> str:
     from geomuon.pretrain.studies import STUDIES
 
-    identity = dict(version=RECORD_VERSION, code=code_fingerprint(), study=study, variant=variant.identity(),
-                    hooks=_hook_sources(STUDIES[study].extra_metrics, variant.customize),
+    identity = dict(version=RECORD_VERSION, code=code_fingerprint(), run=_run_definition(), study=study,
+                    variant=variant.identity(), hooks=_hook_sources(STUDIES[study].extra_metrics, variant.customize),
                     size=dataclasses.asdict(size) | {"seeds": None}, seed=seed, data=os.path.basename(data_path))
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _run_definition() -> str:
+    """A hash of what this module makes of a (variant, size, seed): the sources of
+    :func:`train_config`, :func:`assignment_factory` and :func:`train_run`, and
+    :data:`VAL_SEED`. They live in ``pretrain/studies``, which
+    :func:`~geomuon.pretrain.provenance.code_fingerprint` leaves out, so an edited run (another
+    validation seed, another option passed to ``train``) had read back the records of the old
+    one; the page-writing code beside them stays out of the key."""
+    digest = hashlib.sha256(str(VAL_SEED).encode())
+    for function in (train_config, assignment_factory, train_run):
+        digest.update(inspect.getsource(function).encode())
+    return digest.hexdigest()[:16]
 
 
 def _hook_sources(*hooks: Callable | None) -> str:
@@ -585,6 +598,11 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
 
 def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
     """Run every missing job of ``study`` (cached records are reused), then write its page; returns the page's path."""
+    if args.seeds is not None and not getattr(study, "TAKES_SEEDS", True):
+        # (a sweep's own check compares the size's seeds with its sizes': a --seeds equal to a
+        # size's default had passed it and been ignored, the page's command still listing it)
+        raise ValueError(f"--seeds: a sweep's seeds are its grid's, whatever --seeds says (got {args.seeds!r}); "
+                         "drop --seeds")
     seeds = _seeds(args.seeds) if args.seeds is not None else None
     size = size_from(study, args.size, seeds)
     # one message per option (a shared one had left the user to guess which was wrong)

@@ -88,6 +88,9 @@ class ReferenceManifoldMuon(ManifoldMuon):
     """
 
     def __init__(self, params, *, reference_steps: int = 20, reference_alpha: float = 0.1, **kwargs):
+        if isinstance(reference_steps, bool) or not isinstance(reference_steps, int) or reference_steps < 1:
+            # 0 had left the step without a direction (UnboundLocalError at the first step)
+            raise ValueError(f"ReferenceManifoldMuon: reference_steps must be an integer >= 1 (got {reference_steps!r})")
         self.reference_steps = reference_steps
         self.reference_alpha = reference_alpha
         super().__init__(params, **kwargs)
@@ -100,12 +103,17 @@ class ReferenceManifoldMuon(ManifoldMuon):
         G = M.to(W.dtype)
         lam = -0.25 * manifold.constraint(W, G)
         K = self.reference_steps
+        # The seed code stops at the first k where every RMS(L_W(A_k)) < 1e-6 and keeps that A_k.
+        # Reading that test on the host (a `break`) synchronised the device at every dual step;
+        # instead a device flag freezes Λ and A from then on, which leaves the same A.
+        converged = torch.zeros((), dtype=torch.bool, device=W.device)
+        A = None
         for k in range(K):
-            A = msign(G + manifold.constraint_adjoint(W, lam), "polar_express", compute_dtype=torch.bfloat16).to(W.dtype)
-            H = manifold.constraint(W, A)
-            if bool((_rms(H) < 1e-6).all()):
-                break
-            lam = lam - self.reference_alpha * (1 - k / K) * H
+            A_k = msign(G + manifold.constraint_adjoint(W, lam), "polar_express", compute_dtype=torch.bfloat16).to(W.dtype)
+            H = manifold.constraint(W, A_k)
+            A = A_k if A is None else torch.where(converged, A, A_k)
+            converged = converged | (_rms(H) < 1e-6).all()
+            lam = torch.where(converged, lam, lam - self.reference_alpha * (1 - k / K) * H)
         # ManifoldMuon's batches return new points: decay, then the manifold's own retr (a
         # skipped matrix keeps its old one).
         lr = float(group["lr"])

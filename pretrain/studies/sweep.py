@@ -139,6 +139,9 @@ class LearningRateSweep:
     ``comparisons`` are ``(arm, arm)`` pairs the page compares at their best points; ``note``
     ends the page's introduction."""
 
+    #: ``geomuon study``'s ``--seeds`` is refused: the grid sets the seeds (:class:`Grid`)
+    TAKES_SEEDS = False
+
     def __init__(self, base, name: str, title: str, comparisons: list[tuple[str, str]],
                  grids: dict[str, Grid] = GRIDS, note: str = ""):
         self.base, self.NAME, self.TITLE, self.SIZES = base, name, title, base.SIZES
