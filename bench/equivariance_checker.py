@@ -185,8 +185,11 @@ def cli_process_time(repeats: int, shape: str = "64x32") -> tuple[float, float]:
     for _ in range(repeats):
         before = os.times()
         start = time.perf_counter()
-        subprocess.run(command, cwd=ROOT, capture_output=True, check=False)
+        finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
         walls.append(time.perf_counter() - start)
+        if finished.returncode != 0:  # (a crashed process's seconds had been published as the check's)
+            raise SystemExit(f"the timed CLI process exited {finished.returncode}, not 0 (svd_msign holds): "
+                             f"{' '.join(command)}\n{finished.stderr[-2000:]}")
         after = os.times()
         cpus.append(after.children_user - before.children_user + after.children_system - before.children_system)
     return statistics.median(walls), statistics.median(cpus)

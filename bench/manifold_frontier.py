@@ -53,6 +53,10 @@ from bench.timing import (  # noqa: E402
 
 #: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
 QUICK = {"steps": 3, "dual": [0, 1], "repeats": 2}
+#: The options that set only the dual solver's rows, with their defaults (``None`` on the
+#: command line until parsed: an option given with ``--solver projected`` alone is refused).
+DUAL_ROW_DEFAULTS = {"dual": list(range(9)), "starts": ["warm", "cold"], "retraction": ["fused"],
+                     "update": ["newton", "jacobi"]}
 #: ``--polish``'s default: the projected solver's rows by polish rounds.
 PROJECTED_POLISH = [0, 1, 2]
 
@@ -132,17 +136,19 @@ def main(argv=None) -> int:
     parser.add_argument("--set", nargs="+", default=["384x128"], choices=["384x128", "gpt"])
     parser.add_argument("--manifold", nargs="+", default=["stiefel"], choices=["stiefel", "dgram"])
     parser.add_argument("--steps", type=at_least(1), default=40, help="training steps per configuration")
-    parser.add_argument("--dual", type=at_least(0), nargs="+", default=list(range(9)))
-    parser.add_argument("--starts", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])
+    parser.add_argument("--dual", type=at_least(0), nargs="+", default=None,
+                        help="dual steps per optimizer step of the dual rows (default 0 to 8)")
+    parser.add_argument("--starts", nargs="+", choices=["warm", "cold"], default=None,
+                        help="dual start of the dual rows (default warm and cold)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's, by manifold and update)")
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
     parser.add_argument("--msign-steps", type=at_least(1), default=None)
-    parser.add_argument("--retraction", nargs="+", default=["fused"], choices=["fused", "manifold"],
-                        help="ManifoldMuon's retraction option: fused (the Gram-space path where the "
+    parser.add_argument("--retraction", nargs="+", default=None, choices=["fused", "manifold"],
+                        help="ManifoldMuon's retraction option (default fused): fused (the Gram-space path where the "
                              "manifold has a Gram form) and/or manifold (the general engine)")
-    parser.add_argument("--update", nargs="+", default=["newton", "jacobi"], choices=["newton", "jacobi"],
-                        help="the Gram path's dual update (ManifoldMuon's dual_update); the general path "
+    parser.add_argument("--update", nargs="+", default=None, choices=["newton", "jacobi"],
+                        help="the Gram path's dual update (ManifoldMuon's dual_update; default both); the general path "
                              "always takes Jacobi steps")
     parser.add_argument("--dualizer", default=None, choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: its default)")
@@ -160,9 +166,14 @@ def main(argv=None) -> int:
                   min_repeats=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    if "dual" not in args.solver:
+        # (they had been ignored, and --alpha printed in the table's caption as if it had been used)
+        given = [f"--{name}" for name in (*DUAL_ROW_DEFAULTS, "alpha") if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} set the dual solver's rows, and --solver {' '.join(args.solver)} has "
+                         "none; add --solver dual (or drop them)")
+    parser.set_defaults(**{**DUAL_ROW_DEFAULTS, **(QUICK if args.quick else {})})  # --quick's dual steps win
+    args = parser.parse_args(argv)
     if args.polish is not None and "projected" not in args.solver:
         # (it had been ignored: the dual rows take the manifold's default polish rounds)
         parser.error(f"--polish sets the projected solver's rows, and --solver {' '.join(args.solver)} has none; "
@@ -179,12 +190,22 @@ def main(argv=None) -> int:
         solver["msign_steps"] = args.msign_steps
     if args.dualizer:
         solver["gram_dualizer"] = args.dualizer
-    try:  # ManifoldMuon's own checks, before any run (an unknown --msign had failed after the first rows)
+
+    def dual_row_options(retraction: str, update: str) -> dict:
+        """ManifoldMuon's options of a dual row: the general path (``retraction="manifold"``)
+        always takes Jacobi steps, and ManifoldMuon refuses a ``dual_update`` there."""
+        return dict(solver, retraction=retraction, **({"dual_update": update} if retraction == "fused" else {}))
+
+    rows_options = [solver] + ([dual_row_options(r, u) for r in args.retraction for u in args.update]
+                               if "dual" in args.solver else [])
+    try:  # ManifoldMuon's own checks, before any run (an unknown --msign, or --retraction manifold, had
+        # failed with a traceback after the rows before it)
         for name in args.manifold:
             point = torch.nn.Parameter(resolve_manifold(name, "--manifold").projx(torch.randn(4, 2)))
-            ManifoldMuon([point], manifold=name, dual_alpha=args.alpha, **solver)
+            for options in rows_options:
+                ManifoldMuon([point], manifold=name, dual_alpha=args.alpha, **options)
     except ValueError as err:
-        parser.error(f"--alpha/--msign/--msign-steps/--dualizer: ManifoldMuon refuses them: {err}")
+        parser.error(f"--alpha/--msign/--msign-steps/--dualizer/--retraction: ManifoldMuon refuses them: {err}")
     provenance = Provenance(__file__, args, argv, parser, timed=args.repeats > 0)
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
@@ -218,7 +239,7 @@ def main(argv=None) -> int:
         manifold = resolve_manifold(manifold_name, "--manifold")
         if retraction == "fused" and update == "newton" and default_dual_update(manifold) != "newton":
             continue  # the form declares no Newton step (it would take Jacobi steps: the Jacobi rows)
-        options = dict(solver, retraction=retraction, dual_update=update)
+        options = dual_row_options(retraction, update)
         mean, low, cost = measure(shapes, manifold, dual_steps, warm, args.alpha, options)
         start = "warm" if warm else "cold"
         if (dual_steps == default_dual_steps(manifold) and warm and not solver and retraction == "fused"

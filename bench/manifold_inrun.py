@@ -58,6 +58,11 @@ RUN = dict(model="cpu-small", n_layer=3, n_head=4, n_embd=128, block_size=64, st
 QUICK_RUN = dict(model="cpu-tiny", n_layer=1, n_head=2, n_embd=16, block_size=16, steps=4, batch_size=2,
                  warmup_steps=1, eval_every=2, eval_batches=1)
 STRATEGY = {"stiefel": "all_stiefel", "dgram": "all_dgram"}
+#: The options that set only the dual solver's rows (the projected solver takes no dual option), by
+#: their ``argparse`` names, with their defaults (``None`` on the command line until parsed: an option
+#: given with ``--solver projected`` alone is refused; ``[None]``: ManifoldMuon's default).
+DUAL_ROW_DEFAULTS = {"update": [None], "dual": [None], "polish_method": [None], "starts": ["warm"],
+                     "smoothing": [None], "alpha": [None]}
 
 
 def orientation(shape) -> str:
@@ -140,22 +145,22 @@ def certified_run(manifold: str, settings: dict, run: dict, data: str, seed: int
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--manifold", nargs="+", default=["stiefel", "dgram"], choices=sorted(STRATEGY))
-    parser.add_argument("--update", nargs="+", default=[None], choices=["newton", "jacobi"],
+    parser.add_argument("--update", nargs="+", default=None, choices=["newton", "jacobi"],
                         help="dual update (default: ManifoldMuon's for the manifold)")
-    parser.add_argument("--dual", type=int, nargs="+", default=[None],
+    parser.add_argument("--dual", type=int, nargs="+", default=None,
                         help="dual steps per optimizer step (default: ManifoldMuon's for the manifold)")
     parser.add_argument("--polish", type=int, nargs="+", default=[None],
                         help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default: ManifoldMuon's "
                              "for the manifold and dualizer)")
-    parser.add_argument("--polish-method", nargs="+", default=[None], choices=["admm", "alternating"],
+    parser.add_argument("--polish-method", nargs="+", default=None, choices=["admm", "alternating"],
                         help="method of the polish rounds (ManifoldMuon's polish_method; default: ManifoldMuon's for "
                              "the manifold; the dual solver's rows)")
-    parser.add_argument("--starts", nargs="+", default=["warm"], choices=["warm", "cold"],
+    parser.add_argument("--starts", nargs="+", default=None, choices=["warm", "cold"],
                         help="dual start of each step: the previous step's correction (warm, ManifoldMuon's "
                              "default) or none (cold: warm_start=False)")
-    parser.add_argument("--smoothing", type=float, nargs="+", default=[None],
+    parser.add_argument("--smoothing", type=float, nargs="+", default=None,
                         help="smoothing of the dual (ManifoldMuon's dual_smoothing; default: ManifoldMuon's)")
-    parser.add_argument("--alpha", type=float, nargs="+", default=[None],
+    parser.add_argument("--alpha", type=float, nargs="+", default=None,
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's)")
     parser.add_argument("--dualizer", nargs="+", default=[None], choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: by device, eigh on "
@@ -173,6 +178,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)", min_repeats=0)
     args = parser.parse_args(argv)
+    if "dual" not in args.solver:
+        # (they had been ignored: the projected rows take none of them, and only one run is made)
+        given = [f"--{name.replace('_', '-')}" for name in DUAL_ROW_DEFAULTS if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} set the dual solver's rows, and --solver {' '.join(args.solver)} has "
+                         "none; add --solver dual (or drop them)")
+    for name, default in DUAL_ROW_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if problem := spec_problem(args.data):  # (it had been a traceback from inside train())
         parser.error(f"--data: {problem}")
     run = dict(RUN, **(QUICK_RUN if args.quick else {}))
