@@ -94,6 +94,21 @@ Counts are kept in :class:`ShardingStats` (``optimizer.sharding_stats``): bytes 
 rank sent and received, collectives, and the whole matrices this rank mapped (a
 row-wise map on a shard of $r$ of $m$ rows counts $r/m$).
 
+**Options that differ between ranks** (an ``lr``, ``compute_dtype``, ``update``, manifold or
+regulator set on one rank only) had stepped silently wrong (each rank applied its own ``lr``
+to its rows; an owner mapped with its own manifold) or broken the process group inside an
+all-to-all (the ranks' payloads differ in size: gloo aborted the processes). Every rank now
+compares each sharded group's options before the step's sharded work on their mesh:
+:func:`check_group` records a fingerprint of the group's options (a CRC-32 of their canonical
+text, plus for a tensor value, e.g. a scheduled ``lr``, a checksum of its bits on the device),
+and the finiteness read of the first sharded group on the mesh (:func:`read_failures`)
+all-reduces the maximum of the groups' combined fingerprint and that of its negation
+($\max_r f_r = \min_r f_r$ exactly when every rank agrees) in the same host transfer: one
+all-reduce of 2 int64 per mesh and step, whatever the number of groups, and no host read of
+its own. A disagreement (another number of sharded groups included) raises ``ValueError`` on
+every rank naming each group, option and rank's value (an ``all_gather_object``, on that path
+only), before that mesh's sharded groups do any work (plain groups ahead of them have stepped).
+
 Placements: a 1-D device mesh with ``Shard(0)`` (FSDP2's default) is supported; other
 placements, a gradient placed unlike its parameter, a group mixing ``DTensor`` and plain
 tensors, and a group on several meshes raise ``ValueError`` naming the parameter before the
@@ -109,6 +124,7 @@ import contextlib
 import math
 import sys
 import traceback
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -244,7 +260,15 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
     refuses together, where a torch error inside a collective step would leave the other
     ranks waiting. One exception is
     rank-local: a shard whose row count is not the ``torch.chunk`` split (only a hand-made
-    ``DTensor.from_local(..., run_check=False)`` has one) is refused on its own rank only."""
+    ``DTensor.from_local(..., run_check=False)`` has one) is refused on its own rank only.
+
+    A sharded group that passes has its options recorded (:func:`_fingerprint`, no host read)
+    for the comparison across ranks at the step's first finiteness read on its mesh
+    (:func:`read_failures`): whether the options are the same on every rank is not a host-side
+    fact of one rank."""
+    pending = optimizer.__dict__.setdefault("_pending_options", [])
+    if index == 0:  # a new step: what a refused step left unread is not this step's
+        pending.clear()
     sharded = [is_sharded(p) for p in params]
     if not any(sharded):
         return
@@ -282,6 +306,83 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
                     f"on that of ranks {mesh.mesh.tolist()}; the sharded matrix step reads the gradient's rows as "
                     "the parameter's: give it the parameter's placement (FSDP2's reduce-scatter does; by hand: "
                     "p.grad = p.grad.redistribute(p.device_mesh, p.placements))")
+    keys = sorted(optimizer._option_keys)  # sorted: the keys' set order depends on the process's hash seed
+    options = {key: group.get(key) for key in keys}
+    pending.append(_PendingOptions(index, mesh, options, _fingerprint(options, params[0].device)))
+
+
+#: fingerprints are residues modulo this prime (below $2^{31}$: a negated one fits in int64)
+_FINGERPRINT_MODULUS = 2**31 - 1
+
+
+@dataclass
+class _PendingOptions:
+    """A sharded group's options as this rank sees them, compared across the ranks of ``mesh``
+    at the step's first finiteness read there (:func:`read_failures`)."""
+
+    #: the param group's index
+    group: int
+    mesh: object
+    #: ``{option: value}`` on this rank, the keys sorted
+    options: dict
+    #: 0-dim int64 on the parameters' device: :func:`_fingerprint` of ``options``
+    fingerprint: torch.Tensor
+
+
+def _canonical(value, tensors: list[torch.Tensor] | None = None) -> str:
+    """Text of an option value that is the same in every process for equal values (an object's
+    default ``repr`` carries its address, a process's own: its type's name stands in).
+    Tensors are appended to ``tensors`` (their values stay on the device) and named by dtype
+    and shape; with ``tensors=None`` their values are written out (a host read)."""
+    if isinstance(value, torch.Tensor):
+        if tensors is None:
+            return f"tensor({value.tolist()}, {value.dtype})"
+        tensors.append(value)
+        return f"tensor({value.dtype}, {tuple(value.shape)})"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}({', '.join(_canonical(v, tensors) for v in value)})"
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda item: repr(item[0]))
+        return "{" + ", ".join(f"{k!r}: {_canonical(v, tensors)}" for k, v in items) + "}"
+    text = repr(value)
+    if " at 0x" in text:
+        kind = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+        return f"{kind.__module__}.{kind.__qualname__}"
+    return text
+
+
+def _fingerprint(value, device: torch.device) -> torch.Tensor:
+    r"""0-dim int64 on ``device`` in $[0, p)$, $p = 2^{31} - 1$: $\big(\mathrm{crc32}(t) +
+    \sum_k k \sum_j j\,(31 h_{kj} + l_{kj})\big) \bmod p$ for the canonical text $t$ of
+    ``value`` (:func:`_canonical`) and its tensors $k = 1, 2, \dots$, $h_{kj}, l_{kj}$ the high
+    and low 32 bits of entry $j$ (from 1) in float64 (exact for every floating dtype). Equal
+    values give equal fingerprints in every process; a collision (probability
+    $\approx 2^{-31}$) only misses a disagreement. No host read and no host-to-device copy (a
+    fill, and the tensors' sums on their own devices)."""
+    tensors: list[torch.Tensor] = []
+    text = _canonical(value, tensors)
+    fingerprint = torch.full((), zlib.crc32(text.encode()) % _FINGERPRINT_MODULUS, dtype=torch.int64, device=device)
+    for k, t in enumerate(tensors, 1):
+        bits = t.detach().reshape(-1).to(torch.float64).view(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+        entries = ((bits >> 32) & 0xFFFFFFFF) * 31 + (bits & 0xFFFFFFFF)
+        fingerprint = fingerprint + k * (entries.remainder(_FINGERPRINT_MODULUS) * weights).remainder(
+            _FINGERPRINT_MODULUS).sum()
+    return fingerprint.remainder(_FINGERPRINT_MODULUS)
+
+
+def _options_agree(pending: list[_PendingOptions], mesh) -> torch.Tensor:
+    r"""1-element bool on the device: whether every rank of ``mesh`` recorded the same groups
+    with the same options (:func:`_fingerprint` of each, combined as
+    $\big(\sum_j (j + 1) f_j + \mathrm{crc32}(\text{group indices})\big) \bmod p$, one number
+    whatever the groups, so a rank with another number of groups meets the others' all-reduce),
+    by $\max_r f_r = -\max_r(-f_r)$: one all-reduce of both."""
+    indices = zlib.crc32(repr([entry.group for entry in pending]).encode())
+    combined = sum((j + 1) * entry.fingerprint for j, entry in enumerate(pending)) + indices
+    combined = combined.remainder(_FINGERPRINT_MODULUS).reshape(1)
+    both = torch.cat([combined, -combined])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return both[:1] == -both[1:]
 
 
 def _all_to_all(outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[tuple, torch.dtype]]],
@@ -487,19 +588,30 @@ def read_failures(optimizer, values: torch.Tensor | None = None, mesh=None) -> l
     """``values.tolist()`` (a host read the caller makes anyway; ``None``: nothing but the
     flags), with the failure flags of the sharded steps on ``mesh`` (every mesh: ``None``)
     not read yet carried in the same transfer; raises ``RuntimeError`` naming the
-    parameters whose owner's work failed.
+    parameters whose owner's work failed. With ``values`` and a ``mesh``, the options of the
+    sharded groups :func:`check_group` recorded on ``mesh`` in this step are compared across
+    its ranks in the same transfer (one all-reduce, a collective: every rank of ``mesh``
+    calls this at the same point, the step's first finiteness read there); raises
+    ``ValueError`` naming the group and the option where they differ.
 
-    Every rank of a mesh holds the same flags (each owner sent its own to every rank), so
-    every rank raises here, at the same point, with no collective."""
+    Every rank of a mesh holds the same failure flags (each owner sent its own to every rank),
+    so every rank raises for them here, at the same point, with no collective for them."""
     pending = optimizer.__dict__.get("_failures", [])
     read = [f for f in pending if mesh is None or f.mesh == mesh]
-    if not read:
+    options = optimizer.__dict__.get("_pending_options", [])
+    compared = [entry for entry in options if entry.mesh == mesh] if values is not None and mesh is not None else []
+    if not read and not compared:
         return [] if values is None else values.tolist()
     pending[:] = [f for f in pending if not (mesh is None or f.mesh == mesh)]
+    options[:] = [entry for entry in options if not any(entry is c for c in compared)]
     if values is None:
         values = torch.empty(0, dtype=torch.uint8, device=read[0].flags.device)
-    host = torch.cat([values.reshape(-1), *(f.flags.to(values.device, values.dtype) for f in read)]).tolist()
-    flags, start = host[values.numel():], 0
+    agree = [_options_agree(compared, mesh).to(values.device, values.dtype)] if compared else []
+    host = torch.cat([values.reshape(-1), *agree, *(f.flags.to(values.device, values.dtype) for f in read)]).tolist()
+    agreed = host[values.numel():values.numel() + len(agree)]
+    if not all(agreed):  # every rank of the mesh is here: the all-reduce's result is the same on each
+        _raise_for_differing_options(optimizer, compared, mesh)
+    flags, start = host[values.numel() + len(agreed):], 0
     failed, errors = [], []
     for f in read:
         for p, o, flag in zip(f.params, f.owners, flags[start:start + len(f.params)]):
@@ -520,6 +632,34 @@ def read_failures(optimizer, values: torch.Tensor | None = None, mesh=None) -> l
             "elementwise one still applied weight decay) but their momentum was updated: end the run, or "
             "reload a checkpoint (geomuon.pretrain.parallel.load_distributed)") from cause
     return host[:values.numel()]
+
+
+def _raise_for_differing_options(optimizer, compared: list[_PendingOptions], mesh) -> None:
+    """``ValueError`` naming the groups and options that differ between the ranks of ``mesh``,
+    with every rank's value: each rank's options as text (tensors' values read) gathered by
+    ``all_gather_object`` (a collective and host reads, on this path only; every rank of
+    ``mesh`` takes it together)."""
+    mine = {entry.group: {key: _canonical(value) for key, value in entry.options.items()} for entry in compared}
+    gathered: list = [None] * mesh.size()
+    dist.all_gather_object(gathered, mine, group=mesh.get_group())
+    listed = []
+    for index in sorted(set().union(*gathered)):
+        groups = [ranks_groups.get(index) for ranks_groups in gathered]
+        if any(g is None for g in groups):
+            missing = [r for r, g in enumerate(groups) if g is None]
+            listed.append(f"param group {index} is not a sharded group with gradients on rank(s) {missing}")
+            continue
+        for key in groups[0]:
+            texts = [g.get(key) for g in groups]
+            if len(set(texts)) > 1:
+                listed.append(f"param group {index} option {key!r}: "
+                              + ", ".join(f"rank {r}: {t}" for r, t in enumerate(texts)))
+    raise ValueError(
+        f"{type(optimizer).__name__}: the options of its sharded groups differ between the ranks of the device "
+        f"mesh {mesh.mesh.tolist()} ({'; '.join(listed) or 'a fingerprint collision: no difference in their text'}); "
+        "a sharded step is collective (each rank steps its rows, an owner maps the whole matrix): give every rank "
+        "the same options (build the optimizer and run its schedule alike on every rank); nothing on this mesh "
+        "was stepped")
 
 
 def _received_weights(p: torch.Tensor, fs: list, replicas: dict, rows: list[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ Run as a script (``python tests/test_distributed.py OUT``) it is the worker.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import socket
@@ -26,6 +27,11 @@ import torch
 from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 
 STEPS = 20
+#: seconds a worker's collective may wait for the other ranks (torch's gloo default is 30 min): the
+#: slowest rank of the 4-process run on 2 shared cores is seconds behind, a rank that died never comes
+PG_TIMEOUT = 120
+#: seconds every rank together may take before the test kills them
+RUN_TIMEOUT = 300
 WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))
 IN, HIDDEN, OUT = 8, 5, 12  # 5 and 3 rows do not split evenly over 2 ranks
 MATRIX_BATCHES = (3, 1, 1)  # same-shape batches of a tower's matrices
@@ -183,7 +189,7 @@ def worker(out_dir: str) -> None:
 
     real_bits = distributed._bits
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT))
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
 
@@ -252,6 +258,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def outputs_of(procs: list[subprocess.Popen], timeout: float = RUN_TIMEOUT) -> list[str]:
+    """Each process's output once all have exited; past ``timeout`` seconds every one is killed
+    and the test fails with their outputs (``communicate`` leaves them running: a rank waiting
+    in a collective had outlived the test by the process group's timeout)."""
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outputs = [p.communicate()[0] for p in procs]
+        raise AssertionError(f"the ranks did not finish in {timeout} s (killed):\n" + "\n".join(outputs)) from None
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"{w}proc")
 def distributed_runs(request, tmp_path_factory):
     """The workers' results: one spawn of each world size's processes for every test here."""
@@ -265,7 +284,7 @@ def distributed_runs(request, tmp_path_factory):
                          stderr=subprocess.STDOUT, text=True)
         for r in range(world)
     ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    outputs = outputs_of(procs)
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
@@ -492,7 +511,7 @@ if __name__ == "__main__":
 
 
 _SKIP_WORKER = """
-import os, sys, warnings
+import datetime, os, sys, warnings
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -502,7 +521,7 @@ sys.path.insert(0, sys.argv[2])
 from skip_case import GRADIENTS, POINTS
 warnings.simplefilter("ignore")
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT))
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in POINTS]
 opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", compute_dtype=None)
@@ -537,14 +556,14 @@ def test_a_skipped_matrix_leaves_its_batch_mates_on_their_owners(tmp_path):
     # old owner: matrix 2 ended 2.8e-3 from the one-process weights. Owners now follow the
     # whole batch. Float64 and the same whole gradients on both sides: bitwise.
     (tmp_path / "skip_case.py").write_text(_SKIP_CASE)
-    (tmp_path / "worker.py").write_text(_SKIP_WORKER)
+    (tmp_path / "worker.py").write_text(_SKIP_WORKER.replace("PG_TIMEOUT", str(PG_TIMEOUT)))
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1")
     out = str(tmp_path / "sharded.pt")
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), out, str(tmp_path)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    outputs = outputs_of(procs)
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     sharded = torch.load(out)
     assert all(owners == sharded["owners"][0] for owners in sharded["owners"]), sharded["owners"]
@@ -563,3 +582,14 @@ def test_a_skipped_matrix_leaves_its_batch_mates_on_their_owners(tmp_path):
             opt.step()
     for p, w in zip(params, sharded["weights"]):
         assert torch.equal(p.detach(), w)
+
+
+def test_ranks_that_do_not_finish_are_killed_and_reported():
+    # communicate(timeout=...) had raised and left the ranks running: one waiting in a collective
+    # outlived the test by the process group's timeout (30 min by default) on CI's 2 cores
+    procs = [subprocess.Popen([sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    with pytest.raises(AssertionError, match="did not finish in 1 s") as failed:
+        outputs_of(procs, timeout=1)
+    assert all(p.poll() is not None for p in procs)  # killed, not left sleeping
+    assert "started" in str(failed.value)

@@ -27,6 +27,7 @@ from geomuon.manifolds import LPRO, MatrixManifold, Stiefel
 from geomuon.manifolds.capabilities import OrthonormalGram
 from geomuon.optimizers import HybridPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
 from test_packaging_manifold_spec import WeightedSphere  # a user's manifold with a tensor argument
+from test_distributed import outputs_of  # kills the ranks past its timeout
 
 PG_TIMEOUT = 30  # seconds; a case that waits for it has failed
 SHAPE = (6, 4)  # 3 rows per rank
@@ -66,6 +67,16 @@ class HalfStepStiefel(Stiefel):
 
     name = "HalfStepStiefel"
     gram_form = _HalfStepGram()
+
+
+#: (case: the options of rank r's Muon group); "same_tensor_lr" agrees (a tensor option is compared
+#: by its bits on the device), the others differ in the option their case names
+OPTION_CASES = {
+    "same_tensor_lr": lambda rank: dict(lr=torch.tensor(0.02, dtype=torch.float64)),
+    "lr": lambda rank: dict(lr=0.02 if rank == 0 else 0.05),
+    "tensor_lr": lambda rank: dict(lr=torch.tensor(0.02 if rank == 0 else 0.05, dtype=torch.float64)),
+    "compute_dtype": lambda rank: dict(compute_dtype=None if rank == 0 else torch.bfloat16),
+}
 
 
 def _column_weights() -> torch.Tensor:
@@ -415,6 +426,22 @@ def worker(out_dir: str) -> None:
     for case, *spec in WHOLE_CASES:
         results[f"whole:{case}"] = _outcome(lambda: whole_case(case, *spec))  # noqa: B023 - called at once
         save()
+
+    # options that differ between the ranks (OPTION_CASES): each rank had stepped its rows with
+    # its own lr (Muon; an owner's manifold step with its own), and a differing compute_dtype had
+    # sent payloads of different sizes into the all-to-all (gloo aborted both processes: that
+    # case runs last). An equal tensor lr on both ranks is the control: it steps
+    def differing(option_of_rank):
+        params = [sharded(w) for w in _points()]
+        opt = Muon([dict(params=params, param_names=["a", "b"], **option_of_rank(rank))], lr=0.02)
+        before = whole(params)
+        out = {"step": _outcome(lambda: step(opt, params, _gradients()))}
+        out["moved"] = not all(torch.equal(x, y) for x, y in zip(before, whole(params)))
+        return out
+
+    for case, option_of_rank in OPTION_CASES.items():
+        results[f"options:{case}"] = _outcome(lambda: differing(option_of_rank))  # noqa: B023 - called at once
+        save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
         dist.destroy_process_group()
@@ -443,7 +470,7 @@ def runs(tmp_path_factory):
                OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, str(out)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    outputs = outputs_of(procs)
     ranks = []
     for r, output in enumerate(outputs):
         path = out / f"rank{r}.pt"
@@ -725,6 +752,25 @@ def test_a_sharded_group_edited_past_manifold_muons_checks_is_refused_as_in_one_
         _refused_by_name(ranks, case, *words)
         one_process = _one_process_refusal(**options)
         assert all(r[case]["message"] == one_process for r in ranks), (case, one_process, ranks[0][case]["message"])
+
+
+def test_options_that_differ_between_ranks_are_refused_by_name_before_any_step(runs):
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        control = results["options:same_tensor_lr"]["ok"]
+        assert "ok" in control["step"] and control["moved"], (r, control)
+        for case in ("lr", "tensor_lr", "compute_dtype"):
+            outcome = results[f"options:{case}"]
+            assert "ok" in outcome, (r, case, outcome)  # the process group survived the refusal
+            refused = outcome["ok"]["step"]
+            assert refused.get("error") == "ValueError", (r, case, refused)
+            values = {"lr": ("0.02", "0.05"), "compute_dtype": ("None", "torch.bfloat16"),
+                      "tensor_lr": ("tensor(0.02, torch.float64)", "tensor(0.05, torch.float64)")}[case]
+            option = "compute_dtype" if case == "compute_dtype" else "lr"
+            for word in ("differ between the ranks", f"param group 0 option '{option}': rank 0: {values[0]}, "
+                                                     f"rank 1: {values[1]}"):
+                assert word in refused["message"], (r, case, word, refused["message"])
+            assert not outcome["ok"]["moved"], (r, case)  # refused before any weight moved
 
 
 def _same_tensors(a: dict, b: dict) -> bool:
