@@ -111,6 +111,7 @@ from geomuon.pretrain.config import TrainConfig, add_options, command_line, from
 from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
+from geomuon.pretrain.provenance import code_fingerprint, git_commit, machine
 from geomuon.pretrain.parallel import (DamagedCheckpoint, RunWriteError, checkpoint_write_error, dcp_folder, dcp_folders,
                                       load_checked, load_distributed, read_record, save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
@@ -956,7 +957,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
 
     on_disk = cfg.out_dir is not None
     result = TrainResult(cfg.out_dir)
-    start, records, elapsed_before = 0, [], 0.0
+    start, records, elapsed_before, provenance = 0, [], 0.0, []
     if on_disk:
         ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         if cfg.resume:
@@ -978,6 +979,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             result.evals = payload["evals"]
             records = payload["log"] if "log" in payload else _records_before(payload)
             elapsed_before = payload.get("wall_time", 0.0)
+            provenance = payload.get("provenance", [])  # (checkpoints before it recorded none)
             say(f"resumed from {resume_from} at step {start}")
         elif ddp.main:
             _prepare_out_dir(cfg.out_dir, cfg.overwrite)
@@ -985,6 +987,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             say(f"run folder: {cfg.out_dir}")
         ddp.barrier()
     log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)
+    provenance = provenance + [segment_provenance(device, ddp.world, start)] if on_disk else provenance
 
     parallel = parallelize(model, assignment, cfg, ddp)
     if on_disk and cfg.resume and os.path.isdir(resume_from):
@@ -1064,7 +1067,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         nonlocal last_saved
         result.wall_time = time.perf_counter() - t0  # what the checkpoint records, and a resume reads back
         last_saved = step
-        record = _run_record(model, cfg, data, step, result, log, result.wall_time)
+        record = _run_record(model, cfg, data, step, result, log, result.wall_time, provenance)
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
         else:
@@ -1204,12 +1207,28 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
                          "--out-dir")
 
 
+def segment_provenance(device: torch.device, world: int, first_step: int) -> dict:
+    """What ran one segment of a run (its start, or a resume): the ``geomuon`` version, the commit
+    of its checkout (:func:`~geomuon.pretrain.provenance.git_commit`: ``-dirty`` for uncommitted
+    edits) and the fingerprint of its training code, torch's version, the device the run
+    resolved (``--device auto`` records ``cpu`` or ``cuda:0``), the processes and the machine: a
+    checkpoint's configuration alone had recorded ``"auto"`` and no code, so a run could not be
+    said to have been reproduced."""
+    from geomuon import __version__
+
+    return {"first_step": first_step, "geomuon": __version__, "commit": git_commit(), "code": code_fingerprint(),
+            "torch": str(torch.__version__), "device": str(device), "world_size": world, "machine": machine()}
+
+
 def _run_record(model: GPT, cfg: TrainConfig, data: TokenData, step: int, result: TrainResult, log: RunLog,
-                wall_time: float) -> dict:
+                wall_time: float, provenance: list[dict]) -> dict:
     """What a checkpoint keeps besides the tensors (plain data), :func:`check_same_run`'s
-    references among them."""
+    references among them, and ``provenance``: :func:`segment_provenance` of every segment of
+    the run so far, in order (a resume may run other code or another machine; the run's numbers
+    are then those of all of them)."""
     return {"step": step, "config": asdict(cfg), "model_config": asdict(model.config), "data": data.identity,
-            "batch_seeding": BATCH_SEEDING, "losses": result.losses, "evals": result.evals, "log": log.records, "wall_time": wall_time}
+            "batch_seeding": BATCH_SEEDING, "losses": result.losses, "evals": result.evals, "log": log.records,
+            "wall_time": wall_time, "provenance": provenance}
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -70,6 +70,23 @@ def test_a_finished_run_read_back_reports_the_time_it_trained(tmp_path):
     assert fresh.wall_time == recorded == again.wall_time
 
 
+def test_a_checkpoint_records_what_ran_each_segment_of_its_run(tmp_path):
+    # the configuration alone had said device "auto" and named no code: a run could not be said
+    # to have been reproduced. Each segment (the start, every resume) records its own.
+    from geomuon import __version__
+    from geomuon.pretrain.provenance import code_fingerprint, git_commit
+
+    train(config(tmp_path / "run", strategy="adamw", stop_after=3, device="auto"))
+    first = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["provenance"]
+    train(config(tmp_path / "run", strategy="adamw", stop_after=6, device="auto", resume=True))
+    both = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["provenance"]
+    assert both[:1] == first and [segment["first_step"] for segment in both] == [0, 3]
+    for segment in both:
+        assert segment["device"] == "cpu"  # resolved, not the option's "auto"
+        assert (segment["geomuon"], segment["torch"], segment["world_size"]) == (__version__, torch.__version__, 1)
+        assert (segment["commit"], segment["code"]) == (git_commit(), code_fingerprint())
+
+
 def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     save_checkpoint(path, {"model": {"w": torch.arange(1000.0)}, "step": 1})
