@@ -341,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{search.restarts} restarts of each pair search (near, far, single token, antipodal pairs), "
             f"{search.steps} Adam steps, {search.power_steps} Jacobian power-iteration steps, then "
             f"{search.ascent_steps} Jacobian ascent steps (the power iteration's centre moving up the slope too). "
-            "The machine was "
-            "shared with other jobs (the numbers are not timings and do not depend on load). Every bound is a "
+            "The numbers are not timings: they do not depend on the machine's load. Every bound is a "
             "certificate for the network in exact arithmetic; the float32/bf16 network adds the rounding term "
             "of `rounding_error_bound`.\n\n" + composition_text + "\n\n" + table)
     print(table)
