@@ -61,7 +61,11 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from geomuon import __version__
+
     parser = argparse.ArgumentParser(prog="geomuon", description=__doc__.splitlines()[0])
+    # what a bug report or a CI log names first (`geomuon info` adds torch's and the others')
+    parser.add_argument("--version", action="version", version=f"geomuon {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (target, help_text) in VERBS.items():
         # add_help=False: `geomuon VERB --help` must reach the verb's own parser (second pass)
