@@ -179,6 +179,12 @@ class Rule:
 ADAMW = Rule("adamw")
 
 
+def rule_for(table: dict[str, Rule], role: str) -> Rule:
+    """The rule a strategy ``table`` gives a parameter of ``role``: every vector, and every role
+    the table leaves out, is AdamW's."""
+    return table.get(role, ADAMW) if role != "vector" else ADAMW
+
+
 def _seed000(attention: Rule, mlp: Rule) -> dict[str, Rule]:
     return {**{r: attention for r in ATTENTION_ROLES}, **{r: mlp for r in MLP_ROLES}}
 
@@ -547,7 +553,7 @@ def assign(
     rows, buckets = [], {}
     for name, role in role_of.items():
         p = params[name]
-        rule = table.get(role, ADAMW) if role != "vector" else ADAMW
+        rule = rule_for(table, role)
         if rule.update != "adamw" and p.dim() != 2:
             # (the optimizers refused it with advice assign cannot follow, "a param group with
             # update='adamw'"; ManifoldMuon had constrained each [kh, kw] slice of a conv kernel

@@ -308,7 +308,7 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
                     "p.grad = p.grad.redistribute(p.device_mesh, p.placements))")
     keys = sorted(optimizer._option_keys)  # sorted: the keys' set order depends on the process's hash seed
     options = {key: group.get(key) for key in keys}
-    pending.append(_PendingOptions(index, mesh, options, _fingerprint(options, params[0].device)))
+    pending.append(_PendingOptions(index, mesh, options, *_fingerprint(options)))
 
 
 #: fingerprints are residues modulo this prime (below $2^{31}$: a negated one fits in int64)
@@ -325,8 +325,10 @@ class _PendingOptions:
     mesh: object
     #: ``{option: value}`` on this rank, the keys sorted
     options: dict
-    #: 0-dim int64 on the parameters' device: :func:`_fingerprint` of ``options``
-    fingerprint: torch.Tensor
+    #: :func:`_fingerprint` of ``options``: the text's, and the tensors' (on their device; ``None``
+    #: where no option is a tensor)
+    text_fingerprint: int
+    tensor_fingerprint: torch.Tensor | None
 
 
 def _canonical(value, tensors: list[torch.Tensor] | None = None) -> str:
@@ -344,6 +346,8 @@ def _canonical(value, tensors: list[torch.Tensor] | None = None) -> str:
     if isinstance(value, dict):
         items = sorted(value.items(), key=lambda item: repr(item[0]))
         return "{" + ", ".join(f"{k!r}: {_canonical(v, tensors)}" for k, v in items) + "}"
+    if isinstance(value, (set, frozenset)):  # sorted: a set's order depends on the process's hash seed
+        return f"{type(value).__name__}({', '.join(sorted(_canonical(v, tensors) for v in value))})"
     text = repr(value)
     if " at 0x" in text:
         kind = value if callable(value) and hasattr(value, "__qualname__") else type(value)
@@ -351,35 +355,40 @@ def _canonical(value, tensors: list[torch.Tensor] | None = None) -> str:
     return text
 
 
-def _fingerprint(value, device: torch.device) -> torch.Tensor:
-    r"""0-dim int64 on ``device`` in $[0, p)$, $p = 2^{31} - 1$: $\big(\mathrm{crc32}(t) +
-    \sum_k k \sum_j j\,(31 h_{kj} + l_{kj})\big) \bmod p$ for the canonical text $t$ of
-    ``value`` (:func:`_canonical`) and its tensors $k = 1, 2, \dots$, $h_{kj}, l_{kj}$ the high
-    and low 32 bits of entry $j$ (from 1) in float64 (exact for every floating dtype). Equal
-    values give equal fingerprints in every process; a collision (probability
-    $\approx 2^{-31}$) only misses a disagreement. No host read and no host-to-device copy (a
-    fill, and the tensors' sums on their own devices)."""
+def _fingerprint(value) -> tuple[int, torch.Tensor | None]:
+    r"""$\mathrm{crc32}(t) \bmod p$ (a host int), $p = 2^{31} - 1$, of the canonical text $t$ of
+    ``value`` (:func:`_canonical`), and for its tensors $k = 1, 2, \dots$ (``None`` without any)
+    the 0-dim int64 on their device $\sum_k k\,\big(\sum_j j\,(31 h_{kj} + l_{kj}) \bmod p\big)$,
+    $h_{kj}, l_{kj}$ the high and low 32 bits of entry $j$ (from 1) in float64 (exact for every
+    floating dtype). Equal values give equal fingerprints in every process; a collision
+    (probability $\approx 2^{-31}$) only misses a disagreement. No host read, and device work
+    only for tensor options (a scheduled ``lr``)."""
     tensors: list[torch.Tensor] = []
-    text = _canonical(value, tensors)
-    fingerprint = torch.full((), zlib.crc32(text.encode()) % _FINGERPRINT_MODULUS, dtype=torch.int64, device=device)
+    text = zlib.crc32(_canonical(value, tensors).encode()) % _FINGERPRINT_MODULUS
+    term = None
     for k, t in enumerate(tensors, 1):
         bits = t.detach().reshape(-1).to(torch.float64).view(torch.int64)
         weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
         entries = ((bits >> 32) & 0xFFFFFFFF) * 31 + (bits & 0xFFFFFFFF)
-        fingerprint = fingerprint + k * (entries.remainder(_FINGERPRINT_MODULUS) * weights).remainder(
-            _FINGERPRINT_MODULUS).sum()
-    return fingerprint.remainder(_FINGERPRINT_MODULUS)
+        part = k * (entries.remainder(_FINGERPRINT_MODULUS) * weights).remainder(_FINGERPRINT_MODULUS).sum()
+        term = part if term is None else term + part
+    return text, term
 
 
-def _options_agree(pending: list[_PendingOptions], mesh) -> torch.Tensor:
-    r"""1-element bool on the device: whether every rank of ``mesh`` recorded the same groups
-    with the same options (:func:`_fingerprint` of each, combined as
-    $\big(\sum_j (j + 1) f_j + \mathrm{crc32}(\text{group indices})\big) \bmod p$, one number
+def _options_agree(pending: list[_PendingOptions], mesh, device: torch.device) -> torch.Tensor:
+    r"""1-element bool on ``device``: whether every rank of ``mesh`` recorded the same groups
+    with the same options (:func:`_fingerprint` of each, its two parts summed as $f_j$, combined
+    as $\big(\sum_j (j + 1) f_j + \mathrm{crc32}(\text{group indices})\big) \bmod p$, one number
     whatever the groups, so a rank with another number of groups meets the others' all-reduce),
-    by $\max_r f_r = -\max_r(-f_r)$: one all-reduce of both."""
+    by $\max_r f_r = -\max_r(-f_r)$: one all-reduce of both. The text parts are summed on the
+    host, the tensor parts (where an option is a tensor) on the device."""
     indices = zlib.crc32(repr([entry.group for entry in pending]).encode())
-    combined = sum((j + 1) * entry.fingerprint for j, entry in enumerate(pending)) + indices
-    combined = combined.remainder(_FINGERPRINT_MODULUS).reshape(1)
+    texts = sum((j + 1) * entry.text_fingerprint for j, entry in enumerate(pending)) + indices
+    combined = torch.full((1,), texts % _FINGERPRINT_MODULUS, dtype=torch.int64, device=device)
+    for j, entry in enumerate(pending):
+        if entry.tensor_fingerprint is not None:
+            combined = combined + (j + 1) * entry.tensor_fingerprint.to(device)
+    combined = combined.remainder(_FINGERPRINT_MODULUS)
     both = torch.cat([combined, -combined])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return both[:1] == -both[1:]
@@ -603,14 +612,13 @@ def read_failures(optimizer, values: torch.Tensor | None = None, mesh=None) -> l
     if not read and not compared:
         return [] if values is None else values.tolist()
     pending[:] = [f for f in pending if not (mesh is None or f.mesh == mesh)]
-    options[:] = [entry for entry in options if not any(entry is c for c in compared)]
+    if compared:
+        options[:] = [entry for entry in options if entry.mesh != mesh]
     if values is None:
         values = torch.empty(0, dtype=torch.uint8, device=read[0].flags.device)
-    agree = [_options_agree(compared, mesh).to(values.device, values.dtype)] if compared else []
+    agree = [_options_agree(compared, mesh, values.device).to(values.dtype)] if compared else []
     host = torch.cat([values.reshape(-1), *agree, *(f.flags.to(values.device, values.dtype) for f in read)]).tolist()
     agreed = host[values.numel():values.numel() + len(agree)]
-    if not all(agreed):  # every rank of the mesh is here: the all-reduce's result is the same on each
-        _raise_for_differing_options(optimizer, compared, mesh)
     flags, start = host[values.numel() + len(agreed):], 0
     failed, errors = [], []
     for f in read:
@@ -631,6 +639,10 @@ def read_failures(optimizer, values: torch.Tensor | None = None, mesh=None) -> l
             "matrices, and these got no update (a whole-matrix step left their weights as they were; an "
             "elementwise one still applied weight decay) but their momentum was updated: end the run, or "
             "reload a checkpoint (geomuon.pretrain.parallel.load_distributed)") from cause
+    # after the failures (the same flags on every rank: all raise above, or none does), so that a
+    # failed owner step is named even when a schedule has also made the options diverge
+    if not all(agreed):  # every rank of the mesh is here: the all-reduce's result is the same on each
+        _raise_for_differing_options(optimizer, compared, mesh)
     return host[:values.numel()]
 
 

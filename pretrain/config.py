@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -35,7 +36,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from geomuon.optimizers.assign import ADAMW, ROLES, STRATEGIES, Rule, classify, strategy_table
+from geomuon.optimizers.assign import ROLES, STRATEGIES, Rule, classify, rule_for, strategy_table
 from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
 from geomuon.pretrain.model import CONFIGS, GPT, GPTConfig, get_config
 from geomuon.theory.lipschitz import DEFAULT_METHOD, METHODS
@@ -250,7 +251,7 @@ class TrainConfig:
                                     f"{json.dumps(self.model_overrides)}: {err}")
                 else:
                     problems += self._unused_lipschitz_bound(model)
-                    roles = parameter_roles(model)
+                    roles = parameter_roles(model) if check_unused else None
         if check_unused:
             problems += self.unused_options([self.strategy] if sharing is None else list(sharing), roles)
         if named_strategy and self.direction_dtype == "fp32" and self.strategy in STRATEGIES and any(
@@ -316,7 +317,7 @@ class TrainConfig:
         named = [name for name in strategies if name in STRATEGIES]
         of_model = "" if roles is None else f" on the parameters of --config {self.model}"
         roles = ROLES if roles is None else tuple(roles)
-        rules = [STRATEGIES[name].get(role, ADAMW) if role != "vector" else ADAMW for name in named for role in roles]
+        rules = [rule_for(STRATEGIES[name], role) for name in named for role in roles]
         defaults = {f.name: f.default for f in fields(self)}
         problems = []
         for name, (takes, takers) in RULE_OPTIONS.items():
@@ -330,6 +331,7 @@ class TrainConfig:
         return problems
 
 
+@functools.lru_cache(maxsize=32)  # a comparison validates one model configuration once per run
 def parameter_roles(model: GPTConfig) -> frozenset[str]:
     """The roles (:data:`~geomuon.optimizers.assign.ROLES`) of the trainable parameters of the GPT
     ``model`` describes, as :func:`~geomuon.optimizers.assign.classify` gives them. They depend on

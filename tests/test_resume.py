@@ -82,7 +82,8 @@ def test_a_checkpoint_records_what_ran_each_segment_of_its_run(tmp_path):
     both = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["provenance"]
     assert both[:1] == first and [segment["first_step"] for segment in both] == [0, 3]
     for segment in both:
-        assert segment["device"] == "cpu"  # resolved, not the option's "auto"
+        # resolved, not the option's "auto" (train's rule: CUDA where there is one)
+        assert segment["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
         assert (segment["geomuon"], segment["torch"], segment["world_size"]) == (__version__, torch.__version__, 1)
         assert (segment["commit"], segment["code"]) == (git_commit(), code_fingerprint())
 
