@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -489,7 +490,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
             $\Lambda$ of ``rhs``'s shape, computed in ``rhs.dtype``.
         """
         batch = rhs.shape[: x.dim() - 2]
-        if rhs.shape[len(batch) :].numel() == 0:
+        if rhs.numel() == 0:  # an empty multiplier or an empty batch: nothing to solve (b.reshape(0, -1) is ambiguous)
             return rhs.clone()
         x = x.expand(*batch, *x.shape[-2:])
         b = rhs.reshape(*batch, -1)
@@ -770,8 +771,9 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
 
     @staticmethod
     def _flat_multiplier(multiplier: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """A multiplier-shaped tensor of the points ``x`` ``[..., m, n]`` as ``[..., p]``."""
-        return multiplier.reshape(*x.shape[:-2], -1)
+        """A multiplier-shaped tensor of the points ``x`` ``[..., m, n]`` as ``[..., p]`` (``p``
+        named, not ``-1``: an empty batch leaves ``-1`` ambiguous)."""
+        return multiplier.reshape(*x.shape[:-2], math.prod(multiplier.shape[x.dim() - 2:]))
 
 
 def _class_path(cls: type) -> str:

@@ -42,12 +42,20 @@ class DGram(MatrixManifold):
     not the metric projection (which has no closed form). The constraint maps compute in
     the input's dtype, ``proju`` in ``u``'s.
 
-    A retraction target $W + V$ or a ``projx`` input with a zero column raises ``ValueError``:
-    the manifold requires nonzero columns and those maps divide by them (a host read, once per
-    retraction). The maps an optimizer's step calls at its point, ``proju`` and
-    ``constraint_gram_diag``, read nothing back: a point with a zero column is refused by the
-    point check (:meth:`points_on_manifold`, an optimizer's first step), and past it only a
-    retraction, which raises, could make one. At such a point ``proju`` is still the orthogonal
+    A ``projx`` input with a zero column raises ``ValueError`` (a host read: ``projx`` is
+    not called inside an optimizer step). A retraction target $W + V$ with a zero column has
+    no retraction (that column's direction is undefined, and the manifold requires it
+    nonzero): ``retr`` returns the point $W$ itself, $R_W(0)$, for each matrix of a batch
+    whose target has one, decided on the device, no host read (the retraction is called
+    inside optimizer steps, e.g. :class:`~geomuon.optimizers.ManifoldMuon`'s general path).
+    So the step of that matrix is a no-op that stays on the manifold; the alternative, the
+    target's zero column kept, would leave the manifold with a column no later step can
+    revive ($P_W$ keeps it out of the point, and the next point check comes only after a
+    load). An exact zero target column is a measure-zero event (e.g. $V = -W$, tangent,
+    in exact arithmetic). The maps an optimizer's step calls at its point, ``proju`` and
+    ``constraint_gram_diag``, read nothing back either: a point with a zero column is
+    refused by the point check (:meth:`points_on_manifold`, an optimizer's first step), and
+    past it no retraction makes one. At such a point ``proju`` is still the orthogonal
     projection onto $\ker L_W$ (the denominators $d_i^2 + d_j^2$ are clamped at ``tiny``, where
     the numerator vanishes: on the diagonal, and between two zero columns), and the Gram
     diagonal is 0 on the multipliers $L_W$ cannot reach.
@@ -63,7 +71,8 @@ class DGram(MatrixManifold):
         return x.square().sum(-2)
 
     def _nonzero_squared_column_norms(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """:meth:`_squared_column_norms`, refused (a host read) where a column of ``what`` is zero."""
+        """:meth:`_squared_column_norms`, refused (a host read: ``projx`` only, which no optimizer
+        step calls) where a column of ``what`` is zero."""
         d2 = self._squared_column_norms(x)
         if bool((d2 == 0).any()):
             raise ValueError(
@@ -120,10 +129,14 @@ class DGram(MatrixManifold):
     def retr(self, x, u):
         compute = fp32_or_fp64(x.dtype)
         y = x.to(compute) + u.to(compute)
-        d2 = self._nonzero_squared_column_norms(y, "the retraction target x + u")
+        d2 = self._squared_column_norms(y)  # a zero column is handled below, on the device
         # sqrt(tiny) as msign's norm floor: the default 1e-7 would mis-scale tiny columns.
         polar = msign(y, "polar_express", eps=torch.finfo(compute).tiny ** 0.5)
-        return (polar * d2.sqrt().unsqueeze(-2)).to(x.dtype)
+        point = (polar * d2.sqrt().unsqueeze(-2)).to(x.dtype)
+        if isinstance(d2, torch.Tensor):  # (the symbolic certificates' columns are nonzero letters)
+            # a target with a zero column keeps the point x (R_x(0)), chosen on the device
+            point = torch.where((d2 == 0).any(-1)[..., None, None], x, point)
+        return point
 
     @matrix_method(result="multiplier")
     def points_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):

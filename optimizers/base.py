@@ -501,7 +501,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
         No value is read back from the device (see :meth:`check_finite` for how skipped
         steps are reported), except in a sharded (``DTensor``) param group: one read of its
-        finiteness flags per group and step (:meth:`_finite_on_host`), a host synchronisation
+        finiteness flags per group and step (:meth:`_finite_on_host`; a trainable group without
+        a gradient on this rank reads too, a frozen one does not), a host synchronisation
         on CUDA."""
         self._check_edited_groups()
         return self._step_checked(closure)
@@ -525,15 +526,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if (why := self.regulation_refusal(index, float(group["lr"]))) is not None:
                     raise ValueError(f"{type(self).__name__}: group {index}, {why}; nothing was stepped")
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
+            # a sharded group's read is collective: this rank takes part even without a gradient
+            # of its own in a trainable group (another rank may have one, and waits for it); a
+            # frozen group (requires_grad, the same on every rank) costs no read
+            sharded = _sharded_params(group)
+            if sharded and (params or any(p.requires_grad for p in sharded)):
+                params = self._finite_on_host(group, index, params, positions)
             if not params:
                 continue
             lr = group["lr"]  # a tensor lr stays one: an operand of the update, never read back
             lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
             keep: dict[int, torch.Tensor] = {}
-            if _distributed.is_sharded(params[0]):
-                params = self._finite_on_host(group, index, params, positions)
-                if not params:
-                    continue
             if group["update"] == "adamw":
                 self._adamw(group, params, lr, self._keep(group, index, params, positions, keep))
             else:
@@ -648,23 +651,74 @@ class MatrixOptimizer(torch.optim.Optimizer):
                         positions: dict[int, int]) -> list[torch.Tensor]:
         r"""Sharded parameters: the non-finite check, read back to the host now (the sharded step
         has no device-side skip: the one host read of a step, see :meth:`step`), so every rank
-        drops the same matrices. The whole gradient's norm $\|G\|_F = (\sum_r \|G_r\|_F^2)^{1/2}$
-        over the ranks' shards $G_r$ is formed in fp32 (fp64 for fp64), as the one-process
-        ``_foreach_norm`` accumulates it, and a matrix group then rounds it to the gradient's
-        dtype (:meth:`_keep`'s test: a norm beyond the dtype's range skips). Combined in fp16,
-        the squares of a finite gradient's shard norms had overflowed (two shards of 6000 I_64,
-        norm 48000: inf). The same read carries the failure flags of earlier sharded steps on the
-        group's mesh (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
-        wide = functools.reduce(torch.promote_types, (fp32_or_fp64(p.grad.dtype) for p in params))
-        norms = _distributed.whole(torch.stack([torch.linalg.vector_norm(p.grad, dtype=wide) for p in params]))
+        drops the same matrices. ``params``: the group's parameters with a gradient on this rank
+        (possibly none); every rank of the group's mesh calls this for every group with a
+        trainable ``DTensor`` parameter (``requires_grad``), gradients or not.
+
+        One all-reduce (sum) over the mesh of a fixed-length vector, the same length on every
+        rank whichever gradients exist: for each sharded parameter $p_j$ of the group
+        (in the group's order), this rank's share $s_{j,r}$ of $\|G_j\|_F^2$ and a presence
+        flag $h_{j,r} \in \{0, 1\}$ (1: ``p.grad`` exists here; a missing gradient shares 0).
+        Summed, $\|G_j\|_F = (\sum_r s_{j,r})^{1/2}$ and $c_j = \sum_r h_{j,r}$; a parameter with
+        $0 < c_j < $ the mesh's size has a gradient on some ranks only, and every rank raises
+        the same ``ValueError`` naming it (its step would wait in collectives the other ranks
+        never enter; a hang until the process group's timeout before). $s_{j,r}$ is the squared
+        norm of the rank's piece of ``torch.linalg.vector_norm(p.grad)`` (a DTensor: partial
+        over the mesh dimensions the gradient is sharded on, divided by the size of each one
+        it is replicated on, so the sum over all ranks counts it once), formed in fp32 (fp64
+        for fp64), as the one-process ``_foreach_norm`` accumulates it; a matrix group then
+        rounds the norm to the gradient's dtype (:meth:`_keep`'s test: a norm beyond the
+        dtype's range skips). Combined in fp16, the squares of a finite gradient's shard norms
+        had overflowed (two shards of 6000 I_64, norm 48000: inf). The same read carries the
+        failure flags of earlier sharded steps on the group's mesh
+        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
+        tracked = _sharded_params(group)
+        mesh = tracked[0].device_mesh
+        dtensor = _distributed._dtensor_module()
+        # each gradient's norm in its own wide dtype (a missing one's: its parameter's), as _keep
+        # takes it; the all-reduce in the parameters' widest, the same on every rank whichever
+        # gradients exist (a gradient's dtype may differ from its parameter's: grad_dtype)
+        dtypes = [(p if p.grad is None else p.grad).dtype for p in tracked]
+        reduced = functools.reduce(torch.promote_types, (fp32_or_fp64(p.dtype) for p in tracked))
+        zero = torch.zeros((), dtype=reduced, device=tracked[0].to_local().device)
+        shares, present = [], []
+        for p, dtype in zip(tracked, dtypes):
+            if p.grad is None:
+                shares.append(zero)
+                present.append(zero)
+                continue
+            norm = torch.linalg.vector_norm(p.grad, dtype=fp32_or_fp64(dtype))
+            share = norm.to_local().square()  # squared in the norm's dtype, as DTensor's own reduction
+            for dim, placement in enumerate(norm.placements):
+                if placement.is_replicate():
+                    share = share / mesh.size(dim)
+            shares.append(share.to(reduced))
+            present.append(torch.ones_like(zero))
+        summed = dtensor.DTensor.from_local(torch.stack(shares + present), mesh,
+                                            [dtensor.Partial("sum")] * mesh.ndim, run_check=False).full_tensor()
+        counts = summed[len(tracked):]
+        # the sum rounded to the norm's dtype before the root: beyond its range it is inf there
+        norms = [square.to(fp32_or_fp64(dtype)).sqrt() for square, dtype in zip(summed[:len(tracked)], dtypes)]
         if group["update"] != "adamw":  # AdamW does not normalize: only a NaN or inf entry skips
-            norms = torch.stack([n.to(p.grad.dtype) for n, p in zip(norms, params)])
-        finite = _distributed.read_failures(self, norms.isfinite(), params[0].device_mesh)
-        if all(finite):
-            return params
-        bad = {self._name(group, positions[id(p)], index): 1 for p, ok in zip(params, finite) if not ok}
-        _report_nonfinite(self, group["nonfinite"], bad, stacklevel=4)
-        return [p for p, ok in zip(params, finite) if ok]
+            norms = [n.to(dtype) for n, dtype in zip(norms, dtypes)]
+        finite = torch.stack([n.isfinite() for n in norms]).to(reduced)
+        host = _distributed.read_failures(self, torch.cat([finite, counts]), mesh)
+        finite, counts = host[:len(tracked)], host[len(tracked):]
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        partial = [f"{self._name(group, position[id(p)], index)} (on {int(count)} of {mesh.size()} ranks)"
+                   for p, count in zip(tracked, counts) if 0 < count < mesh.size()]
+        if partial:
+            raise ValueError(
+                f"{type(self).__name__}: group {index}, parameter(s) {', '.join(partial)} have a gradient on "
+                "some ranks only (p.grad is None on the others); a sharded step is collective, so every rank "
+                "needs the same parameters' gradients: set the gradient on every rank (zeros where a rank has "
+                "none) or set it to None on every rank; this group and the groups after it were not stepped")
+        finite_of = {id(p): ok for p, ok in zip(tracked, finite)}
+        kept = [p for p in params if finite_of[id(p)]]
+        if len(kept) < len(params):
+            bad = {self._name(group, positions[id(p)], index): 1 for p in params if not finite_of[id(p)]}
+            _report_nonfinite(self, group["nonfinite"], bad, stacklevel=4)
+        return kept
 
     def _batches(self, group: dict, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         batches: dict[tuple, list[torch.Tensor]] = {}
@@ -951,6 +1005,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
                     _distributed.forget_replica(self, p)
+
+
+def _sharded_params(group: dict) -> list[torch.Tensor]:
+    """The param group's ``DTensor`` parameters, in the group's order (the same list on every
+    rank: :meth:`MatrixOptimizer._finite_on_host` reads one entry per parameter)."""
+    return [p for p in group["params"] if _distributed.is_sharded(p)]
 
 
 def require_number(index: int, name: str, value, admissible, what: str) -> None:

@@ -271,6 +271,9 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
         pending.clear()
     sharded = [is_sharded(p) for p in params]
     if not any(sharded):
+        trainable = [p for p in group["params"] if is_sharded(p) and p.requires_grad]
+        if trainable:  # no gradient here, but the group's finiteness read is collective all the same
+            _record_options(optimizer, group, index, trainable[0].device_mesh)
         return
     where = f"{type(optimizer).__name__} param group {index}"
 
@@ -306,9 +309,17 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
                     f"on that of ranks {mesh.mesh.tolist()}; the sharded matrix step reads the gradient's rows as "
                     "the parameter's: give it the parameter's placement (FSDP2's reduce-scatter does; by hand: "
                     "p.grad = p.grad.redistribute(p.device_mesh, p.placements))")
+    _record_options(optimizer, group, index, mesh)
+
+
+def _record_options(optimizer, group: dict, index: int, mesh) -> None:
+    """Record the options of sharded group ``index`` on ``mesh`` for :func:`read_failures`'s
+    comparison across ranks (every rank records every trainable sharded group, with gradients
+    here or not: :meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host` reads each on
+    every rank, and a rank without entries had skipped the all-reduce the others waited in)."""
     keys = sorted(optimizer._option_keys)  # sorted: the keys' set order depends on the process's hash seed
     options = {key: group.get(key) for key in keys}
-    pending.append(_PendingOptions(index, mesh, options, *_fingerprint(options)))
+    optimizer._pending_options.append(_PendingOptions(index, mesh, options, *_fingerprint(options)))
 
 
 #: fingerprints are residues modulo this prime (below $2^{31}$: a negated one fits in int64)

@@ -427,6 +427,35 @@ def worker(out_dir: str) -> None:
         results[f"whole:{case}"] = _outcome(lambda: whole_case(case, *spec))  # noqa: B023 - called at once
         save()
 
+    # a gradient on some ranks only (p.grad None on rank 1): the ranks' norm stacks had differed
+    # in length and every rank waited in the norm all-reduce until the process group's timeout.
+    # Then, on the same optimizer, gradients on every rank: the group still steps (nothing was
+    # left in a collective), and b's gradient None on every rank steps a alone
+    def gradient_on_some_ranks(missing_on_rank1):
+        params = [sharded(w) for w in _points()]
+        opt = Muon([dict(params=params, param_names=["a", "b"])], lr=0.02, compute_dtype=None)
+        out = {}
+        for p, g in zip(params, _gradients()):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        if rank == 1:
+            for i in missing_on_rank1:
+                params[i].grad = None
+        before = whole(params)
+        out["step"] = _outcome(opt.step)
+        out["moved"] = [not torch.equal(x, y) for x, y in zip(before, whole(params))]
+        step(opt, params, _gradients(seed=2))
+        params[1].grad = None
+        before = whole(params)
+        opt.step()
+        out["after"] = [not torch.equal(x, y) for x, y in zip(before, whole(params))]
+        return out
+
+    results["gradient_on_some_ranks"] = _outcome(lambda: gradient_on_some_ranks([1]))
+    # no gradient of the group on rank 1 at all: that rank had recorded no options to compare and
+    # skipped the options' all-reduce, where rank 0 waited for it until the timeout
+    results["no_gradient_on_one_rank"] = _outcome(lambda: gradient_on_some_ranks([0, 1]))
+    save()
+
     # options that differ between the ranks (OPTION_CASES): each rank had stepped its rows with
     # its own lr (Muon; an owner's manifold step with its own), and a differing compute_dtype had
     # sent payloads of different sizes into the all-to-all (gloo aborted both processes: that
@@ -819,3 +848,22 @@ def test_whole_matrix_state_and_arguments_step_save_and_resume_as_one_process(ru
             tiny_start, other_start = (w.double() for w in _whole_case_points(dtype)[::-1])
             assert (run["one_process"][1].double() - decay * tiny_start).abs().max() <= 1e-6 * tiny_start.abs().max()
             assert (run["one_process"][0].double() - decay * other_start).abs().max() > 1e-3, case
+
+
+@pytest.mark.parametrize("case, named", [("gradient_on_some_ranks", ["'b' (on 1 of 2 ranks)"]),
+                                         ("no_gradient_on_one_rank", ["'a' (on 1 of 2 ranks)", "'b' (on 1 of 2 ranks)"])])
+def test_a_gradient_on_some_ranks_only_is_refused_by_name_on_every_rank(runs, case, named):
+    # p.grad None on rank 1 only: the ranks' norm all-reduces had differed in length, and both
+    # waited until the process group's timeout (a timeout error, not a named refusal)
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        outcome = results[case]
+        assert "ok" in outcome, (r, outcome)
+        refused = outcome["ok"]["step"]
+        assert refused.get("error") == "ValueError", (r, refused)
+        for word in (*named, "some ranks only", "None on every rank"):
+            assert word in refused["message"], (r, word, refused["message"])
+        assert refused["seconds"] < PG_TIMEOUT / 2, (r, refused)
+        assert outcome["ok"]["moved"] == [False, False], (r, outcome)  # refused before any step
+        # the same optimizer then steps a (b's gradient None on every rank: b stays)
+        assert outcome["ok"]["after"] == [True, False], (r, outcome)

@@ -956,3 +956,23 @@ def test_a_gram_form_declaring_a_bad_default_is_refused_before_any_step(attribut
                                          rf"cannot take: the Gram form BadForm: .*{re.escape(message)}"):
         ManifoldMuon([W], manifold=BadOblique())
     ManifoldMuon([W], manifold=Oblique())  # control: the form as declared is taken
+
+
+def test_dgram_steps_of_the_general_path_read_nothing_back(no_host_reads):
+    # DGram.retr had read a zero-column flag back in every call: a device sync in every step of
+    # ManifoldMuon's general path (norm other than spectral). The first step checks the point
+    # (and reports it once on the CPU); the steps after it read nothing.
+    manifold = DGram()
+    gen = torch.Generator().manual_seed(11)
+    W = torch.nn.Parameter(manifold.projx(torch.randn(10, 6, generator=gen, dtype=torch.float64)))
+    opt = ManifoldMuon([W], lr=0.02, manifold="dgram", norm="row", compute_dtype=None)
+    W.grad = torch.randn(10, 6, generator=gen, dtype=torch.float64)
+    opt.step()
+    before = W.detach().clone()
+    W.grad = torch.randn(10, 6, generator=gen, dtype=torch.float64)
+    with no_host_reads():
+        opt.step()
+    assert not torch.equal(W.detach(), before)  # it stepped
+    # on DGram to the float64 retraction's round-off: its cosines within Polar Express's at most
+    # 12 steps of 3 products of inner dimension <= m + n = 16, each <= (m + n) eps (scale-free)
+    assert manifold.check_point_on_manifold(W.detach(), atol=12 * 3 * 16 * torch.finfo(torch.float64).eps, rtol=0.0)

@@ -534,16 +534,14 @@ def test_dgram_zero_column_is_rejected():
     W = dgram_point()
     W[:, 2] = 0
     manifold = DGram()
-    for call in (
-        lambda: manifold.projx(W),
-        lambda: manifold.retr(W, torch.zeros_like(W)),
-    ):
-        with pytest.raises(ValueError, match="zero column"):
-            call()
-    assert not manifold.check_point_on_manifold(W)  # what refuses such weights before a step
-    # A step that annihilates a column (V = -W is tangent: Off(-2 W^T W) = 0).
     with pytest.raises(ValueError, match="zero column"):
-        manifold.retr(dgram_point(), -dgram_point())
+        manifold.projx(W)
+    assert not manifold.check_point_on_manifold(W)  # what refuses such weights before a step
+    # A retraction target with a zero column keeps the point, R_W(0) (a deliberate change: it
+    # had raised after a host read inside every optimizer step; see DGram's docstring), here
+    # for a step that annihilates every column (V = -W is tangent: Off(-2 W^T W) = 0).
+    assert torch.equal(manifold.retr(W, torch.zeros_like(W)), W)
+    assert torch.equal(manifold.retr(dgram_point(), -dgram_point()), dgram_point())
 
 
 def test_zero_columns_and_rows_cannot_be_normalized():
@@ -855,7 +853,8 @@ def test_tangent_check_is_scale_free(manifold, scale):
 def test_dgram_maps_of_an_optimizer_step_read_nothing_back():
     # proju and constraint_gram_diag had checked for a zero column with bool(), a host read in
     # every step of ManifoldMuon's general path (three per step); the point check and the
-    # retraction (which raises) keep zero columns out. Counted by bool() on any tensor.
+    # retraction (which keeps the point where a target has one) keep zero columns out. Counted by
+    # bool() on any tensor.
     manifold, reads = DGram(), []
     W, G = dgram_point(), torch.randn(10, 6, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
     original = torch.Tensor.__bool__
@@ -958,3 +957,55 @@ def test_sphere_normalization_of_long_slices_is_accurate_in_float32(name):
     for landed in (manifold.retr(point, step), manifold.projx(torch.randn(shape, generator=gen))):
         assert (landed.double().norm(dim=dim) - radius).abs().max() <= tol
         assert manifold.check_point_on_manifold(landed)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["tall", "wide"])
+def test_dgram_retraction_of_a_zero_column_target_keeps_that_point_without_a_host_read(no_host_reads, wide):
+    # retr had read bool((d2 == 0).any()) back in every call (a device sync in every step of
+    # ManifoldMuon's general path) to raise for a zero target column. Now the matrix whose
+    # target has one keeps its point (selected on the device, bitwise), the others of the batch
+    # retract as they do alone. Column 2 of W0 annihilated: V0 = -w_2 e_2^T is tangent, since
+    # W0^T V0 = -d_2^2 e_2 e_2^T is diagonal.
+    manifold = DGram()
+    W0, W1 = dgram_point(seed=3), dgram_point(seed=4)
+    V0 = torch.zeros_like(W0)
+    V0[:, 2] = -W0[:, 2]
+    V1 = manifold.proju(W1, torch.randn(W1.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    W, V = torch.stack([W0, W1]), torch.stack([V0, V1])
+    if wide:  # the transposed geometry: a zero row
+        W, V, W1, V1 = W.mT, V.mT, W1.mT, V1.mT
+    with no_host_reads():
+        points = manifold.retr(W, V)
+    alone = manifold.retr(W1, V1)
+    assert torch.equal(points[0], W[0])
+    # the other matrix: the same float64 Polar Express as alone (at most 12 steps of 3 products
+    # with inner dimension <= m + n = 16, each off by <= (m + n) eps ||Y||_F), times its norms
+    eps, size = torch.finfo(torch.float64).eps, sum(W1.shape)
+    tolerance = 12 * 3 * size * eps * float((W1 + V1).norm())
+    assert (points[1] - alone).abs().max() <= tolerance
+    assert not torch.equal(points[1], W[1])  # it moved
+    # on DGram: its cosines are the orthogonalization's error, within the same bound (a cosine
+    # is scale-free, so the bound relative to ||Y||_F applies to it as it stands)
+    assert manifold.check_point_on_manifold(points[1], atol=12 * 3 * size * eps, rtol=0.0)
+
+
+def test_the_generic_maps_of_an_empty_batch_return_an_empty_batch():
+    # gram_solve (and the generic proju, egrad2rgrad, retr and projx through it) had raised
+    # "cannot reshape tensor of 0 elements into shape [0, -1]" on a [0, m, n] batch. Each map's
+    # result is its output for one point, stacked zero times: shape [0, *one point's], x's dtype.
+    from test_constraint_manifold import GeneralizedStiefel, UnitColumnsFromMaps, spd
+
+    for manifold in (UnitColumnsFromMaps(), GeneralizedStiefel(spd(6))):
+        one = manifold.projx(torch.randn(6, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+        empty = torch.zeros(0, 6, 4, dtype=torch.float64)
+        multiplier = manifold.constraint(one, one)
+        maps = {
+            "gram_solve": (manifold.gram_solve(empty, manifold.constraint(empty, empty)), multiplier),
+            "proju": (manifold.proju(empty, empty), one),
+            "egrad2rgrad": (manifold.egrad2rgrad(empty, empty), one),
+            "retr": (manifold.retr(empty, empty), one),
+            "projx": (manifold.projx(empty), one),
+        }
+        for name, (out, of_one) in maps.items():
+            assert out.shape == (0, *of_one.shape), (manifold.name, name, out.shape)
+            assert out.dtype == torch.float64, (manifold.name, name, out.dtype)
