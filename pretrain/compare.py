@@ -27,7 +27,6 @@ Figures (matplotlib, Agg backend, written to ``<out_dir>``):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
@@ -35,10 +34,11 @@ import sys
 import time
 
 from geomuon.optimizers.assign import STRATEGIES
-from geomuon.pretrain.config import TrainConfig, add_options, field_problems, from_args, option
-from geomuon.pretrain.train import (TrainingInterrupted, TrainResult, check_same_run, checkpoint_to_resume,
-                                    load_run_data, previous_checkpoint, resolve_out_dir, resume_command, resume_record,
-                                    run_files, train)
+from geomuon.pretrain.config import (TrainConfig, add_options, field_problems, from_args, is_template, launcher_value,
+                                     option, option_text)
+from geomuon.pretrain.train import (RunFolderClaim, TrainingInterrupted, TrainResult, check_same_run,
+                                    checkpoint_to_resume, literal_out_dir, load_run_data, previous_checkpoint,
+                                    resolve_out_dir, resume_command, resume_record, run_files, train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -89,39 +89,47 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     folder a template (``{time}``) gives is created here, after every check, under a name no
     other comparison holds; the caller removes it again if it stops before writing into it."""
     base.validate(named_strategy=False)  # the strategy is each run's
-    for option, values in (("--strategies", strategies), ("--seeds", seeds)):
+    for name, values in (("strategies", strategies), ("seeds", seeds)):
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:  # the second run of a pair would find the first one's folder after it trained
-            raise ValueError(f"{option} lists {', '.join(twice)} more than once; give each once")
+            raise ValueError(f"{option_text(name, options=CompareConfig)} lists {', '.join(twice)} more than once; "
+                             "give each once")
     root = _comparison_folder(base)
     if base.resume and not os.path.isdir(root):
-        raise ValueError(f"--resume: there is no comparison in {root!r} to continue")
+        raise ValueError(f"{option_text('resume', True)}: there is no comparison in {root!r} to continue")
     if root is not None and os.path.isdir(root) and not (base.resume or base.overwrite):
         held = [name for name in FIGURES if os.path.exists(os.path.join(root, name))]
         held += [f"{entry}/{name}" for entry in sorted(os.listdir(root)) for name in run_files(os.path.join(root, entry))]
         if held:
-            raise ValueError(f"--out-dir {root!r} already holds a comparison ({', '.join(held[:4])}"
-                             f"{', …' if len(held) > 4 else ''}); continue it with --resume, replace it with "
-                             f"--overwrite, or leave --out-dir out for a fresh folder")
+            raise ValueError(f"{option_text('out_dir')} {root!r} already holds a comparison ({', '.join(held[:4])}"
+                             f"{', …' if len(held) > 4 else ''}); continue it with {option_text('resume', True)}, "
+                             f"replace it with {option_text('overwrite', True)}, or leave it out for a fresh folder")
     runs = []
     for strategy in strategies:
         for seed in seeds:
-            out_dir = None if root is None else os.path.join(root, f"{strategy}-s{seed}")
+            folder = None if root is None else os.path.join(root, f"{strategy}-s{seed}")
             # a run of the comparison may have been checkpointed by one process or by several; a run
             # whose ckpt.pt is gone but whose ckpt.prev.pt is there resumes too, so that load_checkpoint
             # says what to do (started afresh, it had deleted that checkpoint)
-            checkpoint = None if out_dir is None else checkpoint_to_resume(out_dir)
+            checkpoint = None if folder is None else checkpoint_to_resume(folder)
             resume = base.resume and checkpoint is not None and (
                 os.path.exists(checkpoint) or os.path.exists(previous_checkpoint(checkpoint)))
-            runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, out_dir=out_dir, resume=resume,
+            runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, resume=resume,
+                                            out_dir=_run_out_dir(root, strategy, seed),
                                             overwrite=(base.overwrite or base.resume) and not resume))
     for cfg in runs:  # fail before the first run, not after the third
         cfg.validate(sharing=strategies)
         resolve_out_dir(cfg)
-    if root is not None and root != base.out_dir:
+    if root is not None and is_template(base.out_dir):
         root = _claim_fresh_folder(base, root)
-        runs = [dataclasses.replace(cfg, out_dir=os.path.join(root, os.path.basename(cfg.out_dir))) for cfg in runs]
+        runs = [dataclasses.replace(cfg, out_dir=_run_out_dir(root, cfg.strategy, cfg.seed)) for cfg in runs]
     return root, runs
+
+
+def _run_out_dir(root: str | None, strategy: str, seed: int) -> str | None:
+    """The ``out_dir`` of the comparison's run of ``strategy`` and ``seed`` in the folder ``root``
+    (:func:`~geomuon.pretrain.train.literal_out_dir`: a brace in ``root`` is no template field)."""
+    return None if root is None else literal_out_dir(os.path.join(root, f"{strategy}-s{seed}"))
 
 
 def _comparison_folder(base: TrainConfig) -> str | None:
@@ -141,16 +149,9 @@ def _claim_fresh_folder(base: TrainConfig, root: str) -> str:
         except FileExistsError:
             root = _comparison_folder(base)
         except OSError as err:
-            raise ValueError(f"--out-dir {root!r} cannot be created ({err.strerror}); choose another "
-                             "--out-dir") from None
-    raise ValueError(f"--out-dir {base.out_dir!r}: no free folder among its first 100 names")
-
-
-def _remove_if_empty(folder: str | None) -> None:
-    """Remove the fresh folder of a comparison that stopped before writing into it."""
-    if folder is not None:
-        with contextlib.suppress(OSError):  # not empty, or gone: it stays as it is
-            os.rmdir(folder)
+            raise ValueError(f"{option_text('out_dir')} {root!r} cannot be created ({err.strerror}); choose "
+                             "another one") from None
+    raise ValueError(f"{option_text('out_dir')} {base.out_dir!r}: no free folder among its first 100 names")
 
 
 def compare(
@@ -165,16 +166,24 @@ def compare(
     checkpointed run is checked to be the same run (options, data, model:
     :func:`geomuon.pretrain.train.check_same_run`) before the first one trains, so a
     changed option cannot leave the comparison half trained on it. An interrupted run
-    raises :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint."""
+    raises :class:`geomuon.pretrain.train.TrainingInterrupted` after its checkpoint.
+
+    The comparison holds its folder (:class:`geomuon.pretrain.train.RunFolderClaim`) while it
+    runs: a second comparison into that folder is refused ("in use by another run"); two
+    started together had both passed the check for an earlier comparison, trained side by side
+    and written their figures over each other's. A folder it created (or a template's fresh
+    one) and no run wrote to is removed again."""
     check(CompareConfig(strategies, seeds, divergence_margin))
     root, runs = comparison_runs(base, strategies, seeds)
-    fresh = root if root != base.out_dir else None  # created by comparison_runs for a template
+    fresh = root is not None and is_template(base.out_dir)  # comparison_runs created it, for this process
+    # under torchrun the runs write to rank 0's folder (train broadcasts it), which rank 0 holds
+    claim = RunFolderClaim(root, fresh=fresh) if fresh or (root is not None and launcher_value("RANK") == 0) else None
     overall, summaries = None, []
     try:
         data = load_run_data(base)
         for cfg in runs:
             if cfg.resume:
-                checkpoint, record = resume_record(cfg.out_dir)
+                checkpoint, record = resume_record(resolve_out_dir(cfg))
                 try:
                     check_same_run(record, cfg, data)
                 except ValueError as err:  # which of the comparison's runs: its checkpoint
@@ -190,7 +199,8 @@ def compare(
     finally:
         if overall is not None:
             overall.close()
-        _remove_if_empty(fresh)  # a comparison that stopped before its first run wrote anything
+        if claim is not None:
+            claim.release()
     return summaries
 
 
@@ -354,30 +364,33 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run every (strategy, seed) on the same data and schedule; print the table, write the
-    plots, end with a summary line."""
+    plots, end with a summary line (under torchrun rank 0 alone: the other ranks evaluate
+    nothing, so their table had read every run as diverged (val loss nan) and their figures,
+    written to the same files, raced rank 0's)."""
     base = from_args(TrainConfig, args)
     options = from_args(CompareConfig, args)
     started = time.perf_counter()
-    fresh = None  # the folder comparison_runs creates for a templated --out-dir
     try:
-        check(options)
-        root, _ = comparison_runs(base, options.strategies, options.seeds)
-        fresh = root if root != base.out_dir else None
-        base = dataclasses.replace(base, out_dir=root)
         summaries = compare(base, options.strategies, options.seeds, options.divergence_margin)
     except ValueError as err:
         print(f"geomuon compare: {err}", file=sys.stderr)
         return 2
     except TrainingInterrupted as stop:
-        again = resume_command("compare", dataclasses.replace(base, resume=True, overwrite=False), options,
-                               defaults=COMPARE_DEFAULTS)
+        if launcher_value("RANK") != 0:
+            return stop.exit_code
+        # the comparison's folder: the interrupted run's parent (a template's fresh name, resolved)
+        folder = None if stop.out_dir is None else literal_out_dir(os.path.dirname(stop.out_dir))  # None: in memory
+        again = resume_command("compare", dataclasses.replace(base, out_dir=folder, resume=True, overwrite=False),
+                               options, defaults=COMPARE_DEFAULTS)
         # a run found diverged writes no checkpoint at the signal: "at step N" would promise one
         where = "" if stop.saved else (", which had diverged: no checkpoint was written (the run restarts from its "
                                        "last finite checkpoint, if any, else from step 0)")
         print(f"interrupted at step {stop.step} of {stop.out_dir}{where}; resume with: {again}", file=sys.stderr)
         return stop.exit_code
-    finally:  # a comparison that stopped before its first run wrote anything leaves no folder
-        _remove_if_empty(fresh)
+    if launcher_value("RANK") != 0:
+        return 0
+    # every run is in <folder>/<strategy>-s<seed> (no folder: the comparison ran in memory)
+    root = None if base.out_dir is None else os.path.dirname(summaries[0].result.out_dir)
     print(results_table(summaries))
     if root is not None:
         for path in plot(summaries, root):

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shlex
+import string
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -267,7 +268,7 @@ class TrainConfig:
             problems.append("--resume/--overwrite need an --out-dir holding the run (out_dir is None)")
         if self.resume and self.overwrite:
             problems.append("--resume continues the run in --out-dir, --overwrite replaces it; choose one")
-        if self.resume and self.out_dir is not None and "{" in self.out_dir:
+        if self.resume and isinstance(self.out_dir, str) and _names_a_template(self.out_dir):
             problems.append(f"--resume needs the --out-dir of the run to continue (got the template "
                             f"{self.out_dir!r})")
         if _numbers(self.warmup_steps, self.steps) and not 0 <= self.warmup_steps < self.steps:
@@ -384,6 +385,39 @@ def _options(cls) -> Iterable[tuple[dataclasses.Field, Option, type, bool]]:
             kind = next(k for k in typing.get_args(kind) if k is not type(None))
         many = typing.get_origin(kind) is list
         yield f, opt, (typing.get_args(kind)[0] if many else typing.get_origin(kind) or kind), many
+
+
+def option_text(name: str, value=..., options: type | None = None) -> str:
+    """The option ``name`` of ``options`` (a dataclass of :func:`~geomuon.pretrain.config.option`
+    fields; default :class:`TrainConfig`; ``geomuon compare``'s options) as both of its callers spell it,
+    for a message that says what to do: a refusal raised by :func:`train` reaches the command line
+    and a Python caller of ``train(TrainConfig(...))`` alike, and had named only the flags
+    ("continue it with --resume"). ``--out-dir (out_dir)``; with ``value``, ``--resume
+    (resume=True)``, ``--no-progress (progress=False)``, ``--lr 0.01 (lr=0.01)``."""
+    declared = {f.name: f for f in fields(options or TrainConfig)}[name]
+    flag = _flag(declared, declared.metadata["option"])
+    if value is ...:
+        return f"{flag} ({name})"
+    if isinstance(value, bool):
+        return f"{flag if value else '--no-' + flag[2:]} ({name}={value})"
+    shown = f"{value:g}" if isinstance(value, float) else repr(value)  # 1.0 as the command line takes it: 1
+    return f"{flag} {shown if isinstance(value, float) else value} ({name}={shown})"
+
+
+def is_template(out_dir: str) -> bool:
+    """Whether ``out_dir`` has replacement fields (``{strategy}``, ``{time}``), i.e. names a fresh
+    folder for every run; a literal brace written ``{{`` or ``}}`` is none. (A name that
+    ``str.format`` changed had counted as a template, so ``x{{b}}``'s run, in ``x{b}``, could be
+    neither resumed nor refused: another run went to ``x{b}-2``.) ``ValueError`` for a lone brace."""
+    return any(name is not None for _, name, _, _ in string.Formatter().parse(out_dir))
+
+
+def _names_a_template(out_dir: str) -> bool:
+    """:func:`is_template`, a lone brace counting as one (its own refusal names it at the run)."""
+    try:
+        return is_template(out_dir)
+    except ValueError:
+        return True
 
 
 def _flag(f, opt: Option) -> str:

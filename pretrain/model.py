@@ -133,16 +133,22 @@ CONFIGS: dict[str, GPTConfig] = {
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """A named config with fields overridden (``None`` values are ignored).
+    """A named config with fields overridden.
 
-    Raises ``ValueError`` for an unknown config name or an override that is no ``GPTConfig`` field."""
+    Raises ``ValueError`` for an unknown config name, an override that is no ``GPTConfig`` field,
+    or one set to ``None`` (no field takes it: ``{"tie_weights": None}``, JSON's null, had been
+    dropped without a word, the run recorded as overridden)."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
     field_names = [f.name for f in fields(GPTConfig)]
     unknown = sorted(set(overrides) - set(field_names))
     if unknown:  # dataclasses.replace had raised a TypeError about GPTConfig.__init__
         raise ValueError(f"get_config({name!r}): {unknown} are no GPTConfig fields; choose from {field_names}")
-    return replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
+    unset = sorted(k for k, v in overrides.items() if v is None)
+    if unset:
+        raise ValueError(f"get_config({name!r}): {unset} set to None, which no GPTConfig field takes; give "
+                         f"each a value or leave it out for {name!r}'s own")
+    return replace(CONFIGS[name], **overrides)
 
 
 # --------------------------------------------------------------------------------------

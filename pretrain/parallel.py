@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from geomuon.optimizers.assign import check_same_groups
 from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, matrix_owner, whole
+from geomuon.pretrain.config import option_text
 
 __all__ = ["OwnerGather", "RunWriteError", "DamagedCheckpoint", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
            "read_distributed", "dcp_folder", "dcp_folders"]
@@ -240,7 +241,8 @@ def checkpoint_write_error(path: str, err: OSError, kept: str | None, rank: int 
     torchrun) stopped: it names ``path``, the previous checkpoint ``kept`` (``None``: there is
     none) and what to do."""
     cause = (err.strerror or str(err)) + ("" if rank is None else f" on rank {rank}")
-    then = (f"{kept!r} still holds the previous checkpoint: make room and continue with --resume" if kept
+    then = (f"{kept!r} still holds the previous checkpoint: make room and continue with {option_text('resume', True)}"
+            if kept
             else "no earlier checkpoint exists: make room and start again")
     return RunWriteError(err.errno, f"checkpoint {path!r} could not be written ({cause}); {then}")
 

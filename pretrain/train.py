@@ -107,7 +107,8 @@ from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import is_sharded, whole
 from geomuon.optimizers.base import MatrixOptimizer
-from geomuon.pretrain.config import TrainConfig, add_options, command_line, from_args, launcher_value
+from geomuon.pretrain.config import (TrainConfig, add_options, command_line, from_args, is_template, launcher_value,
+                                     option_text)
 from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
@@ -229,6 +230,13 @@ class Distributed:
 
 # ----------------------------------------------------------------------------- run folders
 
+
+def literal_out_dir(path: str) -> str:
+    """The ``out_dir`` that names the folder ``path`` itself, its braces doubled (``x{b}`` →
+    ``x{{b}}``): what a resume command or a second :func:`resolve_out_dir` is given for a
+    resolved folder (``x{b}`` itself had been refused as a template with an unknown field)."""
+    return path.replace("{", "{{").replace("}", "}}")
+
 #: The files that make a folder hold a run (refused as a fresh run's --out-dir).
 RUN_FILES = ("ckpt.pt", "ckpt.prev.pt", "log.jsonl")
 
@@ -241,20 +249,21 @@ def run_files(path: str) -> list[str]:
 
 def resolve_out_dir(cfg: TrainConfig) -> str | None:
     """The folder a run writes to: ``cfg.out_dir`` with ``{strategy}`` and ``{time}`` (UTC,
-    ``YYYYmmdd-HHMMSS``) filled in — a templated name that exists already gets ``-2``,
-    ``-3``, … — checked: a folder holding a run is refused unless ``cfg.resume`` or
-    ``cfg.overwrite``. Creates nothing."""
+    ``YYYYmmdd-HHMMSS``) filled in — a templated name (:func:`is_template`) that exists already
+    gets ``-2``, ``-3``, … — and ``{{``, ``}}`` written as one brace, checked: a folder holding a
+    run is refused unless ``cfg.resume`` or ``cfg.overwrite``. Creates nothing."""
     if cfg.out_dir is None:
         return None
     label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.strategy)
     try:
         path = cfg.out_dir.format(strategy=label, time=time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     except (KeyError, IndexError, ValueError) as err:
-        raise ValueError(f"--out-dir {cfg.out_dir!r} is not a folder template ({type(err).__name__}: {err}): its "
-                         "fields are {strategy} and {time}; write a literal brace as {{ or }}") from None
+        raise ValueError(f"{option_text('out_dir')} {cfg.out_dir!r} is not a folder template ({type(err).__name__}: "
+                         f"{err}): its fields are {{strategy}} and {{time}}; write a literal brace as {{{{ or }}}}"
+                         ) from None
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out-dir {path!r} is a file, not a folder; choose another --out-dir")
-    if path != cfg.out_dir:  # a template: every run gets its own folder
+        raise ValueError(f"{option_text('out_dir')} {path!r} is a file, not a folder; choose another one")
+    if is_template(cfg.out_dir):  # every run gets its own folder
         base, n = path, 1
         while os.path.exists(path):
             n += 1
@@ -263,8 +272,9 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
     found = run_files(path)
     if found and not (cfg.resume or cfg.overwrite):
         raise ValueError(
-            f"--out-dir {path!r} already holds a run ({', '.join(found)}); continue it with --resume, "
-            f"replace it with --overwrite, or leave --out-dir out for a fresh folder"
+            f"{option_text('out_dir')} {path!r} already holds a run ({', '.join(found)}); continue it with "
+            f"{option_text('resume', True)}, replace it with {option_text('overwrite', True)}, or leave it out "
+            "for a fresh folder"
         )
     return path
 
@@ -279,14 +289,15 @@ class RunFolderClaim:
     not. Two runs started at once into one folder had both passed the checks (no run files
     yet) and then written into each other's checkpoints and log; now the second is refused
     before it loads its data. Where ``fcntl`` is missing (Windows) nothing is locked. A
-    folder the claim created and no run wrote to is removed again by :meth:`release`.
+    folder the claim created, or that its caller created for it (``fresh``: a comparison's
+    templated folder), and no run wrote to is removed again by :meth:`release`.
 
     Only the holder removes ``.lock``, and only while it holds the lock; a claimant whose lock
     is on a file no longer at ``<folder>/.lock`` (it opened the file before the holder removed
     it) drops it and claims again, so that two runs never hold one folder."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, fresh: bool = False):
+        self.path, self.fresh = path, fresh
         self.file = None
         while self.file is None:
             self.file = self._locked_file()
@@ -294,7 +305,7 @@ class RunFolderClaim:
     def _locked_file(self):
         """``.lock`` opened and locked (``ValueError`` when another run holds it); ``None`` to
         claim again, when another run's :meth:`release` removed the file or folder meanwhile."""
-        self.created = not os.path.exists(self.path)
+        self.created = self.fresh or not os.path.exists(self.path)
         lock = os.path.join(self.path, LOCK_FILE)
         try:
             os.makedirs(self.path, exist_ok=True)
@@ -302,8 +313,8 @@ class RunFolderClaim:
         except FileNotFoundError:  # a releasing run removed the folder after makedirs
             return None
         except OSError as err:
-            raise ValueError(f"--out-dir {self.path!r} cannot be written ({err.strerror}); "
-                             "choose another --out-dir") from None
+            raise ValueError(f"{option_text('out_dir')} {self.path!r} cannot be written ({err.strerror}); "
+                             "choose another one") from None
         if fcntl is None:
             return file
         try:
@@ -312,8 +323,8 @@ class RunFolderClaim:
                 return file
         except BlockingIOError:
             file.close()
-            raise ValueError(f"--out-dir {self.path!r} is in use by another run (it holds {LOCK_FILE!r}); wait for "
-                             "it to finish or choose another --out-dir") from None
+            raise ValueError(f"{option_text('out_dir')} {self.path!r} is in use by another run (it holds "
+                             f"{LOCK_FILE!r}); wait for it to finish or choose another one") from None
         except FileNotFoundError:  # locked after the holder removed it, with the folder
             pass
         file.close()  # a file no longer at .lock: locking it excludes no one
@@ -342,9 +353,9 @@ def claim_out_dir(cfg: TrainConfig) -> tuple[str | None, RunFolderClaim | None]:
         try:
             return path, RunFolderClaim(path)
         except ValueError:
-            if path == cfg.out_dir or not os.path.isdir(path):
+            if not is_template(cfg.out_dir) or not os.path.isdir(path):
                 raise
-    raise ValueError(f"--out-dir {cfg.out_dir!r}: no free folder among its first 100 names")
+    raise ValueError(f"{option_text('out_dir')} {cfg.out_dir!r}: no free folder among its first 100 names")
 
 
 def _prepare_out_dir(path: str, overwrite: bool) -> None:
@@ -436,20 +447,21 @@ def load_checkpoint(path: str) -> dict:
         if not os.path.isfile(prev):
             if run_files(os.path.dirname(path) or "."):  # a log and no checkpoint: killed before its first
                 raise ValueError(f"{problem}: the run in its folder stopped before its first checkpoint; start "
-                                 "it again with --overwrite")
-            raise ValueError(f"{problem}; start without --resume")
+                                 f"it again with {option_text('overwrite', True)}")
+            raise ValueError(f"{problem}; start without {option_text('resume', True)}")
     else:
         try:
             return _read_checkpoint(path)
         except Exception as err:  # torch raises several types for a damaged zip archive
             problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})"
     if not os.path.isfile(prev):
-        raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
+        raise ValueError(f"{problem}; no previous checkpoint exists: start again with {option_text('overwrite', True)}")
     try:
         step = _read_checkpoint(prev).get("step", "?")
     except Exception as err:
         raise ValueError(f"{problem}; the previous checkpoint {prev!r} is corrupt too ({_first_sentence(err)}): "
-                         "no checkpoint of this run can be resumed, start again with --overwrite") from None
+                         f"no checkpoint of this run can be resumed, start again with {option_text('overwrite', True)}"
+                         ) from None
     raise ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over "
                      f"{path!r} to resume from it")
 
@@ -480,13 +492,13 @@ def _with_previous_checkpoint(folder: str, problem: str):
     resume from the previous folder when that one is complete, or start again."""
     older = [(step, path) for step, path in dcp_folders(os.path.dirname(folder)) if path != folder]
     if not older:
-        raise ValueError(f"{problem}; no previous checkpoint exists: start again with --overwrite")
+        raise ValueError(f"{problem}; no previous checkpoint exists: start again with {option_text('overwrite', True)}")
     step, previous = older[-1]
     try:
         read_record(previous)
     except ValueError:
         raise ValueError(f"{problem}; the previous checkpoint {previous!r} is damaged too: no checkpoint of "
-                         "this run can be resumed, start again with --overwrite") from None
+                         f"this run can be resumed, start again with {option_text('overwrite', True)}") from None
     raise ValueError(f"{problem}; the previous checkpoint {previous!r} (step {step}) is complete: remove "
                      f"{folder!r} to resume from it")
 
@@ -568,6 +580,28 @@ def evaluate(model: GPT, evaluation: Evaluation, autocast=contextlib.nullcontext
                                                                  method=evaluation.lipschitz_bound).bound
         metrics["lipschitz_method"] = evaluation.lipschitz_bound
     return metrics
+
+
+def checked_extra_metrics(extra, record: dict) -> dict:
+    """What :func:`train`'s ``extra_metrics`` hook returned for the evaluation ``record``, refused
+    (``ValueError`` naming the hook and the key, in memory and on disk alike) unless it is a dict
+    of new keys whose values the log can write (:func:`log_line`: numbers, strings, lists, dicts).
+    A key of the record had replaced the measured metric (``{"val_loss": …}`` then decided the
+    divergence verdict and ``compare``'s table), and a tensor had stopped a run on disk with
+    json's "Object of type Tensor is not JSON serializable", naming no hook."""
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra_metrics returned a {type(extra).__name__}; return a dict of new metrics")
+    taken = sorted(set(extra) & set(record))
+    if taken:
+        raise ValueError(f"extra_metrics returned {', '.join(map(repr, taken))}, which the evaluation measures "
+                         "itself; name the hook's metrics otherwise")
+    for key, value in extra.items():
+        try:
+            log_line({key: value})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"extra_metrics returned {key!r} = {type(value).__name__}, which the log cannot write "
+                             f"({err}); return plain numbers (e.g. float(tensor)), strings, lists or dicts") from None
+    return extra
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -653,11 +687,12 @@ def _check_soft_caps(assignment: Assignment) -> None:
             lo, hi = 0.0, peak  # the largest rate that holds: bisection, to float64 round-off
             while lo < (mid := (lo + hi) / 2) < hi:
                 lo, hi = (mid, hi) if optimizer.regulation_refusal(index, mid) is None else (lo, mid)
-            flag = "--adamw-lr" if group.get("update") == "adamw" else "--lr"
-            usable = (f"use {flag} ≤ {_round_down(lo)} or a larger --w-max" if lo > 0
-                      else "no learning rate fits: use a larger --w-max")
-            raise ValueError(f"{flag} {peak:g} is too large for the soft cap of {type(optimizer).__name__}'s group "
-                             f"{index} (the lipschitz strategy's spectral cap, --w-max): one update can push a "
+            rate = "adamw_lr" if group.get("update") == "adamw" else "lr"
+            usable = (f"use {option_text(rate)} ≤ {_round_down(lo)} or a larger {option_text('w_max')}" if lo > 0
+                      else f"no learning rate fits: use a larger {option_text('w_max')}")
+            raise ValueError(f"{option_text(rate, peak)} is too large for the soft cap of "
+                             f"{type(optimizer).__name__}'s group {index} (the lipschitz strategy's spectral cap, "
+                             f"{option_text('w_max')}): one update can push a "
                              f"singular value further past w_max than the cap can bring back ({why}); {usable}")
 
 
@@ -755,8 +790,9 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
             run loads its optimizer state into it).
         extra_metrics: ``f(model, evaluation) -> dict`` called at every evaluation (rank
             0, the unwrapped model, in training mode) after the built-in metrics; its
-            keys are added to the evaluation's record (and log line: keep the values
-            JSON-able). ``evaluation`` is the :class:`Evaluation` being scored
+            keys, new ones, are added to the evaluation's record (and log line: the values
+            JSON-able; :func:`checked_extra_metrics` refuses others by name). ``evaluation`` is
+            the :class:`Evaluation` being scored
             (``evaluation.windows()`` yields its batches).
         sharing: the strategies of a comparison that share ``cfg``'s options (``geomuon
             compare``): an option one of them takes is accepted in every run
@@ -869,8 +905,8 @@ class RunLog:
 
     def _write_error(self, err: OSError) -> RunWriteError:
         return RunWriteError(err.errno, f"log {self.path!r} could not be written ({err.strerror or err}); a resume "
-                             "rewrites it from the run's last checkpoint: make room and continue with --resume (or "
-                             "start again if no checkpoint was written)")
+                             "rewrites it from the run's last checkpoint: make room and continue with "
+                             f"{option_text('resume', True)} (or start again if no checkpoint was written)")
 
     def close(self) -> None:
         if self.file is not None:
@@ -930,7 +966,7 @@ def read_log(path: str) -> list[dict]:
             if problem:
                 raise ValueError(f"log {path!r}: line {number} is not a JSON record ({problem}); the log is damaged: "
                                  "rewrite it from the run's last checkpoint by running the run's command again "
-                                 "with --resume, or remove that line")
+                                 f"with {option_text('resume', True)}, or remove that line")
             records.append(read_nonfinite(record))
     return records
 
@@ -969,12 +1005,14 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
                 except RuntimeError as err:  # tensors of another model code (its config matched)
                     detail = " ".join(str(err).split())  # torch's list of the keys and shapes that differ
                     raise ValueError(f"checkpoint {resume_from!r} does not fit the model ({detail[:400]}); resume "
-                                     "with the geomuon version that wrote it, or use a new --out-dir") from None
+                                     f"with the geomuon version that wrote it, or use a new {option_text('out_dir')}"
+                                     ) from None
                 assignment.load_state_dict(payload["optimizer"])
             start = result.last_step = payload["step"]
             if cfg.stop_after is not None and cfg.stop_after < start:  # (it had exited 0, "done", training nothing)
                 raise ValueError(f"--stop-after {cfg.stop_after} is before the checkpoint's step {start} in "
-                                 f"{cfg.out_dir!r}: give a later one, or leave --resume out for a new run")
+                                 f"{cfg.out_dir!r}: give a later {option_text('stop_after')}, or leave "
+                                 f"{option_text('resume', True)} out for a new run")
             result.losses = {int(k): v for k, v in payload["losses"].items()}
             result.evals = payload["evals"]
             records = payload["log"] if "log" in payload else _records_before(payload)
@@ -1020,7 +1058,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             record = {"kind": "eval", "step": step, "time": time.perf_counter() - t0,
                       **evaluate(evaluated, evaluation, autocast), **weight_metrics(assignment, evaluated)}
             if extra_metrics is not None:
-                record.update(extra_metrics(evaluated, evaluation))
+                record.update(checked_extra_metrics(extra_metrics(evaluated, evaluation), record))
             result.evals.append(record)
             log.write(record)
             result.diverged |= not math.isfinite(record["val_loss"])
@@ -1186,25 +1224,25 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in RUN_IDENTITY if saved[k] != getattr(cfg, k)]
     if changed:
         raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
-                         + "); use the original settings or a new --out-dir")
+                         + f"); use the original settings or a new {option_text('out_dir')}")
     seeding = record.get("batch_seeding", "linear")  # (checkpoints before it had the linear seeding)
     if seeding != BATCH_SEEDING:
         raise ValueError(f"the checkpoint's run drew its batches by the {seeding!r} seeding, which this geomuon "
                          f"version replaced by {BATCH_SEEDING!r} (geomuon.pretrain.data.BATCH_SEEDING): resumed here "
                          "it would train on other batches; resume with the geomuon version that wrote it, or use a "
-                         "new --out-dir")
+                         f"new {option_text('out_dir')}")
     changed = identity_changes(record["data"], data.identity) if "data" in record else []  # (older checkpoints: none)
     if changed:
         restore = ("resume under the Python version that started the run (the embedded corpus is its "
                    "pydoc_data)" if cfg.data == "embedded" else "restore the data the run was trained on")
         raise ValueError(f"--data {cfg.data}: the data differs from the data the run was trained on ("
-                         + "; ".join(changed) + f"); {restore}, or use a new --out-dir")
+                         + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))
     changed = [f"{k}: {v!r} → {built.get(k)!r}" for k, v in record["model_config"].items() if built.get(k) != v]
     if changed:
         raise ValueError(f"the checkpoint's model differs from the one --config {cfg.model} builds now ("
                          + "; ".join(changed) + "); resume with the geomuon version that wrote it, or use a new "
-                         "--out-dir")
+                         f"{option_text('out_dir')}")
 
 
 def segment_provenance(device: torch.device, world: int, first_step: int) -> dict:
@@ -1267,7 +1305,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except TrainingInterrupted as stop:
         if main:
-            again = replace(cfg, out_dir=stop.out_dir, resume=True, overwrite=False)
+            again = replace(cfg, out_dir=literal_out_dir(stop.out_dir), resume=True, overwrite=False)
             print(f"interrupted at step {stop.step}; resume with: {resume_command('pretrain', again)}"
                   if stop.saved else f"geomuon pretrain: {stop}", file=sys.stderr)
         return stop.exit_code

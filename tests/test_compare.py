@@ -326,7 +326,7 @@ def test_comparisons_started_in_the_same_second_get_folders_of_their_own(tmp_pat
     monkeypatch.setattr(TrainConfig, "validate", validate_while_another_comparison_starts)
     assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(tmp_path / "cmp-{time}")]) == 0
     root = capsys.readouterr().out.strip().splitlines()[-1].split("runs and figures in ")[1]
-    assert root != other[0] and sorted(os.listdir(root)) == sorted(["adamw-s0", *compare_module.FIGURES])
+    assert root != other[0] and sorted(os.listdir(root)) == sorted([".lock", "adamw-s0", *compare_module.FIGURES])
     assert os.listdir(other[0]) == ["hetero-s0"]  # nothing of this comparison in the other's folder
 
 
@@ -337,3 +337,65 @@ def test_a_fresh_folder_is_removed_when_the_comparison_stops_before_writing(tmp_
                 "--out-dir", str(tmp_path / "cmp-{time}")]) == 2
     assert "missing.txt" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_comparison_folder_with_a_literal_brace_is_one_folder(tmp_path, capsys):
+    # c{{b}} names the folder c{b}: the comparison had resolved it and then handed c{b}/adamw-s0 to
+    # its runs as a template, refused with "not a folder template (KeyError: 'b')"
+    named = str(tmp_path / "c{{b}}")
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", named]) == 0
+    folder = tmp_path / "c{b}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c{b}"] and (folder / "adamw-s0" / "ckpt.pt").is_file()
+    assert capsys.readouterr().out.strip().endswith(f"runs and figures in {folder}")
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", named]) == 2  # the same folder: refused
+    assert f"{str(folder)!r} already holds a comparison" in capsys.readouterr().err
+
+
+def test_comparison_refusals_name_the_python_spelling_of_each_option(tmp_path):
+    # compare(base, strategies, seeds) had been told "--seeds lists 0 more than once" and "continue it
+    # with --resume", flags a Python caller does not write
+    from geomuon.pretrain.compare import compare
+
+    base = TrainConfig(model="cpu-tiny", out_dir=str(tmp_path / "cmp"), progress=False, print_table=False)
+    with pytest.raises(ValueError, match=r"^--seeds \(seeds\) lists 0 more than once"):
+        compare(base, ["adamw"], [0, 0])
+    (tmp_path / "cmp" / "adamw-s0").mkdir(parents=True)
+    (tmp_path / "cmp" / "adamw-s0" / "log.jsonl").write_text("")  # an earlier comparison's run
+    with pytest.raises(ValueError, match=r"^--out-dir \(out_dir\) '.*cmp' already holds a comparison \(adamw-s0/log"
+                                         r".*continue it with --resume \(resume=True\), replace it with --overwrite "
+                                         r"\(overwrite=True\)"):
+        compare(base, ["adamw"], [0])
+
+
+def test_a_comparison_into_a_folder_another_comparison_is_running_in_is_refused(tmp_path, capsys):
+    # two comparisons started together into one --out-dir had both passed the check for an
+    # earlier comparison (no run files yet), trained side by side and written their figures
+    # over each other's; a comparison now holds its folder while it runs
+    import os
+
+    from geomuon.pretrain.train import RunFolderClaim
+
+    folder = tmp_path / "cmp"
+    running = RunFolderClaim(str(folder))  # what the other comparison holds while it trains
+    assert cli(["compare", "--strategies", "unconstrained", *SMALL, "--out-dir", str(folder)]) == 2
+    assert f"--out-dir (out_dir) {str(folder)!r} is in use by another run" in capsys.readouterr().err
+    assert os.listdir(folder) == [".lock"]  # nothing of the refused comparison
+    running.release()
+    assert not folder.exists()  # the claim created it and nothing was written
+
+
+def test_only_rank_0_of_a_torchrun_comparison_prints_the_table_and_writes_the_figures(tmp_path, monkeypatch, capsys):
+    # the other ranks evaluate nothing: each had printed a table reading every run as diverged (val
+    # loss nan) and written figures of no evaluation into the files rank 0 was writing
+    folder = tmp_path / "cmp"
+    run = TrainResult(str(folder / "adamw-s0"), losses={0: 4.0}, evals=[])  # what a rank > 0 gets back
+    monkeypatch.setattr(compare_module, "compare", lambda *args: [RunSummary("adamw", 0, math.nan, math.nan, True,
+                                                                             0.1, run)])
+    monkeypatch.setenv("RANK", "1")
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(folder)]) == 0
+    assert capsys.readouterr().out == "" and not folder.exists()
+    monkeypatch.setenv("RANK", "0")  # control: rank 0 prints and plots
+    folder.mkdir()
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--out-dir", str(folder)]) == 0
+    assert "adamw     0     nan" in capsys.readouterr().out
+    assert sorted(p.name for p in folder.iterdir()) == sorted(compare_module.FIGURES)

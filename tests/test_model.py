@@ -480,6 +480,21 @@ def test_get_config_refuses_an_unknown_override():
         get_config("cpu-tiny", n_layers=3)
 
 
+def test_get_config_refuses_an_override_set_to_none():
+    # None (JSON's null in --model-overrides) had been dropped without a word: {"tie_weights": None}
+    # built a tied head, and the run's checkpoint recorded the override as given
+    with pytest.raises(ValueError, match=r"\['n_experts', 'tie_weights'\] set to None, which no GPTConfig field takes"):
+        get_config("cpu-tiny", tie_weights=None, n_experts=None, n_layer=3)
+    from geomuon.pretrain.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"--model-overrides \{\"tie_weights\": null\}: "
+                                         r".*\['tie_weights'\] set to None"):
+        TrainConfig(model="cpu-tiny", model_overrides={"tie_weights": None}).validate()
+    built = get_config("cpu-tiny", tie_weights=False, n_layer=3)  # control: values apply
+    assert (built.tie_weights, built.n_layer) == (False, 3) and built == replace(CONFIGS["cpu-tiny"], tie_weights=False,
+                                                                                   n_layer=3)
+
+
 @pytest.mark.parametrize("idx, targets, message", [
     (torch.zeros(5, dtype=torch.long), None, r"idx of shape \[5\] must be \[batch, sequence length\]"),
     (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), r"idx of shape \[1, 0\]"),

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
 
@@ -142,18 +144,18 @@ def test_a_rate_the_soft_cap_cannot_hold_is_refused_before_training(tmp_path):
     # soft_cap_alpha raises for a rate past what the cap can bring back to w_max; it had run at each
     # step's scheduled rate, so the warmup reached it mid-run (no checkpoint, a message about eta)
     lipschitz = dict(model="cpu-lipschitz", strategy="lipschitz", warmup_steps=20, steps=40, lipschitz_bound="off")
-    refused = r"--lr 1 is too large for the soft cap of Muon's group .*w_max=2 .*use --lr ≤ "
+    refused = r"--lr 1 \(lr=1\) is too large for the soft cap of Muon's group .*w_max=2 .*use --lr \(lr\) ≤ "
     with pytest.raises(ValueError, match=refused) as refusal:
         train(tiny(tmp_path, lr=1.0, **lipschitz))
     assert not (tmp_path / "run").exists()  # before the folder, the log and the first step
-    usable = float(re.search(r"--lr ≤ ([\d.e+-]+)", str(refusal.value)).group(1))
+    usable = float(re.search(r"--lr \(lr\) ≤ ([\d.e+-]+)", str(refusal.value)).group(1))
     # the largest usable rate, rounded down to 3 digits: it trains at its peak from the first step
     # (no warmup), and 2 % above it (past the rounding, at most 1 % of a 3-digit number) is refused
     result = train(tiny(tmp_path, lr=usable, out_dir=None, stop_after=2, **{**lipschitz, "warmup_steps": 0}))
     assert result.last_step == 2 and not result.diverged
     with pytest.raises(ValueError, match="is too large for the soft cap"):
         train(tiny(tmp_path, lr=usable * 1.02, out_dir=None, **lipschitz))
-    with pytest.raises(ValueError, match=r"--lr 1 is too large for the soft cap .*w_max=4 "):
+    with pytest.raises(ValueError, match=r"--lr 1 \(lr=1\) is too large for the soft cap .*w_max=4 "):
         train(tiny(tmp_path, lr=1.0, w_max=4.0, **lipschitz))  # the cap named is the configured one
 
 
@@ -166,7 +168,8 @@ def test_the_peak_rate_check_asks_the_optimizers_own_update_bound(tmp_path):
         rules = {role: Rule("muon", regulate="soft_cap") for role in ATTENTION_ROLES}
         return assign(model, rules, dataclasses.replace(hyper, extra={"adjust_lr_fn": "match_rms_adamw"}))
 
-    with pytest.raises(ValueError, match=r"--lr 0.45 is too large for the soft cap .*use --lr ≤ 0\.4"):
+    with pytest.raises(ValueError, match=r"--lr 0.45 \(lr=0.45\) is too large for the soft cap "
+                                         r".*use --lr \(lr\) ≤ 0\.4"):
         train(tiny(tmp_path, strategy="capped", lr=0.45), build_assignment=hook)
     assert not (tmp_path / "run").exists()
     # control: a rate the cap holds trains
@@ -581,7 +584,7 @@ def test_bad_out_dirs_are_refused_by_name(tmp_path, monkeypatch, capsys, out_dir
     # each had been a raw KeyError/IndexError/OSError traceback, the last ones after the data loaded
     assert cli([*PRETRAIN, "--out-dir", out_dir]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"geomuon pretrain: --out-dir {out_dir!r}") and message in err, err
+    assert err.startswith(f"geomuon pretrain: --out-dir (out_dir) {out_dir!r}") and message in err, err
 
 
 def test_done_line_says_where_its_val_loss_was_measured(tmp_path, capsys):
@@ -914,3 +917,63 @@ def test_a_malformed_launcher_variable_is_refused_by_name(tmp_path, capsys, monk
     assert cli([*PRETRAIN, "--out-dir", str(out)]) == 2
     assert f"environment variable {name}={value!r} is not an integer" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- refusals and hooks for Python callers
+
+
+def test_run_folder_refusals_name_the_python_spelling_of_each_option(tmp_path):
+    # train(TrainConfig(...)) had been told "continue it with --resume, replace it with --overwrite":
+    # flags a Python caller has no use for (its spelling is resume=True, overwrite=True, out_dir)
+    cfg = tiny(tmp_path, steps=2, warmup_steps=1, eval_every=2)
+    train(cfg)
+    with pytest.raises(ValueError, match=r"^--out-dir \(out_dir\) '.*' already holds a run .*continue it with --resume "
+                                         r"\(resume=True\), replace it with --overwrite \(overwrite=True\)"):
+        train(cfg)
+    other = tiny(tmp_path, steps=2, warmup_steps=1, eval_every=2, out_dir=str(tmp_path / "busy"))
+    running = RunFolderClaim(other.out_dir)
+    with pytest.raises(ValueError, match=r"^--out-dir \(out_dir\) '.*busy' is in use by another run"):
+        train(other)
+    running.release()
+
+
+def test_an_out_dir_with_a_literal_brace_names_one_folder_and_resumes(tmp_path, monkeypatch, capsys):
+    # x{{b}} names the folder x{b}; it had counted as a template because format() changed it: a
+    # second run went to x{b}-2 instead of being refused, and a resume could never find x{b}
+    from geomuon.pretrain.train import TrainingInterrupted, resolve_out_dir
+
+    cfg = tiny(tmp_path, steps=2, warmup_steps=1, eval_every=2, out_dir=str(tmp_path / "x{{b}}"))
+    folder = str(tmp_path / "x{b}")
+    assert train(cfg).out_dir == folder
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(cfg)
+    assert sorted(os.listdir(tmp_path)) == ["x{b}"]
+    assert resolve_out_dir(dataclasses.replace(cfg, resume=True)) == folder
+    # and the resume itself (the config's check had refused any brace as "the template")
+    assert train(dataclasses.replace(cfg, steps=2, resume=True)).out_dir == folder
+    # the resume command an interrupted run prints names that folder, braces doubled
+    def interrupted(cfg, *args, **kwargs):
+        raise TrainingInterrupted(1, signal.SIGINT, folder)
+
+    monkeypatch.setattr("geomuon.pretrain.train.train", interrupted)
+    assert cli([*PRETRAIN, "--out-dir", cfg.out_dir]) == 128 + signal.SIGINT
+    command = shlex.split(capsys.readouterr().err.split("resume with: ")[1])
+    printed = command[command.index("--out-dir") + 1]
+    assert printed == cfg.out_dir and resolve_out_dir(dataclasses.replace(cfg, out_dir=printed, resume=True)) == folder
+
+
+def test_extra_metrics_that_rename_a_metric_or_cannot_be_logged_are_refused_by_name(tmp_path):
+    # {"val_loss": 0.0} had replaced the measured val loss (the divergence verdict and compare's
+    # table then read the hook's number), and a tensor had stopped a run on disk with json's
+    # "Object of type Tensor is not JSON serializable", naming no hook (in memory it passed)
+    cfg = tiny(tmp_path, steps=2, warmup_steps=1, eval_every=2, out_dir=None)
+    with pytest.raises(ValueError, match=r"extra_metrics returned 'val_loss', which the evaluation measures itself"):
+        train(cfg, extra_metrics=lambda model, evaluation: {"val_loss": 0.0})
+    with pytest.raises(ValueError, match=r"extra_metrics returned 'head_norm' = Tensor, which the log cannot write"):
+        train(cfg, extra_metrics=lambda model, evaluation: {"head_norm": model.lm_head.weight.detach().norm()})
+    with pytest.raises(ValueError, match=r"extra_metrics returned a list; return a dict"):
+        train(cfg, extra_metrics=lambda model, evaluation: [1.0])
+    # control: the same metric as a float is logged at every evaluation
+    head_norm = lambda model, evaluation: {"head_norm": float(model.lm_head.weight.detach().norm())}  # noqa: E731
+    result = train(cfg, extra_metrics=head_norm)
+    assert [math.isfinite(record["head_norm"]) for record in result.evals] == [True, True]
