@@ -160,6 +160,14 @@ def test_a_constructor_value_the_optimizer_refuses_is_a_usage_error(capsys):
                 "--trials", "20") == 0
 
 
+def test_an_optimizer_checked_at_a_shape_too_large_for_the_machine_is_a_usage_error_naming_shape(capsys):
+    # its constructor's values had been checked on a parameter of that shape, allocated: a raw
+    # RuntimeError and exit 1 (a CI job's "violated") before the check's own refusal of --shape.
+    # 10^6 x 10^6 float64 is 8 TB, beyond any machine the suite runs on.
+    assert _cli("torch.optim:SGD", "--arg", "lr=0.1", "--group", "bi-orthogonal", "--shape", "1000000x1000000") == 2
+    assert "too large to check on this machine" in capsys.readouterr().err
+
+
 class MetricStiefel(MatrixManifold):
     r"""$\{x : x^\top Bx = I_n\}$ for a symmetric positive definite $B$ ``[m, m]``, from its maps only:
     $F(x) = x^\top Bx - I$, $L_x(u) = x^\top Bu + u^\top Bx$, $L_x^*(\Lambda) = Bx(\Lambda + \Lambda^\top)$."""

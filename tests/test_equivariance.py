@@ -329,6 +329,62 @@ def test_a_wrong_must_fail_declaration_is_reported():
         verify_declaration(MapUpdate(maps.spectral, name="spectral"), "bi-orthogonal", "fails", max_examples=5)
 
 
+@pytest.mark.parametrize("orientation, dims", [("wide", (2, 3)), ("tall", (3, 4)), ("any", (3, 3))])
+def test_hypothesis_cases_draw_shapes_inside_dims_with_the_orientation_asked_for(orientation, dims):
+    # Old checker: a wide draw of m = n = dims[1] was widened to n = dims[1] + 1, outside dims
+    # (a (3, 4) case from dims=(2, 3)); every one of the (at most 4) shapes is drawn in 40 examples.
+    from hypothesis import given, settings
+
+    from geomuon.theory.equivariance import hypothesis_cases
+
+    strategy = hypothesis_cases(lambda D: D.clone(), BiOrthogonal(), orientation=orientation, dims=dims,
+                                kinds=("gaussian",))
+
+    @settings(max_examples=40, database=None, derandomize=True, deadline=None)
+    @given(strategy)
+    def inside(case):
+        m, n = case.shape
+        assert dims[0] <= min(m, n) and max(m, n) <= dims[1], case.shape
+        assert {"wide": m < n, "tall": m >= n, "any": True}[orientation], case.shape
+
+    inside()
+
+
+def test_hypothesis_cases_refuse_dims_they_cannot_draw_from():
+    from geomuon.theory.equivariance import hypothesis_cases
+
+    # a reversed pair had failed inside hypothesis at the first draw, naming nothing
+    for dims in ((6, 2), (0, 3), (2.0, 3), 4):
+        with pytest.raises(ValueError, match="hypothesis_cases: dims must be a pair"):
+            hypothesis_cases(lambda D: D, BiOrthogonal(), dims=dims)
+    with pytest.raises(ValueError, match="orientation 'wide' needs m < n within dims"):
+        hypothesis_cases(lambda D: D, BiOrthogonal(), orientation="wide", dims=(3, 3))
+    # unknown kinds had failed only when drawn, a bare string was read as its letters
+    for kinds in (("gausian",), "gaussian", ()):
+        with pytest.raises(ValueError, match="kinds must be a non-empty tuple of names from"):
+            hypothesis_cases(lambda D: D, BiOrthogonal(), kinds=kinds)
+
+
+def test_hypothesis_cases_take_a_group_by_name_and_refuse_one_that_ignores_its_generator():
+    # Old checker: a name failed at the first draw ("'str' object has no attribute 'sample'"), and a
+    # group drawing from the global RNG made hypothesis report a flaky test rather than the group
+    from hypothesis import find
+
+    from geomuon.theory.equivariance import hypothesis_cases
+
+    case = find(hypothesis_cases(lambda D: D, "bi-orthogonal"), lambda case: True)
+    assert case.element.left.shape == (case.shape[0],) * 2
+
+    class GlobalRandom(BiOrthogonal):
+        name = "global-random"
+
+        def sample(self, shapes, generator=None):
+            return super().sample(shapes, None)
+
+    with pytest.raises(ValueError, match="group global-random: two samples from the same seed differ"):
+        hypothesis_cases(lambda D: D, GlobalRandom())
+
+
 def test_shrunk_counterexample_is_small_and_printed_as_matrices():
     # In a fresh interpreter: the derandomized search and its shrinking are reproducible
     # there, while in the long suite process an earlier test (tests/test_docs.py, cause not
@@ -512,6 +568,47 @@ def test_a_map_that_writes_to_its_input_is_checked_as_the_function_it_computes()
     # control: it is a real check (a map that is not equivariant, also in place, is caught)
     assert check_equivariance(lambda D: D.mul_(masked(torch.ones_like(D))), "bi-orthogonal", (6, 4),
                               seed=0).verdict == "violated"
+
+
+def test_an_engine_that_writes_into_its_gradient_is_told_so_not_to_seed_its_randomness():
+    # Old checker: the second call on the same example saw the gradient the first call had doubled,
+    # and the error advised "seed any randomness inside the update, keep no state between calls".
+    from geomuon.manifolds.stiefel import Stiefel
+    from geomuon.theory.equivariance import DirectionUpdate
+
+    def tangent(W, G):
+        return G - W @ (W.mT @ G + G.mT @ W) / 2
+
+    def doubled_in_place(manifold, W, G):
+        return tangent(W, G.mul_(2.0))
+
+    report = check_equivariance(DirectionUpdate(doubled_in_place, Stiefel()), "bi-orthogonal", (6, 4), seed=1)
+    assert report.verdict == "error", report.message()
+    assert "writes into its input G in place" in report.message() and "deterministic" not in report.message()
+    # control: the same engine out of place holds
+    out_of_place = DirectionUpdate(lambda manifold, W, G: tangent(W, 2.0 * G), Stiefel())
+    assert check_equivariance(out_of_place, "bi-orthogonal", (6, 4), seed=1).verdict == "holds"
+
+
+def test_a_map_that_returns_another_dtype_is_an_error_not_equivariant_at_the_inputs_precision():
+    # Old checker: a float16 output of a float64 check held ("equivariant", no precision named):
+    # the float16 output round trip had set the floor, so a violation below 1e-3 went unseen.
+    def row_norm_in_half(D):
+        return maps.row_norm(D).to(torch.float16)
+
+    report = check_equivariance(row_norm_in_half, "left-perm-right-orth", (8, 5), seed=0)
+    assert report.verdict == "error", report.message()
+    assert "returned float16 for a float64 input" in report.message()
+    # control: the map in its input's dtype holds
+    assert check_equivariance(maps.row_norm, "left-perm-right-orth", (8, 5), seed=0).verdict == "holds"
+
+
+@pytest.mark.parametrize("steps", [2.5, True, 0])
+def test_optimizer_update_refuses_steps_that_are_not_a_whole_number_at_least_one(steps):
+    # Old checker: steps=2.5 was accepted and every trial's example failed to build ("error", the
+    # optimizer blamed); steps=True ran one step
+    with pytest.raises(ValueError, match=rf"OptimizerUpdate: steps must be a whole number >= 1, got {steps!r}"):
+        OptimizerUpdate(lambda params: torch.optim.SGD(params, lr=0.1), steps=steps)
 
 
 def test_float16_checks_draw_inputs_float16_holds():

@@ -1,6 +1,7 @@
 """Symmetry groups: sampling distributions, actions, inverses, and that each action really
 is a symmetry of the block it belongs to (the function computed is unchanged)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,6 +11,8 @@ from geomuon.theory.equivariance import check_equivariance
 from geomuon.theory.groups import (
     GROUPS,
     BiOrthogonal,
+    Group,
+    TwoSidedElement,
     ColumnScaling,
     LeftOrthogonal,
     Permutation,
@@ -226,3 +229,78 @@ def test_a_shift_group_round_trips_and_bad_group_options_are_named():
 
     with pytest.raises(ValueError, match=r"Misspelled\.left = 'orthogonl' is no factor; choose one of orthogonal"):
         Misspelled().sample((3, 2), gen)
+
+
+def _row_normalize(D):
+    return D / D.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(D.dtype).tiny)
+
+
+class _RowPermutations(Group):
+    """A user group written from scratch: permutations of rows, drawn from the generator."""
+
+    name = "user-row-permutations"
+
+    def sample(self, shapes, generator=None):
+        m, n = shapes
+        return TwoSidedElement(random_permutation(m, generator), torch.eye(n, dtype=torch.float64))
+
+
+def test_a_shape_too_large_for_the_machine_is_refused_naming_shape_before_sampling(monkeypatch):
+    # Old checker: `--shape 100000x100000` allocated the group's 80 GB factor inside sample(),
+    # and the failure read "sample(...) failed (can't allocate memory); fix the group".
+    import geomuon.theory.equivariance as equivariance
+
+    class SampledTooEarly(_RowPermutations):
+        def sample(self, shapes, generator=None):
+            raise AssertionError("sample() was called for a shape the machine cannot hold")
+
+    # a machine of 1 GiB: a 2e4 x 2e4 float64 input alone is 3 GiB; a 1e4 x 1e4 one is 0.75 GiB,
+    # and bi-orthogonal's two 1e4 x 1e4 factors 1.5 GiB more, so the lower bound refuses both
+    monkeypatch.setattr(equivariance, "_physical_memory", lambda: 2**30, raising=False)
+    with pytest.raises(ValueError, match=r"shape 20000x20000 is too large to check on this machine.*--shape"):
+        check_equivariance(_row_normalize, SampledTooEarly(), (20000, 20000), trials=1, seed=0)
+    with pytest.raises(ValueError, match=r"shape 10000x10000 is too large .*needs at least 2\.24 GiB"):
+        check_equivariance(_row_normalize, BiOrthogonal(), (10**4, 10**4), trials=1, seed=0)
+    # a sample that runs out of memory all the same (a group with more to hold) is the shape's fault too
+    class OutOfMemory(_RowPermutations):
+        def sample(self, shapes, generator=None):
+            raise MemoryError("cannot allocate")
+
+    with pytest.raises(ValueError, match=r"shape 6x4 is too large .*group user-row-permutations: MemoryError"):
+        check_equivariance(_row_normalize, OutOfMemory(), (6, 4), trials=1, seed=0)
+
+
+def test_a_user_group_that_ignores_its_generator_or_its_shape_is_refused_before_any_trial():
+    # Old checker: a group drawing from the global RNG ran, and its report said "replay with
+    # seed=..." about elements the seed does not replay; an element sampled for the transposed
+    # shape made every trial an *error* (exit 4, "the update raised"), blamed on the update.
+    assert check_equivariance(_row_normalize, _RowPermutations(), (6, 4), seed=0).verdict == "holds"
+
+    class GlobalRandom(_RowPermutations):
+        def sample(self, shapes, generator=None):
+            return super().sample(shapes, None)
+
+    with pytest.raises(ValueError, match="group user-row-permutations: two samples from the same seed differ"):
+        check_equivariance(_row_normalize, GlobalRandom(), (6, 4), seed=0)
+
+    class Transposed(_RowPermutations):
+        def sample(self, shapes, generator=None):
+            return super().sample(shapes[::-1], generator)
+
+    with pytest.raises(ValueError, match=r"group user-row-permutations: the action of its element on a tensor of "
+                                         r"shape 6x4 failed .*fix the group"):
+        check_equivariance(_row_normalize, Transposed(), (6, 4), seed=0)
+
+    class Flattening(TwoSidedElement):
+        def act(self, D):  # acts without complaint, but returns another shape
+            return super().act(D).reshape(-1, 1)
+
+    class FlatteningGroup(_RowPermutations):
+        name = ""  # an unnamed group is named by its class
+
+        def sample(self, shapes, generator=None):
+            return Flattening(*dataclasses.astuple(super().sample(shapes, generator)))
+
+    with pytest.raises(ValueError, match="group FlatteningGroup: sample.*does not map a tensor of shape 6x4 to one "
+                                         "of the same shape"):
+        check_equivariance(_row_normalize, FlatteningGroup(), (6, 4), seed=0)

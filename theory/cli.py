@@ -160,9 +160,10 @@ def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape:
     """Build ``optimizer(params, **kwargs)`` once over a parameter of the checked shape and dtype,
     before any trial, so that a value the constructor refuses (``--arg lr=-1``: "Learning rate
     should be >= 0") is a usage error, exit 2, as the module's exit codes say, not exit 4 ("the
-    update raised") on trial 0."""
+    update raised") on trial 0. The parameter is on the ``meta`` device: nothing is allocated (a
+    shape too large for the machine is the check's own refusal, naming ``--shape``, not a crash here)."""
     try:
-        optimizer([torch.nn.Parameter(torch.zeros(shape, dtype=dtype))], **kwargs)
+        optimizer([torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))], **kwargs)
     except (TypeError, ValueError) as err:
         raise ValueError(f"--arg: {target} refused {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}: "
                          f"{type(err).__name__}: {err}") from None

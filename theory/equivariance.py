@@ -89,7 +89,8 @@ trial's floors; :func:`run_trial`), the trial's ``route`` saying which did; it d
 narrower dtype for float64 inputs, or fails in float64. A violation found in $d$ itself
 stands.
 
-A check draws at least :data:`MIN_TRIALS` independent trials (default 40) and is
+A check draws ``trials`` independent trials (default 40; more while fewer than :data:`MIN_TRIALS`
+$= 20$ are resolved, below) and is
 
 * *error* if the update raised or returned a non-finite output on any input;
 * *violated* if any trial is (the report names the trial, its input kind and scale, the
@@ -126,6 +127,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import secrets
 
 from dataclasses import dataclass, field
@@ -134,7 +136,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from geomuon.manifolds.linalg import check_count, check_real
-from geomuon.theory.groups import Group, GroupElement, get_group, haar_orthogonal, sample_shapes
+from geomuon.theory.groups import Group, GroupElement, TwoSidedGroup, get_group, haar_orthogonal, sample_shapes
 
 __all__ = [
     "KINDS",
@@ -153,6 +155,7 @@ __all__ = [
     "SUB_ROUNDOFF",
     "MapUpdate",
     "NondeterministicUpdateError",
+    "InputWrittenError",
     "GroupLeavesManifoldError",
     "DirectionUpdate",
     "OptimizerUpdate",
@@ -631,8 +634,8 @@ class OptimizerUpdate(_Subject):
 
     def __post_init__(self):
         self.name = self.name or getattr(self.make_optimizer, "__name__", "optimizer")
-        if self.steps < 1:
-            raise ValueError(f"OptimizerUpdate: steps must be >= 1, got {self.steps}")
+        # steps=2.5 had passed and failed every trial's example ("error", blamed on the optimizer)
+        check_count("OptimizerUpdate", "steps", self.steps, least=1)
         self.inputs = 1 + self.steps
 
     def _start(self, raw):
@@ -747,12 +750,37 @@ def _floor(eps: float, changes: Sequence[float]) -> float:
     return max(eps, *(c if math.isfinite(c) else math.inf for c in changes))
 
 
+class InputWrittenError(RuntimeError):
+    """An update wrote into the example it was handed (a steepest-direction engine's ``W`` or
+    ``G``, a custom subject's input): the caller's weights or gradient would change under it, and
+    the check's later evaluations would see another input. (A :class:`MapUpdate` is handed a copy
+    and checked as the function it computes.)"""
+
+
 def _evaluator(subject: _Subject) -> Callable:
     def evaluate(x):
+        # A write into x had surfaced as "not deterministic: seed any randomness, keep no state"
+        # (the second call saw the written input), advice that does not fit the defect.
+        before = _copied(x)
         out = subject.evaluate(x)
+        written = [i for i, (now, was) in enumerate(zip(_members(x), _members(before))) if not torch.equal(now, was)]
+        if written:
+            which = (("W", "G")[written[0]] if isinstance(subject, DirectionUpdate)
+                     else f"member {written[0]} of the example")
+            raise InputWrittenError(
+                f"{subject.name} writes into its input {which} in place: the caller's tensor changes under it. "
+                "Work on a copy inside the update (e.g. G = G.clone() before an in-place operation), or use the "
+                "out-of-place operation")
         if not _tensors(out):
             raise TypeError(f"{subject.name} returned a {type(out).__name__}: an update returns a tensor "
                             "(a tuple of tensors under a joint group)")
+        given, returned = (sorted({_dtype_name(t.dtype) for t in _members(part)}) for part in (x, out))
+        if isinstance(subject, MapUpdate) and returned != given:
+            # a float16 output of a float64 check had held, reported "equivariant" at float64 when the
+            # output round trip in float16 had set the floor
+            raise TypeError(f"{subject.name} returned {', '.join(returned)} for a {', '.join(given)} input: a map "
+                            "returns its input's dtype (cast back with .to(D.dtype)); to hold a narrower precision "
+                            "than the input's, state it as compute_dtype (--compute-dtype)")
         if not _finite(out):
             raise FloatingPointError(f"{subject.name} returned a non-finite output (NaN or inf)")
         return out
@@ -1109,6 +1137,83 @@ def scale_index(trial: int, kinds: int, scales: int) -> int:
     return (trial + trial // math.lcm(kinds, scales)) % scales
 
 
+def _physical_memory() -> int | None:
+    """Bytes of physical memory of this machine (``None`` where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _least_bytes(group: Group, shapes) -> int:
+    r"""A lower bound on the memory a check at ``shapes`` holds at once: one float64 input
+    (every trial synthesizes its $m\times n$ matrices in float64) and, for a two-sided group,
+    its element's two dense float64 factors, $m^2 + n^2$ entries."""
+    members = shapes if isinstance(shapes[0], (tuple, list)) else [shapes]
+    entries = sum(m * n for m, n in members)
+    if isinstance(group, TwoSidedGroup):
+        entries += sum(m * m + n * n for m, n in members)
+    return 8 * entries
+
+
+def _allocation_failure(err: Exception) -> bool:
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(err)
+
+
+def _group_label(group: Group) -> str:
+    return group.name or type(group).__name__
+
+
+def _check_group(group: Group, shapes, seed: int) -> None:
+    """Refuse, before any trial, what would make every trial's verdict about the check's inputs
+    rather than the update: ``shape`` too large for this machine's memory (the checked size had
+    been allocated inside ``sample`` and the failure blamed on the group, "fix the group"), a
+    ``sample`` that fails, ignores its generator (two samples from one seed differ: the report's
+    "replay with seed=" replays other elements), or draws an element that does not act on a tensor
+    of ``shapes`` (each trial had been an *error*, exit 4, blamed on the update)."""
+    label = _group_label(group)
+    sizes = ", ".join("x".join(map(str, s)) for s in (shapes if isinstance(shapes[0], (tuple, list)) else [shapes]))
+    too_large = (f"shape {sizes} is too large to check on this machine: check a smaller shape with the same "
+                 "structure (the group's action, not the size, decides equivariance; --shape on the CLI)")
+    need, have = _least_bytes(group, shapes), _physical_memory()
+    if have is not None and need > have:
+        raise ValueError(f"{too_large}; it needs at least {need / 2**30:.3g} GiB (its float64 inputs and group "
+                         f"factors) and this machine has {have / 2**30:.3g} GiB")
+
+    def refused(err: Exception, what: str) -> ValueError:
+        if _allocation_failure(err):
+            return ValueError(f"{too_large} (group {label}: {type(err).__name__}: {err})")
+        return ValueError(f"group {label}: {what} failed ({type(err).__name__}: {err}); fix the group")
+
+    try:
+        first, again = (group.sample(shapes, torch.Generator().manual_seed(seed)) for _ in range(2))
+    except Exception as err:
+        raise refused(err, f"sample({shapes})") from err
+    try:
+        probe = _raw(shapes, "gaussian", 1.0, torch.Generator().manual_seed(seed), torch.float64, 1.0)
+        moved, moved_again, output = first.act(probe), again.act(probe), first.act_output(probe)
+    except Exception as err:
+        raise refused(err, f"the action of its element on a tensor of shape {sizes}") from err
+
+    def shaped_like_probe(acted) -> bool:
+        return _tensors(acted) and [t.shape for t in _members(acted)] == [t.shape for t in _members(probe)]
+
+    if not (shaped_like_probe(moved) and shaped_like_probe(output)):
+        raise ValueError(f"group {label}: sample({shapes}) drew an element whose act or act_output does not map "
+                         f"a tensor of shape {sizes} to one of the same shape; fix the group")
+    if _distance(moved, moved_again) != 0.0:
+        raise ValueError(f"group {label}: two samples from the same seed differ, so a report's seed would not "
+                         "replay it: draw every random number from the generator passed to sample (e.g. "
+                         "torch.randn(..., generator=generator))")
+
+
+def _check_kinds(kinds) -> None:
+    """Refuse ``kinds`` unless a non-empty collection of :data:`KINDS` (a bare string had been read
+    as its letters)."""
+    if isinstance(kinds, str) or not kinds or set(kinds) - set(KINDS):
+        raise ValueError(f"kinds must be a non-empty tuple of names from {KINDS}, got {kinds!r}")
+
+
 def _trial_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed << 16) + index)
 
@@ -1169,9 +1274,7 @@ def check_equivariance(
     expect = "violated" if expect == "fails" else expect
     if expect not in ("holds", "violated"):
         raise ValueError(f"expect must be 'holds' or 'violated', got {expect!r}")
-    unknown = set(kinds) - set(KINDS)
-    if unknown or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {list(kinds)}")
+    _check_kinds(kinds)
     # the check's own inputs, refused by name: an inf condition had built all-NaN inputs (blamed
     # on the update as a non-finite output), an int dtype failed in torch.finfo, a complex one
     # dropped its imaginary parts, a seed of 2^48 overflowed the trial generators' int64
@@ -1186,11 +1289,7 @@ def check_equivariance(
     seed = secrets.randbits(31) if seed is None else seed
     compute_dtype = compute_dtype or dtype
     shapes = sample_shapes(group, shape)
-    try:  # a group whose sample fails is the check's input, not a verdict on the update
-        group.sample(shapes, torch.Generator().manual_seed(seed))
-    except Exception as err:
-        raise ValueError(f"group {group.name}: sample({shapes}) failed ({type(err).__name__}: {err}); fix the "
-                         "group") from err
+    _check_group(group, shapes, seed)
     scales = trial_scales(dtype)
     results, confirmed = [], False
 
@@ -1226,7 +1325,7 @@ def check_equivariance(
                               index=i, kind=kind, scale=scale, probes=CONFIRMATION_PROBES)
             confirmed = confirmed or trial.verdict == "violated"
         results.append(trial)
-    return EquivarianceReport(subject.name, group.name, tuple(shape), dtype, compute_dtype, seed, results, expect,
+    return EquivarianceReport(subject.name, _group_label(group), tuple(shape), dtype, compute_dtype, seed, results, expect,
                               min_trials)
 
 
@@ -1272,7 +1371,7 @@ class Case:
 
 def hypothesis_cases(
     subject,
-    group: Group,
+    group: Group | str,
     *,
     orientation: str = "any",
     dims: tuple[int, int] = (2, 6),
@@ -1283,26 +1382,47 @@ def hypothesis_cases(
     r"""Hypothesis strategy of :class:`Case` for ``subject`` under ``group`` (needs the
     ``test`` extra). Shapes ``m, n`` in ``dims`` (``orientation`` ``"tall"``: $m \ge n$,
     ``"wide"``: $m < n$), an input kind of ``kinds`` at a scale of :data:`SCALES`, condition
-    numbers in ``[1, max_condition]`` (scales: :func:`trial_scales` of ``dtype``), matrices seeded by a drawn integer; shrinking goes to
-    the smallest shape, a Gaussian input at scale $10^{-8}$, condition 1 and seed 0."""
+    numbers in ``[1, max_condition]`` (scales: :func:`trial_scales` of ``dtype``), matrices seeded
+    by a drawn integer; shrinking goes to the smallest shape, a Gaussian input at scale
+    $10^{-8}$, condition 1 and seed 0. ``group`` is a :class:`~geomuon.theory.groups.Group`, a
+    group class or a name. ``ValueError`` before any draw, naming the option, for ``dims`` that
+    are not $1 \le$ low $\le$ high (high > low for ``"wide"``), unknown ``kinds``, a bad
+    ``max_condition`` or ``orientation``, and a group :func:`check_equivariance` refuses."""
     from hypothesis import strategies as st
 
     subject = _as_subject(subject)
+    group = _as_group(group)  # a name had failed at the first draw ('str' object has no attribute 'sample')
+    _check_kinds(kinds)  # an unknown one had failed only when hypothesis drew it
     # an inf bound had drawn inf condition numbers (NaN inputs, blamed on the update); one below 1
     # failed inside hypothesis, naming nothing
     check_real("hypothesis_cases", "max_condition", max_condition, lambda c: c >= 1,
                "a finite number >= 1 (a condition number)")
     if orientation not in ("any", "tall", "wide"):
         raise ValueError(f"orientation must be 'any', 'tall' or 'wide', got {orientation!r}")
+    # a reversed pair had failed inside hypothesis, naming nothing; a wide square had been widened
+    # past dims (m = n = dims[1] drew n = dims[1] + 1)
+    if not (isinstance(dims, (tuple, list)) and len(dims) == 2
+            and all(isinstance(k, int) and not isinstance(k, bool) for k in dims) and 1 <= dims[0] <= dims[1]):
+        raise ValueError(f"hypothesis_cases: dims must be a pair (low, high) of ints with 1 <= low <= high, got "
+                         f"{dims!r}")
+    low, high = dims
+    if orientation == "wide" and low == high:
+        raise ValueError(f"hypothesis_cases: orientation 'wide' needs m < n within dims, so high > low; got dims "
+                         f"{tuple(dims)}: raise high or ask for orientation 'tall' or 'any'")
+
+    # a group that ignores its generator had made hypothesis report a flaky test, not the group
+    _check_group(group, sample_shapes(group, (low, high)), 0)
 
     @st.composite
     def cases(draw):
-        m = draw(st.integers(*dims))
-        n = draw(st.integers(*dims))
-        if orientation != "any" and (m < n) != (orientation == "wide"):
-            m, n = n, m
-        if orientation == "wide" and m == n:
-            n += 1
+        if orientation == "wide":  # m < n
+            m = draw(st.integers(low, high - 1))
+            n = draw(st.integers(m + 1, high))
+        elif orientation == "tall":  # m >= n
+            n = draw(st.integers(low, high))
+            m = draw(st.integers(n, high))
+        else:
+            m, n = draw(st.integers(low, high)), draw(st.integers(low, high))
         kind = draw(st.sampled_from(list(kinds)))
         scale = 1.0 if kind == "integer" else draw(st.sampled_from(trial_scales(dtype)))
         condition = draw(st.floats(1.0, max_condition))
@@ -1393,7 +1513,7 @@ def verify_declaration(
             result = trial(case)
             assume(result.verdict != "unresolved")
             assert result.verdict == "holds" and (tolerance_cap is None or result.residual <= tolerance_cap), (
-                f"{subject.name} under {group.name}: {result.verdict}, residual {result.residual:.3e} = "
+                f"{subject.name} under {_group_label(group)}: {result.verdict}, residual {result.residual:.3e} = "
                 f"{result.ratio:.3g}x the noise floor {result.floor:.2e}"
                 + (f" (cap {tolerance_cap:g})" if tolerance_cap is not None else "")
                 + f" (declared: holds). {result.error}"
@@ -1410,6 +1530,6 @@ def verify_declaration(
         return find(strategy, lambda case: trial(case).verdict == "violated", settings=search)
     except NoSuchExample:
         raise AssertionError(
-            f"{subject.name} under {group.name} is declared to be violated, but no case was beyond "
+            f"{subject.name} under {_group_label(group)} is declared to be violated, but no case was beyond "
             f"{VIOLATION_FACTOR:g}x its noise floor"
         ) from None
