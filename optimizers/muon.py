@@ -35,9 +35,14 @@ def muon_shape_factor(rows: int, cols: int, adjust_lr_fn: str | None = None) -> 
     r"""The factor $s(m, n)$ on ``lr`` of a Muon update of an $m\times n$ matrix, as
     ``torch.optim.Muon`` defines it: $\sqrt{\max(1, m/n)}$ for ``None`` or ``"original"``,
     $0.2\sqrt{\max(m, n)}$ for ``"match_rms_adamw"`` (the update's RMS then matches
-    AdamW's, Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982)."""
+    AdamW's, Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982).
+
+    An empty matrix ($n = 0$: no entry to scale) gets $1$: $m/n$ had raised
+    ``ZeroDivisionError`` inside the step, after the other matrices had moved."""
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if cols == 0:
+        return 1.0
     return math.sqrt(max(1.0, rows / cols))
 
 

@@ -625,7 +625,9 @@ def soft_cap_alpha_tensor(w_max: float, wd: torch.Tensor, eta: torch.Tensor) -> 
     maps $k$ to $\tfrac{62}{81}k > w_{\max}$: the bound is then lost. Check a schedule's peak
     rate with :func:`soft_cap_alpha` once on the host.
     """
-    k = (w_max * (1.0 - wd) + eta).to(torch.float64)
+    # k in float64 from the start: formed in a float32 rate's dtype, it had been rounded before the
+    # float64 bisection (a float64 weight then came out up to 1e-7 past w_max)
+    k = w_max * (1.0 - torch.as_tensor(wd, dtype=torch.float64)) + torch.as_tensor(eta, dtype=torch.float64)
     ratio = w_max / k
     # h < 1 on (0, 1/3]: a ratio >= 1 (no cap needed) keeps lo = 0; a ratio below 62/81
     # moves lo up to 1/3
@@ -707,7 +709,8 @@ def muon_update_norm(
     $\max(1, \sqrt{\text{fan\_in}/\text{fan\_out}})$), ``"match_rms_adamw"``
     $0.2\sqrt{\max(\text{fan\_out}, \text{fan\_in})}$, or ``None`` for an update already
     scaled to unit RMS→RMS norm (the reference code's $\sqrt{\text{fan\_out}/\text{fan\_in}}$
-    scaling). The default ``margin=1.05`` covers bf16 rounding of the iteration.
+    scaling). The default ``margin=1.05`` covers bf16 rounding of the iteration. An empty
+    weight (``fan_out`` or ``fan_in`` 0) has no singular value: $\eta = 0$.
 
     The reference NanoGPT script uses $\text{lr}\times 1.14502\times 1.05$: $1.14502$ is the
     output maximum of *its own* NS table. For Keller's quintic the maximum is $1.20237$,
@@ -716,12 +719,7 @@ def muon_update_norm(
     """
     from .muon import muon_shape_factor  # at call time: muon imports base, which imports this module
 
-    fan_out, fan_in = shape[-2], shape[-1]
-    if adjust_lr in ("original", "match_rms_adamw"):
-        shape_factor = muon_shape_factor(fan_out, fan_in, adjust_lr)
-    elif adjust_lr is None:
-        shape_factor = math.sqrt(fan_out / fan_in)
-    else:
+    if adjust_lr not in ("original", "match_rms_adamw", None):
         raise ValueError(
             f"muon_update_norm: adjust_lr must be 'original', 'match_rms_adamw' or None, "
             f"got {adjust_lr!r}"
@@ -735,6 +733,15 @@ def muon_update_norm(
             f"muon_update_norm: margin must be a finite number >= 1 (it widens the rigorous bound on the "
             f"Newton-Schulz output for rounding; below 1 eta would not bound the update), got {margin!r}"
         )
+    fan_out, fan_in = shape[-2], shape[-1]
+    if fan_out == 0 or fan_in == 0:
+        # an empty matrix's update is the zero map, of norm 0 (its fan ratio had raised
+        # ZeroDivisionError in the optimizer's pre-step check of a soft cap)
+        return lr * 0.0
+    if adjust_lr is None:
+        shape_factor = math.sqrt(fan_out / fan_in)
+    else:
+        shape_factor = muon_shape_factor(fan_out, fan_in, adjust_lr)
     return lr * ns_output_bound(schedule) * margin * rms_scale(shape) * shape_factor
 
 
@@ -868,8 +875,11 @@ class SoftCap(Regulator):
         eta = self.eta_for(lr, tuple(M.shape))
         on_device = isinstance(wd, torch.Tensor) or isinstance(eta, torch.Tensor)
         if on_device:
-            # a rate on the device: alpha there too (alpha = 0 leaves X as it is: X + 0 * Y = X)
-            alpha = soft_cap_alpha_tensor(self.w_max, torch.as_tensor(wd), torch.as_tensor(eta)).to(M.device)
+            # a rate on the device: alpha there too (alpha = 0 leaves X as it is: X + 0 * Y = X), and
+            # wd, eta and the guard's k in float64 as on the host (torch.as_tensor had made a float eta
+            # float32: at a float64 rate the cap let a float64 weight 3.5e-9 past w_max)
+            wd, eta = torch.as_tensor(wd, dtype=torch.float64), torch.as_tensor(eta, dtype=torch.float64)
+            alpha = soft_cap_alpha_tensor(self.w_max, wd, eta).to(M.device)
         else:
             alpha = soft_cap_alpha(self.w_max, wd, eta)
         if self.guard_steps > 0:

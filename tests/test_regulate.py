@@ -1131,3 +1131,40 @@ def test_a_state_missing_a_group_key_loads_with_a_regulator():
     fresh.load_state_dict(saved)
     assert fresh.param_groups[0]["adjust_lr_fn"] is None and torch.equal(
         fresh.state[W]["momentum_buffer"], opt.state[W]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw", None])
+@pytest.mark.parametrize("shape", [(4, 0), (0, 4), (3, 0, 5)])
+def test_muon_update_norm_of_an_empty_weight_is_zero(shape, adjust_lr):
+    # an empty weight has no singular value, so its update is the zero map: eta = 0, as a float
+    # or on the device (its fan ratio had raised ZeroDivisionError, in a soft-capped optimizer's
+    # pre-step check of an empty layer). Control: a non-empty weight's eta is positive.
+    assert muon_update_norm(0.1, shape, adjust_lr=adjust_lr) == 0.0
+    on_device = muon_update_norm(torch.tensor(0.1), shape, adjust_lr=adjust_lr)
+    assert isinstance(on_device, torch.Tensor) and on_device.item() == 0.0
+    assert muon_update_norm(0.1, (4, 5), adjust_lr=adjust_lr) > 0
+    cap = SoftCap(w_max=1.0)
+    assert cap.refusal(0.1, shape) is None and cap(torch.zeros(shape), lr=0.1).shape == shape
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.3])
+@pytest.mark.parametrize("eta", [0.13, 0.151, 0.2013])
+def test_the_soft_cap_at_a_device_rate_is_the_float64_cap_of_the_host_rate(eta, weight_decay):
+    # At a tensor lr the coupling was formed in float32 (torch.as_tensor of the float eta, and k in
+    # the rate's dtype before the float64 bisection): a float64 weight with every RMS singular value
+    # at k came out 3.5e-9 past w_max at a float64 rate. Now wd, eta and k are float64 as on the host.
+    lr = 0.1
+    k = 1.0 * (1 - lr * weight_decay) + eta
+    W = with_rms_spectrum((12, 8), torch.full((8,), k, dtype=torch.float64), torch.Generator().manual_seed(9))
+    cap = SoftCap(w_max=1.0, eta=eta, weight_decay=weight_decay)
+    on_host, on_device = cap(W, lr=lr), cap(W, lr=torch.tensor(lr, dtype=torch.float64))
+    # float64, four products of O(1) entries summed over 8-12 terms: round-off within 100 eps
+    # (as test_soft_cap_applies_the_polynomial_to_singular_values); the two alphas agree to the
+    # bisection's 2^-64 / 3 in beta, below float64's resolution
+    assert rms_spectral_norm(on_device).item() <= 1.0 + 100 * F64_EPS
+    torch.testing.assert_close(on_device, on_host, rtol=0, atol=100 * F64_EPS)
+    # the device bisection of float32 inputs solves the coupling of the values they hold (k had
+    # been rounded to float32 first: 1e-7 off), to the 1e-12 the certificates check it to
+    wd32, eta32 = torch.tensor(lr * weight_decay), torch.tensor(eta)
+    exact = soft_cap_alpha(1.0, wd32.item(), eta32.item())
+    assert soft_cap_alpha_tensor(1.0, wd32, eta32).item() == pytest.approx(exact, rel=1e-12)
