@@ -698,6 +698,14 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
     if settings.solver == "projected":
         return projected_step(form, W, G, lr, settings, shrink)
     _check_points(W, G, "gram_step")
+    if correction is not None:
+        # the multiplier's shape from the form's constraint on a meta n x n stack (shapes only): a
+        # correction of another shape had broadcast over the stack or failed inside a product
+        n = W.size(-1)
+        multiplier = form.constraint(torch.empty(W.size(0), n, n, dtype=W.dtype, device="meta")).shape
+        if correction.shape != multiplier:
+            raise ValueError(f"gram_step: correction {tuple(correction.shape)} must have the multiplier's shape "
+                             f"{tuple(multiplier)}: pass the correction a previous gram_step returned for this stack")
     low = settings.compute_dtype or W.dtype
     mulD = _PointGram(form, W, shrink, settings.stored_dtype)
     D = mulD.D

@@ -8,7 +8,8 @@ W \leftarrow R_W(-\eta\,\hat A),$$
 
 with $\tilde B$ the (Nesterov) momentum of :mod:`geomuon.optimizers.base`. The engine's
 $\hat A$ is an approximate maximizer, tangent to round-off; it lies in the unit ball exactly
-on the general path (a final rescale by $\max(1, \sigma_{\max})$) and to the polish's accuracy
+on the general path (a final rescale to norm 1 in the group's norm, not a clip: every
+general-path step but a zero one has length $\eta$ in that norm) and to the polish's accuracy
 on the Gram path, whose direction is tangent after its last projection but may leave the
 ball: measured inside GPT training (``tests/test_direction_taken.py``'s reading of the
 weights), $\|\hat A\|_2 \le 1.008$ on Stiefel and up to $1.22$ on DGram (square matrices,
@@ -78,6 +79,11 @@ DEFAULT_DUAL_UPDATE = "newton"
 #: fail give zero steps); with this floor float64 certifies as float32 to three digits.
 DUALIZER_SHIFT_EPS = torch.finfo(torch.float32).eps
 _RETRACTIONS = ("fused", "manifold")
+#: The spectral dualizer's kernel and iterations by default (``msign_method``, ``msign_steps``).
+DEFAULT_MSIGN_METHOD, DEFAULT_MSIGN_STEPS = "polar_express", 6
+#: The norms whose dualizer runs that kernel (:data:`~geomuon.optimizers.steepest.NORMS`): the
+#: row and column dualizers normalize rows or columns, with no polar factor.
+_MSIGN_NORMS = ("spectral", "hybrid")
 
 
 def default_dual_steps(manifold) -> int:
@@ -294,10 +300,14 @@ class ManifoldMuon(MatrixOptimizer):
             everywhere with ``dual_smoothing`` > 0 (it reads the eigenvalues).
         warm_start: start each step's dual from the previous correction (default True).
         msign_method: the spectral dualizer's kernel, a method of
-            :func:`geomuon.manifolds.linalg.msign` (default ``"polar_express"``).
+            :func:`geomuon.manifolds.linalg.msign` (default ``"polar_express"``), for the
+            ``"spectral"`` and ``"hybrid"`` norms (``"row"`` and ``"column"`` refuse another).
         msign_steps: its iterations (default 6: the first 6 steps of the Polar Express
             table, singular values within $[0.9935, 1.0012]$; the 5-step table's
-            $[0.85, 1.14]$ caps the certified ratio near 0.89).
+            $[0.85, 1.14]$ caps the certified ratio near 0.89); like ``msign_method``, refused
+            with ``"row"`` and ``"column"``. The Gram path's dual solver with
+            ``gram_dualizer="eigh"`` (the CPU default) takes its polar factors exactly and runs
+            no steps.
         compute_dtype: dtype of the dual iterations (default ``torch.bfloat16``); ``torch.float16``
             is refused (see :attr:`~geomuon.optimizers.base.MatrixOptimizer.float16_compute`).
         dual_carry: take one more dual step after the last iterate into the warm start
@@ -388,8 +398,8 @@ class ManifoldMuon(MatrixOptimizer):
         dual_update: str | None = None,
         gram_dualizer: str | None = None,
         warm_start: bool = True,
-        msign_method: str = "polar_express",
-        msign_steps: int | None = 6,
+        msign_method: str = DEFAULT_MSIGN_METHOD,
+        msign_steps: int | None = DEFAULT_MSIGN_STEPS,
         compute_dtype: torch.dtype | None = torch.bfloat16,
         dual_carry: bool = True,
         polish_rounds: int | None = None,
@@ -452,6 +462,12 @@ class ManifoldMuon(MatrixOptimizer):
                        "an integer >= 0 (0: never)")
         if group["norm"] not in NORMS:
             raise ValueError(f"group {index}: unknown norm {group['norm']!r}; choose one of {list(NORMS)}")
+        if group["norm"] not in _MSIGN_NORMS and (group["msign_method"], group["msign_steps"]) != (
+                DEFAULT_MSIGN_METHOD, DEFAULT_MSIGN_STEPS):
+            # the row and column dualizers run no polar factor: the kernel had been accepted and ignored
+            raise ValueError(f"group {index}: msign_method={group['msign_method']!r}, msign_steps="
+                             f"{group['msign_steps']!r} would be ignored: norm={group['norm']!r} dualizes with no "
+                             f"polar factor (only {_MSIGN_NORMS} run one); leave them out or choose such a norm")
         if group["retraction"] not in _RETRACTIONS:
             raise ValueError(f"group {index}: retraction must be one of {_RETRACTIONS}, got {group['retraction']!r}")
         if group["solver"] not in SOLVERS:
@@ -809,14 +825,18 @@ class ManifoldMuon(MatrixOptimizer):
         return (point.mT.contiguous() if flip else point), correction, ratio
 
     def _general_path(self, group, manifold, W, G, lr, shrink, warm, certify):
-        W = W if not isinstance(shrink, torch.Tensor) and shrink == 1.0 else W * shrink
+        r"""$R_{cW}(-\eta\hat A)$ with $\hat A$ the engine's direction at $W$ itself: $cW$ has $W$'s
+        tangent space (every constraint is homogeneous in $W$), but is off the manifold, where a
+        manifold's ``proju`` is no projection (Stiefel's at $cW$ removes $c^2$ of the normal part:
+        a normal gradient had moved a decayed Stiefel weight by 0.11 in three steps)."""
+        decayed = W if not isinstance(shrink, torch.Tensor) and shrink == 1.0 else W * shrink
         alpha = group["dual_alpha"]
         alpha = default_dual_alpha(manifold, "jacobi") if alpha is None else float(alpha)  # its dual steps are Jacobi's
         settings = FAST.replace(steps=int(group["dual_steps"]), alpha=alpha,
                                 msign_method=group["msign_method"], msign_steps=group["msign_steps"],
                                 compute_dtype=group["compute_dtype"], certify="exact" if certify else None)
         result = steepest_direction(manifold, W, G, group["norm"], settings, warm_start=warm)
-        point = manifold.retr(W, -lr * result.direction.to(W.dtype))
+        point = manifold.retr(decayed, -lr * result.direction.to(W.dtype))
         return point, result.correction, result.ratio
 
     def _apply(self, group: dict, params: list[torch.Tensor], update: torch.Tensor, lr: float,

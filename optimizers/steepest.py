@@ -232,7 +232,8 @@ class SteepestResult:
         primal: $\langle G, \hat A\rangle$, ``[...]`` (``None`` when ``certify=None``).
         dual: $\min_k \|G + L^*(\Lambda_k)\|_\dagger$, an upper bound on the optimum.
         ratio: primal / dual, a certified lower bound on the optimality fraction.
-        steps: dual steps taken.
+        steps: dual steps run on the batch (a matrix the ``safeguard`` stopped took fewer:
+            its later steps are zero, which the count cannot show without a read-back).
         residual: RMS of $L_W(A)$ at the last dual iterate (before the final
             projection), ``[...]``; ``None`` when nothing asked for it (no certificate,
             ``tol = 0``, no safeguard), which skips that product after the last step.
@@ -432,6 +433,16 @@ def steepest_direction(
         raise ValueError(f"steepest_direction: W ({W.dtype}) and G ({G.dtype}) must share float32 or float64 (the "
                          "base iterate, the projection and the certificate run in it; compute_dtype sets the "
                          "dual iterations')")
+
+    if warm_start is not None:
+        # the multiplier's shape from the constraint on meta tensors (shapes only, no arithmetic): a
+        # warm start of another shape had broadcast an [8, 4] direction to [2, 2, 2, 2, 8, 4] or
+        # failed inside a product
+        multiplier = manifold.constraint(torch.empty_like(W, device="meta"), torch.empty_like(G, device="meta")).shape
+        if warm_start.shape != multiplier:
+            raise ValueError(f"steepest_direction: warm_start {tuple(warm_start.shape)} must have the multiplier's "
+                             f"shape {tuple(multiplier)} (that of manifold.constraint(W, G)): pass a previous "
+                             "result's correction for the same W")
 
     batch = W.dim() - 2
     Wc = W if s.compute_dtype is None else W.to(s.compute_dtype)

@@ -607,3 +607,19 @@ def test_gram_steps_refuse_stacks_they_cannot_take_by_name(step):
                                                                                             settings)
     moved = step(form, W, G, 0.1, settings=settings) if step is gram_step else step(form, W, G, 0.1, settings)
     assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12  # control
+
+
+def test_gram_step_refuses_a_correction_of_another_shape_by_name():
+    # a correction for one matrix had broadcast over a stack of two, and one of the wrong size
+    # failed inside a product
+    form = Stiefel().gram_form
+    W = Stiefel().random(2, 16, 4, dtype=torch.float64)
+    G = torch.randn(2, 16, 4, dtype=torch.float64)
+    for shape in ((4, 4), (2, 3, 3)):
+        with pytest.raises(ValueError, match=rf"gram_step: correction \({', '.join(map(str, shape))}\) must have "
+                                             r"the multiplier's shape \(2, 4, 4\)"):
+            gram_step(form, W, G, 0.1, torch.zeros(shape, dtype=torch.float64), GramSettings(dual_steps=1))
+    # control: the correction a step returned is taken
+    first = gram_step(form, W, G, 0.1, None, GramSettings(dual_steps=1))
+    assert first.correction.shape == (2, 4, 4)
+    assert gram_step(form, W, G, 0.1, first.correction, GramSettings(dual_steps=1)).point.shape == W.shape

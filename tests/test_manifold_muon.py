@@ -137,6 +137,29 @@ def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient(solver, comp
     assert (W.detach() - start).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("options", [dict(norm="row"), dict(norm="hybrid"), dict(retraction="manifold")],
+                         ids=["row", "hybrid", "manifold-retraction"])
+def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient_on_the_general_path(options):
+    # The general path's counterpart of the test above: its engine ran at the decayed point cW,
+    # where Stiefel's proju removes only c^2 of the normal part, so grad = 2W (normal at W)
+    # moved the weight by 0.06-0.11 in three steps. Nothing may move but the retraction's
+    # round-off: per step msign of an orthonormal float64 point, a fixed point of its O(10)
+    # products each exact to about n * eps, so 3 steps * 10 products * n * eps bounds it.
+    gen = torch.Generator().manual_seed(4)
+    W = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen, dtype=torch.float64).data)
+    start = W.detach().clone()
+    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05, weight_decay=0.4, **options)
+    for _ in range(3):
+        W.grad = 2 * W.detach()
+        opt.step()
+    assert (W.detach() - start).abs().max().item() <= 3 * 10 * 8 * torch.finfo(torch.float64).eps
+    # control: a tangent gradient moves it
+    W.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
+    W.grad -= W.detach() @ (0.5 * (W.detach().T @ W.grad + W.grad.T @ W.detach()))
+    opt.step()
+    assert (W.detach() - start).abs().max().item() > 1e-2
+
+
 def test_dual_steps_improve_the_certificate_in_a_run():
     # without polish rounds, which move the direction toward the optimum themselves (ADMM)
     zero = _regression_run(DGram(), (96, 32), steps=10, dual_steps=0, polish_rounds=0)
@@ -907,6 +930,37 @@ def test_options_a_step_cannot_honour_are_refused(options, message):
         ManifoldMuon([p], manifold="dgram", **options)
     ManifoldMuon([p], manifold="dgram", lr=torch.tensor(0.02), weight_decay=1.0, polish_method="admm",
                  polish_rounds=1, dual_alpha=1.5)  # control
+
+
+@pytest.mark.parametrize("norm", ["row", "column"])
+@pytest.mark.parametrize("options", [dict(msign_steps=3), dict(msign_method="svd")], ids=["steps", "method"])
+def test_a_spectral_kernel_option_is_refused_with_a_norm_that_runs_no_polar_factor(norm, options):
+    # the row and column dualizers normalize rows or columns: msign_steps=3 or msign_method="svd"
+    # had been accepted and the step was bitwise the default's
+    def point(**kwargs):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(Stiefel().random(16, 8, generator=gen, dtype=torch.float64).data)
+        opt = ManifoldMuon([p], manifold="stiefel", norm=norm, **kwargs)
+        p.grad = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+        opt.step()
+        return p.detach()
+
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=rf"group 0: msign_method=.*msign_steps=.* would be ignored: norm='{norm}'"):
+        point(**options)
+    point()  # control: the defaults are accepted
+    # control: the hybrid norm runs the kernel, so the option is taken and changes the step
+    gen = torch.Generator().manual_seed(0)
+    W = Stiefel().random(16, 8, generator=gen, dtype=torch.float64).data
+    G = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    steps = []
+    for kwargs in ({}, options):
+        p = torch.nn.Parameter(W.clone())
+        opt = ManifoldMuon([p], manifold="stiefel", norm="hybrid", **kwargs)
+        p.grad = G.clone()
+        opt.step()
+        steps.append(p.detach())
+    assert not torch.equal(*steps), name
 
 
 def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):

@@ -330,6 +330,22 @@ def test_steepest_direction_refuses_what_it_cannot_take_by_name():
     steepest_direction(Stiefel(), W, G, settings=SolverSettings(steps=2))  # control
 
 
+@pytest.mark.parametrize("manifold, multiplier", [(Stiefel(), (3, 3)), (Oblique(), (3,))], ids=["stiefel", "oblique"])
+def test_a_warm_start_of_another_shape_is_refused_by_name(manifold, multiplier):
+    # a batch of warm starts for one matrix had broadcast its [6, 3] direction to [2, 2, 6, 3] (or
+    # [2, 2, 2, 2, 6, 3]), and a warm start of the wrong size failed inside a matrix product
+    W = manifold.random(6, 3, dtype=torch.float64)
+    G = torch.randn(6, 3, dtype=torch.float64)
+    for shape in ((2, *multiplier), (4,) * len(multiplier)):
+        with pytest.raises(ValueError, match=rf"steepest_direction: warm_start \({', '.join(map(str, shape))},?\) "
+                                             rf"must have the multiplier's shape \({multiplier[0]}"):
+            steepest_direction(manifold, W, G, steps=2, warm_start=torch.zeros(shape, dtype=torch.float64))
+    # control: a previous result's correction is taken (its shape is the multiplier's)
+    first = steepest_direction(manifold, W, G, steps=2)
+    assert first.correction.shape == multiplier
+    assert steepest_direction(manifold, W, G, steps=2, warm_start=first.correction).direction.shape == W.shape
+
+
 @pytest.mark.parametrize("norm", ["spectral", "row"])
 def test_a_normal_gradient_certifies_the_zero_direction_it_returns(norm):
     # G = W S (S symmetric) is normal to Stiefel at W: the direction is zeroed, and the
