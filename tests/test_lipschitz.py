@@ -1329,3 +1329,81 @@ def test_rounding_error_bound_covers_the_rotary_angles_at_long_positions():
     vectors = vectors.float().double()  # representable in float32: the error is the rotation's alone
     relative = ((rotary(vectors.float()).double() - rotary(vectors)).norm(dim=-1) / vectors.norm(dim=-1)).max()
     assert relative.item() <= lipschitz_module._rope_rounding(d, T, u, 4.0)
+
+
+def test_rounding_error_bound_defaults_to_the_weights_dtype():
+    # A bfloat16 model computes in bfloat16 (nn.Linear runs in its weight's dtype), but the default
+    # dtype had been float32: its E, 2^16 times too small, was exceeded 5x by the model's measured
+    # error. The default is now the weights' own dtype (the coarsest, where they differ).
+    gen = torch.Generator().manual_seed(0)
+    T, d = 8, 16
+    exact_model = GPT(lipschitz_config(n_head=2, n_layer=1, d=d, vocab=16)).double()
+    with torch.no_grad():
+        for p in exact_model.parameters():  # bf16-representable weights: both networks share them exactly
+            p.copy_((0.25 * torch.randn(p.shape, generator=gen, dtype=torch.float64)).bfloat16().double())
+    bf16_model = copy.deepcopy(exact_model).bfloat16()
+    weights = bf16_model.lipschitz_weights()
+    E = rounding_error_bound(weights, sequence_length=T)
+    assert E == rounding_error_bound(weights, dtype=torch.bfloat16, sequence_length=T)
+    # tokens of entries +-1: RMS exactly 1 (in the domain) and exact in bf16, so the input is not rounded
+    x = torch.randn(1, T, d, generator=gen, dtype=torch.float64).sign()
+    certify_domain(x)
+    with torch.no_grad():
+        error = token_rms_max(body(bf16_model)(x.bfloat16()).double() - body(exact_model)(x)).item()
+    # E is first order in u (the neglected terms are O(u^2) relative) and the float64 reference is exact
+    # to ~1e-16 relative, far below the margin: no tolerance
+    assert error <= E
+    assert error > rounding_error_bound(weights, dtype=torch.float32, sequence_length=T)  # float32's E fails it
+    # mixed dtypes: the coarsest decides (one bf16 matrix among float32 ones)
+    mixed = {key: value.float() if isinstance(value, torch.Tensor) else value for key, value in weights.items()}
+    mixed["blocks"] = [{**{name: W.float() for name, W in weights["blocks"][0].items()}, "v": weights["blocks"][0]["v"]}]
+    assert rounding_error_bound(mixed, sequence_length=T) == rounding_error_bound(mixed, dtype=torch.bfloat16,
+                                                                                  sequence_length=T)
+
+
+def test_empirical_lipschitz_reads_searches_from_any_iterable():
+    # The check of `searches` had used up a generator, and the search then ran no pair (a bare IndexError
+    # deep inside); an iterable is read once, and names the same searches as the tuple.
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    x = unit_rms_tokens(3, 4, gen)
+    options = dict(restarts=2, steps=3, power_steps=1)
+    as_tuple = empirical_lipschitz(lambda z: z @ A.T, x, searches=("near", "far"), **options)
+    as_generator = empirical_lipschitz(lambda z: z @ A.T, x, searches=(s for s in ("near", "far")), **options)
+    # the same pairs, evaluated in the same order from the same seed: bitwise equal
+    assert as_generator.by_search == as_tuple.by_search
+    with pytest.raises(ValueError, match="searches must be a non-empty subset"):
+        empirical_lipschitz(lambda z: z @ A.T, x, searches=iter(()), **options)
+
+
+def test_empty_weight_matrices_are_refused_by_key():
+    # A zero-width MLP or an empty head had failed with a bare ZeroDivisionError inside the RMS->RMS norm
+    # (fan_out = 0), naming nothing; a zero MLP of full shape is the way to model no MLP, and is taken.
+    weights = GPT(lipschitz_config(n_head=2)).lipschitz_weights()
+    no_mlp = {"mlp_in": torch.zeros(0, 16), "mlp_out": torch.zeros(16, 0)}
+    with pytest.raises(ValueError, match=r"transformer_lipschitz_bound: blocks\[1\]\['mlp_in'\] is 0x16, an empty matrix"):
+        transformer_lipschitz_bound({**weights, "blocks": [weights["blocks"][0], {**weights["blocks"][1], **no_mlp}]})
+    with pytest.raises(ValueError, match=r"transformer_lipschitz_bound: head is 0x16, an empty matrix"):
+        transformer_lipschitz_bound({**weights, "head": torch.zeros(0, 16)})
+    with pytest.raises(ValueError, match=r"residual_mlp_bound: w_in is 0x16, an empty matrix"):
+        residual_mlp_bound(no_mlp["mlp_in"], no_mlp["mlp_out"], residual_weight=0.5)
+    with pytest.raises(ValueError, match=r"rms_operator_norm: W is 0x16, an empty matrix"):
+        rms_operator_norm(no_mlp["mlp_in"])
+    # control: zero weights of full shape are a residual MLP that only scales, (1 - a) x: constant 1 - a
+    zero = residual_mlp_bound(torch.zeros(64, 16), torch.zeros(16, 64), residual_weight=0.25)
+    # (the float64 SVD of 0.75 I: a few ulps)
+    assert zero.lipschitz == pytest.approx(0.75, rel=8 * F64_EPS)
+
+
+def test_empirical_lipschitz_leaves_the_parameters_gradients_alone():
+    # The pair search and the Jacobian ascent called backward(), which also accumulated into the
+    # parameters of f: a model's gradient, held between a training step's backward and its update,
+    # came back changed. Only the search's own variables are differentiated now.
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(4, 3, bias=False).double()
+    held = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    layer.weight.grad = held.clone()
+    estimate = empirical_lipschitz(layer, unit_rms_tokens(5, 4, gen), restarts=2, steps=5, ascent_steps=3)
+    assert torch.equal(layer.weight.grad, held)
+    # control: the search ran, and found a ratio of the map (at most its constant, up to a few ulps)
+    assert 0 < estimate.estimate <= rms_operator_norm(layer.weight) * (1 + 1e-12)

@@ -123,6 +123,9 @@ def rms_operator_norm(W: torch.Tensor) -> float:
         )
     if W.is_complex():  # the float64 cast had dropped the imaginary part: the norm of another matrix
         raise TypeError(f"rms_operator_norm: W must be real, got {W.dtype}")
+    if not W.numel():  # (fan_out = 0 had divided by zero: a bare ZeroDivisionError)
+        raise ValueError(f"rms_operator_norm: W is {W.size(0)}x{W.size(1)}, an empty matrix: the RMS of a "
+                         "0-dimensional vector is undefined")
     sigma = torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
     return rms_scale(W.shape) * sigma
 
@@ -515,6 +518,9 @@ class TransformerBound:
     ``residuals``: the constant of each residual sub-layer ($(1-a) + aL_f$ for attention);
     ``radii``: the token-RMS bound of the activations entering each sub-layer and, last,
     entering the head; ``head``: $\|W_\text{head}\|$; ``method``: one of :data:`METHODS`.
+    With a ``sequence_length`` $T$, ``sublayers`` and ``residuals`` are those of the rule that gave
+    ``bound`` (see :func:`transformer_lipschitz_bound`): the attention constants times $\sqrt T$ (rule (i)),
+    or the per-token ones when $\sqrt T$ times the per-token bound (rule (ii)) is the smaller.
     """
 
     bound: float
@@ -756,12 +762,15 @@ class _Architecture:
 
 
 def _require_matrix(where: str, name: str, W, shape: tuple[int | None, int | None] = (None, None)) -> None:
-    """Refuse a weight that is not a finite, real floating-point 2-D tensor of ``shape`` (``None``: any
-    size), naming it: the float64 cast had dropped a complex weight's imaginary part (``mlp_lipschitz`` of
+    """Refuse a weight that is not a finite, real floating-point, non-empty 2-D tensor of ``shape`` (``None``:
+    any size), naming it: the float64 cast had dropped a complex weight's imaginary part (``mlp_lipschitz`` of
     an imaginary ``w_in`` was 0), and the whole-model bound refuses int and bool weights likewise."""
     if not isinstance(W, torch.Tensor) or W.dim() != 2:
         got = f"a {W.dim()}-D tensor" if isinstance(W, torch.Tensor) else type(W).__name__
         raise ValueError(f"{where}: {name} must be a 2-D tensor, got {got}")
+    if not W.numel():  # (its RMS->RMS norm divides by fan_out: a bare ZeroDivisionError)
+        raise ValueError(f"{where}: {name} is {W.size(0)}x{W.size(1)}, an empty matrix; every width must be >= 1 "
+                         "(a sub-layer that contributes nothing is one with zero weights of its full shape)")
     if not W.is_floating_point():
         raise TypeError(f"{where}: {name} must be a real floating-point tensor, got {W.dtype}; the bound is for "
                         "the real-valued network")
@@ -1166,7 +1175,7 @@ def empirical_lipschitz(
     and power iteration on its Jacobian; run it in float64.
 
     *Pair searches* (``searches``, ``restarts`` pairs each, one batch): each pair
-    $(x, y)$ starts from ``x0`` plus noise (the first of each search from ``x0`` itself)
+    $(x, y)$ starts from ``x0`` plus noise (the first of each search but ``"pairs"`` from ``x0`` itself)
     and Adam maximizes $\log\|f(y) - f(x)\| - \log\|y - x\|$ in $x$ and the offset, both
     points projected back into the domain (token RMS $\le$ ``radius``; ``None`` =
     unconstrained) after each step:
@@ -1222,7 +1231,7 @@ def empirical_lipschitz(
         lr: a finite number $> 0$, relative to the input scale (as are ``ascent_lr``, ``near``
             and ``perturbation``).
         radius: the domain's token-RMS radius, a finite number $> 0$, or ``None``.
-        searches: a non-empty subset of :data:`SEARCHES`.
+        searches: a non-empty subset of :data:`SEARCHES` (any iterable of their names, read once).
         in_norm: ``[B, ...] -> [B]`` norm of the inputs (default: max per-token RMS).
         out_norm: ``[B, ...] -> [B]`` norm of the outputs (default: max per-token RMS).
             The power iteration runs when both are :func:`token_rms_max` or
@@ -1246,8 +1255,11 @@ def empirical_lipschitz(
     lr, ascent_lr, near, perturbation = (as_positive(where, name, value) for name, value in
                                          (("lr", lr), ("ascent_lr", ascent_lr), ("near", near),
                                           ("perturbation", perturbation)))
-    if isinstance(searches, str) or not isinstance(searches, Iterable) or set(searches) - set(SEARCHES) \
-            or not searches:
+    if isinstance(searches, str) or not isinstance(searches, Iterable):
+        raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
+    # read once, here: the check had used up a generator, and the search ran no pair (an IndexError)
+    searches = tuple(searches)
+    if set(searches) - set(SEARCHES) or not searches:
         raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
     if not (isinstance(x0, torch.Tensor) and x0.is_floating_point()):
         raise TypeError(f"{where}: x0 must be a floating-point tensor, got "
@@ -1313,8 +1325,9 @@ def empirical_lipschitz(
             best_y[improved] = y.detach()[improved]
         if step == steps:
             break
-        optimizer.zero_grad()
-        (-ratio.clamp_min(tiny).log().sum()).backward()
+        # the gradients of the search's own variables only: backward() had also accumulated into the
+        # parameters of f (a model's .grad, between a training step's backward and its update, came back changed)
+        x.grad, offset.grad = torch.autograd.grad(-ratio.clamp_min(tiny).log().sum(), [x, offset])
         optimizer.step()
         with torch.no_grad():
             x.copy_(_project_to_radius(x, radius))
@@ -1390,8 +1403,7 @@ def _jacobian_power_iteration(f, x, y, steps, ascent_steps, step_size, lr, radiu
         point = centre.detach().clone().requires_grad_(True)
         (pullback,) = torch.autograd.grad((f(point) * dual_out(change.detach())).sum(), point)
         if ascending:  # the centre climbs the slope measured along the direction it had
-            optimizer.zero_grad()
-            (-ratio.clamp_min(tiny).log().sum()).backward()
+            (centre.grad,) = torch.autograd.grad(-ratio.clamp_min(tiny).log().sum(), [centre])  # (not f's parameters)
             optimizer.step()
             with torch.no_grad():
                 centre.copy_(_project_to_radius(centre, radius))
@@ -1435,12 +1447,28 @@ def _rope_rounding(d_head: int, sequence_length: int, unit_roundoff: float, elem
             + math.sqrt(2) * _gamma(2, unit_roundoff))
 
 
+#: The dtypes :func:`rounding_error_bound` has a rounding model for.
+_ROUNDING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _coarsest_weight_dtype(weights: Mapping) -> torch.dtype:
+    """The dtype of largest unit round-off among the weight matrices of ``weights`` (``"blocks"`` a list,
+    every matrix real floating point): the one the network computes in, refused (``ValueError``) when
+    :func:`rounding_error_bound` has no model for it."""
+    matrices = [weights["head"], *(W for block in weights["blocks"] for W in block.values())]
+    coarsest = max((W.dtype for W in matrices), key=lambda dtype: torch.finfo(dtype).eps)
+    if coarsest not in _ROUNDING_DTYPES:
+        raise ValueError(f"rounding_error_bound: the weights are {coarsest}, which has no rounding model here; "
+                         f"pass dtype, one of {_ROUNDING_DTYPES}")
+    return coarsest
+
+
 def _abs_rms_norm(W: torch.Tensor) -> float:
     return rms_operator_norm(W.detach().double().abs())
 
 
 def rounding_error_bound(
-    weights: Mapping, *, dtype: torch.dtype = torch.float32, sequence_length: int, elementwise_ulps: float = 4.0
+    weights: Mapping, *, dtype: torch.dtype | None = None, sequence_length: int, elementwise_ulps: float = 4.0
 ) -> float:
     r"""First-order bound $E$ on $\max_t\|\hat f(X)_t - f(X)_t\|_{\mathrm{RMS}}$: the implemented
     network $\hat f$ (every operation in ``dtype``) against the exact one, for inputs of
@@ -1479,6 +1507,12 @@ def rounding_error_bound(
     ``elementwise_ulps``, no overflow), not a certificate of a particular kernel library; the test
     suite checks it against a float64 evaluation and against the one-ulp counterexample.
 
+    Args:
+        dtype: the dtype every operation computes in (float32, bfloat16, float16 or float64). ``None``
+            (the default): the weights' own, the coarsest if they differ, since an ``nn.Linear`` computes
+            in its weight's dtype (a float32 default had bounded a bfloat16 model by float32's $u$, 5x
+            below its measured error). Pass ``torch.bfloat16`` for float32 weights under bf16 autocast.
+
     Raises:
         ValueError: ``dtype``'s range may not hold an intermediate value (bounded through
             $\sigma_{\max}(|W|)$ and the radii, partial sums included; float16's 65504 on large
@@ -1487,15 +1521,18 @@ def rounding_error_bound(
     Returns:
         $E$ in the max per-token RMS norm of the logits (float).
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise ValueError(f"rounding_error_bound: dtype must be a float dtype, got {dtype}")
+    if dtype is not None and dtype not in _ROUNDING_DTYPES:
+        raise ValueError(f"rounding_error_bound: dtype must be one of {_ROUNDING_DTYPES} or None (the weights' "
+                         f"dtype), got {dtype}")
     T = as_count("rounding_error_bound", "sequence_length", sequence_length, 1)
     # a negative count had lowered E below the rounding it bounds (unsound), a NaN made it NaN
     elementwise_ulps = as_positive("rounding_error_bound", "elementwise_ulps", elementwise_ulps, zero=True)
-    u = torch.finfo(dtype).eps / 2
     _check_weights("rounding_error_bound", weights)
     weights = {**weights, "blocks": list(weights["blocks"])}  # (a generator of blocks: read once, here)
-    exact = transformer_lipschitz_bound(weights)
+    exact = transformer_lipschitz_bound(weights)  # (refuses weights that are not real floating point, by key)
+    if dtype is None:
+        dtype = _coarsest_weight_dtype(weights)
+    u = torch.finfo(dtype).eps / 2
     blocks = weights["blocks"]
     arch = _Architecture.of(weights, blocks)
     d, d_head = arch.d, blocks[0]["q"].size(0) // arch.n_head
