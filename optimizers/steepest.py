@@ -230,7 +230,9 @@ class SteepestResult:
     Attributes:
         direction: tangent $\hat A$ with $\|\hat A\| = 1$ (0 for a zero $G$), ``[..., m, n]``.
         primal: $\langle G, \hat A\rangle$, ``[...]`` (``None`` when ``certify=None``).
-        dual: $\min_k \|G + L^*(\Lambda_k)\|_\dagger$, an upper bound on the optimum.
+        dual: $\min_k \|G + L^*(\Lambda_k)\|_\dagger$ over the scored iterates $k$ (every
+            tenth and the last with ``track_best``; the last alone without),
+            an upper bound on the optimum.
         ratio: primal / dual, a certified lower bound on the optimality fraction.
         steps: dual steps run on the batch (a matrix the ``safeguard`` stopped took fewer:
             its later steps are zero, which the count cannot show without a read-back).

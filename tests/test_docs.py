@@ -579,3 +579,165 @@ def test_results_prose_thread_scaling_is_the_ratio_of_the_two_tables():
         t1, t2 = _step_ms("optimizer_step", optimizer), _step_ms("optimizer_step_2threads", optimizer)
         assert (round(t1), round(t2)) == (int(found[one]), int(found[two])), (optimizer, t1, t2)
         assert found[ratio] == f"{t1 / t2:.2f}", f"{optimizer}: {t1} / {t2} = {t1 / t2:.3f}, the page says {found[ratio]}"
+
+
+# --- the concept pages' claims against the code they describe ---------------------------------
+
+MATH_PAGES = ("steepest-descent", "symmetry", "certificates")
+
+
+def test_certificates_page_counts_the_mutation_catalogue_as_list_prints_it():
+    listed = subprocess.run([sys.executable, "bench/symbolic_mutations.py", "--list"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+    page = (DOCS / "concepts" / "certificates.md").read_text()
+    stated = re.search(r"breaks one formula of the library at a time \((\d+)\s+mutations", page)
+    assert stated, "certificates.md no longer states the catalogue's size: update this test with the prose"
+    assert int(stated.group(1)) == len(listed), f"certificates.md says {stated.group(1)} mutations, --list prints {len(listed)}"
+    # the paragraph that counts what `--list` prints must quote the same number
+    assert f"the {len(listed)} that `--list` prints" in page
+
+
+def _stated_range(page: str, label: str) -> tuple[float, float]:
+    """The range ``low–high`` the page quotes after ``label`` (a regular expression)."""
+    found = re.search(label + r",\s+(\d\.\d+)–(\d\.\d+)", page)
+    assert found, f"steepest-descent.md no longer quotes {label!r}: update this test with the prose"
+    return float(found.group(1)), float(found.group(2))
+
+
+def test_steepest_descent_page_figures_are_what_the_engine_measures():
+    # Eight draws (seeds 0-7) of a Stiefel point and a Gaussian G at 96 x 32, float64. The
+    # optimum is bracketed by 100 decaying steps with alpha = 0.5: its certificate (primal /
+    # dual, both exact) exceeds 1 - 1e-5, so dividing by its dual value misstates a fraction by
+    # less than 1e-5, below the last quoted digit (1e-3).
+    from geomuon.manifolds import Stiefel
+    from geomuon.optimizers.steepest import steepest_direction
+
+    page = (DOCS / "concepts" / "steepest-descent.md").read_text()
+    ranges = {key: _stated_range(page, label) for key, label in (
+        ("projected", r"\$\\operatorname\{msign\}\(G\)\$ projected"), ("projection start", r"\$\\Phi\(P_W G\)\$"),
+        ("reference", r"20 steps with\s+\$\\alpha = 0\.1\$(?: \(`REFERENCE`\))?"))}
+    torch = importlib.import_module("torch")
+    manifold = Stiefel()
+    measured = {key: [] for key in ranges}
+    for seed in range(8):
+        generator = torch.Generator().manual_seed(seed)
+        W = manifold.projx(torch.randn(96, 32, dtype=torch.float64, generator=generator))
+        G = torch.randn(96, 32, dtype=torch.float64, generator=generator)
+        bracket = steepest_direction(manifold, W, G, steps=100, alpha=0.5)
+        assert float(bracket.ratio) > 1 - 1e-5, "the 100-step bracket no longer certifies the optimum"
+        optimum = float(bracket.dual)
+        U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+        projected = manifold.proju(W, U @ Vh)
+        projected = projected / torch.linalg.matrix_norm(projected, 2)
+        measured["projected"].append(float((G * projected).sum()) / optimum)
+        measured["projection start"].append(float(steepest_direction(manifold, W, G, steps=0).primal) / optimum)
+        measured["reference"].append(float(steepest_direction(manifold, W, G, settings="reference").primal) / optimum)
+    for key, (low, high) in ranges.items():
+        assert low <= min(measured[key]) and max(measured[key]) <= high, (
+            f"steepest-descent.md quotes {low}-{high} for {key}; the engine measures "
+            f"{min(measured[key]):.4f}-{max(measured[key]):.4f}")
+    assert re.search(r"100 steps with\s+\$\\alpha = 0\.5\$, above 0\.99999", page)
+
+
+def test_steepest_descent_page_says_which_iterates_the_reported_dual_is_the_minimum_of():
+    # With decay off, iterate k of a K-step solve is the last iterate of a k-step solve, so the
+    # dual value of each iterate is that solve's `dual` without track_best. The page says the
+    # reported dual is the minimum over every tenth iterate and the last; exact comparison:
+    # both sides are the same float64 computation on the same iterate.
+    from geomuon.manifolds import DGram
+    from geomuon.optimizers.steepest import steepest_direction
+
+    page = (DOCS / "concepts" / "steepest-descent.md").read_text()
+    assert "`track_best`, every tenth iterate and the last" in page
+    torch = importlib.import_module("torch")
+    generator = torch.Generator().manual_seed(1)
+    manifold = DGram()
+    W = manifold.projx(torch.randn(12, 5, dtype=torch.float64, generator=generator))
+    G = torch.randn(12, 5, dtype=torch.float64, generator=generator)
+    steps, plain = 25, dict(alpha=1.0, decay=False, tol=0.0)  # constant steps oscillate here
+    per_iterate = [float(steepest_direction(manifold, W, G, steps=k, track_best=False, **plain).dual)
+                   for k in range(steps + 1)]
+    reported = float(steepest_direction(manifold, W, G, steps=steps, track_best=True, **plain).dual)
+    scored = [per_iterate[k] for k in range(steps + 1) if k % 10 == 0 or k == steps]
+    assert reported == min(scored)
+    # and the distinction matters here: an unscored iterate has a smaller dual value
+    assert min(per_iterate) < reported
+
+
+def _table_rows(page: str, first_header: str) -> list[list[str]]:
+    """The cells of a Markdown table's body, the table found by its first header cell."""
+    start = page.index(f"| {first_header} |")
+    rows = []
+    for line in page[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_symmetry_page_cites_for_each_invariance_group_the_maps_declared_to_hold():
+    # An invariance row's "blocks" cell names, before any "not", the maps of
+    # geomuon.theory.declared that hold under that group: exactly those (a map whose floor
+    # breaks the invariance is a declared negative control and must not be cited as holding).
+    import geomuon.theory.declared
+
+    verdicts = {(subject, group): verdict for subject, group, verdict, _ in
+                geomuon_pages.symmetry_rows(geomuon.theory.declared)}
+    page = (DOCS / "concepts" / "symmetry.md").read_text()
+    invariance_rows = [row for row in _table_rows(page, "group") if "(invariance)" in row[0]]
+    assert len(invariance_rows) == 2
+    for _, name, _, blocks in invariance_rows:
+        group = name.strip("`")
+        cited = set(re.findall(r"`([a-z_]+)`", blocks.split("not")[0]))
+        excluded = set(re.findall(r"`([a-z_]+)`", blocks.split("not", 1)[1])) if "not" in blocks else set()
+        holding = {subject.removesuffix(" (map)") for (subject, g), verdict in verdicts.items()
+                   if g == group and verdict == "holds" and subject.endswith(" (map)")}
+        assert cited == holding, f"symmetry.md cites {sorted(cited)} for {group}; declared.py holds {sorted(holding)}"
+        for map_name in excluded:
+            assert verdicts.get((f"{map_name} (map)", group), "fails (negative control)") != "holds", (group, map_name)
+
+
+def test_symmetry_page_formulas_of_the_normalizing_maps_are_their_docstrings():
+    # The page's row and column norm are the code's: the floor epsilon and which index is a row.
+    from geomuon.optimizers import maps
+
+    page = (DOCS / "concepts" / "symmetry.md").read_text()
+    formulas = {row[0]: row[1] for row in _table_rows(page, "map")}
+    # spacing is not meaning, and a table cell spells the norm \Vert (a "\|" would end the cell)
+    squeeze = lambda tex: re.sub(r"\s|\\,", "", tex.replace(r"\|", r"\Vert "))  # noqa: E731
+    for label, update in (("row norm", maps.row_norm), ("column norm", maps.col_norm)):
+        documented = re.search(r"\$U\(D\) = (.+?)\$", update.__doc__).group(1)
+        shown = formulas[label].split("$")[1]
+        assert squeeze(shown) == squeeze(documented), f"symmetry.md: {label} is ${shown}$, {update.__name__} computes ${documented}$"
+
+
+def test_math_pages_cite_names_and_files_that_exist():
+    # Every dotted `geomuon.…` name resolves, every certificate the certificates page names is
+    # in geomuon.theory.symbolic (or, for the bound a certificate pins, in the regulators), and
+    # every cited repository file exists.
+    import geomuon.theory.symbolic
+    from geomuon.optimizers import regulate
+
+    missing = []
+    for name in MATH_PAGES:
+        page = (DOCS / "concepts" / f"{name}.md").read_text()
+        for dotted in set(re.findall(r"`(geomuon(?:\.[A-Za-z_]\w*)+)", page)):
+            parts, obj = dotted.split("."), None
+            for cut in range(len(parts), 1, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                for attribute in parts[cut:]:
+                    obj = getattr(obj, attribute, None)
+                break
+            if obj is None:
+                missing.append(f"{name}.md: {dotted}")
+        for path in set(re.findall(r"`((?:tests|bench|theory|optimizers|manifolds|pretrain)/[\w/]+\.py)`", page)):
+            if not (ROOT / path).is_file():
+                missing.append(f"{name}.md: {path}")
+    certificates = (DOCS / "concepts" / "certificates.md").read_text()
+    for certificate in set(re.findall(r"`((?:certify|ns)_\w+|\w+_(?:reference|error_bound))`", certificates)):
+        if not any(hasattr(module, certificate) for module in (geomuon.theory.symbolic, regulate)):
+            missing.append(f"certificates.md: {certificate}")
+    assert not missing, "the pages cite what does not exist:\n" + "\n".join(sorted(missing))
