@@ -195,6 +195,19 @@ def check_real(where: str, name: str, value, admissible: Callable[[float], bool]
         raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
 
 
+def check_shape_of(who: str, name: str, given: torch.Tensor, expected, *meta_inputs: torch.Tensor) -> None:
+    r"""Refuse (``ValueError`` naming ``name``) a tensor ``given`` whose shape is not that of
+    ``expected(*inputs)``, computed on ``meta`` copies of ``meta_inputs`` (shapes only, no
+    arithmetic, nothing read back). A map that cannot run on meta tensors (a user manifold holding
+    a tensor of its own, on a real device) is not checked: its own products then decide."""
+    try:
+        shape = expected(*(torch.empty_like(t, device="meta") for t in meta_inputs)).shape
+    except (RuntimeError, NotImplementedError, TypeError):
+        return
+    if given.shape != shape:
+        raise ValueError(f"{who}: {name} {tuple(given.shape)} must have the multiplier's shape {tuple(shape)}")
+
+
 def check_count(where: str, name: str, value, least: int = 0) -> int:
     """``value``, refused as option ``name`` of ``where`` unless it is a whole number ``>= least``
     (an ``int``, not a bool: ``steps=2.7`` had run 2 steps, ``True`` one)."""

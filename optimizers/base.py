@@ -679,7 +679,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # takes it; the all-reduce in the parameters' widest, the same on every rank whichever
         # gradients exist (a gradient's dtype may differ from its parameter's: grad_dtype)
         dtypes = [(p if p.grad is None else p.grad).dtype for p in tracked]
-        reduced = functools.reduce(torch.promote_types, (fp32_or_fp64(p.dtype) for p in tracked))
+        # float64 whatever the dtypes: the same on every rank, and no finite gradient's square overflows it
+        # (in a float32 reduction an fp64 gradient of norm 1e20 had become inf and been skipped)
+        reduced = torch.float64
         zero = torch.zeros((), dtype=reduced, device=tracked[0].to_local().device)
         shares, present = [], []
         for p, dtype in zip(tracked, dtypes):

@@ -77,7 +77,7 @@ import torch
 
 from geomuon.manifolds.capabilities import (POLISH_METHODS, SERIES_MAX_TERMS, GramForm, exact_inverse_sqrt, gram_retraction,
                                             inv_sqrt_near_identity, spectral_function)
-from geomuon.manifolds.linalg import POLAR_EXPRESS, check_compute_dtype, check_count, check_real, eigh, msign
+from geomuon.manifolds.linalg import POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "projected_step", "dual_gram", "eigen_dualizer", "gram_msign", "newton_update",
            "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball", "polynomial_inverse_sqrt",
@@ -699,13 +699,9 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
         return projected_step(form, W, G, lr, settings, shrink)
     _check_points(W, G, "gram_step")
     if correction is not None:
-        # the multiplier's shape from the form's constraint on a meta n x n stack (shapes only): a
-        # correction of another shape had broadcast over the stack or failed inside a product
-        n = W.size(-1)
-        multiplier = form.constraint(torch.empty(W.size(0), n, n, dtype=W.dtype, device="meta")).shape
-        if correction.shape != multiplier:
-            raise ValueError(f"gram_step: correction {tuple(correction.shape)} must have the multiplier's shape "
-                             f"{tuple(multiplier)}: pass the correction a previous gram_step returned for this stack")
+        # a correction of another shape had broadcast over the stack or failed inside a product: that of
+        # the form's constraint of an n x n stack, a previous gram_step's correction for this stack
+        check_shape_of("gram_step", "correction", correction, form.constraint, W[..., :W.size(-1), :])
     low = settings.compute_dtype or W.dtype
     mulD = _PointGram(form, W, shrink, settings.stored_dtype)
     D = mulD.D

@@ -462,8 +462,11 @@ class ManifoldMuon(MatrixOptimizer):
                        "an integer >= 0 (0: never)")
         if group["norm"] not in NORMS:
             raise ValueError(f"group {index}: unknown norm {group['norm']!r}; choose one of {list(NORMS)}")
-        if group["norm"] not in _MSIGN_NORMS and (group["msign_method"], group["msign_steps"]) != (
-                DEFAULT_MSIGN_METHOD, DEFAULT_MSIGN_STEPS):
+        kernel = (group["msign_method"], group["msign_steps"])
+        # a kernel the group inherited from a constructor whose own norm runs it is no request of this group's
+        inherited = (kernel == (self.defaults["msign_method"], self.defaults["msign_steps"])
+                     and self.defaults["norm"] in _MSIGN_NORMS)
+        if group["norm"] not in _MSIGN_NORMS and kernel != (DEFAULT_MSIGN_METHOD, DEFAULT_MSIGN_STEPS) and not inherited:
             # the row and column dualizers run no polar factor: the kernel had been accepted and ignored
             raise ValueError(f"group {index}: msign_method={group['msign_method']!r}, msign_steps="
                              f"{group['msign_steps']!r} would be ignored: norm={group['norm']!r} dualizes with no "

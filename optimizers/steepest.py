@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import MSIGN_METHODS, check_compute_dtype, check_count, check_real, msign
+from geomuon.manifolds.linalg import MSIGN_METHODS, check_compute_dtype, check_count, check_real, check_shape_of, msign
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -437,14 +437,9 @@ def steepest_direction(
                          "dual iterations')")
 
     if warm_start is not None:
-        # the multiplier's shape from the constraint on meta tensors (shapes only, no arithmetic): a
-        # warm start of another shape had broadcast an [8, 4] direction to [2, 2, 2, 2, 8, 4] or
-        # failed inside a product
-        multiplier = manifold.constraint(torch.empty_like(W, device="meta"), torch.empty_like(G, device="meta")).shape
-        if warm_start.shape != multiplier:
-            raise ValueError(f"steepest_direction: warm_start {tuple(warm_start.shape)} must have the multiplier's "
-                             f"shape {tuple(multiplier)} (that of manifold.constraint(W, G)): pass a previous "
-                             "result's correction for the same W")
+        # a warm start of another shape had broadcast an [8, 4] direction to [2, 2, 2, 2, 8, 4] or
+        # failed inside a product: that of manifold.constraint(W, G), a previous result's correction
+        check_shape_of("steepest_direction", "warm_start", warm_start, manifold.constraint, W, G)
 
     batch = W.dim() - 2
     Wc = W if s.compute_dtype is None else W.to(s.compute_dtype)

@@ -1359,6 +1359,13 @@ def test_rounding_error_bound_defaults_to_the_weights_dtype():
     mixed["blocks"] = [{**{name: W.float() for name, W in weights["blocks"][0].items()}, "v": weights["blocks"][0]["v"]}]
     assert rounding_error_bound(mixed, sequence_length=T) == rounding_error_bound(mixed, dtype=torch.bfloat16,
                                                                                   sequence_length=T)
+    # float64 weights (the copy empirical_lipschitz attacks) keep float32's E: a float64 default had been
+    # 2^29 smaller, unsound for the float32 network the copy stands for; float64 is asked for by name
+    exact = exact_model.lipschitz_weights()
+    assert rounding_error_bound(exact, sequence_length=T) == rounding_error_bound(exact, dtype=torch.float32,
+                                                                                  sequence_length=T)
+    assert rounding_error_bound(exact, dtype=torch.float64, sequence_length=T) < rounding_error_bound(
+        exact, sequence_length=T)
 
 
 def test_empirical_lipschitz_reads_searches_from_any_iterable():

@@ -961,6 +961,14 @@ def test_a_spectral_kernel_option_is_refused_with_a_norm_that_runs_no_polar_fact
         opt.step()
         steps.append(p.detach())
     assert not torch.equal(*steps), name
+    # control: a row or column group that inherits the kernel from a constructor whose own norm runs
+    # it set nothing itself (it could only have restated the module's default to pass)
+    q = torch.nn.Parameter(W.clone())
+    ManifoldMuon([{"params": [torch.nn.Parameter(W.clone())]}, {"params": [q], "norm": norm}],
+                 manifold="stiefel", **options)
+    # while a constructor whose own norm runs no polar factor is refused, its groups inheriting the kernel
+    with pytest.raises(ValueError, match="would be ignored"):
+        ManifoldMuon([q], manifold="stiefel", norm=norm, **options)
 
 
 def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):

@@ -761,9 +761,10 @@ def _evaluator(subject: _Subject) -> Callable:
     def evaluate(x):
         # A write into x had surfaced as "not deterministic: seed any randomness, keep no state"
         # (the second call saw the written input), advice that does not fit the defect.
-        before = _copied(x)
+        before = None if isinstance(subject, MapUpdate) else _copied(x)  # a MapUpdate hands its map a copy
         out = subject.evaluate(x)
-        written = [i for i, (now, was) in enumerate(zip(_members(x), _members(before))) if not torch.equal(now, was)]
+        written = [] if before is None else [i for i, (now, was) in enumerate(zip(_members(x), _members(before)))
+                                             if not torch.equal(now, was)]
         if written:
             which = (("W", "G")[written[0]] if isinstance(subject, DirectionUpdate)
                      else f"member {written[0]} of the example")

@@ -1511,7 +1511,10 @@ def rounding_error_bound(
         dtype: the dtype every operation computes in (float32, bfloat16, float16 or float64). ``None``
             (the default): the weights' own, the coarsest if they differ, since an ``nn.Linear`` computes
             in its weight's dtype (a float32 default had bounded a bfloat16 model by float32's $u$, 5x
-            below its measured error). Pass ``torch.bfloat16`` for float32 weights under bf16 autocast.
+            below its measured error), but never finer than float32: a float64 copy of a model is what
+            :func:`empirical_lipschitz` attacks, and the network it stands for runs in float32 or
+            coarser (pass ``torch.float64`` for one that runs in float64). Pass ``torch.bfloat16`` for
+            float32 weights under bf16 autocast.
 
     Raises:
         ValueError: ``dtype``'s range may not hold an intermediate value (bounded through
@@ -1531,7 +1534,7 @@ def rounding_error_bound(
     weights = {**weights, "blocks": list(weights["blocks"])}  # (a generator of blocks: read once, here)
     exact = transformer_lipschitz_bound(weights)  # (refuses weights that are not real floating point, by key)
     if dtype is None:
-        dtype = _coarsest_weight_dtype(weights)
+        dtype = max(_coarsest_weight_dtype(weights), torch.float32, key=lambda kind: torch.finfo(kind).eps)
     u = torch.finfo(dtype).eps / 2
     blocks = weights["blocks"]
     arch = _Architecture.of(weights, blocks)
