@@ -18,28 +18,7 @@ import torch
 from geomuon import cli as geomuon_cli
 from geomuon.manifolds import MatrixManifold
 from geomuon.theory.contracts import check_manifold_contract
-
-
-class UnitSphere(MatrixManifold):
-    r"""$\{x : \|x\|_F = 1\}$: $L_x(u) = \langle x, u\rangle$, $F(x) = \frac12(\|x\|_F^2 - 1)$,
-    closed-form ``projx`` $x / \|x\|$ and ``retr`` $\operatorname{projx}(x + u)$, out of place."""
-
-    name = "UnitSphereForContractCliAudit"
-
-    def constraint(self, x, u):
-        return (x * u).sum(dim=(-2, -1)).unsqueeze(-1)
-
-    def constraint_adjoint(self, x, lam):
-        return lam.unsqueeze(-1) * x
-
-    def defining_map(self, x):
-        return 0.5 * (x.square().sum(dim=(-2, -1)) - 1).unsqueeze(-1)
-
-    def projx(self, x):
-        return x / x.norm(dim=(-2, -1), keepdim=True)
-
-    def retr(self, x, u):
-        return self.projx(x + u)
+from test_contract_adversarial import FrobeniusSphere  # the sphere from its maps, out of place
 
 
 def _radial(x, u):
@@ -47,7 +26,7 @@ def _radial(x, u):
     return (x * u).sum(dim=(-2, -1), keepdim=True) / x.square().sum(dim=(-2, -1), keepdim=True) * x
 
 
-class ProjectionNormalisesItsPoint(UnitSphere):
+class ProjectionNormalisesItsPoint(FrobeniusSphere):
     """``proju`` right in value, but it rescales its point onto the sphere in place: harmless on $M$,
     it moves the weights ManifoldMuon hands it after weight decay ($0.7x$)."""
 
@@ -58,7 +37,7 @@ class ProjectionNormalisesItsPoint(UnitSphere):
         return u - _radial(x, u)
 
 
-class GradientWrittenInPlace(UnitSphere):
+class GradientWrittenInPlace(FrobeniusSphere):
     """``egrad2rgrad`` that projects its argument in place (geoopt hands it ``p.grad``)."""
 
     name = "GradientWrittenInPlaceForContractCliAudit"
@@ -76,7 +55,7 @@ def _failures(manifold, dtype):
 def test_a_method_writing_into_its_point_or_its_argument_is_named(dtype):
     # The check had given each method a tangent vector (whose normal part, round-off, an in-place
     # projection leaves bit for bit as it was in fp32 at this seed) and never looked at the point.
-    assert _failures(UnitSphere(), dtype) == {}  # control: the same maps out of place pass
+    assert _failures(FrobeniusSphere(), dtype) == {}  # control: the same maps out of place pass
     failures = _failures(ProjectionNormalisesItsPoint(), dtype)
     assert list(failures) == ["methods_leave_their_inputs"]
     # (egrad2rgrad and transp are proju for the embedded metric: the base class's call the broken
@@ -85,7 +64,7 @@ def test_a_method_writing_into_its_point_or_its_argument_is_named(dtype):
     assert _failures(GradientWrittenInPlace(), dtype) == {"methods_leave_their_inputs": "egrad2rgrad (u)"}
 
 
-class RefusesToRun(UnitSphere):
+class RefusesToRun(FrobeniusSphere):
     """Any use of the manifold is a test failure: bad options must be refused before it runs."""
 
     name = "RefusesToRunForContractCliAudit"

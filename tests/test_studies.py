@@ -186,17 +186,20 @@ def test_a_run_whose_hook_source_changed_is_never_reused(tmp_path, monkeypatch):
     assert folder() != before
 
 
+def _first_manifolds_run_folder(tmp_path):
+    """``folder()``: the run folder the manifolds study's first tiny variant, seed 0, takes under
+    ``tmp_path``, asked anew at each call (what the keys of the two tests below decide)."""
+    study = STUDIES["manifolds"]
+    size = common.size_from(study, "tiny")
+    variant = study.variants(size)[0]
+    return lambda: common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
+
+
 def test_a_run_made_by_other_code_is_never_reused(tmp_path, monkeypatch):
     """The run folder's key holds the training code's fingerprint: after the engine changes,
     a resumed study trains its runs again (in new folders) instead of reading back records
     the old code wrote. Control: the same code finds the same folder."""
-    study = STUDIES["manifolds"]
-    size = common.size_from(study, "tiny")
-    variant = study.variants(size)[0]
-
-    def folder():
-        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
-
+    folder = _first_manifolds_run_folder(tmp_path)
     before = folder()
     assert folder() == before
     monkeypatch.setattr(common, "code_fingerprint", lambda: "0" * 16)
@@ -209,13 +212,7 @@ def test_a_run_whose_definition_in_the_study_runner_changed_is_never_reused(tmp_
     key had not changed when they did, so records scored on other validation windows, or
     trained with other options, were read back as this code's. Control: unchanged, the same
     folder."""
-    study = STUDIES["manifolds"]
-    size = common.size_from(study, "tiny")
-    variant = study.variants(size)[0]
-
-    def folder():
-        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
-
+    folder = _first_manifolds_run_folder(tmp_path)
     before = folder()
     assert folder() == before
     with monkeypatch.context() as patched:
