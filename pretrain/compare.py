@@ -107,7 +107,7 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     runs = []
     for strategy in strategies:
         for seed in seeds:
-            folder = None if root is None else os.path.join(root, f"{strategy}-s{seed}")
+            folder = None if root is None else os.path.join(root, _run_name(strategy, seed))
             # a run of the comparison may have been checkpointed by one process or by several; a run
             # whose ckpt.pt is gone but whose ckpt.prev.pt is there resumes too, so that load_checkpoint
             # says what to do (started afresh, it had deleted that checkpoint)
@@ -115,21 +115,27 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
             resume = base.resume and checkpoint is not None and (
                 os.path.exists(checkpoint) or os.path.exists(previous_checkpoint(checkpoint)))
             runs.append(dataclasses.replace(base, strategy=strategy, seed=seed, resume=resume,
-                                            out_dir=_run_out_dir(root, strategy, seed),
+                                            out_dir=_run_out_dir(folder),
                                             overwrite=(base.overwrite or base.resume) and not resume))
     for cfg in runs:  # fail before the first run, not after the third
         cfg.validate(sharing=strategies)
         resolve_out_dir(cfg)
     if root is not None and is_template(base.out_dir):
         root = _claim_fresh_folder(base, root)
-        runs = [dataclasses.replace(cfg, out_dir=_run_out_dir(root, cfg.strategy, cfg.seed)) for cfg in runs]
+        runs = [dataclasses.replace(cfg, out_dir=_run_out_dir(os.path.join(root, _run_name(cfg.strategy, cfg.seed))))
+                for cfg in runs]
     return root, runs
 
 
-def _run_out_dir(root: str | None, strategy: str, seed: int) -> str | None:
-    """The ``out_dir`` of the comparison's run of ``strategy`` and ``seed`` in the folder ``root``
-    (:func:`~geomuon.pretrain.train.literal_out_dir`: a brace in ``root`` is no template field)."""
-    return None if root is None else literal_out_dir(os.path.join(root, f"{strategy}-s{seed}"))
+def _run_name(strategy: str, seed: int) -> str:
+    """The folder, inside the comparison's, of its run of ``strategy`` and ``seed``."""
+    return f"{strategy}-s{seed}"
+
+
+def _run_out_dir(folder: str | None) -> str | None:
+    """The ``out_dir`` naming the run folder ``folder`` (:func:`~geomuon.pretrain.train.literal_out_dir`:
+    a brace in the comparison's folder is no template field)."""
+    return None if folder is None else literal_out_dir(folder)
 
 
 def _comparison_folder(base: TrainConfig) -> str | None:

@@ -400,8 +400,9 @@ def option_text(name: str, value=..., options: type | None = None) -> str:
         return f"{flag} ({name})"
     if isinstance(value, bool):
         return f"{flag if value else '--no-' + flag[2:]} ({name}={value})"
-    shown = f"{value:g}" if isinstance(value, float) else repr(value)  # 1.0 as the command line takes it: 1
-    return f"{flag} {shown if isinstance(value, float) else value} ({name}={shown})"
+    if isinstance(value, float):  # 1.0 as the command line takes it: 1
+        return f"{flag} {value:g} ({name}={value:g})"
+    return f"{flag} {value} ({name}={value!r})"
 
 
 def is_template(out_dir: str) -> bool:

@@ -863,7 +863,6 @@ def test_a_gradient_on_some_ranks_only_is_refused_by_name_on_every_rank(runs, ca
         assert refused.get("error") == "ValueError", (r, refused)
         for word in (*named, "some ranks only", "None on every rank"):
             assert word in refused["message"], (r, word, refused["message"])
-        assert refused["seconds"] < PG_TIMEOUT / 2, (r, refused)
         assert outcome["ok"]["moved"] == [False, False], (r, outcome)  # refused before any step
         # the same optimizer then steps a (b's gradient None on every rank: b stays)
         assert outcome["ok"]["after"] == [True, False], (r, outcome)

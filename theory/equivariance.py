@@ -775,8 +775,9 @@ def _evaluator(subject: _Subject) -> Callable:
         if not _tensors(out):
             raise TypeError(f"{subject.name} returned a {type(out).__name__}: an update returns a tensor "
                             "(a tuple of tensors under a joint group)")
-        given, returned = (sorted({_dtype_name(t.dtype) for t in _members(part)}) for part in (x, out))
-        if isinstance(subject, MapUpdate) and returned != given:
+        given, returned = (sorted({_dtype_name(t.dtype) for t in _members(part)}) for part in (x, out)) if isinstance(
+            subject, MapUpdate) else (None, None)  # (only a map must return its input's dtype)
+        if returned != given:
             # a float16 output of a float64 check had held, reported "equivariant" at float64 when the
             # output round trip in float16 had set the floor
             raise TypeError(f"{subject.name} returned {', '.join(returned)} for a {', '.join(given)} input: a map "
