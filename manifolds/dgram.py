@@ -130,8 +130,8 @@ class DGram(MatrixManifold):
         compute = fp32_or_fp64(x.dtype)
         y = x.to(compute) + u.to(compute)
         d2 = self._squared_column_norms(y)  # a zero column is handled below, on the device
-        # sqrt(tiny) as msign's norm floor: the default 1e-7 would mis-scale tiny columns.
-        polar = msign(y, "polar_express", eps=torch.finfo(compute).tiny ** 0.5)
+        # (msign's norm floor is sqrt(tiny): a matrix of tiny columns is not mis-scaled)
+        polar = msign(y, "polar_express")
         point = (polar * d2.sqrt().unsqueeze(-2)).to(x.dtype)
         if isinstance(d2, torch.Tensor):  # (the symbolic certificates' columns are nonzero letters)
             # a target with a zero column keeps the point x (R_x(0)), chosen on the device

@@ -81,7 +81,6 @@ class Stiefel(MatrixManifold):
     @matrix_method("u")
     def retr(self, x, u):
         compute = fp32_or_fp64(x.dtype)
-        # msign's default norm floor (1e-7) would leave a point of tiny scale outside the
-        # Polar Express range; sqrt(tiny) only guards exact zeros.
-        floor = torch.finfo(compute).tiny ** 0.5
-        return msign(x.to(compute) + u.to(compute), "polar_express", eps=floor).to(x.dtype)
+        # (msign's norm floor is sqrt(tiny): only an exact zero is floored, so a point of tiny
+        # scale stays in the Polar Express range)
+        return msign(x.to(compute) + u.to(compute), "polar_express").to(x.dtype)

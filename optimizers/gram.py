@@ -55,8 +55,9 @@ $Y$ was formed.
 no dual step: $\hat A$ is $P_W\operatorname{msign}(P_WG)$ with the polar factor by Polar
 Express on the $m\times n$ matrix in bf16 (Muon's kernel, which resolves singular values
 down to about $10^{-3}\sigma_{\max}$ where a bf16 Gram resolves only $0.06\,\sigma_{\max}$), then
-the same polish rounds on the materialized $m\times n$ direction, and the retraction with its
-Gram split into two bf16 halves. Every $m\times n$ product is bf16; per matrix it costs about
+the same polish rounds on the materialized $m\times n$ direction, and the retraction in the
+parameters' dtype (fp32). Its $m\times n$ products are bf16 except $W\Sigma_0$, $Y^\top Y$ and
+$Y\rho$; per matrix it costs about
 two Muon steps plus one $n\times n$ eigendecomposition per polish round (see
 :func:`projected_step` for the measured frontier).
 

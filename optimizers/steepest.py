@@ -26,8 +26,9 @@ $2(d_i^2 + d_j^2)$: without it the step is wrong by the spread of column norms s
 The default start is the **projection** $\Lambda_0 = -(L_WL_W^*)^{-1}L_W G$, so
 $X_0 = P_W G$ and the first iterate is $\Phi(P_W G)$; a warm start adds the previous
 correction $\Lambda - \Lambda_0$. The result is made exactly tangent and feasible,
-$\hat A = P_W(A)/\|P_W(A)\|$ (the maximizer of a linear function lies on the sphere, so
-scaling to norm one never lowers the primal value).
+$\hat A = P_W(A)/\|P_W(A)\|$ (where $\|P_W(A)\| < 1$ the scaling raises a positive primal
+value, the maximizer of a linear function lying on the sphere; where the projection leaves
+the ball it lowers it: the price of feasibility).
 
 Closed forms need no dual steps: unconstrained manifolds ($\Phi(G)$), the centered
 router subspace ($\Phi(\Pi^\perp G)$ for norms whose dualizer keeps columns centered) and

@@ -669,6 +669,48 @@ def test_steepest_descent_page_says_which_iterates_the_reported_dual_is_the_mini
     assert min(per_iterate) < reported
 
 
+def test_steepest_descent_page_cost_counts_the_newton_schulz_steps_the_engine_runs():
+    # The Cost section prices 20 dual steps in Muon orthogonalizations. Count the Newton-Schulz
+    # steps each really runs (every schedule's step is the same quintic: equal cost per step);
+    # the page's figure is a round "about", so it must be within 10% of the count's ratio (the
+    # page had said 40 for a count of 50.4).
+    from geomuon.manifolds import Stiefel, linalg
+    from geomuon.optimizers import Muon
+    from geomuon.optimizers.steepest import steepest_direction
+
+    page = (DOCS / "concepts" / "steepest-descent.md").read_text()
+    found = re.search(r"(\d+) dual steps dualize (\d+) iterates.*?about (\d+) Muon orthogonalizations", page, re.DOTALL)
+    assert found, "steepest-descent.md no longer prices dual steps in Muon orthogonalizations: update this test"
+    dual_steps, iterates, stated = (int(value) for value in found.groups())
+    torch = importlib.import_module("torch")
+    counted = [0]
+    original = linalg.newton_schulz_step
+
+    def counting_step(*args, **kwargs):
+        counted[0] += 1
+        return original(*args, **kwargs)
+
+    generator = torch.Generator().manual_seed(0)
+    manifold = Stiefel()
+    W = manifold.projx(torch.randn(24, 8, dtype=torch.float64, generator=generator))
+    G = torch.randn(24, 8, dtype=torch.float64, generator=generator)
+    weight = torch.nn.Parameter(G.clone())
+    weight.grad = G.clone()
+    try:
+        linalg.newton_schulz_step = counting_step
+        steepest_direction(manifold, W, G, steps=dual_steps, tol=0.0, certify=None, track_best=False)
+        engine = counted[0]
+        counted[0] = 0
+        Muon([weight], lr=0.01).step()
+        muon = counted[0]
+    finally:
+        linalg.newton_schulz_step = original
+    assert engine == iterates * linalg.POLAR_EXPRESS.default_steps, (engine, iterates)
+    assert abs(stated / (engine / muon) - 1) <= 0.1, (
+        f"steepest-descent.md: {dual_steps} dual steps cost about {stated} Muon orthogonalizations; the engine "
+        f"runs {engine} Newton-Schulz steps, Muon {muon} per orthogonalization ({engine / muon:.1f})")
+
+
 def _table_rows(page: str, first_header: str) -> list[list[str]]:
     """The cells of a Markdown table's body, the table found by its first header cell."""
     start = page.index(f"| {first_header} |")
