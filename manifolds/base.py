@@ -42,7 +42,7 @@ with warnings.catch_warnings():
     import geoopt
 from geoopt.utils import size2shape
 
-from .linalg import check_matrix, fp32_or_fp64, largest_entry, power_of_two_at_most
+from .linalg import check_matrix, check_shape_of, fp32_or_fp64, largest_entry, power_of_two_at_most
 
 __all__ = [
     "MatrixManifold",
@@ -469,6 +469,16 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         """Whether the subclass defines :meth:`defining_map`."""
         return type(self).defining_map is not MatrixManifold.defining_map
 
+    def _defining_residual(self, x: torch.Tensor) -> torch.Tensor:
+        r"""$F(x)$ (:meth:`defining_map`), refused (``ValueError`` naming it) where it does not have
+        the multiplier shape of ``constraint`` ($dF_x = L_x$: one shape), checked on ``meta``
+        tensors. A sum over the wrong axis had crashed the Gauss–Newton solve with a bare
+        broadcasting error, and made ``points_on_manifold`` call a point off its manifold."""
+        residual = self.defining_map(x)
+        check_shape_of(type(self).__name__, "defining_map(x)", residual, lambda y: self.constraint(y, y), x,
+                       what_to_do="return F(x) in the shape constraint(x, u) returns (its derivative)")
+        return residual
+
     @matrix_method(result="multiplier")
     def gram_solve(self, x: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
         r"""Solve $L_xL_x^*\Lambda = \text{rhs}$ for the multiplier $\Lambda$.
@@ -665,7 +675,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         if type(self)._check_point_on_manifold is not MatrixManifold._check_point_on_manifold:
             return None
         if self.has_defining_map:
-            residual = self.defining_map(x)
+            residual = self._defining_residual(x)
             constant = self.defining_map(torch.zeros_like(x)).abs().flatten(x.dim() - 2)
             scale = constant.amax(-1) if constant.size(-1) else constant.new_zeros(constant.shape[:-1])
             scale = torch.where(scale > 0, scale, 1.0)  # a homogeneous constraint: an absolute tolerance
@@ -733,7 +743,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         small = 1e-2 * torch.finfo(y.dtype).eps ** 0.5
         tiny = torch.finfo(y.dtype).tiny
         for _ in range(self.newton_steps):
-            step = self._normal_of(y, self.gram_solve(y, self.defining_map(y)))
+            step = self._normal_of(y, self.gram_solve(y, self._defining_residual(y)))
             y = y - step
             relative_step = step.norm(dim=(-2, -1)) / y.norm(dim=(-2, -1)).clamp_min(tiny)
             if bool((relative_step <= small).all()):

@@ -195,17 +195,19 @@ def check_real(where: str, name: str, value, admissible: Callable[[float], bool]
         raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
 
 
-def check_shape_of(who: str, name: str, given: torch.Tensor, expected, *meta_inputs: torch.Tensor) -> None:
-    r"""Refuse (``ValueError`` naming ``name``) a tensor ``given`` whose shape is not that of
-    ``expected(*inputs)``, computed on ``meta`` copies of ``meta_inputs`` (shapes only, no
-    arithmetic, nothing read back). A map that cannot run on meta tensors (a user manifold holding
-    a tensor of its own, on a real device) is not checked: its own products then decide."""
+def check_shape_of(who: str, name: str, given: torch.Tensor, expected, *meta_inputs: torch.Tensor,
+                   what_to_do: str = "") -> None:
+    r"""Refuse (``ValueError`` naming ``name``, then ``what_to_do``) a tensor ``given`` whose shape
+    is not that of ``expected(*inputs)``, computed on ``meta`` copies of ``meta_inputs`` (shapes
+    only, no arithmetic, nothing read back). A map that cannot run on meta tensors (a user manifold
+    holding a tensor of its own, on a real device) is not checked: its own products then decide."""
     try:
         shape = expected(*(torch.empty_like(t, device="meta") for t in meta_inputs)).shape
     except (RuntimeError, NotImplementedError, TypeError):
         return
     if given.shape != shape:
-        raise ValueError(f"{who}: {name} {tuple(given.shape)} must have the multiplier's shape {tuple(shape)}")
+        raise ValueError(f"{who}: {name} {tuple(given.shape)} must have the multiplier's shape {tuple(shape)}"
+                         + (f"; {what_to_do}" if what_to_do else ""))
 
 
 def check_count(where: str, name: str, value, least: int = 0) -> int:
