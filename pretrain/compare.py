@@ -36,9 +36,10 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import (TrainConfig, add_options, field_problems, from_args, is_template, launcher_value,
                                      option, option_text)
-from geomuon.pretrain.train import (RunFolderClaim, TrainingInterrupted, TrainResult, check_same_run,
-                                    checkpoint_to_resume, literal_out_dir, load_run_data, previous_checkpoint,
-                                    resolve_out_dir, resume_command, resume_record, run_files, train)
+from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, value_or_refusal,
+                                    check_same_run, checkpoint_to_resume, literal_out_dir, load_run_data,
+                                    previous_checkpoint, resolve_out_dir, resume_command, resume_record, run_files,
+                                    train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -178,14 +179,23 @@ def compare(
     runs: a second comparison into that folder is refused ("in use by another run"); two
     started together had both passed the check for an earlier comparison, trained side by side
     and written their figures over each other's. A folder it created (or a template's fresh
-    one) and no run wrote to is removed again."""
+    one) and no run wrote to is removed again.
+
+    Under torchrun rank 0 alone resolves, creates and holds the folder, and hands the runs to
+    the other ranks over the process group the comparison opens for its runs (every rank had
+    created a fresh folder of its own, left empty, or left behind by a killed comparison)."""
     check(CompareConfig(strategies, seeds, divergence_margin))
-    root, runs = comparison_runs(base, strategies, seeds)
-    fresh = root is not None and is_template(base.out_dir)  # comparison_runs created it, for this process
-    # under torchrun the runs write to rank 0's folder (train broadcasts it), which rank 0 holds
-    claim = RunFolderClaim(root, fresh=fresh) if fresh or (root is not None and launcher_value("RANK") == 0) else None
-    overall, summaries = None, []
+    base.validate(named_strategy=False)  # before the process group: a bad launch is refused by name
+    ddp = Distributed.of_run(base)
+    claim, overall, summaries = None, None, []
     try:
+        outcome = value_or_refusal(_claimed_comparison, base, strategies, seeds) if ddp.main else None
+        if isinstance(outcome, tuple):
+            outcome, claim = outcome[:2], outcome[2]
+        outcome = ddp.from_main(outcome)
+        if isinstance(outcome, ValueError):
+            raise outcome
+        root, runs = outcome
         data = load_run_data(base)
         for cfg in runs:
             if cfg.resume:
@@ -207,7 +217,16 @@ def compare(
             overall.close()
         if claim is not None:
             claim.release()
+        ddp.close()
     return summaries
+
+
+def _claimed_comparison(base: TrainConfig, strategies: list[str],
+                        seeds: list[int]) -> tuple[str | None, list[TrainConfig], RunFolderClaim | None]:
+    """:func:`comparison_runs`, then the claim on the comparison's folder."""
+    root, runs = comparison_runs(base, strategies, seeds)
+    fresh = root is not None and is_template(base.out_dir)  # comparison_runs created it
+    return root, runs, None if root is None else RunFolderClaim(root, fresh=fresh)
 
 
 def check(options: CompareConfig) -> None:

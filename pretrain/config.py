@@ -239,17 +239,18 @@ class TrainConfig:
                     problems.append(f"--model-overrides names {key!r}, not a GPTConfig field; "
                                     f"choose from {sorted(known)}")
                 elif key in MODEL_OPTIONS and getattr(self, key) is not None:
-                    problems.append(f"{key} is set by both --{key.replace('_', '-')} and --model-overrides; keep one")
+                    problems.append(f"{key} is set by both --{key.replace('_', '-')} {getattr(self, key)} and "
+                                    f"--model-overrides {key}={self.model_overrides[key]!r}; keep one of them")
             character_level = isinstance(self.data, str) and not self.data.startswith("tokens:")
             if "vocab_size" in self.model_overrides and character_level:
-                problems.append(f"--model-overrides sets vocab_size, which the character-level --data "
-                                f"{self.data!r} sets itself; leave it out")
+                problems.append(f"--model-overrides sets vocab_size={self.model_overrides['vocab_size']!r}, which "
+                                f"the character-level --data {self.data!r} sets itself; leave it out")
             elif not problems and self.model in CONFIGS:  # the model's own checks, before the data is read
                 try:
                     model = get_config(self.model, **self.model_kwargs())
                 except (TypeError, ValueError) as err:
                     problems.append(f"--config {self.model} with --model-overrides "
-                                    f"{json.dumps(self.model_overrides)}: {err}")
+                                    f"{json.dumps(self.model_overrides)}: {err}; change --model-overrides")
                 else:
                     problems += self._unused_lipschitz_bound(model)
                     roles = parameter_roles(model) if check_unused else None
@@ -264,17 +265,22 @@ class TrainConfig:
             # skipped, its figures written over the current directory's; a run failed only when it started)
             problems.append("--out-dir '' names no folder; name one (e.g. --out-dir runs/my-run), or leave --out-dir "
                             "out for a fresh folder")
-        if self.out_dir is None and (self.resume or self.overwrite):
-            problems.append("--resume/--overwrite need an --out-dir holding the run (out_dir is None)")
+        for flag, does in (("resume", "continue"), ("overwrite", "replace")):
+            if self.out_dir is None and getattr(self, flag):
+                problems.append(f"--{flag} needs an --out-dir holding the run (got out_dir=None: the run stays in "
+                                f"memory); give the folder of the run to {does}")
         if self.resume and self.overwrite:
-            problems.append("--resume continues the run in --out-dir, --overwrite replaces it; choose one")
+            problems.append("--resume and --overwrite are both given: --resume continues the run in --out-dir, "
+                            "--overwrite replaces it; choose one")
         if self.resume and isinstance(self.out_dir, str) and _names_a_template(self.out_dir):
             problems.append(f"--resume needs the --out-dir of the run to continue (got the template "
-                            f"{self.out_dir!r})")
+                            f"{self.out_dir!r}); give its folder, as the interrupted run printed it")
         if _numbers(self.warmup_steps, self.steps) and not 0 <= self.warmup_steps < self.steps:
-            problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps})")
+            problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps}); lower "
+                            "--warmup-steps or raise --steps")
         if self.stop_after is not None and _numbers(self.stop_after, self.steps) and self.stop_after > self.steps:
-            problems.append(f"--stop-after must be in [1, steps={self.steps}] (got {self.stop_after})")
+            problems.append(f"--stop-after must be in [1, steps={self.steps}] (got {self.stop_after}); lower "
+                            "--stop-after or raise --steps")
         if self.device == "cuda" and not torch.cuda.is_available():
             problems.append("--device cuda was asked for but CUDA is not available; use --device cpu")
         launcher = {}
@@ -288,13 +294,14 @@ class TrainConfig:
             problems.append(f"{world} processes (WORLD_SIZE) but --parallel none; choose --parallel ddp or fsdp")
         if self.parallel != "none" and "MASTER_ADDR" not in os.environ:  # (it had run as one plain process)
             problems.append(f"--parallel {self.parallel} runs under torchrun (MASTER_ADDR is unset here, so this would "
-                            "be one ordinary process): launch with torchrun --nproc-per-node N -m geomuon ..., or use "
+                            "be one ordinary process); launch with torchrun --nproc-per-node N -m geomuon ..., or use "
                             "--parallel none")
         if self.parallel == "fsdp" and importlib.util.find_spec("geomuon.pretrain.parallel") is None:
             problems.append("--parallel fsdp needs geomuon.pretrain.parallel, which this version does not "
                             "have; use --parallel ddp")
         if _numbers(self.batch_size) and self.batch_size % world:
-            problems.append(f"--batch-size {self.batch_size} must be a multiple of the {world} processes")
+            problems.append(f"--batch-size {self.batch_size} must be a multiple of the {world} processes "
+                            f"(WORLD_SIZE); give a multiple of {world} or launch another number of processes")
         if problems:
             raise ValueError("bad training config:\n  " + "\n  ".join(problems))
 

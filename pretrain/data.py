@@ -16,7 +16,8 @@ Sources (``load_data(spec)``):
 Batches are a pure function of ``(seed, step)`` (:meth:`TokenData.batch`), so a resumed
 run and a run on many processes draw exactly the batches of an uninterrupted
 single-process run: every rank draws the same global batch and keeps its slice. A run's
-checkpoints keep :attr:`TokenData.identity`, so a resume on other data is refused.
+checkpoints keep :attr:`TokenData.identity`, so a resume on other data is refused, and a
+resume on the same data read from another path (moved, linked, spelled relative) is not.
 """
 
 from __future__ import annotations
@@ -136,10 +137,10 @@ class TokenData:
     @functools.cached_property
     def identity(self) -> dict:
         """What the batches depend on, as plain data (a run's checkpoints keep it; a resume
-        compares it with :func:`identity_changes`): the source, the vocabulary (its size, and
-        its characters for char-level data), each split's length and a sha256 of both splits'
-        tokens. Computed when first asked for: the hash reads every token once (about 0.6 s
-        per GB on one core)."""
+        compares it with :func:`identity_changes`): the vocabulary (its size, and its
+        characters for char-level data), each split's length and a sha256 of both splits'
+        tokens; and, as a record only, the source it was read from. Computed when first asked
+        for: the hash reads every token once (about 0.6 s per GB on one core)."""
         digest = hashlib.sha256()
         for split in (self.train, self.val):
             for part in split.parts if isinstance(split, Shards) else [split]:
@@ -151,14 +152,20 @@ class TokenData:
 
 def identity_changes(saved: dict, now: dict) -> list[str]:
     """How the data of :attr:`TokenData.identity` ``now`` differs from ``saved``, in words
-    (empty when it is the same data)."""
+    (empty when it is the same data). The tokens decide, not the ``source``: the same file
+    read from another path (moved, through a link, a relative spelling) gives the same
+    batches, and had been refused; another tokenization (characters or GPT-2 tokens) differs
+    in its vocabulary and tokens, and is named first."""
     changes = []
+    if (saved["characters"] is None) != (now["characters"] is None):
+        changes.append("tokenization: " + " → ".join("GPT-2 tokens" if identity["characters"] is None else "characters"
+                                                      for identity in (saved, now)))
     if saved["characters"] is not None and now["characters"] is not None:
         before, after = set(saved["characters"]), set(now["characters"])
         changes += [f"characters {words}: {''.join(sorted(chars))!r}"
                     for words, chars in (("added", after - before), ("removed", before - after)) if chars]
     changes += [f"{key.replace('_', ' ')}: {saved[key]!r} → {now[key]!r}"
-                for key in ("source", "vocab_size", "train_tokens", "val_tokens") if saved[key] != now[key]]
+                for key in ("vocab_size", "train_tokens", "val_tokens") if saved[key] != now[key]]
     if saved["sha256"] != now["sha256"]:
         changes.append(f"tokens sha256: {saved['sha256'][:12]}… → {now['sha256'][:12]}…")
     return changes
@@ -350,6 +357,14 @@ def load_data(spec: str = "embedded", vocab_size: int = 50304) -> TokenData:
     if kind == "text":
         return char_data(read_text(rest), f"text:{rest}")
     return shard_data(rest, vocab_size)
+
+
+def read_from(source: str) -> str:
+    """``source`` (a :attr:`TokenData.source`) with its file or folder as an absolute path, links
+    resolved: where the data was read from, as a run's provenance records it (a relative path
+    or a link names another file once the working folder or the link changes)."""
+    kind, _, path = source.partition(":")
+    return source if kind == "embedded" else f"{kind}:{os.path.realpath(path)}"
 
 
 def spec_source(spec: str) -> str:

@@ -247,7 +247,7 @@ def checkpoint_write_error(path: str, err: OSError, kept: str | None, rank: int 
     return RunWriteError(err.errno, f"checkpoint {path!r} could not be written ({cause}); {then}")
 
 
-def save_distributed(folder: str, model, assignment, record: dict, owned=None) -> None:
+def save_distributed(folder: str, model, assignment, record: dict | None, owned=None) -> None:
     r"""Write a distributed checkpoint to ``folder`` (every rank calls it; collective).
 
     Tensors through ``torch.distributed.checkpoint.save`` — the model's
@@ -256,7 +256,8 @@ def save_distributed(folder: str, model, assignment, record: dict, owned=None) -
     ``optimizer/<name>/<parameter name>/<key>`` so a different world size or layout
     finds them by name. Plain data — ``record`` (step, config, log…) and each optimizer's
     param groups (manifold and regulator specs) and non-tensor state — goes to
-    :data:`RUN_RECORD` on rank 0 (read with ``weights_only=True``; DCP would pickle it).
+    :data:`RUN_RECORD` on rank 0 (read with ``weights_only=True``; DCP would pickle it):
+    rank 0's ``record``, the other ranks pass ``None``.
 
     Atomic: everything is written to ``folder + ".tmp"`` (files fsynced), and rank 0
     renames it to ``folder`` once every rank has finished; the older checkpoints beyond

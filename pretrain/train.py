@@ -75,8 +75,8 @@ never writes a non-finite checkpoint.
 
 **Resuming** continues only the same run: the options that shape it (:data:`RUN_IDENTITY`),
 its data (:attr:`geomuon.pretrain.data.TokenData.identity`: a changed file, vocabulary or set
-of shards) and its model's shape are checked against the checkpoint before any step, and a
-difference is refused by name.
+of shards; not the path it is read from, which may change) and its model's shape are checked
+against the checkpoint before any step, and a difference is refused by name.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ from geomuon.optimizers.distributed import is_sharded, whole
 from geomuon.optimizers.base import MatrixOptimizer
 from geomuon.pretrain.config import (TrainConfig, add_options, command_line, from_args, is_template, launcher_value,
                                      option_text)
-from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, spec_source
+from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, read_from, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
 from geomuon.pretrain.provenance import code_fingerprint, git_commit, machine
@@ -189,6 +189,11 @@ class Distributed:
             if nccl:  # before the first collective: NCCL runs each rank's on its current device
                 torch.cuda.set_device(self.local_rank)
             dist.init_process_group(backend="nccl" if nccl else "gloo")
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig) -> Distributed:
+        """The processes of ``cfg``'s run: NCCL where it runs on CUDA, else gloo."""
+        return cls("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", cfg.parallel)
 
     @property
     def main(self) -> bool:
@@ -808,10 +813,10 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         # impossible to resume from the command line
         raise ValueError(f"train: the data passed ({data.source!r}) is not cfg.data ({cfg.data!r}); set "
                          "TrainConfig.data to its spec, or pass no data")
-    ddp = Distributed("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu", cfg.parallel)
+    ddp = Distributed.of_run(cfg)
     claim = None
     try:
-        outcome = _outcome(claim_out_dir, cfg) if ddp.main else None
+        outcome = value_or_refusal(claim_out_dir, cfg) if ddp.main else None
         if isinstance(outcome, tuple):
             outcome, claim = outcome
         outcome = ddp.from_main(outcome)
@@ -832,8 +837,9 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         ddp.close()
 
 
-def _outcome(function, *args):
-    """``function(*args)``, or the ``ValueError`` it raised (sent to the other ranks)."""
+def value_or_refusal(function, *args):
+    """``function(*args)``, or the ``ValueError`` it raised (rank 0's work whose outcome, a value
+    or a refusal, :meth:`Distributed.from_main` sends to the other ranks)."""
     try:
         return function(*args)
     except ValueError as err:
@@ -1018,14 +1024,17 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             records = payload["log"] if "log" in payload else _records_before(payload)
             elapsed_before = payload.get("wall_time", 0.0)
             provenance = payload.get("provenance", [])  # (checkpoints before it recorded none)
-            say(f"resumed from {resume_from} at step {start}")
+            moved = payload.get("data", {}).get("source", data.source) != data.source
+            say(f"resumed from {resume_from} at step {start}"
+                + (f"; data read from {data.source} (before: {payload['data']['source']})" if moved else ""))
         elif ddp.main:
             _prepare_out_dir(cfg.out_dir, cfg.overwrite)
         if cfg.print_table:
             say(f"run folder: {cfg.out_dir}")
         ddp.barrier()
     log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)
-    provenance = provenance + [segment_provenance(device, ddp.world, start)] if on_disk else provenance
+    if on_disk and ddp.main:  # rank 0 alone writes the checkpoint's record (git runs once, not on every rank)
+        provenance = provenance + [segment_provenance(device, ddp.world, start, data)]
 
     parallel = parallelize(model, assignment, cfg, ddp)
     if on_disk and cfg.resume and os.path.isdir(resume_from):
@@ -1105,7 +1114,8 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         nonlocal last_saved
         result.wall_time = time.perf_counter() - t0  # what the checkpoint records, and a resume reads back
         last_saved = step
-        record = _run_record(model, cfg, data, step, result, log, result.wall_time, provenance)
+        # rank 0 alone writes the plain data (the other ranks would hash the data for nothing)
+        record = _run_record(model, cfg, data, step, result, log, result.wall_time, provenance) if ddp.main else None
         if ddp.enabled:
             save_distributed(dcp_folder(cfg.out_dir, step), model, assignment, record, parallel.owned)
         else:
@@ -1206,8 +1216,9 @@ def _nonfinite_parameters(model: GPT, ddp: Distributed) -> list[str]:
 #: The options a resumed run must share with its checkpoint: those that shape the batches,
 #: the model, the schedule and the optimizer steps, and the validation windows (a curve
 #: scored on other windows after the resume would step where training did not). The
-#: intervals of logs, evaluations and checkpoints may change.
-RUN_IDENTITY = ("model", "strategy", "data", "steps", "batch_size", "grad_accum", "block_size", "n_layer",
+#: intervals of logs, evaluations and checkpoints may change, and so may ``data``'s
+#: spelling: the data's content is compared instead (:func:`check_same_run`).
+RUN_IDENTITY = ("model", "strategy", "steps", "batch_size", "grad_accum", "block_size", "n_layer",
                 "n_head", "n_embd", "model_overrides", "lr", "adamw_lr", "weight_decay", "warmup_steps",
                 "min_lr_ratio", "grad_clip", "dual_steps", "direction_dtype", "w_max", "seed", "val_seed",
                 "eval_batches", "final_eval_batches")
@@ -1217,8 +1228,12 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     """Refuse to resume the checkpoint ``record`` (:func:`_run_record`'s data) as the run of
     ``cfg`` on ``data`` unless it is the same run: the options of :data:`RUN_IDENTITY`, the
     batch seeding (:data:`~geomuon.pretrain.data.BATCH_SEEDING`), the data
-    (:attr:`~geomuon.pretrain.data.TokenData.identity`) and the model's configuration.
-    ``ValueError`` naming what changed and what to do."""
+    (:attr:`~geomuon.pretrain.data.TokenData.identity`: its tokens, wherever they are read
+    from) and the model's configuration. ``ValueError`` naming what changed and what to do.
+
+    Every rank checks the data it read itself (each rank loads its own copy, on several machines
+    from files of its own), so every rank hashes it here; the record it compares with is the
+    checkpoint's, the same on every rank."""
     # a checkpoint written before a field existed ran with that field's default
     saved = {**asdict(TrainConfig()), **record["config"]}
     changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in RUN_IDENTITY if saved[k] != getattr(cfg, k)]
@@ -1231,11 +1246,18 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
                          f"version replaced by {BATCH_SEEDING!r} (geomuon.pretrain.data.BATCH_SEEDING): resumed here "
                          "it would train on other batches; resume with the geomuon version that wrote it, or use a "
                          f"new {option_text('out_dir')}")
-    changed = identity_changes(record["data"], data.identity) if "data" in record else []  # (older checkpoints: none)
+    if "data" in record:
+        changed, trained_on = identity_changes(record["data"], data.identity), record["data"]["source"]
+    else:  # (older checkpoints recorded no data identity: the spec alone is compared)
+        changed = [f"data spec: {saved['data']!r} → {cfg.data!r}, and the checkpoint keeps no sha256 of its tokens "
+                   "to compare"] if saved["data"] != cfg.data else []
+        trained_on = None
     if changed:
         restore = ("resume under the Python version that started the run (the embedded corpus is its "
-                   "pydoc_data)" if cfg.data == "embedded" else "restore the data the run was trained on")
-        raise ValueError(f"--data {cfg.data}: the data differs from the data the run was trained on ("
+                   "pydoc_data)" if trained_on == data.source == spec_source("embedded")
+                   else "restore the data the run was trained on")
+        where = "" if trained_on in (None, data.source) else f", read from {trained_on}"
+        raise ValueError(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
                          + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))
     changed = [f"{k}: {v!r} → {built.get(k)!r}" for k, v in record["model_config"].items() if built.get(k) != v]
@@ -1245,17 +1267,19 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
                          f"{option_text('out_dir')}")
 
 
-def segment_provenance(device: torch.device, world: int, first_step: int) -> dict:
+def segment_provenance(device: torch.device, world: int, first_step: int, data: TokenData) -> dict:
     """What ran one segment of a run (its start, or a resume): the ``geomuon`` version, the commit
     of its checkout (:func:`~geomuon.pretrain.provenance.git_commit`: ``-dirty`` for uncommitted
     edits) and the fingerprint of its training code, torch's version, the device the run
-    resolved (``--device auto`` records ``cpu`` or ``cuda:0``), the processes and the machine: a
-    checkpoint's configuration alone had recorded ``"auto"`` and no code, so a run could not be
-    said to have been reproduced."""
+    resolved (``--device auto`` records ``cpu`` or ``cuda:0``), the processes, the machine and
+    where ``data`` was read from (:func:`~geomuon.pretrain.data.read_from`: a resume may read the
+    same data from another path): a checkpoint's configuration alone had recorded ``"auto"`` and
+    no code, so a run could not be said to have been reproduced."""
     from geomuon import __version__
 
     return {"first_step": first_step, "geomuon": __version__, "commit": git_commit(), "code": code_fingerprint(),
-            "torch": str(torch.__version__), "device": str(device), "world_size": world, "machine": machine()}
+            "torch": str(torch.__version__), "device": str(device), "world_size": world, "machine": machine(),
+            "data": read_from(data.source)}
 
 
 def _run_record(model: GPT, cfg: TrainConfig, data: TokenData, step: int, result: TrainResult, log: RunLog,

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 import re
 import subprocess
 
@@ -114,6 +115,30 @@ def test_a_resumed_comparison_with_a_changed_option_trains_no_run(tmp_path, caps
     assert f"geomuon compare: '{out / 'adamw-s0' / 'ckpt.pt'}': --resume with a different run configuration " \
            "(steps: 6 → 12)" in err
     assert not (out / "unconstrained-s0").exists()  # refused before the first run started
+
+
+def test_a_resumed_comparison_reads_its_data_from_another_path_but_not_other_data(tmp_path, monkeypatch, capsys):
+    # the --data spec had been compared as a string: a comparison resumed with the corpus moved (or
+    # spelled by another path) was refused; its tokens decide, as for one run (check_same_run)
+    from geomuon.pretrain.data import embedded_corpus
+
+    monkeypatch.chdir(tmp_path)
+    text = embedded_corpus()[:20_000]
+    (tmp_path / "corpus.txt").write_text(text)
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--stop-after", "3", "--data", "text:corpus.txt",
+                "--out-dir", str(out)]) == 0
+    (tmp_path / "moved").mkdir()
+    os.replace(tmp_path / "corpus.txt", tmp_path / "moved" / "corpus.txt")
+    (tmp_path / "edited.txt").write_text(text[::-1])  # the same characters and lengths, other tokens
+    capsys.readouterr()
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--data", "text:edited.txt", "--resume",
+                "--out-dir", str(out)]) == 2  # negative control
+    assert (f"'{out / 'adamw-s0' / 'ckpt.pt'}': --data text:edited.txt: the data differs from the data the run was "
+            "trained on, read from text:corpus.txt (tokens sha256: ") in capsys.readouterr().err
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--data", f"text:{tmp_path / 'moved' / 'corpus.txt'}",
+                "--resume", "--out-dir", str(out)]) == 0
+    assert max(read_log(out / "adamw-s0" / "log.jsonl"), key=lambda r: r["step"])["step"] == 6  # trained to the end
 
 
 def test_an_interrupted_comparison_resumes_with_the_printed_command(tmp_path, monkeypatch, capsys):

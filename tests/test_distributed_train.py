@@ -383,3 +383,86 @@ def test_train_leaves_a_process_group_the_caller_initialized(tmp_path, monkeypat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# Each rank: a comparison (the Python API of `geomuon compare`) of one run; once both ranks have
+# trained it, and before either releases its claim, rank 0 writes what the comparisons' parent
+# folder holds (what a comparison killed there would leave behind).
+COMPARISON = textwrap.dedent("""
+    import json, os, sys, time, torch
+    torch.set_num_threads(1)
+    from geomuon.pretrain import compare
+    from geomuon.pretrain.train import TrainConfig
+    cfg, shared = TrainConfig(**eval(sys.argv[1])), sys.argv[2]
+    parent, trained = os.path.dirname(cfg.out_dir), compare.train
+
+    def wait_for(*names):
+        while not all(os.path.exists(os.path.join(shared, name)) for name in names):
+            time.sleep(0.05)
+
+    def train_then_list(cfg, data, sharing):
+        result = trained(cfg, data, sharing=sharing)
+        open(os.path.join(shared, f"trained.{os.environ['RANK']}"), "w").close()
+        wait_for("trained.0", "trained.1")
+        if os.environ["RANK"] == "0":
+            listing = {name: sorted(os.listdir(os.path.join(parent, name))) for name in os.listdir(parent)}
+            with open(os.path.join(shared, "listing.json.tmp"), "w") as f:
+                json.dump(listing, f)
+            os.replace(os.path.join(shared, "listing.json.tmp"), os.path.join(shared, "listing.json"))
+        wait_for("listing.json")
+        return result
+
+    compare.train = train_then_list
+    summaries = compare.compare(cfg, ["adamw"], [0])
+    print(f"run folder {summaries[0].result.out_dir}", flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_torchrun_comparison_makes_one_folder_rank_0s(tmp_path):
+    # every rank had resolved the {time} template and created a fresh folder of its own (rank 1 the
+    # "-2" of rank 0's, or a later second's): left empty while the runs wrote to rank 0's, left
+    # behind when the comparison was killed, and the runs' folder was "-2" when rank 1 won the race
+    cfg = config(tmp_path / "runs" / "cmp-{time}", parallel="ddp", strategy="adamw", steps=2, warmup_steps=0,
+                 eval_every=2)
+    outputs = finished(spawn(2, COMPARISON, cfg, str(tmp_path)))
+    with open(tmp_path / "listing.json") as f:
+        during = json.load(f)
+    (folder,) = os.listdir(tmp_path / "runs")
+    assert during == {folder: [".lock", "adamw-s0"]}, during
+    assert re.fullmatch(r"cmp-\d{8}-\d{6}", folder), folder  # the template's first name: no other was taken
+    assert sorted(os.listdir(tmp_path / "runs" / folder)) == [".lock", "adamw-s0"]
+    assert all(f"run folder {tmp_path / 'runs' / folder / 'adamw-s0'}" in out for out in outputs), outputs
+
+
+# Each rank: a run on data it loaded itself, then whether it hashed that data (TokenData.identity is
+# a cached property) and how many times it recorded a segment's provenance (running git).
+HASHED_WHERE_NEEDED = textwrap.dedent("""
+    import os, sys, torch
+    torch.set_num_threads(1)
+    from geomuon.pretrain import train as training
+    recorded, plain = [], training.segment_provenance
+
+    def segment_provenance(*args):
+        recorded.append(None)
+        return plain(*args)
+
+    training.segment_provenance = segment_provenance
+    cfg = training.TrainConfig(**eval(sys.argv[1]))
+    data = training.load_run_data(cfg)
+    training.train(cfg, data)
+    print(f"rank {os.environ['RANK']}: hashed {'identity' in data.__dict__}, provenance {len(recorded)}", flush=True)
+    os._exit(0)
+""")
+
+
+def test_only_rank_0_hashes_the_data_and_runs_git_unless_a_resume_checks_the_data(tmp_path):
+    # the data's sha256 (a pass over every token) and git had run on every rank for the record that
+    # rank 0 alone writes; a resume needs every rank's own check of the data it read (on several
+    # machines each reads files of its own), so there every rank hashes it
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=4, eval_every=2, stop_after=2)
+    fresh = finished(spawn(2, HASHED_WHERE_NEEDED, cfg))
+    assert "rank 0: hashed True, provenance 1" in fresh[0] and "rank 1: hashed False, provenance 0" in fresh[1], fresh
+    resumed = finished(spawn(2, HASHED_WHERE_NEEDED, replace(cfg, stop_after=4, resume=True)))
+    assert "rank 0: hashed True, provenance 1" in resumed[0] and "rank 1: hashed True, provenance 0" in resumed[1], \
+        resumed

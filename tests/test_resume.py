@@ -162,6 +162,55 @@ def test_resume_on_other_data_or_another_model_is_refused_by_name(tmp_path):
     assert train(config(tmp_path / "a", resume=True, stop_after=3, **run)).last_step == 3
 
 
+def test_the_same_data_read_from_another_path_resumes_and_other_data_is_still_refused(tmp_path, monkeypatch):
+    # the --data spec had been compared as a string: the corpus given by an absolute path, through a
+    # link or after a move was refused. The tokens decide; each segment's provenance names the file read.
+    import numpy as np
+
+    from geomuon.pretrain.data import embedded_corpus, load_data
+
+    monkeypatch.chdir(tmp_path)
+    root = os.path.realpath(tmp_path)  # what provenance records: links resolved
+    text = embedded_corpus()[:20_000]
+    (tmp_path / "corpus.txt").write_text(text)
+    run = dict(strategy="adamw", steps=8)
+    straight = train(config(tmp_path / "straight", stop_after=4, data="text:corpus.txt", **run))
+    out = tmp_path / "a"
+    train(config(out, stop_after=1, data="text:corpus.txt", **run))
+    (tmp_path / "moved").mkdir()
+    os.replace(tmp_path / "corpus.txt", tmp_path / "moved" / "corpus.txt")
+    os.symlink(tmp_path / "moved" / "corpus.txt", tmp_path / "link.txt")
+    moved = f"{root}/moved/corpus.txt"
+    for stop, spec in ((2, f"text:{moved}"), (3, "text:link.txt"), (4, "shakespeare:moved/corpus.txt:nocheck")):
+        resumed = train(config(out, stop_after=stop, resume=True, data=spec, **run))
+    assert resumed.losses == straight.losses  # bit for bit: the batches of the uninterrupted run
+    provenance = load_checkpoint(str(out / "ckpt.pt"))["provenance"]
+    assert [segment["data"] for segment in provenance] == [f"text:{root}/corpus.txt", f"text:{moved}",
+                                                           f"text:{moved}", f"shakespeare:{moved}"]
+    # negative controls: other content under any path, or another tokenization, is refused by name
+    tokens = load_data("text:link.txt")  # the same tokens as GPT-2 shards: another vocabulary and dtype
+    (tmp_path / "shards").mkdir()
+    for split in ("train", "val"):
+        getattr(tokens, split).astype(np.uint16).tofile(tmp_path / "shards" / f"{split}.bin")
+    (tmp_path / "edited.txt").write_text(text[:-1] + ("a" if text[-1] != "a" else "b"))  # same characters
+    (tmp_path / "longer.txt").write_text(text + text[:100])
+    for spec, change in (("text:edited.txt", r"tokens sha256: \w+… → \w+…"),
+                         ("text:longer.txt", r"train tokens: 18000 → 18090; val tokens: 2000 → 2010;"),
+                         ("tokens:shards", r"tokenization: characters → GPT-2 tokens; vocab size: \d+ → 256;"),
+                         ("embedded", r"characters added: .*train tokens: 18000 → \d+;")):
+        with pytest.raises(ValueError, match=rf"^--data {spec}: the data differs from the data the run was trained "
+                                             rf"on, read from shakespeare:moved/corpus.txt \({change}.*restore the data"):
+            train(config(out, stop_after=5, resume=True, data=spec, **run))
+    # a checkpoint that keeps no data identity (written before it did): only the spec can be compared
+    payload = load_checkpoint(str(out / "ckpt.pt"))
+    save_checkpoint(str(out / "ckpt.pt"), {k: v for k, v in payload.items() if k != "data"})
+    with pytest.raises(ValueError, match=r"\(data spec: 'shakespeare:moved/corpus.txt:nocheck' → 'text:link.txt', "
+                                         r"and the checkpoint keeps no sha256"):
+        train(config(out, stop_after=5, resume=True, data="text:link.txt", **run))
+    assert train(config(out, stop_after=5, resume=True, data="shakespeare:moved/corpus.txt:nocheck",
+                        **run)).last_step == 5
+
+
 def test_a_file_that_is_not_a_run_checkpoint_is_named(tmp_path):
     # a torch file with a "model" entry (saved by hand, or another tool's) had ended in KeyError: 'config'
     (tmp_path / "a").mkdir()

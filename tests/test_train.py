@@ -255,9 +255,9 @@ def test_model_overrides_reach_the_model_and_are_checked(tmp_path):
     assert "lm_head.weight" in dict(result.model.named_parameters())  # untied: its own matrix
     with pytest.raises(ValueError, match=r"--model-overrides names 'depth', not a GPTConfig field"):
         train(tiny(tmp_path, model_overrides={"depth": 3}))
-    with pytest.raises(ValueError, match=r"block_size is set by both --block-size and --model-overrides"):
+    with pytest.raises(ValueError, match=r"block_size is set by both --block-size 32 and --model-overrides block_size=16"):
         train(tiny(tmp_path, model_overrides={"block_size": 16}))
-    with pytest.raises(ValueError, match=r"--resume/--overwrite need an --out-dir"):
+    with pytest.raises(ValueError, match=r"--resume needs an --out-dir"):
         train(tiny(tmp_path, out_dir=None, resume=True))
     with pytest.raises(ValueError, match=r"--final-eval-batches must be ≥ 1"):
         train(tiny(tmp_path, final_eval_batches=0))
@@ -267,7 +267,7 @@ def test_model_overrides_reach_the_model_and_are_checked(tmp_path):
                                ({"init_std": "x"}, "init_std='x' must be float"),
                                ({"init_std": -1.0}, "init_std=-1.0 must be a finite number > 0"),
                                ({"moe_aux_weight": "x", "n_experts": 2}, "moe_aux_weight='x' must be float"),
-                               ({"vocab_size": 300}, "sets vocab_size, which the character-level --data")):
+                               ({"vocab_size": 300}, "sets vocab_size=300, which the character-level --data")):
         with pytest.raises(ValueError, match=re.escape(message)):
             train(tiny(tmp_path, data="text:/nonexistent/x.txt", model_overrides=overrides))
     with pytest.raises(ValueError, match=r"--config cpu-lipschitz with --model-overrides .*needs rope=True"):
@@ -434,6 +434,55 @@ def test_a_resume_told_to_stop_before_its_checkpoint_is_refused(tmp_path, capsys
     assert cli([*PRETRAIN, "--out-dir", out, "--resume", "--stop-after", "2"]) == 2
     assert "--stop-after 2 is before the checkpoint's step 3" in capsys.readouterr().err
     assert cli([*PRETRAIN, "--out-dir", out, "--resume", "--stop-after", "4"]) == 0
+
+
+@pytest.mark.parametrize("options, environment, named", [
+    (dict(data="webtext"), {}, ["--data", "'webtext'"]),
+    (dict(model_overrides={"depth": 3}), {}, ["--model-overrides", "'depth'"]),
+    (dict(model_overrides={"n_layer": 3}, n_layer=2), {}, ["--n-layer 2", "--model-overrides n_layer=3"]),
+    (dict(model_overrides={"vocab_size": 300}), {}, ["--model-overrides", "vocab_size=300"]),
+    (dict(model_overrides={"n_head": 3}), {}, ["--model-overrides", '"n_head": 3']),
+    (dict(lipschitz_bound="simple"), {}, ["--lipschitz-bound simple"]),
+    (dict(lr=0.05), {}, ["--lr 0.05"]),
+    (dict(strategy="torch_muon", direction_dtype="fp32"), {}, ["--direction-dtype fp32", "--strategy torch_muon"]),
+    (dict(out_dir=""), {}, ["--out-dir", "''"]),
+    (dict(out_dir=None, resume=True), {}, ["--resume", "out_dir=None"]),
+    (dict(out_dir=None, overwrite=True), {}, ["--overwrite", "out_dir=None"]),
+    (dict(resume=True, overwrite=True), {}, ["--resume", "--overwrite", "both given"]),
+    (dict(resume=True, out_dir="runs/{time}"), {}, ["--resume", "--out-dir", "'runs/{time}'"]),
+    (dict(warmup_steps=12), {}, ["--warmup-steps", "(got 12)", "steps=12"]),
+    (dict(stop_after=13), {}, ["--stop-after", "(got 13)", "steps=12"]),
+    (dict(device="cuda"), {}, ["--device cuda"]),
+    ({}, dict(WORLD_SIZE="two"), ["WORLD_SIZE", "'two'"]),
+    ({}, dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"), ["--parallel none", "2 processes (WORLD_SIZE)"]),
+    (dict(parallel="ddp"), {}, ["--parallel ddp", "MASTER_ADDR is unset"]),
+    (dict(parallel="fsdp"), dict(MASTER_ADDR="127.0.0.1", FIND_SPEC="none"), ["--parallel fsdp"]),
+    (dict(parallel="ddp", batch_size=3), dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"),
+     ["--batch-size 3", "2 processes"]),
+])
+def test_every_refusal_of_validate_names_its_option_the_value_and_what_to_do(tmp_path, monkeypatch, options,
+                                                                              environment, named):
+    """Each relation :meth:`TrainConfig.validate` checks beyond the option table (which
+    ``test_the_option_table_refuses_a_value_just_outside_each_bound`` probes), one case each: the
+    refusal names the option as the command line spells it and the value given, and says what to
+    do (a clause after ';'); some had named a flag alone ("--resume/--overwrite need an --out-dir")."""
+    from geomuon.pretrain import config as config_module
+
+    for name in ("WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        if name == "FIND_SPEC":  # a geomuon without its parallel module
+            monkeypatch.setattr(config_module.importlib.util, "find_spec", lambda module: None)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda on a machine without CUDA
+    with pytest.raises(ValueError) as refused:
+        tiny(tmp_path, **options).validate()
+    problems = str(refused.value).removeprefix("bad training config:\n  ").split("\n  ")
+    assert len(problems) == 1, problems  # the case's own refusal, alone
+    for text in named:
+        assert text in problems[0], (text, problems[0])
+    assert "; " in problems[0], problems[0]
 
 
 def test_the_option_table_refuses_a_value_just_outside_each_bound():
