@@ -17,7 +17,10 @@ from geomuon import cli as geomuon_cli
 from geomuon.optimizers import maps
 from geomuon.theory.equivariance import (
     HOLDS_FACTOR,
+    KINDS,
     MIN_TRIALS,
+    STRUCTURE_ONLY_KINDS,
+    STRUCTURED_KINDS,
     VIOLATION_FACTOR,
     MapUpdate,
     OptimizerUpdate,
@@ -67,6 +70,14 @@ def test_adversarial_inputs_have_their_structure():
     assert torch.equal(integer, integer.round())
     tiny = adversarial_matrix((8, 5), "gaussian", gen, scale=1e-8)
     assert tiny.pow(2).mean().sqrt() == pytest.approx(1e-8)
+    # the structured kinds' structure is exact in float64, not up to round-off
+    for shape in ((8, 5), (5, 8)):
+        orthogonal = adversarial_matrix(shape, "orthogonal", gen, scale=1e-3)
+        gram = orthogonal @ orthogonal.mT if shape[0] < shape[1] else orthogonal.mT @ orthogonal
+        assert torch.equal(gram, gram[0, 0] * torch.eye(5, dtype=torch.float64)) and gram[0, 0] > 0
+        low = adversarial_matrix(shape, "low_rank", gen)
+        assert torch.equal(low, low.round()) and torch.linalg.matrix_rank(low) <= 2 and low.abs().sum() > 0
+    assert torch.equal(adversarial_matrix((8, 5), "zero", gen), torch.zeros(8, 5, dtype=torch.float64))
 
 
 def test_polynomial_map_holds_and_masked_map_is_violated():
@@ -846,3 +857,143 @@ def test_verify_declaration_refuses_bad_options_before_any_example(options, mess
     with pytest.raises(ValueError, match=message):
         verify_declaration(counted, "permutation", **{"expected": "holds", "max_examples": 2, **options})
     assert not evaluations
+
+
+def argmax_one_hot(D):
+    """One-hot of each column's argmax: a tie goes to the lowest row index, so a row permutation
+    of a tied column moves the one to another row than the permutation does."""
+    return torch.zeros_like(D).scatter_(-2, D.argmax(dim=-2, keepdim=True), 1.0)
+
+
+def dead_column_guard(D):
+    """$D/\\|D\\|_F$, with a column that is exactly zero in $D$ set to $e_0$ (a "revive dead
+    columns" guard): a fixed unit vector is no equivariant choice under $O_m \\times O_n$."""
+    norm = torch.linalg.matrix_norm(D, keepdim=True)
+    out = D / torch.where(norm > 0, norm, 1.0)
+    e0 = torch.zeros_like(D)
+    e0[..., 0, :] = 1.0
+    return torch.where((D == 0).all(dim=-2, keepdim=True), e0, out)
+
+
+def identity_at_zero(D):
+    """$D/\\|D\\|_F$, and the identity pattern at $D = 0$ (a "no gradient yet" default): broken
+    at the rank-0 input alone, where $g\\cdot 0 = 0$ but $g\\cdot I \\ne I$."""
+    norm = torch.linalg.matrix_norm(D, keepdim=True)
+    eye = torch.eye(D.shape[-2], D.shape[-1], dtype=D.dtype).expand_as(D)
+    return torch.where(norm > 0, D / torch.where(norm > 0, norm, 1.0), eye)
+
+
+@pytest.mark.parametrize("update, group, kind", [
+    (argmax_one_hot, "permutation", "integer"),  # ties
+    (dead_column_guard, "bi-orthogonal", "zero_lines"),  # a zero column
+    (identity_at_zero, "bi-orthogonal", "zero"),  # rank 0: every singular value repeated
+    (sign_with_positive_zero, "signed-permutation", "zero_lines"),  # exact zeros
+])
+def test_a_structured_check_catches_maps_broken_only_at_ties_and_zeros(update, group, kind):
+    # Old checker: each holds. Generic inputs never tie or vanish, and on the kinds that do the
+    # probes break the tie (or fill the zero) the map jumps at, so the floor there is O(1) and the
+    # trial unresolved: the verdict said so ("Not seen") and could say no more.
+    plain = check_equivariance(update, group, (6, 4), seed=0)
+    assert plain.verdict == "holds", plain.table()
+    if kind in KINDS:
+        assert "check with structured=True" in plain.message()
+    # Declared single-valued there, the same inputs are judged with an exact element (g.x rounds
+    # nothing) and probes that keep the tie: the violation is confirmed, on that kind.
+    report = check_equivariance(update, group, (6, 4), seed=0, structured=True)
+    assert report.verdict == "violated", report.table()
+    assert {t.kind for t in report.trials if t.verdict == "violated"} <= set(STRUCTURED_KINDS)
+    only = check_equivariance(update, group, (6, 4), seed=0, structured=True, kinds=(kind,))
+    assert only.verdict == "violated", only.table()
+
+
+@pytest.mark.parametrize("update, group", [
+    (maps.spectral, "bi-orthogonal"), (maps.right_polar, "bi-orthogonal"), (maps.row_norm, "left-perm-right-orth"),
+    (maps.col_norm, "right-perm-left-orth"), (maps.hybrid, "left-perm-right-orth"),
+    (maps.sign, "signed-permutation"), (maps.sign, "row-scaling"), (maps.centered(maps.spectral), "router-shift"),
+    (cubic, "bi-orthogonal"), (catalogue.frobenius_normalized, "bi-orthogonal"),
+])
+def test_single_valued_maps_hold_under_a_structured_check(update, group):
+    # No false alarm: the library's maps take one equivariant value at ties, zeros, 0 and low rank
+    # (sign(0) = 0, a zero row normalizes to 0, Newton-Schulz sends a zero singular value to 0)
+    report = check_equivariance(update, group, (6, 4), seed=1, structured=True)
+    assert report.verdict == "holds", report.table()
+    assert {t.kind for t in report.trials} >= set(STRUCTURE_ONLY_KINDS)
+
+
+def test_a_set_valued_map_is_equivariant_only_where_it_is_not_declared_structured():
+    # The SVD polar factor of a rank-deficient matrix (and of 0) is any of a set; LAPACK's pick
+    # is no equivariant choice. An unstructured check holds it (it is equivariant on generic
+    # inputs); declaring it single-valued everywhere is refuted, at a structured input.
+    assert check_equivariance(svd_msign, "bi-orthogonal", (6, 4), seed=0).verdict == "holds"
+    report = check_equivariance(svd_msign, "bi-orthogonal", (6, 4), seed=0, structured=True)
+    assert report.verdict == "violated" and report.worst().kind in STRUCTURED_KINDS, report.table()
+
+
+def test_a_structured_search_shrinks_to_a_tie():
+    # verify_declaration takes the declaration too: hypothesis finds the tie the old search could
+    # not call (every tied case unresolved), and a structured "holds" of a single-valued map passes
+    case = verify_declaration(argmax_one_hot, "permutation", "violated", structured=True, max_examples=200)
+    assert case.kind in STRUCTURED_KINDS and case.exact_element is not None
+    verify_declaration(maps.sign, "signed-permutation", "holds", structured=True, max_examples=30)
+    with pytest.raises(ValueError, match="structured must be True or False"):
+        check_equivariance(cubic, "bi-orthogonal", structured="yes")
+
+
+def entrywise_batch_max(D):
+    """Each entry over the largest magnitude at its position *across the stack* (reduced over
+    dim 0 instead of a matrix's own dims): one member's update depends on the others."""
+    return D / D.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(D.dtype).tiny)
+
+
+def flattened_msign(D):
+    """Newton–Schulz msign of the stack flattened to one tall matrix ``[b m, n]``."""
+    return maps.spectral(D.reshape(-1, D.shape[-1])).reshape(D.shape)
+
+
+class StackedNormalizedSGD(torch.optim.Optimizer):
+    """W <- W - lr G / max|G|, the max over each matrix of a stacked parameter, or (``mixed``)
+    over each entry's position across the stack."""
+
+    def __init__(self, params, lr=0.1, mixed=False):
+        super().__init__(params, dict(lr=lr, mixed=mixed))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                dims = 0 if group["mixed"] else (-2, -1)
+                p.sub_(group["lr"] * p.grad / p.grad.abs().amax(dim=dims, keepdim=True).clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("update, group", [
+    (entrywise_batch_max, "signed-permutation"),
+    (flattened_msign, "bi-orthogonal"),
+    (OptimizerUpdate(lambda params: StackedNormalizedSGD(params, mixed=True), name="mixed"), "signed-permutation"),
+])
+def test_a_batched_check_catches_an_update_that_mixes_the_members_of_its_stack(update, group):
+    # Old checker: a stack [3, 6, 4] was refused (shapes must be a pair (m, n)), and on one matrix
+    # each of these is equivariant (it is sign, msign, a sign step): the bug exists only in a stack.
+    assert check_equivariance(update, group, (6, 4), seed=0, trials=20).verdict == "holds"
+    report = check_equivariance(update, group, (3, 6, 4), seed=0, trials=20)
+    assert report.verdict == "violated" and "shape 3x6x4" in report.table(), report.table()
+    # One element shared by the stack moves every member alike, so the mixing commutes with it:
+    # why the members get their own elements by default (the group of a stack of parameters).
+    assert check_equivariance(update, group, (3, 6, 4), seed=0, trials=20,
+                              batch_elements="shared").verdict == "holds"
+
+
+@pytest.mark.parametrize("update, group", [
+    (maps.spectral, "bi-orthogonal"), (maps.sign, "signed-permutation"), (maps.row_norm, "left-perm-right-orth"),
+    (OptimizerUpdate(lambda params: StackedNormalizedSGD(params), name="per-matrix"), "signed-permutation"),
+])
+def test_updates_acting_on_each_member_of_a_stack_hold_batched(update, group):
+    for shape in ((3, 6, 4), (2, 2, 5, 3)):
+        report = check_equivariance(update, group, shape, seed=1, trials=20, structured=True)
+        assert report.verdict == "holds", report.table()
+
+
+def test_batched_checks_refuse_bad_shapes_and_options_by_name():
+    with pytest.raises(ValueError, match="shape must be"):
+        check_equivariance(cubic, "bi-orthogonal", (0, 6, 4))
+    with pytest.raises(ValueError, match="batch_elements must be 'independent' or 'shared'"):
+        check_equivariance(cubic, "bi-orthogonal", (3, 6, 4), batch_elements="each")

@@ -29,6 +29,7 @@ from geomuon.theory.groups import (
     random_permutation,
     random_signed_permutation,
     sample_shapes,
+    stack_elements,
 )
 
 TWO_SIDED = [g for g in GROUPS.values() if not g.joint]
@@ -304,3 +305,52 @@ def test_a_user_group_that_ignores_its_generator_or_its_shape_is_refused_before_
     with pytest.raises(ValueError, match="group FlatteningGroup: sample.*does not map a tensor of shape 6x4 to one "
                                          "of the same shape"):
         check_equivariance(_row_normalize, FlatteningGroup(), (6, 4), seed=0)
+
+
+@pytest.mark.parametrize("group", TWO_SIDED + [NeuronPermutation()], ids=lambda g: g.name)
+def test_exact_elements_round_nothing_and_keep_ties_and_zeros(group):
+    # A structured trial needs g.x to keep x's ties and exact zeros and g^-1(g x) = x bitwise;
+    # a Haar rotation, a log-uniform scaling or a Gaussian shift rounds (the control below).
+    shapes = sample_shapes(group, (6, 4))
+    members = [torch.randint(-2, 3, s, generator=_gen(1)).to(torch.float64)
+               for s in (shapes if group.joint else [shapes])]
+    x = tuple(members) if group.joint else members[0]
+    exact = group.sample_exact(shapes, _gen(2))
+    moved = exact.act(x)
+    assert all(torch.equal(a, b) for a, b in zip(_flat(exact.inverse().act(moved)), _flat(x)))
+    shifted = getattr(group, "shift", False)
+    for before, after in zip(_flat(x), _flat(moved)):
+        if group.name.endswith("scaling"):  # entries times powers of two: zeros and exponents kept
+            ratio = after[before != 0] / before[before != 0]
+            assert torch.equal(before == 0, after == 0) and torch.equal(ratio.log2(), ratio.log2().round())
+        elif not shifted:  # a signed permutation of the entries: the same magnitudes, ties and zeros
+            assert torch.equal(before.abs().flatten().sort().values, after.abs().flatten().sort().values)
+    inexact = {"orthogonal", "positive_diagonal"} & {getattr(group, "left", ""), getattr(group, "right", "")}
+    if inexact or shifted:
+        haar = group.sample(shapes, _gen(2))
+        factors = torch.cat([haar.left.flatten(), haar.right.flatten()]).abs()
+        powers = factors[factors != 0].log2()
+        assert not torch.equal(powers, powers.round())  # not powers of two: g.x rounds
+        if not group.name.endswith("scaling"):  # (a scaling and its inverse can round back)
+            assert not torch.equal(haar.inverse().act(haar.act(x)), x)
+
+
+def _flat(x):
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def test_stacked_elements_move_each_member_by_its_own_and_refuse_another_batch():
+    group = RouterShift()
+    elements = [group.sample((6, 4), _gen(seed)) for seed in range(6)]
+    stacked = stack_elements(elements, (2, 3))
+    D = torch.randn(2, 3, 6, 4, generator=_gen(9), dtype=torch.float64)
+    moved = stacked.act(D)
+    for b, element in enumerate(elements):
+        assert torch.allclose(moved.flatten(0, 1)[b], element.act(D.flatten(0, 1)[b]), rtol=0, atol=1e-14)
+    assert torch.allclose(stacked.inverse().act(moved), D, rtol=0, atol=1e-13)
+    # a stack of elements on one matrix, or on another batch, had broadcast silently
+    for wrong in (D[0, 0], D[0]):
+        with pytest.raises(ValueError, match="batched group element"):
+            stacked.act(wrong)
+    with pytest.raises(ValueError, match="needs 6 elements"):
+        stack_elements(elements[:5], (2, 3))

@@ -114,6 +114,47 @@ the trial's input scale, so that it neither vanishes in nor swamps the input's r
 Optimizer steps and steepest directions start from Gaussian points when a manifold's
 ``projx`` needs them (it refuses zero columns); their gradients get every kind.
 
+**Structured inputs** (``structured=True``). A map can be equivariant on generic inputs and
+broken only on a set of measure zero they never hit: a tie (a one-hot of each column's argmax
+gives a tie to the lowest index), an exact zero (a guard that revives a dead column with a fixed
+unit vector, $\operatorname{sign}(0) = +1$), exactly repeated singular values or rank 0 (an
+identity pattern returned at $D = 0$). The kinds that do hit them (:data:`STRUCTURED_KINDS`) cannot
+call it: the probes above break the tie and fill the zero the map jumps at, its floor there is
+$O(1)$ and the trial *unresolved* (a *holds* verdict names such kinds, "Not seen"). Whether the
+claim holds there is for the user to declare, not for the checker to guess: at those inputs a
+correct map may be **set-valued** — the polar factor of a rank-deficient matrix (of 0) is any of a
+set, and LAPACK's pick is no equivariant choice; at a tie no single index is — and then only the
+generic claim is meant, which the default check tests. ``structured=True`` declares the update
+single-valued and equivariant at *every* input. The check then draws
+:data:`STRUCTURE_ONLY_KINDS` too (a scaled signed partial permutation: every singular value
+exactly equal; an integer matrix of exact low rank; 0), and judges each trial on a structured kind
+a second time, at the same input, *exactly*: with an element of the group's exact subgroup
+(:meth:`~geomuon.theory.groups.Group.sample_exact`: signed permutations for rotations, powers of
+two for scalings, so $g\cdot x$ and both round trips round nothing and keep every tie, zero,
+repeated singular value and exact rank of $x$) and probes that keep the structure too (one
+relative factor per distinct magnitude of $x$: equal entries stay equal, zeros zero, signs
+signs). An exactly equivariant single-valued map's residual there is its own internal round-off,
+which those probes re-create; a map that special-cases the structure jumps under neither the
+element nor the probes, and is violated. The more decisive of a trial's two verdicts is its own
+(``route`` ``"exact element"`` when the exact one decided). The comparison stays at one
+representative: at a structured $x$ an equivariant function's value is fixed by $x$'s
+stabilizer, so *any* selection from a set of values is violated there — which is why the
+declaration is the user's. Limits: exact low rank is kept by the element, not by the probes (a
+rank test keyed to round-off is unresolved there; one with a tolerance above round-off is caught
+by the ``rank_deficient`` kind already), and a group of one's own without a ``sample_exact`` is
+sampled as usual (its rounding leaves the structure: such trials stay unresolved, never a false
+alarm). Each structured-kind trial costs about twice the evaluations.
+
+**Batches.** A ``shape`` ``(*batch, m, n)`` checks an update of stacked matrices (the optimizers
+batch same-shape parameters): every member of a trial's input is its own draw of the trial's
+kind at its scale, and by default its own group element ($g_b$, stacked by
+:func:`~geomuon.theory.groups.stack_elements`: the symmetry group of a stack of independent
+parameters is the product of theirs), so an update that mixes members — a reduction over the
+batch dimension, a stack flattened into one matrix — is violated, where one element shared by the
+stack (``batch_elements="shared"``, for an update that couples its members on purpose) moves every
+member alike and lets such mixing commute. Residual and floor are taken over the whole stack
+(its members share a scale, so none is swamped). :func:`hypothesis_cases` draws single matrices.
+
 ``compute_dtype`` states the precision to hold: a float32 or float64 check of an update that
 computes in bfloat16 internally (Muon's Newton–Schulz) measures its floor at bf16 round-off,
 and a *holds* verdict then reads "equivariant up to bfloat16".
@@ -136,10 +177,21 @@ from typing import Any, Callable, Sequence
 import torch
 
 from geomuon.manifolds.linalg import check_count, check_real
-from geomuon.theory.groups import Group, GroupElement, TwoSidedGroup, get_group, haar_orthogonal, sample_shapes
+from geomuon.theory.groups import (
+    Group,
+    GroupElement,
+    TwoSidedGroup,
+    get_group,
+    haar_orthogonal,
+    random_signed_permutation,
+    sample_shapes,
+    stack_elements,
+)
 
 __all__ = [
     "KINDS",
+    "STRUCTURED_KINDS",
+    "STRUCTURE_ONLY_KINDS",
     "SCALES",
     "SCALE_HEADROOM",
     "trial_scales",
@@ -177,6 +229,16 @@ __all__ = [
 
 #: Input kinds a check cycles through (see :func:`adversarial_matrix`).
 KINDS = ("gaussian", "conditioned", "clustered", "repeated", "rank_deficient", "zero_lines", "integer", "sparse")
+#: Kinds whose structure is exact in floating point — ties, exact zeros, exactly repeated singular
+#: values, exact low rank, the zero matrix — which a ``structured`` check also judges exactly
+#: (module docstring, *Structured inputs*).
+STRUCTURED_KINDS = ("zero_lines", "integer", "sparse", "orthogonal", "low_rank", "zero")
+#: The structured kinds only a ``structured`` check draws by default: at them a set-valued map
+#: (an SVD polar factor of the zero matrix) has no equivariant value, so an unstructured check
+#: leaves them out.
+STRUCTURE_ONLY_KINDS = ("orthogonal", "low_rank", "zero")
+#: Kinds drawn at unit scale, whatever the trial's scale (their entries are exact small integers).
+UNSCALED_KINDS = ("integer", "low_rank", "zero")
 #: Input scales (RMS entry), cycled independently of the kinds: $10^{-8}, 10^{-6}, \dots, 10^{8}$.
 SCALES = tuple(10.0**k for k in range(-8, 9, 2))
 #: Decades of range a trial's scale keeps clear of its dtype's limits (:func:`trial_scales`).
@@ -401,8 +463,8 @@ def adversarial_matrix(
     scale: float = 1.0,
     condition: float = 1e3,
 ) -> torch.Tensor:
-    r"""A float64 ``[m, n]`` matrix of one of the :data:`KINDS`, with RMS entry ``scale``
-    (``integer`` matrices keep their integer entries, unscaled):
+    r"""A float64 ``[m, n]`` matrix of one of the :data:`KINDS` or :data:`STRUCTURE_ONLY_KINDS`, with
+    RMS entry ``scale`` (those of :data:`UNSCALED_KINDS` keep their integer entries, unscaled):
 
     * ``gaussian``: i.i.d. $\mathcal N(0, 1)$;
     * ``conditioned``: :func:`random_matrix` with $\kappa_2$ = ``condition``;
@@ -413,7 +475,14 @@ def adversarial_matrix(
     * ``zero_lines``: Gaussian with a quarter of the rows and of the columns (at least one
       each when $m, n \ge 2$) set to zero;
     * ``integer``: entries uniform in $\{-3, \dots, 3\}$ (ties, exact zeros);
-    * ``sparse``: Gaussian entries kept with probability 0.1 (at least one).
+    * ``sparse``: Gaussian entries kept with probability 0.1 (at least one);
+    * ``orthogonal``: a signed partial permutation times a constant: orthogonal columns (rows,
+      when $m < n$) of equal norm, so every singular value is exactly the same, and every
+      nonzero entry has the same magnitude (ties);
+    * ``low_rank``: $\sum_{k \le \max(1, \lfloor r/2\rfloor)} u_k v_k^\top$, entries of $u_k, v_k$
+      uniform in $\{-2, \dots, 2\}$: exact integers, so its rank is exactly at most
+      $\lfloor r/2\rfloor$ in floating point (and its entries tie);
+    * ``zero``: $D = 0$ (every singular value repeated, every entry tied).
     """
     m, n = shape
     r = min(m, n)
@@ -448,23 +517,40 @@ def adversarial_matrix(
         keep = torch.rand(m, n, generator=generator) < 0.1
         keep.view(-1)[int(torch.randint(0, m * n, (), generator=generator))] = True
         x = x * keep
+    elif kind == "orthogonal":
+        x = random_signed_permutation(max(m, n), generator)[:m, :n]
+    elif kind == "low_rank":
+        rank = max(1, r // 2)
+        u, v = (torch.randint(-2, 3, (k, rank), generator=generator).to(torch.float64) for k in (m, n))
+        return u @ v.mT
+    elif kind == "zero":
+        return torch.zeros(m, n, dtype=torch.float64)
     else:
-        raise ValueError(f"adversarial_matrix: unknown kind {kind!r}; choose from {KINDS}")
+        raise ValueError(f"adversarial_matrix: unknown kind {kind!r}; choose from {KINDS + STRUCTURE_ONLY_KINDS}")
     rms = float(x.pow(2).mean().sqrt())
     return x * (scale / rms) if rms > 0 else x
 
 
-def _perturbed(x, eps: float, generator: torch.Generator, additive: bool = True):
+def _perturbed(x, eps: float, generator: torch.Generator, additive: bool = True, tied: bool = False):
     r"""$x\odot(1 + \varepsilon\xi) + \varepsilon\,\mathrm{rms}(x)\,\xi'$ for every tensor of a
     (nested) example, in its dtype: relative round-off of every entry, plus the normwise
     round-off a rotation leaves in exact zeros (a zero row of $x$ is not zero in $g\cdot x$).
-    ``additive=False`` keeps the relative part only (signs and exact zeros kept)."""
+    ``additive=False`` keeps the relative part only (signs and exact zeros kept). ``tied=True``
+    keeps every exact structure: $x_{ij}(1 + \varepsilon\xi_{|x_{ij}|})$, one $\xi$ per distinct
+    magnitude, so equal entries stay equal, opposite ones opposite, zeros zero (the probes of a
+    structured trial: ties, zero lines, a scaled signed permutation's repeated singular values
+    and an integer matrix's exact rank are kept; distinct entries get independent round-off)."""
+    if isinstance(x, torch.Tensor) and tied:
+        wide = x.double()
+        magnitudes, which = torch.unique(wide.abs(), return_inverse=True)
+        xi = torch.randn(magnitudes.shape, generator=generator, dtype=torch.float64)
+        return (wide * (1.0 + eps * xi[which])).to(x.dtype)
     if isinstance(x, torch.Tensor):
         xi = torch.randn((2, *x.shape), generator=generator, dtype=torch.float64)
         wide = x.double()
         rms = wide.pow(2).mean(dim=(-2, -1), keepdim=True).sqrt() if wide.dim() >= 2 else wide.abs()
         return (wide * (1.0 + eps * xi[0]) + (eps * rms * xi[1] if additive else 0.0)).to(x.dtype)
-    perturbed = [_perturbed(part, eps, generator, additive) for part in x]
+    perturbed = [_perturbed(part, eps, generator, additive, tied) for part in x]
     return tuple(perturbed) if isinstance(x, tuple) else perturbed
 
 
@@ -503,11 +589,11 @@ class _Subject:
         return element.act_output(output)
 
     def perturb(self, example, storage: float, compute: float, generator: torch.Generator,
-                additive: bool = True) -> Any:
+                additive: bool = True, tied: bool = False) -> Any:
         """The example at round-off: directions (what the update computes with) at the
         ``compute`` size, weights (stored, never cast) at the ``storage`` size; ``additive``
-        as in :func:`_perturbed`."""
-        return _perturbed(example, compute, generator, additive)
+        and ``tied`` as in :func:`_perturbed`."""
+        return _perturbed(example, compute, generator, additive, tied)
 
     def relative(self, actual, expected) -> float:
         return _relative(actual, expected)
@@ -609,9 +695,9 @@ class DirectionUpdate(_Subject):
         W, G = example
         return _moved_point(self.manifold, element, W), element.act_gradient(G)
 
-    def perturb(self, example, storage, compute, generator, additive=True):
+    def perturb(self, example, storage, compute, generator, additive=True, tied=False):
         W, G = example
-        return _perturbed(W, storage, generator, additive), _perturbed(G, compute, generator, additive)
+        return _perturbed(W, storage, generator, additive, tied), _perturbed(G, compute, generator, additive, tied)
 
 
 @dataclass
@@ -662,10 +748,10 @@ class OptimizerUpdate(_Subject):
     def act_output(self, element, output):
         return [element.act_point(w) for w in output]
 
-    def perturb(self, example, storage, compute, generator, additive=True):
+    def perturb(self, example, storage, compute, generator, additive=True, tied=False):
         start, gradients = example
-        return (_perturbed(start, storage, generator, additive),
-                _perturbed(gradients, compute, generator, additive))
+        return (_perturbed(start, storage, generator, additive, tied),
+                _perturbed(gradients, compute, generator, additive, tied))
 
     def relative(self, actual, expected):
         return _path_residual(actual, expected)
@@ -717,7 +803,8 @@ class Trial:
     element: GroupElement | None = None
     error: str = ""
     #: ``"dtype"``: measured in the check's dtype; ``"float64 witness"``: the dtype trial could
-    #: not decide and the float64 witness at the same inputs did (:func:`run_trial`).
+    #: not decide and the float64 witness at the same inputs did (:func:`run_trial`);
+    #: ``"exact element"``: a structured check's exact trial decided (:func:`_structured`).
     route: str = "dtype"
 
     @property
@@ -878,7 +965,7 @@ def _witness(subject: _Subject, element: GroupElement, example, *, compute: floa
 
 def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.dtype,
               generator: torch.Generator, index: int = 0, kind: str = "", scale: float = 1.0,
-              probes: int = 1, witness: bool = True) -> Trial:
+              probes: int = 1, witness: bool = True, tied: bool = False) -> Trial:
     r"""Residual, noise floor (module docstring) and verdict of ``subject`` under ``element``
     at ``example``, with ``probes`` entrywise probes at $x$ and as many at $g\cdot x$; an
     exception or a non-finite output gives the verdict ``error``. When the example is
@@ -889,7 +976,11 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
     and at $g\cdot x$ within :data:`HOLDS_FACTOR` of this trial's floors (an update that takes
     another path in the narrow dtype, a fused low-precision kernel, is judged on that path: a
     10 % bias in a bf16 path had been certified by its exact float64 path, and a +1 on a column
-    of a bf16 sign under the O(1) floor of a discontinuous map) (``witness=False``: never)."""
+    of a bf16 sign under the O(1) floor of a discontinuous map) (``witness=False``: never).
+
+    ``tied=True`` makes the probes keep the example's exact structure (:func:`_perturbed`) and
+    leaves out the witness (its probes do not): the floor of a structured trial, whose element
+    acts exactly (module docstring, *Structured inputs*)."""
     subject = _as_subject(subject)
     evaluate = _evaluator(subject)
     eps = _eps(compute_dtype)
@@ -898,15 +989,17 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
     try:
         out, moved, out_g, residual, changes = _round_trips(subject, element, example, evaluate)
         for _ in range(probes):
-            changes.append(subject.relative(evaluate(subject.perturb(example, storage, compute, generator)), out))
-            changes.append(subject.relative(evaluate(subject.perturb(moved, storage, compute, generator)), out_g))
+            changes.append(subject.relative(evaluate(subject.perturb(example, storage, compute, generator, tied=tied)),
+                                            out))
+            changes.append(subject.relative(evaluate(subject.perturb(moved, storage, compute, generator, tied=tied)),
+                                            out_g))
     except GroupLeavesManifoldError as err:
         return Trial(index, kind, scale, err.distance, err.limit, "violated", element, str(err))
     except Exception as err:  # the update's own failure is a verdict, not a crash of the checker
         return Trial(index, kind, scale, math.nan, math.nan, "error", element, f"{type(err).__name__}: {err}")
     floor = _floor(eps, changes)
     verdict = _judge(residual, floor)
-    if witness and verdict != "violated" and _narrower_than_float64(example):
+    if witness and not tied and verdict != "violated" and _narrower_than_float64(example):
         # Its own stream, seeded from the trial's: its draws do not depend on how many probes
         # the dtype trial drew, so more probes only ever add to its floor.
         own = torch.Generator().manual_seed(generator.initial_seed() ^ 0x5EED)
@@ -933,6 +1026,33 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
     return Trial(index, kind, scale, residual, floor, verdict, element)
 
 
+#: How decisive a trial's verdict is, most first: a structured trial keeps the more decisive of
+#: its two judgments (:func:`_structured`).
+_DECISIVE = ("error", "violated", "inconclusive", "holds", "unresolved")
+
+
+def _structured(subject: _Subject, usual: Trial, exact_element: GroupElement, example, *,
+                compute_dtype: torch.dtype, generator: torch.Generator) -> Trial:
+    r"""A structured check's trial on a structured kind: ``usual`` (its element, the usual
+    probes) and the *exact* trial at the same input — ``exact_element`` from the group's exact
+    subgroup (:meth:`~geomuon.theory.groups.Group.sample_exact`: $g\cdot x$ and both round trips
+    are exact, and keep every tie, zero, repeated singular value and exact rank of $x$) and probes
+    that keep the structure too (``tied``), confirmed with :data:`CONFIRMATION_PROBES` before it
+    is called violated or left inconclusive. The more decisive of the two is the trial's
+    (:data:`_DECISIVE`; the usual one on a tie): a map that jumps exactly at the structure is
+    unresolved under the usual probes, which leave it, and judged by the exact ones."""
+    if usual.verdict in ("error", "violated"):
+        return usual
+    exact = run_trial(subject, exact_element, example, compute_dtype=compute_dtype, generator=generator,
+                      index=usual.index, kind=usual.kind, scale=usual.scale, tied=True)
+    if exact.verdict in ("inconclusive", "violated"):
+        exact = run_trial(subject, exact_element, example, compute_dtype=compute_dtype, generator=generator,
+                          index=usual.index, kind=usual.kind, scale=usual.scale, tied=True,
+                          probes=CONFIRMATION_PROBES)
+    exact = dataclasses.replace(exact, route="exact element")
+    return min((usual, exact), key=lambda t: _DECISIVE.index(t.verdict))
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -945,7 +1065,7 @@ def _element_text(element: GroupElement | None, limit: int = 8) -> str:
     if element is None:
         return "(none)"
     parts = getattr(element, "parts", (element,))
-    if all(max(p.left.size(0), p.right.size(0)) <= limit for p in parts if hasattr(p, "left")):
+    if all(max(p.left.size(-1), p.right.size(-1)) <= limit for p in parts if hasattr(p, "left")):
         return repr(element)
     return (f"(factors larger than {limit}x{limit}: rerun with the same seed and "
             "`check_equivariance(...).trials[i].element` to inspect it)")
@@ -957,13 +1077,15 @@ class EquivarianceReport:
 
     update: str
     group: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     dtype: torch.dtype
     compute_dtype: torch.dtype
     seed: int
     trials: list[Trial]
     expect: str = "holds"
     min_trials: int = MIN_TRIALS
+    #: The check judged structured inputs exactly (``check_equivariance(structured=True)``).
+    structured: bool = False
 
     @property
     def resolved(self) -> int:
@@ -1014,7 +1136,7 @@ class EquivarianceReport:
     def table(self) -> str:
         """One line per trial, then the verdict and its explanation."""
         lines = [
-            f"{self.update} under {self.group}, shape {self.shape[0]}x{self.shape[1]}, {_dtype_name(self.dtype)}"
+            f"{self.update} under {self.group}, shape {'x'.join(map(str, self.shape))}, {_dtype_name(self.dtype)}"
             + (f" (computing in {_dtype_name(self.compute_dtype)})" if self.compute_dtype != self.dtype else "")
             + f", seed {self.seed}",
             f"{'trial':>5}  {'input':<14} {'scale':>7}  {'residual':>9}  {'floor':>9}  {'ratio':>9}  verdict",
@@ -1043,6 +1165,10 @@ class EquivarianceReport:
         if never:
             text += (f"; no {' or '.join(never)} input resolved at all: check the update's value on such inputs "
                      "directly if they matter")
+        structured = [kind for kind in counts if kind in STRUCTURED_KINDS]
+        if structured and not self.structured:
+            text += (f"; if the update is single-valued on {' and '.join(structured)} inputs (its claim holds there "
+                     "too), check with structured=True, which judges them exactly")
         return text + "."
 
     def message(self) -> str:
@@ -1050,7 +1176,7 @@ class EquivarianceReport:
         for *holds*, also what it did not see (:meth:`_unseen`)."""
         t = self.worst()
         where = (f"trial {t.index} (input {t.kind}, scale {t.scale:.0e}, seed {self.seed}"
-                 + (", judged by its float64 witness" if t.route != "dtype" else "")
+                 + (f", judged by its {t.route}" if t.route != "dtype" else "")
                  + f"; replay with seed={self.seed})")
         what = f"{self.update} under {self.group}"
         if self.verdict == "error":
@@ -1083,10 +1209,24 @@ class EquivarianceReport:
         return f"INCONCLUSIVE: {what}: {reason}.\nWhy this tolerance: {self.derivation()}."
 
 
-def _raw(shapes, kind, scale, generator, dtype, condition):
+def _raw(shapes, kind, scale, generator, dtype, condition, batch: tuple[int, ...] = ()):
+    """One input of a trial: an :func:`adversarial_matrix` per member of ``batch`` (each its own
+    draw, all of ``kind`` at ``scale``), stacked to ``[*batch, m, n]``; a tuple for joint groups."""
     if isinstance(shapes[0], (tuple, list)):
-        return tuple(adversarial_matrix(s, kind, generator, scale=scale, condition=condition).to(dtype) for s in shapes)
-    return adversarial_matrix(shapes, kind, generator, scale=scale, condition=condition).to(dtype)
+        return tuple(_raw(s, kind, scale, generator, dtype, condition, batch) for s in shapes)
+    members = [adversarial_matrix(shapes, kind, generator, scale=scale, condition=condition)
+               for _ in range(math.prod(batch))]
+    return torch.stack(members).reshape(*batch, *shapes).to(dtype)
+
+
+def _element(sample: Callable, shapes, generator: torch.Generator, batch: tuple[int, ...], shared: bool,
+             scale: float) -> GroupElement:
+    """A trial's element from ``sample`` (a group's ``sample`` or ``sample_exact``): one per member
+    of ``batch`` (:func:`~geomuon.theory.groups.stack_elements`) unless ``shared``, its shift at
+    ``scale`` (:func:`_at_scale`)."""
+    if not batch or shared:
+        return _at_scale(sample(shapes, generator), scale)
+    return _at_scale(stack_elements([sample(shapes, generator) for _ in range(math.prod(batch))], batch), scale)
 
 
 def _at_scale(element: GroupElement, scale: float) -> GroupElement:
@@ -1147,15 +1287,16 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _least_bytes(group: Group, shapes) -> int:
+def _least_bytes(group: Group, shapes, batch: tuple[int, ...] = ()) -> int:
     r"""A lower bound on the memory a check at ``shapes`` holds at once: one float64 input
     (every trial synthesizes its $m\times n$ matrices in float64) and, for a two-sided group,
-    its element's two dense float64 factors, $m^2 + n^2$ entries."""
+    its element's two dense float64 factors, $m^2 + n^2$ entries; each times the members of
+    ``batch`` (one element each, at most)."""
     members = shapes if isinstance(shapes[0], (tuple, list)) else [shapes]
     entries = sum(m * n for m, n in members)
     if isinstance(group, TwoSidedGroup):
         entries += sum(m * m + n * n for m, n in members)
-    return 8 * entries
+    return 8 * entries * math.prod(batch)
 
 
 def _allocation_failure(err: Exception) -> bool:
@@ -1166,7 +1307,7 @@ def _group_label(group: Group) -> str:
     return group.name or type(group).__name__
 
 
-def _check_group(group: Group, shapes, seed: int) -> None:
+def _check_group(group: Group, shapes, seed: int, batch: tuple[int, ...] = ()) -> None:
     """Refuse, before any trial, what would make every trial's verdict about the check's inputs
     rather than the update: ``shape`` too large for this machine's memory (the checked size had
     been allocated inside ``sample`` and the failure blamed on the group, "fix the group"), a
@@ -1177,7 +1318,7 @@ def _check_group(group: Group, shapes, seed: int) -> None:
     sizes = ", ".join("x".join(map(str, s)) for s in (shapes if isinstance(shapes[0], (tuple, list)) else [shapes]))
     too_large = (f"shape {sizes} is too large to check on this machine: check a smaller shape with the same "
                  "structure (the group's action, not the size, decides equivariance; --shape on the CLI)")
-    need, have = _least_bytes(group, shapes), _physical_memory()
+    need, have = _least_bytes(group, shapes, batch), _physical_memory()
     if have is not None and need > have:
         raise ValueError(f"{too_large}; it needs at least {need / 2**30:.3g} GiB (its float64 inputs and group "
                          f"factors) and this machine has {have / 2**30:.3g} GiB")
@@ -1209,11 +1350,18 @@ def _check_group(group: Group, shapes, seed: int) -> None:
                          "torch.randn(..., generator=generator))")
 
 
-def _check_kinds(kinds) -> None:
-    """Refuse ``kinds`` unless a non-empty collection of :data:`KINDS` (a bare string had been read
-    as its letters)."""
-    if isinstance(kinds, str) or not kinds or set(kinds) - set(KINDS):
-        raise ValueError(f"kinds must be a non-empty tuple of names from {KINDS}, got {kinds!r}")
+def _kinds(kinds, structured: bool) -> tuple[str, ...]:
+    """``kinds``, by default :data:`KINDS` (and :data:`STRUCTURE_ONLY_KINDS` for a ``structured``
+    check); refused unless a non-empty collection of those names (a bare string had been read as
+    its letters), as is a ``structured`` that is not a bool."""
+    if not isinstance(structured, bool):
+        raise ValueError(f"structured must be True or False, got {structured!r}")
+    if kinds is None:
+        return KINDS + STRUCTURE_ONLY_KINDS if structured else KINDS
+    known = KINDS + STRUCTURE_ONLY_KINDS
+    if isinstance(kinds, str) or not kinds or set(kinds) - set(known):
+        raise ValueError(f"kinds must be a non-empty tuple of names from {known}, got {kinds!r}")
+    return tuple(kinds)
 
 
 def _trial_generator(seed: int, index: int) -> torch.Generator:
@@ -1223,7 +1371,7 @@ def _trial_generator(seed: int, index: int) -> torch.Generator:
 def check_equivariance(
     update,
     group: Group | str,
-    shape: tuple[int, int] = (6, 4),
+    shape: tuple[int, ...] = (6, 4),
     *,
     trials: int = 40,
     expect: str = "holds",
@@ -1231,8 +1379,10 @@ def check_equivariance(
     compute_dtype: torch.dtype | None = None,
     condition: float = 1e3,
     seed: int | None = None,
-    kinds: Sequence[str] = KINDS,
+    kinds: Sequence[str] | None = None,
     min_trials: int = MIN_TRIALS,
+    structured: bool = False,
+    batch_elements: str = "independent",
 ) -> EquivarianceReport:
     """Run ``trials`` adversarial trials of ``update`` under ``group`` (module docstring).
 
@@ -1240,7 +1390,9 @@ def check_equivariance(
         update: a map ``D -> U`` or a :class:`MapUpdate` / :class:`DirectionUpdate` /
             :class:`OptimizerUpdate`.
         group: a :class:`~geomuon.theory.groups.Group` or its name.
-        shape: ``(m, n)``; for ``NeuronPermutation`` the SwiGLU triple with ``h = m, d = n``.
+        shape: ``(m, n)``, or ``(*batch, m, n)`` for an update of stacked matrices (module
+            docstring, *Batches*); for ``NeuronPermutation`` the SwiGLU triple with
+            ``h = m, d = n`` (each member stacked).
         trials: number of (input, element) draws, at least 1; trial ``i`` uses
             ``kinds[i % len(kinds)]`` at scale :func:`scale_index` of :func:`trial_scales`
             (every pair of a kind and a scale within ``len(kinds) * len(scales)`` trials); up to
@@ -1255,19 +1407,31 @@ def check_equivariance(
         condition: $\\kappa_2$ of the ``conditioned`` inputs (and the smallest singular value
             of the ``clustered`` ones).
         seed: replays a run; default a fresh random seed, recorded in the report.
-        kinds: subset of :data:`KINDS`.
+        kinds: input kinds from :data:`KINDS` and :data:`STRUCTURE_ONLY_KINDS`; default
+            :data:`KINDS`, and all of both for a ``structured`` check.
         min_trials: resolved trials a *holds* verdict needs, at least 1 (with ``trials`` below
             ``min_trials /`` :data:`EXTENSION` a check can find a violation but never hold:
             its *inconclusive* report says so).
+        structured: declares that the update is equivariant *at every input*, structured ones
+            included — a single-valued claim at ties, exact zeros, exactly repeated singular
+            values, low rank and 0 — so each trial on a :data:`STRUCTURED_KINDS` input is also
+            judged with an exact element and structure-keeping probes (module docstring,
+            *Structured inputs*). Leave it ``False`` for an update that is set-valued there (an
+            SVD polar factor of a rank-deficient matrix, an argmax that may pick any of a tie).
+        batch_elements: with batch dimensions in ``shape``, ``"independent"`` (one group element
+            per member: the symmetry of a stack of independent parameters) or ``"shared"`` (one
+            element for the whole stack: for an update that couples its members on purpose).
 
     Raises:
         TypeError: ``update`` is not callable, or ``group`` is neither a group, a group class
             nor a name.
-        ValueError: ``trials`` or ``min_trials`` below 1, an unknown ``expect`` or kind, a
+        ValueError: ``trials`` or ``min_trials`` below 1, a ``shape`` that is not
+            ``(*batch, m, n)`` of sizes >= 1, an unknown ``expect``, ``batch_elements`` or kind, a
             ``dtype``/``compute_dtype`` other than float16, bfloat16, float32 or float64, a
             ``compute_dtype`` finer than ``dtype``, a ``condition`` below 1 or not finite, a
             ``seed`` outside $[0, 2^{31})$, or a group whose ``sample`` fails (each named: they
-            are the check's inputs, not the update's).
+            are the check's inputs, not the update's), or ``"independent"`` batch elements of a
+            group whose elements do not stack (check it with ``"shared"``).
     """
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
@@ -1276,7 +1440,7 @@ def check_equivariance(
     expect = "violated" if expect == "fails" else expect
     if expect not in ("holds", "violated"):
         raise ValueError(f"expect must be 'holds' or 'violated', got {expect!r}")
-    _check_kinds(kinds)
+    kinds = _kinds(kinds, structured)
     # the check's own inputs, refused by name: an inf condition had built all-NaN inputs (blamed
     # on the update as a non-finite output), an int dtype failed in torch.finfo, a complex one
     # dropped its imaginary parts, a seed of 2^48 overflowed the trial generators' int64
@@ -1286,12 +1450,23 @@ def check_equivariance(
         raise ValueError(f"condition must be a finite number >= 1 (a condition number), got {condition!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
         raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
+    if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) >= 2
+            and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in shape)):
+        raise ValueError(f"shape must be (m, n) or (*batch, m, n) with every size an int >= 1, got {shape!r}")
+    if batch_elements not in ("independent", "shared"):
+        raise ValueError(f"batch_elements must be 'independent' or 'shared', got {batch_elements!r}")
+    batch, shared = tuple(shape[:-2]), batch_elements == "shared"
     group = _as_group(group)
     subject = _as_subject(update)
     seed = secrets.randbits(31) if seed is None else seed
     compute_dtype = compute_dtype or dtype
-    shapes = sample_shapes(group, shape)
-    _check_group(group, shapes, seed)
+    shapes = sample_shapes(group, tuple(shape[-2:]))
+    _check_group(group, shapes, seed, batch)
+    if batch and not shared:
+        try:
+            stack_elements([group.sample(shapes, torch.Generator().manual_seed(seed))], (1,))
+        except ValueError as err:
+            raise ValueError(f"batch_elements='independent': {err}") from None
     scales = trial_scales(dtype)
     results, confirmed = [], False
 
@@ -1310,28 +1485,34 @@ def check_equivariance(
         i = len(results)
         generator = _trial_generator(seed, i)
         kind = kinds[i % len(kinds)]
-        scale = 1.0 if kind == "integer" else scales[scale_index(i, len(kinds), len(scales))]
+        scale = 1.0 if kind in UNSCALED_KINDS else scales[scale_index(i, len(kinds), len(scales))]
         try:
             example = subject.example(
-                [_raw(shapes, k, scale, generator, dtype, condition) for k in subject.input_kinds(kind)]
+                [_raw(shapes, k, scale, generator, dtype, condition, batch) for k in subject.input_kinds(kind)]
             )
         except Exception as err:
             results.append(Trial(i, kind, scale, math.nan, math.nan, "error", None,
                                  f"building the example failed: {type(err).__name__}: {err}"))
             continue
-        element = _at_scale(group.sample(shapes, generator), scale)
+        element = _element(group.sample, shapes, generator, batch, shared, scale)
         trial = run_trial(subject, element, example, compute_dtype=compute_dtype, generator=generator,
                           index=i, kind=kind, scale=scale)
         if trial.verdict == "inconclusive" or (trial.verdict == "violated" and not confirmed):
             trial = run_trial(subject, element, example, compute_dtype=compute_dtype, generator=generator,
                               index=i, kind=kind, scale=scale, probes=CONFIRMATION_PROBES)
             confirmed = confirmed or trial.verdict == "violated"
+        if structured and kind in STRUCTURED_KINDS:
+            # drawn after the usual trial's draws: its elements and probes are those of an
+            # unstructured check with the same seed
+            exact_element = _element(group.sample_exact, shapes, generator, batch, shared, scale)
+            trial = _structured(subject, trial, exact_element, example, compute_dtype=compute_dtype,
+                                generator=generator)
         results.append(trial)
     return EquivarianceReport(subject.name, _group_label(group), tuple(shape), dtype, compute_dtype, seed, results, expect,
-                              min_trials)
+                              min_trials, structured)
 
 
-def assert_equivariant(update, group: Group | str, shape: tuple[int, int] = (6, 4), **kwargs) -> EquivarianceReport:
+def assert_equivariant(update, group: Group | str, shape: tuple[int, ...] = (6, 4), **kwargs) -> EquivarianceReport:
     """Raise ``AssertionError`` with the trial table unless the verdict is the expected one
     (``holds`` by default; ``expect="violated"`` asserts a counterexample). Arguments as in
     :func:`check_equivariance`; usable in pytest::
@@ -1348,8 +1529,9 @@ def assert_equivariant(update, group: Group | str, shape: tuple[int, int] = (6, 
 @dataclass
 class Case:
     """One hypothesis-drawn case: a shape, an input kind, scale and condition number, a
-    seed, the example built from them and a group element. Its ``repr`` prints the (small,
-    after shrinking) matrices, so a falsifying example reads as matrices."""
+    seed, the example built from them and a group element (and, for a structured kind of a
+    ``structured`` search, an element of the exact subgroup: :func:`_structured`). Its ``repr``
+    prints the (small, after shrinking) matrices, so a falsifying example reads as matrices."""
 
     shape: tuple[int, int]
     kind: str
@@ -1358,6 +1540,7 @@ class Case:
     seed: int
     example: Any
     element: GroupElement
+    exact_element: GroupElement | None = None
 
     def __repr__(self) -> str:
         torch.set_printoptions(precision=4, sci_mode=True)
@@ -1366,6 +1549,7 @@ class Case:
                 f"Case(shape={self.shape}, kind={self.kind!r}, scale={self.scale:.0e}, "
                 f"condition={self.condition:.3g}, seed={self.seed})\n"
                 f"example = {self.example!r}\nelement:\n{self.element!r}"
+                + ("" if self.exact_element is None else f"\nexact element:\n{self.exact_element!r}")
             )
         finally:
             torch.set_printoptions(profile="default")
@@ -1379,7 +1563,8 @@ def hypothesis_cases(
     dims: tuple[int, int] = (2, 6),
     max_condition: float = 1e3,
     dtype: torch.dtype = torch.float64,
-    kinds: Sequence[str] = KINDS,
+    kinds: Sequence[str] | None = None,
+    structured: bool = False,
 ):
     r"""Hypothesis strategy of :class:`Case` for ``subject`` under ``group`` (needs the
     ``test`` extra). Shapes ``m, n`` in ``dims`` (``orientation`` ``"tall"``: $m \ge n$,
@@ -1387,14 +1572,15 @@ def hypothesis_cases(
     numbers in ``[1, max_condition]`` (scales: :func:`trial_scales` of ``dtype``), matrices seeded
     by a drawn integer; shrinking goes to the smallest shape, a Gaussian input at scale
     $10^{-8}$, condition 1 and seed 0. ``group`` is a :class:`~geomuon.theory.groups.Group`, a
-    group class or a name. ``ValueError`` before any draw, naming the option, for ``dims`` that
+    group class or a name. ``kinds`` and ``structured`` as in :func:`check_equivariance`; a
+    structured case of a :data:`STRUCTURED_KINDS` input carries an exact element too. ``ValueError`` before any draw, naming the option, for ``dims`` that
     are not $1 \le$ low $\le$ high (high > low for ``"wide"``), unknown ``kinds``, a bad
     ``max_condition`` or ``orientation``, and a group :func:`check_equivariance` refuses."""
     from hypothesis import strategies as st
 
     subject = _as_subject(subject)
     group = _as_group(group)  # a name had failed at the first draw ('str' object has no attribute 'sample')
-    _check_kinds(kinds)  # an unknown one had failed only when hypothesis drew it
+    kinds = _kinds(kinds, structured)  # an unknown one had failed only when hypothesis drew it
     # an inf bound had drawn inf condition numbers (NaN inputs, blamed on the update); one below 1
     # failed inside hypothesis, naming nothing
     check_real("hypothesis_cases", "max_condition", max_condition, lambda c: c >= 1,
@@ -1426,7 +1612,7 @@ def hypothesis_cases(
         else:
             m, n = draw(st.integers(low, high)), draw(st.integers(low, high))
         kind = draw(st.sampled_from(list(kinds)))
-        scale = 1.0 if kind == "integer" else draw(st.sampled_from(trial_scales(dtype)))
+        scale = 1.0 if kind in UNSCALED_KINDS else draw(st.sampled_from(trial_scales(dtype)))
         condition = draw(st.floats(1.0, max_condition))
         seed = draw(st.integers(0, 2**31 - 1))
         generator = torch.Generator().manual_seed(seed)
@@ -1434,7 +1620,9 @@ def hypothesis_cases(
         raws = [_raw(shapes, k, scale, generator, dtype, condition) for k in subject.input_kinds(kind)]
 
         element = _at_scale(group.sample(shapes, generator), scale)
-        return Case((m, n), kind, scale, condition, seed, subject.example(raws), element)
+        exact = (_at_scale(group.sample_exact(shapes, generator), scale)
+                 if structured and kind in STRUCTURED_KINDS else None)
+        return Case((m, n), kind, scale, condition, seed, subject.example(raws), element, exact)
 
     return cases()
 
@@ -1450,8 +1638,9 @@ def verify_declaration(
     tolerance_cap: float | None = None,
     dtype: torch.dtype = torch.float64,
     compute_dtype: torch.dtype | None = None,
-    kinds: Sequence[str] = KINDS,
+    kinds: Sequence[str] | None = None,
     shrink: bool = True,
+    structured: bool = False,
 ) -> Case | None:
     """Check one declared pair with hypothesis (the trials of :func:`run_trial` on drawn
     :class:`Case` s); raise ``AssertionError`` if it misbehaves.
@@ -1465,7 +1654,9 @@ def verify_declaration(
       the many evaluations of shrinking an expensive update) and returns it; no such case is
       an error.
 
-    ``max_examples`` defaults to the active hypothesis profile's. Needs the ``test`` extra.
+    ``max_examples`` defaults to the active hypothesis profile's; ``kinds`` and ``structured`` as
+    in :func:`check_equivariance` (a structured case is judged by :func:`_structured`). Needs the
+    ``test`` extra.
 
     Raises ``ValueError`` naming the option, before any example, for an ``expected`` other than
     these, a ``max_examples`` below 1, a ``tolerance_cap`` that is not finite and > 0 or is given
@@ -1492,7 +1683,7 @@ def verify_declaration(
     subject = _as_subject(update)
     compute_dtype = compute_dtype or dtype
     strategy = hypothesis_cases(subject, group, orientation=orientation, max_condition=max_condition, dtype=dtype,
-                                kinds=kinds)
+                                kinds=kinds, structured=structured)
     budget = settings(max_examples=settings.default.max_examples if max_examples is None else max_examples,
                       database=None)
 
@@ -1504,7 +1695,10 @@ def verify_declaration(
         # floor is re-measured with the confirming probes.
         if result.verdict in ("inconclusive", "violated") and probes == 1:
             return trial(case, CONFIRMATION_PROBES)
-        return result
+        if case.exact_element is None:
+            return result
+        return _structured(subject, result, case.exact_element, case.example, compute_dtype=compute_dtype,
+                           generator=torch.Generator().manual_seed(case.seed))
 
 
     if expected == "holds":

@@ -36,6 +36,13 @@ returns an element with
   relation is $U(\operatorname{diag}(s)D) = U(D)$;
 * ``inverse()``.
 
+``group.sample_exact(shapes, generator)`` draws from the group's *exact* subgroup: elements whose
+action rounds nothing in floating point (every factor a signed permutation with power-of-two
+entries: a rotation factor becomes a signed permutation, a positive scaling a power-of-two one,
+:data:`EXACT_FACTORS`), so $g\cdot D$ keeps every exact structure of $D$ — ties, zero rows and
+columns, exactly repeated singular values, exact rank — and $g^{-1}\cdot(g\cdot D) = D$ bitwise
+(the checker's structured trials, :mod:`geomuon.theory.equivariance`).
+
 Map checks move the map's input with ``act``; optimizer-step and steepest-direction checks
 move the weights with ``act_point`` and the gradients with ``act_gradient``.
 
@@ -65,6 +72,8 @@ takes a tuple of shapes and its elements act on tuples of tensors.
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -102,6 +111,9 @@ __all__ = [
     "random_permutation",
     "random_signed_permutation",
     "random_positive_diagonal",
+    "random_power_of_two_diagonal",
+    "EXACT_FACTORS",
+    "stack_elements",
 ]
 
 Shape = tuple[int, int]
@@ -161,6 +173,14 @@ def random_positive_diagonal(k: int, generator: torch.Generator | None = None) -
     return torch.diag(10.0**exponents)
 
 
+def random_power_of_two_diagonal(k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    r"""$\operatorname{diag}(2^{e_i})$, $e_i$ uniform in $\{-6, \dots, 6\}$ (float64): positive
+    scalings over the four decades of :func:`random_positive_diagonal` ($2^6 = 64$), exact in
+    floating point (a scaling by a power of two rounds nothing, barring under/overflow)."""
+    exponents = torch.randint(-6, 7, (k,), generator=_generator(generator)).to(torch.float64)
+    return torch.diag(2.0**exponents)
+
+
 #: Factor samplers by name: ``k, generator -> [k, k]`` float64 matrix.
 FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
     "orthogonal": haar_orthogonal,
@@ -170,13 +190,25 @@ FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
     "identity": _identity,
 }
 
+#: The exact subgroup's sampler of each factor (:meth:`Group.sample_exact`): signed permutations
+#: for rotations (they are rotations), power-of-two scalings for positive ones. A factor added
+#: to :data:`FACTORS` without an entry here is sampled by its own sampler.
+EXACT_FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
+    "orthogonal": random_signed_permutation,
+    "permutation": random_permutation,
+    "signed_permutation": random_signed_permutation,
+    "positive_diagonal": random_power_of_two_diagonal,
+    "identity": _identity,
+}
+
 
 def _inverse(M: torch.Tensor) -> torch.Tensor:
     """Inverse of a factor: $1/d$ on the diagonal of a diagonal one, $M^\\top$ for an
     orthogonal one (every built-in factor is one of the two), ``torch.linalg.inv`` for any
     other invertible factor a user adds to :data:`FACTORS` (a scaled permutation)."""
-    if torch.count_nonzero(M - torch.diag_embed(torch.diagonal(M))) == 0:
-        return torch.diag_embed(1.0 / torch.diagonal(M))
+    diagonal = torch.diagonal(M, dim1=-2, dim2=-1)  # (a stack [..., k, k]: one factor per member)
+    if torch.count_nonzero(M - torch.diag_embed(diagonal)) == 0:
+        return torch.diag_embed(1.0 / diagonal)
     identity = torch.eye(M.size(-1), dtype=M.dtype, device=M.device)
     # a sampled orthogonal factor is orthogonal to its dtype's round-off (k eps); a factor
     # that is not is off by O(1)
@@ -190,6 +222,8 @@ def _cast(M: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _format_matrix(M: torch.Tensor) -> str:
+    if M.dim() > 2:  # a stack: one matrix per batch member
+        return "\n".join(f"[{i}] " + _format_matrix(member) for i, member in enumerate(M.flatten(0, -3)))
     rows = ["[" + ", ".join(f"{v: .4g}" for v in row) + "]" for row in M.tolist()]
     return "[" + ",\n ".join(rows) + "]"
 
@@ -223,7 +257,10 @@ class TwoSidedElement(GroupElement):
     r"""$g\cdot D = L\,D\,R^\top + \mathbf 1 v^\top$ (the shift $v$ only on inputs and points).
 
     ``left`` is ``[m, m]``, ``right`` ``[n, n]`` (orthogonal or diagonal), ``shift`` ``[n]``
-    or ``None``; all float64, cast to the operand's dtype. On outputs the shift acts
+    or ``None``; all float64, cast to the operand's dtype. A *batched* element
+    (:func:`stack_elements`) holds one element per member of a stack ``[*batch, m, n]``:
+    ``left`` ``[*batch, m, m]``, ``right`` ``[*batch, n, n]``, ``shift`` ``[*batch, n]``, and acts
+    only on a stack of that batch shape. On outputs the shift acts
     trivially, ``act_output(U)`` $= LUR^\top$, and the whole element does when
     ``output_acts`` is false (invariance). Gradients move by $L^{-\top}GR^{-1}$, unshifted.
     """
@@ -238,12 +275,19 @@ class TwoSidedElement(GroupElement):
             raise TypeError(f"group element: expected a tensor, got {type(D).__name__}")
         if not D.is_floating_point():  # an integer tensor had rounded the factors to zeros
             raise TypeError(f"group element: expected a floating-point tensor, got {D.dtype}")
-        expected = (self.left.size(0), self.right.size(0))
+        expected = (self.left.size(-1), self.right.size(-1))
         if D.dim() < 2 or tuple(D.shape[-2:]) != expected:
             raise ValueError(
                 f"group element sampled for shape {expected} cannot act on a tensor of shape "
                 f"{tuple(D.shape)}; sample it with group.sample({expected}, generator)"
             )
+        batch = tuple(self.left.shape[:-2])
+        if batch and tuple(D.shape[:-2]) != batch:
+            # broadcasting had let a stack of elements act on one matrix (a stack of copies) or on
+            # another batch shape, silently
+            raise ValueError(f"a batched group element (one per member of a batch {batch}) cannot act on a tensor "
+                             f"of shape {tuple(D.shape)}; stack one element per member of its batch "
+                             f"(stack_elements) or act with an unbatched element")
 
     def _linear(self, D: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         self._check(D)
@@ -257,7 +301,7 @@ class TwoSidedElement(GroupElement):
 
     def act(self, D: torch.Tensor) -> torch.Tensor:
         out = self._linear(D, self.left, self.right)
-        return out if self.shift is None else out + _cast(self.shift, D)
+        return out if self.shift is None else out + _cast(self.shift, D).unsqueeze(-2)
 
     def act_gradient(self, G: torch.Tensor) -> torch.Tensor:
         return self._linear(G, _inverse(self.left).mT, _inverse(self.right).mT)
@@ -266,7 +310,7 @@ class TwoSidedElement(GroupElement):
         # y = L x R^T + 1 v^T  =>  x = L^-1 y R^-T - 1 (R^-1 v)^T, since shift groups have a
         # permutation (L^-1 1 = 1) on the left.
         left, right = _inverse(self.left), _inverse(self.right)
-        shift = None if self.shift is None else -(right @ self.shift)
+        shift = None if self.shift is None else -(right @ self.shift.unsqueeze(-1)).squeeze(-1)
         return TwoSidedElement(left, right, shift, self.output_acts)
 
     def __repr__(self) -> str:
@@ -309,6 +353,34 @@ class JointElement(GroupElement):
         return "\n".join(f"member {i}:\n{part!r}" for i, part in enumerate(self.parts))
 
 
+def stack_elements(elements: Sequence[GroupElement], batch: tuple[int, ...]) -> GroupElement:
+    r"""One element per member of a stack ``[*batch, m, n]``: ``elements`` (``prod(batch)`` of
+    them, in row-major order of the batch) stacked into a batched :class:`TwoSidedElement` (or a
+    :class:`JointElement` of batched parts), which moves member $b$ by its own $g_b$ — the
+    symmetry group of a stack of independent parameters is the product of theirs. ``ValueError``
+    for elements of another type (a group of your own: check it with one element shared by the
+    batch) or that mix shifted and unshifted ones."""
+    if len(elements) != math.prod(batch) or not elements:
+        raise ValueError(f"stack_elements: a batch {tuple(batch)} needs {math.prod(batch)} elements, got "
+                         f"{len(elements)}")
+    first = elements[0]
+    if all(isinstance(e, JointElement) and len(e.parts) == len(first.parts) for e in elements):
+        return JointElement(tuple(stack_elements([e.parts[i] for e in elements], batch)
+                                  for i in range(len(first.parts))))
+    if not all(isinstance(e, TwoSidedElement) and (e.shift is None) == (first.shift is None)
+               and e.output_acts == first.output_acts for e in elements):
+        raise ValueError(f"stack_elements: can stack TwoSidedElement (or JointElement) samples of one group, got "
+                         f"{type(first).__name__}; check a batch under a group of your own with one element shared "
+                         "by its members")
+
+    def stacked(tensors):
+        return torch.stack(tensors).reshape(*batch, *tensors[0].shape)
+
+    shift = None if first.shift is None else stacked([e.shift for e in elements])
+    return TwoSidedElement(stacked([e.left for e in elements]), stacked([e.right for e in elements]), shift,
+                           first.output_acts)
+
+
 def _check_shape(shape, who: str) -> Shape:
     if (
         not isinstance(shape, (tuple, list, torch.Size))
@@ -329,6 +401,12 @@ class Group:
 
     def sample(self, shapes, generator: torch.Generator | None = None) -> GroupElement:
         raise NotImplementedError
+
+    def sample_exact(self, shapes, generator: torch.Generator | None = None) -> GroupElement:
+        """An element of the group's exact subgroup (its action rounds nothing: module
+        docstring). This default is :meth:`sample`, exact only where the group's elements
+        already are (permutations); a group with rotations or scalings overrides it."""
+        return self.sample(shapes, generator)
 
     def __repr__(self) -> str:
         return type(self).__name__ + "()"
@@ -351,12 +429,18 @@ class TwoSidedGroup(Group):
         check_real(type(self).__name__, "shift_scale", shift_scale, lambda s: s > 0, "a finite number > 0")
         self.shift_scale = float(shift_scale)
 
-    def _factor(self, side: str) -> Callable[[int, torch.Generator | None], torch.Tensor]:
+    def _factor(self, side: str, exact: bool = False) -> Callable[[int, torch.Generator | None], torch.Tensor]:
         name = getattr(self, side)
         if name not in FACTORS:
             raise ValueError(f"{type(self).__name__}.{side} = {name!r} is no factor; choose one of "
                              f"{', '.join(FACTORS)} (or add a sampler to geomuon.theory.groups.FACTORS)")
-        return FACTORS[name]
+        return EXACT_FACTORS.get(name, FACTORS[name]) if exact else FACTORS[name]
+
+    def sample_exact(self, shapes, generator: torch.Generator | None = None) -> TwoSidedElement:
+        r"""An element of the exact subgroup: each factor from :data:`EXACT_FACTORS`, and a shift
+        (if any) of whole multiples of ``shift_scale`` in $\{-3, \dots, 3\}$ (a shift keeps ties
+        within a column, and adds exactly to entries on the same grid)."""
+        return self._sample(shapes, generator, exact=True)
 
     def sample(self, shapes, generator: torch.Generator | None = None) -> TwoSidedElement:
         r"""An element for ``shapes = (m, n)``. With ``shift`` set, the left factor must fix
@@ -365,11 +449,14 @@ class TwoSidedGroup(Group):
         group action whose inverse is $L^{-1}DR^{-\top} - \mathbf 1(R^{-1}v)^\top$. A rotation or
         a signed permutation on the left had got that wrong inverse: the round trip was off by
         $O(1)$, every trial of a check "unresolved" and the update blamed for its round-off."""
-        where = f"{type(self).__name__}.sample"
+        return self._sample(shapes, generator)
+
+    def _sample(self, shapes, generator: torch.Generator | None, exact: bool = False) -> TwoSidedElement:
+        where = f"{type(self).__name__}.sample" + ("_exact" if exact else "")
         m, n = _check_shape(shapes, where)
         gen = _generator(generator)
-        left = self._factor("left")(m, gen)
-        right = self._factor("right")(n, gen)
+        left = self._factor("left", exact)(m, gen)
+        right = self._factor("right", exact)(n, gen)
         shift = None
         if self.shift:
             row_sums = left.sum(dim=-1)
@@ -377,7 +464,8 @@ class TwoSidedGroup(Group):
                 raise ValueError(f"{where}: shift = True needs a left factor that fixes the all-ones vector "
                                  f"(L 1 = 1), but left = {self.left!r} does not: set left = 'permutation' or "
                                  "'identity', or shift = False")
-            shift = self.shift_scale * torch.randn(n, generator=gen, dtype=torch.float64)
+            shift = self.shift_scale * (torch.randint(-3, 4, (n,), generator=gen).to(torch.float64) if exact
+                                        else torch.randn(n, generator=gen, dtype=torch.float64))
         return TwoSidedElement(left, right, shift, not self.invariant)
 
 
