@@ -290,8 +290,9 @@ class ManifoldMuon(MatrixOptimizer):
             0.926 / 0.755 to 0.935 / 0.800, mean / min, at no cost).
         dual_update: the Gram path's dual step: ``"newton"`` (Su's fixed point: the Lyapunov
             step in $Z^\top Z$'s eigenbasis on Stiefel with ``"eigh"``, conjugate gradients on
-            DGram and with ``"polar_express"``; where the manifold's Gram form declares one) or
-            ``"jacobi"`` (:mod:`geomuon.optimizers.gram`); the general path is Jacobi.
+            DGram and with ``"polar_express"``; where the manifold's Gram form declares one, and
+            refused where it declares none) or ``"jacobi"`` (:mod:`geomuon.optimizers.gram`); the
+            general path is Jacobi.
             Default ``None``: ``"newton"`` (:func:`gram_solver`).
         gram_dualizer: the Gram path's $(Z^\top Z)^{-1/2}$: ``"eigh"`` (exact) or
             ``"polar_express"`` (Polar Express on the Cholesky factor).
@@ -553,8 +554,24 @@ class ManifoldMuon(MatrixOptimizer):
             if group["solver"] == "projected":
                 self._check_projected(group, p, own if manifold is None else manifold, name)
         self._refuse_gram_options_off_the_gram_path(group, index, manifold)
+        self._refuse_newton_without_a_newton_step(group, index, manifold)
         if group["regulate"] is not None:
             self._refuse_regulators_that_leave(group, index, manifold)
+
+    def _refuse_newton_without_a_newton_step(self, group: dict, index: int, manifold) -> None:
+        """Refuse ``dual_update="newton"`` in a group with a matrix whose Gram form declares no Newton
+        step (``declares_newton``: Oblique's): its dual steps would be Jacobi's, the option ignored
+        (its default, ``None``, takes whichever the form has)."""
+        if group["dual_update"] != "newton":
+            return
+        for i, p in enumerate(group["params"]):
+            owner = manifold if manifold is not None else resolve_manifold(p.manifold, f"param group {index}")
+            form = self._gram_form(group, owner, self._matrix_shape(group, p))
+            if form is not None and not form.declares_newton:
+                raise ValueError(
+                    f"group {index}: dual_update='newton' would be ignored for parameter {self._name(group, i, index)}: "
+                    f"the Gram form of {_described(owner)} declares no Newton step (has_newton or newton_cg_steps), "
+                    "so its dual steps are Jacobi's; leave dual_update out (None: the form's own) or use 'jacobi'")
 
     def _refuse_gram_options_off_the_gram_path(self, group: dict, index: int, manifold) -> None:
         """Refuse the Gram path's options (:data:`_GRAM_OPTIONS`, a nonzero ``dual_smoothing``) in

@@ -115,6 +115,25 @@ def test_the_projected_solver_is_refused_where_the_gram_path_does_not_serve():
     ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], manifold=Euclidean(), solver="dual")
 
 
+def test_a_newton_update_is_refused_where_the_gram_form_declares_none():
+    # Oblique's Gram form declares no Newton step: dual_update="newton" ran Jacobi's steps, the
+    # option silently ignored (bit for bit the jacobi run). Refused by name; the controls: the
+    # default and "jacobi" on Oblique, "newton" on the forms that declare one, and "newton" where
+    # the Gram path does not run (a wide Oblique matrix takes the general path, whose refusal of
+    # Gram options names it)
+    def make(manifold, shape=(4, 2), **options):
+        return ManifoldMuon([torch.nn.Parameter(torch.zeros(*shape))], manifold=manifold, **options)
+
+    with pytest.raises(ValueError, match=r"dual_update='newton' would be ignored for parameter .*Oblique.*'jacobi'"):
+        make(Oblique(), dual_update="newton")
+    make(Oblique())
+    make(Oblique(), dual_update="jacobi")
+    for manifold in ("stiefel", "dgram"):
+        make(manifold, dual_update="newton")
+    with pytest.raises(ValueError, match="dual_update='newton' would be ignored: they are options of the Gram path"):
+        make(Oblique(), shape=(2, 4), dual_update="newton")
+
+
 @pytest.mark.parametrize("solver,compute_dtype", [("projected", torch.bfloat16), ("projected", None),
                                                    ("dual", torch.bfloat16)], ids=["projected-bf16", "projected-fp32", "dual"])
 def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient(solver, compute_dtype):
