@@ -11,11 +11,21 @@ W \leftarrow (1 - \eta\lambda)W - \eta\,s(m, n)\,O,$$
 
 with $s = \sqrt{\max(1, m/n)}$ (``adjust_lr_fn=None`` or ``"original"``) or
 $0.2\sqrt{\max(m, n)}$ (``"match_rms_adamw"``), $(m, n)$ the last two dimensions.
+
+Where it departs from ``torch.optim.Muon`` (torch 2.13): ``eps=0`` floors the norm at the smallest
+normal number of its dtype, so a zero momentum gives a zero update (torch's $0/0$ writes NaN into the
+weights); for bf16 parameters with ``nesterov=False`` the momentum is the formula's (torch's
+Newton–Schulz casts with ``.bfloat16()``, a no-op on a bf16 buffer, and divides it by its norm in
+place, so its momentum restarts from norm 1 at every step). From KellerJordan/Muon: its defaults
+``lr=0.02, weight_decay=0`` are not these (torch's ``1e-3, 0.1``), a conv kernel takes
+``matrix_view="flatten"``, and a ``MuonWithAuxAdam`` group with ``use_muon=False`` becomes an
+``update="adamw"`` group (a ``use_muon`` key is refused: it would be kept and never read).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable
 
 import torch
@@ -46,6 +56,11 @@ def muon_shape_factor(rows: int, cols: int, adjust_lr_fn: str | None = None) -> 
     return math.sqrt(max(1.0, rows / cols))
 
 
+def _negative(value) -> bool:
+    """Whether ``value`` is a real number below 0 (``False`` for a tensor, a string, NaN)."""
+    return isinstance(value, numbers.Real) and value < 0
+
+
 class Muon(MatrixOptimizer):
     r"""Muon (momentum + orthogonalized update), drop-in for ``torch.optim.Muon``.
 
@@ -60,7 +75,8 @@ class Muon(MatrixOptimizer):
         nesterov: Nesterov momentum (default ``True``).
         ns_coefficients: $(a, b, c)$ of the quintic (default Keller Jordan's
             $(3.4445, -4.7750, 2.0315)$).
-        eps: floor of $\|\tilde B\|_F$ (default ``1e-7``).
+        eps: floor of $\|\tilde B\|_F$ (default ``1e-7``; at least the smallest normal number of
+            the norm's dtype, so ``0`` maps a zero momentum to a zero update, not NaN).
         ns_steps: Newton–Schulz steps, $< 100$ (default ``5``).
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
         compute_dtype: dtype of the Newton–Schulz matmuls (default ``torch.bfloat16``,
@@ -72,10 +88,11 @@ class Muon(MatrixOptimizer):
         matrix_view: group key of :mod:`geomuon.optimizers.base` (default ``"strict"``).
 
     Raises:
-        ValueError: negative ``lr``/``momentum``/``weight_decay``, a multi-element
-            tensor ``lr``, an unknown ``adjust_lr_fn``, ``ns_steps`` not a whole number in
-            $[0, 100)$, ``ns_coefficients`` that are not three finite real numbers, a
-            parameter that is not 2-D (under ``matrix_view="strict"``).
+        ValueError: ``lr``/``momentum``/``weight_decay`` not a finite number $\ge 0$
+            (``momentum`` $< 1$), a multi-element tensor ``lr``, an unknown ``adjust_lr_fn``,
+            ``ns_steps`` not a whole number in $[0, 100)$, ``ns_coefficients`` that are not
+            three finite real numbers, a parameter that is not 2-D (under
+            ``matrix_view="strict"``), a group with a ``use_muon`` key.
         RuntimeError: at ``step``, for complex parameters or sparse gradients.
     """
 
@@ -103,11 +120,14 @@ class Muon(MatrixOptimizer):
         regulate=None,
         matrix_view: str = "strict",
     ) -> None:
-        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+        # torch.optim.Muon's messages for a negative number; anything else that is not admissible (a
+        # string, None, NaN) is refused by the group checks, which name the option (lr="0.1" had
+        # raised TypeError from the comparison, naming nothing)
+        if _negative(lr):
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
+        if _negative(momentum):
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
+        if _negative(weight_decay):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -117,6 +137,14 @@ class Muon(MatrixOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict, index: int) -> None:
+        if "use_muon" in group:
+            # KellerJordan/Muon's MuonWithAuxAdam key, kept and never read: a use_muon=False group of
+            # 2-D weights (its embedding and head) had taken Muon steps at the lr meant for Adam
+            raise ValueError(
+                f"group {index}: use_muon={group['use_muon']!r} is a key of KellerJordan/Muon's MuonWithAuxAdam, "
+                "which Muon does not read: set update='adamw' in place of use_muon=False and drop use_muon=True; "
+                "a group's omitted options take this optimizer's defaults, not MuonWithAuxAdam's (weight_decay 0; "
+                "Adam's betas (0.9, 0.95), eps 1e-10)")
         super()._validate_group(group, index)
         if group["update"] == "adamw":
             return

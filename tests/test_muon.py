@@ -51,16 +51,20 @@ def test_matches_torch_muon_within_bf16_roundoff_when_we_compute_in_fp32():
     assert difference > 0  # the two dtypes really differ (the check is not vacuous)
 
 
-def test_bf16_momentum_is_torch_lerp_with_a_float_weight():
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bf16_momentum_is_torch_lerp_with_a_float_weight(nesterov):
     # The momentum B <- lerp(B, G, 1 - mu) of a bf16 parameter, bitwise torch.optim.Muon's
     # buf.lerp_(grad, 1 - mu): a tensor weight is rounded to bf16 (0.05 -> 0.05005; the
     # sharded path's float weight is not), which had moved 17 of 40 entries in 20 steps. A
     # skipped (non-finite) step leaves the buffer bitwise. Control: the tensor weight differs.
+    # With nesterov=False the buffer itself is the map's input, and it stays the formula's:
+    # torch.optim.Muon 2.13 divides a bf16 buffer by its norm in place there (its .bfloat16() is
+    # no copy), the departure the module docstring names; control: that buffer differs.
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, 8, generator=gen).bfloat16())
-    opt = Muon([p], lr=0.02, momentum=0.95)
+    opt = Muon([p], lr=0.02, momentum=0.95, nesterov=nesterov)
     reference = torch.zeros(5, 8, dtype=torch.bfloat16)
-    rounded = reference.clone()
+    rounded, normalized = reference.clone(), reference.clone()
     with pytest.warns(RuntimeWarning, match="non-finite"):  # the skip, reported at the next step
         for step in range(20):
             g = torch.randn(5, 8, generator=gen).bfloat16()
@@ -71,8 +75,10 @@ def test_bf16_momentum_is_torch_lerp_with_a_float_weight():
             if step != 10:
                 reference.lerp_(g, 1 - 0.95)
                 rounded.lerp_(g, torch.tensor(1 - 0.95))
+                normalized.lerp_(g, 1 - 0.95)
+                normalized.div_(normalized.norm().clamp(min=1e-7))
     assert torch.equal(opt.state[p]["momentum_buffer"], reference)
-    assert not torch.equal(rounded, reference)
+    assert not torch.equal(rounded, reference) and not torch.equal(normalized, reference)
 
 
 @pytest.mark.parametrize("optim_input", optim_inputs_func_muon("cpu"), ids=lambda o: o.desc)
@@ -351,3 +357,109 @@ def test_a_group_with_an_empty_matrix_steps_the_others_as_without_it(empty_shape
     without.step()
     assert torch.equal(full.detach(), alone.detach()) and not torch.equal(full.detach(), start)
     assert empty.shape == empty_shape and with_empty.state[empty]["momentum_buffer"].shape == empty_shape
+
+
+# wide and square matrices, a same-shape pair among them: there msign's products are torch's
+# (newton_schulz_step: a tall matrix iterates in its own orientation and sums in another order)
+WIDE_AND_SQUARE = [(32, 64), (48, 48), (32, 64), (16, 96)]
+# each documented option at a value of its own, with another value of it: the control
+OPTION_AND_CONTROL = {
+    "nesterov": ({"nesterov": False}, {"nesterov": True}),
+    "momentum": ({"momentum": 0.8}, {"momentum": 0.95}),
+    "momentum 0": ({"momentum": 0.0}, {"momentum": 0.95}),
+    "weight_decay": ({"weight_decay": 0.5}, {"weight_decay": 0.1}),
+    "ns_steps": ({"ns_steps": 3}, {"ns_steps": 5}),
+    "ns_coefficients": ({"ns_coefficients": (2.0, -1.5, 0.5)}, {"ns_coefficients": (3.4445, -4.775, 2.0315)}),
+    "eps": ({"eps": 1e3}, {"eps": 1e-7}),  # above every momentum's norm here: the floor divides
+    "adjust_lr_fn original": ({"adjust_lr_fn": "original"}, {"adjust_lr_fn": "match_rms_adamw"}),
+    "adjust_lr_fn match_rms_adamw": ({"adjust_lr_fn": "match_rms_adamw"}, {"adjust_lr_fn": None}),
+    "tensor lr": ({"lr": torch.tensor(0.03)}, {"lr": 0.02}),
+}
+
+
+def _displacements(cls, dtype, steps=3, **kwargs):
+    """``W_T - W_0`` (float64) of ``steps`` least-squares steps on :data:`WIDE_AND_SQUARE`."""
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in WIDE_AND_SQUARE]
+    start = [p.detach().double() for p in params]
+    targets = [torch.randn(s, generator=gen).to(dtype) for s in WIDE_AND_SQUARE]
+    opt = cls(params, **{"lr": 0.02, **kwargs})
+    for _ in range(steps):
+        opt.zero_grad()
+        sum(((p - t) ** 2).sum() for p, t in zip(params, targets)).backward()
+        opt.step()
+    return [p.detach().double() - w for p, w in zip(params, start)]
+
+
+# bf16 weights with nesterov=False are the departure the docstring names: torch.optim.Muon
+# normalizes its bf16 momentum in place there (test_bf16_momentum_is_torch_lerp_with_a_float_weight
+# checks that ours is the formula's)
+@pytest.mark.parametrize("name, dtype", [(name, dtype) for dtype in (torch.float32, torch.bfloat16)
+                                         for name in OPTION_AND_CONTROL
+                                         if not (dtype == torch.bfloat16 and name == "nesterov")])
+def test_each_documented_option_steps_bitwise_as_torch_muon_and_changes_the_step(name, dtype):
+    """The drop-in claim, option by option, for float32 and bf16 weights: the same arguments give
+    torch.optim.Muon's steps bit for bit (the momentum lerp, the bf16 quintic with torch's
+    products, the shape factor and the decoupled decay, each in torch's dtype). Control: another
+    value of the option moves the weights elsewhere (the option is read, not defaulted)."""
+    option, control = OPTION_AND_CONTROL[name]
+    ours = _displacements(Muon, dtype, **option)
+    assert all(torch.equal(a, b) for a, b in zip(ours, _displacements(torch.optim.Muon, dtype, **option)))
+    assert any(not torch.equal(a, b) for a, b in zip(ours, _displacements(Muon, dtype, **control)))
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("lr", "0.1", r"group 0: lr must be a finite number >= 0, got '0\.1'"),
+    ("lr", None, r"group 0: lr must be a finite number >= 0, got None"),
+    ("lr", float("nan"), r"group 0: lr must be a finite number >= 0, got nan"),
+    ("momentum", "0.9", r"group 0: momentum must be a number in \[0, 1\), got '0\.9'"),
+    ("weight_decay", None, r"group 0: weight_decay must be a finite number >= 0, got None"),
+])
+def test_an_option_that_is_no_number_is_refused_by_name(option, value, match):
+    # lr="0.1" had raised TypeError from torch.optim.Muon's comparison 0.0 <= lr ("'<=' not
+    # supported between instances of 'float' and 'str'", naming no option), and lr=nan had been
+    # "should be >= 0"; torch's own messages stay for a negative number (control, compared with
+    # the message torch.optim.Muon raises)
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    with pytest.raises(ValueError, match=match):
+        Muon([p], **{option: value})
+    for negative in ("lr", "momentum", "weight_decay"):
+        messages = []
+        for cls in (torch.optim.Muon, Muon):
+            with pytest.raises(ValueError) as caught:
+                cls([p], **{negative: -0.5})
+            messages.append(str(caught.value))
+        assert messages[0] == messages[1] and "-0.5" in messages[1]
+
+
+def test_a_muon_with_aux_adam_group_is_refused_and_its_translation_steps():
+    # KellerJordan/Muon's MuonWithAuxAdam marks its groups use_muon=True/False; here the key was kept
+    # and never read, so its use_muon=False group of 2-D weights (embedding, head) took Muon steps at
+    # the lr meant for Adam. Refused at construction, in add_param_group and on load, naming the key
+    # and the translation; control: the translated groups build and their head takes an AdamW step.
+    gen = torch.Generator().manual_seed(6)
+    head, hidden = (torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((10, 4), (4, 4)))
+    adam = dict(params=[head], lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+    match = r"group 0: use_muon=False is a key of KellerJordan/Muon's MuonWithAuxAdam.*update='adamw'"
+    with pytest.raises(ValueError, match=match):
+        Muon([{**adam, "use_muon": False}, dict(params=[hidden], lr=0.02, use_muon=True)])
+    opt = Muon([{**adam, "update": "adamw"}, dict(params=[hidden], lr=0.02)])
+    with pytest.raises(ValueError, match=r"group 2: use_muon=True"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.randn(3, 3))], use_muon=True))
+    saved = opt.state_dict()
+    saved["param_groups"][1]["use_muon"] = True
+    with pytest.raises(ValueError, match=r"load_state_dict: the saved group 1: use_muon=True"):
+        opt.load_state_dict(saved)
+    assert len(opt.param_groups) == 2 and "use_muon" not in opt.param_groups[1]
+    twin = torch.nn.Parameter(head.detach().clone())
+    reference = torch.optim.AdamW([twin], lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+    head.grad, hidden.grad = torch.randn(10, 4, generator=gen), torch.randn(4, 4, generator=gen)
+    twin.grad = head.grad.clone()
+    opt.step()
+    reference.step()
+    # AdamW's first step moves each entry by lr * sign(g) up to eps / |g|: the same ops on the
+    # same inputs, except the bias corrections (expm1 on the device against torch's host float64),
+    # 1 ulp of the fp32 step: 4 eps of the weight's entries bounds it
+    torch.testing.assert_close(head.detach(), twin.detach(), rtol=0,
+                               atol=4 * torch.finfo(torch.float32).eps * head.detach().abs().max().item())
+    assert "exp_avg" in opt.state[head] and "momentum_buffer" not in opt.state[head]
