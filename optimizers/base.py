@@ -171,6 +171,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                                  "update, which AdamW would ignore); set betas for AdamW's momentum")
             for key, value in ADAMW_DEFAULTS.items():
                 param_group.setdefault(key, value)
+        elif "betas" in param_group:  # AdamW's momentum in a matrix group: kept and never read
+            raise ValueError(f"{type(self).__name__}: a {param_group.get('update', self.matrix_update)!r} group reads "
+                             "momentum, not betas (AdamW's option, which it would ignore); set momentum, or "
+                             "update='adamw' for an AdamW group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1

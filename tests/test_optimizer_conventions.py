@@ -747,6 +747,19 @@ def test_an_adamw_group_refuses_the_matrix_updates_options(make):
     make([{"params": [v], "update": "adamw", "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}])
 
 
+@pytest.mark.parametrize("make", [lambda g: Muon(g), lambda g: ManifoldMuon(g, manifold="stiefel"),
+                                  lambda g: RightPolarGradM(g)], ids=["Muon", "ManifoldMuon", "RightPolarGradM"])
+def test_a_matrix_group_refuses_adamws_betas(make):
+    # the converse: betas=(0.8, 0.99) in a matrix group (a MuonWithAuxAdam group translated
+    # halfway) had been kept and ignored, its momentum the default. Control: momentum is taken,
+    # and so are betas once the group is an AdamW one.
+    W = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"group reads momentum, not betas"):
+        make([{"params": [W], "betas": (0.8, 0.99)}])
+    make([{"params": [W], "momentum": 0.8}])
+    make([{"params": [W], "update": "adamw", "betas": (0.8, 0.99)}])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("update", ["muon", "adamw"])
 def test_low_precision_weight_decay_rounds_the_product_once(update, dtype):
