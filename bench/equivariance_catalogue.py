@@ -35,7 +35,7 @@ def cubic(D):
 
 def frobenius_normalized(D):
     """$D/\\|D\\|_F$ (zero stays zero): equivariant under every orthogonal group."""
-    norm = torch.linalg.matrix_norm(D)
+    norm = torch.linalg.matrix_norm(D, keepdim=True)  # (one norm per matrix of a stack)
     return D / torch.where(norm > 0, norm, 1.0)
 
 
@@ -117,6 +117,45 @@ def adam_like(D):
     r"""$D / (|D| + \epsilon)$, $\epsilon = 10^{-8}$: Adam's step; the $\epsilon$ breaks the
     invariance under positive row scalings for entries near $\epsilon$."""
     return D / (D.abs() + 1e-8)
+
+
+def argmax_one_hot(D):
+    """One-hot of each column's argmax: a tie goes to the lowest row index, so a row permutation
+    of a tied column moves the one to another row than the permutation does (broken only at
+    ties: a ``structured`` check)."""
+    return torch.zeros_like(D).scatter_(-2, D.argmax(dim=-2, keepdim=True), 1.0)
+
+
+def dead_column_guard(D):
+    """$D/\\|D\\|_F$, with a column that is exactly zero in $D$ set to $e_0$ (a "revive dead
+    columns" guard): a fixed unit vector is no equivariant choice under $O_m \\times O_n$ (broken
+    only at exact zeros: a ``structured`` check)."""
+    e0 = torch.zeros_like(D)
+    e0[..., 0, :] = 1.0
+    return torch.where((D == 0).all(dim=-2, keepdim=True), e0, frobenius_normalized(D))
+
+
+def identity_at_zero(D):
+    """$D/\\|D\\|_F$, and the identity pattern at $D = 0$ (a "no gradient yet" default): broken
+    at the rank-0 input alone, where $g\\cdot 0 = 0$ but $g\\cdot I \\ne I$ (a ``structured``
+    check)."""
+    norm = torch.linalg.matrix_norm(D, keepdim=True)
+    eye = torch.eye(D.shape[-2], D.shape[-1], dtype=D.dtype).expand_as(D)
+    return torch.where(norm > 0, frobenius_normalized(D), eye)
+
+
+def sign_with_positive_zero(D):
+    """``D.ge(0) * 2 - 1``: an entrywise sign with sign(0) = +1. Not odd, so a signed
+    permutation breaks it at exact zeros, the very inputs where it also jumps under round-off
+    (a ``structured`` check)."""
+    return torch.where(D >= 0, 1.0, -1.0).to(D.dtype)
+
+
+def entrywise_batch_max(D):
+    """Each entry over the largest magnitude at its position *across the stack* (reduced over
+    dim 0 instead of a matrix's own dims): one member's update depends on the others. On one
+    matrix it is a sign (signed permutations hold); only a batched check sees the mixing."""
+    return D / D.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(D.dtype).tiny)
 
 
 def gram_left(D):

@@ -10,12 +10,19 @@ a row-normalized msign and a biased msign under $O_m\times O_n$, ``sign``, a 3-s
 iteration at condition $10^6$ and a 200-step one (broken when $\sigma_2/\sigma_1 \ge 0.99$),
 maps zeroing entries below $10^{-6}$ (broken only at tiny scales), maps flipping their sign on
 half the draws, an Adam-like $\epsilon$ under positive row scalings, maps broken only under a
-left or only a right rotation, a NaN-producing and a crashing map; and optimizers: heavy-ball
-momentum (holds), sign-SGD (violated), geomuon's Muon as shipped (bf16 Newton–Schulz, float32
-weights) with ``--compute-dtype bfloat16`` (holds: equivariant up to bf16). In bfloat16 the
-discontinuous maps (``sign``, the thresholds, the corner flips) and the 0.12 violation of a
-row-normalized Newton–Schulz msign under a bf16 floor of 0.02 are the cases the float64 witness
-of :mod:`geomuon.theory.equivariance` decides; ``bf16_spectral``, which rounds to bf16 inside
+left or only a right rotation, a NaN-producing and a crashing map, maps broken only at ties,
+exact zeros or $D = 0$ (an argmax one-hot, a guard filling a dead column with $e_0$, the
+identity at $D = 0$, $\operatorname{sign}(0) = +1$; checked with ``--structured``, which
+declares the map single-valued there, beside correct maps under the same declaration), a map
+mixing the members of a stack (checked at a batched shape ``3xMxN``, beside Newton–Schulz msign
+per member); and optimizers: heavy-ball momentum (holds), sign-SGD (violated), geomuon's Muon
+as shipped (bf16 Newton–Schulz, float32 weights) with ``--compute-dtype bfloat16`` (holds:
+equivariant up to bf16). Without ``--structured`` the checker cannot call the maps broken only
+at ties or zeros: it leaves those inputs unresolved, as it must for a map that may be set-valued
+there (an SVD polar factor of a rank-deficient matrix). In bfloat16 the discontinuous maps
+(``sign``, the thresholds, the corner flips) and the 0.12 violation of a row-normalized
+Newton–Schulz msign under a bf16 floor of 0.02 are the cases the float64 witness of
+:mod:`geomuon.theory.equivariance` decides; ``bf16_spectral``, which rounds to bf16 inside
 whatever its input, must still hold up to bf16. Without ``--compute-dtype`` Muon at float32 has
 no expected verdict worth stating (its residual is bf16 round-off, a violation of float32
 equivariance), so it is not in the catalogue.
@@ -63,7 +70,9 @@ MODULE = "bench.equivariance_catalogue"
 @dataclass(frozen=True)
 class Entry:
     """One catalogue check: ``target`` (``module:attribute``) under ``group`` must get
-    ``expected``; ``options`` are extra CLI options (optimizer arguments, dtype, condition)."""
+    ``expected``; ``options`` are extra CLI options with a value each (optimizer arguments, dtype,
+    condition); ``structured`` checks with ``--structured``; ``batch`` sizes go before every
+    shape of a run (``(3,)``: a stack of 3 matrices, one group element each)."""
 
     target: str
     group: str
@@ -71,12 +80,22 @@ class Entry:
     why: str
     options: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("float64", "float32")
+    structured: bool = False
+    batch: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
         name = self.target.rpartition(":")[2]
-        extra = " ".join(o for o in self.options if not o.startswith("--arg"))
+        extra = " ".join(o for o in self.cli_options if not o.startswith("--arg"))
         return f"{name} {extra}".strip()
+
+    @property
+    def cli_options(self) -> tuple[str, ...]:
+        return self.options + (("--structured",) if self.structured else ())
+
+    def shape(self, shape: str) -> str:
+        """A run's ``MxN`` with the entry's batch sizes before it."""
+        return "x".join([*map(str, self.batch), shape])
 
 
 M = f"{MODULE}:"
@@ -96,6 +115,12 @@ CATALOGUE = [
     Entry(M + "centered_msign", "router-shift", "holds", "centered both sides"),
     Entry(M + "centered_spectral", "router-shift", "holds", "centered Newton-Schulz msign", dtypes=BF16),
     Entry(M + "gram_left", "right-orthogonal", "holds", "right Gram only", dtypes=BF16),
+    Entry(M + "frobenius_normalized", "bi-orthogonal", "holds", "single-valued: 0 stays 0", dtypes=BF16,
+          structured=True),
+    Entry(M + "sign", "signed-permutation", "holds", "single-valued: sign(0) = 0 is odd", dtypes=BF16,
+          structured=True),
+    Entry("geomuon.optimizers.maps:spectral", "bi-orthogonal", "holds", "msign of each member of a stack",
+          dtypes=BF16, batch=(3,)),
     Entry(M + "bf16_spectral", "bi-orthogonal", "holds", "rounds to bf16 inside: holds up to bf16",
           dtypes=("bfloat16",)),
     Entry(M + "rownorm_msign", "bi-orthogonal", "violated", "row normalization breaks O_m"),
@@ -117,6 +142,16 @@ CATALOGUE = [
     Entry(M + "adam_like", "row-scaling", "violated", "ε breaks scale invariance", dtypes=BF16),
     Entry(M + "gram_left", "left-orthogonal", "violated", "fixed row weights", dtypes=BF16),
     Entry(M + "frobenius_normalized", "row-scaling", "violated", "scalings change the norm", dtypes=BF16),
+    Entry(M + "argmax_one_hot", "permutation", "violated", "a tie goes to the lowest index: ties only",
+          dtypes=BF16, structured=True),
+    Entry(M + "dead_column_guard", "bi-orthogonal", "violated", "a zero column becomes e_0: exact zeros only",
+          dtypes=BF16, structured=True),
+    Entry(M + "identity_at_zero", "bi-orthogonal", "violated", "I at D = 0: rank 0 only", dtypes=BF16,
+          structured=True),
+    Entry(M + "sign_with_positive_zero", "signed-permutation", "violated", "sign(0) = +1: exact zeros only",
+          dtypes=BF16, structured=True),
+    Entry(M + "entrywise_batch_max", "signed-permutation", "violated", "normalized over the stack (dim 0)",
+          dtypes=BF16, batch=(3,)),
     Entry(M + "unguarded_row_unit", "left-perm-right-orth", "error", "NaN on zero rows", dtypes=BF16),
     Entry(M + "cholesky_polar", "bi-orthogonal", "error", "raises on singular Gram"),
     Entry(M + "HeavyBall", "bi-orthogonal", "holds", "linear optimizer", ("--arg", "lr=0.1"), BF16),
@@ -141,6 +176,8 @@ def _options(entry: Entry) -> dict:
         kwargs["condition"] = float(pairs["--condition"])
     if "--compute-dtype" in pairs:
         kwargs["compute_dtype"] = getattr(torch, pairs["--compute-dtype"])
+    if entry.structured:
+        kwargs["structured"] = True
     return kwargs
 
 
@@ -155,10 +192,11 @@ def _subject(entry: Entry):
 
 
 def run_api(entry: Entry, shape: str, dtype: str, seed: int, clock=time.perf_counter) -> tuple[str, float]:
-    """The API's verdict on one check, and its seconds on ``clock``."""
-    m, n = (int(k) for k in shape.split("x"))
+    """The API's verdict on one check at ``shape`` (``MxN``, or batched ``BxMxN``), and its seconds
+    on ``clock``."""
+    sizes = tuple(int(k) for k in shape.split("x"))
     start = clock()
-    report = check_equivariance(_subject(entry), entry.group, (m, n), dtype=getattr(torch, dtype), seed=seed,
+    report = check_equivariance(_subject(entry), entry.group, sizes, dtype=getattr(torch, dtype), seed=seed,
                                 **_options(entry))
     return report.verdict, clock() - start
 
@@ -169,7 +207,7 @@ _VERDICT_OF_EXIT = {0: "holds", 1: "violated", 3: "inconclusive", 4: "error", 2:
 def run_cli(entry: Entry, shape: str, dtype: str, seed: int, clock=time.perf_counter) -> tuple[str, float]:
     """The in-process CLI's verdict on one check (from its exit status), and its seconds on ``clock``."""
     argv = ["check-equivariance", entry.target, "--group", entry.group, "--shape", shape, "--dtype", dtype,
-            "--seed", str(seed), *entry.options]
+            "--seed", str(seed), *entry.cli_options]
     start = clock()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = geomuon_cli.main(argv)
@@ -215,6 +253,7 @@ def measure(size: str, seed: int, clock=time.perf_counter):
         for shape, dtype in SHAPES[size]:
             if dtype not in entry.dtypes or (size == "quick" and dtype != entry.dtypes[0]):
                 continue
+            shape = entry.shape(shape)
             verdicts = {}
             for route, runner in (("api", run_api), ("cli", run_cli)):
                 verdict, seconds = runner(entry, shape, dtype, seed, clock)

@@ -504,6 +504,26 @@ def test_equivariance_checker_times_each_check_on_the_clock_asked_for():
     assert equivariance_checker.run_cli(entry, "6x4", "float64", 0, clock) == ("holds", 0.25)
 
 
+def test_equivariance_checker_catches_its_structured_and_stacked_entries_only_with_their_options():
+    # The maps broken only at ties, zeros and D = 0 (or only in a stack) are caught by
+    # --structured (a batched shape) alone: each route must pass the entry's option on, since
+    # without it the same map holds (negative control: the option, not the map, decides).
+    from dataclasses import replace
+
+    from bench import equivariance_checker
+
+    special = [entry for entry in equivariance_checker.CATALOGUE if entry.structured or entry.batch]
+    assert {entry.expected for entry in special} == {"holds", "violated"}
+    assert any(entry.structured for entry in special) and any(entry.batch for entry in special)
+    for entry in special:
+        if entry.expected != "violated":
+            continue
+        plain = replace(entry, structured=False, batch=())
+        for runner in (equivariance_checker.run_api, equivariance_checker.run_cli):
+            assert runner(entry, entry.shape("6x4"), "float64", 0)[0] == "violated", (entry.label, runner.__name__)
+            assert runner(plain, "6x4", "float64", 0)[0] == "holds", (entry.label, runner.__name__)
+
+
 def test_symbolic_mutations_refuses_a_timeout_that_is_not_positive(capsys):
     # --timeout 0 or less had copied the repository and timed the unmutated suite out at once (exit 1)
     from bench import symbolic_mutations

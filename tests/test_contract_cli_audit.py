@@ -1,7 +1,9 @@
 """What a researcher's CI relies on in the manifold contract and the ``check-equivariance``
 command: every method's inputs are checked, the contract's own options are refused by name
-before any method of the manifold runs, the printed replay line reruns the same check, and a
-constructor value the optimizer refuses is a usage error (exit 2), not "the update raised".
+before any method of the manifold runs, the printed replay line reruns the same check, a
+constructor value the optimizer refuses is a usage error (exit 2), not "the update raised", and
+``--structured`` and a batched ``--shape`` reach the check (each catches a broken map the check
+without it passes).
 
 The contract's bounds are its own (:func:`~geomuon.theory.contracts.default_tolerance`); the
 breaks here are exact (a write into an argument, seen by ``torch.equal``), so no assertion
@@ -102,22 +104,30 @@ def _cli(*argv):
     return geomuon_cli.main(["check-equivariance", *argv])
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize("target, options", [
     # {:g} had printed 1234567 as 1.23457e+06: the replay drew other conditioned inputs
-    ("--condition", "1234567"),
+    ("scaled_polar", ("--condition", "1234567")),
     # printed bare, "--arg factors=(2.0, 3.0)" is a bash syntax error and splits into two words
-    ("--arg", "factors=(2.0, 3.0)", "--arg", "label=two words"),
-], ids=["condition", "arg_with_spaces"])
-def test_the_replay_line_reruns_the_same_check(options, tmp_path, monkeypatch, capsys):
+    ("scaled_polar", ("--arg", "factors=(2.0, 3.0)", "--arg", "label=two words")),
+    # each draws other trials (structured kinds and exact elements; one element for the stack),
+    # so a replay line without them had rerun another check (scaled_unit: single-valued at 0 too)
+    ("scaled_unit", ("--structured",)),
+    ("scaled_polar", ("--shape", "2x5x3", "--batch-elements", "shared")),
+], ids=["condition", "arg_with_spaces", "structured", "batch_elements"])
+def test_the_replay_line_reruns_the_same_check(target, options, tmp_path, monkeypatch, capsys):
     (tmp_path / "audit_maps.py").write_text(textwrap.dedent("""
         import torch
 
         def scaled_polar(D, factors=(1.0,), label=""):
             U, _, Vh = torch.linalg.svd(D, full_matrices=False)
             return factors[0] * U @ Vh
+
+        def scaled_unit(D, factors=(1.0,)):
+            norm = torch.linalg.matrix_norm(D, keepdim=True)
+            return factors[0] * D / torch.where(norm > 0, norm, 1.0)
     """))
     monkeypatch.chdir(tmp_path)
-    argv = ["audit_maps:scaled_polar", "--group", "bi-orthogonal", "--shape", "5x3", "--trials", "20", "--seed", "5",
+    argv = [f"audit_maps:{target}", "--group", "bi-orthogonal", "--shape", "5x3", "--trials", "20", "--seed", "5",
             *options]
     assert _cli(*argv) == 0
     first = capsys.readouterr().out
@@ -145,6 +155,61 @@ def test_an_optimizer_checked_at_a_shape_too_large_for_the_machine_is_a_usage_er
     # 10^6 x 10^6 float64 is 8 TB, beyond any machine the suite runs on.
     assert _cli("torch.optim:SGD", "--arg", "lr=0.1", "--group", "bi-orthogonal", "--shape", "1000000x1000000") == 2
     assert "too large to check on this machine" in capsys.readouterr().err
+
+
+CATALOGUE = "bench.equivariance_catalogue:"  # the checker benchmark's maps, one definition
+
+
+@pytest.mark.parametrize("target, group", [
+    ("argmax_one_hot", "permutation"),  # a tie goes to the lowest row index
+    ("sign_with_positive_zero", "signed-permutation"),  # sign(0) = +1
+])
+def test_structured_judges_the_ties_and_zeros_a_map_is_broken_at(target, group, capsys):
+    argv = [CATALOGUE + target, "--group", group, "--seed", "0", "--trials", "20"]
+    # without the declaration the probes break the tie (fill the zero) the map jumps at: those
+    # trials stay unresolved, the check holds and names what it could not see
+    assert _cli(*argv) == 0
+    assert "check with structured=True" in capsys.readouterr().out
+    assert _cli(*argv, "--structured") == 1
+    out = capsys.readouterr().out
+    # (a trial judged by the exact element: the declaration reached the check, and the replay line keeps it)
+    assert "VIOLATED" in out and "violated (exact element)" in out and "--structured --seed 0" in out
+    # control: a map single-valued there (sign(0) = 0) holds under the same declaration
+    assert _cli(CATALOGUE + "sign", "--group", "signed-permutation", "--seed", "0", "--trials", "20",
+                "--structured") == 0
+
+
+def test_a_batched_shape_catches_a_map_that_mixes_the_members_of_its_stack(capsys):
+    argv = [CATALOGUE + "entrywise_batch_max", "--group", "signed-permutation", "--seed", "0", "--trials", "20"]
+    assert _cli(*argv) == 0  # on one matrix the map is a sign: signed permutations hold
+    for shape in ("3x6x4", "2x2x6x4"):
+        assert _cli(*argv, "--shape", shape) == 1, shape
+        out = capsys.readouterr().out
+        assert f"shape {shape}," in out and f"--shape {shape}" in out, out
+    # one element for the whole stack moves every member alike, so the mixing commutes with it
+    assert _cli(*argv, "--shape", "3x6x4", "--batch-elements", "shared") == 0
+
+
+@pytest.mark.parametrize("options, message", [
+    (("--shape", "3x0x4"), "--shape must look like 8x5 (positive M and N), or 3x8x5 for a stack of 3, got '3x0x4'"),
+    (("--shape", "3x6x"), "got '3x6x'"),
+    (("--shape", "6"), "got '6'"),
+    # it would be ignored on one matrix, yet echoed in the replay line
+    (("--batch-elements", "shared"), "--batch-elements applies to a batched --shape (BxMxN: 3x6x4), not to 6x4"),
+], ids=["zero_size", "trailing_x", "one_size", "batch_elements_without_batch"])
+def test_bad_batch_options_are_usage_errors_before_the_target_is_imported(options, message, tmp_path, monkeypatch,
+                                                                          capsys):
+    (tmp_path / "audit_never.py").write_text("raise AssertionError('the target was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    assert _cli("audit_never:update", "--group", "bi-orthogonal", *options) == 2
+    err = capsys.readouterr().err
+    assert message in err and "imported" not in err, err
+
+
+def test_an_unknown_batch_elements_choice_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli("audit_never:update", "--group", "bi-orthogonal", "--shape", "3x6x4", "--batch-elements", "each")
+    assert exit_.value.code == 2 and "argument --batch-elements: invalid choice: 'each'" in capsys.readouterr().err
 
 
 class MetricStiefel(MatrixManifold):

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from bench import equivariance_catalogue as catalogue
-from bench.equivariance_catalogue import cubic, power_iteration, rownorm_msign, svd_msign
+from bench.equivariance_catalogue import (argmax_one_hot, cubic, dead_column_guard, entrywise_batch_max,
+                                        identity_at_zero, power_iteration, rownorm_msign, sign_with_positive_zero,
+                                        svd_msign)
 from geomuon import cli as geomuon_cli
 from geomuon.optimizers import maps
 from geomuon.theory.equivariance import (
@@ -810,12 +812,6 @@ def test_every_kind_meets_every_scale():
                               seed=0).verdict == "holds"
 
 
-def sign_with_positive_zero(D):
-    """``D.ge(0) * 2 - 1``: an entrywise sign with sign(0) = +1. Not odd, so a signed
-    permutation breaks it at exact zeros, the very inputs where it also jumps under round-off."""
-    return torch.where(D >= 0, 1.0, -1.0).to(D.dtype)
-
-
 def test_a_holds_verdict_names_the_inputs_it_could_not_see():
     # Old checker: "HOLDS ... all 20 resolved trials" and not a word of the 20 zero_lines trials,
     # every one unresolved: the additive probe flips the zeros, so the floor there is O(1) and
@@ -857,30 +853,6 @@ def test_verify_declaration_refuses_bad_options_before_any_example(options, mess
     with pytest.raises(ValueError, match=message):
         verify_declaration(counted, "permutation", **{"expected": "holds", "max_examples": 2, **options})
     assert not evaluations
-
-
-def argmax_one_hot(D):
-    """One-hot of each column's argmax: a tie goes to the lowest row index, so a row permutation
-    of a tied column moves the one to another row than the permutation does."""
-    return torch.zeros_like(D).scatter_(-2, D.argmax(dim=-2, keepdim=True), 1.0)
-
-
-def dead_column_guard(D):
-    """$D/\\|D\\|_F$, with a column that is exactly zero in $D$ set to $e_0$ (a "revive dead
-    columns" guard): a fixed unit vector is no equivariant choice under $O_m \\times O_n$."""
-    norm = torch.linalg.matrix_norm(D, keepdim=True)
-    out = D / torch.where(norm > 0, norm, 1.0)
-    e0 = torch.zeros_like(D)
-    e0[..., 0, :] = 1.0
-    return torch.where((D == 0).all(dim=-2, keepdim=True), e0, out)
-
-
-def identity_at_zero(D):
-    """$D/\\|D\\|_F$, and the identity pattern at $D = 0$ (a "no gradient yet" default): broken
-    at the rank-0 input alone, where $g\\cdot 0 = 0$ but $g\\cdot I \\ne I$."""
-    norm = torch.linalg.matrix_norm(D, keepdim=True)
-    eye = torch.eye(D.shape[-2], D.shape[-1], dtype=D.dtype).expand_as(D)
-    return torch.where(norm > 0, D / torch.where(norm > 0, norm, 1.0), eye)
 
 
 @pytest.mark.parametrize("update, group, kind", [
@@ -937,12 +909,6 @@ def test_a_structured_search_shrinks_to_a_tie():
     verify_declaration(maps.sign, "signed-permutation", "holds", structured=True, max_examples=30)
     with pytest.raises(ValueError, match="structured must be True or False"):
         check_equivariance(cubic, "bi-orthogonal", structured="yes")
-
-
-def entrywise_batch_max(D):
-    """Each entry over the largest magnitude at its position *across the stack* (reduced over
-    dim 0 instead of a matrix's own dims): one member's update depends on the others."""
-    return D / D.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(D.dtype).tiny)
 
 
 def flattened_msign(D):

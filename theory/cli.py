@@ -4,6 +4,8 @@
     geomuon check-equivariance my_optim:RowNormSGD --arg lr=0.05 --steps 3 --group left-perm-right-orth
     geomuon check-equivariance geomuon.optimizers:Muon --group bi-orthogonal --dtype float32 \\
         --compute-dtype bfloat16
+    geomuon check-equivariance my_updates:row_normalize --group left-perm-right-orth --structured
+    geomuon check-equivariance my_updates:row_normalize --group left-perm-right-orth --shape 3x64x32
 
 ``TARGET`` is ``module:attribute``; the module is looked up in the working directory first
 (``my_updates.py`` next to you needs no ``PYTHONPATH``), then on the normal path. The
@@ -29,6 +31,14 @@ given), prints one line per trial and the verdict with its explanation, and exit
 
 With ``--expect violated`` (a negative control) 0 and 1 swap. The decision rule is
 derived in :mod:`geomuon.theory.equivariance`.
+
+``--structured`` declares the update single-valued at every input (ties, exact zeros, repeated
+singular values, rank 0), which the check then judges with exact group elements
+(``check_equivariance(structured=True)``); leave it out for an update that is set-valued there
+(an SVD polar factor of a rank-deficient matrix). ``--shape BxMxN`` (any number of batch sizes
+before ``M`` and ``N``: ``3x64x32``, ``2x4x64x32``) checks the update on a stack of matrices,
+each member moved by its own group element, or by one for the whole stack with
+``--batch-elements shared`` (an update that couples its members on purpose).
 """
 
 from __future__ import annotations
@@ -61,7 +71,14 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "exit status: 0 holds, 1 violated, 3 inconclusive, 4 the update raised or returned NaN/inf, 2 usage"
     parser.add_argument("target", metavar="module:attribute", help="the update map or optimizer class to check")
     parser.add_argument("--group", required=True, help=f"one of {', '.join(GROUPS)}, or module:Class")
-    parser.add_argument("--shape", default="6x4", help="MxN (default 6x4)")
+    parser.add_argument("--shape", default="6x4",
+                        help="MxN (default 6x4), or BxMxN for a stack of B matrices (more batch sizes: 2x3xMxN)")
+    parser.add_argument("--batch-elements", choices=("independent", "shared"), default=None,
+                        help="with a batched --shape: one group element per member of the stack (independent, the "
+                             "default: catches an update that mixes its members) or one for the whole stack (shared)")
+    parser.add_argument("--structured", action="store_true",
+                        help="declare the update single-valued at ties, exact zeros, repeated singular values and "
+                             "rank 0, and judge those inputs too (not for an SVD polar factor, set-valued there)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float64", help="dtype of the inputs")
     parser.add_argument("--compute-dtype", choices=sorted(_DTYPES), default=None,
                         help="precision to hold, at most --dtype's (default --dtype): e.g. bfloat16 for an update "
@@ -121,11 +138,12 @@ def _load(target: str):
     return obj
 
 
-def _shape(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not match or min(int(match[1]), int(match[2])) < 1:
-        raise ValueError(f"--shape must look like 8x5 (positive M and N), got {text!r}")
-    return int(match[1]), int(match[2])
+def _shape(text: str) -> tuple[int, ...]:
+    """``MxN`` or ``BxMxN`` (batch sizes before ``M`` and ``N``) as a tuple of ints."""
+    sizes = re.split(r"\s*[xX]\s*", text.strip())
+    if len(sizes) < 2 or not all(size.isdecimal() and int(size) >= 1 for size in sizes):
+        raise ValueError(f"--shape must look like 8x5 (positive M and N), or 3x8x5 for a stack of 3, got {text!r}")
+    return tuple(int(size) for size in sizes)
 
 
 def _arguments(pairs: list[str]) -> dict:
@@ -155,7 +173,7 @@ def _check_keywords(obj, kwargs: dict, target: str) -> None:
         raise ValueError(f"--arg does not fit {target}: {err}") from None
 
 
-def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape: tuple[int, int],
+def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape: tuple[int, ...],
                               dtype: torch.dtype) -> None:
     """Build ``optimizer(params, **kwargs)`` once over a parameter of the checked shape and dtype,
     before any trial, so that a value the constructor refuses (``--arg lr=-1``: "Learning rate
@@ -169,7 +187,7 @@ def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape:
                          f"{type(err).__name__}: {err}") from None
 
 
-def _subject(obj, kwargs: dict, steps: int, target: str, shape: tuple[int, int], dtype: torch.dtype):
+def _subject(obj, kwargs: dict, steps: int, target: str, shape: tuple[int, ...], dtype: torch.dtype):
     from geomuon.theory.equivariance import MapUpdate, OptimizerUpdate
 
     name = target.partition(":")[2]
@@ -202,6 +220,10 @@ def _replay_command(args: argparse.Namespace, seed: int) -> str:
         words += ["--compute-dtype", args.compute_dtype]
     if args.expect != "holds":
         words += ["--expect", args.expect]
+    if args.structured:
+        words.append("--structured")
+    if args.batch_elements:
+        words += ["--batch-elements", args.batch_elements]
     return shlex.join(words + ["--seed", str(seed)])
 
 
@@ -224,6 +246,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--condition must be a finite number >= 1, got {args.condition}")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        if args.batch_elements and len(shape) == 2:  # else ignored, yet echoed in the replay line
+            raise ValueError(f"--batch-elements applies to a batched --shape (BxMxN: 3x{args.shape.strip()}), "
+                             f"not to {args.shape.strip()}")
         if args.compute_dtype and finer_precision(_DTYPES[args.compute_dtype], _DTYPES[args.dtype]):
             # check_equivariance refuses it too, but by its parameters' names, not the flags: a finer
             # stated precision than the inputs' asks the map to hold more than its inputs carry
@@ -251,7 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         report = check_equivariance(
             subject, group, shape, trials=args.trials, expect=expect, dtype=_DTYPES[args.dtype],
             compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None, condition=args.condition,
-            seed=args.seed,
+            seed=args.seed, structured=args.structured, batch_elements=args.batch_elements or "independent",
         )
     except (TypeError, ValueError) as err:
         # the check's inputs (a seed out of range, a group whose sample fails, a target that is
