@@ -521,7 +521,13 @@ class GPT(nn.Module):
             "lipschitz=False (LayerNorm blocks)": not c.lipschitz,
             "rope=False (a learned position table)": not c.rope or self.wpe is not None,
             "fused_qkv=True": c.fused_qkv,
-            "bias=True": c.bias,
+            # modules read as they are, not as the config built them: a LayerNorm or a bias attached
+            # after construction runs in forward, and had left the bound unchanged (a final
+            # LayerNorm: estimate 123.9 against a "bound" of 1.28)
+            "a LayerNorm module (ln_f, or one added after construction)": c.lipschitz and any(
+                isinstance(m, nn.LayerNorm) for m in self.modules()),
+            "bias=True (or a Linear bias added after construction)": c.bias or any(
+                isinstance(m, nn.Linear) and m.bias is not None for m in self.modules()),
             f"mlp={c.mlp!r} (only 'gelu')": c.mlp != "gelu",
             f"n_experts={c.n_experts} (mixture of experts)": bool(c.n_experts),
             "tie_weights=True": c.tie_weights,

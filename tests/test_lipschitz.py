@@ -761,6 +761,44 @@ def test_attention_bound_is_nearly_reached_at_radii_other_than_one(radius):
     certify_domain(torch.stack([estimate.x, estimate.y]), radius)
 
 
+def value_key_aligned_model(n_head, qk, generator, d=16):
+    """One block whose heads read their values through their own key slices ($W_v = W_k/$``qk``, so
+    $\\nu_h = \\sigma_{vh}\\sigma_{kh}$: the aligned step is exact), $W_q$ and $W_k$ at every RMS->RMS
+    singular value ``qk`` on random orthonormal bases, $W_o$ and the head the identity, the MLP off
+    (zero weights): the score path, where the bounds are reached, dominates the network."""
+    model = GPT(lipschitz_config(n_head=n_head, n_layer=1, d=d, vocab=d)).double()
+    identity = torch.eye(d, dtype=torch.float64)
+    with torch.no_grad():
+        block = model.h[0]
+        keys = orthogonal(d, generator)
+        block.attn.q.weight.copy_(qk * orthogonal(d, generator))
+        block.attn.k.weight.copy_(qk * keys)
+        block.attn.v.weight.copy_(keys)
+        block.attn.c_proj.weight.copy_(identity)
+        block.mlp.c_fc.weight.zero_()
+        block.mlp.c_proj.weight.zero_()
+        model.lm_head.weight.copy_(identity)
+    return model
+
+
+def test_every_bound_holds_where_the_heads_read_values_through_their_keys():
+    # The strongest whole-model attack that fits the suite: 4 heads whose value slices are their key
+    # slices, scores at RMS->RMS norm 2, 4 tokens (the "pairs" search starts from antipodal tokens,
+    # where the score path peaks), the Jacobian ascent on. Measured: estimate / bound = 0.79 for the
+    # joint, aligned and tight bounds (equal here: one block, the MLP off) and 0.43 for the simple one.
+    # No tolerance: the estimate is a ratio of two float64 evaluations at pairs 1e-4 apart or more
+    # (relative error ~1e-12), the bounds are float64 SVDs (~1e-15), and the gap is 21 %.
+    gen = torch.Generator().manual_seed(0)
+    model = value_key_aligned_model(4, 2.0, gen)
+    bounds = {method: transformer_lipschitz_bound(model.lipschitz_weights(), method=method).bound
+              for method in METHODS}
+    estimate = attack(model, T=4, seed=1, steps=150, power_steps=20, ascent_steps=100)
+    assert all(estimate.estimate <= bound for bound in bounds.values()), (estimate.estimate, bounds)
+    certify_domain(torch.stack([estimate.x, estimate.y]))  # the pair lies in the bound's domain
+    # negative control: the same attack breaks the joint bound halved (a factor-2 bug fails here)
+    assert estimate.estimate > 0.5 * bounds["joint"]
+
+
 def test_residual_mlp_bounds_are_nearly_reached_on_flat_weights():
     # Every RMS->RMS singular value of W_in and W_out at 1: the hidden pre-activations of one token can
     # all sit near GELU's steepest point. Measured: estimate / tight = 0.92, the sampled output radius
@@ -966,6 +1004,22 @@ def test_uncovered_lipschitz_configs_are_refused(option, value, match):
 def test_layernorm_model_is_refused_by_lipschitz_weights():
     model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8))
     with pytest.raises(ValueError, match="lipschitz=False .LayerNorm.*rope=False.*fused_qkv=True"):
+        model.lipschitz_weights()
+
+
+@pytest.mark.parametrize("attach, match", [
+    (lambda model: setattr(model, "ln_f", torch.nn.LayerNorm(model.config.n_embd)), "a LayerNorm module"),
+    (lambda model: setattr(model.h[0].attn.q, "bias", torch.nn.Parameter(torch.zeros(model.config.n_embd))),
+     "a Linear bias added after construction"),
+])
+def test_modules_attached_after_construction_are_refused_by_lipschitz_weights(attach, match):
+    # forward runs a final LayerNorm or a bias set after the model was built, and the bound had been
+    # computed as if neither were there: a search found 123.9 against a "bound" of 1.28 (ln_f), 3.79
+    # against 0.92 (a q bias of RMS 30). Control: the model as built is certified.
+    model = GPT(lipschitz_config())
+    model.lipschitz_weights()
+    attach(model)
+    with pytest.raises(ValueError, match=match):
         model.lipschitz_weights()
 
 
