@@ -489,8 +489,12 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
 
     ($R = V\operatorname{diag}(1/f)V^\top$, the same $f$ as $P$). The form maps $E$ to the
     multiplier's increment (:meth:`~geomuon.manifolds.capabilities.GramForm.newton_increment`).
-    The two basis changes (four $n\times n$ products) run in ``low``: they only choose the
-    next iterate, and their error is relative to the step.
+    The basis changes (four $n\times n$ products) run in ``low``, but for the last one, whose
+    product is in ``M.dtype``: they only choose the next iterate, and their error is relative
+    to the step. (A ``low`` result read transposed, as the form's adjoint reads $E$, is what
+    ``torch.compile``'s vectorized CPU kernels of torch 2.13 get wrong: the compiled Stiefel
+    step returned NaN at $n \ge 64$, where a product's output in ``M.dtype`` is read as stored;
+    cost: one $n\times n$ product in ``M.dtype`` per update.)
 
     A form whose $D$ is not the identity (DGram), and every form under a dualizer without
     eigenvectors (``"polar_express"``), takes the same fixed point, $EP + PE = -\mathcal C(M)$
@@ -507,7 +511,7 @@ def newton_update(form: GramForm, D: torch.Tensor, dual: Dualized, M: torch.Tens
     Ht = (Vl.mT @ form.constraint(M).to(low) @ Vl).to(M.dtype)
     # f_i + f_j = 0 only where P = 0 (a zero Q), and there H = 0: the clamp keeps 0/0 out
     scale = (-alpha) / (f.unsqueeze(-1) + f.unsqueeze(-2)).clamp_min(torch.finfo(M.dtype).tiny)
-    E = (Vl @ (Ht * scale).to(low) @ Vl.mT).to(M.dtype)
+    E = (Vl @ (Ht * scale).to(low)).to(M.dtype) @ V.mT
     return form.newton_increment(D, E)
 
 

@@ -490,16 +490,30 @@ def test_manifold_muon_batch_work_reads_nothing_back(manifold, spread, optimizer
     assert optimizer.check_on_manifold() == []
 
 
-@pytest.mark.slow  # compiling takes ~30 s on a 2-core CPU
-def test_the_gram_kernel_compiles_and_matches_eager():
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, compute_dtype", [
+    # compiling takes ~10 s per case on a 2-core CPU: ManifoldMuon's CPU settings run by default
+    pytest.param((2, 24, 8), None, marks=pytest.mark.slow), ((1, 128, 64), torch.bfloat16)],
+    ids=["fp32-24x8", "bf16-128x64"])
+def test_the_gram_kernel_compiles_and_matches_eager(shape, compute_dtype, threads):
+    # ManifoldMuon's settings on the CPU (bf16 basis changes of the closed-form Newton step): at
+    # n >= 64 on one thread (the kernel inductor generates depends on the thread count) the
+    # compiled step had returned NaN, torch 2.13's vectorized CPU kernel reading the Newton
+    # update's bf16 product transposed (the form's adjoint); 24 x 8 in fp32 had passed
+    torch.set_num_threads(threads)  # (restored by conftest's _keep_torch_threads)
     gen = torch.Generator().manual_seed(13)
-    W = Stiefel().random(2, 24, 8, generator=gen).data  # a plain tensor (random gives a ManifoldTensor)
-    G = torch.randn(2, 24, 8, generator=gen)
+    W = Stiefel().random(*shape, generator=gen).data  # a plain tensor (random gives a ManifoldTensor)
+    G = torch.randn(*shape, generator=gen)
+    settings = GramSettings(dual_steps=2, update="newton", dualizer="eigh", compute_dtype=compute_dtype,
+                            polish_rounds=2, polish_method="alternating", carry=True)
 
     def step(W, G):
-        return gram_step(Stiefel.gram_form, W, G, 0.02, None, GramSettings()).point
+        return gram_step(Stiefel.gram_form, W, G, 0.02, None, settings).point
 
-    compiled = torch.compile(step)(W, G)
+    # a fresh, static-shape compile: after another parametrization of this test dynamo had reused
+    # `step`'s code object and recompiled with dynamic shapes, another kernel, that hid the NaN
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=False)(W, G)
     eager = step(W, G)
     # the same float32/bf16 operations in the same order: measured bitwise equal; allow
     # the fp32 round-off of a fused reordering (16 eps of O(1) entries)
