@@ -136,8 +136,10 @@ def certified_run(manifold: str, settings: dict, run: dict, data: str, seed: int
         return {}
 
     fields = {k: v for k, v in run.items() if k not in ("model",)}
+    # out_dir=None: the run stays in memory (the default template had left a run folder with two
+    # checkpoints in ./runs for every configuration measured)
     cfg = TrainConfig(model=run["model"], strategy=STRATEGY[manifold], data=data, seed=seed, progress=False,
-                      print_table=False, **fields)
+                      print_table=False, out_dir=None, **fields)
     train(cfg, build_assignment=build, extra_metrics=read_certificates)
     return ratios
 

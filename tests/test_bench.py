@@ -268,7 +268,11 @@ def test_manifold_frontier_writes_its_table(tmp_path):
 
 def test_manifold_inrun_reads_the_certificates_of_a_real_run(tmp_path):
     markdown = tmp_path / "manifold_inrun.md"
+    runs = ROOT / "runs"  # where a run's default out_dir template puts its folder
+    before = set(os.listdir(runs)) if runs.is_dir() else set()
     stdout = run_script("manifold_inrun", markdown, "--solver", "dual", "projected")
+    # the benchmark's runs stay in memory: it had left a folder with two checkpoints per run in ./runs
+    assert (set(os.listdir(runs)) if runs.is_dir() else set()) == before
     rows = parse_table(stdout)
     # per solver and manifold: one row per orientation the model has, then "all" (their
     # union); both forms declare a Newton step (Stiefel's closed form, DGram's conjugate
