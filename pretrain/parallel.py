@@ -28,6 +28,7 @@ import re
 import shutil
 import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, mat
 from geomuon.pretrain.config import option_text
 
 __all__ = ["OwnerGather", "RunWriteError", "DamagedCheckpoint", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
-           "read_distributed", "dcp_folder", "dcp_folders"]
+           "read_distributed", "file_sum", "dcp_folder", "dcp_folders"]
 
 
 @dataclass
@@ -182,9 +183,13 @@ def _shard_like(key: str, value, param):
 
 #: A distributed checkpoint is a folder ``dcp-step<step>`` of the run folder: the tensors
 #: written by ``torch.distributed.checkpoint`` (``.metadata``, one ``.distcp`` file per
-#: rank) and :data:`RUN_RECORD`, the plain data (step, config, log, param groups).
+#: rank) and :data:`RUN_RECORD`, the plain data (step, config, log, param groups, and the size
+#: and CRC-32 of every other file: DCP checks none of the bytes it reads back).
 DCP_FOLDER = re.compile(r"dcp-step(\d+)")
 RUN_RECORD = "run.pt"
+METADATA = ".metadata"
+#: bytes read at a time when a checkpoint file is summed (:func:`file_sum`)
+SUM_CHUNK = 1 << 24
 DCP_FORMAT = "geomuon-dcp/1"
 #: distributed checkpoints a run keeps: the latest and the one before it
 DCP_KEEP = 2
@@ -257,7 +262,9 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
     finds them by name. Plain data — ``record`` (step, config, log…) and each optimizer's
     param groups (manifold and regulator specs) and non-tensor state — goes to
     :data:`RUN_RECORD` on rank 0 (read with ``weights_only=True``; DCP would pickle it):
-    rank 0's ``record``, the other ranks pass ``None``.
+    rank 0's ``record``, the other ranks pass ``None``. The record lists the size and CRC-32
+    (:func:`file_sum`) of every file a load reads (``files``), each rank summing a share of them
+    once DCP has written them all, so that :func:`read_record` can refuse damaged bytes.
 
     Atomic: everything is written to ``folder + ".tmp"`` (files fsynced), and rank 0
     renames it to ``folder`` once every rank has finished; the older checkpoints beyond
@@ -293,28 +300,38 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
                     extra.setdefault(names[id(p)], {})[key] = value
     failure = None  # (rank, OSError) of a write that failed
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not together)
+        written = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not together)
     except CheckpointException as err:  # raised on every rank, whichever rank failed
         failure = _disk_failure(err)
     except OSError as err:  # (one process: DCP raises the error itself)
         failure = 0, err
     if failure is None:
-        gathered = [plain]
+        # every file a load reads, as DCP's metadata (the same on every rank) names them: each rank
+        # sums a share (for fewer than 11 ranks its own __<rank>_<n>.distcp), rank 0 the .metadata too
+        rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+        files = sorted({info.relative_path for info in written.storage_data.values()})
+        share = files[rank::world] + ([METADATA] if main else [])
+        try:
+            sums = {name: file_sum(os.path.join(tmp, name)) for name in share}
+        except OSError as err:  # rank 0 writes no record without every share; _agreed stops every rank
+            sums, failure = None, (rank, err)
+        gathered = [(plain, sums)]
         if together:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, plain)
-    if main and failure is None:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, (plain, sums))
+    if main and failure is None and all(share is not None for _, share in gathered):
         optimizers = {}
         for opt_name, opt in assignment.optimizers.items():
             extra = {}
-            for other in gathered:
+            for other, _ in gathered:
                 extra.update(other[opt_name])
             optimizers[opt_name] = {"param_groups": opt.state_dict()["param_groups"],
                                     "names": [names[id(p)] for g in opt.param_groups for p in g["params"]],
                                     "plain_state": extra}
         try:
             with open(os.path.join(tmp, RUN_RECORD), "wb") as f:
-                torch.save({"format": DCP_FORMAT, **record, "optimizers": optimizers}, f)
+                torch.save({"format": DCP_FORMAT, **record, "optimizers": optimizers,
+                            "files": {name: value for _, share in gathered for name, value in share.items()}}, f)
                 f.flush()
                 os.fsync(f.fileno())
             _move_into_place(tmp, folder, root)
@@ -393,12 +410,26 @@ class DamagedCheckpoint(ValueError):
     the run resumes under these)."""
 
 
-def read_record(folder: str) -> dict:
+def file_sum(path: str) -> dict[str, int]:
+    """``{"bytes": size, "crc32": zlib's CRC-32}`` of the file ``path``, read in chunks of
+    :data:`SUM_CHUNK` bytes."""
+    crc = size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(SUM_CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+def read_record(folder: str, files: bool = False) -> dict:
     """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
-    naming the folder when it is not a complete geomuon distributed checkpoint."""
+    (:class:`DamagedCheckpoint`) naming the folder when it is not a complete geomuon distributed
+    checkpoint. With ``files``, every file the record lists (the tensor files and ``.metadata``)
+    is read and checked against the size and CRC-32 written with it (:func:`file_sum`), and one
+    that differs or is missing is named: DCP reads raw tensor bytes unchecked, and a flipped
+    byte had loaded as a weight of 63."""
     path = os.path.join(folder, RUN_RECORD)
     problem = None
-    if not os.path.isfile(os.path.join(folder, ".metadata")):
+    if not os.path.isfile(os.path.join(folder, METADATA)):
         problem = "has no .metadata (torch.distributed.checkpoint did not finish it)"
     elif not os.path.isfile(path):
         problem = f"has no {RUN_RECORD}"
@@ -410,9 +441,29 @@ def read_record(folder: str) -> dict:
         else:
             if not isinstance(record, dict) or record.get("format") != DCP_FORMAT:
                 problem = f"has a {RUN_RECORD} that is not a {DCP_FORMAT} record"
+            elif files:
+                problem = _damaged_file(folder, record)
     if problem is not None:
         raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
     return record
+
+
+def _damaged_file(folder: str, record: dict) -> str | None:
+    """What is wrong with the first file of ``folder`` that differs from the size and CRC-32
+    its ``record`` lists; ``None`` when all match. A checkpoint written before records listed
+    them has no ``files``: it is read unchecked, as before."""
+    for name, written in sorted(record.get("files", {}).items()):
+        try:
+            found = file_sum(os.path.join(folder, name))
+        except FileNotFoundError:
+            return f"has no {name}"
+        except OSError as err:
+            return f"has an unreadable {name} ({err.strerror or err})"
+        if found["bytes"] != written["bytes"]:
+            return f"has a {name} of {found['bytes']} bytes, written with {written['bytes']}"
+        if found["crc32"] != written["crc32"]:
+            return f"has a {name} that fails its CRC-32 check (damaged bytes)"
+    return None
 
 
 def load_distributed(folder: str, model, assignment, owned=None) -> dict:
@@ -432,19 +483,17 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             :func:`geomuon.optimizers.assign.check_same_groups`, an optimizer's param group
             holding other parameters, the same ones in another order, or another geometry: its
             state is matched by position; or saved options the optimizer's load refuses), or
-            (:class:`DamagedCheckpoint`) an incomplete folder or unreadable files; raised before
-            anything is loaded (the tensor files' damage: before the model is).
+            (:class:`DamagedCheckpoint`) an incomplete folder, unreadable files or files whose
+            size or CRC-32 differs from the record's (:func:`read_record`; every rank reads every
+            file); raised before anything is loaded.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     together = dist.is_initialized()
-    record = read_record(folder)
-    try:
-        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    except Exception as err:
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} has an unreadable .metadata ({err})") from None
+    # every rank checks every file (one read of the checkpoint): a rank of another world size reads
+    # other ranks' files, and ranks that all refuse alike leave none waiting in DCP's collectives
+    record = read_record(folder, files=True)
+    saved = _saved_entries(folder)
     model_state = get_model_state_dict(model)
     expected = {f"model/{k}" for k in model_state}
     present = {k for k in saved if k.startswith("model/")}
@@ -491,13 +540,7 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
                                                device=_local_device(p))
                     templates[state_key] = template
                     wanted.append((opt_name, p, state_key[len(prefix):], state_key))
-    try:
-        with contextlib.nullcontext() if together else _one_process():
-            dcp.load(templates, storage_reader=dcp.FileSystemReader(folder), no_dist=not together)
-    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
-        cause = str(err).strip().splitlines()[-1]  # DCP's message ends with the rank's error
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} could not be read ({cause}); its tensor files "
-                                "are damaged or missing") from None
+    _load_tensors(folder, templates, together)
     set_model_state_dict(model, {k: templates[f"model/{k}"] for k in model_state},
                          options=StateDictOptions(strict=True))
     for opt_name, opt in assignment.optimizers.items():
@@ -519,16 +562,41 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
 def read_distributed(folder: str, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """The whole tensors of a distributed checkpoint whose keys start with ``prefix``
     (default: the model's, keyed by parameter name), read in this one process (no
-    process group needed): to inspect a run, or compare it with another."""
+    process group needed): to inspect a run, or compare it with another. An incomplete or
+    damaged folder (:func:`read_record` with ``files``, or a file DCP cannot read) raises
+    :class:`DamagedCheckpoint` naming it."""
+    read_record(folder, files=True)
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in _saved_entries(folder).items()
+               if k.startswith(prefix) and hasattr(m, "size")}
+    _load_tensors(folder, tensors, together=False)
+    return {k[len(prefix):]: v for k, v in tensors.items()}
+
+
+def _saved_entries(folder: str) -> dict:
+    """The entries DCP's ``.metadata`` of ``folder`` lists (name → tensor or bytes metadata);
+    :class:`DamagedCheckpoint` naming ``folder`` when it cannot be read."""
     import torch.distributed.checkpoint as dcp
 
-    read_record(folder)
-    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
-               if k.startswith(prefix) and hasattr(m, "size")}
-    with _one_process():
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    return {k[len(prefix):]: v for k, v in tensors.items()}
+    try:
+        return dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} has an unreadable .metadata ({err})") from None
+
+
+def _load_tensors(folder: str, tensors: dict[str, torch.Tensor], together: bool) -> None:
+    """``torch.distributed.checkpoint.load`` of ``folder`` into ``tensors`` (collective when
+    ``together``, else read by this process alone); any failure — DCP's ``CheckpointException``
+    included, a ``BaseException`` — raises :class:`DamagedCheckpoint` naming ``folder``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with contextlib.nullcontext() if together else _one_process():
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=not together)
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        cause = str(err).strip().splitlines()[-1]  # DCP's message ends with the rank's error
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} could not be read ({cause}); its tensor files "
+                                "are damaged or missing") from None
 
 
 def _local_device(p: torch.Tensor) -> torch.device:

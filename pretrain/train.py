@@ -147,6 +147,15 @@ class TrainingInterrupted(Exception):
         super().__init__(f"{signal.Signals(signum).name} at step {step}; {where}")
 
 
+class DataRefusal(ValueError):
+    """A refusal of the data this process read (:func:`load_run_data`, :func:`build`'s checks of
+    it, :func:`check_same_run`'s comparison of its tokens). Under torchrun each rank reads its own
+    copy (on several machines, files of its own), so the other ranks may not refuse it: the command
+    line prints it on every rank that raises it. Every other refusal is raised alike on every rank
+    (the same options, rank 0's decisions sent to all, the same checkpoint files) and printed by
+    rank 0 alone."""
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -473,13 +482,34 @@ def load_checkpoint(path: str) -> dict:
 
 def checkpoint_to_resume(out_dir: str) -> str:
     """The checkpoint a resumed run starts from: the newest distributed checkpoint folder
-    or ``ckpt.pt``, whichever was written last (a run may change its number of processes
-    between sessions); ``ckpt.pt`` when there is neither (:func:`load_checkpoint` says so)."""
+    or ``ckpt.pt``, whichever holds the later step (a run may change its number of processes
+    between sessions), the one written last for the same step; ``ckpt.pt`` when there is
+    neither (:func:`load_checkpoint` says so). The times alone had chosen an older ``ckpt.pt``
+    after a copy, ``touch`` or extraction of the folder, and its steps were trained again.
+
+    The folder's step is in its name, ``ckpt.pt``'s in its record (read without its tensors);
+    a ``ckpt.pt`` whose step cannot be read is compared by time, so that a damaged newest one
+    is still the one chosen, and refused with the previous checkpoint offered."""
     single = os.path.join(out_dir, "ckpt.pt")
     folders = dcp_folders(out_dir)
-    if not folders or (os.path.exists(single) and os.path.getmtime(single) > os.path.getmtime(folders[-1][1])):
+    if not folders:
         return single
-    return folders[-1][1]
+    step, folder = folders[-1]
+    if not os.path.exists(single):
+        return folder
+    single_step = _checkpoint_step(single)
+    if single_step is not None and single_step != step:
+        return single if single_step > step else folder
+    return single if os.path.getmtime(single) > os.path.getmtime(folder) else folder
+
+
+def _checkpoint_step(path: str) -> int | None:
+    """The step the single-file checkpoint ``path`` holds, read with its tensors memory-mapped,
+    not read; ``None`` when it cannot be read (:func:`load_checkpoint` then says why)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception:  # torch raises several types for a damaged file
+        return None
 
 
 def distributed_record(folder: str) -> dict:
@@ -500,7 +530,7 @@ def _with_previous_checkpoint(folder: str, problem: str):
         raise ValueError(f"{problem}; no previous checkpoint exists: start again with {option_text('overwrite', True)}")
     step, previous = older[-1]
     try:
-        read_record(previous)
+        read_record(previous, files=True)  # complete means its bytes too: a resume reads them all
     except ValueError:
         raise ValueError(f"{problem}; the previous checkpoint {previous!r} is damaged too: no checkpoint of "
                          f"this run can be resumed, start again with {option_text('overwrite', True)}") from None
@@ -631,11 +661,14 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     (:func:`_check_soft_caps`), not at the step the warmup reaches it."""
     model_cfg = model_config(cfg, data)
     if data.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
+        raise DataRefusal(
             f"data {data.source} has vocab {data.vocab_size} > the model's {model_cfg.vocab_size}; "
             f"use a config with a larger vocab_size"
         )
-    data.check_context(model_cfg.block_size)
+    try:
+        data.check_context(model_cfg.block_size)
+    except ValueError as err:
+        raise DataRefusal(str(err)) from None
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg).to(device)
     direction = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.direction_dtype]
@@ -662,8 +695,12 @@ def load_run_data(cfg: TrainConfig) -> TokenData:
     """``cfg.data`` loaded for ``cfg``'s model: token shards are read against the model's
     ``vocab_size`` (a model with GPT-2's 50257 had been refused shards whose every id is below
     it, because they were always read as a 50304-token vocabulary); a character-level source
-    sets its own."""
-    return load_data(cfg.data, vocab_size=get_config(cfg.model, **cfg.model_kwargs()).vocab_size)
+    sets its own. A refusal of the data is a :class:`DataRefusal`."""
+    vocab_size = get_config(cfg.model, **cfg.model_kwargs()).vocab_size
+    try:
+        return load_data(cfg.data, vocab_size=vocab_size)
+    except ValueError as err:
+        raise DataRefusal(str(err)) from None
 
 
 def model_config(cfg: TrainConfig, data: TokenData) -> GPTConfig:
@@ -1025,23 +1062,26 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             elapsed_before = payload.get("wall_time", 0.0)
             provenance = payload.get("provenance", [])  # (checkpoints before it recorded none)
             moved = payload.get("data", {}).get("source", data.source) != data.source
-            say(f"resumed from {resume_from} at step {start}"
-                + (f"; data read from {data.source} (before: {payload['data']['source']})" if moved else ""))
+            resumed = (f"resumed from {resume_from} at step {start}"  # said once it has loaded (below)
+                       + (f"; data read from {data.source} (before: {payload['data']['source']})" if moved else ""))
         elif ddp.main:
             _prepare_out_dir(cfg.out_dir, cfg.overwrite)
         if cfg.print_table:
             say(f"run folder: {cfg.out_dir}")
         ddp.barrier()
+
+    parallel = parallelize(model, assignment, cfg, ddp)
+    if on_disk and cfg.resume:
+        if os.path.isdir(resume_from):
+            try:
+                load_distributed(resume_from, model, assignment, parallel.owned)
+            except DamagedCheckpoint as err:  # the previous folder may be complete (other settings: none is)
+                _with_previous_checkpoint(resume_from, str(err))
+        say(resumed)
+    # the log is rewritten from the checkpoint once it has loaded: a refused one leaves the log as it was
     log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)
     if on_disk and ddp.main:  # rank 0 alone writes the checkpoint's record (git runs once, not on every rank)
         provenance = provenance + [segment_provenance(device, ddp.world, start, data)]
-
-    parallel = parallelize(model, assignment, cfg, ddp)
-    if on_disk and cfg.resume and os.path.isdir(resume_from):
-        try:
-            load_distributed(resume_from, model, assignment, parallel.owned)
-        except DamagedCheckpoint as err:  # the previous folder may be complete (other settings: none is)
-            _with_previous_checkpoint(resume_from, str(err))
     whole_model = parallel.full_model or (lambda: model)
     train_model = torch.compile(parallel.module) if cfg.compile else parallel.module
     use_bf16 = device.type == "cuda"
@@ -1257,8 +1297,8 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
                    "pydoc_data)" if trained_on == data.source == spec_source("embedded")
                    else "restore the data the run was trained on")
         where = "" if trained_on in (None, data.source) else f", read from {trained_on}"
-        raise ValueError(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
-                         + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
+        raise DataRefusal(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
+                          + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))
     changed = [f"{k}: {v!r} → {built.get(k)!r}" for k, v in record["model_config"].items() if built.get(k) != v]
     if changed:
@@ -1322,10 +1362,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(cfg)
     except ValueError as err:
-        print(f"geomuon pretrain: {err}", file=sys.stderr)
+        # under torchrun every rank raises a refusal alike, and rank 0 says it once; a refusal of the
+        # data one rank read may be that rank's alone, so each rank that raises one says it
+        if main or isinstance(err, DataRefusal):
+            print(f"geomuon pretrain: {err}", file=sys.stderr)
         return 2
     except RunWriteError as err:
-        print(f"geomuon pretrain: {err.strerror}", file=sys.stderr)
+        if main:  # rank 0 alone writes the log, and every rank raises a distributed checkpoint's (it names the rank)
+            print(f"geomuon pretrain: {err.strerror}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
         if main:

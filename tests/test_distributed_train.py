@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from geomuon.pretrain.data import load_data
-from geomuon.pretrain.parallel import dcp_folders, load_distributed, read_distributed, read_record
+from geomuon.pretrain.parallel import (DamagedCheckpoint, dcp_folders, load_checked, load_distributed,
+                                      read_distributed, read_record)
 from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, load_checkpoint, resolve_out_dir, train
 
 STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HALF and the STEPS one
@@ -333,12 +334,124 @@ def test_damaged_or_foreign_checkpoint_folder_is_named(runs, tmp_path):
         load_distributed(folder, model, assignment)
     os.remove(os.path.join(folder, "__1_0.distcp"))
     # with what to do (it had stopped at "damaged or missing")
-    with pytest.raises(ValueError, match=f"{folder}.*could not be read.*damaged or missing; "
+    with pytest.raises(ValueError, match=f"{folder}.* has no __1_0.distcp; "
                                          "(no previous checkpoint exists|the previous checkpoint .* is complete)"):
         train(config(split, resume=True))
     os.remove(os.path.join(folder, ".metadata"))
     with pytest.raises(ValueError, match=f"{folder}.*has no .metadata.*no previous checkpoint"):
         train(config(split, resume=True))
+
+
+def _flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x42]))
+
+
+def test_a_damaged_byte_in_a_tensor_file_is_refused_and_the_previous_checkpoint_offered(runs, tmp_path, capsys):
+    # DCP reads raw tensor bytes unchecked: a flipped byte in a shard had loaded as a weight (a
+    # resume trained on from it, val_loss 15 for 4), and the retention rule then removed the good
+    # checkpoint before it; now every file's size and CRC-32 are in the record and checked first
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run)
+    folder, shard = last(run), os.path.join(last(run), "__1_0.distcp")
+    intact = read_distributed(folder, "")
+    _flip_byte(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(DamagedCheckpoint, match=f"{folder}.* __1_0.distcp that fails its CRC-32 check"):
+        read_distributed(folder)
+    offered = (f"{folder}.* __1_0.distcp that fails its CRC-32 check.*; the previous checkpoint "
+               f".*dcp-step0000000{HALF}' \\(step {HALF}\\) is complete: remove")
+    with open(run / "log.jsonl", "a") as f:  # logged after the last checkpoint, by a run killed then
+        f.write('{"kind": "train", "step": 12, "loss": 4.0}\n')
+    log = (run / "log.jsonl").read_text()
+    with pytest.raises(ValueError, match=offered):  # one process resuming the folder
+        train(config(run, resume=True))
+    assert "resumed from" not in capsys.readouterr().out  # (it had been said before the refusal)
+    assert (run / "log.jsonl").read_text() == log  # not rewritten from the refused checkpoint
+    procs = spawn(2, WORKER, config(run, parallel="fsdp", resume=True))
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode != 0 and re.search(offered, out) for p, out in zip(procs, outputs)), outputs
+    assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
+    # negative control: the byte put back, the same checks pass and read the checkpoint written
+    _flip_byte(shard, os.path.getsize(shard) // 2)
+    assert identical(read_distributed(folder, ""), intact)
+
+
+def test_a_checkpoint_whose_record_lists_no_files_still_loads_and_a_lost_shard_is_named(runs, tmp_path):
+    # checkpoints written before the record listed its files' sums load unchecked; a tensor file
+    # DCP then cannot read had raised DCP's bare CheckpointException from read_distributed
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run)
+    folder = last(run)
+    record = load_checked(os.path.join(folder, "run.pt"))
+    assert set(record.pop("files")) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    torch.save(record, os.path.join(folder, "run.pt"))
+    assert identical(read_distributed(folder, ""), read_distributed(last(runs / "fsdp"), ""))
+    os.truncate(os.path.join(folder, "__1_0.distcp"), 16)
+    with pytest.raises(DamagedCheckpoint, match=f"{folder}.*could not be read"):
+        read_distributed(folder)
+
+
+# Each rank: the command `geomuon pretrain` of the run, the rank of argv[2] unable to read its data
+COMMAND = textwrap.dedent("""
+    import os, shlex, sys, torch
+    torch.set_num_threads(1)
+    from geomuon.cli import entry
+    from geomuon.pretrain import train as training
+    from geomuon.pretrain.config import command_line
+
+    def load_data(spec, vocab_size):
+        raise ValueError(f"data {spec}: no such file on rank {os.environ['RANK']}")
+
+    if os.environ["RANK"] == sys.argv[2]:  # this rank's copy of the data is gone (its own machine's)
+        training.load_data = load_data
+    sys.argv = shlex.split(command_line("geomuon pretrain", training.TrainConfig(**eval(sys.argv[1]))))
+    entry()
+""")
+
+
+def test_under_torchrun_a_refusal_is_printed_once_and_a_ranks_own_refusal_by_that_rank(tmp_path):
+    # every rank had printed the same `geomuon pretrain: …` line; a refusal only one rank raises (of
+    # the data it read itself) must still be printed by that rank: torchrun then stops the others
+    cfg = config(tmp_path / "empty", parallel="ddp", strategy="adamw", resume=True)
+    outputs = [p.communicate(timeout=60)[0] for p in spawn(2, COMMAND, cfg, "none")]
+    said = "geomuon pretrain: checkpoint"
+    assert outputs[0].count(said) == 1 and "geomuon pretrain:" not in outputs[1], outputs
+    procs = spawn(2, COMMAND, replace(cfg, out_dir=str(tmp_path / "run"), resume=False), "1")
+    try:
+        own = procs[1].communicate(timeout=60)[0]
+    finally:  # rank 0 waits for rank 1 in a collective (torchrun would stop it)
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert procs[1].returncode == 2 and "geomuon pretrain: data embedded: no such file on rank 1" in own, own
+
+
+def _touch(path) -> None:
+    later = time.time() + 100
+    os.utime(path, (later, later))
+
+
+def test_a_resume_starts_from_the_checkpoint_of_the_later_step_whatever_the_file_times(tmp_path, capsys):
+    # the newer file time had decided: after a copy, touch or extraction an older ckpt.pt won over
+    # a later distributed checkpoint, and its steps were trained again (the log rewritten)
+    run = tmp_path / "run"
+    cfg = config(run, strategy="adamw", eval_every=3)
+    train(replace(cfg, stop_after=3))  # ckpt.pt at step 3
+    finished(spawn(2, WORKER, replace(cfg, parallel="ddp", resume=True, stop_after=6)))  # dcp-step00000006
+    folder = os.path.join(run, "dcp-step00000006")
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    _touch(copy / "ckpt.pt")
+    assert checkpoint_to_resume(str(copy)) == os.path.join(copy, "dcp-step00000006")
+    assert train(replace(cfg, out_dir=str(copy), resume=True, stop_after=6)).last_step == 6
+    assert f"resumed from {os.path.join(copy, 'dcp-step00000006')} at step 6" in capsys.readouterr().out
+    # the other way round: a ckpt.pt of a later step than the folder touched after it
+    train(replace(cfg, resume=True, stop_after=9))  # one process, from the folder: ckpt.pt at step 9
+    _touch(folder)
+    assert checkpoint_to_resume(str(run)) == os.path.join(run, "ckpt.pt")
 
 
 def test_fsdp_trains_a_mixture_of_experts_when_an_expert_gets_no_tokens_on_a_rank(tmp_path):

@@ -19,8 +19,8 @@ from geomuon.pretrain.data import BATCH_SEEDING, load_data
 from geomuon.pretrain.model import GPT, get_config
 from geomuon.pretrain.config import TrainConfig
 from geomuon.theory.lipschitz import DEFAULT_METHOD
-from geomuon.pretrain.train import (Evaluation, RunFolderClaim, accumulate_gradients, check_same_run, evaluate,
-                                    lr_factor, model_config, owners, read_log, train)
+from geomuon.pretrain.train import (DataRefusal, Evaluation, RunFolderClaim, accumulate_gradients, check_same_run,
+                                    evaluate, lr_factor, model_config, owners, read_log, train)
 
 
 FLOAT64_EPS = 2.0**-52  # the spacing of float64 at 1
@@ -904,6 +904,9 @@ def test_a_bad_data_file_is_refused_by_name_before_anything_is_written(tmp_path,
     assert cli([*PRETRAIN, "--out-dir", str(out), "--data", spec.format(dir=tmp_path)]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()  # no run folder left behind
+    # a refusal of the data this process read, which under torchrun every rank raising it prints
+    with pytest.raises(DataRefusal, match=message):
+        train(tiny(tmp_path, data=spec.format(dir=tmp_path)))
 
 
 def test_data_other_than_the_configured_data_is_refused(tmp_path):
