@@ -99,15 +99,16 @@ regulator set on one rank only) had stepped silently wrong (each rank applied it
 to its rows; an owner mapped with its own manifold) or broken the process group inside an
 all-to-all (the ranks' payloads differ in size: gloo aborted the processes). Every rank now
 compares each sharded group's options before the step's sharded work on their mesh:
-:func:`check_group` records a fingerprint of the group's options (a CRC-32 of their canonical
-text, plus for a tensor value, e.g. a scheduled ``lr``, a checksum of its bits on the device),
-and the finiteness read of the first sharded group on the mesh (:func:`read_failures`)
-all-reduces the maximum of the groups' combined fingerprint and that of its negation
-($\max_r f_r = \min_r f_r$ exactly when every rank agrees) in the same host transfer: one
-all-reduce of 2 int64 per mesh and step, whatever the number of groups, and no host read of
-its own. A disagreement (another number of sharded groups included) raises ``ValueError`` on
-every rank naming each group, option and rank's value (an ``all_gather_object``, on that path
-only), before that mesh's sharded groups do any work (plain groups ahead of them have stepped).
+:func:`check_group` records a fingerprint of the group's options and of its sharded parameters'
+names, shapes and dtypes in order (a CRC-32 of their canonical text, plus for a tensor value,
+e.g. a scheduled ``lr``, a checksum of its bits on the device), and the finiteness read of
+the first sharded group on the mesh (:func:`read_failures`) all-reduces the maximum of the
+groups' combined fingerprint and that of its negation ($\max_r f_r = \min_r f_r$ exactly when
+every rank agrees) in the same host transfer: one all-reduce of 2 int64 per mesh and step,
+whatever the number of groups, and no host read of its own. A disagreement (another number of
+sharded groups included) raises ``ValueError`` on every rank naming each group, option and
+rank's value (an ``all_gather_object``, on that path only), before that mesh's sharded groups
+do any work (plain groups ahead of them have stepped).
 
 Placements: a 1-D device mesh with ``Shard(0)`` (FSDP2's default) is supported; other
 placements, a gradient placed unlike its parameter, a group mixing ``DTensor`` and plain
@@ -312,12 +313,24 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor], 
     _record_options(optimizer, group, index, mesh)
 
 
+#: the entry of a group's compared options that lists its sharded parameters' names, shapes and dtypes
+_PARAMETERS = "parameters"
+
+
 def _record_options(optimizer, group: dict, index: int, mesh) -> None:
     """Record the options of sharded group ``index`` on ``mesh`` for :func:`read_failures`'s
     comparison across ranks (every rank records every trainable sharded group, with gradients
     here or not: :meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host` reads each on
-    every rank, and a rank without entries had skipped the all-reduce the others waited in)."""
+    every rank, and a rank without entries had skipped the all-reduce the others waited in),
+    with the name (``param_names``' entry, or its position), global shape and dtype of each of
+    its sharded parameters, in the group's order (:data:`_PARAMETERS`): a group listing its
+    parameters in another order on one rank (built from a ``set``, say) had sent another batch's
+    rows into the all-to-all, where gloo aborted every process (two same-shape parameters
+    swapped are told apart by their ``param_names`` only: without names they step each other's
+    rows)."""
     options = {key: group.get(key) for key in optimizer._option_keys}  # (sorted: the same order on every rank)
+    options[_PARAMETERS] = ", ".join(f"{optimizer._name(group, i, index)} {list(p.shape)} {p.dtype}"
+                                     for i, p in enumerate(group["params"]) if is_sharded(p))
     optimizer._pending_options.append(_PendingOptions(index, mesh, options, *_fingerprint(options)))
 
 
@@ -333,7 +346,7 @@ class _PendingOptions:
     #: the param group's index
     group: int
     mesh: object
-    #: ``{option: value}`` on this rank, the keys sorted
+    #: ``{option: value}`` on this rank, the keys sorted, then :data:`_PARAMETERS`
     options: dict
     #: :func:`_fingerprint` of ``options``: the text's, and the tensors' (on their device; ``None``
     #: where no option is a tensor)
@@ -661,7 +674,8 @@ def _raise_for_differing_options(optimizer, compared: list[_PendingOptions], mes
     with every rank's value: each rank's options as text (tensors' values read) gathered by
     ``all_gather_object`` (a collective and host reads, on this path only; every rank of
     ``mesh`` takes it together)."""
-    mine = {entry.group: {key: _canonical(value) for key, value in entry.options.items()} for entry in compared}
+    mine = {entry.group: {key: value if key == _PARAMETERS else _canonical(value)  # (that one is text already)
+                          for key, value in entry.options.items()} for entry in compared}
     gathered: list = [None] * mesh.size()
     dist.all_gather_object(gathered, mine, group=mesh.get_group())
     listed = []
@@ -674,14 +688,15 @@ def _raise_for_differing_options(optimizer, compared: list[_PendingOptions], mes
         for key in groups[0]:
             texts = [g.get(key) for g in groups]
             if len(set(texts)) > 1:
-                listed.append(f"param group {index} option {key!r}: "
+                what = "sharded parameters" if key == _PARAMETERS else f"option {key!r}"
+                listed.append(f"param group {index} {what}: "
                               + ", ".join(f"rank {r}: {t}" for r, t in enumerate(texts)))
     raise ValueError(
         f"{type(optimizer).__name__}: the options of its sharded groups differ between the ranks of the device "
         f"mesh {mesh.mesh.tolist()} ({'; '.join(listed) or 'a fingerprint collision: no difference in their text'}); "
         "a sharded step is collective (each rank steps its rows, an owner maps the whole matrix): give every rank "
-        "the same options (build the optimizer and run its schedule alike on every rank); nothing on this mesh "
-        "was stepped")
+        "the same options and parameters, in the same order (build the optimizer and run its schedule alike on "
+        "every rank); nothing on this mesh was stepped")
 
 
 def _received_weights(p: torch.Tensor, fs: list, replicas: dict, rows: list[int]) -> torch.Tensor:

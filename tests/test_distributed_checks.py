@@ -79,6 +79,14 @@ OPTION_CASES = {
 }
 
 
+#: (case, shapes of the group's parameters, their param_names or None): rank 1 lists them reversed
+REORDERED_CASES = (
+    ("unnamed_same_shape", (SHAPE, SHAPE), None),
+    ("named_same_shape", (SHAPE, SHAPE), ["a", "b"]),
+    ("shapes", (SHAPE, (3, 4)), None),
+)
+
+
 def _column_weights() -> torch.Tensor:
     return torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64)
 
@@ -471,6 +479,25 @@ def worker(out_dir: str) -> None:
     for case, option_of_rank in OPTION_CASES.items():
         results[f"options:{case}"] = _outcome(lambda: differing(option_of_rank))  # noqa: B023 - called at once
         save()
+
+    # a group listing its parameters in another order on rank 1 (a [6, 4] and a [3, 4] matrix, or
+    # two named [6, 4] ones): each rank's first batch was another shape, and gloo aborted both
+    # processes inside the all-to-all (so these run last); two unnamed same-shape ones swapped
+    # cannot be told apart (the control: it steps)
+    def reordered(shapes, names):
+        params = [sharded(torch.ones(shape, dtype=torch.float64)) for shape in shapes]
+        listed = params[::-1] if rank == 1 else params
+        group = dict(params=listed, **({"param_names": names[::-1] if rank == 1 else names} if names else {}))
+        opt = Muon([group], lr=0.02, compute_dtype=None)
+        before = whole(params)
+        out = {"step": _outcome(lambda: step(opt, params, [torch.ones(p.shape, dtype=torch.float64)
+                                                          for p in params]))}
+        out["moved"] = not all(torch.equal(x, y) for x, y in zip(before, whole(params)))
+        return out
+
+    for case, shapes, names in REORDERED_CASES:
+        results[f"reordered:{case}"] = _outcome(lambda: reordered(shapes, names))  # noqa: B023 - called at once
+        save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
         dist.destroy_process_group()
@@ -799,6 +826,30 @@ def test_options_that_differ_between_ranks_are_refused_by_name_before_any_step(r
             for word in ("differ between the ranks", f"param group 0 option '{option}': rank 0: {values[0]}, "
                                                      f"rank 1: {values[1]}"):
                 assert word in refused["message"], (r, case, word, refused["message"])
+            assert not outcome["ok"]["moved"], (r, case)  # refused before any weight moved
+
+
+def test_parameters_listed_in_another_order_on_one_rank_are_refused_by_name_before_any_step(runs):
+    # rank 1's group lists its parameters reversed: gloo had aborted every process inside the
+    # all-to-all (the ranks' first batches were of different shapes)
+    ranks, _ = runs
+    listed = {"named_same_shape": ("'a' [6, 4] torch.float64, 'b' [6, 4] torch.float64",
+                                   "'b' [6, 4] torch.float64, 'a' [6, 4] torch.float64"),
+              "shapes": ("#0 of param group 0 [6, 4] torch.float64, #1 of param group 0 [3, 4] torch.float64",
+                         "#0 of param group 0 [3, 4] torch.float64, #1 of param group 0 [6, 4] torch.float64")}
+    for r, results in enumerate(ranks):
+        # the control: unnamed same-shape parameters cannot be told apart, and the step goes on
+        control = results["reordered:unnamed_same_shape"]
+        assert "ok" in control and "ok" in control["ok"]["step"] and control["ok"]["moved"], (r, control)
+        for case, (rank0, rank1) in listed.items():
+            outcome = results[f"reordered:{case}"]
+            assert "ok" in outcome, (r, case, outcome)  # the process group survived the refusal
+            refused = outcome["ok"]["step"]
+            assert refused.get("error") == "ValueError", (r, case, refused)
+            word = f"param group 0 sharded parameters: rank 0: {rank0}, rank 1: {rank1}"
+            assert word in refused["message"], (r, case, refused["message"])
+            assert "same options and parameters, in the same order" in refused["message"], (r, case)
+            assert refused["seconds"] < PG_TIMEOUT / 2, (r, case, refused)
             assert not outcome["ok"]["moved"], (r, case)  # refused before any weight moved
 
 
