@@ -171,10 +171,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
                                  "update, which AdamW would ignore); set betas for AdamW's momentum")
             for key, value in ADAMW_DEFAULTS.items():
                 param_group.setdefault(key, value)
-        elif "betas" in param_group:  # AdamW's momentum in a matrix group: kept and never read
-            raise ValueError(f"{type(self).__name__}: a {param_group.get('update', self.matrix_update)!r} group reads "
-                             "momentum, not betas (AdamW's option, which it would ignore); set momentum, or "
-                             "update='adamw' for an AdamW group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
@@ -207,6 +203,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 regulator = regulator_after(make_regulator(spec), bound)
             except ValueError as err:
                 raise ValueError(f"{type(self).__name__}: group {index}, regulate={spec!r}: {err}") from None
+            assumed, applied = getattr(regulator, "assumed_weight_decay", 0.0), float(group["weight_decay"])
+            if assumed > applied:  # k = w_max (1 - lr wd) + eta would under-estimate the decayed weight
+                raise ValueError(
+                    f"{type(self).__name__}: group {index}, regulate={spec!r} assumes weight_decay={assumed:g} "
+                    f"applied before each update, but the group applies weight_decay={applied:g}, so the cap "
+                    f"would be exceeded: give the group weight_decay={assumed:g}, or the regulator one <= "
+                    f"{applied:g} (0 is always safe)")
             # (a matrix group's vectors are refused by _validate_group already)
             if group["update"] == "adamw" and requires_matrices(regulator):  # now, not after other groups moved
                 self._refuse_vectors(group, index, f"its group's regulate={spec!r} acts on matrices (a vector has "
@@ -246,6 +249,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             )
         if group["matrix_view"] not in MATRIX_VIEWS:
             raise ValueError(f"group {index}: matrix_view must be one of {MATRIX_VIEWS}, got {group['matrix_view']!r}")
+        if "betas" in group:  # AdamW's momentum in a matrix group: kept and never read
+            raise ValueError(f"group {index}: a {group['update']!r} group reads momentum, not betas (AdamW's option, "
+                             "which it would ignore); set momentum, or update='adamw' for an AdamW group")
         self._check_scheduled(group, index)
         if not isinstance(group.get("nesterov", False), bool):  # a truthy string ("no") had switched it on
             raise ValueError(f"group {index}: nesterov must be True or False, got {group['nesterov']!r}")

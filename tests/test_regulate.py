@@ -462,6 +462,18 @@ def test_every_regulator_rejects_bad_weights(name):
         regulator(torch.tensor([[1.0, math.nan], [0.0, 1.0]]), lr=0.1)
 
 
+@pytest.mark.parametrize("name", sorted(REGULATORS))
+@pytest.mark.parametrize("lr, error", [(math.nan, ValueError), (math.inf, ValueError), (-1.0, ValueError),
+                                       ("0.1", TypeError), (None, TypeError)])
+def test_a_bad_learning_rate_is_refused_by_the_regulators_name(name, lr, error):
+    # the rate is checked before the regulator's refusal computes with it: a NaN or infinite rate
+    # had been refused as soft_cap_alpha's `wd` or muon_update_norm's `lr` (options the caller never
+    # gave), a string or None by a bare TypeError of the decays' product lr * weight_decay
+    for regulator in (make_regulator(name), make_regulator({"name": name, **({"eta": 0.1} if name == "soft_cap" else {})})):
+        with pytest.raises(error, match=rf"^{type(regulator).__name__}: lr must be a (finite|real) number"):
+            regulator(torch.ones(3, 3), lr=lr)
+
+
 # ----------------------------------------------------------------------------- make_regulator
 
 
@@ -971,7 +983,8 @@ def test_soft_cap_names_its_weight_decay_when_lr_times_it_reaches_one():
     # and so does an optimizer's step, which asks the regulator's refusal before any group moves
     W = torch.nn.Parameter(torch.eye(4))
     W.grad = torch.ones(4, 4)
-    opt = Muon([W], lr=0.1, regulate=SoftCap(w_max=1.0, eta=0.1, weight_decay=20.0))
+    # (the group applies the decay the cap assumes: one that applies less is refused at construction)
+    opt = Muon([W], lr=0.1, weight_decay=20.0, regulate=SoftCap(w_max=1.0, eta=0.1, weight_decay=20.0))
     with pytest.raises(ValueError, match=r"SoftCap: lr \* weight_decay = 2 must be below 1"):
         opt.step()
     assert torch.equal(W.detach(), torch.eye(4))  # nothing moved
@@ -1168,3 +1181,19 @@ def test_the_soft_cap_at_a_device_rate_is_the_float64_cap_of_the_host_rate(eta, 
     wd32, eta32 = torch.tensor(lr * weight_decay), torch.tensor(eta)
     exact = soft_cap_alpha(1.0, wd32.item(), eta32.item())
     assert soft_cap_alpha_tensor(1.0, wd32, eta32).item() == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize("regulate", [{"name": "soft_cap", "w_max": 2.0, "weight_decay": 0.5},
+                                      [{"name": "spectral_normalize", "w_max": 4.0},
+                                       {"name": "soft_cap", "w_max": 2.0, "weight_decay": 0.5}]],
+                         ids=["soft_cap", "chain"])
+def test_a_soft_cap_that_assumes_more_weight_decay_than_its_group_applies_is_refused(regulate):
+    # The soft cap's k = w_max (1 - lr wd) + eta takes its weight_decay as applied before the update:
+    # with none applied, a weight at the cap plus an update of norm eta came back 1.9 % above w_max
+    # (lr 0.1, eta 0.2), accepted without a word. Controls: the group applying that decay, or more.
+    W = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64) * 0.1)
+    with pytest.raises(ValueError, match=r"assumes weight_decay=0.5 applied before each update, but the group "
+                                         r"applies weight_decay=0\b"):
+        Muon([W], weight_decay=0.0, regulate=regulate)
+    for applied in (0.5, 0.7):
+        Muon([W], lr=0.02, weight_decay=applied, regulate=regulate)
