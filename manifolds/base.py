@@ -469,15 +469,18 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         """Whether the subclass defines :meth:`defining_map`."""
         return type(self).defining_map is not MatrixManifold.defining_map
 
-    def _defining_residual(self, x: torch.Tensor) -> torch.Tensor:
-        r"""$F(x)$ (:meth:`defining_map`), refused (``ValueError`` naming it) where it does not have
-        the multiplier shape of ``constraint`` ($dF_x = L_x$: one shape), checked on ``meta``
-        tensors. A sum over the wrong axis had crashed the Gauss–Newton solve with a bare
-        broadcasting error, and made ``points_on_manifold`` call a point off its manifold."""
-        residual = self.defining_map(x)
-        check_shape_of(type(self).__name__, "defining_map(x)", residual, lambda y: self.constraint(y, y), x,
+    def _check_defining_map(self, x: torch.Tensor) -> None:
+        r"""Refuse (``ValueError`` naming it) a :meth:`defining_map` whose $F(x)$ does not have the
+        multiplier shape of ``constraint`` ($dF_x = L_x$: one shape), on ``meta`` tensors (shapes
+        only; a map that cannot run there is not checked). A sum over the wrong axis had crashed
+        the Gauss–Newton solve with a bare broadcasting error, and made ``points_on_manifold``
+        call a point off its manifold."""
+        try:
+            given = self.defining_map(torch.empty_like(x, device="meta"))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        check_shape_of(type(self).__name__, "defining_map(x)", given, lambda y: self.constraint(y, y), x,
                        what_to_do="return F(x) in the shape constraint(x, u) returns (its derivative)")
-        return residual
 
     @matrix_method(result="multiplier")
     def gram_solve(self, x: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
@@ -675,7 +678,8 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         if type(self)._check_point_on_manifold is not MatrixManifold._check_point_on_manifold:
             return None
         if self.has_defining_map:
-            residual = self._defining_residual(x)
+            self._check_defining_map(x)
+            residual = self.defining_map(x)
             constant = self.defining_map(torch.zeros_like(x)).abs().flatten(x.dim() - 2)
             scale = constant.amax(-1) if constant.size(-1) else constant.new_zeros(constant.shape[:-1])
             scale = torch.where(scale > 0, scale, 1.0)  # a homogeneous constraint: an absolute tolerance
@@ -742,8 +746,9 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         # the next error under the dtype's round-off.
         small = 1e-2 * torch.finfo(y.dtype).eps ** 0.5
         tiny = torch.finfo(y.dtype).tiny
+        self._check_defining_map(y)  # (once: the shape does not change between steps)
         for _ in range(self.newton_steps):
-            step = self._normal_of(y, self.gram_solve(y, self._defining_residual(y)))
+            step = self._normal_of(y, self.gram_solve(y, self.defining_map(y)))
             y = y - step
             relative_step = step.norm(dim=(-2, -1)) / y.norm(dim=(-2, -1)).clamp_min(tiny)
             if bool((relative_step <= small).all()):

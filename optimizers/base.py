@@ -203,19 +203,33 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 regulator = regulator_after(make_regulator(spec), bound)
             except ValueError as err:
                 raise ValueError(f"{type(self).__name__}: group {index}, regulate={spec!r}: {err}") from None
-            assumed, applied = getattr(regulator, "assumed_weight_decay", 0.0), float(group["weight_decay"])
-            if assumed > applied:  # k = w_max (1 - lr wd) + eta would under-estimate the decayed weight
-                raise ValueError(
-                    f"{type(self).__name__}: group {index}, regulate={spec!r} assumes weight_decay={assumed:g} "
-                    f"applied before each update, but the group applies weight_decay={applied:g}, so the cap "
-                    f"would be exceeded: give the group weight_decay={assumed:g}, or the regulator one <= "
-                    f"{applied:g} (0 is always safe)")
             # (a matrix group's vectors are refused by _validate_group already)
             if group["update"] == "adamw" and requires_matrices(regulator):  # now, not after other groups moved
                 self._refuse_vectors(group, index, f"its group's regulate={spec!r} acts on matrices (a vector has "
                                                    "no spectral norm): set regulate=None in its param group")
             self._regulators[index] = (spec, regulator)
         return regulator
+
+    def _refuse_undecayed_soft_cap(self, group: dict, index: int) -> None:
+        """Refuse a group whose regulator assumes more decoupled weight decay than the group
+        applies (:attr:`~geomuon.optimizers.regulate.Regulator.assumed_weight_decay`: the soft
+        cap's $k = w_{\max}(1 - \text{lr}\,\text{wd}) + \eta$ would under-estimate the weight, which
+        came back 1.9 % over $w_{\max}$). Part of the group's validation, so a group edited between
+        steps and a loaded state dict are checked too (a refused load changes nothing)."""
+        spec = group.get("regulate")
+        if spec is None:
+            return
+        try:
+            assumed = getattr(make_regulator(regulator_spec(spec)), "assumed_weight_decay", 0.0)
+        except (ValueError, TypeError):  # a bad spec: refused by name where the regulator is built
+            return
+        applied = float(group["weight_decay"])
+        if assumed > applied:
+            raise ValueError(
+                f"{type(self).__name__}: group {index}, regulate={regulator_spec(spec)!r} assumes weight_decay="
+                f"{assumed:g} applied before each update, but the group applies weight_decay={applied:g}, so the "
+                f"cap would be exceeded: give the group weight_decay={assumed:g}, or the regulator one <= "
+                f"{applied:g} (0 is always safe)")
 
     def update_bound(self, group: dict) -> UpdateBound | None:
         r"""``(lr, shape) -> eta``: a bound on the RMS→RMS norm of one update of this matrix
@@ -233,6 +247,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _validate_group(self, group: dict, index: int) -> None:
         require_number(index, "weight_decay", group["weight_decay"], lambda x: x >= 0, "a finite number >= 0")
+        self._refuse_undecayed_soft_cap(group, index)
         if group["nonfinite"] not in _NONFINITE:
             raise ValueError(f"group {index}: nonfinite must be one of {_NONFINITE}, got {group['nonfinite']!r}")
         if group["update"] == "adamw":

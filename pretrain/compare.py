@@ -36,10 +36,9 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import (TrainConfig, add_options, field_problems, from_args, is_template, launcher_value,
                                      option, option_text)
-from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, value_or_refusal,
-                                    check_same_run, checkpoint_to_resume, literal_out_dir, load_run_data,
-                                    previous_checkpoint, resolve_out_dir, resume_command, resume_record, run_files,
-                                    train)
+from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, check_same_run,
+                                    checkpoint_to_resume, literal_out_dir, load_run_data, previous_checkpoint,
+                                    resolve_out_dir, resume_command, resume_record, run_files, train, value_or_refusal)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")

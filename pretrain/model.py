@@ -35,6 +35,11 @@ import torch.nn.functional as F
 from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.pretrain.monitoring import nan_max
 
+#: Layers that normalize their input: none is 1-Lipschitz on the input set the bound covers
+#: (:meth:`GPT.lipschitz_weights` refuses a model that holds one)
+_NORMALIZATIONS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._BatchNorm,
+                   nn.modules.instancenorm._InstanceNorm)
+
 
 def _of_kind(value, kind: str) -> bool:
     """Whether ``value`` is of the dataclass field type ``kind`` (``"int"``, ``"float"``,
@@ -524,8 +529,8 @@ class GPT(nn.Module):
             # modules read as they are, not as the config built them: a LayerNorm or a bias attached
             # after construction runs in forward, and had left the bound unchanged (a final
             # LayerNorm: estimate 123.9 against a "bound" of 1.28)
-            "a LayerNorm module (ln_f, or one added after construction)": c.lipschitz and any(
-                isinstance(m, nn.LayerNorm) for m in self.modules()),
+            "a normalization module (ln_f, or a norm layer added after construction)": c.lipschitz and (
+                self.ln_f is not None or any(isinstance(m, _NORMALIZATIONS) for m in self.modules())),
             "bias=True (or a Linear bias added after construction)": c.bias or any(
                 isinstance(m, nn.Linear) and m.bias is not None for m in self.modules()),
             f"mlp={c.mlp!r} (only 'gelu')": c.mlp != "gelu",

@@ -1061,9 +1061,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
             records = payload["log"] if "log" in payload else _records_before(payload)
             elapsed_before = payload.get("wall_time", 0.0)
             provenance = payload.get("provenance", [])  # (checkpoints before it recorded none)
-            moved = payload.get("data", {}).get("source", data.source) != data.source
+            before, now = data_read_from(payload), read_from(data.source)
             resumed = (f"resumed from {resume_from} at step {start}"  # said once it has loaded (below)
-                       + (f"; data read from {data.source} (before: {payload['data']['source']})" if moved else ""))
+                       + (f"; data read from {now} (before: {before})" if before not in (None, now) else ""))
         elif ddp.main:
             _prepare_out_dir(cfg.out_dir, cfg.overwrite)
         if cfg.print_table:
@@ -1287,16 +1287,16 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
                          "it would train on other batches; resume with the geomuon version that wrote it, or use a "
                          f"new {option_text('out_dir')}")
     if "data" in record:
-        changed, trained_on = identity_changes(record["data"], data.identity), record["data"]["source"]
+        changed, trained_on = identity_changes(record["data"], data.identity), data_read_from(record)
     else:  # (older checkpoints recorded no data identity: the spec alone is compared)
         changed = [f"data spec: {saved['data']!r} → {cfg.data!r}, and the checkpoint keeps no sha256 of its tokens "
                    "to compare"] if saved["data"] != cfg.data else []
         trained_on = None
     if changed:
         restore = ("resume under the Python version that started the run (the embedded corpus is its "
-                   "pydoc_data)" if trained_on == data.source == spec_source("embedded")
+                   "pydoc_data)" if trained_on == read_from(data.source) == spec_source("embedded")
                    else "restore the data the run was trained on")
-        where = "" if trained_on in (None, data.source) else f", read from {trained_on}"
+        where = "" if trained_on in (None, read_from(data.source)) else f", read from {trained_on}"
         raise DataRefusal(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
                           + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))
@@ -1305,6 +1305,14 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
         raise ValueError(f"the checkpoint's model differs from the one --config {cfg.model} builds now ("
                          + "; ".join(changed) + "); resume with the geomuon version that wrote it, or use a new "
                          f"{option_text('out_dir')}")
+
+
+def data_read_from(record: dict) -> str | None:
+    """Where the run of checkpoint ``record`` last read its data: its last provenance segment's
+    (:func:`~geomuon.pretrain.data.read_from`: an absolute path, links resolved), else the source
+    it recorded as spelled (checkpoints before segments recorded it), else ``None``."""
+    segments = [segment["data"] for segment in record.get("provenance", []) if "data" in segment]
+    return segments[-1] if segments else record.get("data", {}).get("source")
 
 
 def segment_provenance(device: torch.device, world: int, first_step: int, data: TokenData) -> dict:

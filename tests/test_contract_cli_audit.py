@@ -190,6 +190,18 @@ def test_a_batched_shape_catches_a_map_that_mixes_the_members_of_its_stack(capsy
     assert _cli(*argv, "--shape", "3x6x4", "--batch-elements", "shared") == 0
 
 
+def test_an_optimizer_that_cannot_step_a_batched_shape_is_a_usage_error(capsys):
+    # an optimizer class is checked on one parameter of the shape: Muon's default view refuses a 3-D
+    # one at its step, which had been exit 4 ("the update raised") on trial 0. Control: the view that
+    # steps a stack runs the check.
+    argv = ["geomuon.optimizers:Muon", "--group", "bi-orthogonal", "--shape", "3x6x4", "--trials", "4", "--seed", "0"]
+    assert _cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert "--shape 3x6x4: geomuon.optimizers:Muon is checked on one parameter of that shape" in err, err
+    assert "--arg matrix_view=batch" in err, err
+    assert _cli(*argv, "--arg", "matrix_view=batch") not in (2, 4)  # a verdict, not a usage error or a raise
+
+
 @pytest.mark.parametrize("options, message", [
     (("--shape", "3x0x4"), "--shape must look like 8x5 (positive M and N), or 3x8x5 for a stack of 3, got '3x0x4'"),
     (("--shape", "3x6x"), "got '3x6x'"),

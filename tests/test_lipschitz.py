@@ -1008,7 +1008,10 @@ def test_layernorm_model_is_refused_by_lipschitz_weights():
 
 
 @pytest.mark.parametrize("attach, match", [
-    (lambda model: setattr(model, "ln_f", torch.nn.LayerNorm(model.config.n_embd)), "a LayerNorm module"),
+    (lambda model: setattr(model, "ln_f", torch.nn.LayerNorm(model.config.n_embd)), "a normalization module"),
+    # forward runs any ln_f, whatever its type (an RMSNorm had been accepted)
+    (lambda model: setattr(model, "ln_f", torch.nn.RMSNorm(model.config.n_embd)), "a normalization module"),
+    (lambda model: setattr(model.h[0], "extra", torch.nn.LayerNorm(model.config.n_embd)), "a normalization module"),
     (lambda model: setattr(model.h[0].attn.q, "bias", torch.nn.Parameter(torch.zeros(model.config.n_embd))),
      "a Linear bias added after construction"),
 ])

@@ -1197,3 +1197,27 @@ def test_a_soft_cap_that_assumes_more_weight_decay_than_its_group_applies_is_ref
         Muon([W], weight_decay=0.0, regulate=regulate)
     for applied in (0.5, 0.7):
         Muon([W], lr=0.02, weight_decay=applied, regulate=regulate)
+
+
+def test_a_group_edited_or_loaded_below_its_soft_caps_weight_decay_is_refused_before_it_steps():
+    # the check had run only when the regulator was built: a group whose weight_decay was set to 0
+    # afterwards stepped unrefused, and a state dict with such a group was refused halfway through
+    # its load, leaving the optimizer unable to step. Control: the group as built steps.
+    regulate = {"name": "soft_cap", "w_max": 2.0, "weight_decay": 0.5}
+    W = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64) * 0.1)
+    W.grad = torch.randn(8, 8, dtype=torch.float64)
+    opt = Muon([W], lr=0.02, weight_decay=0.5, regulate=regulate)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["weight_decay"] = 0.0
+    before = W.detach().clone()
+    with pytest.raises(ValueError, match="assumes weight_decay=0.5 applied before each update"):
+        opt.step()
+    assert torch.equal(W.detach(), before)
+    opt.param_groups[0]["weight_decay"] = 0.5
+    edited = copy.deepcopy(saved)
+    edited["param_groups"][0]["weight_decay"] = 0.0
+    with pytest.raises(ValueError, match="assumes weight_decay=0.5 applied before each update"):
+        opt.load_state_dict(edited)
+    opt.step()  # the refused load changed nothing
+    assert not torch.equal(W.detach(), before)

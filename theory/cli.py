@@ -187,6 +187,22 @@ def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape:
                          f"{type(err).__name__}: {err}") from None
 
 
+def _check_steps_a_stack(optimizer: type, kwargs: dict, target: str, shape: tuple[int, ...],
+                         dtype: torch.dtype) -> None:
+    """One step of ``optimizer(params, **kwargs)`` on a zero parameter of a batched ``shape`` (a
+    zero gradient), before any trial: an optimizer class is checked on one parameter of that
+    shape, and one that steps only matrices (Muon's default ``matrix_view="strict"``) is a
+    usage error naming ``--shape``, exit 2, not exit 4 ("the update raised") on trial 0."""
+    param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+    param.grad = torch.zeros_like(param)
+    try:
+        optimizer([param], **kwargs).step()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"--shape {'x'.join(map(str, shape))}: {target} is checked on one parameter of that shape "
+                         f"and cannot step it ({type(err).__name__}: {err}); give --shape MxN, or an option that "
+                         "steps a stack of matrices (geomuon's optimizers: --arg matrix_view=batch)") from None
+
+
 def _subject(obj, kwargs: dict, steps: int, target: str, shape: tuple[int, ...], dtype: torch.dtype):
     from geomuon.theory.equivariance import MapUpdate, OptimizerUpdate
 
@@ -196,6 +212,8 @@ def _subject(obj, kwargs: dict, steps: int, target: str, shape: tuple[int, ...],
     if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer):
         if kwargs:
             _check_constructor_values(obj, kwargs, target, shape, dtype)
+        if len(shape) > 2:
+            _check_steps_a_stack(obj, kwargs, target, shape, dtype)
         label = name + (f"({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})" if kwargs else "")
         return OptimizerUpdate(lambda params: obj(params, **kwargs), name=label, steps=steps)
     if hasattr(obj, "evaluate"):

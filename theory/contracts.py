@@ -152,7 +152,8 @@ def manifold_residual(manifold: MatrixManifold, x: torch.Tensor) -> float:
 def _gauss_newton_step(manifold: MatrixManifold, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""$(F(x), L_x^*\Lambda)$ with $\Lambda = (L_xL_x^*)^{-1}F(x)$, at a float64 ``x`` (``ValueError``
     naming ``defining_map`` where $F(x)$ is not shaped as ``constraint``'s multiplier)."""
-    residual = MatrixManifold._defining_residual(manifold, x)
+    manifold._check_defining_map(x)
+    residual = manifold.defining_map(x)
     return residual, manifold.constraint_adjoint(x, manifold.gram_solve(x, residual))
 
 

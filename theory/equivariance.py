@@ -131,7 +131,8 @@ exactly equal; an integer matrix of exact low rank; 0), and judges each trial on
 a second time, at the same input, *exactly*: with an element of the group's exact subgroup
 (:meth:`~geomuon.theory.groups.Group.sample_exact`: signed permutations for rotations, powers of
 two for scalings, so $g\cdot x$ and both round trips round nothing and keep every tie, zero,
-repeated singular value and exact rank of $x$) and probes that keep the structure too (one
+repeated singular value and exact rank of $x$; a shift group's shift only on inputs on its grid)
+and probes that keep the structure too (one
 relative factor per distinct magnitude of $x$: equal entries stay equal, zeros zero, signs
 signs). An exactly equivariant single-valued map's residual there is its own internal round-off,
 which those probes re-create; a map that special-cases the structure jumps under neither the
@@ -1036,7 +1037,8 @@ def _structured(subject: _Subject, usual: Trial, exact_element: GroupElement, ex
     r"""A structured check's trial on a structured kind: ``usual`` (its element, the usual
     probes) and the *exact* trial at the same input — ``exact_element`` from the group's exact
     subgroup (:meth:`~geomuon.theory.groups.Group.sample_exact`: $g\cdot x$ and both round trips
-    are exact, and keep every tie, zero, repeated singular value and exact rank of $x$) and probes
+    are exact, and keep every tie, zero, repeated singular value and exact rank of $x$, but for a
+    shift off its grid) and probes
     that keep the structure too (``tied``), confirmed with :data:`CONFIRMATION_PROBES` before it
     is called violated or left inconclusive. The more decisive of the two is the trial's
     (:data:`_DECISIVE`; the usual one on a tie): a map that jumps exactly at the structure is

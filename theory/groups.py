@@ -41,7 +41,9 @@ action rounds nothing in floating point (every factor a signed permutation with 
 entries: a rotation factor becomes a signed permutation, a positive scaling a power-of-two one,
 :data:`EXACT_FACTORS`), so $g\cdot D$ keeps every exact structure of $D$ — ties, zero rows and
 columns, exactly repeated singular values, exact rank — and $g^{-1}\cdot(g\cdot D) = D$ bitwise
-(the checker's structured trials, :mod:`geomuon.theory.equivariance`).
+(the checker's structured trials, :mod:`geomuon.theory.equivariance`). A shift
+($+\mathbf 1v^\top$) is exact only on inputs on its grid: elsewhere its sums round, and an
+exact zero of $D$ becomes $v_j$.
 
 Map checks move the map's input with ``act``; optimizer-step and steepest-direction checks
 move the weights with ``act_point`` and the gradients with ``act_gradient``.
