@@ -80,8 +80,8 @@ import torch
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import ScratchBuffers, check_compute_dtype, fp32_or_fp64, in_one_thread_workers
 
-from .regulate import (UpdateBound, is_warm_start_key, make_regulator, regulator_after, regulator_refusal,
-                       regulator_spec, requires_matrices, unchecked_regulation)
+from .regulate import (UpdateBound, is_warm_start_key, make_regulator, regulator_after, regulator_assumed_weight_decay,
+                       regulator_refusal, regulator_spec, requires_matrices, unchecked_regulation)
 from . import distributed as _distributed
 
 __all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEWS"]
@@ -216,17 +216,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
         cap's $k = w_{\max}(1 - \text{lr}\,\text{wd}) + \eta$ would under-estimate the weight, which
         came back 1.9 % over $w_{\max}$). Part of the group's validation, so a group edited between
         steps and a loaded state dict are checked too (a refused load changes nothing)."""
-        spec = group.get("regulate")
-        if spec is None:
+        if group.get("regulate") is None:
             return
         try:
-            assumed = getattr(make_regulator(regulator_spec(spec)), "assumed_weight_decay", 0.0)
+            spec = regulator_spec(group["regulate"])
+            assumed = regulator_assumed_weight_decay(make_regulator(spec))
         except (ValueError, TypeError):  # a bad spec: refused by name where the regulator is built
             return
         applied = float(group["weight_decay"])
         if assumed > applied:
             raise ValueError(
-                f"{type(self).__name__}: group {index}, regulate={regulator_spec(spec)!r} assumes weight_decay="
+                f"{type(self).__name__}: group {index}, regulate={spec!r} assumes weight_decay="
                 f"{assumed:g} applied before each update, but the group applies weight_decay={applied:g}, so the "
                 f"cap would be exceeded: give the group weight_decay={assumed:g}, or the regulator one <= "
                 f"{applied:g} (0 is always safe)")

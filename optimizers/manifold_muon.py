@@ -553,37 +553,41 @@ class ManifoldMuon(MatrixOptimizer):
                 )
             if group["solver"] == "projected":
                 self._check_projected(group, p, own if manifold is None else manifold, name)
-        self._refuse_gram_options_off_the_gram_path(group, index, manifold)
-        self._refuse_newton_without_a_newton_step(group, index, manifold)
+        forms = self._gram_forms(group, index, manifold)
+        self._refuse_gram_options_off_the_gram_path(group, index, forms)
+        self._refuse_newton_without_a_newton_step(group, index, forms)
         if group["regulate"] is not None:
             self._refuse_regulators_that_leave(group, index, manifold)
 
-    def _refuse_newton_without_a_newton_step(self, group: dict, index: int, manifold) -> None:
-        """Refuse ``dual_update="newton"`` in a group with a matrix whose Gram form declares no Newton
-        step (``declares_newton``: Oblique's): its dual steps would be Jacobi's, the option ignored
-        (its default, ``None``, takes whichever the form has)."""
-        if group["dual_update"] != "newton":
-            return
+    def _gram_forms(self, group: dict, index: int, manifold) -> list[tuple[int, Any, Any]]:
+        """``(position, manifold, Gram form or None)`` of each parameter of group ``index``
+        (:meth:`_gram_form`; ``manifold``: the group's, else each parameter's own)."""
+        forms = []
         for i, p in enumerate(group["params"]):
             owner = manifold if manifold is not None else resolve_manifold(p.manifold, f"param group {index}")
-            form = self._gram_form(group, owner, self._matrix_shape(group, p))
+            forms.append((i, owner, self._gram_form(group, owner, self._matrix_shape(group, p))))
+        return forms
+
+    def _refuse_newton_without_a_newton_step(self, group: dict, index: int, forms: list) -> None:
+        """Refuse ``dual_update="newton"`` in a group with a matrix whose Gram form declares no Newton
+        step (``declares_newton``: Oblique's): its dual steps would be Jacobi's, the option ignored
+        (its default, ``None``, takes whichever the form has). ``forms``: :meth:`_gram_forms`."""
+        if group["dual_update"] != "newton":
+            return
+        for i, owner, form in forms:
             if form is not None and not form.declares_newton:
                 raise ValueError(
                     f"group {index}: dual_update='newton' would be ignored for parameter {self._name(group, i, index)}: "
                     f"the Gram form of {_described(owner)} declares no Newton step (has_newton or newton_cg_steps), "
                     "so its dual steps are Jacobi's; leave dual_update out (None: the form's own) or use 'jacobi'")
 
-    def _refuse_gram_options_off_the_gram_path(self, group: dict, index: int, manifold) -> None:
+    def _refuse_gram_options_off_the_gram_path(self, group: dict, index: int, forms: list) -> None:
         """Refuse the Gram path's options (:data:`_GRAM_OPTIONS`, a nonzero ``dual_smoothing``) in
-        a group none of whose matrices takes that path (:meth:`_gram_form`): the general path
-        would ignore them (``norm="row"`` with ``polish_rounds=3`` had run no polish)."""
+        a group none of whose matrices takes that path (``forms``: :meth:`_gram_forms`): the general
+        path would ignore them (``norm="row"`` with ``polish_rounds=3`` had run no polish)."""
         ignored = _options_set(group, _GRAM_OPTIONS)
-        if not ignored or not group["params"]:
+        if not ignored or not forms or any(form is not None for _, _, form in forms):
             return
-        for p in group["params"]:
-            owner = manifold if manifold is not None else resolve_manifold(p.manifold, f"param group {index}")
-            if self._gram_form(group, owner, self._matrix_shape(group, p)) is not None:
-                return
         raise ValueError(
             f"group {index}: {', '.join(ignored)} would be ignored: they are options of the Gram path, which no "
             f"matrix of the group takes (it needs norm='spectral', msign_method='polar_express', "

@@ -130,6 +130,7 @@ __all__ = [
     "requires_matrices",
     "regulator_after",
     "regulator_refusal",
+    "regulator_assumed_weight_decay",
     "UpdateBound",
 ]
 
@@ -1146,7 +1147,7 @@ class Chain(Regulator, register=False):
 
     @property
     def assumed_weight_decay(self):
-        return max((r.assumed_weight_decay for r in self.regulators if isinstance(r, Regulator)), default=0.0)
+        return max(map(regulator_assumed_weight_decay, self.regulators), default=0.0)
 
     def refusal(self, lr, shape):
         return next((why for r in self.regulators if (why := regulator_refusal(r, lr, shape))), None)
@@ -1177,6 +1178,11 @@ def regulator_after(regulator: Callable | None, update_bound: UpdateBound | None
 def regulator_refusal(regulator: Callable | None, lr: float, shape: tuple[int, int]) -> str | None:
     """:meth:`Regulator.refusal` of a :class:`Regulator`; ``None`` for any other callable."""
     return regulator.refusal(lr, shape) if isinstance(regulator, Regulator) else None
+
+
+def regulator_assumed_weight_decay(regulator: Callable | None) -> float:
+    """:attr:`Regulator.assumed_weight_decay` of a :class:`Regulator`; 0 for any other callable."""
+    return regulator.assumed_weight_decay if isinstance(regulator, Regulator) else 0.0
 
 
 def requires_matrices(regulator: Callable | None) -> bool:

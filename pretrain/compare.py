@@ -189,8 +189,8 @@ def compare(
     claim, overall, summaries = None, None, []
     try:
         outcome = value_or_refusal(_claimed_comparison, base, strategies, seeds) if ddp.main else None
-        if isinstance(outcome, tuple):
-            outcome, claim = outcome[:2], outcome[2]
+        if isinstance(outcome, tuple):  # (as train's claim_out_dir: the value, and rank 0's claim)
+            outcome, claim = outcome
         outcome = ddp.from_main(outcome)
         if isinstance(outcome, ValueError):
             raise outcome
@@ -220,12 +220,12 @@ def compare(
     return summaries
 
 
-def _claimed_comparison(base: TrainConfig, strategies: list[str],
-                        seeds: list[int]) -> tuple[str | None, list[TrainConfig], RunFolderClaim | None]:
+def _claimed_comparison(base: TrainConfig, strategies: list[str], seeds: list[int]
+                        ) -> tuple[tuple[str | None, list[TrainConfig]], RunFolderClaim | None]:
     """:func:`comparison_runs`, then the claim on the comparison's folder."""
     root, runs = comparison_runs(base, strategies, seeds)
     fresh = root is not None and is_template(base.out_dir)  # comparison_runs created it
-    return root, runs, None if root is None else RunFolderClaim(root, fresh=fresh)
+    return (root, runs), None if root is None else RunFolderClaim(root, fresh=fresh)
 
 
 def check(options: CompareConfig) -> None:

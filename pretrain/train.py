@@ -1293,10 +1293,11 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
                    "to compare"] if saved["data"] != cfg.data else []
         trained_on = None
     if changed:
+        now = read_from(data.source)
         restore = ("resume under the Python version that started the run (the embedded corpus is its "
-                   "pydoc_data)" if trained_on == read_from(data.source) == spec_source("embedded")
+                   "pydoc_data)" if trained_on == now == spec_source("embedded")
                    else "restore the data the run was trained on")
-        where = "" if trained_on in (None, read_from(data.source)) else f", read from {trained_on}"
+        where = "" if trained_on in (None, now) else f", read from {trained_on}"
         raise DataRefusal(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
                           + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))

@@ -849,7 +849,6 @@ def test_parameters_listed_in_another_order_on_one_rank_are_refused_by_name_befo
             word = f"param group 0 sharded parameters: rank 0: {rank0}, rank 1: {rank1}"
             assert word in refused["message"], (r, case, refused["message"])
             assert "same options and parameters, in the same order" in refused["message"], (r, case)
-            assert refused["seconds"] < PG_TIMEOUT / 2, (r, case, refused)
             assert not outcome["ok"]["moved"], (r, case)  # refused before any weight moved
 
 

@@ -10,7 +10,6 @@ each map are negative controls: the contract must name them.
 """
 
 import io
-import math
 
 import geoopt
 import pytest
@@ -22,13 +21,8 @@ from geomuon.optimizers import ManifoldMuon
 from geomuon.optimizers.steepest import ACCURATE, FAST, steepest_direction
 from geomuon.theory.contracts import check_manifold_contract, default_tolerance
 from geomuon.theory.equivariance import DirectionUpdate, OptimizerUpdate, check_equivariance
-
-
-def spd(m, condition=10.0, seed=0):
-    """A float64 SPD m x m matrix with eigenvalues log-spaced over [1, condition]."""
-    gen = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
-    return (q * torch.logspace(0, math.log10(condition), m, dtype=torch.float64)) @ q.mT
+from test_constraint_manifold import spd  # a float64 SPD matrix, eigenvalues log-spaced
+from test_engine import WholeBatchManifoldMuon  # whole same-shape stacks on the CPU too, as on a GPU
 
 
 class GeneralizedStiefel(MatrixManifold):
@@ -291,18 +285,10 @@ def test_a_defining_map_of_the_wrong_multiplier_shape_is_named():
 
 
 # ---------------------------------------------------------------- training
-class WholeBatches(ManifoldMuon):
-    """ManifoldMuon stepping each same-shape batch as one stack, as on a GPU (on a CPU it steps one
-    matrix per stack, or one part per thread, and a batch would never be seen whole here)."""
-
-    cpu_stack_size = 0
-    parallel_batches = False
-
-
 def _steps(params_and_manifolds, gradients, steps, **options):
-    """``steps`` WholeBatches steps on ManifoldParameter copies, gradients[i] fed to parameter i."""
+    """``steps`` WholeBatchManifoldMuon steps on ManifoldParameter copies, gradients[i] fed to parameter i."""
     params = [geoopt.ManifoldParameter(x.clone(), manifold=m) for x, m in params_and_manifolds]
-    opt = WholeBatches(params, **options)
+    opt = WholeBatchManifoldMuon(params, **options)
     for _ in range(steps):
         for p, g in zip(params, gradients):
             p.grad = g.clone()

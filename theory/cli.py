@@ -193,7 +193,8 @@ def _check_steps_a_stack(optimizer: type, kwargs: dict, target: str, shape: tupl
     zero gradient), before any trial: an optimizer class is checked on one parameter of that
     shape, and one that steps only matrices (Muon's default ``matrix_view="strict"``) is a
     usage error naming ``--shape``, exit 2, not exit 4 ("the update raised") on trial 0."""
-    param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+    # a stack of one member per batch dimension: stepping it says the same, at one matrix's memory
+    param = torch.nn.Parameter(torch.zeros((1,) * (len(shape) - 2) + shape[-2:], dtype=dtype))
     param.grad = torch.zeros_like(param)
     try:
         optimizer([param], **kwargs).step()

@@ -192,15 +192,13 @@ FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
     "identity": _identity,
 }
 
-#: The exact subgroup's sampler of each factor (:meth:`Group.sample_exact`): signed permutations
-#: for rotations (they are rotations), power-of-two scalings for positive ones. A factor added
-#: to :data:`FACTORS` without an entry here is sampled by its own sampler.
+#: The exact subgroup's sampler of each factor whose own sampler rounds (:meth:`Group.sample_exact`):
+#: signed permutations for rotations (they are rotations), power-of-two scalings for positive ones.
+#: A factor of :data:`FACTORS` without an entry here (the permutations, the identity: already
+#: exact) is sampled by its own sampler.
 EXACT_FACTORS: dict[str, Callable[[int, torch.Generator | None], torch.Tensor]] = {
     "orthogonal": random_signed_permutation,
-    "permutation": random_permutation,
-    "signed_permutation": random_signed_permutation,
     "positive_diagonal": random_power_of_two_diagonal,
-    "identity": _identity,
 }
 
 

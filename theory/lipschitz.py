@@ -1255,11 +1255,10 @@ def empirical_lipschitz(
     lr, ascent_lr, near, perturbation = (as_positive(where, name, value) for name, value in
                                          (("lr", lr), ("ascent_lr", ascent_lr), ("near", near),
                                           ("perturbation", perturbation)))
-    if isinstance(searches, str) or not isinstance(searches, Iterable):
-        raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
     # read once, here: the check had used up a generator, and the search ran no pair (an IndexError)
-    searches = tuple(searches)
-    if set(searches) - set(SEARCHES) or not searches:
+    if not isinstance(searches, str) and isinstance(searches, Iterable):
+        searches = tuple(searches)
+    if not isinstance(searches, tuple) or set(searches) - set(SEARCHES) or not searches:
         raise ValueError(f"empirical_lipschitz: searches must be a non-empty subset of {SEARCHES}, got {searches}")
     if not (isinstance(x0, torch.Tensor) and x0.is_floating_point()):
         raise TypeError(f"{where}: x0 must be a floating-point tensor, got "
