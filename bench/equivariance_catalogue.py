@@ -229,7 +229,7 @@ def corner_flip(D):
 
 
 def bf16_spectral(D):
-    """Newton–Schulz msign computed in bfloat16 whatever the input's dtype, returned in it:
+    r"""Newton–Schulz msign computed in bfloat16 whatever the input's dtype, returned in it:
     $O_m\times O_n$-equivariant up to bfloat16 (a correct map that rounds inside)."""
     return _spectral(D.bfloat16()).to(D.dtype)
 

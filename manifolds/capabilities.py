@@ -267,7 +267,7 @@ class GramForm:
         raise NotImplementedError
 
     def newton_diagonal(self, D: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-        """The diagonal of :meth:`newton_operator` on the basis of the multipliers the iteration
+        r"""The diagonal of :meth:`newton_operator` on the basis of the multipliers the iteration
         visits (symmetric ones for an $n\times n$ multiplier), multiplier-shaped and nonnegative:
         the conjugate-gradient preconditioner of a form with ``newton_cg_steps``."""
         raise NotImplementedError

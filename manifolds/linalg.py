@@ -155,7 +155,7 @@ def check_matrix(X, what: str, vector_hint: str = "1-D tensors (biases, gains) h
 
 
 def fp32_or_fp64(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the accurate computations (retractions, inverse square roots, polar
+    r"""The dtype of the accurate computations (retractions, inverse square roots, polar
     maps, regulators, manifold checks): float64 for float64 input, float32 otherwise.
 
     Half precision is upcast: a bf16 retraction or inverse root adds round-off comparable

@@ -40,9 +40,11 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
   a non-finite gradient, and the error reaches the user at a point that does not stall the
   device. **Exception: sharded** (``DTensor``) groups. Their step has no device-side skip,
   so each sharded param group's finiteness flags (one per matrix; the ranks' squared norms
-  summed in fp32) are read back to the host before it steps — one device-to-host read per
-  sharded group per step, which on CUDA waits for the device (NCCL collectives do not) —
-  and a non-finite matrix is left out of the step on every rank and reported at once.
+  summed in float64) are read back to the host before it steps — one device-to-host read per
+  sharded group per step, and one more per device mesh before its first group's (the ranks'
+  options compared, :func:`~geomuon.optimizers.distributed.compare_options`), each of which
+  on CUDA waits for the device (NCCL collectives do not) — and a non-finite matrix is left
+  out of the step on every rank and reported at once.
 * **Regulation** (group key ``regulate``): a spec for
   :func:`geomuon.optimizers.regulate.make_regulator`, applied after the step as
   ``p.copy_(reg(p, lr=lr, state=self.state[p]))`` (a skipped matrix keeps its weight; the
@@ -106,9 +108,12 @@ _HOST_VALUE = object()
 def _same_option(before, now) -> bool:
     """Whether a group option is unchanged since it was checked: the same object, or an equal
     plain value of the same type. A tensor, dict or list counts as changed unless it is the same
-    object (a manifold's spec may hold tensors: comparing them would read a device back)."""
+    object (a manifold's spec may hold tensors: comparing them would read a device back); the
+    tuple of a group's parameters is unchanged if it lists the same tensors, by identity."""
     if before is now:
         return True
+    if isinstance(before, tuple):
+        return type(now) is tuple and len(before) == len(now) and all(b is n for b, n in zip(before, now))
     if isinstance(before, (torch.Tensor, dict, list)) or type(before) is not type(now):
         return False
     return before == now
@@ -211,7 +216,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return regulator
 
     def _refuse_undecayed_soft_cap(self, group: dict, index: int) -> None:
-        """Refuse a group whose regulator assumes more decoupled weight decay than the group
+        r"""Refuse a group whose regulator assumes more decoupled weight decay than the group
         applies (:attr:`~geomuon.optimizers.regulate.Regulator.assumed_weight_decay`: the soft
         cap's $k = w_{\max}(1 - \text{lr}\,\text{wd}) + \eta$ would under-estimate the weight, which
         came back 1.9 % over $w_{\max}$). Part of the group's validation, so a group edited between
@@ -291,19 +296,24 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _option_value(self, group: dict, key: str):
         """What the snapshot of checked options holds for ``key`` (:data:`_HOST_VALUE` for a
-        scheduled option's host value)."""
+        scheduled option's host value, the tuple of the tensors for ``params``)."""
         value = group.get(key)
+        if key == "params":
+            return tuple(value)
         if key in SCHEDULED_OPTIONS and not isinstance(value, torch.Tensor):
             return _HOST_VALUE
         return value
 
     def _options_of(self, group: dict) -> dict:
-        """The group's options as they are now (:meth:`_option_value` of each key)."""
-        return {key: self._option_value(group, key) for key in self._option_keys}
+        """The group's options as they are now (:meth:`_option_value` of each key), and its
+        parameters: a tensor put into or taken out of ``params`` between steps edits the group
+        (an appended 1-D tensor had reached the matrix update unrefused)."""
+        return {key: self._option_value(group, key) for key in (*self._option_keys, "params")}
 
-    def _group_checked(self, group: dict, index: int) -> None:
-        """Called when group ``index`` has passed its checks, added or edited (default: nothing;
-        ManifoldMuon checks its weights on their manifold at their next step)."""
+    def _group_checked(self, group: dict, index: int, added: list | None = None) -> None:
+        """Called when group ``index`` has passed its checks, added or edited; ``added``: when
+        only its ``params`` changed, the tensors put into them (default: nothing; ManifoldMuon
+        checks those weights, or every weight of the group, on their manifold at their next step)."""
 
     def _check_edited_groups(self) -> None:
         """Before any group steps: check again (:meth:`_validate_group`) every group whose
@@ -315,14 +325,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         (its check reads it, once; a schedule's in-place update keeps the tensor)."""
         for index, group in enumerate(self.param_groups):
             checked = self._checked_options[index]
-            if any(not _same_option(value, self._option_value(group, key)) for key, value in checked.items()):
+            edited = [key for key, value in checked.items() if not _same_option(value, self._option_value(group, key))]
+            if edited:
                 try:
                     self._validate_group(group, index)
                 except ValueError as err:
-                    raise ValueError(f"{type(self).__name__}: {err} (an edited param group; nothing was stepped)") from None
+                    name = f"{type(self).__name__}: "  # (said once: some refusals name the optimizer already)
+                    raise ValueError(f"{name}{str(err).removeprefix(name)} (an edited param group; nothing was stepped)") from None
                 self._group_regulator(group, index)  # (an edited spec normalized now, before it is recorded)
                 self._checked_options[index] = self._options_of(group)
-                self._group_checked(group, index)
+                listed = {id(p) for p in checked["params"]}  # (alive, in the snapshot: no id reused)
+                self._group_checked(group, index, [p for p in group["params"] if id(p) not in listed]
+                                    if edited == ["params"] else None)
             else:  # (a re-validated group's scheduled values were checked with it)
                 self._check_scheduled(group, index, in_step=True)
 
@@ -528,7 +542,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         No value is read back from the device (see :meth:`check_finite` for how skipped
         steps are reported), except in a sharded (``DTensor``) param group: one read of its
         finiteness flags per group and step (:meth:`_finite_on_host`; a trainable group without
-        a gradient on this rank reads too, a frozen one does not), a host synchronisation
+        a gradient on this rank reads too, a frozen one does not), and before the first such
+        read on a device mesh one of the ranks' options compared, each a host synchronisation
         on CUDA."""
         self._check_edited_groups()
         return self._step_checked(closure)
@@ -546,18 +561,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
         stepped = [self._params_with_grad(group) for group in self.param_groups]
         # every group checked before any group steps: a refusal (the same on every rank) leaves
         # nothing half-stepped and no rank waiting in a collective
-        for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
-            _distributed.check_group(self, group, index, params, positions)
+        read = []  # per group: the DTensor parameters whose finiteness its step reads (check_group's rule)
+        for index, (group, (params, _)) in enumerate(zip(self.param_groups, stepped)):
+            read.append(_distributed.check_group(self, group, index, params))
             if params and regulators[index] is not None and not isinstance(group["lr"], torch.Tensor):
                 if (why := self.regulation_refusal(index, float(group["lr"]))) is not None:
                     raise ValueError(f"{type(self).__name__}: group {index}, {why}; nothing was stepped")
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
-            # a sharded group's read is collective: this rank takes part even without a gradient
-            # of its own in a trainable group (another rank may have one, and waits for it); a
-            # frozen group (requires_grad, the same on every rank) costs no read
-            sharded = _sharded_params(group)
-            if sharded and (params or any(p.requires_grad for p in sharded)):
-                params = self._finite_on_host(group, index, params, positions, sharded)
+            if read[index]:  # collective: with or without a gradient here (check_group's rule)
+                params = self._finite_on_host(group, index, params, positions, read[index])
             if not params:
                 continue
             lr = group["lr"]  # a tensor lr stays one: an operand of the update, never read back
@@ -676,10 +688,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
         r"""Sharded parameters: the non-finite check, read back to the host now (the sharded step
-        has no device-side skip: the one host read of a step, see :meth:`step`), so every rank
+        has no device-side skip: the host reads of a step, see :meth:`step`), so every rank
         drops the same matrices. ``params``: the group's parameters with a gradient on this rank
-        (possibly none); ``tracked``: all its ``DTensor`` parameters (:func:`_sharded_params`); every rank of the group's mesh calls this for every group with a
-        trainable ``DTensor`` parameter (``requires_grad``), gradients or not.
+        (possibly none); ``tracked``: all its ``DTensor`` parameters, where
+        :func:`~geomuon.optimizers.distributed.check_group` says the group is read (every rank of
+        the group's mesh calls this for every group with a trainable ``DTensor`` parameter,
+        gradients or not).
 
         One all-reduce (sum) over the mesh of a fixed-length vector, the same length on every
         rank whichever gradients exist: for each sharded parameter $p_j$ of the group
@@ -697,7 +711,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         dtype's range skips). Combined in fp16, the squares of a finite gradient's shard norms
         had overflowed (two shards of 6000 I_64, norm 48000: inf). The same read carries the
         failure flags of earlier sharded steps on the group's mesh
-        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them)."""
+        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them).
+
+        Before that all-reduce, whose length is the number of ``tracked``, the first sharded
+        group of the step on its mesh compares the options and parameters of the mesh's groups
+        across its ranks (:func:`~geomuon.optimizers.distributed.compare_options`: one all-reduce
+        of 2 int64 and a host read of its own): a rank whose group listed a parameter more had
+        sent a longer vector into it, and gloo had aborted the processes; now every rank raises
+        ``ValueError`` naming the group and its parameters on each rank."""
         mesh = tracked[0].device_mesh
         dtensor = _distributed._dtensor_module()
         # each gradient's norm in its own wide dtype (a missing one's: its parameter's), as _keep
@@ -721,6 +742,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     share = share / mesh.size(dim)
             shares.append(share.to(reduced))
             present.append(torch.ones_like(zero))
+        _distributed.compare_options(self, mesh, zero.device)  # (the norms above are queued first)
         summed = dtensor.DTensor.from_local(torch.stack(shares + present), mesh,
                                             [dtensor.Partial("sum")] * mesh.ndim, run_check=False).full_tensor()
         counts = summed[len(tracked):]
@@ -986,7 +1008,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             list of ``(parameter name, reason)`` for the points that are off.
 
         Raises:
-            ValueError: naming them, when ``raise_error`` and the list is not empty.
+            OffManifoldError: (a ``ValueError``) naming them, when ``raise_error`` and the list
+                is not empty.
         """
         failures = []
         for index, group in enumerate(self.param_groups):
@@ -1002,7 +1025,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     failures.append((self._name(group, i, index), reason))
         if failures and raise_error:
             listing = "; ".join(f"{name}: {reason}" for name, reason in failures)
-            raise ValueError(
+            raise OffManifoldError(
                 f"{type(self).__name__}: parameter(s) off their manifold — {listing}. Project them "
                 "back with p.copy_(manifold.projx(p)) (or optimizer.project_to_manifolds())"
             )
@@ -1032,12 +1055,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     view = x.reshape(x.shape[0], -1) if group["matrix_view"] == "flatten" else x
                     _distributed.write_whole(p, manifold.projx(view).reshape(p.shape).to(p.dtype))
                     _distributed.forget_replica(self, p)
-
-
-def _sharded_params(group: dict) -> list[torch.Tensor]:
-    """The param group's ``DTensor`` parameters, in the group's order (the same list on every
-    rank: :meth:`MatrixOptimizer._finite_on_host` reads one entry per parameter)."""
-    return [p for p in group["params"] if _distributed.is_sharded(p)]
 
 
 def require_number(index: int, name: str, value, admissible, what: str) -> None:

@@ -51,12 +51,11 @@ import torch
 
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import fp32_or_fp64
-from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS
+from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_of
 
-from . import distributed as _distributed
 from .base import MatrixOptimizer, OffManifoldError, require_number
 from .regulate import make_regulator, unchecked_regulation
-from .gram import DUALIZERS, POLISH_METHODS, SOLVERS, UPDATES, GramSettings, gram_step
+from .gram import DUALIZERS, POLISH_METHODS, SOLVERS, UPDATES, GramSettings, unchecked_gram_step
 from .steepest import FAST, NORMS, certified_ratio, steepest_direction
 
 __all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_cold_dual_steps", "default_polish_rounds", "default_polish_method",
@@ -81,9 +80,9 @@ DUALIZER_SHIFT_EPS = torch.finfo(torch.float32).eps
 _RETRACTIONS = ("fused", "manifold")
 #: The spectral dualizer's kernel and iterations by default (``msign_method``, ``msign_steps``).
 DEFAULT_MSIGN_METHOD, DEFAULT_MSIGN_STEPS = "polar_express", 6
-#: The norms whose dualizer runs that kernel (:data:`~geomuon.optimizers.steepest.NORMS`): the
-#: row and column dualizers normalize rows or columns, with no polar factor.
-_MSIGN_NORMS = ("spectral", "hybrid")
+#: The norms whose dualizer runs that kernel, as :data:`~geomuon.optimizers.steepest.NORMS`
+#: declares them (the row and column dualizers normalize rows or columns, with no polar factor).
+_MSIGN_NORMS = tuple(name for name, norm in NORMS.items() if norm.polar_factor)
 
 
 def default_dual_steps(manifold) -> int:
@@ -149,7 +148,7 @@ def default_dual_update(manifold) -> str:
 
 def gram_solver(device: torch.device, update: str | None, dualizer: str | None,
                 smoothing: float = 0.0) -> tuple[str, str]:
-    """The Gram path's ``(dual update, dualizer)`` for matrices on ``device``, where the group
+    r"""The Gram path's ``(dual update, dualizer)`` for matrices on ``device``, where the group
     left either as ``None``.
 
     The dualizer defaults to ``"eigh"`` on the CPU (one exact $n\times n$ eigendecomposition
@@ -371,7 +370,8 @@ class ManifoldMuon(MatrixOptimizer):
     ``add_param_group``; a weight without a gradient then, at its first step with one) checks on
     the device that it is on its manifold (:meth:`step`), so a weight that left its manifold
     raises :class:`~geomuon.optimizers.base.OffManifoldError` (a ``ValueError``) naming it
-    instead of being silently retracted; the step reads nothing back from the device.
+    instead of being silently retracted; the step reads nothing back from the device (a sharded
+    group's step reads its flags: :meth:`step`).
     """
 
     matrix_update = "manifold_muon"
@@ -626,17 +626,45 @@ class ManifoldMuon(MatrixOptimizer):
                              f"{type(manifold).__name__}, which does not step wide points transposed: "
                              "solver='projected' serves tall and square ones only; use solver='dual'")
 
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """The base's checks, and every saved warm start ``"dual_correction"`` has the shape of
+        its parameter's multiplier (its manifold's ``constraint`` at the parameter's matrix
+        shape): a step takes the warm starts it holds unchecked
+        (:func:`~geomuon.optimizers.gram.unchecked_gram_step`), and one of another shape had
+        broadcast over its batch or failed inside a product. Counts that do not match are left
+        to torch's own message, as the base leaves them."""
+        super()._check_loadable(state_dict)
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(c["params"]) for s, c in zip(saved_groups, self.param_groups)):
+            return
+        for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
+            group = self._complete_group({**saved, "params": current["params"]})
+            for i, (saved_id, p) in enumerate(zip(saved["params"], current["params"])):
+                correction = state_dict.get("state", {}).get(saved_id, {}).get("dual_correction")
+                if group["update"] == "adamw" or not isinstance(correction, torch.Tensor):
+                    continue
+                name = self._name(current, i, index)
+                manifold = resolve_manifold(p.manifold if group["manifold"] is None else group["manifold"],
+                                            f"parameter {name}")
+                point = torch.empty(self._matrix_shape(group, p), device="meta")
+                check_shape_of(f"{type(self).__name__}.load_state_dict", f"state 'dual_correction' of parameter {name}",
+                               correction, manifold.constraint, point, point,
+                               what_to_do="the state was saved for another model (or its groups in another order)")
+
     def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
         # the warm start lives in the retraction dtype (fp32 for bf16 weights): a bf16 copy
         # changed a resumed run's next step by 5e-4
         return fp32_or_fp64(p.dtype) if key == "dual_correction" else super()._state_dtype(key, p)
 
-    def _group_checked(self, group: dict, index: int) -> None:
+    def _group_checked(self, group: dict, index: int, added: list | None = None) -> None:
         # a group added after the first step, or edited (its manifold, say): its weights are
         # checked at their next step, as the first step checks every weight (unchecked, an
-        # off-manifold weight was stepped to a norm of 5e9 in one step)
+        # off-manifold weight was stepped to a norm of 5e9 in one step); a group whose params
+        # alone changed, the weights put into them (a weight taken out of one rank's list and
+        # checked there alone would gather on that rank only)
         if group["update"] != "adamw":
-            self._unchecked.update(id(p) for p in group["params"])
+            self._unchecked.update(id(p) for p in (group["params"] if added is None else added))
 
     def _check_every_weight(self) -> None:
         """Check every constrained weight again at its next step (:meth:`_admissible`)."""
@@ -659,15 +687,21 @@ class ManifoldMuon(MatrixOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Performs one step; a weight's first step with a gradient (after construction,
-        :meth:`load_state_dict` or ``add_param_group``) checks it is on its manifold, on the
+        :meth:`load_state_dict`, ``add_param_group``, an edited group or its appending to a
+        group's ``params``) checks it is on its manifold, on the
         device (:meth:`_admissible`), and raises :class:`~geomuon.optimizers.base.OffManifoldError` naming the weights off
         theirs once the flags are on the host: at the end of this step on the CPU, at the
-        next step or :meth:`check_finite` elsewhere. Those weights are not stepped."""
+        next step or :meth:`check_finite` elsewhere. Those weights are not stepped.
+        With sharded (``DTensor``) parameters that check runs at the group's finiteness read
+        (:meth:`_finite_on_host`), once the ranks' options and parameters are compared: every
+        rank gathers each matrix to check whole (one all-gather per matrix) and reads the
+        group's flags back, one more host synchronisation per such group on CUDA, at the
+        first step and again after those events; the weights off their manifold are left out
+        of the step on every rank and raise
+        :class:`~geomuon.optimizers.base.OffManifoldError` at the end of this step (the group's
+        other weights step, as in one process)."""
         self._check_edited_groups()  # first: an edited group's weights are among those this step checks
         unchecked = len(self._unchecked)
-        if unchecked and any(_distributed.is_sharded(p) for g in self.param_groups for p in g["params"]):
-            self.check_on_manifold()  # every weight, on the host
-            self._unchecked.clear()
         counts = [group.get("step_count", 0) for group in self.param_groups]
         for group, count in zip(self.param_groups, counts):
             group["step_count"] = count + 1  # the step's certificates read it
@@ -697,8 +731,8 @@ class ManifoldMuon(MatrixOptimizer):
         :meth:`~geomuon.manifolds.MatrixManifold.points_on_manifold` with the tolerances of
         :meth:`check_on_manifold` (a matrix of a ``"batch"`` view: every slice), true for the
         matrices checked at earlier steps; ``None`` (all) when every matrix is. A manifold whose
-        check is host-side only is checked here on the host. (Sharded parameters are checked on
-        the host in :meth:`step`: their step reads its finiteness flags back anyway.)"""
+        check is host-side only is checked here on the host. (A sharded matrix is gathered whole
+        for it: :meth:`_finite_on_host`.)"""
         if group["update"] == "adamw" or self._unchecked.isdisjoint(map(id, params)):
             return None
         flags = []
@@ -714,6 +748,25 @@ class ManifoldMuon(MatrixOptimizer):
                 on = torch.tensor(manifold.check_point_on_manifold(matrix, atol=tol, rtol=1e-5), device=p.device)
             flags.append(on.all())
         return torch.stack(flags)
+
+    def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
+                        positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The base's read (the ranks' options and parameters compared, then the finiteness
+        flags: the parameters it returns are the same on every rank), then the manifold check
+        (:meth:`_admissible`) of those not checked yet, each gathered whole (an all-gather per
+        matrix), its ``[B]`` flags read to the host: the sharded step has no device-side skip.
+        The gathers come after the comparison: a rank whose group listed a parameter more had
+        gathered it while the others compared their options (gloo: a timeout on one rank, a
+        closed connection on the other). A matrix off its manifold is left out of the step and
+        recorded for :meth:`step`'s :class:`~geomuon.optimizers.base.OffManifoldError`, as
+        :meth:`_keep` records it in one process."""
+        params = super()._finite_on_host(group, index, params, positions, tracked)
+        admissible = self._admissible(group, params)
+        if admissible is None:
+            return params
+        on = admissible.tolist()
+        self._refused.record(index, [positions[id(p)] for p in params], "raise", torch.tensor(on))
+        return [p for p, ok in zip(params, on) if ok]
 
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         shape = self._matrix_shape(group, params[0])
@@ -822,7 +875,8 @@ class ManifoldMuon(MatrixOptimizer):
         flat = (-1, *shape[-2:])
         if warm is not None:
             warm = warm.reshape(-1, *warm.shape[W.dim() - 2:])
-        out = gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, settings, shrink)
+        # the warm start is this optimizer's own (or checked at load_state_dict): no per-step shape check
+        out = unchecked_gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, settings, shrink)
         point = out.point.reshape(shape)
         correction = None
         if out.correction is not None:
@@ -834,8 +888,8 @@ class ManifoldMuon(MatrixOptimizer):
             reference = int(group.get("certify_reference", 0))  # (absent from a group saved before it existed)
             if reference:
                 solve = replace(settings, solver="dual", dual_steps=reference, polish_rounds=0)
-                iterates.append(gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, solve,
-                                          shrink).dual_iterate(Wf))
+                iterates.append(unchecked_gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, solve,
+                                                    shrink).dual_iterate(Wf))
             # the tangent part, in the points' dtype: the projected solver's direction is tangent
             # only to its compute dtype, and its normal part is not a step (the retraction removes
             # it); projected at W itself (cW has the same normal space)

@@ -65,6 +65,8 @@ class Norm:
     * ``dual(X) -> [...]``: $\|X\|_\dagger = \max_{\|A\|\le1}\langle X,A\rangle$, exact.
     * ``exact_dualizer``: whether $\Phi$ is the true maximizer of that ball (``False`` for
       ``hybrid``, whose certificate is then measured against the spectral ball).
+    * ``polar_factor``: whether ``dualize`` runs the polar-factor kernel chosen by
+      ``settings.msign_method`` / ``msign_steps`` (options that mean nothing to the others).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Norm:
     value: Callable[[torch.Tensor, bool], torch.Tensor]
     dual: Callable[[torch.Tensor], torch.Tensor]
     exact_dualizer: bool = True
+    polar_factor: bool = False
 
 
 def _spectral_value(A: torch.Tensor, exact: bool) -> torch.Tensor:
@@ -110,7 +113,7 @@ def _exact_floor(X: torch.Tensor) -> float:
 
 
 NORMS: dict[str, Norm] = {
-    "spectral": Norm("spectral", _msign, _spectral_value, _nuclear),
+    "spectral": Norm("spectral", _msign, _spectral_value, _nuclear, polar_factor=True),
     "row": Norm(
         "row",
         lambda X, s: row_norm(X, eps=_exact_floor(X)),
@@ -132,6 +135,7 @@ NORMS: dict[str, Norm] = {
         _spectral_value,
         _nuclear,
         exact_dualizer=False,
+        polar_factor=True,
     ),
 }
 

@@ -37,8 +37,9 @@ from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import (TrainConfig, add_options, field_problems, from_args, is_template, launcher_value,
                                      option, option_text)
 from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, check_same_run,
-                                    checkpoint_to_resume, literal_out_dir, load_run_data, previous_checkpoint,
-                                    resolve_out_dir, resume_command, resume_record, run_files, train, value_or_refusal)
+                                    checkpoint_to_resume, claimed_by_main, literal_out_dir, load_run_data,
+                                    previous_checkpoint, resolve_out_dir, resume_command, resume_record, run_files,
+                                    train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -188,13 +189,7 @@ def compare(
     ddp = Distributed.of_run(base)
     claim, overall, summaries = None, None, []
     try:
-        outcome = value_or_refusal(_claimed_comparison, base, strategies, seeds) if ddp.main else None
-        if isinstance(outcome, tuple):  # (as train's claim_out_dir: the value, and rank 0's claim)
-            outcome, claim = outcome
-        outcome = ddp.from_main(outcome)
-        if isinstance(outcome, ValueError):
-            raise outcome
-        root, runs = outcome
+        (root, runs), claim = claimed_by_main(ddp, _claimed_comparison, base, strategies, seeds)
         data = load_run_data(base)
         for cfg in runs:
             if cfg.resume:

@@ -306,11 +306,10 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
     except OSError as err:  # (one process: DCP raises the error itself)
         failure = 0, err
     if failure is None:
-        # every file a load reads, as DCP's metadata (the same on every rank) names them: each rank
-        # sums a share (for fewer than 11 ranks its own __<rank>_<n>.distcp), rank 0 the .metadata too
+        # every file a load reads, as DCP's metadata (the same on every rank) names them, and the
+        # .metadata: each rank sums its share (:func:`_share`)
         rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-        files = sorted({info.relative_path for info in written.storage_data.values()})
-        share = files[rank::world] + ([METADATA] if main else [])
+        share = _share({info.relative_path for info in written.storage_data.values()} | {METADATA}, rank, world)
         try:
             sums = {name: file_sum(os.path.join(tmp, name)) for name in share}
         except OSError as err:  # rank 0 writes no record without every share; _agreed stops every rank
@@ -420,6 +419,15 @@ def file_sum(path: str) -> dict[str, int]:
     return {"bytes": size, "crc32": crc}
 
 
+def _share(names, rank: int, world: int) -> list[str]:
+    """The files of ``names`` (a checkpoint's) that process ``rank`` of ``world`` sums at a save and
+    checks at a load: :data:`METADATA` on rank 0 (when listed), and every ``world``-th tensor file in
+    name order from the ``rank``-th on (for fewer than 11 ranks the ``__<rank>_<n>.distcp`` the rank
+    wrote). One process's share is every file."""
+    tensors = sorted(set(names) - {METADATA})
+    return ([METADATA] if rank == 0 and METADATA in names else []) + tensors[rank::world]
+
+
 def read_record(folder: str, files: bool = False) -> dict:
     """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
     (:class:`DamagedCheckpoint`) naming the folder when it is not a complete geomuon distributed
@@ -448,11 +456,14 @@ def read_record(folder: str, files: bool = False) -> dict:
     return record
 
 
-def _damaged_file(folder: str, record: dict) -> str | None:
-    """What is wrong with the first file of ``folder`` that differs from the size and CRC-32
-    its ``record`` lists; ``None`` when all match. A checkpoint written before records listed
-    them has no ``files``: it is read unchecked, as before."""
-    for name, written in sorted(record.get("files", {}).items()):
+def _damaged_file(folder: str, record: dict, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with the first file of process ``rank``'s share (:func:`_share`; of one
+    process: every file) of ``folder`` that differs from the size and CRC-32 its ``record`` lists;
+    ``None`` when all match. A checkpoint written before records listed them has no ``files``: it
+    is read unchecked, as before."""
+    listed = record.get("files", {})
+    for name in _share(listed, rank, world):
+        written = listed[name]
         try:
             found = file_sum(os.path.join(folder, name))
         except FileNotFoundError:
@@ -484,15 +495,20 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
             holding other parameters, the same ones in another order, or another geometry: its
             state is matched by position; or saved options the optimizer's load refuses), or
             (:class:`DamagedCheckpoint`) an incomplete folder, unreadable files or files whose
-            size or CRC-32 differs from the record's (:func:`read_record`; every rank reads every
-            file); raised before anything is loaded.
+            size or CRC-32 differs from the record's (each rank reads its share of the files,
+            :func:`_share`, and every rank raises the first rank's finding); raised before
+            anything is loaded.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     together = dist.is_initialized()
-    # every rank checks every file (one read of the checkpoint): a rank of another world size reads
-    # other ranks' files, and ranks that all refuse alike leave none waiting in DCP's collectives
-    record = read_record(folder, files=True)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    record = read_record(folder)
+    # the checkpoint read once, as the save summed it: each rank checks its share, and the ranks
+    # agree on the verdict, so that all refuse alike and none is left waiting in DCP's collectives
+    problem = _agreed(_damaged_file(folder, record, rank, world), together)
+    if problem is not None:
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
     saved = _saved_entries(folder)
     model_state = get_model_state_dict(model)
     expected = {f"model/{k}" for k in model_state}

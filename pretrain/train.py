@@ -853,13 +853,8 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
     ddp = Distributed.of_run(cfg)
     claim = None
     try:
-        outcome = value_or_refusal(claim_out_dir, cfg) if ddp.main else None
-        if isinstance(outcome, tuple):
-            outcome, claim = outcome
-        outcome = ddp.from_main(outcome)
-        if isinstance(outcome, ValueError):
-            raise outcome
-        cfg = replace(cfg, out_dir=outcome)
+        out_dir, claim = claimed_by_main(ddp, claim_out_dir, cfg)
+        cfg = replace(cfg, out_dir=out_dir)
         stop = _StopRequest() if cfg.out_dir is not None else contextlib.nullcontext(_StopRequest())
         with stop as request:
             result = _train(cfg, data, ddp, build_assignment, extra_metrics, request)
@@ -874,13 +869,29 @@ def train(cfg: TrainConfig, data: TokenData | None = None, *,
         ddp.close()
 
 
-def value_or_refusal(function, *args):
-    """``function(*args)``, or the ``ValueError`` it raised (rank 0's work whose outcome, a value
-    or a refusal, :meth:`Distributed.from_main` sends to the other ranks)."""
+def claimed_by_main(ddp: Distributed, claim: Callable[..., tuple[object, RunFolderClaim | None]], *args
+                    ) -> tuple[object, RunFolderClaim | None]:
+    """Rank 0's ``claim(*args)``, a value and the :class:`RunFolderClaim` rank 0 then holds (or
+    ``None``), as ``(value, claim)`` on every rank, the claim ``None`` on the others; the
+    ``ValueError`` it raised, raised on every rank. Rank 0 alone resolves, creates and locks a
+    run's folder (every rank had made a templated folder of its own), and one broadcast
+    (:meth:`Distributed.from_main`) sends the value or the refusal. A claim the broadcast fails
+    after is released before the error is raised: the caller never received it."""
+    value = held = None
+    if ddp.main:
+        try:
+            value, held = claim(*args)
+        except ValueError as err:
+            value = err
     try:
-        return function(*args)
-    except ValueError as err:
-        return err
+        value = ddp.from_main(value)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    if isinstance(value, ValueError):
+        raise value
+    return value, held
 
 
 class _StopRequest:

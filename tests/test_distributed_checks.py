@@ -79,6 +79,16 @@ OPTION_CASES = {
 }
 
 
+#: (case, optimizer class, rank 0 appends the extra parameter before the first step rather than
+#: after it), in the order they run
+EXTRA_PARAMETER_CASES = (
+    ("extra_parameter", Muon, False),
+    # rank 0 alone then has a weight to check on its manifold (an appended one)
+    ("extra_parameter:manifold_muon", ManifoldMuon, False),
+    ("extra_parameter:manifold_muon_first_step", ManifoldMuon, True),
+)
+
+
 #: (case, shapes of the group's parameters, their param_names or None): rank 1 lists them reversed
 REORDERED_CASES = (
     ("unnamed_same_shape", (SHAPE, SHAPE), None),
@@ -207,6 +217,50 @@ def worker(out_dir: str) -> None:
     # row shard: Muon had stepped a scrambled matrix) or Replicate (a gloo collective mismatch)
     results["batch_shard1"] = _outcome(lambda: refused([sharded(a), sharded(b, Shard(1))]))
     results["batch_shard1_manifold"] = _outcome(lambda: refused([sharded(a), sharded(b, Shard(1))], ManifoldMuon))
+
+    # a group of a sharded w0 without a gradient (on every rank) and a plain w1 with one: the step
+    # had read the group's finiteness (a collective) and then failed on w1 with a KeyError. A
+    # trainable w0 is refused by name, as it is where it has a gradient; a frozen one is no
+    # sharded work, and w1 steps as a plain matrix
+    def plain_with_gradient(frozen):
+        params = [sharded(a), torch.nn.Parameter(b.clone())]
+        params[0].requires_grad_(not frozen)
+        opt = Muon([dict(params=params, param_names=["w0", "w1"])], lr=0.02, compute_dtype=None)
+        params[1].grad = _gradients(1)[0]
+        opt.step()
+        return not torch.equal(params[1].detach(), b)
+
+    results["mixed_plain_trainable_without_gradient"] = _outcome(lambda: plain_with_gradient(False))
+    results["mixed_plain_frozen"] = _outcome(lambda: plain_with_gradient(True))
+
+    # ManifoldMuon's first sharded step checks its weights whole, on the host (check_on_manifold):
+    # a weight off Stiefel had raised a plain ValueError there, where one process raises
+    # OffManifoldError (the error a training loop catches to project the weights back)
+    def off_manifold():
+        params = [sharded(2 * a)]
+        opt = ManifoldMuon(params, lr=0.02, manifold="stiefel", compute_dtype=None)
+        out = {"step": _outcome(lambda: step(opt, params, _gradients(1)))}
+        out["moved"] = not torch.equal(whole(params)[0], 2 * a)
+        return out
+
+    results["off_manifold_first_step"] = _outcome(off_manifold)
+
+    # a weight c appended to the group's params between steps (on every rank) had not been checked
+    # on its manifold: one off Stiefel was stepped. Control: the same weight on Stiefel steps
+    def appended(scale):
+        params = [sharded(w) for w in (*_points(), scale * _points(1, seed=2)[0])]
+        opt = ManifoldMuon([dict(params=params[:2], param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                           compute_dtype=None)
+        step(opt, params[:2], _gradients())
+        opt.param_groups[0]["params"].append(params[2])
+        opt.param_groups[0]["param_names"].append("c")
+        before = whole(params)
+        out = {"step": _outcome(lambda: step(opt, params, _gradients(3, seed=2)))}
+        out["moved"] = [not torch.equal(x, y) for x, y in zip(before, whole(params))]
+        return out
+
+    results["appended_off_manifold"] = _outcome(lambda: appended(2.0))
+    results["appended_on_manifold"] = _outcome(lambda: appended(1.0))
     save()
 
     # D3: save_distributed on a sub-mesh, where a rank's number is not its global one: global
@@ -498,6 +552,37 @@ def worker(out_dir: str) -> None:
     for case, shapes, names in REORDERED_CASES:
         results[f"reordered:{case}"] = _outcome(lambda: reordered(shapes, names))  # noqa: B023 - called at once
         save()
+
+    # rank 0's group lists a parameter more (appended between steps, or before the first:
+    # EXTRA_PARAMETER_CASES): Muon's finiteness all-reduce, one entry per parameter, ran before the
+    # options were compared, and gloo aborted rank 1 on the longer vector; ManifoldMuon's first
+    # step gathered each weight for its manifold check before that (rank 0 waited until the
+    # process group's timeout). So these run last. Then rank 0 drops it again and the group steps: the
+    # process group survived, and the parameters' text recorded for the comparison is the edited
+    # group's at every step (in both directions)
+    def extra_parameter(opt_class, first_step):
+        params = [sharded(w) for w in (*_points(), *_points(1, seed=2))]
+        group = dict(params=params[:2], param_names=["a", "b"])
+        opt = opt_class([group], lr=0.02, compute_dtype=None,
+                        **(dict(manifold="stiefel") if opt_class is ManifoldMuon else {}))
+        out = {} if first_step else {"first": _outcome(lambda: step(opt, params, _gradients(3)))}
+        if rank == 0:
+            opt.param_groups[0]["params"].append(params[2])
+            opt.param_groups[0]["param_names"].append("c")
+        before = whole(params)
+        out["extra"] = _outcome(lambda: step(opt, params, _gradients(3, seed=2)))
+        out["moved"] = [not torch.equal(x, y) for x, y in zip(before, whole(params))]
+        if rank == 0:
+            opt.param_groups[0]["params"].pop()
+            opt.param_groups[0]["param_names"].pop()
+        before = whole(params)
+        out["dropped"] = _outcome(lambda: step(opt, params, _gradients(3, seed=3)))
+        out["moved_after"] = [not torch.equal(x, y) for x, y in zip(before, whole(params))]
+        return out
+
+    for case, opt_class, first_step in EXTRA_PARAMETER_CASES:
+        results[case] = _outcome(lambda: extra_parameter(opt_class, first_step))  # noqa: B023 - called at once
+        save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
         dist.destroy_process_group()
@@ -551,6 +636,49 @@ def test_a_group_mixing_sharded_and_plain_or_meshes_is_refused_by_name(runs):
     _refused_by_name(ranks, "mixed_meshes", "'w1' is on the device mesh of ranks [1, 0]", "param group of their own")
     # had named the group and the shape only
     _refused_by_name(ranks, "shard1_alone", "parameter 'w0'", "Shard(dim=1)", "Shard(0)")
+
+
+def test_a_trainable_sharded_parameter_without_gradient_beside_a_plain_one_is_refused_by_name(runs):
+    # w0 a DTensor without a gradient, w1 plain with one: the step had read the group's finiteness
+    # on the mesh and then raised KeyError (w1 was not among the parameters read)
+    ranks, _ = runs
+    _refused_by_name(ranks, "mixed_plain_trainable_without_gradient", "'w0' is a DTensor", "'w1' a plain tensor",
+                     "param group of their own")
+    for r, results in enumerate(ranks):  # the control: w0 frozen, no sharded work, and w1 steps
+        assert results["mixed_plain_frozen"].get("ok") is True, (r, results["mixed_plain_frozen"])
+
+
+def test_a_sharded_weight_off_its_manifold_is_refused_as_in_one_process(runs):
+    ranks, _ = runs
+    from geomuon.optimizers.base import OffManifoldError
+
+    one = torch.nn.Parameter(2 * _points(1)[0])
+    opt = ManifoldMuon([one], lr=0.02, manifold="stiefel", compute_dtype=None)
+    one.grad = _gradients(1)[0]
+    with pytest.raises(OffManifoldError):  # the one-process step's error (the control)
+        opt.step()
+    for r, results in enumerate(ranks):
+        assert "ok" in results["off_manifold_first_step"], (r, results["off_manifold_first_step"])
+        run = results["off_manifold_first_step"]["ok"]
+        assert run["step"].get("error") == "OffManifoldError", (r, run["step"])
+        assert "off their manifold" in run["step"]["message"] and "projx" in run["step"]["message"], (r, run)
+        assert not run["moved"], r
+
+
+def test_a_sharded_weight_appended_to_a_group_is_checked_on_its_manifold(runs):
+    # appended to group["params"] between steps on every rank, a weight off Stiefel had been
+    # stepped unchecked; now it is left out of the step, and every rank raises OffManifoldError at
+    # its end, as one process does (the group's other weights step). Control: the same weight on
+    # Stiefel steps
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        off, on = results["appended_off_manifold"], results["appended_on_manifold"]
+        assert "ok" in off and "ok" in on, (r, off, on)
+        assert off["ok"]["step"].get("error") == "OffManifoldError", (r, off)
+        assert "parameter(s) off their manifold — 'c'" in off["ok"]["step"]["message"], (r, off)
+        assert off["ok"]["moved"] == [True, True, False], (r, off)
+        assert "ok" in on["ok"]["step"], (r, on)
+        assert on["ok"]["moved"] == [True, True, True], (r, on)
 
 
 def test_a_batch_mixing_placements_is_refused_by_name(runs):
@@ -916,3 +1044,31 @@ def test_a_gradient_on_some_ranks_only_is_refused_by_name_on_every_rank(runs, ca
         assert outcome["ok"]["moved"] == [False, False], (r, outcome)  # refused before any step
         # the same optimizer then steps a (b's gradient None on every rank: b stays)
         assert outcome["ok"]["after"] == [True, False], (r, outcome)
+
+
+@pytest.mark.parametrize("case,first_step", [(case, first_step) for case, _, first_step in EXTRA_PARAMETER_CASES],
+                         ids=[case for case, *_ in EXTRA_PARAMETER_CASES])
+def test_a_parameter_more_on_one_rank_is_refused_by_name_on_every_rank_and_the_group_steps_once_dropped(
+        runs, case, first_step):
+    # rank 0's group had a third parameter: Muon's finiteness all-reduce (one entry per parameter)
+    # ran before the options' comparison, and gloo aborted rank 1 on the longer vector (rank 0:
+    # "Connection reset by peer"); with NCCL, a wait until the process group's timeout. ManifoldMuon's
+    # first step gathered every weight for its manifold check before both, rank 0 one more: rank 0
+    # waited until the process group's timeout ("Application timeout caused pair closure")
+    ranks, _ = runs
+    listed = ("rank 0: 'a' [6, 4] torch.float64, 'b' [6, 4] torch.float64, 'c' [6, 4] torch.float64, "
+              "rank 1: 'a' [6, 4] torch.float64, 'b' [6, 4] torch.float64")
+    for r, results in enumerate(ranks):
+        outcome = results.get(case)
+        assert outcome is not None and "ok" in outcome, (r, outcome)  # None: the rank died in a collective
+        run = outcome["ok"]
+        assert first_step or "ok" in run["first"], (r, run)  # the step before rank 0 appends c
+        refused = run["extra"]
+        assert refused.get("error") == "ValueError", (r, refused)
+        assert f"param group 0 sharded parameters: {listed}" in refused["message"], (r, refused["message"])
+        assert refused["seconds"] < PG_TIMEOUT / 2, (r, refused)
+        assert run["moved"] == [False, False, False], (r, run["moved"])  # refused before any step
+        # rank 0 dropped c again: the same group on both ranks steps (the parameters' text was
+        # formatted again for the edit, and no rank was left in a collective)
+        assert "ok" in run["dropped"], (r, run["dropped"])
+        assert run["moved_after"] == [True, True, False], (r, run["moved_after"])

@@ -7,6 +7,7 @@ damaged folders; training on after a load on 4 processes is ``slow`` (``pytest -
 tests/test_distributed_train.py``).
 """
 
+import ast
 import json
 import os
 import re
@@ -379,6 +380,59 @@ def test_a_damaged_byte_in_a_tensor_file_is_refused_and_the_previous_checkpoint_
     assert identical(read_distributed(folder, ""), intact)
 
 
+# Each rank: a resume of the run, then the files of the folder argv[2] that it summed (file_sum: the
+# sizes and CRC-32s a load checks) and how the resume ended.
+SUMMED = textwrap.dedent("""
+    import os, sys, torch
+    torch.set_num_threads(1)
+    from geomuon.pretrain import parallel
+    from geomuon.pretrain.train import TrainConfig, train
+    folder, summed, plain = sys.argv[2], [], parallel.file_sum
+
+    def file_sum(path):
+        if os.path.dirname(path) == folder:  # (not the folder a resume writes, nor the previous one)
+            summed.append(os.path.basename(path))
+        return plain(path)
+
+    parallel.file_sum = file_sum
+    try:
+        train(TrainConfig(**eval(sys.argv[1])))
+        print("resumed", flush=True)
+    except ValueError as err:
+        print(f"refused: {err}", flush=True)
+    print(f"summed {sorted(summed)!r}", flush=True)
+    os._exit(0)
+""")
+
+
+def _summed(output: str) -> list[str]:
+    return ast.literal_eval(re.search(r"summed (\[.*\])", output).group(1))
+
+
+def test_each_rank_checks_its_share_of_a_checkpoint_and_every_rank_refuses_a_damaged_one(runs, tmp_path):
+    # every rank had summed every file of the checkpoint at a resume (world size times its bytes
+    # read); as at the save, each rank now checks a share, and the ranks agree on the verdict
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run)
+    folder = last(run)
+    listed = sorted(read_record(folder)["files"])
+    cfg = config(run, parallel="fsdp", resume=True, stop_after=STEPS)  # the load alone
+    outputs = finished(spawn(2, SUMMED, cfg, folder))
+    shares = [_summed(out) for out in outputs]
+    assert all("resumed" in out for out in outputs), outputs
+    # every listed file read once, by one rank
+    assert sorted(shares[0] + shares[1]) == listed and all(shares), shares
+    # a file rank 1 alone checks, damaged: rank 0, which does not read it, refuses it by name too
+    (theirs,) = set(shares[1]) - {".metadata"}
+    _flip_byte(os.path.join(folder, theirs), os.path.getsize(os.path.join(folder, theirs)) // 2)
+    outputs = finished(spawn(2, SUMMED, cfg, folder))
+    offered = (f"refused: distributed checkpoint '{folder}' has a {theirs} that fails its CRC-32 check .*; the "
+               f"previous checkpoint .*dcp-step0000000{HALF}' \\(step {HALF}\\) is complete")
+    assert all(re.search(offered, out) for out in outputs), outputs
+    assert [_summed(out) for out in outputs] == shares, outputs
+    assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
+
+
 def test_a_checkpoint_whose_record_lists_no_files_still_loads_and_a_lost_shard_is_named(runs, tmp_path):
     # checkpoints written before the record listed its files' sums load unchecked; a tensor file
     # DCP then cannot read had raised DCP's bare CheckpointException from read_distributed
@@ -496,6 +550,29 @@ def test_train_leaves_a_process_group_the_caller_initialized(tmp_path, monkeypat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_folder_rank_0_claimed_is_released_when_its_broadcast_fails(tmp_path, monkeypatch, command):
+    # rank 0 claims the folder (creates and locks it), then broadcasts it to the other ranks: a broadcast
+    # that fails (a peer gone) must not leave this process holding the lock, nor an empty folder behind
+    from geomuon.pretrain import compare
+    from geomuon.pretrain.train import Distributed, RunFolderClaim
+
+    def broadcast(self, value):
+        raise RuntimeError("a peer is gone")
+
+    def run(out_dir):
+        cfg = config(out_dir, strategy="adamw", steps=2, warmup_steps=0, eval_every=2)
+        with pytest.raises(RuntimeError, match="a peer is gone"):
+            train(cfg) if command == "train" else compare.compare(cfg, ["adamw"], [0])
+
+    monkeypatch.setattr(Distributed, "from_main", broadcast)
+    run(tmp_path / "cmp-{time}")
+    assert os.listdir(tmp_path) == []  # the fresh folder the template gave, removed again
+    os.mkdir(tmp_path / "run")
+    run(tmp_path / "run")
+    RunFolderClaim(str(tmp_path / "run")).release()  # unlocked: this process claims it again
 
 
 # Each rank: a comparison (the Python API of `geomuon compare`) of one run; once both ranks have

@@ -1,5 +1,6 @@
 """ManifoldMuon: known optimum, staying on the manifold, certified quality in a run."""
 
+import copy
 import re
 from functools import partial
 
@@ -7,10 +8,10 @@ import geoopt
 import pytest
 import torch
 
-from geomuon.manifolds import DGram, Euclidean, Oblique, Stiefel
+from geomuon.manifolds import DGram, Euclidean, MatrixManifold, Oblique, Stiefel
 from geomuon.manifolds.capabilities import gram_retraction, inv_sqrt_near_identity, series_radius
-from geomuon.optimizers import ManifoldMuon, gram, msign
-from geomuon.optimizers.gram import gram_msign, polynomial_inverse_sqrt
+from geomuon.optimizers import ManifoldMuon, OffManifoldError, gram, manifold_muon, msign
+from geomuon.optimizers.gram import GramSettings, gram_msign, polynomial_inverse_sqrt
 
 
 @pytest.mark.parametrize("solver", ["dual", "projected"])
@@ -134,36 +135,20 @@ def test_a_newton_update_is_refused_where_the_gram_form_declares_none():
         make(Oblique(), shape=(2, 4), dual_update="newton")
 
 
-@pytest.mark.parametrize("solver,compute_dtype", [("projected", torch.bfloat16), ("projected", None),
-                                                   ("dual", torch.bfloat16)], ids=["projected-bf16", "projected-fp32", "dual"])
-def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient(solver, compute_dtype):
+@pytest.mark.parametrize("options", [
+    dict(solver="projected"), dict(solver="projected", compute_dtype=None), dict(solver="dual"),
+    dict(norm="row"), dict(norm="hybrid"), dict(retraction="manifold"),
+], ids=["projected-bf16", "projected-points-dtype", "dual", "general-row", "general-hybrid", "general-manifold-retraction"])
+def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient(options):
     # grad = 2W is normal to Stiefel at W (the gradient of ||W||_F^2, constant on it): no step,
     # with weight decay too. The decayed point cW has W's normal space, but Stiefel's form once
     # projected as if D = I there, leaving (1 - c^2) of the gradient: it moved W by 0.3 in 3
-    # steps (both solvers). Control: a tangent gradient moves it.
-    gen = torch.Generator().manual_seed(4)
-    W = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen).data)
-    start = W.detach().clone()
-    opt = ManifoldMuon([W], manifold="stiefel", lr=0.05, weight_decay=0.4, solver=solver,
-                       compute_dtype=compute_dtype)
-    for _ in range(3):
-        W.grad = 2 * W.detach()
-        opt.step()
-    assert (W.detach() - start).abs().max().item() <= 1e-5
-    W.grad = torch.randn(24, 8, generator=gen)
-    W.grad -= W.detach() @ (0.5 * (W.detach().T @ W.grad + W.grad.T @ W.detach()))
-    opt.step()
-    assert (W.detach() - start).abs().max().item() > 1e-2
-
-
-@pytest.mark.parametrize("options", [dict(norm="row"), dict(norm="hybrid"), dict(retraction="manifold")],
-                         ids=["row", "hybrid", "manifold-retraction"])
-def test_weight_decay_on_stiefel_does_not_step_on_a_normal_gradient_on_the_general_path(options):
-    # The general path's counterpart of the test above: its engine ran at the decayed point cW,
-    # where Stiefel's proju removes only c^2 of the normal part, so grad = 2W (normal at W)
-    # moved the weight by 0.06-0.11 in three steps. Nothing may move but the retraction's
-    # round-off: per step msign of an orthonormal float64 point, a fixed point of its O(10)
-    # products each exact to about n * eps, so 3 steps * 10 products * n * eps bounds it.
+    # steps (both Gram solvers); the general path's engine ran at cW, where Stiefel's proju
+    # removes only c^2 of the normal part: 0.06-0.11 in three steps. Nothing may move but the
+    # retraction's round-off: per step the retraction of the orthonormal float64 point cW (with
+    # a zero direction: the Gram path drops a tangent part at its rounding level, the general
+    # path's msign has the point as a fixed point), O(10) products each exact to about n * eps,
+    # so 3 steps * 10 products * n * eps bounds it (measured: at most 11 eps).
     gen = torch.Generator().manual_seed(4)
     W = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen, dtype=torch.float64).data)
     start = W.detach().clone()
@@ -937,6 +922,34 @@ def test_an_unedited_group_is_not_checked_again_in_a_step(monkeypatch):
     assert len(checks) == 1
 
 
+@pytest.mark.parametrize("on_stiefel", [True, False], ids=["projected-control", "off"])
+def test_a_weight_appended_to_a_group_between_steps_is_checked_on_its_manifold(on_stiefel):
+    # a list edit is no option edit (the edited-group check compares options): a weight off
+    # Stiefel appended to group["params"] after the first step had been stepped unchecked (silently
+    # retracted: Frobenius norm 6.0 -> sqrt(8) in that step). Control: the same weight projected
+    # onto Stiefel steps.
+    gen = torch.Generator().manual_seed(2)
+    a = torch.nn.Parameter(Stiefel().random(16, 8, generator=gen, dtype=torch.float64).data)
+    opt = ManifoldMuon([dict(params=[a], param_names=["a"])], manifold="stiefel", lr=0.05)
+    a.grad = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    opt.step()
+    raw = 0.5 * torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    late = torch.nn.Parameter(Stiefel().projx(raw) if on_stiefel else raw)
+    opt.param_groups[0]["params"].append(late)
+    opt.param_groups[0]["param_names"].append("late")
+    late.grad, a.grad = (torch.randn(16, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    before = [a.detach().clone(), late.detach().clone()]
+    if on_stiefel:
+        opt.step()
+        assert not torch.equal(late.detach(), before[1])
+    else:
+        with pytest.raises(OffManifoldError, match="'late'"):
+            opt.step()
+        assert torch.equal(late.detach(), before[1])  # not stepped
+        assert torch.count_nonzero(opt.state[late]["momentum_buffer"]) == 0  # nor its momentum
+    assert not torch.equal(a.detach(), before[0])  # the group's other weight steps either way
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(lr=torch.tensor(2.0), weight_decay=1.0), r"lr \* weight_decay must be < 1"),  # a float lr was refused
     (dict(dual_alpha=torch.tensor(1.5)), "dual_alpha must be a Python number"),  # read back every step
@@ -1010,6 +1023,72 @@ def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):
         assert len(updates) == (2 if warm_start else 1), warm_start  # dual_steps, plus the carried one
     # control: leaving out the carried step keeps the step's own dual steps (the first steps agree)
     assert torch.equal(points[False], points[True])
+
+
+@pytest.mark.parametrize("manifold,shape,multiplier", [
+    ("stiefel", (24, 8), (8, 8)), ("stiefel", (8, 24), (8, 8)), ("oblique", (24, 8), (8,)), ("dgram", (2, 24, 8), (2, 8, 8)),
+], ids=["stiefel-tall", "stiefel-wide", "oblique", "dgram-batch"])
+def test_a_loaded_warm_start_of_another_shape_is_refused_by_name_and_changes_nothing(manifold, shape, multiplier):
+    # a step takes its warm starts unchecked: a loaded one of another shape had broadcast over the
+    # batch (a stacked copy) or failed inside a product of a later step (another size)
+    gen = torch.Generator().manual_seed(2)
+    start = MatrixManifold.resolve(manifold, "test").random(*shape, generator=gen, dtype=torch.float64).data
+    p = torch.nn.Parameter(start.clone())
+    opt = ManifoldMuon([p], manifold=manifold)
+    for _ in range(2):
+        p.grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["state"][0]["dual_correction"].shape == multiplier  # the shape a step keeps
+    for bad in ((1, *multiplier), (*multiplier[:-1], multiplier[-1] - 1)):
+        tampered = copy.deepcopy(saved)
+        tampered["state"][0]["dual_correction"] = torch.zeros(bad, dtype=torch.float64)
+        fresh = ManifoldMuon([torch.nn.Parameter(start.clone())], manifold=manifold)
+        with pytest.raises(ValueError, match=rf"ManifoldMuon.load_state_dict: state 'dual_correction' of parameter #0 "
+                                             rf"of param group 0 {re.escape(str(bad))} must have the multiplier's "
+                                             rf"shape {re.escape(str(multiplier))}; the state was saved for another"):
+            fresh.load_state_dict(tampered)
+        assert len(fresh.state) == 0  # nothing loaded
+    # control: the state as saved loads, and the resumed step equals the uninterrupted one
+    q = torch.nn.Parameter(p.detach().clone())
+    resumed = ManifoldMuon([q], manifold=manifold)
+    resumed.load_state_dict(copy.deepcopy(saved))  # (a state dict shares opt's tensors, which its step updates)
+    p.grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+    q.grad = p.grad.clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_step_takes_its_own_warm_start_without_a_shape_check(monkeypatch):
+    # the check of a correction's shape builds the constraint on meta tensors (about 1 % of a
+    # Stiefel step): it runs where a correction comes from outside (gram_step, load_state_dict),
+    # not in the steps that take the optimizer's own warm starts
+    calls = []
+    check = gram.check_shape_of
+
+    def counted(*args, **kwargs):
+        calls.append(args[:2])
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(gram, "check_shape_of", counted)
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen, dtype=torch.float64).data)
+    opt = ManifoldMuon([p], manifold="stiefel", certify_every=2, certify_reference=4)
+    for _ in range(4):  # steps 2-4 warm-started, 2 and 4 with a warm-started reference solve
+        p.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
+        opt.step()
+    assert "dual_correction" in opt.state[p] and calls == []
+    monkeypatch.setattr(manifold_muon, "check_shape_of", counted)
+    opt.load_state_dict(opt.state_dict())
+    assert calls == [("ManifoldMuon.load_state_dict", "state 'dual_correction' of parameter #0 of param group 0")]
+    p.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
+    opt.step()
+    assert len(calls) == 1  # the loaded warm start was checked once, at the load
+    # control: the public gram_step checks the correction it is given
+    W, G = p.detach()[None], p.grad[None]
+    gram.gram_step(Stiefel().gram_form, W, G, 0.02, opt.state[p]["dual_correction"][None], GramSettings())
+    assert calls[1:] == [("gram_step", "correction")]
 
 
 @pytest.mark.parametrize("attribute, value, message", [

@@ -806,6 +806,32 @@ def test_a_param_group_edited_between_steps_is_checked_before_any_group_steps(ed
     assert torch.equal(W, before[0]) and torch.equal(b, before[1])  # nothing was stepped
 
 
+@pytest.mark.parametrize("appended", ["vector", "matrix"])
+def test_a_tensor_put_into_a_groups_params_between_steps_is_checked_before_any_group_steps(appended):
+    # the parameter list is part of the checked group: a 1-D tensor appended to a matrix group's
+    # params after the first step had reached Muon's matrix update unrefused. Control: an
+    # appended matrix steps (and the group is not refused again at the following step).
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    opt = Muon([W], lr=0.02)
+    W.grad = torch.randn(W.shape, generator=gen)
+    opt.step()
+    late = torch.nn.Parameter(torch.randn((8,) if appended == "vector" else (8, 4), generator=gen))
+    opt.param_groups[0]["params"].append(late)
+    for p in (W, late):
+        p.grad = torch.randn(p.shape, generator=gen)
+    before = [W.detach().clone(), late.detach().clone()]
+    if appended == "vector":
+        with pytest.raises(ValueError, match=r"^Muon: parameter #1 of param group 0 has shape \(8,\); .*update='adamw'.*"
+                                             r"\(an edited param group; nothing was stepped\)"):
+            opt.step()
+        assert torch.equal(W, before[0]) and torch.equal(late, before[1])
+    else:
+        for _ in range(2):
+            opt.step()
+        assert not torch.equal(W, before[0]) and not torch.equal(late, before[1])
+
+
 def test_schedules_and_valid_edits_step_and_an_unedited_group_is_not_checked_again(monkeypatch):
     # OneCycleLR rewrites lr and momentum every step (checked by value, no group check); a valid
     # edit is checked once and takes effect (control for the test above)

@@ -43,12 +43,17 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
     ckpt = tmp_path / "killed" / "ckpt.pt"
-    deadline = time.time() + 120
+    # killed once its second checkpoint is there (3 to 10 s on 2 cores, the whole 400 steps 15 to 50 s);
+    # the time allowed only bounds a hung run. A bound of 120 s could pass on a loaded 2-core machine, and the
+    # run was then killed whatever it had written: before its first checkpoint, a failure at
+    # load_checkpoint ("does not exist") that named no cause
+    deadline = time.time() + 900
     while not os.path.exists(previous_checkpoint(str(ckpt))) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # mid-run, possibly mid-write: the atomic write must cope
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert os.path.exists(previous_checkpoint(str(ckpt))), "the run wrote no second checkpoint in 900 s"
     killed_at = load_checkpoint(str(ckpt))["step"]
     assert 0 < killed_at < STEPS
     stop = killed_at + 4

@@ -96,6 +96,10 @@ def test_study_writes_page_figures_and_record(study_run):
         assert re.search(r"\| -?\d+\.\d+ ± \d+\.\d+ ", row), row
     assert "```json" in page and '"size": "tiny"' in page
     assert re.search(r"\| commit \| `([0-9a-f]{40}|unknown)", page)
+    # the text the runs read, checked by its sha256 before they started (the page had not named it)
+    from geomuon.pretrain.data import SHAKESPEARE_SHA256
+
+    assert f"| data | `{DATA} (sha256 {SHAKESPEARE_SHA256})` |" in page
     assert re.search(r"\| wall time \| \d+ s", page)
 
     figures = re.findall(rf"!\[[^\]]*\]\({study.NAME}/([^)]+\.png)\)", page)
@@ -105,6 +109,7 @@ def test_study_writes_page_figures_and_record(study_run):
 
     record = common.read_results(tmp_path / "results" / study.NAME)
     assert record["size"] == "tiny" and record["config"]["steps"] == study.SIZES["tiny"].steps
+    assert record["data"] == f"{DATA} (sha256 {SHAKESPEARE_SHA256})"
     # strict JSON, as jq and JSON.parse read it (a NaN metric spelled "NaN", read back as the float)
     strict_json((tmp_path / "results" / study.NAME / common.RESULTS).read_bytes())
     assert list(record["runs"]) == variant_names
@@ -178,7 +183,7 @@ def test_a_run_whose_hook_source_changed_is_never_reused(tmp_path, monkeypatch):
     variant = dataclasses.replace(study.variants(size)[0], customize=hooks.customize)
 
     def folder():
-        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
+        return common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA), 1)
 
     before = folder()
     assert folder() == before
@@ -192,7 +197,34 @@ def _first_manifolds_run_folder(tmp_path):
     study = STUDIES["manifolds"]
     size = common.size_from(study, "tiny")
     variant = study.variants(size)[0]
-    return lambda: common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA))
+    return lambda: common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA), 1)
+
+
+def test_runs_of_another_thread_count_are_never_mixed_in(tmp_path, monkeypatch):
+    """A CPU reduction split over another number of threads rounds otherwise (a manifolds run
+    at its full size: val loss 3.066593 on 1 thread, 3.066618 on 2, after 8 steps), so a rerun
+    with another ``--threads`` trains its runs again: it had read back the records of the other
+    thread count and put both in one table under one "processes × threads". Control: the same
+    thread count reads every record back."""
+    study = STUDIES["lipschitz"]
+    size = common.size_from(study, "tiny")
+    planned = [(study.variants(size)[0], 0)]
+
+    def fake_run(study, variant, size, seed, data_path):  # what the run saw, in place of training
+        return {**_fake_record(variant.name, seed, 1.0), "threads": torch.get_num_threads(), "wall_time": 0.0}
+
+    monkeypatch.setattr(common, "train_run", fake_run)
+    threads = torch.get_num_threads()
+    try:
+        def run(n):
+            records, cached = common.run_jobs(study, planned, size, str(DATA), tmp_path, 1, n, False, say=print)
+            return records[(planned[0][0].name, 0)]["threads"], cached
+
+        assert run(1) == (1, 0)
+        assert run(1) == (1, 1)  # control: read back
+        assert run(2) == (2, 0)  # trained again, on 2 threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_run_made_by_other_code_is_never_reused(tmp_path, monkeypatch):
@@ -359,7 +391,41 @@ def test_an_output_folder_that_cannot_be_created_is_refused_before_training(tmp_
     for option in ("--out", "--work-dir"):
         assert common.main(lipschitz_study, [*argv, option, "/proc/geomuon_no_such_folder"]) == 2
         assert f"{option} '/proc/geomuon_no_such_folder' cannot be created or written" in capsys.readouterr().err
-    assert not trained and not (tmp_path / "runs" / "studies" / "cache").exists()
+    # a refused --work-dir had left the page folder made just before it (runs/studies/lipschitz-<time>/, or --out's)
+    assert common.main(lipschitz_study, [*argv, "--out", "new/page", "--work-dir", "/proc/geomuon_no_such_folder"]) == 2
+    assert "--work-dir '/proc/geomuon_no_such_folder' cannot be created" in capsys.readouterr().err
+    assert not trained and sorted(tmp_path.iterdir()) == []
+
+
+@needs_data
+def test_an_empty_folder_option_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    # Path("") is the current directory: "--out $UNSET" had written the page there, and an
+    # empty --work-dir had silently meant the default
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "run_all", lambda *args: pytest.fail("trained with an empty folder option"))
+    argv = ["--size", "tiny", "--data", str(DATA), "--jobs", "1", "--seeds", "0"]
+    for option in ("--out", "--work-dir"):
+        assert common.main(lipschitz_study, [*argv, option, ""]) == 2
+        assert f"{option} is empty; give a folder, or leave {option} out" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+@needs_data
+def test_an_unregistered_study_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """A user's own sweep, not listed in ``STUDIES``, had failed with a ``KeyError`` traceback (the
+    run keys and the workers find a study by name). Control: registered, it reaches training."""
+    from geomuon.pretrain import studies
+
+    monkeypatch.chdir(tmp_path)
+    mine = sweep.LearningRateSweep(manifolds_study, "my-sweep", "mine", comparisons=[("hetero", "unconstrained")])
+    argv = ["--size", "tiny", "--data", str(DATA), "--jobs", "1"]
+    assert common.main(mine, argv) == 2
+    assert "study 'my-sweep' is not registered: add it to geomuon.pretrain.studies.STUDIES" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+    monkeypatch.setitem(studies.STUDIES, mine.NAME, mine)
+    monkeypatch.setattr(common, "run_jobs", lambda *args, **kwargs: pytest.fail("reached training"))
+    with pytest.raises(pytest.fail.Exception, match="reached training"):
+        common.main(mine, argv)
 
 
 @needs_data
@@ -791,6 +857,61 @@ def test_every_registered_sweep_compares_arms_it_has(name):
         arms = {v.name for v in study.variants(size)}
         assert study.comparisons and all({a, b} <= arms for a, b in study.comparisons), (name, arms)
     assert not {"hetero", "no such arm"} <= {v.name for v in manifolds_study.variants(manifolds_study.SIZES["full"])}
+
+
+@needs_data
+def test_a_sweep_that_cannot_come_out_right_is_refused_before_any_run(tiny_sweep, tmp_path, capsys, monkeypatch):
+    """Before any run: a comparison naming no arm (had been a ``KeyError`` after every run), an
+    arm whose default rate is 0 (its points had all been named ``@ lr=0``: one record for all)
+    or negative, a grid too fine for the points' names. Control: the sweep as it is reaches
+    training (stopped there)."""
+    monkeypatch.setattr(common, "run_jobs", lambda *args, **kwargs: pytest.fail("reached training"))
+    argv = ["--size", "tiny", "--data", str(DATA), "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
+
+    def arms_at(rate):
+        return types.SimpleNamespace(NAME="manifolds", SIZES=manifolds_study.SIZES, variants=lambda size: [
+            dataclasses.replace(SWEEP_ARMS[0], hyper={"lr": rate}), SWEEP_ARMS[1]])
+
+    for attribute, value, message in [
+            ("comparisons", [("muon", "adamww")], "its comparisons name ['adamww'], which are not among its arms"),
+            ("base", arms_at(0.0), "arm 'muon' has default lr 0.0; a log grid needs a finite rate > 0"),
+            ("base", arms_at(-0.02), "arm 'muon' has default lr -0.02; a log grid needs a finite rate > 0"),
+            ("grids", {"tiny": sweep.Grid(points=3, factor=1.0001)}, "Grid(factor=1.0001) is too fine: arm 'muon'")]:
+        with monkeypatch.context() as patched:
+            patched.setattr(tiny_sweep, attribute, value)
+            assert common.main(tiny_sweep, argv) == 2
+        assert message in capsys.readouterr().err
+        assert not list(tmp_path.iterdir())
+    with pytest.raises(pytest.fail.Exception, match="reached training"):
+        common.main(tiny_sweep, argv)
+
+
+@pytest.mark.parametrize("grid, message", [
+    (dict(seeds=(), best_seeds=(0,)), "Grid(seeds=()): use at least one seed"),
+    (dict(seeds=(0, 0)), "Grid(seeds=(0, 0)): use at least one seed, each an integer >= 0, once"),
+    (dict(best_seeds=(0, 1, -2)), "Grid(best_seeds=(0, 1, -2))"),
+    (dict(max_extensions=-1), "Grid(max_extensions=-1): use an integer >= 0"),
+    (dict(factor=math.inf), "Grid(factor=inf): the spacing of a log grid must be finite and exceed 1"),
+])
+def test_a_grid_without_seeds_or_with_a_bad_spacing_is_refused(grid, message):
+    # no seeds had divided by zero in a point's score; an infinite factor had made every other rate inf or 0
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sweep.Grid(**grid)
+    sweep.Grid(seeds=(0,), best_seeds=(0,), max_extensions=0, factor=1e6)  # control: the edges of what is valid
+
+
+def test_the_long_arms_run_at_the_rates_their_published_sweep_found():
+    """``manifolds-long-arms`` trains each arm at :data:`TUNED_LR`, copied by hand from the
+    400-step sweep's page: it must be that sweep's best rate (inside its grid) for every arm, so a
+    re-published sweep whose best moved cannot leave the longer study at a stale rate."""
+    published = common.read_results(ROOT / "docs" / "results" / manifolds_study.SWEEP.NAME)
+    size = common.size_from(manifolds_study.SWEEP, published["size"])
+    found = {a.arm.name: a for a in manifolds_study.SWEEP.arm_sweeps(published["runs"], size)}
+    best = {name: found[name].rate(found[name].best) for name in long_arms_study.TUNED_LR}
+    assert published["size"] == "full" and not any(found[name].on_edge for name in best)
+    # a grid rate is 0.02·2^k: a power-of-two multiple of the double 0.02, the same double as the literal 0.04
+    assert best == long_arms_study.TUNED_LR
+    assert {v.name: v.hyper["lr"] for v in long_arms_study.variants(size)} == best
 
 
 def test_the_width_sweep_doubles_the_width_and_nothing_else():

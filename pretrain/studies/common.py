@@ -31,7 +31,6 @@ signature of :func:`run_all` (a learning-rate sweep runs in stages:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -235,12 +234,15 @@ class Job:
 RECORD = "record.json"
 
 
-def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str) -> str:
+def _key(study: str, variant: Variant, size: Size, seed: int, data_path: str, threads: int) -> str:
     from geomuon.pretrain.studies import STUDIES
 
+    # threads: a CPU reduction split over another number of threads rounds otherwise, so a
+    # rerun with another --threads had put runs of two thread counts in one table
     identity = dict(version=RECORD_VERSION, code=code_fingerprint(), run=_run_definition(), study=study,
                     variant=variant.identity(), hooks=_hook_sources(STUDIES[study].extra_metrics, variant.customize),
-                    size=dataclasses.asdict(size) | {"seeds": None}, seed=seed, data=os.path.basename(data_path))
+                    size=dataclasses.asdict(size) | {"seeds": None}, seed=seed, data=os.path.basename(data_path),
+                    threads=threads)
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -270,12 +272,14 @@ def _hook_sources(*hooks: Callable | None) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_folder(work_dir: Path, study: str, variant: Variant, size: Size, seed: int, data_path: str) -> Path:
+def run_folder(work_dir: Path, study: str, variant: Variant, size: Size, seed: int, data_path: str,
+               threads: int) -> Path:
     """The folder of one run under ``work_dir``: ``<variant>-s<seed>-<key>``, the key a hash
-    of everything that defines the run, the training code's fingerprint included (so a
-    changed variant, size or engine never reuses a record; the old folder stays)."""
+    of everything that defines the run, the training code's fingerprint and the torch thread
+    count included (so a changed variant, size, engine or ``--threads`` never reuses a record;
+    the old folder stays)."""
     name = re.sub(r"[^A-Za-z0-9_.=+-]", "_", variant.name)
-    return work_dir / f"{name}-s{seed}-{_key(study, variant, size, seed, data_path)}"
+    return work_dir / f"{name}-s{seed}-{_key(study, variant, size, seed, data_path, threads)}"
 
 
 def _run_job(job: Job) -> dict:
@@ -302,7 +306,7 @@ def run_jobs(study, planned: list[tuple[Variant, int]], size: Size, data_path: s
     work_dir.mkdir(parents=True, exist_ok=True)
     todo, records = [], {}
     for variant, seed in planned:
-        folder = run_folder(work_dir, study.NAME, variant, size, seed, data_path)
+        folder = run_folder(work_dir, study.NAME, variant, size, seed, data_path, threads)
         if (folder / RECORD).is_file() and not fresh:
             records[(variant.name, seed)] = json.loads((folder / RECORD).read_text())
         else:
@@ -549,6 +553,7 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
     provenance = markdown_table(["", ""], [
         ["command", f"`{meta['command']}`"],
         ["commit", f"`{meta['commit']}`"],
+        ["data", f"`{meta['data']}`"],
         ["date (UTC)", meta["date"]],
         ["wall time", f"{meta['wall_time']:.0f} s ({meta['wall_time'] / 60:.1f} min) for the runs trained now; "
                       f"{meta['cached']} run(s) came from the cache"],
@@ -598,6 +603,14 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
 
 def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
     """Run every missing job of ``study`` (cached records are reused), then write its page; returns the page's path."""
+    from geomuon.pretrain.data import SHAKESPEARE_SHA256
+    from geomuon.pretrain.studies import STUDIES
+
+    if STUDIES.get(study.NAME) is not study:
+        # run keys and worker processes find a study by its NAME: an unlisted one (a user's own
+        # sweep) had failed with a KeyError traceback
+        raise ValueError(f"study {study.NAME!r} is not registered: add it to geomuon.pretrain.studies.STUDIES "
+                         "(the run cache and the worker processes find a study by its NAME)")
     if args.seeds is not None and not getattr(study, "TAKES_SEEDS", True):
         # (a sweep's own check compares the size's seeds with its sizes': a --seeds equal to a
         # size's default had passed it and been ignored, the page's command still listing it)
@@ -610,6 +623,10 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
                                                                           "torch threads per run")):
         if value < 1:
             raise ValueError(f"{option} {value}: it counts {what} and must be >= 1")
+    for option, value in (("--out", args.out), ("--work-dir", args.work_dir)):
+        if value is not None and not value.strip():
+            # Path("") is the current directory: "--out $UNSET" had written the page there
+            raise ValueError(f"{option} is empty; give a folder, or leave {option} out for its default")
     data_path = resolve_data(args.data)
     out_dir = output_dir(study, args)
     work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
@@ -622,24 +639,26 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         if blocking is not None:
             raise ValueError(f"{option} {str(folder)!r}: {str(blocking)!r} above it is a file, not a folder; choose "
                              f"another {option}")
-    created = [folder for _, folder in folders if not folder.exists()]
-    for option, folder in folders:
-        _require_writable(option, folder)
-    commit = git_commit(short=False)  # the code the runs are about to use
-    start = time.perf_counter()
-    runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
+    # the first folder of each path that does not exist yet: the one its mkdir creates, parents included
+    created = [next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None) for _, folder in folders]
     try:
+        for option, folder in folders:
+            _require_writable(option, folder)
+        commit = git_commit(short=False)  # the code the runs are about to use
+        start = time.perf_counter()
+        runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
         results, variants, cached = runner(study, size, data_path, work_dir, args.jobs, args.threads, args.fresh)
     except BaseException:
-        for folder in created:  # a failed or interrupted study leaves no empty page folder behind
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only when still empty: a run's cache stays
+        # a refused --work-dir had left the --out folder just made; a failed or interrupted
+        # study leaves no empty folder behind either (a run's cache is not empty: it stays)
+        for (_, folder), top in zip(folders, created):
+            _remove_empty(folder, top)
         raise
     wall = time.perf_counter() - start
     runs = [r for records in results.values() for r in records]
     command = "geomuon study " + study.NAME + " " + " ".join(shlex.quote(a) for a in (argv_for_page or []))
     meta = {
-        "command": command.strip(), "commit": commit,
+        "command": command.strip(), "commit": commit, "data": f"{data_path} (sha256 {SHAKESPEARE_SHA256})",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "wall_time": wall, "run_time": sum(r["wall_time"] for r in runs), "n_runs": len(runs),
         "cached": cached, "jobs": args.jobs, "threads": args.threads,
@@ -648,6 +667,20 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     out_dir.mkdir(parents=True, exist_ok=True)
     body = study.report(results, size, meta, out_dir / study.NAME)
     return write_page(study, args.size, size, body, meta, out_dir, results, variants)
+
+
+def _remove_empty(folder: Path, top: Path | None) -> None:
+    """Remove ``folder`` and its parents up to ``top`` (the first of them this study created;
+    ``None``: none), each only while it is empty."""
+    if top is None:
+        return
+    for path in (folder, *folder.parents):
+        try:
+            path.rmdir()
+        except OSError:  # not empty (a run's record, the other folder) or gone: what is left stays
+            return
+        if path == top:
+            return
 
 
 def _require_writable(option: str, folder: Path) -> None:

@@ -55,8 +55,15 @@ class Grid:
     def __post_init__(self):
         if self.points < 3 or self.points % 2 == 0:
             raise ValueError(f"Grid(points={self.points}): use an odd number >= 3 (the default sits in the middle)")
-        if not self.factor > 1:
-            raise ValueError(f"Grid(factor={self.factor}): the spacing of a log grid must exceed 1")
+        if not 1 < self.factor < math.inf:
+            raise ValueError(f"Grid(factor={self.factor}): the spacing of a log grid must be finite and exceed 1")
+        if isinstance(self.max_extensions, bool) or not isinstance(self.max_extensions, int) or self.max_extensions < 0:
+            raise ValueError(f"Grid(max_extensions={self.max_extensions!r}): use an integer >= 0")
+        for option, seeds in (("seeds", self.seeds), ("best_seeds", self.best_seeds)):
+            # no seeds had divided by zero in the score; a seed twice had counted one run twice
+            if not seeds or len(set(seeds)) != len(seeds) or any(
+                    isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+                raise ValueError(f"Grid({option}={seeds!r}): use at least one seed, each an integer >= 0, once")
         if not set(self.seeds) <= set(self.best_seeds):
             raise ValueError(f"Grid: best_seeds {self.best_seeds} must contain the grid's seeds {self.seeds}")
 
@@ -205,6 +212,7 @@ class LearningRateSweep:
         if size.seeds not in {known.seeds for known in self.SIZES.values()}:
             raise ValueError(f"--seeds: a sweep's seeds are its grid's ({g.seeds} per point, {g.best_seeds} at "
                              "the best point); drop --seeds")
+        self.check(size)
         read_back = 0
 
         def run(planned):
@@ -222,6 +230,30 @@ class LearningRateSweep:
                 results[v.name] = a.runs(k, g.best_seeds if k == a.best else g.seeds)
                 variants[v.name] = v
         return results, variants, read_back
+
+    def check(self, size: Size) -> None:
+        """Refuse, before any run, a sweep whose page or grid cannot come out right: a
+        comparison naming an arm it does not train (had been a ``KeyError`` after every run),
+        an arm whose default rate is not finite and positive (no log grid around it; 0 had
+        trained one run for all its points), and a grid too fine for the points' names
+        (``<arm> @ <parameter>=<rate, 4 significant digits>``, which key the records: two points
+        of one name had shared one record)."""
+        g = self.grid(size)
+        arms = self.variants(size)
+        names = [arm.name for arm in arms]
+        unknown = sorted({name for pair in self.comparisons for name in pair} - set(names))
+        if unknown:
+            raise ValueError(f"study {self.NAME}: its comparisons name {unknown}, which are not among its arms "
+                             f"{names}; compare arms it trains")
+        reach = g.points // 2 + g.max_extensions
+        for arm in arms:
+            rate = default_rate(arm, size)
+            if not 0 < rate < math.inf:
+                raise ValueError(f"study {self.NAME}: arm {arm.name!r} has default {swept_parameter(arm)} {rate!r}; "
+                                 "a log grid needs a finite rate > 0")
+            if len({point(arm, size, g, k).name for k in range(-reach, reach + 1)}) != 2 * reach + 1:
+                raise ValueError(f"study {self.NAME}: Grid(factor={g.factor}) is too fine: arm {arm.name!r}'s rates "
+                                 "print alike at 4 significant digits; use a larger factor")
 
     def arm_sweeps(self, results: dict[str, list[dict]], size: Size) -> list[ArmSweep]:
         """The per-arm view of ``results`` (as :meth:`run` returns them), for the page."""
