@@ -685,6 +685,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
         :meth:`_report_skips`); no host read."""
         return None
 
+    def _pending_checks(self, group: dict) -> set[int] | None:
+        """The ids of the weights :meth:`_admissible` checks at their next step with a gradient,
+        for a sharded group (``None``, the default: no check). The set itself: the sharded
+        finiteness read (:meth:`_finite_on_host`) adds to it the weights of the group that any
+        rank of its mesh checks, so every rank gathers the same weights to check."""
+        return None
+
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
         r"""Sharded parameters: the non-finite check, read back to the host now (the sharded step
@@ -711,9 +718,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         dtype's range skips). Combined in fp16, the squares of a finite gradient's shard norms
         had overflowed (two shards of 6000 I_64, norm 48000: inf). The same read carries the
         failure flags of earlier sharded steps on the group's mesh
-        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them).
+        (:func:`~geomuon.optimizers.distributed.read_failures`, which raises for them), and two
+        more 0/1 entries per parameter for host state that a rank may hold alone while the
+        ranks' options agree (a ``load_state_dict`` on some ranks only, say):
+        whether the rank holds its whole-matrix replica
+        (:func:`~geomuon.optimizers.distributed.holds_replica`; held on some ranks only, every rank
+        drops it), and, where the optimizer checks weights (:meth:`_pending_checks`), whether the
+        rank checks it at this step (some rank does: every rank does). A rank that gathered a
+        weight to check it alone, or sent its momentum against a replica where another sent the
+        weights, had left the others in another collective.
 
-        Before that all-reduce, whose length is the number of ``tracked``, the first sharded
+        Before that all-reduce, whose length is fixed by ``tracked`` and by whether the optimizer
+        checks weights, the first sharded
         group of the step on its mesh compares the options and parameters of the mesh's groups
         across its ranks (:func:`~geomuon.optimizers.distributed.compare_options`: one all-reduce
         of 2 int64 and a host read of its own): a rank whose group listed a parameter more had
@@ -729,6 +745,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # (in a float32 reduction an fp64 gradient of norm 1e20 had become inf and been skipped)
         reduced = torch.float64
         zero = torch.zeros((), dtype=reduced, device=tracked[0].to_local().device)
+        one = torch.ones_like(zero)
+        checks = self._pending_checks(group)
+        # host state a rank may hold alone (a load_state_dict on some ranks only, say), as
+        # 0/1 entries summed with the norms: every rank then gathers and sends the same (the
+        # lengths are the same on every rank: the class and group["update"] were compared)
+        held = [one if _distributed.holds_replica(self, p) else zero for p in tracked]
+        pending = [] if checks is None else [one if id(p) in checks else zero for p in tracked]
         shares, present = [], []
         for p, dtype in zip(tracked, dtypes):
             if p.grad is None:
@@ -741,18 +764,23 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if placement.is_replicate():
                     share = share / mesh.size(dim)
             shares.append(share.to(reduced))
-            present.append(torch.ones_like(zero))
+            present.append(one)
         _distributed.compare_options(self, mesh, zero.device)  # (the norms above are queued first)
-        summed = dtensor.DTensor.from_local(torch.stack(shares + present), mesh,
+        summed = dtensor.DTensor.from_local(torch.stack(shares + present + held + pending), mesh,
                                             [dtensor.Partial("sum")] * mesh.ndim, run_check=False).full_tensor()
-        counts = summed[len(tracked):]
+        k = len(tracked)
         # the sum rounded to the norm's dtype before the root: beyond its range it is inf there
-        norms = [square.to(fp32_or_fp64(dtype)).sqrt() for square, dtype in zip(summed[:len(tracked)], dtypes)]
+        norms = [square.to(fp32_or_fp64(dtype)).sqrt() for square, dtype in zip(summed[:k], dtypes)]
         if group["update"] != "adamw":  # AdamW does not normalize: only a NaN or inf entry skips
             norms = [n.to(dtype) for n, dtype in zip(norms, dtypes)]
         finite = torch.stack([n.isfinite() for n in norms]).to(reduced)
-        host = _distributed.read_failures(self, torch.cat([finite, counts]), mesh)
-        finite, counts = host[:len(tracked)], host[len(tracked):]
+        host = _distributed.read_failures(self, torch.cat([finite, summed[k:]]), mesh)
+        finite, counts, held, pending = host[:k], host[k:2 * k], host[2 * k:3 * k], host[3 * k:]
+        for p, count in zip(tracked, held):
+            if 0 < count < mesh.size():  # a replica some ranks hold: every rank sends the weights
+                _distributed.forget_replica(self, p)
+        if checks is not None:  # a check some rank wants: every rank makes it
+            checks.update(id(p) for p, count in zip(tracked, pending) if count)
         position = {id(p): i for i, p in enumerate(group["params"])}
         partial = [f"{self._name(group, position[id(p)], index)} (on {int(count)} of {mesh.size()} ranks)"
                    for p, count in zip(tracked, counts) if 0 < count < mesh.size()]

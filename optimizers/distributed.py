@@ -32,7 +32,11 @@ out. The rule that keeps a replica equal to the weights, with no host read:
   wrote it in an earlier step and ``optimizer.state[p]`` is still the dict of that step
   (``load_state_dict`` replaces it). Otherwise — the first step, a new owner (the batch
   changed), a loaded state — every rank sends its rows of $W_i$ with the momentum (the
-  step is the same, the bytes those of a step without replicas).
+  step is the same, the bytes those of a step without replicas). After a state loaded on
+  some ranks only, this rule is made the same on every rank before the step (the loaded
+  values are each rank's own: load the same state on every rank): the finiteness all-reduce
+  carries a flag per matrix, whether the rank holds its replica, and where some ranks do and
+  others do not, every rank drops it (the layouts of the all-to-all had differed: gloo aborted).
 * *device-side, exact*: every rank keeps the rows it last wrote and compares their bits
   with its shard. Rows written by anything else (``p.data``, a rank-local
   ``to_local()`` write, ``torch.distributed.checkpoint.load`` into the model: none of
@@ -207,6 +211,14 @@ def forget_replica(optimizer, p: torch.Tensor) -> None:
     optimizer.__dict__.get("_replicas", {}).pop(id(p), None)
 
 
+def holds_replica(optimizer, p: torch.Tensor) -> bool:
+    """Whether this rank's replica of ``p`` (host state) was written with ``optimizer.state[p]``
+    as it is now (``load_state_dict`` replaces it): the host-side half of the replica rule, which
+    :meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host` makes the same on every rank."""
+    replica = optimizer.__dict__.get("_replicas", {}).get(id(p))
+    return replica is not None and replica.state is optimizer.state.get(p)
+
+
 def local_rows(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the full tensor ``value``, split like the ``DTensor`` ``like``."""
     rows, rank = _layout(like, "local_rows: a parameter")
@@ -254,7 +266,8 @@ def _layout(p: torch.Tensor, what, world_rank: tuple[int, int] | None = None) ->
 def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Refuse, with a ``ValueError`` naming the parameter, the parameters ``params`` (those with a
     gradient on this rank) of param group ``index`` that its step could not take: a group mixing
-    ``DTensor`` and plain tensors, sharded parameters on different device meshes, and, where the
+    trainable ``DTensor`` and plain tensors (``requires_grad``, the same on every rank, or a gradient
+    here), sharded parameters on different device meshes, and, where the
     step needs whole matrices (a matrix group, a regulated AdamW group),
     any layout but FSDP2's ``Shard(0)`` rows on a 1-D mesh, and in a matrix group a gradient
     placed unlike its parameter (the step reads the gradient's local rows as the parameter's:
@@ -289,9 +302,14 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) 
         position = next(i for i, q in enumerate(group["params"]) if q is p)
         return f"parameter {optimizer._name(group, position, index)}"
 
-    if len(stepped) < len(params):  # a plain gradient beside a DTensor that has one, or requires one
-        plain = next(p for p in params if not is_sharded(p))
-        dtensor = stepped[0] if stepped else next(p for p in tracked if p.requires_grad)
+    # a trainable plain tensor, not one with a gradient here: which gradients exist is a rank's
+    # own (a plain gradient on rank 0 alone had been refused there while rank 1 compared the
+    # options alone, until the process group's timeout); which tensors require one is the model's
+    # (a gradient set by hand on a frozen plain tensor on some ranks only is still that rank's
+    # decision); the DTensor named likewise, a trainable one before one with a gradient here
+    plain = next((p for p in group["params"] if not is_sharded(p) and (p.requires_grad or p.grad is not None)), None)
+    if plain is not None:  # beside a DTensor that has a gradient, or requires one
+        dtensor = ([p for p in tracked if p.requires_grad] or stepped)[0]
         raise ValueError(
             f"{where}: {name(dtensor)} is a DTensor (FSDP2-sharded) and {name(plain)} a plain tensor; a param "
             "group's parameters are all sharded or none: build the optimizer after fully_shard has sharded every "
@@ -548,7 +566,7 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
         fields = []
         for p, m, o in zip(params, local_momentum, owner):
             replica = replicas.get(id(p))
-            if replica is not None and replica.owner == o and replica.state is optimizer.state[p]:
+            if holds_replica(optimizer, p) and replica.owner == o:
                 # the rows differ in some bit from what this optimizer last wrote there: send
                 # them instead of the momentum (the owner refreshes its copy, the step is skipped)
                 changed = _bits(p.to_local()).ne(_bits(replica.rows)).any()

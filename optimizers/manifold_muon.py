@@ -422,6 +422,7 @@ class ManifoldMuon(MatrixOptimizer):
         )
         self._certified: dict[str, torch.Tensor] = {}
         self._unchecked: set[int] = set()  # ids of the weights not yet checked on their manifold
+        self._checks = 0  # weights checked on their manifold so far (step reports after a step that checked)
         super().__init__(params, defaults)
 
     @property
@@ -676,6 +677,7 @@ class ManifoldMuon(MatrixOptimizer):
         # Loaded or copied weights may have left their manifold: check again.
         self._check_every_weight()
         self._certified = getattr(self, "_certified", {})
+        self._checks = getattr(self, "_checks", 0)
 
     def _manifold_of(self, group: dict, p: torch.Tensor):
         return self._group_manifold(group) if group["manifold"] is not None else p.manifold
@@ -701,7 +703,7 @@ class ManifoldMuon(MatrixOptimizer):
         :class:`~geomuon.optimizers.base.OffManifoldError` at the end of this step (the group's
         other weights step, as in one process)."""
         self._check_edited_groups()  # first: an edited group's weights are among those this step checks
-        unchecked = len(self._unchecked)
+        checks = self._checks  # (not the size of _unchecked: a sharded step adds the weights other ranks check)
         counts = [group.get("step_count", 0) for group in self.param_groups]
         for group, count in zip(self.param_groups, counts):
             group["step_count"] = count + 1  # the step's certificates read it
@@ -714,7 +716,7 @@ class ManifoldMuon(MatrixOptimizer):
             for group, count in zip(self.param_groups, counts):
                 group["step_count"] = count
             raise
-        if len(self._unchecked) < unchecked:  # this step checked weights (non-finite skips: reported at the next step)
+        if self._checks > checks:  # this step checked weights (non-finite skips: reported at the next step)
             self._report_skips(wait=False, nonfinite=False)
         return loss
 
@@ -741,6 +743,7 @@ class ManifoldMuon(MatrixOptimizer):
                 flags.append(torch.ones((), dtype=torch.bool, device=p.device))
                 continue
             self._unchecked.discard(id(p))
+            self._checks += 1
             matrix, tol = self._checked_point(group, p, 1e-5)
             manifold = self._manifold_of(group, p)
             on = manifold.points_on_manifold(matrix, atol=tol, rtol=1e-5)
@@ -749,11 +752,15 @@ class ManifoldMuon(MatrixOptimizer):
             flags.append(on.all())
         return torch.stack(flags)
 
+    def _pending_checks(self, group: dict) -> set[int] | None:
+        return None if group["update"] == "adamw" else self._unchecked
+
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
         """The base's read (the ranks' options and parameters compared, then the finiteness
         flags: the parameters it returns are the same on every rank), then the manifold check
-        (:meth:`_admissible`) of those not checked yet, each gathered whole (an all-gather per
+        (:meth:`_admissible`) of those not checked yet on any rank (the base's read adds those
+        another rank checks: :meth:`_pending_checks`), each gathered whole (an all-gather per
         matrix), its ``[B]`` flags read to the host: the sharded step has no device-side skip.
         The gathers come after the comparison: a rank whose group listed a parameter more had
         gathered it while the others compared their options (gloo: a timeout on one rank, a

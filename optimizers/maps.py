@@ -260,7 +260,7 @@ def hybrid(
     steps: int | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    r"""Hybrid update (HybridPolarGradM): $R = \operatorname{row\_norm}(D)$,
+    r"""Hybrid update (HybridPolarGradM): $R = \text{row\_norm}(D)$,
     $U(D) = \|R\|_*^{\alpha}\operatorname{msign}(R)$.
 
     Rows are equalized first (the vocabulary / neuron side), then the result is

@@ -41,7 +41,7 @@ Costs for an $m\times n$ matrix, $k = \min(m, n)$, one matmul $\approx 2mnk$ FLO
 | ``spectral_hammer`` | $\sigma_{\max}\to w_{\max}$ if one $\sigma$ exceeds, up to the $\hat\sigma$ error | same + rank-1 |
 | ``spectral_weight_decay`` | none (shrinks the top $\sigma$ only) | same + rank-1 |
 | ``soft_cap`` | $\le w_{\max}$ if $\sigma \le k$ before (Muon coupling) | 4 matmuls, no SVD |
-| ``hard_cap`` | $= \min(\sigma, w_{\max})$ for every $\sigma$, up to msign's resolution at $w_{\max}$ ($10^{-6}$ to $10^{-5}$ relative, growing with the size: see :class:`HardCap`) | 2 msign + 4 matmuls per pass |
+| ``hard_cap`` | $\le w_{\max}(1 + \beta)$, $\beta = 5.8\cdot10^{-9} + 2(\sqrt m + \sqrt n)u$; $= \min(\sigma, w_{\max})$ up to round-off outside a band below $w_{\max}$ ($2\cdot10^{-6}$ wide in float32 at $n = 256$: see :class:`HardCap`) | 2 msign + 4 matmuls per pass, + 1 sign and 3 matmuls once |
 | ``column_cap`` | $\le w_{\max}$ for DGram (orthogonal columns) | 1 column-norm |
 
 The three spectral regulators estimate the top singular triplet $\hat\sigma$ by block
@@ -88,6 +88,7 @@ import torch
 from geomuon.manifolds.linalg import (
     KELLER_QUINTIC,
     NSSchedule,
+    POLAR_EXPRESS,
     as_positive,
     as_real,
     check_count,
@@ -97,6 +98,7 @@ from geomuon.manifolds.linalg import (
     largest_entry,
     power_of_two_at_most,
     msign,
+    newton_schulz_step,
     power_iteration,
     rms_scale,
 )
@@ -928,43 +930,110 @@ HARD_CAP_METHODS = ("polar_express", "svd")
 _LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
 
 
+@lru_cache(maxsize=32)
+def _hard_cap_sign_profile(steps: int) -> tuple[float, dict[torch.dtype, float]]:
+    r"""What :class:`HardCap`'s guarantees read off its symmetric sign, ``steps`` Polar Express steps
+    $p = p_{\text{steps}}\circ\dots\circ p_1$ on eigenvalues $y \in [-1/1.01, 1/1.01]$ (the input
+    divided by $1.01$ times a bound on its norm): ``(K, r)``.
+
+    * $K = \sup_{y > 0} y\,(1 - p(y))/2$: the sign's error weighted by the eigenvalue, which bounds
+      what an unresolved singular value keeps (:class:`HardCap`; 20 steps: $1.1\cdot10^{-8}$).
+    * ``r[dtype]`` $= \sup\{y : |1 - p(y)| > \varepsilon_{\text{dtype}}\}$: the sign is $\pm1$ within
+      the dtype's $\varepsilon$ on every $|y| \ge r$ (20 steps: $3.7\cdot10^{-7}$ for float32,
+      $6.0\cdot10^{-7}$ for float64).
+
+    Scanned in float64 on $y_k = 10^{-k/200}/1.01$ down to $10^{-20}$ (every bracket
+    $[y_{k+1}, y_k]$ bounded by its ends, $p$ increasing there: $K$ and $r$ are rounded up by at most
+    one grid step, 1.2%). Near 1 the scan tracks $e = 1 - y$ through each step,
+    $e \mapsto 1 - p_j(1 - e)$ expanded in $e$, so $1 - p$ keeps its relative accuracy where $p$
+    itself rounds to 1."""
+    grid = 10 ** (-torch.arange(0, 200 * 20 + 1, dtype=torch.float64) / 200) / POLAR_EXPRESS.input_scale
+    y, e = grid, 1 - grid
+    for a, b, c in POLAR_EXPRESS.step_coefficients(steps):
+        e = torch.where(y < 0.5, 1 - y, e)  # 1 - y is exact enough below 1/2; above, only e keeps its digits
+        y = y * (a + y * y * (b + c * y * y))
+        e = (1 - (a + b + c)) + e * ((a + 3 * b + 5 * c) - e * ((3 * b + 10 * c) - e * ((b + 10 * c) - e * (5 * c - e * c))))
+    gap = torch.where(y < 0.5, 1 - y, e)  # 1 - p(y_k)
+    K = float((grid[:-1] * gap[1:].clamp_min(0)).max()) / 2
+    resolution = {}
+    for dtype in (torch.float32, torch.float64):
+        unresolved = (gap.abs() > torch.finfo(dtype).eps).nonzero()
+        resolution[dtype] = float(grid[max(int(unresolved.min()) - 1, 0)]) if unresolved.numel() else 0.0
+    return K, resolution
+
+
 @dataclass(repr=False)
 class HardCap(Regulator):
-    r"""Exact hard cap $\sigma \mapsto \min(\sigma, w_{\max})$ of every singular value,
-    through msign, no SVD.
+    r"""Hard cap $\sigma \mapsto \min(\sigma, w_{\max})$ of every singular value, through msign,
+    no SVD (or through the SVD, ``method="svd"``).
 
     One pass at level $c$, on the tall orientation ($M = U\Sigma V^\top$, $m \ge n$; wide
     matrices are transposed): with $Q = \operatorname{msign}(M) = UV^\top$ and the
     spectral projector onto the singular values above $c$,
 
-    $$\Pi = \tfrac12\bigl(I + \operatorname{msign}(M^\top M - c^2 I)\bigr) = V\,\mathbb 1[\Sigma > c]\,V^\top$$
+    $$\Pi = \tfrac12\bigl(I + \operatorname{sign}(M^\top M - c^2 I)\bigr) = V\,\mathbb 1[\Sigma > c]\,V^\top$$
 
     (the polar factor of a symmetric matrix is its matrix sign), the capped matrix is
 
     $$M' = M(I - \Pi) + c\,Q\Pi = U\bigl(\Sigma\,\mathbb 1[\Sigma\le c] + c\,\mathbb 1[\Sigma > c]\bigr)V^\top = U\min(\Sigma, c)V^\top,$$
 
     because $M\Pi = U\Sigma\mathbb 1[\Sigma>c]V^\top$ and $Q\Pi = U\mathbb 1[\Sigma>c]V^\top$.
-    $Q$ only enters on singular values $> c$, where msign is accurate; where the
-    iterative sign is inexact ($\sigma \approx c$) the output is the convex combination
-    $(1-\pi)\sigma + \pi c$, within $|\sigma - c|$ of the exact value. So a singular value just
-    above $c$ can stay above it by up to that resolution: the sign resolves $\sigma^2 - c^2$
-    relative to $\|M^\top M - c^2I\|_F$, up to $\sqrt{n}\,\rho^2c^2$ at a level (20 steps: down to
-    about $10^{-7}$ of it; float32 also rounds the Gram by $u\rho^2c^2$). Measured largest excess of
-    the result's norm over $c$, float64 and float32 alike: $1.3\cdot10^{-6}$ relative ($n = 16$, one
-    singular value at $15c$ next to one at $c(1+\delta)$, the worst $\delta$), $1.4\cdot10^{-5}$
-    ($n = 256$, 128 at $15c$). More ``sign_steps`` shrink it in float64 only (26: $4\cdot10^{-7}$,
-    32: $8\cdot10^{-9}$ at $n = 256$), a smaller ``ratio`` in both (4: $9\cdot10^{-7}$ and
-    $1.6\cdot10^{-6}$ at $n = 256$).
+    Where the iterative sign is inexact, a singular value gets $\pi \in [0, 1]$ and becomes
+    $(1-\pi)\sigma + \pi c$. Two choices keep that away from the values below $c$:
 
-    Dynamic range: msign resolves eigenvalues relative to $\|M^\top M - c^2I\|_F$, so a
+    * The sign's input is $A = M^\top M - (c^2 + t)I$ divided by $1.01(B + t)$, $B = \max(c^2,
+      b^2 - c^2)$ from a bound $b \ge \sigma_{\max}$ (so $\|A\|_2 \le B + t$), not by its Frobenius
+      norm, which is up to $\sqrt n$ times larger. The sign is $\pm1$ within $\varepsilon$ on
+      $|y| \ge r_{\text{eff}} = r + 2(\sqrt m + \sqrt n)\,u$ ($r$ its resolution,
+      :func:`_hard_cap_sign_profile`; the round-off of the Gram matrix, at most about
+      $\sqrt m\,u\,b^2 \le 2\sqrt m\,u\,B$ from its length-$m$ dot products, and of the iteration's
+      $n$-term sums; $u$ the unit round-off), and the threshold sits $t = 1.01\,r_{\text{eff}}
+      (B + t)$ *above* $c^2$: every $\sigma \le c$ is resolved to $\pi = 0$ and kept, every
+      $\sigma^2 \ge c^2 + 2t$ is capped to $c$, and one in between ends in $[c, \sigma]$, so
+      $\sigma_{\max} \le b' = \sqrt{c^2 + 2t}$ after the pass.
+    * The last level ($c = w_{\max}$) ends with a pass that only sees singular values at most $b'$:
+      with $A_1 = M_1^\top M_1 - c^2I$ ($\|A_1\|_2 \le B_1 = \max(c^2, 2t)$, $= c^2$ in the levels'
+      range) and $\Pi_1$ from its sign, $M_2 = M_1 - M_1\Pi_1A_1/(2c^2)$ maps
+      $\sigma \mapsto \sigma\,(1 - \pi(\sigma^2/c^2 - 1)/2)$: a resolved $\sigma \in (c, b']$ to
+      $\sigma(3 - \sigma^2/c^2)/2 \in [c(1 - \tfrac32\varepsilon^2), c]$ ($\sigma = c(1 + \varepsilon)$),
+      no second msign of $M$. Its own unresolved band is a factor $B/B_1$ (up to $\rho^2 - 1$)
+      narrower than a level's.
+
+    Guarantees (within the levels' range; beyond it, below, with a larger $x$): the last pass
+    sees $x = B_1/c^2 = \max(1, 2t/c^2) = 1$. In exact arithmetic an unresolved $\sigma > c$ keeps
+    $(1 - \pi)(\sigma - c) \le c\cdot1.01Kx/2$ and an unresolved $\sigma < c$ rises by at most
+    $c\cdot1.01Kx$ ($K$ of :func:`_hard_cap_sign_profile`, $\sigma^2 - c^2 = 1.01B_1y$), so
+
+    $$\sigma_{\max}(M') \le w_{\max}(1 + \beta),\qquad \beta = 1.01\,K\,x/2 + 2(\sqrt m + \sqrt n)\,u,$$
+
+    the last term the round-off of the last pass (its Gram matrix, and the result's entries:
+    their rounding moves $\sigma_{\max}$ by at most $\sqrt n\,u\,\sigma_{\max}$). 20 steps, $m = n =
+    512$: $\beta = 5.4\cdot10^{-6}$ in float32, $5.8\cdot10^{-9}$ in float64 (the $K$ term). Every
+    $\sigma < c$ is kept up to round-off, except in the band $c - \sigma < c\,w$, $w =
+    1.01\,r_{\text{eff}}\,x/2$ (the last pass's unresolved eigenvalues), where it is raised towards
+    $c$, never past $c(1 + \beta)$: $w = 2.1\cdot10^{-6}$ (float32) and $3.0\cdot10^{-7}$ (float64)
+    at $n = 256$, $4.0\cdot10^{-6}$ in float32 at $n = 1024$. A $\sigma \in (c, b']$ the level left
+    above $c$ ends in $[c(1 - \tfrac32\varepsilon^2), c]$, $\sigma = c(1 + \varepsilon)$. Round-off
+    elsewhere: the last level's Gram matrix is rounded by about $\sqrt m\,u\,\sigma_{\max}^2$, which
+    moves the values near $c$ by up to about that over $2c$ (Weyl). Measured, half the singular
+    values at $15c$ or $1000c$ and the rest at $c(1 + \delta)$, $10^{-7} \le \delta \le 10^{-2}$,
+    or spread from $c(1 - 10^{-8})$ to $0.3c$, $n \le 512$: largest excess $2.9\cdot10^{-7}$ in
+    float32, $1.7\cdot10^{-10}$ in float64 (the threshold at $c^2$ normalized by the Frobenius norm
+    had left $3.7\cdot10^{-5}$ and $2\cdot10^{-5}$ at $n = 512$); values below $c$ raised by at most
+    $5.7\cdot10^{-9}$ in float64 (and moved by $10^{-15}$ beyond $10^{-4}$ of $c$); in float32,
+    with half the values at $15c$, those within $10^{-4}$ of $c$ moved by up to $3.4\cdot10^{-5}$
+    ($n = 256$, round-off, both directions) and those further away by $10^{-6}$.
+
+    Dynamic range: a level resolves $\sigma^2 - c^2$ relative to $B \approx b^2$, so a
     single pass cannot separate $\sigma = c(1 \pm 10^{-4})$ next to $\sigma = 10^4c$. The
     cap therefore descends through levels $c\rho^{J-1}, \dots, c\rho, c$
     ($\rho$ = ``ratio``), with $J$ the smallest integer such that $\rho^J c$ exceeds the
     Schatten-8 bound $\|(M^\top M)^2\|_F^{1/4} \ge \sigma_{\max}$; since
     $\min(\min(\sigma, c_1), c_2) = \min(\sigma, c_2)$ for $c_2 \le c_1$, the result is the
-    same cap. A weight already inside the ball (bound $\le c$) is returned unchanged
-    after one Gram product. No fixed polynomial (the reference's 4-step hard cap only
-    works for $\sigma \le 3.5$).
+    same cap. A level below the top has $b \le \rho c\sqrt{1 + 2t/(\rho c)^2}$, so $B \le
+    (\rho^2 - 1)c^2$ up to that factor. A weight already inside the ball (bound $\le c$) is
+    returned unchanged after one Gram product. No fixed polynomial (the reference's 4-step hard
+    cap only works for $\sigma \le 3.5$).
 
     Scale: the passes run on $M/s$ at levels $c/s$, $s$ a power of two near $M$'s largest
     entry ($s\min(\sigma/s, c/s) = \min(\sigma, c)$, and the scaling is exact), so the cap
@@ -973,27 +1042,39 @@ class HardCap(Regulator):
 
     Args:
         w_max: RMS→RMS cap.
-        method: msign method, one of :data:`HARD_CAP_METHODS`: ``"polar_express"`` (default)
-            or ``"svd"`` (a reference). The construction needs a sign that tends to the exact
+        method: one of :data:`HARD_CAP_METHODS`: ``"polar_express"`` (default) or ``"svd"``
+            (a reference: $U\min(\Sigma, c)V^\top$ from the SVD of $M/s$ in one pass at
+            $w_{\max}$, exact up to the SVD's backward error, about $u\,\sigma_{\max}$ on every
+            singular value; no band). The construction needs a sign that tends to the exact
             one as ``sign_steps`` grow; the 5-step tables (``"newton_schulz"``,
             ``"polar_express_5"``) repeat a last step that does not fix 1 (Keller's maps 1 to
             0.70; ``polar_express_5``'s fixed point is 1.035), so their "projector" is not one
             and the capped norm stayed at 2.6 (``"newton_schulz"``) and 1.012 ($w_{\max} = 1$).
             They are refused (``ValueError``) rather than left to break the bound.
-        sign_steps: Polar Express steps for the symmetric sign (20: eigenvalues down to
-            about $10^{-7}$ of the Frobenius norm are resolved in float64).
-        ratio: level ratio $\rho$ of one pass, finite and $> 1$ (at $\rho = \infty$ no level
-            runs: nothing would be capped).
+        sign_steps: Polar Express steps of each symmetric sign. Its float64 resolution $r$ must
+            be below $1/(4\rho^2)$, so that a level's shift $t \approx 1.01\,r\,\rho^2c^2$ stays
+            below $c^2/2$ and the last pass sees $x = 1$: 9 or more for ``ratio=16`` (8 resolve
+            only down to $0.95$; 7 and fewer never reach $\varepsilon$, and 6 and fewer overshoot
+            1, :func:`_hard_cap_sign_profile`); refused at construction (``ValueError``). 20:
+            $r = 3.7\cdot10^{-7}$ (float32), $K = 1.1\cdot10^{-8}$.
+        ratio: level ratio $\rho$ of one pass, finite and $\ge\sqrt2$ (at $\rho = \infty$ no
+            level runs: nothing would be capped). Below $\sqrt2$ a level's $B$ is $c^2$ (the
+            values far below $c$) whatever $\rho$, so a pass resolves no finer, while the passes
+            grow as $\log(\text{bound}/c)/\log\rho$ (``ratio=1.0001`` had run 27,700 passes on
+            a weight at $16c$); refused (``ValueError``).
         levels: 0 (default): $J$ adaptive as above, which reads the bound back to the host
             once per call (a device sync on a GPU); $J \ge 1$: always the $J$ levels
             $c\rho^{J-1}, \dots, c$, no host read, each level a no-op (the matrix kept
             bitwise) on a matrix whose bound is at or below it. The same cap wherever the
-            bound is at most $c\rho^J$; above that the top level's sign is not resolved,
-            and the cap is not guaranteed. The top level $c\rho^{J-1}$ must be a finite
-            float64.
+            bound is at most $c\rho^J$; above that the top level's $B$, hence $t$, grows with the
+            bound, and so do the last pass's $x = \max(1, 2t/c^2)$, $\beta$ and the band (the
+            guarantee above, with that $x$, still holds). The top level $c\rho^{J-1}$ must be a
+            finite float64.
 
-    Cost per pass: one msign of the $m\times n$ matrix, one of an $n\times n$ symmetric
-    matrix and 4 matmuls (about 3 Muon orthogonalizations); one pass whenever
+    Cost per pass: one msign of the $m\times n$ matrix, one sign of an $n\times n$ symmetric
+    matrix (``sign_steps`` steps of 3 products) and 4 matmuls (about 3 Muon orthogonalizations);
+    the last level's extra pass adds one Gram product, one more $n\times n$ sign and 2 matmuls
+    (about two thirds of a pass for a square matrix). One level whenever
     $\sigma_{\max} \le \rho c / n^{1/8}$, which covers a weight capped at the previous
     step plus one optimizer update (``levels=1`` in an optimizer's loop: every step pays
     that pass, the adaptive cap only when the bound exceeds $c$).
@@ -1016,8 +1097,18 @@ class HardCap(Regulator):
                 "the weight stays above w_max)"
             )
         self.ratio = as_real("HardCap", "ratio", self.ratio)
-        if not (math.isfinite(self.ratio) and self.ratio > 1):
-            raise ValueError(f"HardCap: ratio must be a finite number > 1, got {self.ratio}")
+        if not (math.isfinite(self.ratio) and self.ratio >= math.sqrt(2)):
+            raise ValueError(
+                f"HardCap: ratio must be a finite number >= sqrt(2), got {self.ratio} (below sqrt(2) a pass "
+                "resolves no finer while the passes grow as 1/log(ratio)); choose one in [sqrt(2), 16] (default 16)"
+            )
+        coarse = _hard_cap_sign_profile(self.sign_steps)[1][torch.float64]
+        if self.method == "polar_express" and coarse >= 1 / (4 * self.ratio**2):
+            raise ValueError(
+                f"HardCap: sign_steps={self.sign_steps} resolves eigenvalues only down to {coarse:.2g} of the bound in "
+                f"float64, too coarse for ratio={self.ratio:g} (it must be below 1 / (4 ratio^2) = "
+                f"{1 / (4 * self.ratio**2):.2g}); use more sign_steps (default 20) or a smaller ratio"
+            )
         self.levels = check_count("HardCap", "levels (0: adaptive)", self.levels, 0)
         if self.levels and math.log(self.w_max) + (self.levels - 1) * math.log(self.ratio) >= _LOG_FLOAT64_MAX:
             raise ValueError(
@@ -1041,14 +1132,28 @@ class HardCap(Regulator):
                 raise ValueError(f"HardCap: the weight's norm bound is {top}: non-finite weights, or a norm "
                                  "beyond float64's range; rescale the weight")
             levels = math.ceil(math.log(top / self.w_max) / math.log(self.ratio))
+        if self.method == "svd":  # the SVD needs no descent: one pass at w_max
+            c = self._level(0, s)
+            # in float64: float32's (LAPACK gesdd) had failed to converge on a 512 x 512 matrix with
+            # 256 equal singular values
+            U, S, Vh = torch.linalg.svd(unit.double(), full_matrices=False)
+            capped = ((U * torch.minimum(S, c[..., 0].double()).unsqueeze(-2)) @ Vh).to(X.dtype) * s
+            X = torch.where(bound > c, capped, X)
+            return X.mT if wide else X
+        b, s_level = bound, s  # b >= sigma_max of X / s_level
         for level in reversed(range(levels)):
-            if level < levels - 1:  # as the previous pass left it (sigma_max <= rho times this level), rescaled
+            if level < levels - 1:  # as the previous pass left it (sigma_max <= b), rescaled
+                s_previous = s_level
                 s_level, unit, gram = self._scaled_gram(X)
-            else:
-                s_level = s
+                b = b * (s_previous / s_level)  # (a power of two: exact)
             c = self._level(level, s_level)
+            capped, t = self._cap_once(unit, gram, c, b)
+            if level == 0:
+                capped = self._settle(capped, c, t)
             # a pass at a level at or above the matrix's bound keeps it bitwise (selected on the device)
-            X = torch.where(bound > self._level(level, s), self._cap_once(unit, gram, c) * s_level, X)
+            run = bound > self._level(level, s)
+            X = torch.where(run, capped * s_level, X)
+            b = torch.where(run, (c**2 + 2 * t).sqrt(), b)
         return X.mT if wide else X
 
     @staticmethod
@@ -1067,13 +1172,37 @@ class HardCap(Regulator):
         float64, so that a level beyond float32's range does not become inf before the division."""
         return ((self.w_max * self.ratio**level) / s.double()).to(s.dtype)
 
-    def _cap_once(self, X, gram, c):
+    def _sign(self, A, norm_bound):
+        r"""Symmetric sign of ``A`` ``[..., n, n]``, $\|A\|_2 \le$ ``norm_bound`` ``[..., 1, 1]``:
+        ``sign_steps`` Polar Express steps on $A/(1.01\,\text{norm\_bound})$ (msign would divide
+        by the Frobenius norm, up to $\sqrt n$ times larger, and resolve that much less)."""
+        Y = (A / (POLAR_EXPRESS.input_scale * norm_bound)).reshape(-1, *A.shape[-2:])  # (the step takes one batch dim)
+        for a, b, c in POLAR_EXPRESS.step_coefficients(self.sign_steps):
+            Y = newton_schulz_step(Y, a, b, c)
+        return (0.5 * (Y + Y.mT)).reshape(A.shape)
+
+    def _cap_once(self, X, gram, c, b):
+        r"""One level of the class docstring on the tall ``X`` (Gram ``gram``, level ``c``,
+        ``b`` $\ge \sigma_{\max}$, all in one unit): ``(capped, t)``, the capped matrix and the
+        threshold's shift $t$ (the capped $\sigma_{\max} \le \sqrt{c^2 + 2t}$)."""
+        m, n = X.shape[-2:]
+        eye = torch.eye(n, dtype=X.dtype, device=X.device)
+        unit_roundoff = torch.finfo(X.dtype).eps / 2
+        resolution = _hard_cap_sign_profile(self.sign_steps)[1][X.dtype]
+        reach = POLAR_EXPRESS.input_scale * (resolution + 2 * (math.sqrt(m) + math.sqrt(n)) * unit_roundoff)
+        B = torch.maximum(c**2, b**2 - c**2)  # >= ||X^T X - c^2 I||_2
+        t = reach * B / (1 - reach)  # t = reach (B + t): the threshold c^2 + t is out of reach of every sigma <= c
+        projector = 0.5 * (eye + self._sign(gram - (c**2 + t) * eye, B + t))
+        return X - (X - c * msign(X, method=self.method)) @ projector, t
+
+    def _settle(self, X, c, t):
+        r"""The last level's final pass at ``c`` on ``X``, whose $\sigma_{\max} \le \sqrt{c^2 + 2t}$:
+        $X - X\Pi_1A_1/(2c^2)$ (class docstring). $\|A_1\|_2 \le \max(c^2, 2t)$, about $\rho^2$
+        times less than a level's $B$, and its unresolved band that much narrower."""
         eye = torch.eye(X.size(-1), dtype=X.dtype, device=X.device)
-        steps = None if self.method == "svd" else self.sign_steps
-        sign = msign(gram - c**2 * eye, method=self.method, steps=steps)
-        projector = 0.5 * (eye + 0.5 * (sign + sign.mT))
-        Q = msign(X, method=self.method)
-        return X - (X - c * Q) @ projector
+        A = X.mT @ X - c**2 * eye
+        projector = 0.5 * (eye + self._sign(A, torch.maximum(c**2, 2 * t)))
+        return X - (X @ projector) @ A / (2 * c**2)
 
 
 @dataclass(repr=False)

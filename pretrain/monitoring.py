@@ -11,11 +11,13 @@ fp32 maximum to the Python float of :meth:`summary` (a cast to fp32 on the way w
 a float64 model's maxima, and overflow those beyond $3.4\times10^{38}$ to ``inf``); bf16
 outputs under autocast are reported as they are.
 
-Usage::
+Usage:
 
-    with ActivationMonitor(model) as monitor:
-        model(batch)
-    monitor.summary()   # {"h.0": 3.1, "h.1": 4.7, "max": 4.7}
+```python
+with ActivationMonitor(model) as monitor:
+    model(batch)
+monitor.summary()   # {"h.0": 3.1, "h.1": 4.7, "max": 4.7}
+```
 """
 
 from __future__ import annotations

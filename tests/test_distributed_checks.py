@@ -583,6 +583,40 @@ def worker(out_dir: str) -> None:
     for case, opt_class, first_step in EXTRA_PARAMETER_CASES:
         results[case] = _outcome(lambda: extra_parameter(opt_class, first_step))  # noqa: B023 - called at once
         save()
+
+    # rank 0 alone loads a state dict (its own) between two steps, the weights on Stiefel (scale 1)
+    # or pushed off it on every rank (scale 2): rank 0 alone had its weights pending the manifold
+    # check and gathered them (an all-gather per matrix) while rank 1 went into the all-to-all, and
+    # rank 0 alone had dropped its replicas (it sent the weights, rank 1 its momentum and flags).
+    # Both had waited until the process group's timeout; so these run after the cases above
+    def loaded_on_one_rank(scale):
+        params = [sharded(w) for w in _points()]
+        opt = _stiefel_muon(params)
+        step(opt, params, _gradients())
+        with torch.no_grad():
+            for p in params:  # every rank's rows
+                p.to_local().mul_(scale)
+        if rank == 0:
+            opt.load_state_dict(opt.state_dict())
+        before = whole(params)
+        out = {"step": _outcome(lambda: step(opt, params, _gradients(seed=2)))}
+        out["moved"] = [not torch.equal(x, y) for x, y in zip(before, whole(params))]
+        out["weights"] = whole(params)
+        return out
+
+    for scale in (1.0, 2.0):
+        results[f"loaded_on_one_rank:{scale:g}"] = _outcome(lambda: loaded_on_one_rank(scale))  # noqa: B023
+        save()
+
+    # a group of a sharded w0 and a plain w1, both trainable, w1's gradient on rank 0 only: rank 0
+    # had refused the group while rank 1 compared the options alone until the process group's timeout
+    def plain_gradient_on_one_rank():
+        params = [sharded(a), torch.nn.Parameter(b.clone())]
+        opt = Muon([dict(params=params, param_names=["w0", "w1"])], lr=0.02, compute_dtype=None)
+        step(opt, params if rank == 0 else params[:1], _gradients(2 if rank == 0 else 1))
+
+    results["plain_gradient_on_one_rank"] = _outcome(plain_gradient_on_one_rank)
+    save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
         dist.destroy_process_group()
@@ -1072,3 +1106,41 @@ def test_a_parameter_more_on_one_rank_is_refused_by_name_on_every_rank_and_the_g
         # formatted again for the edit, and no rank was left in a collective)
         assert "ok" in run["dropped"], (r, run["dropped"])
         assert run["moved_after"] == [True, True, False], (r, run["moved_after"])
+
+
+def test_a_state_dict_loaded_on_one_rank_is_checked_and_stepped_alike_on_every_rank(runs):
+    # rank 0 alone had its weights pending the manifold check (and no replicas): it gathered them
+    # while rank 1 went into the all-to-all, a wait until the process group's timeout. Now every
+    # rank checks the weights any rank checks (and drops a replica any rank lacks). On Stiefel
+    # the step is the one-process run's, bit for bit (each matrix alone in its batch on its owner,
+    # as in test_an_owner_that_fails...: the same kernels on the same operands; the state rank 0
+    # loaded is its own, so the same warm start); off it, every rank refuses both weights by name
+    from geomuon.optimizers.base import OffManifoldError
+
+    ranks, _ = runs
+    plain = [torch.nn.Parameter(w) for w in _points()]
+    one = _stiefel_muon(plain)
+    for seed in (1, 2):
+        for p, g in zip(plain, _gradients(seed=seed)):
+            p.grad = g
+        one.step()
+    for r, results in enumerate(ranks):
+        on, off = results.get("loaded_on_one_rank:1"), results.get("loaded_on_one_rank:2")
+        assert on is not None and "ok" in on, (r, on)  # None: the rank died in a collective
+        assert "ok" in on["ok"]["step"] and on["ok"]["moved"] == [True, True], (r, on)
+        for sharded_weight, weight in zip(on["ok"]["weights"], plain):
+            assert torch.equal(sharded_weight, weight.detach()), (r, (sharded_weight - weight).abs().max())
+        assert off is not None and "ok" in off, (r, off)
+        refused = off["ok"]["step"]
+        assert refused.get("error") == OffManifoldError.__name__, (r, refused)  # at the end of the step, on each rank
+        assert "off their manifold — 'a', 'b'" in refused["message"], (r, refused["message"])
+        assert refused["seconds"] < PG_TIMEOUT / 2, (r, refused)
+        assert off["ok"]["moved"] == [False, False], (r, off)
+
+
+def test_a_plain_gradient_on_one_rank_beside_a_sharded_parameter_is_refused_by_name_on_every_rank(runs):
+    # rank 1, without w1's gradient, had not refused the group: it waited in the options'
+    # all-reduce until the process group's timeout. The refusal is decided by requires_grad now
+    ranks, _ = runs
+    _refused_by_name(ranks, "plain_gradient_on_one_rank", "'w0' is a DTensor", "'w1' a plain tensor",
+                     "param group of their own")

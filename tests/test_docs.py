@@ -91,13 +91,25 @@ def visible_text(page_html: str) -> str:
 
 
 RAW_MATH = re.compile(r"\$\$|\\\(|\\\)|\\\[|\\\]|\$[^$\s][^$]*\$")
+# A formula cut open shows one "$" (not a price) and its commands as text: a "|" inside math
+# in a Markdown table row ends the cell there, and the rest of the formula went to the next
+# cells (certificates.md had shown "so $\max" and "\text{GELU}'").
+STRAY_MATH = re.compile(r"\$(?!\d)|\\[A-Za-z]{2,}")
+# Defects the converter lets through silently, in the MathML: "\operatorname{row\_norm}"
+# (a name that is not all letters) comes out as an empty <mo/> before italic letters spaced as
+# a product; a control character in the TeX source is an escape Python read in a docstring
+# that is not raw ("\t" of "\times": the formula showed "m imes n").
+SILENT_MATH = re.compile(r"<mo\s*/>|<mo></mo>|<math alttext=\"[^\"]*[\x00-\x09\x0b-\x1f\x7f]")
 
 
 def assert_math_rendered(page_html: str, where: str) -> None:
     text = visible_text(page_html)
-    leftover = RAW_MATH.search(text)
-    assert leftover is None, f"{where}: raw LaTeX left in the text: ...{text[max(0, leftover.start() - 80):leftover.end() + 80]}..."
+    for pattern in (RAW_MATH, STRAY_MATH):
+        leftover = pattern.search(text)
+        assert leftover is None, f"{where}: raw LaTeX left in the text: ...{text[max(0, leftover.start() - 80):leftover.end() + 80]}..."
     assert 'class="arithmatex"' not in page_html, f"{where}: a formula was not converted to MathML"
+    wrong = SILENT_MATH.search(page_html)
+    assert wrong is None, f"{where}: a formula renders wrong: {html.unescape(page_html[wrong.start():wrong.start() + 300])!r}"
 
 
 def test_concept_pages_have_mathml_and_no_raw_latex(site):
@@ -199,6 +211,24 @@ def _own_docstring(obj) -> str | None:
     if doc and dataclasses.is_dataclass(obj) and doc.startswith(f"{obj.__name__}("):
         return None
     return doc.strip() if doc else None
+
+
+def test_docstring_roles_link_to_the_objects_they_name(site):
+    # :func:`msign` in geomuon.manifolds.stiefel.Stiefel's docstring is a link to msign's entry
+    # (the hook had matched ids "manifolds...." while mkdocstrings writes "geomuon.manifolds....":
+    # every role had fallen back to plain code).
+    page = (site / "api" / "manifolds.html").read_text()
+    start = page.index('id="geomuon.manifolds.stiefel.Stiefel"')
+    entry = page[start:page.index('<div class="doc doc-object', start)]
+    assert 'title="geomuon.manifolds.linalg.msign"' in entry
+
+
+def test_attribute_comments_show_in_the_api_reference(site):
+    # KELLER_QUINTIC is documented by a "#:" comment above it; griffe alone shows it empty.
+    page = (site / "api" / "manifolds.html").read_text()
+    start = page.index('id="geomuon.manifolds.linalg.KELLER_QUINTIC"')
+    entry = page[start:page.index('<div class="doc doc-object', start)]
+    assert "Keller Jordan" in entry
 
 
 def test_api_reference_documents_every_public_class_and_function(site):
@@ -369,6 +399,17 @@ def test_raw_latex_detector_flags_unrendered_math():
         with pytest.raises(AssertionError):
             assert_math_rendered(raw, "sample")
     assert_math_rendered("<p><code>$HOME and \\(x\\)</code> <math><mi>x</mi></math></p>", "sample")
+    # A formula a table cell cut open, and what the converter gets wrong without a warning,
+    # made by the hook itself: a non-letter \operatorname, a cooked "\times" (a tab).
+    for raw in ("<td>so $\\max</td><td>\\text{GELU}'</td>",
+                geomuon_mathml.latex_to_mathml(r"\operatorname{row\_norm}(D)", display=False),
+                geomuon_mathml.latex_to_mathml("m\times n", display=False)):
+        with pytest.raises(AssertionError, match="raw LaTeX|renders wrong"):
+            assert_math_rendered(raw, "sample")
+    # Not flagged: a price, a backslash in code, and the fixes of the two formulas.
+    assert_math_rendered("<p>costs $5, <code>C:\\temp $x$</code></p>", "sample")
+    for tex in (r"\text{row\_norm}(D)", r"\operatorname{msign}(G)", r"m\times n"):
+        assert_math_rendered(geomuon_mathml.latex_to_mathml(tex, display=False), "sample")
 
 
 def _docstring_escapes(source: str) -> list[tuple[int, list[str]]]:

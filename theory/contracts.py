@@ -308,7 +308,7 @@ def check_manifold_contract(
     * ``inner`` is symmetric on tangent vectors and ``inner(x, u)`` is ``inner(x, u, u)``;
     * ``projx`` lands on $M$ also from a point 10 times closer to and farther from the
       origin; ``egrad2rgrad`` is the gradient of the manifold's ``inner``:
-      $\langle\operatorname{egrad2rgrad}(x, u), w\rangle_x = \langle u, w\rangle$ for tangent $w$,
+      $\langle\text{egrad2rgrad}(x, u), w\rangle_x = \langle u, w\rangle$ for tangent $w$,
       and tangent itself;
     * every method leaves its input tensors as they were, points and vectors (a ``proju`` that
       wrote into its argument had turned the self-adjointness check into a comparison of a

@@ -1517,10 +1517,12 @@ def check_equivariance(
 def assert_equivariant(update, group: Group | str, shape: tuple[int, ...] = (6, 4), **kwargs) -> EquivarianceReport:
     """Raise ``AssertionError`` with the trial table unless the verdict is the expected one
     (``holds`` by default; ``expect="violated"`` asserts a counterexample). Arguments as in
-    :func:`check_equivariance`; usable in pytest::
+    :func:`check_equivariance`; usable in pytest:
 
-        from geomuon.theory.equivariance import assert_equivariant
-        assert_equivariant(my_map, "bi-orthogonal", shape=(8, 5))
+    ```python
+    from geomuon.theory.equivariance import assert_equivariant
+    assert_equivariant(my_map, "bi-orthogonal", shape=(8, 5))
+    ```
     """
     report = check_equivariance(update, group, shape, **kwargs)
     if not report.passed:

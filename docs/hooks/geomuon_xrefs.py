@@ -17,7 +17,7 @@ import posixpath
 import re
 
 _ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|obj|exc|const):<code>(?P<name>[^<]+)</code>")
-_OBJECT_ID = re.compile(r'\bid="(?P<id>(?:manifolds|optimizers|theory|pretrain)(?:\.\w+)*)"')
+_OBJECT_ID = re.compile(r'\bid="(?P<id>geomuon\.(?:manifolds|optimizers|theory|pretrain)(?:\.\w+)*)"')
 
 _anchors: dict[str, str] = {}  # dotted path -> url of the page documenting it
 
