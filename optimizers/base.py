@@ -502,6 +502,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
                             f"{name} is a plain tensor, the parameter a DTensor (FSDP2-sharded): load a one-process "
                             "state before sharding (geomuon.pretrain.parallel.fsdp then shards it with the model), "
                             "or save and load with geomuon.pretrain.parallel.save_distributed and load_distributed")
+                    self._check_loaded_state(group, p, key, value, self._name(current, i, index))
+
+    def _check_loaded_state(self, group: dict, p: torch.Tensor, key: str, value: torch.Tensor, name: str) -> None:
+        """Refuse (``ValueError``) the saved tensor ``value`` of state ``key`` for parameter ``p``
+        (named ``name``) of the completed saved ``group``, beyond the base's checks of
+        :meth:`_check_loadable` (default: nothing more to check)."""
 
     def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
         """The dtype of state entry ``key`` of ``p`` where it is not ``p``'s (``None``: ``p``'s,
@@ -682,7 +688,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """``[B]`` bool on the device: which of ``params`` may step this time, besides having
         a finite gradient (``None``, the default: all). A refused matrix's step is a no-op,
         like a non-finite one's, and is reported as an :class:`OffManifoldError` (see
-        :meth:`_report_skips`); no host read."""
+        :meth:`_report_skips`); no host read in one process (a sharded group's flags are read with
+        its finiteness, :meth:`_finite_on_host`, after the ranks' options are compared)."""
         return None
 
     def _pending_checks(self, group: dict) -> set[int] | None:
@@ -795,7 +802,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if len(kept) < len(params):
             bad = {self._name(group, positions[id(p)], index): 1 for p in params if not finite_of[id(p)]}
             _report_nonfinite(self, group["nonfinite"], bad, stacklevel=4)
-        return kept
+        # then the optimizer's own check (_admissible; ManifoldMuon: on its manifold), after the
+        # comparison: a rank whose group listed a parameter more had gathered it to check while the
+        # others compared their options (gloo: a timeout on one rank, a closed connection on the
+        # other). Its [B] flags are read to the host here (the sharded step has no device-side
+        # skip); a matrix that fails is left out and recorded as _keep records it in one process.
+        admissible = self._admissible(group, kept)
+        if admissible is None:
+            return kept
+        on = admissible.tolist()
+        self._refused.record(index, [positions[id(p)] for p in kept], "raise", torch.tensor(on))
+        return [p for p, ok in zip(kept, on) if ok]
 
     def _batches(self, group: dict, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         batches: dict[tuple, list[torch.Tensor]] = {}

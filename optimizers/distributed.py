@@ -363,13 +363,13 @@ def _record_options(optimizer, group: dict, index: int, mesh) -> None:
     this function took 2.4 us per sharded parameter at every step, 1.1 us with the text kept)."""
     options = {key: group.get(key) for key in optimizer._option_keys}  # (sorted: the same order on every rank)
     names = group.get("param_names")
-    made_of = (index, tuple(names) if names else None,
+    made_of = (tuple(names) if names else None,
                tuple((i, p.shape, p.dtype) for i, p in enumerate(group["params"]) if is_sharded(p)))
     texts = optimizer.__dict__.setdefault("_parameter_texts", {})  # {index: (made_of, text)}
     cached = texts.get(index)
     if cached is None or cached[0] != made_of:
         cached = texts[index] = (made_of, ", ".join(f"{optimizer._name(group, i, index)} {list(shape)} {dtype}"
-                                                        for i, shape, dtype in made_of[2]))
+                                                        for i, shape, dtype in made_of[1]))
     options[_PARAMETERS] = cached[1]
     optimizer._pending_options.append(_PendingOptions(index, mesh, options, *_fingerprint(options)))
 

@@ -627,31 +627,19 @@ class ManifoldMuon(MatrixOptimizer):
                              f"{type(manifold).__name__}, which does not step wide points transposed: "
                              "solver='projected' serves tall and square ones only; use solver='dual'")
 
-    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """The base's checks, and every saved warm start ``"dual_correction"`` has the shape of
-        its parameter's multiplier (its manifold's ``constraint`` at the parameter's matrix
-        shape): a step takes the warm starts it holds unchecked
-        (:func:`~geomuon.optimizers.gram.unchecked_gram_step`), and one of another shape had
-        broadcast over its batch or failed inside a product. Counts that do not match are left
-        to torch's own message, as the base leaves them."""
-        super()._check_loadable(state_dict)
-        saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(c["params"]) for s, c in zip(saved_groups, self.param_groups)):
+    def _check_loaded_state(self, group: dict, p: torch.Tensor, key: str, value: torch.Tensor, name: str) -> None:
+        """A saved warm start ``"dual_correction"`` has the shape of its parameter's multiplier (its
+        manifold's ``constraint`` at the parameter's matrix shape): a step takes the warm starts it
+        holds unchecked (:func:`~geomuon.optimizers.gram.unchecked_gram_step`), and one of another
+        shape had broadcast over its batch or failed inside a product."""
+        if key != "dual_correction" or group["update"] == "adamw":
             return
-        for index, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
-            group = self._complete_group({**saved, "params": current["params"]})
-            for i, (saved_id, p) in enumerate(zip(saved["params"], current["params"])):
-                correction = state_dict.get("state", {}).get(saved_id, {}).get("dual_correction")
-                if group["update"] == "adamw" or not isinstance(correction, torch.Tensor):
-                    continue
-                name = self._name(current, i, index)
-                manifold = resolve_manifold(p.manifold if group["manifold"] is None else group["manifold"],
-                                            f"parameter {name}")
-                point = torch.empty(self._matrix_shape(group, p), device="meta")
-                check_shape_of(f"{type(self).__name__}.load_state_dict", f"state 'dual_correction' of parameter {name}",
-                               correction, manifold.constraint, point, point,
-                               what_to_do="the state was saved for another model (or its groups in another order)")
+        # resolved here, not through the cache of live groups (_group_manifold: keyed by the group's id)
+        manifold = resolve_manifold(p.manifold if group["manifold"] is None else group["manifold"], f"parameter {name}")
+        point = torch.empty(self._matrix_shape(group, p), device="meta")
+        check_shape_of(f"{type(self).__name__}.load_state_dict", f"state 'dual_correction' of parameter {name}",
+                       value, manifold.constraint, point, point,
+                       what_to_do="the state was saved for another model (or its groups in another order)")
 
     def _state_dtype(self, key: str, p: torch.Tensor) -> torch.dtype | None:
         # the warm start lives in the retraction dtype (fp32 for bf16 weights): a bf16 copy
@@ -754,26 +742,6 @@ class ManifoldMuon(MatrixOptimizer):
 
     def _pending_checks(self, group: dict) -> set[int] | None:
         return None if group["update"] == "adamw" else self._unchecked
-
-    def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
-                        positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The base's read (the ranks' options and parameters compared, then the finiteness
-        flags: the parameters it returns are the same on every rank), then the manifold check
-        (:meth:`_admissible`) of those not checked yet on any rank (the base's read adds those
-        another rank checks: :meth:`_pending_checks`), each gathered whole (an all-gather per
-        matrix), its ``[B]`` flags read to the host: the sharded step has no device-side skip.
-        The gathers come after the comparison: a rank whose group listed a parameter more had
-        gathered it while the others compared their options (gloo: a timeout on one rank, a
-        closed connection on the other). A matrix off its manifold is left out of the step and
-        recorded for :meth:`step`'s :class:`~geomuon.optimizers.base.OffManifoldError`, as
-        :meth:`_keep` records it in one process."""
-        params = super()._finite_on_host(group, index, params, positions, tracked)
-        admissible = self._admissible(group, params)
-        if admissible is None:
-            return params
-        on = admissible.tolist()
-        self._refused.record(index, [positions[id(p)] for p in params], "raise", torch.tensor(on))
-        return [p for p, ok in zip(params, on) if ok]
 
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         shape = self._matrix_shape(group, params[0])

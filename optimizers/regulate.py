@@ -101,6 +101,7 @@ from geomuon.manifolds.linalg import (
     newton_schulz_step,
     power_iteration,
     rms_scale,
+    sym,
 )
 
 __all__ = [
@@ -1102,8 +1103,8 @@ class HardCap(Regulator):
                 f"HardCap: ratio must be a finite number >= sqrt(2), got {self.ratio} (below sqrt(2) a pass "
                 "resolves no finer while the passes grow as 1/log(ratio)); choose one in [sqrt(2), 16] (default 16)"
             )
-        coarse = _hard_cap_sign_profile(self.sign_steps)[1][torch.float64]
-        if self.method == "polar_express" and coarse >= 1 / (4 * self.ratio**2):
+        coarse = _hard_cap_sign_profile(self.sign_steps)[1][torch.float64] if self.method == "polar_express" else 0.0
+        if coarse >= 1 / (4 * self.ratio**2):
             raise ValueError(
                 f"HardCap: sign_steps={self.sign_steps} resolves eigenvalues only down to {coarse:.2g} of the bound in "
                 f"float64, too coarse for ratio={self.ratio:g} (it must be below 1 / (4 ratio^2) = "
@@ -1131,7 +1132,6 @@ class HardCap(Regulator):
             if not math.isfinite(top):
                 raise ValueError(f"HardCap: the weight's norm bound is {top}: non-finite weights, or a norm "
                                  "beyond float64's range; rescale the weight")
-            levels = math.ceil(math.log(top / self.w_max) / math.log(self.ratio))
         if self.method == "svd":  # the SVD needs no descent: one pass at w_max
             c = self._level(0, s)
             # in float64: float32's (LAPACK gesdd) had failed to converge on a 512 x 512 matrix with
@@ -1140,6 +1140,13 @@ class HardCap(Regulator):
             capped = ((U * torch.minimum(S, c[..., 0].double()).unsqueeze(-2)) @ Vh).to(X.dtype) * s
             X = torch.where(bound > c, capped, X)
             return X.mT if wide else X
+        levels = levels or math.ceil(math.log(top / self.w_max) / math.log(self.ratio))
+        m, n = X.shape[-2:]
+        eye = torch.eye(n, dtype=X.dtype, device=X.device)
+        resolution = _hard_cap_sign_profile(self.sign_steps)[1][X.dtype]
+        unit_roundoff = torch.finfo(X.dtype).eps / 2
+        # r_eff of the class docstring, times the sign's input scale: every level's and the last pass's
+        reach = POLAR_EXPRESS.input_scale * (resolution + 2 * (math.sqrt(m) + math.sqrt(n)) * unit_roundoff)
         b, s_level = bound, s  # b >= sigma_max of X / s_level
         for level in reversed(range(levels)):
             if level < levels - 1:  # as the previous pass left it (sigma_max <= b), rescaled
@@ -1147,9 +1154,9 @@ class HardCap(Regulator):
                 s_level, unit, gram = self._scaled_gram(X)
                 b = b * (s_previous / s_level)  # (a power of two: exact)
             c = self._level(level, s_level)
-            capped, t = self._cap_once(unit, gram, c, b)
+            capped, t = self._cap_once(unit, gram, c, b, eye, reach)
             if level == 0:
-                capped = self._settle(capped, c, t)
+                capped = self._settle(capped, c, t, eye)
             # a pass at a level at or above the matrix's bound keeps it bitwise (selected on the device)
             run = bound > self._level(level, s)
             X = torch.where(run, capped * s_level, X)
@@ -1179,27 +1186,22 @@ class HardCap(Regulator):
         Y = (A / (POLAR_EXPRESS.input_scale * norm_bound)).reshape(-1, *A.shape[-2:])  # (the step takes one batch dim)
         for a, b, c in POLAR_EXPRESS.step_coefficients(self.sign_steps):
             Y = newton_schulz_step(Y, a, b, c)
-        return (0.5 * (Y + Y.mT)).reshape(A.shape)
+        return sym(Y).reshape(A.shape)
 
-    def _cap_once(self, X, gram, c, b):
+    def _cap_once(self, X, gram, c, b, eye, reach):
         r"""One level of the class docstring on the tall ``X`` (Gram ``gram``, level ``c``,
-        ``b`` $\ge \sigma_{\max}$, all in one unit): ``(capped, t)``, the capped matrix and the
-        threshold's shift $t$ (the capped $\sigma_{\max} \le \sqrt{c^2 + 2t}$)."""
-        m, n = X.shape[-2:]
-        eye = torch.eye(n, dtype=X.dtype, device=X.device)
-        unit_roundoff = torch.finfo(X.dtype).eps / 2
-        resolution = _hard_cap_sign_profile(self.sign_steps)[1][X.dtype]
-        reach = POLAR_EXPRESS.input_scale * (resolution + 2 * (math.sqrt(m) + math.sqrt(n)) * unit_roundoff)
+        ``b`` $\ge \sigma_{\max}$, all in one unit; ``eye`` the $n\times n$ identity, ``reach``
+        $1.01\,r_{\text{eff}}$): ``(capped, t)``, the capped matrix and the threshold's shift $t$
+        (the capped $\sigma_{\max} \le \sqrt{c^2 + 2t}$)."""
         B = torch.maximum(c**2, b**2 - c**2)  # >= ||X^T X - c^2 I||_2
         t = reach * B / (1 - reach)  # t = reach (B + t): the threshold c^2 + t is out of reach of every sigma <= c
         projector = 0.5 * (eye + self._sign(gram - (c**2 + t) * eye, B + t))
         return X - (X - c * msign(X, method=self.method)) @ projector, t
 
-    def _settle(self, X, c, t):
+    def _settle(self, X, c, t, eye):
         r"""The last level's final pass at ``c`` on ``X``, whose $\sigma_{\max} \le \sqrt{c^2 + 2t}$:
         $X - X\Pi_1A_1/(2c^2)$ (class docstring). $\|A_1\|_2 \le \max(c^2, 2t)$, about $\rho^2$
         times less than a level's $B$, and its unresolved band that much narrower."""
-        eye = torch.eye(X.size(-1), dtype=X.dtype, device=X.device)
         A = X.mT @ X - c**2 * eye
         projector = 0.5 * (eye + self._sign(A, torch.maximum(c**2, 2 * t)))
         return X - (X @ projector) @ A / (2 * c**2)

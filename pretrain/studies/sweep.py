@@ -67,6 +67,11 @@ class Grid:
         if not set(self.seeds) <= set(self.best_seeds):
             raise ValueError(f"Grid: best_seeds {self.best_seeds} must contain the grid's seeds {self.seeds}")
 
+    @property
+    def reach(self) -> int:
+        """The farthest grid step from the default a sweep can reach, edges extended included."""
+        return self.points // 2 + self.max_extensions
+
 
 def swept_parameter(arm: Variant) -> str:
     """``"adamw_lr"`` for an arm whose strategy is AdamW on every parameter, else ``"lr"``
@@ -245,7 +250,7 @@ class LearningRateSweep:
         if unknown:
             raise ValueError(f"study {self.NAME}: its comparisons name {unknown}, which are not among its arms "
                              f"{names}; compare arms it trains")
-        reach = g.points // 2 + g.max_extensions
+        reach = g.reach
         for arm in arms:
             rate = default_rate(arm, size)
             if not 0 < rate < math.inf:
@@ -258,7 +263,7 @@ class LearningRateSweep:
     def arm_sweeps(self, results: dict[str, list[dict]], size: Size) -> list[ArmSweep]:
         """The per-arm view of ``results`` (as :meth:`run` returns them), for the page."""
         g = self.grid(size)
-        reach = g.points // 2 + g.max_extensions
+        reach = g.reach
         found = []
         for arm in self.variants(size):
             points = {k: point(arm, size, g, k) for k in range(-reach, reach + 1)}
