@@ -806,16 +806,22 @@ def test_a_param_group_edited_between_steps_is_checked_before_any_group_steps(ed
     assert torch.equal(W, before[0]) and torch.equal(b, before[1])  # nothing was stepped
 
 
+def _muon_after_one_step(gen: torch.Generator) -> tuple[torch.nn.Parameter, Muon]:
+    """An 8x4 weight and a Muon (lr 0.02) that has stepped it once: a group checked, to edit."""
+    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    opt = Muon([W], lr=0.02)
+    W.grad = torch.randn(W.shape, generator=gen)
+    opt.step()
+    return W, opt
+
+
 @pytest.mark.parametrize("appended", ["vector", "matrix"])
 def test_a_tensor_put_into_a_groups_params_between_steps_is_checked_before_any_group_steps(appended):
     # the parameter list is part of the checked group: a 1-D tensor appended to a matrix group's
     # params after the first step had reached Muon's matrix update unrefused. Control: an
     # appended matrix steps (and the group is not refused again at the following step).
     gen = torch.Generator().manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
-    opt = Muon([W], lr=0.02)
-    W.grad = torch.randn(W.shape, generator=gen)
-    opt.step()
+    W, opt = _muon_after_one_step(gen)
     late = torch.nn.Parameter(torch.randn((8,) if appended == "vector" else (8, 4), generator=gen))
     opt.param_groups[0]["params"].append(late)
     for p in (W, late):
@@ -882,10 +888,7 @@ def test_a_tensor_lr_swapped_in_is_checked_once_and_an_in_place_schedule_is_not(
     # a float lr swapped for a tensor had skipped every check (NaN reached the weights); a
     # schedule that updates the tensor in place (fill_, as torch's schedulers do) is no edit
     gen = torch.Generator().manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
-    opt = Muon([W], lr=0.02)
-    W.grad = torch.randn(W.shape, generator=gen)
-    opt.step()
+    W, opt = _muon_after_one_step(gen)
     before = W.detach().clone()
     opt.param_groups[0]["lr"] = torch.tensor(float("nan"))
     with pytest.raises(ValueError, match="group 0: lr must be a finite number >= 0"):
