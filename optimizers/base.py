@@ -692,12 +692,23 @@ class MatrixOptimizer(torch.optim.Optimizer):
         its finiteness, :meth:`_finite_on_host`, after the ranks' options are compared)."""
         return None
 
-    def _pending_checks(self, group: dict) -> set[int] | None:
-        """The ids of the weights :meth:`_admissible` checks at their next step with a gradient,
-        for a sharded group (``None``, the default: no check). The set itself: the sharded
-        finiteness read (:meth:`_finite_on_host`) adds to it the weights of the group that any
-        rank of its mesh checks, so every rank gathers the same weights to check."""
+    def _pending_checks(self, group: dict, params: list[torch.Tensor]) -> list[bool] | None:
+        """For a sharded group: whether :meth:`_admissible` checks each of ``params`` (the group's
+        ``DTensor`` parameters) at its next step with a gradient; ``None``, the default: the
+        optimizer checks no weight. A read: the sharded finiteness read (:meth:`_finite_on_host`)
+        sums these flags over the group's mesh and hands the weights that any rank checks to
+        :meth:`_add_checks`, so every rank gathers the same weights to check."""
         return None
+
+    def _add_checks(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Have :meth:`_admissible` check ``params`` (sharded weights of ``group``) at this step:
+        the weights that some rank of the group's mesh checks (:meth:`_finite_on_host`, on every
+        rank, wherever :meth:`_pending_checks` is not ``None``). An optimizer that checks weights
+        overrides both (without this one, a rank had gathered a weight to check it alone)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} overrides _pending_checks (it checks weights) but not _add_checks: define "
+            "_add_checks(group, params) to check those weights at this step too (every rank of the mesh checks "
+            "the weights that any rank checks)")
 
     def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
                         positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -731,9 +742,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         whether the rank holds its whole-matrix replica
         (:func:`~geomuon.optimizers.distributed.holds_replica`; held on some ranks only, every rank
         drops it), and, where the optimizer checks weights (:meth:`_pending_checks`), whether the
-        rank checks it at this step (some rank does: every rank does). A rank that gathered a
-        weight to check it alone, or sent its momentum against a replica where another sent the
-        weights, had left the others in another collective.
+        rank checks it at this step (some rank does: every rank does, :meth:`_add_checks`). A rank
+        that gathered a weight to check it alone, or sent its momentum against a replica where
+        another sent the weights, had left the others in another collective.
 
         Before that all-reduce, whose length is fixed by ``tracked`` and by whether the optimizer
         checks weights, the first sharded
@@ -753,12 +764,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
         reduced = torch.float64
         zero = torch.zeros((), dtype=reduced, device=tracked[0].to_local().device)
         one = torch.ones_like(zero)
-        checks = self._pending_checks(group)
+        checks = self._pending_checks(group, tracked)
+        if checks is not None and len(checks) != len(tracked):  # (zip would pair flags with other weights)
+            raise ValueError(f"{type(self).__name__}._pending_checks answered {len(checks)} flags for the "
+                             f"{len(tracked)} sharded parameters it was given: answer one per parameter, in order")
         # host state a rank may hold alone (a load_state_dict on some ranks only, say), as
         # 0/1 entries summed with the norms: every rank then gathers and sends the same (the
         # lengths are the same on every rank: the class and group["update"] were compared)
         held = [one if _distributed.holds_replica(self, p) else zero for p in tracked]
-        pending = [] if checks is None else [one if id(p) in checks else zero for p in tracked]
+        pending = [] if checks is None else [one if checked else zero for checked in checks]
         shares, present = [], []
         for p, dtype in zip(tracked, dtypes):
             if p.grad is None:
@@ -787,7 +801,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if 0 < count < mesh.size():  # a replica some ranks hold: every rank sends the weights
                 _distributed.forget_replica(self, p)
         if checks is not None:  # a check some rank wants: every rank makes it
-            checks.update(id(p) for p, count in zip(tracked, pending) if count)
+            self._add_checks(group, [p for p, count in zip(tracked, pending) if count])
         position = {id(p): i for i, p in enumerate(group["params"])}
         partial = [f"{self._name(group, position[id(p)], index)} (on {int(count)} of {mesh.size()} ranks)"
                    for p, count in zip(tracked, counts) if 0 < count < mesh.size()]

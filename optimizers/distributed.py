@@ -215,8 +215,13 @@ def holds_replica(optimizer, p: torch.Tensor) -> bool:
     """Whether this rank's replica of ``p`` (host state) was written with ``optimizer.state[p]``
     as it is now (``load_state_dict`` replaces it): the host-side half of the replica rule, which
     :meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host` makes the same on every rank."""
+    return _held_replica(optimizer, p) is not None
+
+
+def _held_replica(optimizer, p: torch.Tensor) -> _Replica | None:
+    """This rank's replica of ``p`` where it holds one (:func:`holds_replica`), else ``None``."""
     replica = optimizer.__dict__.get("_replicas", {}).get(id(p))
-    return replica is not None and replica.state is optimizer.state.get(p)
+    return replica if replica is not None and replica.state is optimizer.state.get(p) else None
 
 
 def local_rows(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -565,8 +570,8 @@ def sharded_matrix_step(optimizer, group: dict, params: list[torch.Tensor], lr: 
         slot = torch.promote_types(dtype, params[0].dtype)  # holds the momentum or the weights exactly
         fields = []
         for p, m, o in zip(params, local_momentum, owner):
-            replica = replicas.get(id(p))
-            if holds_replica(optimizer, p) and replica.owner == o:
+            replica = _held_replica(optimizer, p)
+            if replica is not None and replica.owner == o:
                 # the rows differ in some bit from what this optimizer last wrote there: send
                 # them instead of the momentum (the owner refreshes its copy, the step is skipped)
                 changed = _bits(p.to_local()).ne(_bits(replica.rows)).any()

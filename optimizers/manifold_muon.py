@@ -56,7 +56,7 @@ from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_o
 from .base import MatrixOptimizer, OffManifoldError, require_number
 from .regulate import make_regulator, unchecked_regulation
 from .gram import DUALIZERS, POLISH_METHODS, SOLVERS, UPDATES, GramSettings, unchecked_gram_step
-from .steepest import FAST, NORMS, certified_ratio, steepest_direction
+from .steepest import FAST, NORMS, certified_ratio, unchecked_steepest_direction
 
 __all__ = ["ManifoldMuon", "resolve_manifold", "default_dual_steps", "default_cold_dual_steps", "default_polish_rounds", "default_polish_method",
            "default_dual_alpha", "default_dual_update", "gram_solver", "DEFAULT_DUAL_STEPS", "DEFAULT_DUAL_UPDATE",
@@ -630,7 +630,8 @@ class ManifoldMuon(MatrixOptimizer):
     def _check_loaded_state(self, group: dict, p: torch.Tensor, key: str, value: torch.Tensor, name: str) -> None:
         """A saved warm start ``"dual_correction"`` has the shape of its parameter's multiplier (its
         manifold's ``constraint`` at the parameter's matrix shape): a step takes the warm starts it
-        holds unchecked (:func:`~geomuon.optimizers.gram.unchecked_gram_step`), and one of another
+        holds unchecked (:func:`~geomuon.optimizers.gram.unchecked_gram_step`,
+        :func:`~geomuon.optimizers.steepest.unchecked_steepest_direction`), and one of another
         shape had broadcast over its batch or failed inside a product."""
         if key != "dual_correction" or group["update"] == "adamw":
             return
@@ -654,6 +655,22 @@ class ManifoldMuon(MatrixOptimizer):
         # checked there alone would gather on that rank only)
         if group["update"] != "adamw":
             self._unchecked.update(id(p) for p in (group["params"] if added is None else added))
+            if added is None:
+                self._drop_misfit_warm_starts(group)
+
+    def _drop_misfit_warm_starts(self, group: dict) -> None:
+        """Drop the warm starts of ``group`` that no longer have its multiplier's shape (an edit to
+        another manifold or norm, say): those weights' next step starts cold. A step takes its warm
+        starts unchecked, and one of another shape had failed inside a product mid-step
+        (``RuntimeError: shape '[24, 8]' is invalid``); a warm start that still fits is kept (an
+        edit of ``weight_decay`` or ``dual_steps`` leaves the dual problem's shape as it was)."""
+        for p in group["params"]:
+            state = self.state.get(p, {})
+            if "dual_correction" in state:
+                try:
+                    self._check_loaded_state(group, p, "dual_correction", state["dual_correction"], "")
+                except ValueError:
+                    del state["dual_correction"]
 
     def _check_every_weight(self) -> None:
         """Check every constrained weight again at its next step (:meth:`_admissible`)."""
@@ -740,8 +757,11 @@ class ManifoldMuon(MatrixOptimizer):
             flags.append(on.all())
         return torch.stack(flags)
 
-    def _pending_checks(self, group: dict) -> set[int] | None:
-        return None if group["update"] == "adamw" else self._unchecked
+    def _pending_checks(self, group: dict, params: list[torch.Tensor]) -> list[bool] | None:
+        return None if group["update"] == "adamw" else [id(p) in self._unchecked for p in params]
+
+    def _add_checks(self, group: dict, params: list[torch.Tensor]) -> None:
+        self._unchecked.update(map(id, params))
 
     def _points(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         shape = self._matrix_shape(group, params[0])
@@ -850,7 +870,8 @@ class ManifoldMuon(MatrixOptimizer):
         flat = (-1, *shape[-2:])
         if warm is not None:
             warm = warm.reshape(-1, *warm.shape[W.dim() - 2:])
-        # the warm start is this optimizer's own (or checked at load_state_dict): no per-step shape check
+        # the warm start is this optimizer's own, or checked at load_state_dict and at a group edit
+        # (_drop_misfit_warm_starts): no per-step shape check
         out = unchecked_gram_step(form, Wt.reshape(flat), Gt.reshape(flat), lr, warm, settings, shrink)
         point = out.point.reshape(shape)
         correction = None
@@ -888,7 +909,9 @@ class ManifoldMuon(MatrixOptimizer):
         settings = FAST.replace(steps=int(group["dual_steps"]), alpha=alpha,
                                 msign_method=group["msign_method"], msign_steps=group["msign_steps"],
                                 compute_dtype=group["compute_dtype"], certify="exact" if certify else None)
-        result = steepest_direction(manifold, W, G, group["norm"], settings, warm_start=warm)
+        # the warm start is this optimizer's own, or checked at load_state_dict and at a group edit
+        # (_drop_misfit_warm_starts): no per-step shape check
+        result = unchecked_steepest_direction(manifold, W, G, group["norm"], settings, warm_start=warm)
         point = manifold.retr(decayed, -lr * result.direction.to(W.dtype))
         return point, result.correction, result.ratio
 

@@ -213,7 +213,11 @@ def read_text(path: str, expected_sha256: str | None = None) -> str:
         raise ValueError(f"data file {path!r} is a folder; give a text file (a folder of token shards is tokens:DIR)")
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist")
-    raw = open(path, "rb").read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:  # an unreadable file had been a PermissionError traceback
+        raise ValueError(f"data file {path!r} cannot be read ({err.strerror or err})") from None
     if expected_sha256 is not None:
         digest = hashlib.sha256(raw).hexdigest()
         if digest != expected_sha256:

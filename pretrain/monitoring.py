@@ -1,7 +1,7 @@
-r"""Activation monitoring: the largest $|$activation$|$ each block outputs, collected with
-forward hooks (Newhouse et al. 2025, arXiv:2507.13338 reports max activations $\approx 100$ for Lipschitz transformers
-against very large ones for unconstrained baselines; small maxima are what makes fp8
-inference possible).
+r"""Activation monitoring: the largest absolute activation $\max_i \lvert a_i\rvert$ each block
+outputs ($a$ its output's entries), collected with forward hooks (Newhouse et al. 2025,
+arXiv:2507.13338 reports max activations $\approx 100$ for Lipschitz transformers against very
+large ones for unconstrained baselines; small maxima are what makes fp8 inference possible).
 
 Cost: one ``abs().amax()`` reduction per monitored module per forward, kept on the
 device as a scalar tensor in the output's own dtype (promoted across a module's outputs,

@@ -39,7 +39,7 @@ from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, mat
 from geomuon.pretrain.config import option_text
 
 __all__ = ["OwnerGather", "RunWriteError", "DamagedCheckpoint", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
-           "read_distributed", "file_sum", "dcp_folder", "dcp_folders"]
+           "checked_record", "read_distributed", "file_sum", "dcp_folder", "dcp_folders"]
 
 
 @dataclass
@@ -264,7 +264,7 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
     :data:`RUN_RECORD` on rank 0 (read with ``weights_only=True``; DCP would pickle it):
     rank 0's ``record``, the other ranks pass ``None``. The record lists the size and CRC-32
     (:func:`file_sum`) of every file a load reads (``files``), each rank summing a share of them
-    once DCP has written them all, so that :func:`read_record` can refuse damaged bytes.
+    once DCP has written them all, so that :func:`checked_record` can refuse damaged bytes.
 
     Atomic: everything is written to ``folder + ".tmp"`` (files fsynced), and rank 0
     renames it to ``folder`` once every rank has finished; the older checkpoints beyond
@@ -428,13 +428,10 @@ def _share(names, rank: int, world: int) -> list[str]:
     return ([METADATA] if rank == 0 and METADATA in names else []) + tensors[rank::world]
 
 
-def read_record(folder: str, files: bool = False) -> dict:
+def read_record(folder: str) -> dict:
     """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
     (:class:`DamagedCheckpoint`) naming the folder when it is not a complete geomuon distributed
-    checkpoint. With ``files``, every file the record lists (the tensor files and ``.metadata``)
-    is read and checked against the size and CRC-32 written with it (:func:`file_sum`), and one
-    that differs or is missing is named: DCP reads raw tensor bytes unchecked, and a flipped
-    byte had loaded as a weight of 63."""
+    checkpoint. Its files' bytes are not read: :func:`checked_record` checks them too."""
     path = os.path.join(folder, RUN_RECORD)
     problem = None
     if not os.path.isfile(os.path.join(folder, METADATA)):
@@ -449,14 +446,31 @@ def read_record(folder: str, files: bool = False) -> dict:
         else:
             if not isinstance(record, dict) or record.get("format") != DCP_FORMAT:
                 problem = f"has a {RUN_RECORD} that is not a {DCP_FORMAT} record"
-            elif files:
-                problem = _damaged_file(folder, record)
     if problem is not None:
         raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
     return record
 
 
-def _damaged_file(folder: str, record: dict, rank: int = 0, world: int = 1) -> str | None:
+def checked_record(folder: str, together: bool, record: dict | None = None) -> dict:
+    """:func:`read_record` of ``folder`` once every file the record lists (the tensor files and
+    ``.metadata``) is read and checked against the size and CRC-32 written with it
+    (:func:`file_sum`): DCP reads raw tensor bytes unchecked, and a flipped byte had loaded as a
+    weight of 63. One that differs or is missing raises :class:`DamagedCheckpoint` naming it.
+
+    ``together`` (every rank calls it; collective): the checkpoint is read once, as the save summed
+    it: each rank checks its share (:func:`_share`) and the ranks agree on the verdict, so that all
+    raise the first rank's finding and none is left waiting in a later collective. Alone, this
+    process checks every file. ``record``: the folder's :func:`read_record`, when it was read
+    already (a resume reads it first, to check its settings)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    record = read_record(folder) if record is None else record
+    problem = _agreed(_damaged_file(folder, record, rank, world), together)
+    if problem is not None:
+        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
+    return record
+
+
+def _damaged_file(folder: str, record: dict, rank: int, world: int) -> str | None:
     """What is wrong with the first file of process ``rank``'s share (:func:`_share`; of one
     process: every file) of ``folder`` that differs from the size and CRC-32 its ``record`` lists;
     ``None`` when all match. A checkpoint written before records listed them has no ``files``: it
@@ -477,7 +491,7 @@ def _damaged_file(folder: str, record: dict, rank: int = 0, world: int = 1) -> s
     return None
 
 
-def load_distributed(folder: str, model, assignment, owned=None) -> dict:
+def load_distributed(folder: str, model, assignment, owned=None, record: dict | None = None) -> dict:
     r"""Load the distributed checkpoint ``folder`` into ``model`` (as parallelized: FSDP2
     shards, DDP replicas or a plain model) and ``assignment``'s optimizers; returns its
     record. Collective when a process group is initialized; a single process reads it
@@ -486,7 +500,8 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
 
     Optimizer state is loaded for the parameters this rank holds (``owned`` under DDP,
     every parameter otherwise); elementwise state (:data:`ELEMENTWISE_STATE`) takes the
-    parameter's layout, any other (warm starts, step counts) is loaded whole.
+    parameter's layout, any other (warm starts, step counts) is loaded whole. ``record``: the
+    folder's :func:`read_record`, when it was read already (it is not read again).
 
     Raises:
         ValueError: naming ``folder``, for an incomplete folder, one written by another
@@ -502,13 +517,7 @@ def load_distributed(folder: str, model, assignment, owned=None) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     together = dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-    record = read_record(folder)
-    # the checkpoint read once, as the save summed it: each rank checks its share, and the ranks
-    # agree on the verdict, so that all refuse alike and none is left waiting in DCP's collectives
-    problem = _agreed(_damaged_file(folder, record, rank, world), together)
-    if problem is not None:
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
+    record = checked_record(folder, together, record)  # (before DCP's collectives, which a refusing rank would leave)
     saved = _saved_entries(folder)
     model_state = get_model_state_dict(model)
     expected = {f"model/{k}" for k in model_state}
@@ -579,9 +588,9 @@ def read_distributed(folder: str, prefix: str = "model/") -> dict[str, torch.Ten
     """The whole tensors of a distributed checkpoint whose keys start with ``prefix``
     (default: the model's, keyed by parameter name), read in this one process (no
     process group needed): to inspect a run, or compare it with another. An incomplete or
-    damaged folder (:func:`read_record` with ``files``, or a file DCP cannot read) raises
+    damaged folder (:func:`checked_record`, or a file DCP cannot read) raises
     :class:`DamagedCheckpoint` naming it."""
-    read_record(folder, files=True)
+    checked_record(folder, together=False)
     tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in _saved_entries(folder).items()
                if k.startswith(prefix) and hasattr(m, "size")}
     _load_tensors(folder, tensors, together=False)

@@ -113,8 +113,9 @@ from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, lo
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
 from geomuon.pretrain.provenance import code_fingerprint, git_commit, machine
-from geomuon.pretrain.parallel import (DamagedCheckpoint, RunWriteError, checkpoint_write_error, dcp_folder, dcp_folders,
-                                      load_checked, load_distributed, read_record, save_distributed)
+from geomuon.pretrain.parallel import (DamagedCheckpoint, RunWriteError, checked_record, checkpoint_write_error,
+                                      dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
+                                      save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
 
 
@@ -469,15 +470,23 @@ def load_checkpoint(path: str) -> dict:
         except Exception as err:  # torch raises several types for a damaged zip archive
             problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})"
     if not os.path.isfile(prev):
-        raise ValueError(f"{problem}; no previous checkpoint exists: start again with {option_text('overwrite', True)}")
+        raise _start_again(problem)
     try:
         step = _read_checkpoint(prev).get("step", "?")
     except Exception as err:
-        raise ValueError(f"{problem}; the previous checkpoint {prev!r} is corrupt too ({_first_sentence(err)}): "
-                         f"no checkpoint of this run can be resumed, start again with {option_text('overwrite', True)}"
-                         ) from None
+        raise _start_again(problem, prev, f"corrupt too ({_first_sentence(err)})") from None
     raise ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over "
                      f"{path!r} to resume from it")
+
+
+def _start_again(problem: str, previous: str | None = None, damage: str = "damaged too") -> ValueError:
+    """The refusal of a damaged checkpoint (``problem``) when no checkpoint of its run can be
+    resumed: there is no previous one (``previous`` is ``None``), or ``previous`` is as ``damage``
+    says (``"damaged too"``, ``"corrupt too (why)"``)."""
+    if previous is None:
+        return ValueError(f"{problem}; no previous checkpoint exists: start again with {option_text('overwrite', True)}")
+    return ValueError(f"{problem}; the previous checkpoint {previous!r} is {damage}: no checkpoint of this run can be "
+                      f"resumed, start again with {option_text('overwrite', True)}")
 
 
 def checkpoint_to_resume(out_dir: str) -> str:
@@ -516,26 +525,31 @@ def distributed_record(folder: str) -> dict:
     """The plain data of the distributed checkpoint ``folder``; a damaged one raises
     ``ValueError`` naming it and what to do (resume from the previous folder when that
     one is complete, or start again)."""
-    try:
+    with _previous_offered(folder):
         return read_record(folder)
-    except DamagedCheckpoint as err:
-        _with_previous_checkpoint(folder, str(err))
 
 
-def _with_previous_checkpoint(folder: str, problem: str):
-    """Raise ``ValueError(problem)`` about the distributed checkpoint ``folder`` with what to do:
-    resume from the previous folder when that one is complete, or start again."""
-    older = [(step, path) for step, path in dcp_folders(os.path.dirname(folder)) if path != folder]
-    if not older:
-        raise ValueError(f"{problem}; no previous checkpoint exists: start again with {option_text('overwrite', True)}")
-    step, previous = older[-1]
+@contextlib.contextmanager
+def _previous_offered(folder: str):
+    """A :class:`DamagedCheckpoint` raised inside, about the distributed checkpoint ``folder``,
+    raised again as a ``ValueError`` with what to do: resume from the previous folder when that
+    one is complete, or start again. Under torchrun every rank enters it alike (the same
+    checkpoint files) and the ranks check the previous folder together
+    (:func:`~geomuon.pretrain.parallel.checked_record`: each rank its share of the files, one
+    verdict for all, so that every rank raises the same refusal; each rank had read every file)."""
     try:
-        read_record(previous, files=True)  # complete means its bytes too: a resume reads them all
-    except ValueError:
-        raise ValueError(f"{problem}; the previous checkpoint {previous!r} is damaged too: no checkpoint of "
-                         f"this run can be resumed, start again with {option_text('overwrite', True)}") from None
-    raise ValueError(f"{problem}; the previous checkpoint {previous!r} (step {step}) is complete: remove "
-                     f"{folder!r} to resume from it")
+        yield
+    except DamagedCheckpoint as err:
+        older = [(step, path) for step, path in dcp_folders(os.path.dirname(folder)) if path != folder]
+        if not older:
+            raise _start_again(str(err))
+        step, previous = older[-1]
+        try:
+            checked_record(previous, dist.is_initialized())  # complete means its bytes too: a resume reads them all
+        except ValueError:
+            raise _start_again(str(err), previous) from None
+        raise ValueError(f"{err}; the previous checkpoint {previous!r} (step {step}) is complete: remove "
+                         f"{folder!r} to resume from it")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -665,10 +679,8 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
             f"data {data.source} has vocab {data.vocab_size} > the model's {model_cfg.vocab_size}; "
             f"use a config with a larger vocab_size"
         )
-    try:
+    with _refusing_data():
         data.check_context(model_cfg.block_size)
-    except ValueError as err:
-        raise DataRefusal(str(err)) from None
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg).to(device)
     direction = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.direction_dtype]
@@ -697,8 +709,16 @@ def load_run_data(cfg: TrainConfig) -> TokenData:
     it, because they were always read as a 50304-token vocabulary); a character-level source
     sets its own. A refusal of the data is a :class:`DataRefusal`."""
     vocab_size = get_config(cfg.model, **cfg.model_kwargs()).vocab_size
-    try:
+    with _refusing_data():
         return load_data(cfg.data, vocab_size=vocab_size)
+
+
+@contextlib.contextmanager
+def _refusing_data():
+    """A ``ValueError`` raised inside (a refusal of the data this process read) raised again as a
+    :class:`DataRefusal` with its message."""
+    try:
+        yield
     except ValueError as err:
         raise DataRefusal(str(err)) from None
 
@@ -1084,10 +1104,8 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     parallel = parallelize(model, assignment, cfg, ddp)
     if on_disk and cfg.resume:
         if os.path.isdir(resume_from):
-            try:
-                load_distributed(resume_from, model, assignment, parallel.owned)
-            except DamagedCheckpoint as err:  # the previous folder may be complete (other settings: none is)
-                _with_previous_checkpoint(resume_from, str(err))
+            with _previous_offered(resume_from):  # the previous folder may be complete (other settings: none is)
+                load_distributed(resume_from, model, assignment, parallel.owned, payload)
         say(resumed)
     # the log is rewritten from the checkpoint once it has loaded: a refused one leaves the log as it was
     log = RunLog(os.path.join(cfg.out_dir, "log.jsonl") if ddp.main and on_disk else None, records)

@@ -11,6 +11,7 @@ a collective shows up as a timeout error in the results, not as a hung test.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import socket
@@ -144,11 +145,20 @@ WHOLE_CASES = (
 )
 
 
-def _stiefel_muon(params) -> ManifoldMuon:
-    """ManifoldMuon on Stiefel over the two matrices ``a``, ``b``, its dual iterations in the
-    points' dtype (``compute_dtype=None``: no bf16 rounding between the compared steps)."""
-    return ManifoldMuon([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
-                        compute_dtype=None)
+class CopiedChecksMuon(ManifoldMuon):
+    """ManifoldMuon whose ``_pending_checks`` answers with a copy of ManifoldMuon's answer (an
+    override may build its answer as it likes): the base had added the weights other ranks check to
+    the set that hook returned, ManifoldMuon's own, so a copy had lost them."""
+
+    def _pending_checks(self, group, params):
+        return copy.copy(super()._pending_checks(group, params))
+
+
+def _stiefel_muon(params, opt_class=ManifoldMuon) -> ManifoldMuon:
+    """ManifoldMuon (or ``opt_class``) on Stiefel over the two matrices ``a``, ``b``, its dual
+    iterations in the points' dtype (``compute_dtype=None``: no bf16 rounding between the compared steps)."""
+    return opt_class([dict(params=params, param_names=["a", "b"])], lr=0.02, manifold="stiefel",
+                     compute_dtype=None)
 
 
 def _points(count: int = 2, seed: int = 0) -> list[torch.Tensor]:
@@ -589,9 +599,9 @@ def worker(out_dir: str) -> None:
     # check and gathered them (an all-gather per matrix) while rank 1 went into the all-to-all, and
     # rank 0 alone had dropped its replicas (it sent the weights, rank 1 its momentum and flags).
     # Both had waited until the process group's timeout; so these run after the cases above
-    def loaded_on_one_rank(scale):
+    def loaded_on_one_rank(scale, opt_class=ManifoldMuon):
         params = [sharded(w) for w in _points()]
-        opt = _stiefel_muon(params)
+        opt = _stiefel_muon(params, opt_class)
         step(opt, params, _gradients())
         with torch.no_grad():
             for p in params:  # every rank's rows
@@ -607,6 +617,8 @@ def worker(out_dir: str) -> None:
     for scale in (1.0, 2.0):
         results[f"loaded_on_one_rank:{scale:g}"] = _outcome(lambda: loaded_on_one_rank(scale))  # noqa: B023
         save()
+    results["loaded_on_one_rank:copied_checks"] = _outcome(lambda: loaded_on_one_rank(2.0, CopiedChecksMuon))
+    save()
 
     # a group of a sharded w0 and a plain w1, both trainable, w1's gradient on rank 0 only: rank 0
     # had refused the group while rank 1 compared the options alone until the process group's timeout
@@ -1115,8 +1127,6 @@ def test_a_state_dict_loaded_on_one_rank_is_checked_and_stepped_alike_on_every_r
     # the step is the one-process run's, bit for bit (each matrix alone in its batch on its owner,
     # as in test_an_owner_that_fails...: the same kernels on the same operands; the state rank 0
     # loaded is its own, so the same warm start); off it, every rank refuses both weights by name
-    from geomuon.optimizers.base import OffManifoldError
-
     ranks, _ = runs
     plain = [torch.nn.Parameter(w) for w in _points()]
     one = _stiefel_muon(plain)
@@ -1125,17 +1135,36 @@ def test_a_state_dict_loaded_on_one_rank_is_checked_and_stepped_alike_on_every_r
             p.grad = g
         one.step()
     for r, results in enumerate(ranks):
-        on, off = results.get("loaded_on_one_rank:1"), results.get("loaded_on_one_rank:2")
+        on = results.get("loaded_on_one_rank:1")
         assert on is not None and "ok" in on, (r, on)  # None: the rank died in a collective
         assert "ok" in on["ok"]["step"] and on["ok"]["moved"] == [True, True], (r, on)
         for sharded_weight, weight in zip(on["ok"]["weights"], plain):
             assert torch.equal(sharded_weight, weight.detach()), (r, (sharded_weight - weight).abs().max())
-        assert off is not None and "ok" in off, (r, off)
-        refused = off["ok"]["step"]
-        assert refused.get("error") == OffManifoldError.__name__, (r, refused)  # at the end of the step, on each rank
-        assert "off their manifold — 'a', 'b'" in refused["message"], (r, refused["message"])
-        assert refused["seconds"] < PG_TIMEOUT / 2, (r, refused)
-        assert off["ok"]["moved"] == [False, False], (r, off)
+        _refused_off_their_manifold(r, results.get("loaded_on_one_rank:2"))
+
+
+def _refused_off_their_manifold(r: int, off: dict | None) -> None:
+    """Rank ``r``'s step of both weights pushed off Stiefel after rank 0 alone loaded a state dict:
+    refused by name at the end of the step, neither weight moved (the rank checked both)."""
+    from geomuon.optimizers.base import OffManifoldError
+
+    assert off is not None and "ok" in off, (r, off)  # None: the rank died in a collective
+    refused = off["ok"]["step"]
+    assert refused.get("error") == OffManifoldError.__name__, (r, refused)  # at the end of the step, on each rank
+    assert "off their manifold — 'a', 'b'" in refused["message"], (r, refused["message"])
+    assert refused["seconds"] < PG_TIMEOUT / 2, (r, refused)
+    assert off["ok"]["moved"] == [False, False], (r, off)
+
+
+def test_an_override_of_pending_checks_answering_with_a_copy_keeps_every_rank_checking_alike(runs):
+    # CopiedChecksMuon answers _pending_checks with a copy. The base had added the weights other
+    # ranks check to the hook's answer itself (ManifoldMuon's live set): with a copy, rank 1 did not
+    # check the weights rank 0 loaded, and went into the all-to-all while rank 0 gathered them (a
+    # wait until the process group's timeout). The ranks' union now reaches the optimizer through
+    # _add_checks, whatever _pending_checks returns
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        _refused_off_their_manifold(r, results.get("loaded_on_one_rank:copied_checks"))
 
 
 def test_a_plain_gradient_on_one_rank_beside_a_sharded_parameter_is_refused_by_name_on_every_rank(runs):

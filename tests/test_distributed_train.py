@@ -433,6 +433,51 @@ def test_each_rank_checks_its_share_of_a_checkpoint_and_every_rank_refuses_a_dam
     assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
 
 
+def _refusals(outputs: list[str]) -> list[str]:
+    return [re.search(r"refused: .*", out).group(0) for out in outputs]
+
+
+def test_the_previous_checkpoint_a_refusal_offers_is_checked_in_shares_and_every_rank_refuses_alike(runs, tmp_path):
+    # to offer the previous checkpoint, every rank had summed every file of it (world size times its
+    # bytes read); as at a load, each rank now checks a share there, and the ranks agree on the verdict
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run)
+    (_, previous), (_, folder) = dcp_folders(str(run))
+    listed = sorted(read_record(previous)["files"])
+    cfg = config(run, parallel="fsdp", resume=True, stop_after=STEPS)  # the load alone
+    shard = os.path.join(folder, "__0_0.distcp")
+    _flip_byte(shard, os.path.getsize(shard) // 2)  # refused by the load of the newest folder
+    outputs = finished(spawn(2, SUMMED, cfg, previous))
+    refusals, shares = _refusals(outputs), [_summed(out) for out in outputs]
+    assert refusals[0] == refusals[1], refusals
+    assert re.search(f"{re.escape(folder)}' has a __0_0.distcp that fails its CRC-32 check .*; the previous "
+                     f"checkpoint {re.escape(repr(previous))} \\(step {HALF}\\) is complete", refusals[0]), refusals
+    # every listed file of the previous folder read once, by one rank
+    assert sorted(shares[0] + shares[1]) == listed and all(shares), shares
+    # the newest record gone (refused as it is read, before the load) and the previous folder damaged in
+    # a file rank 1 alone checks: rank 0, which does not read it, says it is damaged too
+    os.remove(os.path.join(folder, "run.pt"))
+    (theirs,) = set(shares[1]) - {".metadata"}
+    _flip_byte(os.path.join(previous, theirs), os.path.getsize(os.path.join(previous, theirs)) // 2)
+    outputs = finished(spawn(2, SUMMED, cfg, previous))
+    refusals = _refusals(outputs)
+    assert refusals[0] == refusals[1], refusals
+    assert re.search(f"{re.escape(folder)}' has no run.pt; the previous checkpoint {re.escape(repr(previous))} is "
+                     "damaged too", refusals[0]), refusals
+    assert [_summed(out) for out in outputs] == shares, outputs
+    assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
+
+
+def test_a_resume_reads_the_record_of_its_distributed_checkpoint_once(runs, tmp_path, monkeypatch):
+    # the resume read run.pt (its zip checked entry by entry, then unpickled) to check the run's
+    # settings, and the load read it again
+    split = halfway(runs / "fsdp", tmp_path / "once")
+    read = []
+    monkeypatch.setattr("geomuon.pretrain.parallel.load_checked", lambda path: read.append(path) or load_checked(path))
+    train(config(split, resume=True, stop_after=HALF))  # no step: the load alone
+    assert read == [os.path.join(last(split), "run.pt")], read
+
+
 def test_a_checkpoint_whose_record_lists_no_files_still_loads_and_a_lost_shard_is_named(runs, tmp_path):
     # checkpoints written before the record listed its files' sums load unchecked; a tensor file
     # DCP then cannot read had raised DCP's bare CheckpointException from read_distributed

@@ -98,8 +98,11 @@ STRAY_MATH = re.compile(r"\$(?!\d)|\\[A-Za-z]{2,}")
 # Defects the converter lets through silently, in the MathML: "\operatorname{row\_norm}"
 # (a name that is not all letters) comes out as an empty <mo/> before italic letters spaced as
 # a product; a control character in the TeX source is an escape Python read in a docstring
-# that is not raw ("\t" of "\times": the formula showed "m imes n").
-SILENT_MATH = re.compile(r"<mo\s*/>|<mo></mo>|<math alttext=\"[^\"]*[\x00-\x09\x0b-\x1f\x7f]")
+# that is not raw ("\t" of "\times": the formula showed "m imes n"); a formula that is only a
+# bar is half of an absolute value or norm whose bars were written as two formulas around
+# plain text (pretrain/monitoring.py's "$|$activation$|$").
+SILENT_MATH = re.compile(r"<mo\s*/>|<mo></mo>|<math alttext=\"[^\"]*[\x00-\x09\x0b-\x1f\x7f]"
+                         r"|<math alttext=\"\s*(?:\\?\||\\[lr]?[vV]ert)\s*\"")
 
 
 def assert_math_rendered(page_html: str, where: str) -> None:
@@ -266,6 +269,15 @@ def test_package_exports_are_documented_where_they_are_defined(site):
     assert not absent, f"re-exported but documented nowhere: {absent}"
 
 
+def _cell_source(cell: str) -> str:
+    """A rendered table cell as the Markdown it was made from: each formula read back from the
+    TeX its MathML keeps in ``alttext``, each code span back in backticks."""
+    parts = re.split(r'<math alttext="([^"]*)".*?</math>', cell, flags=re.S)  # text, TeX, text, ...
+    return "".join("$" + html.unescape(part) + "$" if k % 2
+                   else html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"</?code>", "`", part)))
+                   for k, part in enumerate(parts))
+
+
 def test_symmetry_table_is_generated_from_the_code(site):
     import geomuon.theory.declared
 
@@ -274,14 +286,43 @@ def test_symmetry_table_is_generated_from_the_code(site):
     page = (site / "concepts" / "symmetry.html").read_text()
     table = page[page.index('<div class="geomuon-declared">') :]
     table = table[: table.index("</table>")]
-    shown = [
-        tuple(html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<td>(.*?)</td>", row, re.S))
-        for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)
-        if "<td>" in row
-    ]
-    assert shown == rows
+    cells = [re.findall(r"<td>(.*?)</td>", row, re.S) for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)
+             if "<td>" in row]
+    assert [tuple(map(_cell_source, row)) for row in cells] == rows
+    # Every formula of a rationale is MathML on the page (a "$...$" left as text would read
+    # back the same), and nothing else in the table is raw LaTeX.
+    assert [row[3].count("<math") for row in cells] == [rationale.count("$") // 2 for *_, rationale in rows]
+    assert_math_rendered(table, "concepts/symmetry: the declared table")
     # Both verdicts are present: the negative controls are part of the table.
     assert {row[2] for row in rows} == {"holds", "fails (negative control)"}
+
+
+# Math written outside "$...$" and code spans, as the rationales had been: Unicode ("O_m×O_n",
+# "WᵀW", "‖d_i‖", "Π^⊥", "ε"), ASCII subscripts, powers, bars, braces and backslashes
+# ("sigma_max", "L_{gW}", "||Z||_F"), and e-notation ("~2e-2"). The dashes are prose.
+PSEUDO_MATH = re.compile(r"[^\x00-\x7f–—]|[_^|\\{}]|\d[eE]-?\d")
+
+
+def pseudo_math(markdown: str) -> str | None:
+    """The first math of ``markdown`` written outside a formula or code span (an unpaired
+    ``$`` included), or ``None``."""
+    outside = re.sub(r"\$[^$]*\$|`[^`]*`", " ", markdown)
+    found = re.search(r"\$", outside) or PSEUDO_MATH.search(outside)
+    return found.group(0) if found else None
+
+
+def test_declared_rationales_write_their_math_as_latex():
+    # The docs render each rationale as Markdown: math outside "$...$" shows as plain text.
+    import geomuon.theory.declared
+
+    written = {d.id: pseudo_math(d.rationale) for d in geomuon.theory.declared.declarations()}
+    assert not {row: found for row, found in written.items() if found}, written
+    # Negative control: the notations the rationales had been written in are caught; a formula,
+    # a code span and the dashes of prose are not.
+    for pseudo in ("S_m × O_n", "msign(LDRᵀ)", "‖D‖_*", "||Z||_F", "(~2e-2)", "sigma_max", "L_{gW}",
+                   r"shift $\mathbf 1v^\top changes"):
+        assert pseudo_math(pseudo) is not None, pseudo
+    assert pseudo_math(r"`row_norm` is $S_m \times O_n$-equivariant — at 2–6 sides, $\lVert Z\rVert_F$") is None
 
 
 # --- in the browser -----------------------------------------------------------------
@@ -401,14 +442,18 @@ def test_raw_latex_detector_flags_unrendered_math():
     assert_math_rendered("<p><code>$HOME and \\(x\\)</code> <math><mi>x</mi></math></p>", "sample")
     # A formula a table cell cut open, and what the converter gets wrong without a warning,
     # made by the hook itself: a non-letter \operatorname, a cooked "\times" (a tab).
+    # A bar alone: the halves of "$|$x$|$" and "$\lVert$x$\rVert$".
     for raw in ("<td>so $\\max</td><td>\\text{GELU}'</td>",
                 geomuon_mathml.latex_to_mathml(r"\operatorname{row\_norm}(D)", display=False),
-                geomuon_mathml.latex_to_mathml("m\times n", display=False)):
+                geomuon_mathml.latex_to_mathml("m\times n", display=False),
+                geomuon_mathml.latex_to_mathml("|", display=False),
+                geomuon_mathml.latex_to_mathml(r"\rVert", display=False)):
         with pytest.raises(AssertionError, match="raw LaTeX|renders wrong"):
             assert_math_rendered(raw, "sample")
-    # Not flagged: a price, a backslash in code, and the fixes of the two formulas.
+    # Not flagged: a price, a backslash in code, and the fixes of the formulas.
     assert_math_rendered("<p>costs $5, <code>C:\\temp $x$</code></p>", "sample")
-    for tex in (r"\text{row\_norm}(D)", r"\operatorname{msign}(G)", r"m\times n"):
+    for tex in (r"\text{row\_norm}(D)", r"\operatorname{msign}(G)", r"m\times n", r"\max_i \lvert a_i\rvert",
+                r"\lVert D\rVert_*"):
         assert_math_rendered(geomuon_mathml.latex_to_mathml(tex, display=False), "sample")
 
 

@@ -637,3 +637,17 @@ def test_gram_step_refuses_a_correction_of_another_shape_by_name():
     first = gram_step(form, W, G, 0.1, None, GramSettings(dual_steps=1))
     assert first.correction.shape == (2, 4, 4)
     assert gram_step(form, W, G, 0.1, first.correction, GramSettings(dual_steps=1)).point.shape == W.shape
+
+
+def test_gram_step_checks_its_stacks_once(monkeypatch):
+    # a given correction had run _check_points twice (gram_step's, then unchecked_gram_step's)
+    import geomuon.optimizers.gram as gram
+    calls = []
+    original = gram._check_points
+    monkeypatch.setattr(gram, "_check_points", lambda *args: calls.append(args[2]) or original(*args))
+    form = Stiefel().gram_form
+    W = Stiefel().random(2, 16, 4, dtype=torch.float64)
+    G = torch.randn(2, 16, 4, dtype=torch.float64)
+    first = gram_step(form, W, G, 0.1, None, GramSettings(dual_steps=1))
+    gram_step(form, W, G, 0.1, first.correction, GramSettings(dual_steps=1))
+    assert calls == ["gram_step", "gram_step"]  # one per step, with and without a correction

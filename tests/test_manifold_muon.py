@@ -10,7 +10,7 @@ import torch
 
 from geomuon.manifolds import DGram, Euclidean, MatrixManifold, Oblique, Stiefel
 from geomuon.manifolds.capabilities import gram_retraction, inv_sqrt_near_identity, series_radius
-from geomuon.optimizers import ManifoldMuon, OffManifoldError, gram, manifold_muon, msign
+from geomuon.optimizers import ManifoldMuon, OffManifoldError, gram, manifold_muon, msign, steepest
 from geomuon.optimizers.gram import GramSettings, gram_msign, polynomial_inverse_sqrt
 
 
@@ -1025,16 +1025,19 @@ def test_without_warm_starts_no_carried_dual_step_is_taken(monkeypatch):
     assert torch.equal(points[False], points[True])
 
 
-@pytest.mark.parametrize("manifold,shape,multiplier", [
-    ("stiefel", (24, 8), (8, 8)), ("stiefel", (8, 24), (8, 8)), ("oblique", (24, 8), (8,)), ("dgram", (2, 24, 8), (2, 8, 8)),
-], ids=["stiefel-tall", "stiefel-wide", "oblique", "dgram-batch"])
-def test_a_loaded_warm_start_of_another_shape_is_refused_by_name_and_changes_nothing(manifold, shape, multiplier):
+@pytest.mark.parametrize("manifold,norm,shape,multiplier", [
+    ("stiefel", "spectral", (24, 8), (8, 8)), ("stiefel", "spectral", (8, 24), (8, 8)),
+    ("oblique", "spectral", (24, 8), (8,)), ("dgram", "spectral", (2, 24, 8), (2, 8, 8)),
+    # the general path (steepest_direction: no Gram form for these norms) takes its warm starts unchecked too
+    ("stiefel", "row", (24, 8), (8, 8)), ("dgram", "column", (2, 24, 8), (2, 8, 8)),
+], ids=["stiefel-tall", "stiefel-wide", "oblique", "dgram-batch", "stiefel-row-general", "dgram-column-batch-general"])
+def test_a_loaded_warm_start_of_another_shape_is_refused_by_name_and_changes_nothing(manifold, norm, shape, multiplier):
     # a step takes its warm starts unchecked: a loaded one of another shape had broadcast over the
     # batch (a stacked copy) or failed inside a product of a later step (another size)
     gen = torch.Generator().manual_seed(2)
     start = MatrixManifold.resolve(manifold, "test").random(*shape, generator=gen, dtype=torch.float64).data
     p = torch.nn.Parameter(start.clone())
-    opt = ManifoldMuon([p], manifold=manifold)
+    opt = ManifoldMuon([p], manifold=manifold, norm=norm)
     for _ in range(2):
         p.grad = torch.randn(shape, generator=gen, dtype=torch.float64)
         opt.step()
@@ -1043,7 +1046,7 @@ def test_a_loaded_warm_start_of_another_shape_is_refused_by_name_and_changes_not
     for bad in ((1, *multiplier), (*multiplier[:-1], multiplier[-1] - 1)):
         tampered = copy.deepcopy(saved)
         tampered["state"][0]["dual_correction"] = torch.zeros(bad, dtype=torch.float64)
-        fresh = ManifoldMuon([torch.nn.Parameter(start.clone())], manifold=manifold)
+        fresh = ManifoldMuon([torch.nn.Parameter(start.clone())], manifold=manifold, norm=norm)
         with pytest.raises(ValueError, match=rf"ManifoldMuon.load_state_dict: state 'dual_correction' of parameter #0 "
                                              rf"of param group 0 {re.escape(str(bad))} must have the multiplier's "
                                              rf"shape {re.escape(str(multiplier))}; the state was saved for another"):
@@ -1051,7 +1054,7 @@ def test_a_loaded_warm_start_of_another_shape_is_refused_by_name_and_changes_not
         assert len(fresh.state) == 0  # nothing loaded
     # control: the state as saved loads, and the resumed step equals the uninterrupted one
     q = torch.nn.Parameter(p.detach().clone())
-    resumed = ManifoldMuon([q], manifold=manifold)
+    resumed = ManifoldMuon([q], manifold=manifold, norm=norm)
     resumed.load_state_dict(copy.deepcopy(saved))  # (a state dict shares opt's tensors, which its step updates)
     p.grad = torch.randn(shape, generator=gen, dtype=torch.float64)
     q.grad = p.grad.clone()
@@ -1060,10 +1063,37 @@ def test_a_loaded_warm_start_of_another_shape_is_refused_by_name_and_changes_not
     assert torch.equal(p.detach(), q.detach())
 
 
-def test_a_step_takes_its_own_warm_start_without_a_shape_check(monkeypatch):
+@pytest.mark.parametrize("norm", ["spectral", "row"])
+def test_a_group_edited_to_another_manifold_drops_the_warm_starts_that_no_longer_fit(norm):
+    # a Stiefel weight's warm start (its multiplier: n x n) kept through an edit of the group to
+    # Oblique (multiplier: n) had failed inside the next step's products (RuntimeError: shape
+    # '[24, 8]' is invalid); one that still fits (an edit of weight_decay) is kept
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen, dtype=torch.float64).data)
+    opt = ManifoldMuon([p], manifold="stiefel", norm=norm)
+    for _ in range(2):
+        p.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
+        opt.step()
+    kept = opt.state[p]["dual_correction"]
+    assert kept.shape == (8, 8)
+    opt.param_groups[0]["weight_decay"] = 0.01  # control: the dual problem's shape is unchanged
+    p.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
+    opt.step()
+    assert opt.state[p]["dual_correction"].shape == (8, 8)
+    opt.param_groups[0]["manifold"] = "oblique"  # a Stiefel point has unit columns: it is on Oblique
+    before = p.detach().clone()
+    opt.step()
+    assert opt.state[p]["dual_correction"].shape == (8,)  # started cold, kept the new multiplier's shape
+    assert not torch.equal(p.detach(), before)
+    assert (p.detach().norm(dim=0) - 1).abs().max() <= 64 * torch.finfo(torch.float64).eps  # on Oblique (24 terms)
+
+
+@pytest.mark.parametrize("path", ["gram", "general"])
+def test_a_step_takes_its_own_warm_start_without_a_shape_check(monkeypatch, path):
     # the check of a correction's shape builds the constraint on meta tensors (about 1 % of a
-    # Stiefel step): it runs where a correction comes from outside (gram_step, load_state_dict),
-    # not in the steps that take the optimizer's own warm starts
+    # 1536x384 Stiefel step on the Gram path; on the general path 0.4 % of a 1536x384 row-norm
+    # step, a quarter of a 256x64 one): it runs where a correction comes from outside (gram_step,
+    # steepest_direction, load_state_dict), not in the steps that take the optimizer's own warm starts
     calls = []
     check = gram.check_shape_of
 
@@ -1072,10 +1102,13 @@ def test_a_step_takes_its_own_warm_start_without_a_shape_check(monkeypatch):
         return check(*args, **kwargs)
 
     monkeypatch.setattr(gram, "check_shape_of", counted)
+    monkeypatch.setattr(steepest, "check_shape_of", counted)
     gen = torch.Generator().manual_seed(3)
     p = torch.nn.Parameter(Stiefel().random(24, 8, generator=gen, dtype=torch.float64).data)
-    opt = ManifoldMuon([p], manifold="stiefel", certify_every=2, certify_reference=4)
-    for _ in range(4):  # steps 2-4 warm-started, 2 and 4 with a warm-started reference solve
+    # the row norm takes the general path (steepest_direction); certify_reference is the Gram path's
+    options = dict(certify_reference=4) if path == "gram" else dict(norm="row")
+    opt = ManifoldMuon([p], manifold="stiefel", certify_every=2, **options)
+    for _ in range(4):  # steps 2-4 warm-started, 2 and 4 certified (the Gram path: a warm-started reference solve)
         p.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
         opt.step()
     assert "dual_correction" in opt.state[p] and calls == []
@@ -1085,10 +1118,14 @@ def test_a_step_takes_its_own_warm_start_without_a_shape_check(monkeypatch):
     p.grad = torch.randn(24, 8, generator=gen, dtype=torch.float64)
     opt.step()
     assert len(calls) == 1  # the loaded warm start was checked once, at the load
-    # control: the public gram_step checks the correction it is given
-    W, G = p.detach()[None], p.grad[None]
-    gram.gram_step(Stiefel().gram_form, W, G, 0.02, opt.state[p]["dual_correction"][None], GramSettings())
-    assert calls[1:] == [("gram_step", "correction")]
+    # control: the public entry checks the correction it is given
+    W, G, warm = p.detach()[None], p.grad[None], opt.state[p]["dual_correction"][None]
+    if path == "gram":
+        gram.gram_step(Stiefel().gram_form, W, G, 0.02, warm, GramSettings())
+        assert calls[1:] == [("gram_step", "correction")]
+    else:
+        steepest.steepest_direction(Stiefel(), W, G, "row", "fast", warm_start=warm)
+        assert calls[1:] == [("steepest_direction", "warm_start")]
 
 
 @pytest.mark.parametrize("attribute, value, message", [

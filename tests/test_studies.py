@@ -14,6 +14,7 @@ import dataclasses
 import gzip
 import json
 import math
+import os
 import re
 import types
 from pathlib import Path
@@ -225,6 +226,77 @@ def test_runs_of_another_thread_count_are_never_mixed_in(tmp_path, monkeypatch):
         assert run(2) == (2, 0)  # trained again, on 2 threads
     finally:
         torch.set_num_threads(threads)
+
+
+class _OsReplacingAfter:
+    """``os`` as ``common`` sees it, with ``os.replace`` calling ``before_replace()`` first."""
+
+    def __init__(self, before_replace):
+        self.before_replace = before_replace
+
+    def replace(self, *args):
+        self.before_replace()
+        return os.replace(*args)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_two_writers_of_one_run_folder_never_race_on_a_temporary_file(tmp_path, monkeypatch):
+    """Two runs of one study sharing a work directory may finish the same run at once. Both writers had
+    written ``record.json.tmp``, then replaced: with both writes done before either replace
+    (forced here by a barrier), the second ``os.replace`` found the file gone
+    (``FileNotFoundError``). Each writer now has its own temporary file: both succeed, the record
+    is one writer's whole, and no temporary file stays. A write that fails leaves none either,
+    and a folder holding only a temporary file is an unfinished run: it trains again."""
+    import threading
+
+    study = STUDIES["lipschitz"]
+    size = common.size_from(study, "tiny")
+    variant = study.variants(size)[0]
+    threads = torch.get_num_threads()
+    folder = common.run_folder(tmp_path, study.NAME, variant, size, 0, str(DATA), threads)
+    job = common.Job(study.NAME, variant, 0, size, str(DATA), str(folder), threads)
+    writers = {}
+
+    def fake_run(study, variant, size, seed, data_path):  # each thread's own record, in place of training
+        return {**_fake_record(variant.name, seed, 1.0), "writer": threading.current_thread().name,
+                "wall_time": 0.0}
+
+    monkeypatch.setattr(common, "train_run", fake_run)
+    both_written = threading.Barrier(2, timeout=60)
+    monkeypatch.setattr(common, "os", _OsReplacingAfter(both_written.wait))
+
+    def write(name):
+        try:
+            writers[name] = common._run_job(job)
+        except Exception as err:  # reported by the assertion below
+            writers[name] = err
+
+    pair = [threading.Thread(target=write, args=(name,), name=name) for name in ("a", "b")]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join()
+    assert not [err for err in writers.values() if isinstance(err, Exception)], writers
+    assert json.loads((folder / common.RECORD).read_text()) in list(writers.values())
+    assert sorted(p.name for p in folder.iterdir()) == [common.RECORD]
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(common, "os", _OsReplacingAfter(full_disk))
+    (folder / common.RECORD).unlink()
+    with pytest.raises(OSError, match="No space left"):
+        common._run_job(job)
+    assert list(folder.iterdir()) == []
+    monkeypatch.undo()
+
+    (folder / f"{common.RECORD}.0123.tmp").write_text("{")  # a writer killed before its replace
+    monkeypatch.setattr(common, "train_run", fake_run)
+    records, cached = common.run_jobs(study, [(variant, 0)], size, str(DATA), tmp_path, 1, threads, False,
+                                      say=lambda text: None)
+    assert cached == 0 and records[(variant.name, 0)]["writer"] == threading.current_thread().name
 
 
 def test_a_run_made_by_other_code_is_never_reused(tmp_path, monkeypatch):
@@ -456,6 +528,37 @@ def test_a_data_path_with_a_colon_is_read(tmp_path):
 
     assert load_data(f"shakespeare:{path}").vocab_size == 65
     assert load_data(f"shakespeare:{path}:nocheck").vocab_size == 65
+
+
+@needs_data
+def test_a_data_path_that_is_no_readable_file_says_what_it_is(tmp_path, capsys, monkeypatch):
+    """``--data`` given a directory had been refused as "no such file", and so had a path through
+    a file; an unreadable file had been a ``PermissionError`` traceback. Each is refused by what
+    it is, before any folder exists. Control: a missing file is still "no such file"."""
+    from geomuon.pretrain import data as data_module
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    argv = ["--size", "tiny", "--jobs", "1", "--seeds", "0", "--work-dir", "wd"]
+    for path, message in ((tmp_path / "shared", f"--data {tmp_path / 'shared'}: is a directory; pass the file "
+                                                f"itself (e.g. {tmp_path / 'shared' / 'tinyshakespeare.txt'})"),
+                          (tmp_path / "notes.txt" / "input.txt", f"--data {tmp_path / 'notes.txt' / 'input.txt'}: "
+                                                                 f"'{tmp_path / 'notes.txt'}' above it is a file"),
+                          (f"{tmp_path / 'notes.txt'}/", f"--data {tmp_path / 'notes.txt'}/: "
+                                                           f"'{tmp_path / 'notes.txt'}' above it is a file"),
+                          (tmp_path / "missing.txt", f"--data {tmp_path / 'missing.txt'}: no such file")):
+        assert common.main(lipschitz_study, [*argv, "--data", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    # root reads a chmod-000 file, so the refusal of the read is simulated where read_text opens it
+    def refused(path, mode="r", *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(data_module, "open", refused, raising=False)
+    assert common.main(lipschitz_study, [*argv, "--data", str(DATA)]) == 2
+    assert f"--data {DATA}: data file {str(DATA)!r} cannot be read (Permission denied); pass the path of a copy of" \
+        in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "shared"]
 
 
 def test_one_seed_prints_its_value_without_a_spread():
@@ -787,6 +890,44 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(tiny_sweep, tmp_path, mon
         assert f"(tiny-sweep/{name})" in resumed
 
 
+def _configuration(page: str) -> tuple[str, dict]:
+    """The sentence and the settings of a page's Configuration block."""
+    sentence, block = re.search(r"## Configuration\n\n(.*?):\n\n```json\n(.*?)\n```", page, re.DOTALL).groups()
+    return sentence, json.loads(block)
+
+
+@needs_data
+def test_a_sweeps_configuration_says_what_it_sweeps(tiny_sweep, run_once, tmp_path, monkeypatch):
+    """A sweep's page had listed the size's lr, adamw_lr and seeds under "Every variant uses these
+    settings", while its runs trained at other rates and seeds. Its block now describes those
+    per-run settings in their place, with the grid, and keeps the others; the runs are faked (the
+    page, not the training, is tested). Control: a study that sweeps nothing keeps its sentence and
+    the size's values."""
+    study, folder, code = run_once(lipschitz_study)  # (trained before train_run is faked: the run is shared)
+    assert code == 0
+    sentence, config = _configuration((folder / "results" / f"{study.NAME}.md").read_text())
+    assert sentence == ("Every variant uses these settings (the variants' own changes are listed above and in "
+                        f"`{common.RESULTS}`)")
+    assert config == {"size": "tiny", **dataclasses.asdict(dataclasses.replace(study.SIZES["tiny"], seeds=list(SEEDS)))}
+
+    def fake_run(study, variant, size, seed, data_path):
+        rate = next(iter(variant.hyper.values()))
+        return {**_fake_record(variant.name, seed, math.log(rate) ** 2), "wall_time": 0.0, "assignment": ""}
+
+    monkeypatch.setattr(common, "train_run", fake_run)
+    argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work")]
+    assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "out")]) == 0
+    sentence, config = _configuration((tmp_path / "out" / "tiny-sweep.md").read_text())
+    size = tiny_sweep.SIZES["tiny"]
+    assert sentence.startswith("Every run uses these settings except those the sweep sets per run (seeds, lr, "
+                               "adamw_lr: described in place of a value")
+    assert config == {"size": "tiny", **dataclasses.asdict(size), **{
+        "seeds": "the grid's: 0,1 at every point, 0,1,2 at each arm's best point",
+        "lr": "swept for muon: 3 rates spaced ×2 around 0.02, at most 1 more beyond an edge; 0.02 for the other arms",
+        "adamw_lr": "swept for adamw: 3 rates spaced ×2 around 0.003, at most 1 more beyond an edge; 0.003 for the "
+                    "other arms"}}
+
+
 def _fresh_tables(tmp_path: Path, name: str, *options: str) -> list[str]:
     argv = ["--size", "tiny", "--data", str(DATA), "--work-dir", str(tmp_path / "work"), "--fresh"]
     assert common.main(long_study, [*argv, *options, "--out", str(tmp_path / name)]) == 0
@@ -912,6 +1053,86 @@ def test_the_long_arms_run_at_the_rates_their_published_sweep_found():
     # a grid rate is 0.02·2^k: a power-of-two multiple of the double 0.02, the same double as the literal 0.04
     assert best == long_arms_study.TUNED_LR
     assert {v.name: v.hyper["lr"] for v in long_arms_study.variants(size)} == best
+
+
+def _sweep_results(tmp_path: Path, name: str, edit) -> str:
+    """The published manifolds-sweep results, changed by ``edit(payload)``, written as ``name``."""
+    from geomuon.pretrain.train import spell_nonfinite
+
+    payload = common.read_results(ROOT / "docs" / "results" / manifolds_study.SWEEP.NAME)
+    edit(payload)
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(json.dumps(spell_nonfinite(payload), default=str).encode()))
+    return str(path)
+
+
+@needs_data
+def test_the_long_arms_take_their_rates_from_a_rerun_sweep(tmp_path, capsys, monkeypatch):
+    """``--rates-from PATH`` trains each arm at the best rate of the sweep in PATH: the published
+    sweep gives :data:`TUNED_LR`; a sweep whose hetero runs are best at 0.02 trains hetero at 0.02
+    (another lr, so another run key), and the page's rows say where the rate came from. A file that
+    cannot be read, of another study, or without an arm is refused by name before any folder."""
+    trained = {}
+
+    def capture(study, size, data_path, work_dir, jobs, threads, fresh):  # what would train, in place of it
+        trained.update({v.name: v for v in study.variants(size)})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "run_all", capture)
+    argv = ["--size", "tiny", "--data", str(DATA), "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
+
+    def rates(*extra):
+        trained.clear()
+        assert common.main(long_arms_study, [*argv, *extra]) == 130
+        return {name: v.hyper["lr"] for name, v in trained.items()}
+
+    published = str(ROOT / "docs" / "results" / manifolds_study.SWEEP.NAME / common.RESULTS)
+    assert rates() == rates("--rates-from", published) == long_arms_study.TUNED_LR
+    default = dict(trained)
+
+    def hetero_best_at_002(payload):
+        for run in payload["runs"]["hetero @ lr=0.02"]:
+            run["final_val_loss"] = 0.0
+
+    moved = _sweep_results(tmp_path, "moved.json.gz", hetero_best_at_002)
+    assert rates("--rates-from", moved) == {**long_arms_study.TUNED_LR, "hetero": 0.02}
+    assert trained["hetero"].label.endswith(f"(lr 0.02, best of the 400-step sweep in {moved})")
+    size = long_arms_study.SIZES["tiny"]
+    assert common.run_folder(tmp_path, long_arms_study.NAME, trained["hetero"], size, 0, str(DATA), 1) != \
+        common.run_folder(tmp_path, long_arms_study.NAME, default["hetero"], size, 0, str(DATA), 1)
+    assert common.run_folder(tmp_path, long_arms_study.NAME, trained["unconstrained"], size, 0, str(DATA), 1) == \
+        common.run_folder(tmp_path, long_arms_study.NAME, default["unconstrained"], size, 0, str(DATA), 1)
+    capsys.readouterr()
+
+    (tmp_path / "notes.txt").write_text("not gzip\n")
+    no_hetero = _sweep_results(tmp_path, "no-hetero.json.gz", lambda payload: [
+        payload["runs"].pop(name) for name in list(payload["runs"]) if name.startswith("hetero @ ")])
+    off_grid = _sweep_results(tmp_path, "off-grid.json.gz", lambda payload: [
+        payload["runs"].__setitem__(name.replace("=", "=9"), payload["runs"].pop(name))
+        for name in list(payload["runs"]) if name.startswith("hetero @ ")])
+    listed_size = _sweep_results(tmp_path, "listed-size.json.gz", lambda payload: payload.update(size=[payload["size"]]))
+    other = str(ROOT / "docs" / "results" / long_arms_study.NAME / common.RESULTS)
+    for path, message in ((tmp_path / "notes.txt", "cannot be read as a study's results (Not a gzipped file"),
+                          (tmp_path / "missing.json.gz", "cannot be read as a study's results ([Errno 2]"),
+                          (other, "the results of study 'manifolds-long-arms', not of manifolds-sweep"),
+                          (no_hetero, "the sweep has no runs of arm 'hetero'"),
+                          (off_grid, "the sweep has no runs of arm 'hetero' on its"),  # (had been "min() arg is an empty sequence")
+                          (listed_size, "a sweep at size [")):  # (had been a TypeError: unhashable type)
+        assert common.main(long_arms_study, [*argv, "--rates-from", str(path)]) == 2
+        assert f"--rates-from {path}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    # an arm this study does not train may be missing (it had been required)
+    unused = next(v.name for v in manifolds_study.SWEEP.variants(size) if v.name not in long_arms_study.TUNED_LR)
+    no_unused = _sweep_results(tmp_path, "no-unused.json.gz", lambda payload: [
+        payload["runs"].pop(name) for name in list(payload["runs"]) if name.startswith(f"{unused} @ ")])
+    assert long_arms_study.rates_from(no_unused) == (long_arms_study.TUNED_LR, manifolds_study.SWEEP.SIZES["full"].steps)
+    # the page's note says where the rates came from (it had still said they were tuned at 400 steps)
+    monkeypatch.setattr(common, "loss_figures", lambda *args: [])
+    monkeypatch.setattr(common, "plot_panels", lambda *args, **kwargs: None)
+    monkeypatch.setattr(long_study, "page", lambda study, results, size, figure_dir, comparisons, note, figures: note)
+    note = long_arms_study.configured(types.SimpleNamespace(rates_from=moved)).report({}, size, {}, tmp_path)
+    assert f"The rates are the best points of the 400-step sweep in `{moved}`;" in note and "400 steps (" not in note
+    assert "The rates were tuned at 400 steps;" in long_arms_study.report({}, size, {}, tmp_path)  # control
 
 
 def test_the_width_sweep_doubles_the_width_and_nothing_else():

@@ -95,7 +95,8 @@ ORIENTATIONS = ("any", "tall", "wide")
 @dataclass(frozen=True)
 class Declaration:
     """One row: ``update`` (display name) under ``group`` is ``expected`` (``"holds"`` or
-    ``"fails"``), because ``rationale``. ``build()`` returns the
+    ``"fails"``), because ``rationale`` (Markdown, formulas in ``$...$``, names of code in
+    backticks: the docs' table renders it). ``build()`` returns the
     :mod:`geomuon.theory.equivariance` subject; ``orientation`` (``"any"``, ``"tall"`` $m \\ge n$,
     ``"wide"`` $m < n$) restricts the shapes the row is declared on; ``precision`` is the
     dtype the row holds up to (the checker's ``compute_dtype``; ``None``: the input's);
@@ -186,44 +187,49 @@ def declarations() -> list[Declaration]:
     rows = [
         # --- pure maps -------------------------------------------------------------
         *_map_rows(maps.spectral, [
-            (BO, H, "msign(LDRᵀ) = L msign(D) Rᵀ; the Polar Express iteration is an odd matrix polynomial"
-             " p(DDᵀ)D, equivariant up to round-off."),
-            (LPRO_G, H, "S_m × O_n is a subgroup of O_m × O_n."),
-            (SCP, H, "O_m × signed column permutations ⊂ O_m × O_n."),
-            (SHIFT, F, "Uncentered: a shared logit shift 1vᵀ changes msign(D), though softmax ignores it."),
-            (RPLO, H, "O_m × S_n is a subgroup of O_m × O_n."),
-            (SRP, H, "Signed row permutations × O_n ⊂ O_m × O_n."),
+            (BO, H, r"$\operatorname{msign}(LDR^\top) = L\operatorname{msign}(D)R^\top$; the Polar Express iteration"
+             r" is an odd matrix polynomial $p(DD^\top)D$, equivariant up to round-off."),
+            (LPRO_G, H, r"$S_m \times O_n$ is a subgroup of $O_m \times O_n$."),
+            (SCP, H, r"$O_m \times$ signed column permutations $\subset O_m \times O_n$."),
+            (SHIFT, F, r"Uncentered: a shared logit shift $\mathbf 1v^\top$ changes $\operatorname{msign}(D)$, though "
+             "softmax ignores it."),
+            (RPLO, H, r"$O_m \times S_n$ is a subgroup of $O_m \times O_n$."),
+            (SRP, H, r"Signed row permutations $\times\, O_n \subset O_m \times O_n$."),
             (SP, H, "Signed permutations on both sides are orthogonal."),
-            (ROWS, F, "msign is not scale-invariant per row: diag(s)D has other singular vectors."),
+            (ROWS, F, r"$\operatorname{msign}$ is not scale-invariant per row: $\operatorname{diag}(s)D$ has other "
+             "singular vectors."),
         ]),
         *_map_rows(maps.row_norm, [
-            (LPRO_G, H, "Row norms are permuted by S_m and unchanged by right rotations."),
+            (LPRO_G, H, r"Row norms are permuted by $S_m$ and unchanged by right rotations."),
             (SRP, H, "Signed row permutations permute the row norms and flip rows' signs, which "
              "the per-row scaling keeps."),
             (BO, F, "Left rotations mix rows and change their norms."),
-            (RPLO, F, "O_m on the left mixes rows."),
+            (RPLO, F, r"$O_m$ on the left mixes rows."),
             (SHIFT, F, "Uncentered: the shift changes every row norm."),
             (RIGHT, H, "Row norms are unchanged by right rotations."),
             (PERM, H, "Row and column permutations permute the row norms' entries."),
-            (ROWS, F, "diag(1/(‖d_i‖ + ε)): the ε floor (1e-8) breaks the invariance for rows of norm near ε."),
+            (ROWS, F, r"$\operatorname{diag}(1/(\lVert d_i\rVert + \epsilon))$: the $\epsilon$ floor ($10^{-8}$) "
+             r"breaks the invariance for rows of norm near $\epsilon$."),
         ]),
         *_map_rows(maps.col_norm, [
-            (RPLO, H, "Column norms are permuted by S_n and unchanged by left rotations."),
+            (RPLO, H, r"Column norms are permuted by $S_n$ and unchanged by left rotations."),
             (SCP, H, "Signed column permutations permute column norms."),
             (LPRO_G, F, "Right rotations mix columns."),
             (LEFT, H, "Column norms are unchanged by left rotations."),
             (RIGHT, F, "Right rotations mix columns."),
         ]),
         *_map_rows(maps.right_polar, [
-            (BO, H, "‖D‖_*^α D(DᵀD)^{-1/2} = ‖D‖_*^α msign(D), computed by Polar Express on D itself: msign is"
-             " O_m×O_n-equivariant and the nuclear norm invariant — on every shape."),
+            (BO, H, r"$\lVert D\rVert_*^\alpha D(D^\top D)^{-1/2} = \lVert D\rVert_*^\alpha\operatorname{msign}(D)$,"
+             r" computed by Polar Express on $D$ itself: $\operatorname{msign}$ is $O_m \times O_n$-equivariant and"
+             " the nuclear norm invariant — on every shape."),
         ]),
         *_map_rows(maps.left_polar, [
-            (BO, H, "(DDᵀ)^{-1/2}D ‖D‖_*^α: the mirror image of right_polar, on every shape."),
+            (BO, H, r"$(DD^\top)^{-1/2}D\,\lVert D\rVert_*^\alpha$: the mirror image of `right_polar`, on every "
+             "shape."),
         ]),
         *_map_rows(maps.sign, [
-            (ROWS, H, "sign(diag(s)D) = sign(D) for positive s."),
-            (COLS, H, "sign(D diag(s)) = sign(D) for positive s."),
+            (ROWS, H, r"$\operatorname{sign}(\operatorname{diag}(s)D) = \operatorname{sign}(D)$ for positive $s$."),
+            (COLS, H, r"$\operatorname{sign}(D\operatorname{diag}(s)) = \operatorname{sign}(D)$ for positive $s$."),
             (LEFT, F, "Left rotations break the coordinate basis."),
             (SP, H, "Coordinate-wise: commutes with signed permutations."),
             (BO, F, "Coordinate-wise maps are not rotation-equivariant (Adam's flaw)."),
@@ -237,41 +243,46 @@ def declarations() -> list[Declaration]:
         # not a break of the map; the same for centered(hybrid) and the SwiGLU hybrid stack.
         # (HybridPolarGradM's step is structured: its probes of the weights re-create round-off.)
         *_map_rows(maps.hybrid, [
-            (LPRO_G, H, "msign(row_norm(D)) scaled by its nuclear norm: both stages are S_m × O_n-equivariant."),
+            (LPRO_G, H, r"$\operatorname{msign}(\text{row\_norm}(D))$ scaled by its nuclear norm: both stages are "
+             r"$S_m \times O_n$-equivariant."),
             (SRP, H, "Signed row permutations are orthogonal and keep row norms: both stages commute with them."),
             (BO, F, "The row normalization breaks left rotations."),
         ], structured=False),
         # the centered (router) maps: one shift-invariance row each
         *(row for inner, rationale in [
-            ("spectral", "Π^⊥ kills the shift and commutes with P; msign is O_d-equivariant on the right."),
+            ("spectral", r"$\Pi^\perp$ kills the shift and commutes with $P$; $\operatorname{msign}$ is "
+             r"$O_d$-equivariant on the right."),
             ("row_norm", "Centered input, row scaling, re-centered output: invariant to shifts."),
-            ("left_polar", "LeftPolarGradM's router map: Π^⊥ (M_cM_cᵀ)^{-1/2} M_c ‖M_c‖_*^α."),
-            ("right_polar", "RightPolarGradM's router map: Π^⊥ M_c (M_cᵀM_c)^{-1/2} ‖M_c‖_*^α."),
-            ("hybrid", "Centered row normalization then msign: both stages ignore the shift."),
+            ("left_polar", r"LeftPolarGradM's router map: "
+             r"$\Pi^\perp (M_cM_c^\top)^{-1/2} M_c\,\lVert M_c\rVert_*^\alpha$."),
+            ("right_polar", r"RightPolarGradM's router map: "
+             r"$\Pi^\perp M_c (M_c^\top M_c)^{-1/2}\,\lVert M_c\rVert_*^\alpha$."),
+            ("hybrid", r"Centered row normalization then $\operatorname{msign}$: both stages ignore the shift."),
         ] for row in _map_rows(maps.centered(getattr(maps, inner)), [(SHIFT, H, rationale)], f"centered({inner})",
                                structured=inner != "hybrid")),  # (hybrid: see its rows)
         *_map_rows(_swiglu_symmetry_update, [
-            (NP, H, "Row-aware hybrid on W_gate, W_up (P on rows) and column-aware on W_down (Pᵀ on columns)."),
+            (NP, H, r"Row-aware hybrid on $W_{\text{gate}}$, $W_{\text{up}}$ ($P$ on rows) and column-aware on "
+             r"$W_{\text{down}}$ ($P^\top$ on columns)."),
         ], "swiglu hybrid stack", structured=False),  # (hybrid: see its rows)
         *_map_rows(_spectral_each, [
             (NP, H, "Permutations are orthogonal."),
         ], "spectral per matrix"),
         # --- steepest directions on manifolds ---------------------------------------
         Declaration("steepest[Stiefel]", "direction", BO, H,
-                    "O_m × O_n maps Stiefel to itself, L_{gW}(gA) = R L_W(A) Rᵀ, and every dual step "
+                    r"$O_m \times O_n$ maps Stiefel to itself, $L_{gW}(gA) = R\,L_W(A)R^\top$, and every dual step "
                     "composes equivariant maps (wide matrices: the transposed geometry, same group).",
                     _direction(Stiefel())),
         Declaration("steepest[DGram]", "direction", SCP, H,
-                    "DGram = {Q diag(d)} is preserved by O_m × signed column permutations, which permute "
-                    "the Jacobi weights 2(d_i² + d_j²) consistently.", _direction(DGram()), "tall"),
+                    r"DGram $= \{Q\operatorname{diag}(d)\}$ is preserved by $O_m \times$ signed column permutations, "
+                    r"which permute the Jacobi weights $2(d_i^2 + d_j^2)$ consistently.", _direction(DGram()), "tall"),
         Declaration("steepest[DGram]", "direction", SRP, H,
                     "Wide DGram uses the transposed geometry (orthogonal rows), whose symmetry is "
-                    "signed row permutations × O_n.", _direction(DGram()), "wide"),
+                    r"signed row permutations $\times\, O_n$.", _direction(DGram()), "wide"),
         Declaration("steepest[DGram]", "direction", SCP, F,
                     "On wide matrices the columns are not the constrained side: left rotations take "
-                    "W off DGram.", _direction(DGram()), "wide"),
+                    r"$W$ off DGram.", _direction(DGram()), "wide"),
         Declaration("steepest[DGram]", "direction", BO, F,
-                    "Right rotations take Q diag(d) off DGram: its symmetry is not O_m × O_n.",
+                    r"Right rotations take $Q\operatorname{diag}(d)$ off DGram: its symmetry is not $O_m \times O_n$.",
                     _direction(DGram()), "tall"),
         Declaration("steepest[Oblique]", "direction", SCP, H,
                     "Unit columns are preserved by left rotations and signed column permutations.",
@@ -279,28 +290,30 @@ def declarations() -> list[Declaration]:
         Declaration("steepest[Oblique]", "direction", BO, F, "Right rotations change column norms.",
                     _direction(Oblique()), "tall"),
         Declaration("steepest[CenteredRouterSpace]", "direction", SHIFT, H,
-                    "Closed form msign(Π^⊥G): invariant to shifts of W and G.", _direction(CenteredRouterSpace())),
+                    r"Closed form $\operatorname{msign}(\Pi^\perp G)$: invariant to shifts of $W$ and $G$.",
+                    _direction(CenteredRouterSpace())),
         Declaration("steepest[Euclidean]", "direction", SHIFT, H,
-                    "msign(G), and the gradient of a shift-invariant loss is not shifted: the shift of W "
-                    "is invisible to a direction that never reads W.", _direction(Euclidean())),
+                    r"$\operatorname{msign}(G)$, and the gradient of a shift-invariant loss is not shifted: the shift "
+                    r"of $W$ is invisible to a direction that never reads $W$.", _direction(Euclidean())),
 
         Declaration("steepest[LPRO(radius=1)]", "direction", LPRO_G, H,
-                    "Rows of fixed norm are permuted by S_m and rotated by O_n.", _direction(LPRO(radius=1.0)), "tall"),
+                    r"Rows of fixed norm are permuted by $S_m$ and rotated by $O_n$.", _direction(LPRO(radius=1.0)),
+                    "tall"),
         Declaration("steepest[LPRO(radius=1)]", "direction", BO, F,
                     "Left rotations change row norms.", _direction(LPRO(radius=1.0)), "tall"),
         Declaration("steepest[Stiefel], cheap rescale", "direction", BO, H,
-                    "The cheap feasibility rescale divides by sigma_max from the small Gram matrix's "
-                    "eigenvalues, an O_m × O_n invariant.", _direction(Stiefel(), FAST_RESCALE_SOLVER,
+                    r"The cheap feasibility rescale divides by $\sigma_{\max}$ from the small Gram matrix's "
+                    r"eigenvalues, an $O_m \times O_n$ invariant.", _direction(Stiefel(), FAST_RESCALE_SOLVER,
                                                  "steepest[Stiefel], cheap rescale"), "tall"),
         # --- optimizer steps --------------------------------------------------------
         Declaration("Muon", "step", BO, H,
                     "Nesterov momentum and decoupled weight decay are linear; Newton–Schulz is a matrix "
-                    "polynomial (float64 compute; in bf16 the residual is bf16 round-off, ~2e-2).",
+                    r"polynomial (float64 compute; in bf16 the residual is bf16 round-off, $\approx 2\cdot10^{-2}$).",
                     _step(lambda p: Muon(p, lr=0.1, weight_decay=0.1, compute_dtype=None), "Muon")),
         Declaration("Muon (bf16 Newton–Schulz, as shipped)", "step", BO, H,
                     "Equivariant up to bfloat16: the Newton–Schulz iteration runs in bf16, so the residual "
-                    "is bf16 round-off (~2e-2: median of 20 draws at 2-6 sides, at most 0.12), which is what the row "
-                    "is checked against.",
+                    r"is bf16 round-off ($\approx 2\cdot10^{-2}$: median of 20 draws at 2–6 sides, at most $0.12$), "
+                    "which is what the row is checked against.",
                     _step(lambda p: Muon(p, lr=0.1, weight_decay=0.1), "Muon (bf16)"), precision=torch.bfloat16),
         Declaration("Muon", "step", NP, H, "Per-matrix spectral steps commute with neuron permutations.",
 
@@ -310,25 +323,25 @@ def declarations() -> list[Declaration]:
                     _step(lambda p: torch.optim.AdamW(p, lr=0.1), "AdamW")),
         Declaration("AdamW", "step", SP, H, "Per-coordinate updates commute with signed permutations.",
                     _step(lambda p: torch.optim.AdamW(p, lr=0.1), "AdamW")),
-        Declaration("RowNormM", "step", LPRO_G, H, "Momentum is linear; row_norm is S_m × O_n-equivariant.",
+        Declaration("RowNormM", "step", LPRO_G, H, r"Momentum is linear; `row_norm` is $S_m \times O_n$-equivariant.",
                     _step(lambda p: RowNormM(p, lr=0.1, weight_decay=0.1), "RowNormM")),
-        Declaration("RowNormM", "step", BO, F, "row_norm breaks left rotations.",
+        Declaration("RowNormM", "step", BO, F, "`row_norm` breaks left rotations.",
                     _step(lambda p: RowNormM(p, lr=0.1, weight_decay=0.1), "RowNormM")),
-        Declaration("RightPolarGradM", "step", BO, H, "right_polar is O_m × O_n-equivariant on every shape.",
+        Declaration("RightPolarGradM", "step", BO, H, r"`right_polar` is $O_m \times O_n$-equivariant on every shape.",
                     _step(lambda p: RightPolarGradM(p, lr=0.1, weight_decay=0.1), "RightPolarGradM")),
-        Declaration("HybridPolarGradM", "step", LPRO_G, H, "hybrid is S_m × O_n-equivariant.",
+        Declaration("HybridPolarGradM", "step", LPRO_G, H, r"`hybrid` is $S_m \times O_n$-equivariant.",
                     _step(lambda p: HybridPolarGradM(p, lr=0.1, weight_decay=0.1), "HybridPolarGradM")),
-        Declaration("HybridPolarGradM", "step", BO, F, "hybrid breaks left rotations.",
+        Declaration("HybridPolarGradM", "step", BO, F, "`hybrid` breaks left rotations.",
                     _step(lambda p: HybridPolarGradM(p, lr=0.1, weight_decay=0.1), "HybridPolarGradM")),
-        Declaration("LeftPolarGradM", "step", BO, H, "left_polar is O_m × O_n-equivariant on every shape.",
+        Declaration("LeftPolarGradM", "step", BO, H, r"`left_polar` is $O_m \times O_n$-equivariant on every shape.",
                     _step(lambda p: LeftPolarGradM(p, lr=0.1, weight_decay=0.1), "LeftPolarGradM")),
         Declaration("LeftPolarGradM(centered)", "step", SHIFT, H,
                     "The shift moves the weights, not the gradient of a shift-invariant loss, and the "
-                    "update never reads the weights: W + 1vᵀ moves exactly like W, on square inputs too "
-                    "(where Π^⊥M has a singular Gram matrix; measured against the map's own floor).",
+                    r"update never reads the weights: $W + \mathbf 1v^\top$ moves exactly like $W$, on square inputs "
+                    r"too (where $\Pi^\perp M$ has a singular Gram matrix; measured against the map's own floor).",
                     _step(lambda p: LeftPolarGradM(p, lr=0.1, centered=True), "LeftPolarGradM(centered)")),
         Declaration("LeftPolarGradM(centered, weight_decay)", "step", SHIFT, F,
-                    "Decoupled weight decay shrinks the shift component 1vᵀ too: harmless for the "
+                    r"Decoupled weight decay shrinks the shift component $\mathbf 1v^\top$ too: harmless for the "
                     "router's function, but the point trajectory is not shift-equivariant.",
                     _step(lambda p: LeftPolarGradM(p, lr=0.1, centered=True, weight_decay=0.1),
                           "LeftPolarGradM(centered, weight_decay)"), "wide"),
@@ -339,19 +352,20 @@ def declarations() -> list[Declaration]:
                     _step(lambda p: LeftPolarGradM(p, lr=0.1), "LeftPolarGradM"), "wide"),
         Declaration("ManifoldMuon[Stiefel]", "step", BO, H,
                     "Momentum is linear, the engine's dual steps, safeguard and Gram-eigenvalue rescale "
-                    "are O_m × O_n-equivariant, and the polar retraction commutes with both rotations.",
+                    r"are $O_m \times O_n$-equivariant, and the polar retraction commutes with both rotations.",
                     _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=Stiefel(), compute_dtype=None),
                           "ManifoldMuon[Stiefel]", Stiefel()), "tall"),
         Declaration("ManifoldMuon[DGram]", "step", SCP, H,
                     "Momentum is linear; the engine's dual steps, ADMM polish and column-norm-keeping "
-                    "retraction are spectral functions and products of WᵀW, WᵀG and GᵀG, which O_m leaves "
-                    "unchanged and signed column permutations conjugate; the penalty ||Z||_F is invariant.",
+                    r"retraction are spectral functions and products of $W^\top W$, $W^\top G$ and $G^\top G$, which "
+                    r"$O_m$ leaves unchanged and signed column permutations conjugate; the penalty "
+                    r"$\lVert Z\rVert_F$ is invariant.",
                     _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=DGram(), compute_dtype=None),
                           "ManifoldMuon[DGram]", DGram()), "tall"),
         Declaration("ManifoldMuon[Stiefel, projected]", "step", BO, H,
                     "The projected solver: momentum, the tangent projection, Polar Express on the projected "
                     "momentum, unit-ball clips of the direction's Gram eigenvalues and the measured polar "
-                    "retraction, each O_m × O_n-equivariant.",
+                    r"retraction, each $O_m \times O_n$-equivariant.",
                     _step(lambda p: ManifoldMuon(p, lr=0.1, manifold=Stiefel(), compute_dtype=None, solver="projected"),
                           "ManifoldMuon[Stiefel, projected]", Stiefel()), "tall"),
     ]

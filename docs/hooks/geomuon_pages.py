@@ -99,17 +99,21 @@ def symmetry_rows(symmetry) -> list[tuple[str, str, str, str]]:
 
 
 def declared_table(symmetry) -> str:
-    """The declared table as an HTML block: the rationales hold characters (``*``, ``_``,
-    ``|``) that Markdown would read as markup."""
-    header = ("update (kind)", "group", "equivariance", "why")
+    """The declared table as an HTML block: the names are escaped text, a rationale is
+    Markdown (its formulas ``$...$`` render as the page's own).
 
-    def cells(row, tag):
-        return "".join(f"<{tag}>{html.escape(cell)}</{tag}>" for cell in row)
-
-    body = "\n".join(f"<tr>{cells(row, 'td')}</tr>" for row in symmetry_rows(symmetry))
+    An HTML table rather than a Markdown one, so that a ``|`` in a formula cannot end its
+    cell; ``md_in_html`` parses the rationale's cell (``markdown="span"``) only when every
+    element around it asks for Markdown too (``markdown="1"``)."""
+    header = "".join(f"<th>{name}</th>" for name in ("update (kind)", "group", "equivariance", "why"))
+    body = "\n".join(
+        '<tr markdown="1">' + "".join(f"<td>{html.escape(cell)}</td>" for cell in names)
+        + f'<td markdown="span">{rationale}</td></tr>'
+        for *names, rationale in symmetry_rows(symmetry)
+    )
     return (
-        f'<div class="geomuon-declared">\n<table>\n<thead><tr>{cells(header, "th")}</tr></thead>\n'
-        f"<tbody>\n{body}\n</tbody>\n</table>\n</div>\n"
+        f'<div class="geomuon-declared" markdown="1">\n<table markdown="1">\n<thead><tr>{header}</tr></thead>\n'
+        f'<tbody markdown="1">\n{body}\n</tbody>\n</table>\n</div>\n'
     )
 
 

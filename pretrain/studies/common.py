@@ -31,6 +31,7 @@ signature of :func:`run_all` (a learning-rate sweep runs in stages:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -47,6 +48,7 @@ import shlex
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -76,6 +78,14 @@ def resolve_data(path: str | None) -> str:
 
     if not path:
         raise ValueError(f"--data PATH is required: the path of a copy of {_GET_DATA}")
+    if Path(path).is_dir():  # had been refused as "no such file"
+        raise ValueError(f"--data {path}: is a directory; pass the file itself (e.g. "
+                         f"{Path(path) / 'tinyshakespeare.txt'}), a copy of {_GET_DATA}")
+    # (pathlib drops a trailing "/": "input.txt/" is a path through the file itself)
+    blocking = Path(path) if path.endswith(os.sep) and Path(path).is_file() else _file_above(Path(path))
+    if blocking is not None:  # "notes.txt/input.txt" had been refused as "no such file" too
+        raise ValueError(f"--data {path}: {str(blocking)!r} above it is a file, not a directory; pass the path "
+                         f"of a copy of {_GET_DATA}")
     if not Path(path).is_file():
         raise ValueError(f"--data {path}: no such file; pass the path of a copy of {_GET_DATA}")
     try:
@@ -83,6 +93,12 @@ def resolve_data(path: str | None) -> str:
     except ValueError as err:
         raise ValueError(f"--data {path}: {err}; pass the path of a copy of {_GET_DATA}") from None
     return str(path)
+
+
+def _file_above(path: Path) -> Path | None:
+    """The first of ``path``'s parents that exists and is not a directory (a path through a
+    file, which nothing can create or read), else ``None``."""
+    return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
 
 
 @functools.lru_cache(maxsize=2)
@@ -291,10 +307,25 @@ def _run_job(job: Job) -> dict:
     record = train_run(STUDIES[job.study], job.variant, job.size, job.seed, job.data)
     folder = Path(job.folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, folder / RECORD)  # a folder without record.json is an unfinished run
+    _write_record(folder, record)
     return record
+
+
+def _write_record(folder: Path, record: dict) -> None:
+    """Write ``record`` to ``folder/record.json`` atomically: through a temporary file of this
+    writer's own in the same folder (two runs of one study sharing a work directory, the same
+    run in both, had shared one ``record.json.tmp``: one writer's ``os.replace`` moved the other's half-written file, or
+    found it gone), removed when the write fails. A folder without ``record.json`` is an
+    unfinished run; its readers look for that name alone."""
+    tmp = folder / f"{RECORD}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "x") as f:
+            f.write(json.dumps(record))
+        os.replace(tmp, folder / RECORD)
+    except BaseException:  # an interrupt as well: no partial file is left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def run_jobs(study, planned: list[tuple[Variant, int]], size: Size, data_path: str, work_dir: Path, jobs: int,
@@ -549,7 +580,14 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
         status = (f'!!! warning "Not a result"\n    This page was written by a `--size {size_name}` run '
                   f"({size.steps} steps): a smoke test of the study's machinery. Its numbers say "
                   "nothing about the question; run the study at `--size full`.")
-    config = json.dumps({"size": size_name, **dataclasses.asdict(size)}, indent=1, default=str)
+    # a sweep varies some of the size's settings per run (its rate, its seeds): the block says so
+    # in their place (it had listed the size's lr and seeds as every run's)
+    swept = study.swept_settings(size) if hasattr(study, "swept_settings") else {}
+    config = json.dumps({"size": size_name, **dataclasses.asdict(size), **swept}, indent=1, default=str)
+    uses = (f"Every run uses these settings except those the sweep sets per run ({', '.join(swept)}: described "
+            "in place of a value; a run's rate is in its variant's name, and every run's record is in `"
+            + RESULTS + "`)") if swept else (
+        "Every variant uses these settings (the variants' own changes are listed above and in `" + RESULTS + "`)")
     provenance = markdown_table(["", ""], [
         ["command", f"`{meta['command']}`"],
         ["commit", f"`{meta['commit']}`"],
@@ -565,8 +603,7 @@ def write_page(study, size_name: str, size: Size, body: str, meta: dict, out_dir
         f"# {study.TITLE}",
         status,
         body.strip(),
-        "## Configuration\n\nEvery variant uses these settings (the variants' own changes are listed "
-        "above and in `" + RESULTS + "`):\n\n```json\n" + config + "\n```",
+        "## Configuration\n\n" + uses + ":\n\n```json\n" + config + "\n```",
         "## Provenance\n\n" + provenance + f"\n\nEvery run's record (losses, evaluations, the per-parameter "
         f"assignment table) is in [`{study.NAME}/{RESULTS}`]({study.NAME}/{RESULTS}) (gzip-compressed JSON; "
         f"`geomuon.pretrain.studies.common.read_results` reads it).",
@@ -599,6 +636,8 @@ def add_arguments(parser: argparse.ArgumentParser, study) -> None:
         study, "SEEDS_HELP", "comma-separated seeds (default: the size's, "
         + "; ".join(f"{name}: {','.join(map(str, size.seeds))}" for name, size in study.SIZES.items()) + ")"))
     parser.add_argument("--fresh", action="store_true", help="retrain runs that are cached")
+    if hasattr(study, "add_options"):  # a study's own options (manifolds-long-arms: --rates-from)
+        study.add_options(parser)
 
 
 def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None = None) -> Path:
@@ -627,15 +666,18 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         if value is not None and not value.strip():
             # Path("") is the current directory: "--out $UNSET" had written the page there
             raise ValueError(f"{option} is empty; give a folder, or leave {option} out for its default")
+    # a study's own options (add_arguments) give the study that trains and reports, refused here by
+    # name, before any folder exists
+    study = study.configured(args) if hasattr(study, "configured") else study
     data_path = resolve_data(args.data)
     out_dir = output_dir(study, args)
     work_dir = Path(args.work_dir) if args.work_dir else Path("runs") / "studies" / "cache" / study.NAME
     folders = (("--out", out_dir), ("--work-dir", work_dir))
     for option, folder in folders:
         # a file there, or above it, had raised FileExistsError / NotADirectoryError after all the training
-        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-        if blocking == folder:
+        if folder.exists() and not folder.is_dir():
             raise ValueError(f"{option} {str(folder)!r} is a file, not a folder; choose another {option}")
+        blocking = _file_above(folder)
         if blocking is not None:
             raise ValueError(f"{option} {str(folder)!r}: {str(blocking)!r} above it is a file, not a folder; choose "
                              f"another {option}")

@@ -171,6 +171,24 @@ class LearningRateSweep:
                 return self.grids[name]
         raise ValueError(f"study {self.NAME}: a size other than {sorted(self.SIZES)} has no grid")
 
+    def swept_settings(self, size: Size) -> dict[str, str]:
+        """What the page's Configuration block says in place of the size's settings a sweep
+        varies per run: ``seeds`` (the grid's) and each swept rate (``lr``, ``adamw_lr``), with
+        the grid and the arms that sweep it (:func:`geomuon.pretrain.studies.common.write_page`)."""
+        g = self.grid(size)
+        arms = self.variants(size)
+        settings = {"seeds": f"the grid's: {','.join(map(str, g.seeds))} at every point, "
+                             f"{','.join(map(str, g.best_seeds))} at each arm's best point"}
+        for parameter in ("lr", "adamw_lr"):
+            swept = [arm for arm in arms if swept_parameter(arm) == parameter]
+            if swept:
+                around = ", ".join(sorted({f"{default_rate(arm, size):g}" for arm in swept}))
+                others = f"; {getattr(size, parameter):g} for the other arms" if len(swept) < len(arms) else ""
+                settings[parameter] = (f"swept for {', '.join(a.name for a in swept)}: {g.points} rates spaced "
+                                       f"×{g.factor:g} around {around}, at most {g.max_extensions} more beyond an "
+                                       f"edge{others}")
+        return settings
+
     def variants(self, size: Size) -> list[Variant]:
         """The arms: the base study's variants."""
         return self.base.variants(size)
@@ -260,12 +278,15 @@ class LearningRateSweep:
                 raise ValueError(f"study {self.NAME}: Grid(factor={g.factor}) is too fine: arm {arm.name!r}'s rates "
                                  "print alike at 4 significant digits; use a larger factor")
 
-    def arm_sweeps(self, results: dict[str, list[dict]], size: Size) -> list[ArmSweep]:
-        """The per-arm view of ``results`` (as :meth:`run` returns them), for the page."""
+    def arm_sweeps(self, results: dict[str, list[dict]], size: Size, arms=None) -> list[ArmSweep]:
+        """The per-arm view of ``results`` (as :meth:`run` returns them), for the page; ``arms``:
+        the names of the arms to view (default: every arm)."""
         g = self.grid(size)
         reach = g.reach
         found = []
         for arm in self.variants(size):
+            if arms is not None and arm.name not in arms:
+                continue
             points = {k: point(arm, size, g, k) for k in range(-reach, reach + 1)}
             points = {k: v for k, v in points.items() if v.name in results}
             records = {(v.name, r["seed"]): r for v in points.values() for r in results[v.name]}
