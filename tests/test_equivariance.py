@@ -963,3 +963,68 @@ def test_batched_checks_refuse_bad_shapes_and_options_by_name():
         check_equivariance(cubic, "bi-orthogonal", (0, 6, 4))
     with pytest.raises(ValueError, match="batch_elements must be 'independent' or 'shared'"):
         check_equivariance(cubic, "bi-orthogonal", (3, 6, 4), batch_elements="each")
+
+
+class CountedSGD(torch.optim.SGD):
+    """SGD that counts its constructions: a refusal before any trial builds none."""
+
+    built = 0
+
+    def __init__(self, params, lr=0.1):
+        CountedSGD.built += 1
+        super().__init__(params, lr=lr)
+
+
+def test_an_optimizer_given_as_the_update_is_refused_before_any_trial_naming_optimizer_update():
+    # Old checker: the class was called as a map, CountedSGD(D), and torch's "params argument given
+    # to the optimizer should be an iterable of Tensors" was reported as the update's error (exit 4)
+    instance = CountedSGD([torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))])
+    CountedSGD.built = 0
+    for update in (CountedSGD, instance):
+        with pytest.raises(TypeError, match=r"update CountedSGD is an optimizer, not a map D -> U: check its steps "
+                                            r"with OptimizerUpdate\(lambda params: CountedSGD\(params"):
+            check_equivariance(update, "left-perm-right-orth", (8, 5), seed=0)
+    assert CountedSGD.built == 0
+    # control: wrapped as the message says, it is checked (plain SGD commutes with any linear action)
+    steps = OptimizerUpdate(lambda params: CountedSGD(params, lr=0.05))
+    assert check_equivariance(steps, "left-perm-right-orth", (8, 5), seed=0).verdict == "holds"
+
+
+def test_a_factory_that_returns_no_optimizer_is_named_with_what_it_returned():
+    # Old checker: "AttributeError: 'NoneType' object has no attribute 'param_groups'"
+    def forgot_return(params):
+        torch.optim.SGD(params, lr=0.05)
+
+    def returns(params):
+        return torch.optim.SGD(params, lr=0.05)
+
+    report = check_equivariance(OptimizerUpdate(forgot_return), "bi-orthogonal", (6, 4), seed=0)
+    assert report.verdict == "error", report.message()
+    assert "make_optimizer forgot_return returned a NoneType, not an optimizer" in report.message()
+    assert check_equivariance(OptimizerUpdate(returns), "bi-orthogonal", (6, 4), seed=0).verdict == "holds"
+
+
+def test_a_matrix_map_under_a_joint_group_is_told_that_it_is_handed_a_tuple():
+    # Old checker: "TypeError: sign(): argument 'input' (position 1) must be Tensor, not tuple"
+    report = check_equivariance(torch.sign, "neuron-permutation", (6, 4), seed=0)
+    assert report.verdict == "error", report.message()
+    assert "sign failed on the tuple of 3 matrices (6x4, 6x4, 4x6)" in report.message()
+    assert "must take that tuple and return a tuple of tensors of the same shapes" in report.message()
+    # control: the map applied to each member, as the message suggests, holds (a sign commutes
+    # with permutations)
+    each = MapUpdate(lambda Ds: tuple(torch.sign(D) for D in Ds), name="sign_each")
+    assert check_equivariance(each, "neuron-permutation", (6, 4), seed=0).verdict == "holds"
+    # control: a single matrix's own TypeError is reported as it is, no tuple named
+    report = check_equivariance(lambda D: D + "x", "bi-orthogonal", (6, 4), seed=0)
+    assert report.verdict == "error" and "tuple" not in report.message(), report.message()
+
+
+def test_a_shape_too_large_for_the_machine_does_not_say_size_is_irrelevant(monkeypatch):
+    # Old message: "the group's action, not the size, decides equivariance", yet a clip at
+    # 10 x RMS cannot act while m*n <= 100 (every entry is at most sqrt(m*n) x RMS)
+    from geomuon.theory import equivariance
+
+    monkeypatch.setattr(equivariance, "_physical_memory", lambda: 2**20)  # 1 MiB: 1000x1000 needs 24 MB
+    with pytest.raises(ValueError, match=r"check the largest shape that fits.*not the breaks that need size") as err:
+        check_equivariance(cubic, "bi-orthogonal", (1000, 1000), trials=1, seed=0)
+    assert "not the size, decides" not in str(err.value)

@@ -104,8 +104,8 @@ $= 20$ are resolved, below) and is
   dtype or at a smaller condition).
 
 **Inputs are adversarial by default** (:data:`KINDS`, cycled over trials, each at a scale
-from :data:`SCALES`, $10^{-8}$ to $10^8$ in steps of 100, so every threshold in that range
-lies within two decades of some trial's entries; a dtype of narrower range, float16, keeps
+from :data:`SCALES`, $10^{-8}$ to $10^8$ in steps of 100 — those nine scales only, not the
+range between them (*What the check cannot see*, below); a dtype of narrower range, float16, keeps
 the scales it holds, :func:`trial_scales`): Gaussian, condition number ``condition``,
 clustered top singular values ($\sigma_2/\sigma_1 \ge 0.999$), exactly repeated ones,
 rank-deficient, zero rows and columns, small integers, sparse. Seeds are drawn fresh per
@@ -113,6 +113,31 @@ run and printed; ``seed=`` replays a run exactly. A router shift $\mathbf 1v^\to
 the trial's input scale, so that it neither vanishes in nor swamps the input's round-off.
 Optimizer steps and steepest directions start from Gaussian points when a manifold's
 ``projx`` needs them (it refuses zero columns); their gradients get every kind.
+
+**What the check cannot see.** It judges the update at the inputs it draws, against the update's
+own response to round-off, so four kinds of break pass it:
+
+* a violation that itself jumps with the input's bits — a dither seeded from a hash of $D$'s
+  bytes, $U(D) + c\,\mathrm{rms}(U(D))\,\xi_{\mathrm{hash}(D)}$: every round-off probe reseeds it
+  as $g$ does, so residual and floor are the same jump (ratio about 1, within
+  :data:`HOLDS_FACTOR`) and the check *holds* while the floor resolves ($64\nu < 2$; at 8x5
+  $\nu \approx 1.6c$, so up to $c \approx 0.02$), and is *inconclusive*, never violated, beyond.
+  Seed randomness from what the group leaves unchanged (a step counter, a norm), or check the
+  update with it fixed;
+* a branch on an absolute threshold $T$ of a statistic the group changes
+  ($\max_{ij}|D_{ij}| > T$): it breaks only where $D$ and $g\cdot D$ fall on either side of $T$,
+  a band of input scales (Gaussian 8x5 inputs of RMS about $T/3.5$ to $T/1.8$, a factor 2)
+  narrower than the steps of :data:`SCALES`, so it is found only when a trial's scale falls in
+  the band. ``check_equivariance`` takes no scales: judge inputs drawn at the threshold's scale
+  (:func:`adversarial_matrix` ``scale=``) with :func:`run_trial`, or check that the branch's
+  statistic is invariant (a threshold relative to $\|D\|_F$ is, under the orthogonal groups);
+* breaks that need size: an entry of an $m\times n$ input is at most $\sqrt{mn}$ times its RMS
+  entry, so a clip at $k$ times the RMS never acts while $mn \le k^2$ (at 8x5 for
+  $k \ge \sqrt{40} \approx 6.3$), and the drawn kinds come near that bound only at large sizes
+  (sparse and rank-deficient ones: a clip at 10x the RMS held at 64x32 and was violated at
+  256x128): check at the shapes the update will see;
+* an optimizer whose update changes after the ``steps`` steps it is stepped
+  (:class:`OptimizerUpdate`, default 3).
 
 **Structured inputs** (``structured=True``). A map can be equivariant on generic inputs and
 broken only on a set of measure zero they never hit: a tie (a one-hot of each column's argmax
@@ -395,7 +420,14 @@ def _path_residual(actual: Sequence, expected: Sequence) -> float:
 
 def _fresh_optimizer(make_optimizer: Callable, start) -> torch.optim.Optimizer:
     params = [torch.nn.Parameter(t.detach().clone()) for t in _members(start)]
-    return make_optimizer(params)
+    optimizer = make_optimizer(params)
+    # a factory that returns None (a missing ``return``) had failed inside the first step as
+    # "'NoneType' object has no attribute 'param_groups'", naming neither the factory nor the fix
+    if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+        raise TypeError(f"OptimizerUpdate's make_optimizer {getattr(make_optimizer, '__name__', repr(make_optimizer))} "
+                        f"returned a {type(optimizer).__name__}, not an optimizer: it must build and return one over "
+                        "the parameters it is given, e.g. lambda params: MyOptimizer(params, lr=0.05)")
+    return optimizer
 
 
 def step_residual(
@@ -615,7 +647,18 @@ class MapUpdate(_Subject):
     def evaluate(self, example):
         # a copy: a map that writes to its input in place (``D.mul_(...)``) would otherwise
         # change the example the later round trips compare against
-        return self.update(_copied(example))
+        try:
+            return self.update(_copied(example))
+        except (TypeError, AttributeError) as err:
+            if isinstance(example, torch.Tensor):
+                raise
+            # a map of one matrix under a joint group had failed as "sign(): argument 'input' must
+            # be Tensor, not tuple", not saying where the tuple came from
+            raise TypeError(f"{self.name} failed on the tuple of {len(example)} matrices ({_shape_of(example)}) "
+                            "that a joint group (neuron-permutation: gate, up, down) hands the update: it must "
+                            "take that tuple and return a tuple of tensors of the same shapes (a map U of one "
+                            "matrix applied to each: lambda Ds: tuple(U(D) for D in Ds)); it raised "
+                            f"{type(err).__name__}: {err}") from err
 
     def act(self, element, example):
         return element.act(example)
@@ -761,6 +804,13 @@ class OptimizerUpdate(_Subject):
 def _as_subject(update) -> _Subject:
     if isinstance(update, _Subject):
         return update
+    optimizer_class = update if isinstance(update, type) else type(update)
+    if issubclass(optimizer_class, torch.optim.Optimizer):
+        # it had been called as a map, D -> SGD(D), and torch's "params argument given to the
+        # optimizer should be an iterable of Tensors" reported as the update's error
+        raise TypeError(f"update {optimizer_class.__name__} is an optimizer, not a map D -> U: check its steps with "
+                        f"OptimizerUpdate(lambda params: {optimizer_class.__name__}(params, lr=0.05)) as the update "
+                        "(from geomuon.theory.equivariance; a factory of fresh optimizers, steps=3 by default)")
     if not callable(update):
         raise TypeError(f"update must be a callable D -> U or a MapUpdate/DirectionUpdate/OptimizerUpdate, "
                         f"got {type(update).__name__}")
@@ -1318,8 +1368,10 @@ def _check_group(group: Group, shapes, seed: int, batch: tuple[int, ...] = ()) -
     of ``shapes`` (each trial had been an *error*, exit 4, blamed on the update)."""
     label = _group_label(group)
     sizes = ", ".join("x".join(map(str, s)) for s in (shapes if isinstance(shapes[0], (tuple, list)) else [shapes]))
-    too_large = (f"shape {sizes} is too large to check on this machine: check a smaller shape with the same "
-                 "structure (the group's action, not the size, decides equivariance; --shape on the CLI)")
+    too_large = (f"shape {sizes} is too large to check on this machine: check the largest shape that fits, with "
+                 "the same structure (--shape on the CLI); a smaller shape sees the same group but not the breaks "
+                 "that need size (every entry is at most sqrt(m*n) x the RMS entry, so a clip at 10 x RMS never "
+                 "acts while m*n <= 100)")
     need, have = _least_bytes(group, shapes, batch), _physical_memory()
     if have is not None and need > have:
         raise ValueError(f"{too_large}; it needs at least {need / 2**30:.3g} GiB (its float64 inputs and group "
@@ -1425,8 +1477,9 @@ def check_equivariance(
             element for the whole stack: for an update that couples its members on purpose).
 
     Raises:
-        TypeError: ``update`` is not callable, or ``group`` is neither a group, a group class
-            nor a name.
+        TypeError: ``update`` is not callable or is an optimizer (class or instance: wrap a
+            factory of it in :class:`OptimizerUpdate`), or ``group`` is neither a group, a group
+            class nor a name.
         ValueError: ``trials`` or ``min_trials`` below 1, a ``shape`` that is not
             ``(*batch, m, n)`` of sizes >= 1, an unknown ``expect``, ``batch_elements`` or kind, a
             ``dtype``/``compute_dtype`` other than float16, bfloat16, float32 or float64, a
