@@ -34,6 +34,7 @@ __all__ = [
     "POLAR_EXPRESS_5",
     "msign",
     "newton_schulz_step",
+    "polar_express_steps",
     "ScratchBuffers",
     "inv_sqrt_psd",
     "largest_entry",
@@ -195,17 +196,23 @@ def check_real(where: str, name: str, value, admissible: Callable[[float], bool]
         raise ValueError(f"{where}: {name} must be {what}, got {value!r}")
 
 
+def shape_on_meta(expected, *meta_inputs: torch.Tensor) -> torch.Size | None:
+    """The shape of ``expected(*inputs)``, computed on ``meta`` copies of ``meta_inputs`` (shapes
+    only, no arithmetic, nothing read back); ``None`` for a map that cannot run on meta tensors (a
+    user manifold holding a tensor of its own, on a real device)."""
+    try:
+        return expected(*(torch.empty_like(t, device="meta") for t in meta_inputs)).shape
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def check_shape_of(who: str, name: str, given: torch.Tensor, expected, *meta_inputs: torch.Tensor,
                    what_to_do: str = "") -> None:
     r"""Refuse (``ValueError`` naming ``name``, then ``what_to_do``) a tensor ``given`` whose shape
-    is not that of ``expected(*inputs)``, computed on ``meta`` copies of ``meta_inputs`` (shapes
-    only, no arithmetic, nothing read back). A map that cannot run on meta tensors (a user manifold
-    holding a tensor of its own, on a real device) is not checked: its own products then decide."""
-    try:
-        shape = expected(*(torch.empty_like(t, device="meta") for t in meta_inputs)).shape
-    except (RuntimeError, NotImplementedError, TypeError):
-        return
-    if given.shape != shape:
+    is not that of ``expected(*inputs)`` (:func:`shape_on_meta`). A map that cannot run on meta
+    tensors is not checked: its own products then decide."""
+    shape = shape_on_meta(expected, *meta_inputs)
+    if shape is not None and given.shape != shape:
         raise ValueError(f"{who}: {name} {tuple(given.shape)} must have the multiplier's shape {tuple(shape)}"
                          + (f"; {what_to_do}" if what_to_do else ""))
 
@@ -401,6 +408,17 @@ def newton_schulz_step(Y: torch.Tensor, a: float, b: float, c: float, *, tall: b
         polynomial = torch.addmm(S, S, S, beta=b, alpha=c, out=buffers("polynomial", (side, side), Y.dtype, Y.device))
     factors = (Y, polynomial) if tall else (polynomial, Y)
     return fma(Y, *factors, beta=a) if out is None else fma(Y, *factors, beta=a, out=out)
+
+
+def polar_express_steps(Y: torch.Tensor, steps: int, *, tall: bool = False) -> torch.Tensor:
+    r"""The first ``steps`` steps of :data:`POLAR_EXPRESS` (:func:`newton_schulz_step`, its
+    ``tall`` form or the wide one) on ``Y`` that the caller has normalized ($\|Y\|_2 \le 1$,
+    e.g. by :attr:`NSSchedule.input_scale` times a spectral bound), in ``Y.dtype``: the sign of a
+    symmetric matrix or the polar factor of a Gram-space one, where :func:`msign`'s Frobenius
+    normalization would resolve up to $\sqrt n$ times less."""
+    for a, b, c in POLAR_EXPRESS.step_coefficients(steps):
+        Y = newton_schulz_step(Y, a, b, c, tall=tall)
+    return Y
 
 
 def msign(

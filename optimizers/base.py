@@ -105,15 +105,22 @@ SCHEDULED_OPTIONS = ("lr", "momentum", "betas")
 _HOST_VALUE = object()
 
 
+class _Listed(tuple):
+    """The snapshot of a group's ``params``: the tensors it lists, compared by identity
+    (:func:`_same_option`; ``==`` would compare the tensors' values)."""
+
+
 def _same_option(before, now) -> bool:
     """Whether a group option is unchanged since it was checked: the same object, or an equal
     plain value of the same type. A tensor, dict or list counts as changed unless it is the same
-    object (a manifold's spec may hold tensors: comparing them would read a device back); the
-    tuple of a group's parameters is unchanged if it lists the same tensors, by identity."""
+    object (a manifold's spec may hold tensors: comparing them would read a device back); a
+    group's parameters (:class:`_Listed`) are unchanged if it lists the same tensors, by identity
+    (an option's tuple of numbers, Muon's ``ns_coefficients``, compares by value: an equal tuple
+    put back had counted as an edit, the group checked again at every step)."""
     if before is now:
         return True
-    if isinstance(before, tuple):
-        return type(now) is tuple and len(before) == len(now) and all(b is n for b, n in zip(before, now))
+    if isinstance(before, _Listed):
+        return type(now) is _Listed and len(before) == len(now) and all(b is n for b, n in zip(before, now))
     if isinstance(before, (torch.Tensor, dict, list)) or type(before) is not type(now):
         return False
     return before == now
@@ -299,7 +306,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         scheduled option's host value, the tuple of the tensors for ``params``)."""
         value = group.get(key)
         if key == "params":
-            return tuple(value)
+            return _Listed(value)
         if key in SCHEDULED_OPTIONS and not isinstance(value, torch.Tensor):
             return _HOST_VALUE
         return value
@@ -824,9 +831,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         admissible = self._admissible(group, kept)
         if admissible is None:
             return kept
-        on = admissible.tolist()
-        self._refused.record(index, [positions[id(p)] for p in kept], "raise", torch.tensor(on))
-        return [p for p, ok in zip(kept, on) if ok]
+        on = admissible.cpu()
+        self._refused.record(index, [positions[id(p)] for p in kept], "raise", on)
+        return [p for p, ok in zip(kept, on.tolist()) if ok]
 
     def _batches(self, group: dict, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         batches: dict[tuple, list[torch.Tensor]] = {}

@@ -88,7 +88,8 @@ import torch
 
 from geomuon.manifolds.capabilities import (POLISH_METHODS, SERIES_MAX_TERMS, GramForm, exact_inverse_sqrt, gram_retraction,
                                             inv_sqrt_near_identity, spectral_function)
-from geomuon.manifolds.linalg import POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign
+from geomuon.manifolds.linalg import (POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign,
+                                     polar_express_steps)
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "unchecked_gram_step", "projected_step", "dual_gram", "eigen_dualizer",
            "gram_msign", "newton_update", "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball",
@@ -353,7 +354,7 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tenso
     shift = (n**0.5 * eps * scale + finfo.tiny ** 0.5).reshape(*trace.shape, 1, 1)
     C, info = torch.linalg.cholesky_ex(Q + shift * eye, upper=True)
     norm = (trace.reshape(*trace.shape, 1, 1) + n * shift).sqrt()  # ||C||_F
-    X = _polar_express((C / (norm * POLAR_EXPRESS.input_scale)).to(low), steps).to(Q.dtype)
+    X = polar_express_steps((C / (norm * POLAR_EXPRESS.input_scale)).to(low), steps, tall=True).to(Q.dtype)
     ok = info == 0
     P = torch.linalg.solve_triangular(C, X, upper=True)
     P = torch.where(ok.reshape(*info.shape, 1, 1), P, torch.zeros_like(P))
@@ -361,15 +362,6 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tenso
     # tr(QP) = tr(C^T C C^{-1} X) - delta tr(P) = tr(C^T X) - delta tr(P), elementwise (no cancelling product)
     value = (C * X).sum((-2, -1)) - shift.reshape(trace.shape) * _trace(P)
     return Dualized(P=P, value=torch.where(ok, value, zero), frobenius2=torch.where(ok, X.square().sum((-2, -1)), zero))
-
-
-def _polar_express(X: torch.Tensor, steps: int) -> torch.Tensor:
-    r"""``steps`` Polar Express steps $X \leftarrow aX + X(bX^\top X + c(X^\top X)^2)$ on a
-    normalized ``X`` ($\|X\|_2 \le 1$), in ``X.dtype``."""
-    for a, b, c in POLAR_EXPRESS.step_coefficients(steps):
-        S = X.mT @ X
-        X = torch.baddbmm(X, X, torch.baddbmm(S, S, S, beta=b, alpha=c), beta=a)
-    return X
 
 
 #: Polar Express steps of :func:`polynomial_unit_ball` (measured at $n = 64$ and 384, spectra
@@ -408,7 +400,7 @@ def polynomial_unit_ball(gram: torch.Tensor, steps: int = UNIT_BALL_STEPS) -> to
     eye = torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
     M = gram - eye
     norm = torch.linalg.matrix_norm(M).clamp_min(torch.finfo(M.dtype).tiny).reshape(*M.shape[:-2], 1, 1)
-    upper = 0.5 * (eye + _polar_express(M / (norm * POLAR_EXPRESS.input_scale), steps))
+    upper = 0.5 * (eye + polar_express_steps(M / (norm * POLAR_EXPRESS.input_scale), steps, tall=True))
     return (eye - upper) + gram_msign(eye + M @ upper, steps, gram.dtype).P @ upper
 
 

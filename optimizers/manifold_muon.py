@@ -51,7 +51,7 @@ import torch
 
 from geomuon.manifolds import MatrixManifold
 from geomuon.manifolds.linalg import fp32_or_fp64
-from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_of
+from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_of, shape_on_meta
 
 from .base import MatrixOptimizer, OffManifoldError, require_number
 from .regulate import make_regulator, unchecked_regulation
@@ -667,9 +667,9 @@ class ManifoldMuon(MatrixOptimizer):
         for p in group["params"]:
             state = self.state.get(p, {})
             if "dual_correction" in state:
-                try:
-                    self._check_loaded_state(group, p, "dual_correction", state["dual_correction"], "")
-                except ValueError:
+                point = torch.empty(self._matrix_shape(group, p), device="meta")
+                shape = shape_on_meta(self._manifold_of(group, p).constraint, point, point)
+                if shape is not None and state["dual_correction"].shape != shape:
                     del state["dual_correction"]
 
     def _check_every_weight(self) -> None:

@@ -98,7 +98,7 @@ from geomuon.manifolds.linalg import (
     largest_entry,
     power_of_two_at_most,
     msign,
-    newton_schulz_step,
+    polar_express_steps,
     power_iteration,
     rms_scale,
     sym,
@@ -1184,9 +1184,7 @@ class HardCap(Regulator):
         ``sign_steps`` Polar Express steps on $A/(1.01\,\text{norm\_bound})$ (msign would divide
         by the Frobenius norm, up to $\sqrt n$ times larger, and resolve that much less)."""
         Y = (A / (POLAR_EXPRESS.input_scale * norm_bound)).reshape(-1, *A.shape[-2:])  # (the step takes one batch dim)
-        for a, b, c in POLAR_EXPRESS.step_coefficients(self.sign_steps):
-            Y = newton_schulz_step(Y, a, b, c)
-        return sym(Y).reshape(A.shape)
+        return sym(polar_express_steps(Y, self.sign_steps)).reshape(A.shape)
 
     def _cap_once(self, X, gram, c, b, eye, reach):
         r"""One level of the class docstring on the tall ``X`` (Gram ``gram``, level ``c``,

@@ -308,7 +308,7 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
     if failure is None:
         # every file a load reads, as DCP's metadata (the same on every rank) names them, and the
         # .metadata: each rank sums its share (:func:`_share`)
-        rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+        rank, world = _rank_world(together)
         share = _share({info.relative_path for info in written.storage_data.values()} | {METADATA}, rank, world)
         try:
             sums = {name: file_sum(os.path.join(tmp, name)) for name in share}
@@ -359,6 +359,11 @@ def _disk_failure(err) -> tuple[int, OSError]:
         if isinstance(failure, OSError):
             return rank, failure
     raise err
+
+
+def _rank_world(together: bool) -> tuple[int, int]:
+    """This process's ``(rank, world size)``: the process group's under torchrun, ``(0, 1)`` alone."""
+    return (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
 
 
 def _agreed(failure, together: bool):
@@ -462,7 +467,7 @@ def checked_record(folder: str, together: bool, record: dict | None = None) -> d
     raise the first rank's finding and none is left waiting in a later collective. Alone, this
     process checks every file. ``record``: the folder's :func:`read_record`, when it was read
     already (a resume reads it first, to check its settings)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    rank, world = _rank_world(together)
     record = read_record(folder) if record is None else record
     problem = _agreed(_damaged_file(folder, record, rank, world), together)
     if problem is not None:

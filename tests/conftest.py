@@ -94,6 +94,19 @@ def _keep_torch_threads():
 
 
 @pytest.fixture
+def unreadable_data_files(monkeypatch):
+    """Called, it makes every file ``geomuon.pretrain.data`` opens refuse to be read
+    (``PermissionError``) until the test ends: root reads a chmod-000 file, so the refusal is
+    simulated where ``read_text`` opens it."""
+    from geomuon.pretrain import data as data_module
+
+    def refused(name, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", name)
+
+    return lambda: monkeypatch.setattr(data_module, "open", refused, raising=False)
+
+
+@pytest.fixture
 def torch_threads():
     """``with torch_threads(k):`` runs torch on ``k`` intra-op threads, restoring the count
     after (an optimizer step with ``parallel_batches`` uses worker threads only at ``k > 1``)."""

@@ -151,19 +151,14 @@ def test_corpus_shorter_than_context_is_an_error(tmp_path):
         load_data(f"text:{tmp_path}")
 
 
-def test_an_unreadable_corpus_is_refused_by_name(tmp_path, monkeypatch):
+def test_an_unreadable_corpus_is_refused_by_name(tmp_path, unreadable_data_files):
     # an unreadable text file had been a bare PermissionError traceback (root reads a chmod-000
     # file, so the refusal is simulated where read_text opens it)
-    from geomuon.pretrain import data as data_module
-
     path = tmp_path / "corpus.txt"
     path.write_text("to be or not to be, " * 100)
     assert load_data(f"text:{path}").vocab_size > 0  # control: readable, it loads
 
-    def refused(name, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", name)
-
-    monkeypatch.setattr(data_module, "open", refused, raising=False)
+    unreadable_data_files()
     with pytest.raises(ValueError, match=r"data file '.*corpus\.txt' cannot be read \(Permission denied\)"):
         load_data(f"text:{path}")
 

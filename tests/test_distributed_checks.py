@@ -213,11 +213,13 @@ def worker(out_dir: str) -> None:
         return [p.detach().full_tensor() if hasattr(p, "placements") else p.detach().clone() for p in params]
 
     # D6: groups the sharded step cannot take, refused by name before any collective
-    def refused(params, opt_class=Muon):
+    def grouped(params, opt_class=Muon):  # (on Stiefel for ManifoldMuon) one group of params w0, w1, ...
         options = dict(manifold="stiefel") if opt_class is ManifoldMuon else {}
-        opt = opt_class([dict(params=params, param_names=[f"w{i}" for i in range(len(params))])], lr=0.02,
-                        compute_dtype=None, **options)
-        step(opt, params, _gradients(len(params)))
+        return opt_class([dict(params=params, param_names=[f"w{i}" for i in range(len(params))])], lr=0.02,
+                         compute_dtype=None, **options)
+
+    def refused(params, opt_class=Muon):
+        step(grouped(params, opt_class), params, _gradients(len(params)))
 
     a, b = _points()
     results["mixed_plain"] = _outcome(lambda: refused([sharded(a), torch.nn.Parameter(b.clone())]))
@@ -235,7 +237,7 @@ def worker(out_dir: str) -> None:
     def plain_with_gradient(frozen):
         params = [sharded(a), torch.nn.Parameter(b.clone())]
         params[0].requires_grad_(not frozen)
-        opt = Muon([dict(params=params, param_names=["w0", "w1"])], lr=0.02, compute_dtype=None)
+        opt = grouped(params)
         params[1].grad = _gradients(1)[0]
         opt.step()
         return not torch.equal(params[1].detach(), b)
@@ -259,8 +261,7 @@ def worker(out_dir: str) -> None:
     # on its manifold: one off Stiefel was stepped. Control: the same weight on Stiefel steps
     def appended(scale):
         params = [sharded(w) for w in (*_points(), scale * _points(1, seed=2)[0])]
-        opt = ManifoldMuon([dict(params=params[:2], param_names=["a", "b"])], lr=0.02, manifold="stiefel",
-                           compute_dtype=None)
+        opt = _stiefel_muon(params[:2])
         step(opt, params[:2], _gradients())
         opt.param_groups[0]["params"].append(params[2])
         opt.param_groups[0]["param_names"].append("c")
@@ -624,7 +625,7 @@ def worker(out_dir: str) -> None:
     # had refused the group while rank 1 compared the options alone until the process group's timeout
     def plain_gradient_on_one_rank():
         params = [sharded(a), torch.nn.Parameter(b.clone())]
-        opt = Muon([dict(params=params, param_names=["w0", "w1"])], lr=0.02, compute_dtype=None)
+        opt = grouped(params)
         step(opt, params if rank == 0 else params[:1], _gradients(2 if rank == 0 else 1))
 
     results["plain_gradient_on_one_rank"] = _outcome(plain_gradient_on_one_rank)

@@ -343,7 +343,9 @@ def test_damaged_or_foreign_checkpoint_folder_is_named(runs, tmp_path):
         train(config(split, resume=True))
 
 
-def _flip_byte(path, offset: int) -> None:
+def _flip_byte(path, offset: int | None = None) -> None:
+    """Flip a byte of the file at ``path``: at ``offset``, by default its middle one."""
+    offset = os.path.getsize(path) // 2 if offset is None else offset
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)[0]
@@ -359,7 +361,7 @@ def test_a_damaged_byte_in_a_tensor_file_is_refused_and_the_previous_checkpoint_
     shutil.copytree(runs / "fsdp", run)
     folder, shard = last(run), os.path.join(last(run), "__1_0.distcp")
     intact = read_distributed(folder, "")
-    _flip_byte(shard, os.path.getsize(shard) // 2)
+    _flip_byte(shard)
     with pytest.raises(DamagedCheckpoint, match=f"{folder}.* __1_0.distcp that fails its CRC-32 check"):
         read_distributed(folder)
     offered = (f"{folder}.* __1_0.distcp that fails its CRC-32 check.*; the previous checkpoint "
@@ -376,7 +378,7 @@ def test_a_damaged_byte_in_a_tensor_file_is_refused_and_the_previous_checkpoint_
     assert all(p.returncode != 0 and re.search(offered, out) for p, out in zip(procs, outputs)), outputs
     assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
     # negative control: the byte put back, the same checks pass and read the checkpoint written
-    _flip_byte(shard, os.path.getsize(shard) // 2)
+    _flip_byte(shard)
     assert identical(read_distributed(folder, ""), intact)
 
 
@@ -409,14 +411,20 @@ def _summed(output: str) -> list[str]:
     return ast.literal_eval(re.search(r"summed (\[.*\])", output).group(1))
 
 
+def _fsdp_resume(runs, tmp_path):
+    """A copy of the finished FSDP run, and the settings of its resume under FSDP that loads the
+    last checkpoint and trains nothing (the load alone): ``(run, cfg)``."""
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run)
+    return run, config(run, parallel="fsdp", resume=True, stop_after=STEPS)
+
+
 def test_each_rank_checks_its_share_of_a_checkpoint_and_every_rank_refuses_a_damaged_one(runs, tmp_path):
     # every rank had summed every file of the checkpoint at a resume (world size times its bytes
     # read); as at the save, each rank now checks a share, and the ranks agree on the verdict
-    run = tmp_path / "run"
-    shutil.copytree(runs / "fsdp", run)
+    run, cfg = _fsdp_resume(runs, tmp_path)
     folder = last(run)
     listed = sorted(read_record(folder)["files"])
-    cfg = config(run, parallel="fsdp", resume=True, stop_after=STEPS)  # the load alone
     outputs = finished(spawn(2, SUMMED, cfg, folder))
     shares = [_summed(out) for out in outputs]
     assert all("resumed" in out for out in outputs), outputs
@@ -424,7 +432,7 @@ def test_each_rank_checks_its_share_of_a_checkpoint_and_every_rank_refuses_a_dam
     assert sorted(shares[0] + shares[1]) == listed and all(shares), shares
     # a file rank 1 alone checks, damaged: rank 0, which does not read it, refuses it by name too
     (theirs,) = set(shares[1]) - {".metadata"}
-    _flip_byte(os.path.join(folder, theirs), os.path.getsize(os.path.join(folder, theirs)) // 2)
+    _flip_byte(os.path.join(folder, theirs))
     outputs = finished(spawn(2, SUMMED, cfg, folder))
     offered = (f"refused: distributed checkpoint '{folder}' has a {theirs} that fails its CRC-32 check .*; the "
                f"previous checkpoint .*dcp-step0000000{HALF}' \\(step {HALF}\\) is complete")
@@ -440,13 +448,11 @@ def _refusals(outputs: list[str]) -> list[str]:
 def test_the_previous_checkpoint_a_refusal_offers_is_checked_in_shares_and_every_rank_refuses_alike(runs, tmp_path):
     # to offer the previous checkpoint, every rank had summed every file of it (world size times its
     # bytes read); as at a load, each rank now checks a share there, and the ranks agree on the verdict
-    run = tmp_path / "run"
-    shutil.copytree(runs / "fsdp", run)
+    run, cfg = _fsdp_resume(runs, tmp_path)
     (_, previous), (_, folder) = dcp_folders(str(run))
     listed = sorted(read_record(previous)["files"])
-    cfg = config(run, parallel="fsdp", resume=True, stop_after=STEPS)  # the load alone
     shard = os.path.join(folder, "__0_0.distcp")
-    _flip_byte(shard, os.path.getsize(shard) // 2)  # refused by the load of the newest folder
+    _flip_byte(shard)  # refused by the load of the newest folder
     outputs = finished(spawn(2, SUMMED, cfg, previous))
     refusals, shares = _refusals(outputs), [_summed(out) for out in outputs]
     assert refusals[0] == refusals[1], refusals
@@ -458,7 +464,7 @@ def test_the_previous_checkpoint_a_refusal_offers_is_checked_in_shares_and_every
     # a file rank 1 alone checks: rank 0, which does not read it, says it is damaged too
     os.remove(os.path.join(folder, "run.pt"))
     (theirs,) = set(shares[1]) - {".metadata"}
-    _flip_byte(os.path.join(previous, theirs), os.path.getsize(os.path.join(previous, theirs)) // 2)
+    _flip_byte(os.path.join(previous, theirs))
     outputs = finished(spawn(2, SUMMED, cfg, previous))
     refusals = _refusals(outputs)
     assert refusals[0] == refusals[1], refusals

@@ -216,21 +216,25 @@ def _own_docstring(obj) -> str | None:
     return doc.strip() if doc else None
 
 
+def _api_entry(site, name: str) -> str:
+    """The HTML of ``name``'s entry on the built ``api/manifolds.html``: from its ``id`` to the
+    next object's."""
+    page = (site / "api" / "manifolds.html").read_text()
+    start = page.index(f'id="{name}"')
+    return page[start:page.index('<div class="doc doc-object', start)]
+
+
 def test_docstring_roles_link_to_the_objects_they_name(site):
     # :func:`msign` in geomuon.manifolds.stiefel.Stiefel's docstring is a link to msign's entry
     # (the hook had matched ids "manifolds...." while mkdocstrings writes "geomuon.manifolds....":
     # every role had fallen back to plain code).
-    page = (site / "api" / "manifolds.html").read_text()
-    start = page.index('id="geomuon.manifolds.stiefel.Stiefel"')
-    entry = page[start:page.index('<div class="doc doc-object', start)]
+    entry = _api_entry(site, "geomuon.manifolds.stiefel.Stiefel")
     assert 'title="geomuon.manifolds.linalg.msign"' in entry
 
 
 def test_attribute_comments_show_in_the_api_reference(site):
     # KELLER_QUINTIC is documented by a "#:" comment above it; griffe alone shows it empty.
-    page = (site / "api" / "manifolds.html").read_text()
-    start = page.index('id="geomuon.manifolds.linalg.KELLER_QUINTIC"')
-    entry = page[start:page.index('<div class="doc doc-object', start)]
+    entry = _api_entry(site, "geomuon.manifolds.linalg.KELLER_QUINTIC")
     assert "Keller Jordan" in entry
 
 

@@ -623,18 +623,24 @@ def test_gram_steps_refuse_stacks_they_cannot_take_by_name(step):
     assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12  # control
 
 
-def test_gram_step_refuses_a_correction_of_another_shape_by_name():
-    # a correction for one matrix had broadcast over a stack of two, and one of the wrong size
-    # failed inside a product
+def _gram_step_of_a_stack():
+    """A stack of two Stiefel points, gradients, and a step of them without a correction:
+    ``(form, W, G, first)``."""
     form = Stiefel().gram_form
     W = Stiefel().random(2, 16, 4, dtype=torch.float64)
     G = torch.randn(2, 16, 4, dtype=torch.float64)
+    return form, W, G, gram_step(form, W, G, 0.1, None, GramSettings(dual_steps=1))
+
+
+def test_gram_step_refuses_a_correction_of_another_shape_by_name():
+    # a correction for one matrix had broadcast over a stack of two, and one of the wrong size
+    # failed inside a product
+    form, W, G, first = _gram_step_of_a_stack()
     for shape in ((4, 4), (2, 3, 3)):
         with pytest.raises(ValueError, match=rf"gram_step: correction \({', '.join(map(str, shape))}\) must have "
                                              r"the multiplier's shape \(2, 4, 4\)"):
             gram_step(form, W, G, 0.1, torch.zeros(shape, dtype=torch.float64), GramSettings(dual_steps=1))
     # control: the correction a step returned is taken
-    first = gram_step(form, W, G, 0.1, None, GramSettings(dual_steps=1))
     assert first.correction.shape == (2, 4, 4)
     assert gram_step(form, W, G, 0.1, first.correction, GramSettings(dual_steps=1)).point.shape == W.shape
 
@@ -645,9 +651,6 @@ def test_gram_step_checks_its_stacks_once(monkeypatch):
     calls = []
     original = gram._check_points
     monkeypatch.setattr(gram, "_check_points", lambda *args: calls.append(args[2]) or original(*args))
-    form = Stiefel().gram_form
-    W = Stiefel().random(2, 16, 4, dtype=torch.float64)
-    G = torch.randn(2, 16, 4, dtype=torch.float64)
-    first = gram_step(form, W, G, 0.1, None, GramSettings(dual_steps=1))
+    form, W, G, first = _gram_step_of_a_stack()
     gram_step(form, W, G, 0.1, first.correction, GramSettings(dual_steps=1))
     assert calls == ["gram_step", "gram_step"]  # one per step, with and without a correction

@@ -839,8 +839,10 @@ def test_a_tensor_put_into_a_groups_params_between_steps_is_checked_before_any_g
 
 
 def test_schedules_and_valid_edits_step_and_an_unedited_group_is_not_checked_again(monkeypatch):
-    # OneCycleLR rewrites lr and momentum every step (checked by value, no group check); a valid
-    # edit is checked once and takes effect (control for the test above)
+    # OneCycleLR rewrites lr and momentum every step (checked by value, no group check), and an
+    # equal tuple of coefficients put back is no edit (compared by identity, as the params are,
+    # it had been checked again at every step); a valid edit is checked once and takes effect
+    # (control for the test above)
     gen = torch.Generator().manual_seed(0)
     W = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
     opt = Muon([W], lr=0.02)
@@ -850,14 +852,16 @@ def test_schedules_and_valid_edits_step_and_an_unedited_group_is_not_checked_aga
     monkeypatch.setattr(opt, "_validate_group", lambda *args: checks.append(args) or validate(*args))
     for _ in range(4):
         W.grad = torch.randn(W.shape, generator=gen)
+        opt.param_groups[0]["ns_coefficients"] = tuple(float(str(c)) for c in opt.param_groups[0]["ns_coefficients"])
         opt.step()
         schedule.step()
     assert checks == []
-    opt.param_groups[0]["ns_steps"] = 3
-    for _ in range(2):
-        W.grad = torch.randn(W.shape, generator=gen)
-        opt.step()
-    assert len(checks) == 1
+    for edit in (dict(ns_steps=3), dict(ns_coefficients=(3.0, -3.2, 1.2))):
+        opt.param_groups[0].update(edit)
+        for _ in range(2):
+            W.grad = torch.randn(W.shape, generator=gen)
+            opt.step()
+    assert len(checks) == 2
 
 
 def test_a_learning_rate_tensor_that_requires_grad_is_checked_without_a_warning():

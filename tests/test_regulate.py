@@ -270,12 +270,15 @@ def test_hard_cap_float32_kernel():
     assert rms_spectral_norm(out).max().item() <= 1.0 + hard_cap_beta((32, 48), torch.float32)
 
 
+HARD_CAP_SIGN_STEPS = HardCap().sign_steps  # the default, which the caps below use
+
+
 def hard_cap_beta(shape, dtype, method="polar_express"):
     r"""HardCap's stated bound $\beta$ on $\sigma_{\max}/w_{\max} - 1$ within its levels' range
     ($x = 1$): $1.01\,K/2$ (the last pass's sign in exact arithmetic; none for the SVD) plus
     $2(\sqrt m + \sqrt n)\,u$, the round-off of its Gram matrix and of the result."""
-    m, n = sorted(shape[-2:], reverse=True)
-    sign = 1.01 * _hard_cap_sign_profile(20)[0] / 2 if method == "polar_express" else 0.0
+    m, n = shape[-2:]
+    sign = 1.01 * _hard_cap_sign_profile(HARD_CAP_SIGN_STEPS)[0] / 2 if method == "polar_express" else 0.0
     return sign + 2 * (math.sqrt(m) + math.sqrt(n)) * torch.finfo(dtype).eps / 2
 
 
@@ -294,13 +297,14 @@ def hard_cap_violations(W, out, dtype, method):
       about that over $2c$, plus $2(\sqrt m + \sqrt n)\,u\,\sigma_{\max}$ of the products."""
     m, n = W.shape
     u = torch.finfo(dtype).eps / 2
+    products = 2 * (math.sqrt(m) + math.sqrt(n)) * u  # the round-off of the products, per unit of sigma
     before = torch.linalg.svdvals(W.double())
     after = torch.linalg.svdvals(out.double())
     top = before[0].item()
     beta = hard_cap_beta(W.shape, dtype, method)
-    tau = math.sqrt(m) * u * top**2 / 2 + 2 * (math.sqrt(m) + math.sqrt(n)) * u * top
-    resolution = _hard_cap_sign_profile(20)[1][dtype] if method == "polar_express" else 0.0
-    band = 1.01 * (resolution + 2 * (math.sqrt(m) + math.sqrt(n)) * u) / 2
+    tau = math.sqrt(m) * u * top**2 / 2 + products * top
+    resolution = _hard_cap_sign_profile(HARD_CAP_SIGN_STEPS)[1][dtype] if method == "polar_express" else 0.0
+    band = 1.01 * (resolution + products) / 2
     kept, in_band = before <= 1 - band, (before > 1 - band) & (before <= 1)
     found = []
     if after.max().item() > 1 + beta:

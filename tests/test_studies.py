@@ -211,21 +211,16 @@ def test_runs_of_another_thread_count_are_never_mixed_in(tmp_path, monkeypatch):
     size = common.size_from(study, "tiny")
     planned = [(study.variants(size)[0], 0)]
 
-    def fake_run(study, variant, size, seed, data_path):  # what the run saw, in place of training
-        return {**_fake_record(variant.name, seed, 1.0), "threads": torch.get_num_threads(), "wall_time": 0.0}
+    # what the run saw, in place of training
+    monkeypatch.setattr(common, "train_run", _fake_train_run(threads=torch.get_num_threads))
 
-    monkeypatch.setattr(common, "train_run", fake_run)
-    threads = torch.get_num_threads()
-    try:
-        def run(n):
-            records, cached = common.run_jobs(study, planned, size, str(DATA), tmp_path, 1, n, False, say=print)
-            return records[(planned[0][0].name, 0)]["threads"], cached
+    def run(n):  # (conftest's _keep_torch_threads restores the thread count after the test)
+        records, cached = common.run_jobs(study, planned, size, str(DATA), tmp_path, 1, n, False, say=print)
+        return records[(planned[0][0].name, 0)]["threads"], cached
 
-        assert run(1) == (1, 0)
-        assert run(1) == (1, 1)  # control: read back
-        assert run(2) == (2, 0)  # trained again, on 2 threads
-    finally:
-        torch.set_num_threads(threads)
+    assert run(1) == (1, 0)
+    assert run(1) == (1, 1)  # control: read back
+    assert run(2) == (2, 0)  # trained again, on 2 threads
 
 
 class _OsReplacingAfter:
@@ -259,10 +254,7 @@ def test_two_writers_of_one_run_folder_never_race_on_a_temporary_file(tmp_path, 
     job = common.Job(study.NAME, variant, 0, size, str(DATA), str(folder), threads)
     writers = {}
 
-    def fake_run(study, variant, size, seed, data_path):  # each thread's own record, in place of training
-        return {**_fake_record(variant.name, seed, 1.0), "writer": threading.current_thread().name,
-                "wall_time": 0.0}
-
+    fake_run = _fake_train_run(writer=lambda: threading.current_thread().name)  # each thread's own record
     monkeypatch.setattr(common, "train_run", fake_run)
     both_written = threading.Barrier(2, timeout=60)
     monkeypatch.setattr(common, "os", _OsReplacingAfter(both_written.wait))
@@ -531,12 +523,10 @@ def test_a_data_path_with_a_colon_is_read(tmp_path):
 
 
 @needs_data
-def test_a_data_path_that_is_no_readable_file_says_what_it_is(tmp_path, capsys, monkeypatch):
+def test_a_data_path_that_is_no_readable_file_says_what_it_is(tmp_path, capsys, monkeypatch, unreadable_data_files):
     """``--data`` given a directory had been refused as "no such file", and so had a path through
     a file; an unreadable file had been a ``PermissionError`` traceback. Each is refused by what
     it is, before any folder exists. Control: a missing file is still "no such file"."""
-    from geomuon.pretrain import data as data_module
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "shared").mkdir()
     (tmp_path / "notes.txt").write_text("")
@@ -550,11 +540,7 @@ def test_a_data_path_that_is_no_readable_file_says_what_it_is(tmp_path, capsys, 
                           (tmp_path / "missing.txt", f"--data {tmp_path / 'missing.txt'}: no such file")):
         assert common.main(lipschitz_study, [*argv, "--data", str(path)]) == 2
         assert message in capsys.readouterr().err
-    # root reads a chmod-000 file, so the refusal of the read is simulated where read_text opens it
-    def refused(path, mode="r", *args, **kwargs):
-        raise PermissionError(13, "Permission denied", path)
-
-    monkeypatch.setattr(data_module, "open", refused, raising=False)
+    unreadable_data_files()
     assert common.main(lipschitz_study, [*argv, "--data", str(DATA)]) == 2
     assert f"--data {DATA}: data file {str(DATA)!r} cannot be read (Permission denied); pass the path of a copy of" \
         in capsys.readouterr().err
@@ -748,6 +734,15 @@ def _fake_record(name: str, seed: int, loss: float, diverged: bool = False) -> d
     return {"variant": name, "seed": seed, "final_val_loss": loss, "diverged": diverged}
 
 
+def _fake_train_run(loss=lambda variant: 1.0, **fields):
+    """A stand-in for ``common.train_run``: the :func:`_fake_record` of ``loss(variant)``, taking
+    no time, with each of ``fields`` the value its function returns as the run is made."""
+    def run(study, variant, size, seed, data_path):
+        return {**_fake_record(variant.name, seed, loss(variant)), "wall_time": 0.0,
+                **{name: value() for name, value in fields.items()}}
+    return run
+
+
 def _landscape(best_rate: float, diverge_above: float = math.inf):
     """A fake ``run`` for :meth:`LearningRateSweep.search`: the loss of a rate is its squared
     log-distance to ``best_rate`` (plus a seed offset); rates above ``diverge_above`` diverge.
@@ -910,10 +905,8 @@ def test_a_sweeps_configuration_says_what_it_sweeps(tiny_sweep, run_once, tmp_pa
                         f"`{common.RESULTS}`)")
     assert config == {"size": "tiny", **dataclasses.asdict(dataclasses.replace(study.SIZES["tiny"], seeds=list(SEEDS)))}
 
-    def fake_run(study, variant, size, seed, data_path):
-        rate = next(iter(variant.hyper.values()))
-        return {**_fake_record(variant.name, seed, math.log(rate) ** 2), "wall_time": 0.0, "assignment": ""}
-
+    fake_run = _fake_train_run(lambda variant: math.log(next(iter(variant.hyper.values()))) ** 2,  # the swept rate's
+                               assignment=lambda: "")
     monkeypatch.setattr(common, "train_run", fake_run)
     argv = ["--size", "tiny", "--jobs", "1", "--data", str(DATA), "--work-dir", str(tmp_path / "work")]
     assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "out")]) == 0

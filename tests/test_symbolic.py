@@ -1024,8 +1024,8 @@ def test_polynomial_dualizer_kernels(monkeypatch):
     # controls, one per kernel: a step short in gram_msign's Polar Express, no clip in the
     # unit ball, and an inverse root that is a rotation of N^(-1/2) (the Cholesky factor's
     # inverse: R'NR = I, not symmetric)
-    polar_express = gram._polar_express
-    monkeypatch.setattr(gram, "_polar_express", lambda X, steps: polar_express(X, steps - 1))
+    polar_express_steps = gram.polar_express_steps
+    monkeypatch.setattr(gram, "polar_express_steps", lambda X, steps, **kw: polar_express_steps(X, steps - 1, **kw))
     assert not certify_polynomial_dualizers().holds
     monkeypatch.undo()
     monkeypatch.setattr(gram, "polynomial_unit_ball", lambda G: torch.eye(G.size(-1), dtype=G.dtype).expand_as(G))
