@@ -575,14 +575,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
         # every group checked before any group steps: a refusal (the same on every rank) leaves
         # nothing half-stepped and no rank waiting in a collective
         read = []  # per group: the DTensor parameters whose finiteness its step reads (check_group's rule)
+        checks = []  # per such group: _pending_checks' answer for them, checked here (no group has stepped)
         for index, (group, (params, _)) in enumerate(zip(self.param_groups, stepped)):
             read.append(_distributed.check_group(self, group, index, params))
+            checks.append(self._pending_checks(group, read[index]) if read[index] else None)
+            # hooks out of contract, refused here (in the step, earlier groups had stepped): an answer
+            # of the wrong length (zip would pair flags with other weights), no _add_checks (the base's
+            # refusal, by name: an override takes no weight to check)
+            if checks[index] is not None:
+                if len(checks[index]) != len(read[index]):
+                    raise ValueError(f"{type(self).__name__}._pending_checks answered {len(checks[index])} flags for "
+                                     f"the {len(read[index])} sharded parameters it was given: answer one per "
+                                     "parameter, in order; nothing was stepped")
+                self._add_checks(group, [])
             if params and regulators[index] is not None and not isinstance(group["lr"], torch.Tensor):
                 if (why := self.regulation_refusal(index, float(group["lr"]))) is not None:
                     raise ValueError(f"{type(self).__name__}: group {index}, {why}; nothing was stepped")
         for index, (group, (params, positions)) in enumerate(zip(self.param_groups, stepped)):
             if read[index]:  # collective: with or without a gradient here (check_group's rule)
-                params = self._finite_on_host(group, index, params, positions, read[index])
+                params = self._finite_on_host(group, index, params, positions, read[index], checks[index])
             if not params:
                 continue
             lr = group["lr"]  # a tensor lr stays one: an operand of the update, never read back
@@ -717,15 +728,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
             "_add_checks(group, params) to check those weights at this step too (every rank of the mesh checks "
             "the weights that any rank checks)")
 
-    def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor],
-                        positions: dict[int, int], tracked: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _finite_on_host(self, group: dict, index: int, params: list[torch.Tensor], positions: dict[int, int],
+                        tracked: list[torch.Tensor], checks: list[bool] | None) -> list[torch.Tensor]:
         r"""Sharded parameters: the non-finite check, read back to the host now (the sharded step
         has no device-side skip: the host reads of a step, see :meth:`step`), so every rank
         drops the same matrices. ``params``: the group's parameters with a gradient on this rank
         (possibly none); ``tracked``: all its ``DTensor`` parameters, where
         :func:`~geomuon.optimizers.distributed.check_group` says the group is read (every rank of
         the group's mesh calls this for every group with a trainable ``DTensor`` parameter,
-        gradients or not).
+        gradients or not); ``checks``: :meth:`_pending_checks` of ``tracked``, one flag per
+        parameter (its length refused by :meth:`step` before any group stepped), or ``None``.
 
         One all-reduce (sum) over the mesh of a fixed-length vector, the same length on every
         rank whichever gradients exist: for each sharded parameter $p_j$ of the group
@@ -771,10 +783,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         reduced = torch.float64
         zero = torch.zeros((), dtype=reduced, device=tracked[0].to_local().device)
         one = torch.ones_like(zero)
-        checks = self._pending_checks(group, tracked)
-        if checks is not None and len(checks) != len(tracked):  # (zip would pair flags with other weights)
-            raise ValueError(f"{type(self).__name__}._pending_checks answered {len(checks)} flags for the "
-                             f"{len(tracked)} sharded parameters it was given: answer one per parameter, in order")
         # host state a rank may hold alone (a load_state_dict on some ranks only, say), as
         # 0/1 entries summed with the norms: every rank then gathers and sends the same (the
         # lengths are the same on every rank: the class and group["update"] were compared)
@@ -914,7 +922,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         $B + 0\cdot(G' - B) = B$ exactly, and its stacked momentum is multiplied by 0. Masks
         are multiplications, passes as cheap as a copy (``torch.where`` with a broadcast
         0-dim condition is ~20x slower on CPU). Cost of the mask: ``nan_to_num`` (one read,
-        one write of the gradient) and the multiplication of the stack (its dtype).
+        one write of the gradient) and the multiplication by the 0/1, written into the stack (the
+        copy into it is that pass): computed in the momentum's dtype, then rounded to the
+        stack's. Rounded first, a skipped matrix's finite fp32 momentum above bf16's range
+        (3.39e38) had become inf, and $0\cdot\infty$ = NaN reached the weights.
         """
         if _distributed.is_sharded(params[0]):  # FSDP2 / DTensor: whole matrices, sharded by matrix
             return _distributed.sharded_matrix_step(self, group, params, lr)
@@ -947,10 +958,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for out, p, b, k in zip(stacked, params, bufs, keep.to(bufs[0].dtype)):
                 g = torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0, out=clean)
                 _lerp_kept_(b, g, 1 - momentum, k)
-                # the Nesterov lerp in place, then one rounding copy (a mixed-dtype lerp is ~2x slower)
-                out.copy_((g.lerp_(b, momentum) if group["nesterov"] else b).reshape(shape))
-        if keep is not None:  # a skipped matrix's momentum is exactly zero (G' and B are finite)
-            stacked.mul_(keep.to(stacked.dtype).reshape(-1, *(1,) * len(shape)))
+                # the Nesterov lerp in place (a mixed-dtype lerp is ~2x slower); a skipped matrix's
+                # momentum is exactly zero (G' and B are finite): times its 0/1 before any rounding
+                torch.mul((g.lerp_(b, momentum) if group["nesterov"] else b).reshape(shape), k, out=out)
         update = self._direction(group, stacked, params, keep)
         self._apply(group, params, update, lr, keep)
 
@@ -965,8 +975,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         A matrix whose step is skipped arrives as an exact zero and must leave as one (every
         map of :mod:`geomuon.optimizers.maps` does: ``msign(0) = 0``, ``row_norm(0) = 0``, ...;
         the non-finite test of every optimizer checks it); a subclass whose update is not
-        additive returns a skipped matrix's old point itself (:class:`ManifoldMuon`). A zero
-        momentum with ``keep`` true is a step like any other (weight decay still applies)."""
+        additive keeps a skipped matrix's old point in its :meth:`_apply` (:class:`ManifoldMuon`).
+        A zero momentum with ``keep`` true is a step like any other (weight decay still applies)."""
         raise NotImplementedError
 
     def _rowwise_direction(self, group: dict) -> bool:

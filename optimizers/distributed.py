@@ -269,21 +269,26 @@ def _layout(p: torch.Tensor, what, world_rank: tuple[int, int] | None = None) ->
 
 
 def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Refuse, with a ``ValueError`` naming the parameter, the parameters ``params`` (those with a
-    gradient on this rank) of param group ``index`` that its step could not take: a group mixing
+    """Refuse, with a ``ValueError`` naming the parameter, the parameters of param group ``index``
+    that its step could not take (``params``: those with a gradient on this rank): a group mixing
     trainable ``DTensor`` and plain tensors (``requires_grad``, the same on every rank, or a gradient
     here), sharded parameters on different device meshes, and, where the
     step needs whole matrices (a matrix group, a regulated AdamW group),
-    any layout but FSDP2's ``Shard(0)`` rows on a 1-D mesh, and in a matrix group a gradient
-    placed unlike its parameter (the step reads the gradient's local rows as the parameter's:
-    a ``Replicate`` or ``Partial`` gradient's whole local matrix had been sent where its owner
-    expected rows, a mismatched all-to-all after the momentum had moved).
+    any layout but FSDP2's ``Shard(0)`` rows on a 1-D mesh of a trainable parameter (with a
+    gradient here or not: a ``Shard(1)`` weight whose gradient was on rank 0 alone had been refused
+    there while rank 1 compared the options alone, until the process group's timeout), and in a
+    matrix group a gradient placed unlike its parameter (the step reads the gradient's local rows
+    as the parameter's: a ``Replicate`` or ``Partial`` gradient's whole local matrix had been sent
+    where its owner expected rows, a mismatched all-to-all after the momentum had moved).
     :meth:`MatrixOptimizer.step` calls it for every group before any work or collective: these
     are host-side facts that are the same on every rank (placements, meshes), so every rank
     refuses together, where a torch error inside a collective step would leave the other
-    ranks waiting. One exception is
-    rank-local: a shard whose row count is not the ``torch.chunk`` split (only a hand-made
-    ``DTensor.from_local(..., run_check=False)`` has one) is refused on its own rank only.
+    ranks waiting. Three exceptions are
+    rank-local, refused on their own rank only: a shard whose row count is not the ``torch.chunk``
+    split (only a hand-made ``DTensor.from_local(..., run_check=False)`` has one), a gradient
+    placed on some ranks only unlike its parameter (FSDP2 places every rank's gradient alike), and
+    the layout of a frozen parameter (``requires_grad=False``) given a gradient by hand on some
+    ranks only (checked where it has one).
 
     Returns the group's ``DTensor`` parameters (all of them, in the group's order) where its step
     reads their finiteness (:meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host`, a
@@ -297,8 +302,11 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) 
     pending = optimizer.__dict__.setdefault("_pending_options", [])
     if index == 0:  # a new step: what a refused step left unread is not this step's
         pending.clear()
-    tracked = [p for p in group["params"] if is_sharded(p)]
-    stepped = [p for p in params if is_sharded(p)]
+    # asked once per parameter and step: the group's params may be edited between steps
+    sharded = [is_sharded(p) for p in group["params"]]
+    tracked = [p for p, s in zip(group["params"], sharded) if s]
+    with_grad = {id(p) for p in params}
+    stepped = [p for p in tracked if id(p) in with_grad]
     if not stepped and not any(p.requires_grad for p in tracked):
         return []
     where = f"{type(optimizer).__name__} param group {index}"
@@ -312,7 +320,8 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) 
     # options alone, until the process group's timeout); which tensors require one is the model's
     # (a gradient set by hand on a frozen plain tensor on some ranks only is still that rank's
     # decision); the DTensor named likewise, a trainable one before one with a gradient here
-    plain = next((p for p in group["params"] if not is_sharded(p) and (p.requires_grad or p.grad is not None)), None)
+    plain = next((p for p, s in zip(group["params"], sharded) if not s and (p.requires_grad or p.grad is not None)),
+                 None)
     if plain is not None:  # beside a DTensor that has a gradient, or requires one
         dtensor = ([p for p in tracked if p.requires_grad] or stepped)[0]
         raise ValueError(
@@ -329,12 +338,13 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) 
                 "group of their own")
     if group["update"] != "adamw" or optimizer._group_regulator(group, index) is not None:
         world_rank = None  # the mesh's, asked once: every parameter is on it
-        for p in params:
+        # a parameter's layout is the model's, the same on every rank; its gradient is a rank's own
+        for p in (p for p in tracked if p.requires_grad or id(p) in with_grad):
             rows, rank = _layout(p, lambda: f"{where}: {name(p)}", world_rank)  # called at once, in the loop
             world_rank = (len(rows), rank)
             grad = p.grad
-            if group["update"] != "adamw" and not (is_sharded(grad) and grad.device_mesh == mesh
-                                                   and grad.placements == p.placements):
+            if id(p) in with_grad and group["update"] != "adamw" and not (
+                    is_sharded(grad) and grad.device_mesh == mesh and grad.placements == p.placements):
                 placed = "a plain tensor" if not is_sharded(grad) else (
                     f"placed {tuple(grad.placements)} on the device mesh of ranks {grad.device_mesh.mesh.tolist()}")
                 raise ValueError(
@@ -342,7 +352,7 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) 
                     f"on that of ranks {mesh.mesh.tolist()}; the sharded matrix step reads the gradient's rows as "
                     "the parameter's: give it the parameter's placement (FSDP2's reduce-scatter does; by hand: "
                     "p.grad = p.grad.redistribute(p.device_mesh, p.placements))")
-    _record_options(optimizer, group, index, mesh)
+    _record_options(optimizer, group, index, mesh, sharded)
     return tracked
 
 
@@ -350,7 +360,7 @@ def check_group(optimizer, group: dict, index: int, params: list[torch.Tensor]) 
 _PARAMETERS = "parameters"
 
 
-def _record_options(optimizer, group: dict, index: int, mesh) -> None:
+def _record_options(optimizer, group: dict, index: int, mesh, sharded: list[bool]) -> None:
     """Record the options of sharded group ``index`` on ``mesh`` for :func:`compare_options`
     (every rank records every trainable sharded group, with gradients here or not:
     :meth:`~geomuon.optimizers.base.MatrixOptimizer._finite_on_host` reads each on every rank,
@@ -361,6 +371,7 @@ def _record_options(optimizer, group: dict, index: int, mesh) -> None:
     all-to-all, where gloo aborted every process, and one listing a parameter more had sent a
     longer vector into the finiteness all-reduce (two same-shape parameters swapped are told
     apart by their ``param_names`` only: without names they step each other's rows).
+    ``sharded``: whether each of the group's params is a ``DTensor`` (:func:`check_group` asks once).
 
     That text is formatted again only where what it is made of changed (the group's names, its
     sharded parameters' positions, shapes and dtypes: a group edited between steps, a
@@ -369,7 +380,7 @@ def _record_options(optimizer, group: dict, index: int, mesh) -> None:
     options = {key: group.get(key) for key in optimizer._option_keys}  # (sorted: the same order on every rank)
     names = group.get("param_names")
     made_of = (tuple(names) if names else None,
-               tuple((i, p.shape, p.dtype) for i, p in enumerate(group["params"]) if is_sharded(p)))
+               tuple((i, p.shape, p.dtype) for i, (p, s) in enumerate(zip(group["params"], sharded)) if s))
     texts = optimizer.__dict__.setdefault("_parameter_texts", {})  # {index: (made_of, text)}
     cached = texts.get(index)
     if cached is None or cached[0] != made_of:
@@ -471,8 +482,7 @@ def _all_to_all(outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[tu
     pieces = [t.contiguous().reshape(-1).view(torch.uint8) for chunks in outgoing for t in chunks]
     send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     send_sizes = [sum(t.numel() * t.element_size() for t in chunks) for chunks in outgoing]
-    nbytes = [[math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-              for specs in incoming]
+    nbytes = [[math.prod(shape) * dtype.itemsize for shape, dtype in specs] for specs in incoming]
     recv_sizes = [sum(sizes) for sizes in nbytes]
     if len(outgoing) == 1:
         recv = send

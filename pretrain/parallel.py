@@ -24,6 +24,7 @@ import collections
 import contextlib
 import copy
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -39,7 +40,7 @@ from geomuon.optimizers.distributed import as_shard, is_sharded, local_rows, mat
 from geomuon.pretrain.config import option_text
 
 __all__ = ["OwnerGather", "RunWriteError", "DamagedCheckpoint", "ddp", "fsdp", "save_distributed", "load_distributed", "read_record",
-           "checked_record", "read_distributed", "file_sum", "dcp_folder", "dcp_folders"]
+           "checked_record", "read_distributed", "file_sum", "dcp_folder", "dcp_folders", "agreed", "from_rank_0"]
 
 
 @dataclass
@@ -312,7 +313,7 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
         share = _share({info.relative_path for info in written.storage_data.values()} | {METADATA}, rank, world)
         try:
             sums = {name: file_sum(os.path.join(tmp, name)) for name in share}
-        except OSError as err:  # rank 0 writes no record without every share; _agreed stops every rank
+        except OSError as err:  # rank 0 writes no record without every share; agreed() stops every rank
             sums, failure = None, (rank, err)
         gathered = [(plain, sums)]
         if together:
@@ -336,7 +337,7 @@ def save_distributed(folder: str, model, assignment, record: dict | None, owned=
             _move_into_place(tmp, folder, root)
         except OSError as err:
             failure = 0, err
-    failure = _agreed(failure, together)  # rank 0's own failure too: every rank raises, none waits for it
+    failure = agreed(failure, together)  # rank 0's own failure too: every rank raises, none waits for it
     if failure is not None:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # the space a retry needs
@@ -366,13 +367,46 @@ def _rank_world(together: bool) -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
 
 
-def _agreed(failure, together: bool):
+def agreed(failure, together: bool):
     """The first failure of any rank, on every rank (a collective under torchrun)."""
     if not together:
         return failure
     failures = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
     return next((f for f in failures if f is not None), None)
+
+
+def from_rank_0(value, together: bool):
+    """``value()`` (a callable) of rank 0 on every rank, or the exception it raised, raised on every
+    rank; the other ranks do not call it (``together``, under torchrun: one broadcast, a collective).
+    Alone, ``value()``. A result that cannot be pickled raises a ``RuntimeError`` saying so on every
+    rank (rank 0 had raised pickle's error alone, before the broadcast the others waited in); one
+    that cannot be unpickled (an exception whose ``__init__`` takes other arguments) raises one on
+    the ranks that receive it."""
+    if not together:
+        return value()
+    rank, _ = _rank_world(together)
+    box = [None]
+    if rank == 0:
+        try:
+            outcome = (value(), None)
+        except Exception as err:  # every rank raises it: none is left waiting for rank 0
+            outcome = (None, err)
+        try:
+            box[0] = pickle.dumps(outcome)
+        except Exception as err:
+            outcome = (None, RuntimeError(f"rank 0's result cannot be sent to the other ranks ({err})"))
+            box[0] = pickle.dumps(outcome)
+    dist.broadcast_object_list(box, src=0)
+    if rank != 0:
+        try:
+            outcome = pickle.loads(box[0])
+        except Exception as err:
+            outcome = (None, RuntimeError(f"rank 0's result cannot be read on this rank ({err})"))
+    result, err = outcome
+    if err is not None:
+        raise err
+    return result
 
 
 def _move_into_place(tmp: str, folder: str, root: str) -> None:
@@ -414,6 +448,11 @@ class DamagedCheckpoint(ValueError):
     the run resumes under these)."""
 
 
+def _dcp_name(folder: str) -> str:
+    """How a message names the distributed checkpoint ``folder``: ``distributed checkpoint '<folder>'``."""
+    return f"distributed checkpoint {folder!r}"
+
+
 def file_sum(path: str) -> dict[str, int]:
     """``{"bytes": size, "crc32": zlib's CRC-32}`` of the file ``path``, read in chunks of
     :data:`SUM_CHUNK` bytes."""
@@ -433,27 +472,43 @@ def _share(names, rank: int, world: int) -> list[str]:
     return ([METADATA] if rank == 0 and METADATA in names else []) + tensors[rank::world]
 
 
-def read_record(folder: str) -> dict:
+def read_record(folder: str, together: bool = False) -> dict:
     """The plain data of a distributed checkpoint (:data:`RUN_RECORD`); ``ValueError``
     (:class:`DamagedCheckpoint`) naming the folder when it is not a complete geomuon distributed
-    checkpoint. Its files' bytes are not read: :func:`checked_record` checks them too."""
-    path = os.path.join(folder, RUN_RECORD)
-    problem = None
-    if not os.path.isfile(os.path.join(folder, METADATA)):
-        problem = "has no .metadata (torch.distributed.checkpoint did not finish it)"
-    elif not os.path.isfile(path):
-        problem = f"has no {RUN_RECORD}"
-    else:
-        try:
-            record = load_checked(path)
-        except Exception as err:  # torch raises several types for a damaged zip archive
-            problem = f"has an unreadable {RUN_RECORD} ({str(err).split('. ')[0]})"
-        else:
-            if not isinstance(record, dict) or record.get("format") != DCP_FORMAT:
-                problem = f"has a {RUN_RECORD} that is not a {DCP_FORMAT} record"
-    if problem is not None:
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
+    checkpoint. Its files' bytes are not read: :func:`checked_record` checks them too.
+
+    ``together`` (every rank calls it; collective): the ranks agree on the verdict, so that a read
+    failing on one rank alone (an I/O error on its machine) raises the same refusal on every rank
+    rather than leave the others waiting in their next collective."""
+    record, problem = _record_problem(folder)
+    _refuse_together(folder, problem, together)
     return record
+
+
+def _refuse_together(folder: str, problem: str | None, together: bool) -> None:
+    """Raise :class:`DamagedCheckpoint` naming ``folder`` with the first rank's ``problem`` (this
+    process's alone, or ``together``: every rank calls it, a collective, :func:`agreed`); nothing
+    when no rank has one."""
+    problem = agreed(problem, together)
+    if problem is not None:
+        raise DamagedCheckpoint(f"{_dcp_name(folder)} {problem}")
+
+
+def _record_problem(folder: str) -> tuple[dict | None, str | None]:
+    """``(record, None)``: the plain data of ``folder`` (:func:`read_record`); ``(None, problem)``:
+    what makes it no complete geomuon distributed checkpoint."""
+    path = os.path.join(folder, RUN_RECORD)
+    if not os.path.isfile(os.path.join(folder, METADATA)):
+        return None, "has no .metadata (torch.distributed.checkpoint did not finish it)"
+    if not os.path.isfile(path):
+        return None, f"has no {RUN_RECORD}"
+    try:
+        record = load_checked(path)
+    except Exception as err:  # torch raises several types for a damaged zip archive
+        return None, f"has an unreadable {RUN_RECORD} ({str(err).split('. ')[0]})"
+    if not isinstance(record, dict) or record.get("format") != DCP_FORMAT:
+        return None, f"has a {RUN_RECORD} that is not a {DCP_FORMAT} record"
+    return record, None
 
 
 def checked_record(folder: str, together: bool, record: dict | None = None) -> dict:
@@ -463,15 +518,18 @@ def checked_record(folder: str, together: bool, record: dict | None = None) -> d
     weight of 63. One that differs or is missing raises :class:`DamagedCheckpoint` naming it.
 
     ``together`` (every rank calls it; collective): the checkpoint is read once, as the save summed
-    it: each rank checks its share (:func:`_share`) and the ranks agree on the verdict, so that all
-    raise the first rank's finding and none is left waiting in a later collective. Alone, this
-    process checks every file. ``record``: the folder's :func:`read_record`, when it was read
-    already (a resume reads it first, to check its settings)."""
+    it: each rank checks its share (:func:`_share`) and the ranks agree on the verdict (the
+    record's read included, in the same collective), so that all raise the first rank's finding and
+    none is left waiting in a later collective. Alone, this process checks every file. ``record``:
+    the folder's :func:`read_record`, when it was read already (a resume reads it first, to check
+    its settings)."""
     rank, world = _rank_world(together)
-    record = read_record(folder) if record is None else record
-    problem = _agreed(_damaged_file(folder, record, rank, world), together)
-    if problem is not None:
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} {problem}")
+    problem = None
+    if record is None:
+        record, problem = _record_problem(folder)
+    if problem is None:
+        problem = _damaged_file(folder, record, rank, world)
+    _refuse_together(folder, problem, together)
     return record
 
 
@@ -523,19 +581,19 @@ def load_distributed(folder: str, model, assignment, owned=None, record: dict | 
 
     together = dist.is_initialized()
     record = checked_record(folder, together, record)  # (before DCP's collectives, which a refusing rank would leave)
-    saved = _saved_entries(folder)
+    saved = _saved_entries(folder, together)
     model_state = get_model_state_dict(model)
     expected = {f"model/{k}" for k in model_state}
     present = {k for k in saved if k.startswith("model/")}
     if expected != present or set(record["optimizers"]) != set(assignment.optimizers):
         differ = sorted(expected ^ present) + sorted(set(record["optimizers"]) ^ set(assignment.optimizers))
-        raise ValueError(f"distributed checkpoint {folder!r} was written for another model or strategy "
+        raise ValueError(f"{_dcp_name(folder)} was written for another model or strategy "
                          f"(entries that differ: {', '.join(differ[:6])}{' …' if len(differ) > 6 else ''}); "
                          "resume with the run's original settings")
     for key, value in model_state.items():
         size = tuple(saved[f"model/{key}"].size)
         if size != tuple(value.shape):
-            raise ValueError(f"distributed checkpoint {folder!r}: {key} has shape {size}, this model's "
+            raise ValueError(f"{_dcp_name(folder)}: {key} has shape {size}, this model's "
                              f"{tuple(value.shape)}; resume with the run's original settings")
     names = _parameter_names(model)
     for opt_name, opt in assignment.optimizers.items():
@@ -552,7 +610,7 @@ def load_distributed(folder: str, model, assignment, owned=None, record: dict | 
             if check_loadable is not None:
                 check_loadable({"state": {}, "param_groups": saved_opt["param_groups"]})
         except ValueError as err:
-            raise ValueError(f"distributed checkpoint {folder!r}: {err}") from None
+            raise ValueError(f"{_dcp_name(folder)}: {err}") from None
     templates: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_state.items()}
     wanted = []  # (optimizer, parameter, key, state key)
     for opt_name, opt in assignment.optimizers.items():
@@ -602,15 +660,20 @@ def read_distributed(folder: str, prefix: str = "model/") -> dict[str, torch.Ten
     return {k[len(prefix):]: v for k, v in tensors.items()}
 
 
-def _saved_entries(folder: str) -> dict:
+def _saved_entries(folder: str, together: bool = False) -> dict:
     """The entries DCP's ``.metadata`` of ``folder`` lists (name → tensor or bytes metadata);
-    :class:`DamagedCheckpoint` naming ``folder`` when it cannot be read."""
+    :class:`DamagedCheckpoint` naming ``folder`` when it cannot be read. ``together`` (every rank
+    calls it; collective): the ranks agree on the verdict (a read failing on one rank alone had left
+    the others in DCP's collectives)."""
     import torch.distributed.checkpoint as dcp
 
+    entries = problem = None
     try:
-        return dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        entries = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     except Exception as err:
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} has an unreadable .metadata ({err})") from None
+        problem = f"has an unreadable .metadata ({err})"
+    _refuse_together(folder, problem, together)
+    return entries
 
 
 def _load_tensors(folder: str, tensors: dict[str, torch.Tensor], together: bool) -> None:
@@ -625,7 +688,7 @@ def _load_tensors(folder: str, tensors: dict[str, torch.Tensor], together: bool)
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=not together)
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         cause = str(err).strip().splitlines()[-1]  # DCP's message ends with the rank's error
-        raise DamagedCheckpoint(f"distributed checkpoint {folder!r} could not be read ({cause}); its tensor files "
+        raise DamagedCheckpoint(f"{_dcp_name(folder)} could not be read ({cause}); its tensor files "
                                 "are damaged or missing") from None
 
 

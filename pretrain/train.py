@@ -113,9 +113,9 @@ from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, lo
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
 from geomuon.pretrain.provenance import code_fingerprint, git_commit, machine
-from geomuon.pretrain.parallel import (DamagedCheckpoint, RunWriteError, checked_record, checkpoint_write_error,
-                                      dcp_folder, dcp_folders, load_checked, load_distributed, read_record,
-                                      save_distributed)
+from geomuon.pretrain.parallel import (DCP_FORMAT, DamagedCheckpoint, RunWriteError, agreed, checked_record,
+                                      checkpoint_write_error, dcp_folder, dcp_folders, from_rank_0, load_checked,
+                                      load_distributed, read_record, save_distributed)
 from geomuon.theory.lipschitz import DEFAULT_METHOD, transformer_lipschitz_bound
 
 
@@ -212,14 +212,6 @@ class Distributed:
     def barrier(self):
         if self.enabled:
             dist.barrier()
-
-    def from_main(self, value):
-        """Rank 0's ``value`` on every rank (a picklable object)."""
-        if not self.enabled:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def largest(self, value: int) -> int:
         """The largest ``value`` over the ranks (an all-reduce of one integer)."""
@@ -426,12 +418,24 @@ RUN_CHECKPOINT_KEYS = ("model", "optimizer", "step", "config", "losses", "evals"
 
 def resume_record(out_dir: str) -> tuple[str, dict]:
     """The checkpoint a run in ``out_dir`` resumes from (:func:`checkpoint_to_resume`) and its
-    contents: a distributed checkpoint's plain data, or a single file's tensors and data.
-    ``ValueError`` naming the file when it is damaged or not a geomuon pretrain run's."""
-    path = checkpoint_to_resume(out_dir)
-    if os.path.isdir(path):
-        return path, distributed_record(path)
-    payload = load_checkpoint(path)
+    contents: a distributed checkpoint's plain data (its ``"format"`` is
+    :data:`~geomuon.pretrain.parallel.DCP_FORMAT`), or a single file's tensors and data.
+    ``ValueError`` naming the file when it is damaged or not a geomuon pretrain run's.
+
+    Under torchrun every rank calls it (collective): rank 0 chooses the checkpoint for every rank,
+    and whether it is a folder, and the ranks agree on the verdict of its read, so that all resume
+    from the same checkpoint or raise the same refusal. Each rank had chosen on its own: one whose
+    read of ``ckpt.pt``'s step failed (an I/O error on its machine) compared the times, and went on
+    from another checkpoint or into another collective than the others."""
+    def chosen() -> tuple[str, bool]:
+        path = checkpoint_to_resume(out_dir)
+        return path, os.path.isdir(path)
+
+    together = dist.is_initialized()
+    path, folder = from_rank_0(chosen, together)
+    if folder:
+        return path, distributed_record(path, together)
+    payload = load_checkpoint(path, together)
     missing = [key for key in RUN_CHECKPOINT_KEYS if key not in payload]
     if missing:
         raise ValueError(f"checkpoint {path!r} is not the checkpoint of a geomuon pretrain run (it has no "
@@ -452,31 +456,46 @@ def _first_sentence(err: Exception) -> str:
     return str(err).split(". ")[0].strip() or type(err).__name__
 
 
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path: str, together: bool = False) -> dict:
     """Read a checkpoint; an unreadable one raises ``ValueError`` naming the file and what
     to do: move the previous checkpoint over it when that one loads (it is read to be
-    sure), or start again when neither does."""
-    prev = previous_checkpoint(path)
+    sure), or start again when neither does.
+
+    ``together`` (every rank calls it; collective): every rank reads ``path`` and the ranks agree
+    on the verdict, rank 0 alone reads the previous checkpoint, and every rank raises the same
+    refusal (a read failing on one rank alone had raised there while the others went on into
+    their next collective). Alone, no collective."""
+    payload = problem = None  # problem: (what is wrong, whether the file is missing)
     if not os.path.isfile(path):
-        problem = f"checkpoint {path!r} does not exist"
-        if not os.path.isfile(prev):
-            if run_files(os.path.dirname(path) or "."):  # a log and no checkpoint: killed before its first
-                raise ValueError(f"{problem}: the run in its folder stopped before its first checkpoint; start "
-                                 f"it again with {option_text('overwrite', True)}")
-            raise ValueError(f"{problem}; start without {option_text('resume', True)}")
+        problem = f"checkpoint {path!r} does not exist", True
     else:
         try:
-            return _read_checkpoint(path)
+            payload = _read_checkpoint(path)
         except Exception as err:  # torch raises several types for a damaged zip archive
-            problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})"
+            problem = f"checkpoint {path!r} is truncated or corrupt ({_first_sentence(err)})", False
+    problem = agreed(problem, together)
+    if problem is not None:
+        raise from_rank_0(lambda: _refusal(path, *problem), together)
+    return payload
+
+
+def _refusal(path: str, problem: str, missing: bool) -> ValueError:
+    """The refusal of the checkpoint ``path`` that cannot be read (``problem``; ``missing``: it
+    does not exist) with what to do (:func:`load_checkpoint`)."""
+    prev = previous_checkpoint(path)
     if not os.path.isfile(prev):
-        raise _start_again(problem)
+        if not missing:
+            return _start_again(problem)
+        if run_files(os.path.dirname(path) or "."):  # a log and no checkpoint: killed before its first
+            return ValueError(f"{problem}: the run in its folder stopped before its first checkpoint; start it "
+                              f"again with {option_text('overwrite', True)}")
+        return ValueError(f"{problem}; start without {option_text('resume', True)}")
     try:
         step = _read_checkpoint(prev).get("step", "?")
     except Exception as err:
-        raise _start_again(problem, prev, f"corrupt too ({_first_sentence(err)})") from None
-    raise ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over "
-                     f"{path!r} to resume from it")
+        return _start_again(problem, prev, f"corrupt too ({_first_sentence(err)})")
+    return ValueError(f"{problem}; the previous checkpoint {prev!r} (step {step}) loads: move it over {path!r} to "
+                      "resume from it")
 
 
 def _start_again(problem: str, previous: str | None = None, damage: str = "damaged too") -> ValueError:
@@ -521,12 +540,15 @@ def _checkpoint_step(path: str) -> int | None:
         return None
 
 
-def distributed_record(folder: str) -> dict:
+def distributed_record(folder: str, together: bool) -> dict:
     """The plain data of the distributed checkpoint ``folder``; a damaged one raises
     ``ValueError`` naming it and what to do (resume from the previous folder when that
-    one is complete, or start again)."""
+    one is complete, or start again). ``together`` (under torchrun): every rank reads it and the
+    ranks agree on the verdict (:func:`~geomuon.pretrain.parallel.read_record`): a read failing on one
+    rank alone had sent that rank to check the previous folder while the others went on, and
+    they waited for each other in different collectives."""
     with _previous_offered(folder):
-        return read_record(folder)
+        return read_record(folder, together)
 
 
 @contextlib.contextmanager
@@ -893,24 +915,23 @@ def claimed_by_main(ddp: Distributed, claim: Callable[..., tuple[object, RunFold
                     ) -> tuple[object, RunFolderClaim | None]:
     """Rank 0's ``claim(*args)``, a value and the :class:`RunFolderClaim` rank 0 then holds (or
     ``None``), as ``(value, claim)`` on every rank, the claim ``None`` on the others; the
-    ``ValueError`` it raised, raised on every rank. Rank 0 alone resolves, creates and locks a
+    exception it raised, raised on every rank. Rank 0 alone resolves, creates and locks a
     run's folder (every rank had made a templated folder of its own), and one broadcast
-    (:meth:`Distributed.from_main`) sends the value or the refusal. A claim the broadcast fails
+    (:func:`~geomuon.pretrain.parallel.from_rank_0`) sends the value or the refusal. A claim the broadcast fails
     after is released before the error is raised: the caller never received it."""
-    value = held = None
-    if ddp.main:
-        try:
-            value, held = claim(*args)
-        except ValueError as err:
-            value = err
+    held = None
+
+    def claimed():
+        nonlocal held
+        value, held = claim(*args)
+        return value
+
     try:
-        value = ddp.from_main(value)
+        value = from_rank_0(claimed, ddp.enabled)
     except BaseException:
         if held is not None:
             held.release()
         raise
-    if isinstance(value, ValueError):
-        raise value
     return value, held
 
 
@@ -1073,7 +1094,9 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
         if cfg.resume:
             resume_from, payload = resume_record(cfg.out_dir)
             check_same_run(payload, cfg, data)
-            if not os.path.isdir(resume_from):  # a distributed checkpoint loads into the parallelized model, below
+            # (rank 0's verdict: a rank whose stat failed had taken the other branch)
+            distributed = payload.get("format") == DCP_FORMAT
+            if not distributed:  # a distributed checkpoint loads into the parallelized model, below
                 try:
                     model.load_state_dict(payload["model"])
                 except RuntimeError as err:  # tensors of another model code (its config matched)
@@ -1103,7 +1126,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
 
     parallel = parallelize(model, assignment, cfg, ddp)
     if on_disk and cfg.resume:
-        if os.path.isdir(resume_from):
+        if distributed:
             with _previous_offered(resume_from):  # the previous folder may be complete (other settings: none is)
                 load_distributed(resume_from, model, assignment, parallel.owned, payload)
         say(resumed)

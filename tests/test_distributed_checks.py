@@ -154,6 +154,24 @@ class CopiedChecksMuon(ManifoldMuon):
         return copy.copy(super()._pending_checks(group, params))
 
 
+class UnpairedChecksMuon(Muon):
+    """Muon that answers ``_pending_checks`` (so it checks weights) but defines no ``_add_checks``."""
+
+    def _pending_checks(self, group, params):
+        return [False] * len(params)
+
+
+class ShortChecksMuon(Muon):
+    """Muon whose ``_pending_checks`` answers one flag fewer than the parameters it was given (its
+    ``_add_checks`` defined, checking nothing: only the length is out of contract)."""
+
+    def _pending_checks(self, group, params):
+        return [False] * (len(params) - 1)
+
+    def _add_checks(self, group, params):
+        pass
+
+
 def _stiefel_muon(params, opt_class=ManifoldMuon) -> ManifoldMuon:
     """ManifoldMuon (or ``opt_class``) on Stiefel over the two matrices ``a``, ``b``, its dual
     iterations in the points' dtype (``compute_dtype=None``: no bf16 rounding between the compared steps)."""
@@ -272,6 +290,25 @@ def worker(out_dir: str) -> None:
 
     results["appended_off_manifold"] = _outcome(lambda: appended(2.0))
     results["appended_on_manifold"] = _outcome(lambda: appended(1.0))
+
+    # an optimizer's weight-check hooks out of contract (_pending_checks without _add_checks: a rank
+    # would check alone the weights it wants checked; an answer of the wrong length: its flags paired
+    # with other weights): refused by name on every rank, before any weight moves, an earlier group's
+    # included (the refusals had come once earlier groups had stepped)
+    def hooked(case, opt_class):
+        first = torch.nn.Parameter(torch.ones(3, 3, dtype=torch.float64))
+        first.grad = torch.ones_like(first)
+        params = [sharded(w) for w in _points()]
+        opt = opt_class([dict(params=[first], update="adamw", param_names=["first"]),
+                         dict(params=params, param_names=["a", "b"])],
+                        lr=0.02, compute_dtype=None)
+        before = [first.detach().clone(), *whole(params)]
+        results[f"hooks:{case}"] = _outcome(lambda: step(opt, params, _gradients()))
+        after = [first.detach(), *whole(params)]
+        results[f"hooks:{case}:moved"] = [not torch.equal(x, y) for x, y in zip(before, after)]
+
+    hooked("unpaired", UnpairedChecksMuon)
+    hooked("short", ShortChecksMuon)
     save()
 
     # D3: save_distributed on a sub-mesh, where a rank's number is not its global one: global
@@ -630,6 +667,21 @@ def worker(out_dir: str) -> None:
 
     results["plain_gradient_on_one_rank"] = _outcome(plain_gradient_on_one_rank)
     save()
+
+    # a Shard(1) weight w0 (a placement the step refuses) beside a Shard(0) w1, w0's gradient on
+    # rank 0 only: rank 0 had refused w0's placement while rank 1 compared the options alone until
+    # the process group's timeout (so this runs last)
+    def placement_gradient_on_one_rank():
+        params = [sharded(a, Shard(1)), sharded(b)]
+        opt = grouped(params)
+        for p, g in zip(params, _gradients()):  # (distribute_tensor is collective: on every rank)
+            p.grad = distribute_tensor(g, mesh, p.placements)
+        if rank == 1:
+            params[0].grad = None
+        opt.step()
+
+    results["placement_gradient_on_one_rank"] = _outcome(placement_gradient_on_one_rank)
+    save()
     try:  # every rank past its last collective before any tears the group down (gloo aborts a peer)
         dist.barrier()
         dist.destroy_process_group()
@@ -667,10 +719,10 @@ def runs(tmp_path_factory):
     return ranks, out
 
 
-def _refused_by_name(ranks, case: str, *words: str) -> None:
+def _refused_by_name(ranks, case: str, *words: str, error: str = "ValueError") -> None:
     for r, results in enumerate(ranks):
         outcome = results[case]
-        assert outcome.get("error") == "ValueError", (r, case, outcome)
+        assert outcome.get("error") == error, (r, case, outcome)
         for word in words:
             assert word in outcome["message"], (r, case, word, outcome["message"])
         assert outcome["seconds"] < PG_TIMEOUT / 2, (r, case, outcome)
@@ -1168,9 +1220,31 @@ def test_an_override_of_pending_checks_answering_with_a_copy_keeps_every_rank_ch
         _refused_off_their_manifold(r, results.get("loaded_on_one_rank:copied_checks"))
 
 
+@pytest.mark.parametrize("case, error, words", [
+    ("unpaired", "NotImplementedError", ("UnpairedChecksMuon overrides _pending_checks", "define _add_checks(group")),
+    ("short", "ValueError", ("ShortChecksMuon._pending_checks answered 1 flags for the 2 sharded parameters",
+                             "one per parameter, in order"))])
+def test_weight_check_hooks_out_of_contract_are_refused_by_name_on_every_rank(runs, case, error, words):
+    # _pending_checks without _add_checks: a rank would have checked alone the weights it wants
+    # checked (the others gathering nothing); an answer of the wrong length: zip had paired flags
+    # with other weights. Both refused on every rank, quickly (no rank left in a collective), and
+    # no weight moved, not even the earlier AdamW group's (refused in the step, it had stepped)
+    ranks, _ = runs
+    _refused_by_name(ranks, f"hooks:{case}", *words, error=error)
+    assert [results[f"hooks:{case}:moved"] for results in ranks] == [[False, False, False]] * len(ranks)
+
+
 def test_a_plain_gradient_on_one_rank_beside_a_sharded_parameter_is_refused_by_name_on_every_rank(runs):
     # rank 1, without w1's gradient, had not refused the group: it waited in the options'
     # all-reduce until the process group's timeout. The refusal is decided by requires_grad now
     ranks, _ = runs
     _refused_by_name(ranks, "plain_gradient_on_one_rank", "'w0' is a DTensor", "'w1' a plain tensor",
                      "param group of their own")
+
+
+def test_a_sharded_weight_placed_otherwise_is_refused_by_name_on_every_rank_whichever_has_its_gradient(runs):
+    # w0 Shard(1), its gradient on rank 0 only: rank 0 refused its placement, rank 1 (without that
+    # gradient) waited in the options' all-reduce until the process group's timeout. A parameter's
+    # placement is the model's, the same on every rank: refused there whether it has a gradient or not
+    ranks, _ = runs
+    _refused_by_name(ranks, "placement_gradient_on_one_rank", "parameter 'w0'", "Shard(dim=1)", "Shard(0)")

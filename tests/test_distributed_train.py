@@ -382,13 +382,27 @@ def test_a_damaged_byte_in_a_tensor_file_is_refused_and_the_previous_checkpoint_
     assert identical(read_distributed(folder, ""), intact)
 
 
+def _resume_with(patch: str, after: str = "") -> str:
+    """The script of each rank: ``patch`` (code run first, with ``parallel``, ``os`` and ``sys``
+    imported), a resume of the run (``TrainConfig(**argv[1])``), how the resume ended ("resumed",
+    or "refused: <message>"), then ``after``."""
+    return textwrap.dedent("""
+        import os, sys, torch
+        torch.set_num_threads(1)
+        from geomuon.pretrain import parallel
+        from geomuon.pretrain.train import TrainConfig, train
+    """) + textwrap.dedent(patch) + textwrap.dedent("""
+        try:
+            train(TrainConfig(**eval(sys.argv[1])))
+            print("resumed", flush=True)
+        except ValueError as err:
+            print(f"refused: {err}", flush=True)
+    """) + textwrap.dedent(after) + "os._exit(0)\n"
+
+
 # Each rank: a resume of the run, then the files of the folder argv[2] that it summed (file_sum: the
 # sizes and CRC-32s a load checks) and how the resume ended.
-SUMMED = textwrap.dedent("""
-    import os, sys, torch
-    torch.set_num_threads(1)
-    from geomuon.pretrain import parallel
-    from geomuon.pretrain.train import TrainConfig, train
+SUMMED = _resume_with("""
     folder, summed, plain = sys.argv[2], [], parallel.file_sum
 
     def file_sum(path):
@@ -397,13 +411,8 @@ SUMMED = textwrap.dedent("""
         return plain(path)
 
     parallel.file_sum = file_sum
-    try:
-        train(TrainConfig(**eval(sys.argv[1])))
-        print("resumed", flush=True)
-    except ValueError as err:
-        print(f"refused: {err}", flush=True)
+""", after="""
     print(f"summed {sorted(summed)!r}", flush=True)
-    os._exit(0)
 """)
 
 
@@ -441,8 +450,11 @@ def test_each_rank_checks_its_share_of_a_checkpoint_and_every_rank_refuses_a_dam
     assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
 
 
-def _refusals(outputs: list[str]) -> list[str]:
-    return [re.search(r"refused: .*", out).group(0) for out in outputs]
+def _agreed_refusal(outputs: list[str]) -> str:
+    """The refusal every rank printed ("refused: ..."), asserted the same on every rank."""
+    refusals = [re.search(r"refused: .*", out).group(0) for out in outputs]
+    assert len(set(refusals)) == 1, refusals
+    return refusals[0]
 
 
 def test_the_previous_checkpoint_a_refusal_offers_is_checked_in_shares_and_every_rank_refuses_alike(runs, tmp_path):
@@ -454,10 +466,9 @@ def test_the_previous_checkpoint_a_refusal_offers_is_checked_in_shares_and_every
     shard = os.path.join(folder, "__0_0.distcp")
     _flip_byte(shard)  # refused by the load of the newest folder
     outputs = finished(spawn(2, SUMMED, cfg, previous))
-    refusals, shares = _refusals(outputs), [_summed(out) for out in outputs]
-    assert refusals[0] == refusals[1], refusals
+    refused, shares = _agreed_refusal(outputs), [_summed(out) for out in outputs]
     assert re.search(f"{re.escape(folder)}' has a __0_0.distcp that fails its CRC-32 check .*; the previous "
-                     f"checkpoint {re.escape(repr(previous))} \\(step {HALF}\\) is complete", refusals[0]), refusals
+                     f"checkpoint {re.escape(repr(previous))} \\(step {HALF}\\) is complete", refused), refused
     # every listed file of the previous folder read once, by one rank
     assert sorted(shares[0] + shares[1]) == listed and all(shares), shares
     # the newest record gone (refused as it is read, before the load) and the previous folder damaged in
@@ -466,12 +477,180 @@ def test_the_previous_checkpoint_a_refusal_offers_is_checked_in_shares_and_every
     (theirs,) = set(shares[1]) - {".metadata"}
     _flip_byte(os.path.join(previous, theirs))
     outputs = finished(spawn(2, SUMMED, cfg, previous))
-    refusals = _refusals(outputs)
-    assert refusals[0] == refusals[1], refusals
+    refused = _agreed_refusal(outputs)
     assert re.search(f"{re.escape(folder)}' has no run.pt; the previous checkpoint {re.escape(repr(previous))} is "
-                     "damaged too", refusals[0]), refusals
+                     "damaged too", refused), refused
     assert [_summed(out) for out in outputs] == shares, outputs
     assert [s for s, _ in dcp_folders(str(run))] == [HALF, STEPS]  # nothing trained, nothing removed
+
+
+# Each rank: a resume of the run in which rank 1 alone cannot read the record (run.pt) of the folder
+# argv[2], or its .metadata when argv[3] says so (an I/O error on its machine), then how the resume ended.
+UNREADABLE_ON_RANK_1 = _resume_with("""
+    from torch.distributed.checkpoint import FileSystemReader
+    folder, what = sys.argv[2], sys.argv[3]
+    unreadable, plain, plain_metadata = os.path.join(folder, "run.pt"), parallel.load_checked, \
+        FileSystemReader.read_metadata
+
+    def failing_on_rank_1():
+        if os.environ["RANK"] == "1":
+            raise OSError(5, "Input/output error")
+
+    def load_checked(path):
+        if path == unreadable and what == "run.pt":
+            failing_on_rank_1()
+        return plain(path)
+
+    def read_metadata(reader):
+        if os.fspath(reader.path) == folder and what == ".metadata":
+            failing_on_rank_1()
+        return plain_metadata(reader)
+
+    parallel.load_checked, FileSystemReader.read_metadata = load_checked, read_metadata
+""")
+
+
+@pytest.mark.parametrize("unreadable", ["newest", "previous", "newest .metadata"])
+def test_a_record_only_one_rank_cannot_read_is_refused_alike_by_every_rank(runs, tmp_path, unreadable):
+    # the rank whose read of run.pt failed raised (newest: it went on to check the previous folder)
+    # while the other went on into its next collective: newest, both waited until killed; previous,
+    # rank 0 died of gloo's "Connection reset by peer"; the load's read of .metadata likewise left the
+    # other rank in DCP's collectives. Both reads are now part of the agreed verdict.
+    run, cfg = _fsdp_resume(runs, tmp_path)
+    (_, previous), (_, folder) = dcp_folders(str(run))
+    offered = f"the previous checkpoint {re.escape(repr(previous))} \\(step {HALF}\\) is complete"
+    what = ".metadata" if unreadable.endswith(".metadata") else "run.pt"
+    if unreadable == "newest":
+        failing, refused = folder, f"has an unreadable run.pt \\(\\[Errno 5\\] Input/output error\\); {offered}"
+    elif unreadable == "previous":  # the newest refused on every rank; rank 1 cannot read the previous one's record
+        os.remove(os.path.join(folder, "run.pt"))
+        failing = previous
+        refused = f"has no run.pt; the previous checkpoint {re.escape(repr(previous))} is damaged too"
+    else:
+        failing, refused = folder, f"has an unreadable .metadata \\(\\[Errno 5\\] Input/output error\\); {offered}"
+    # a rank left waiting is killed at the timeout, and the test fails
+    agreed = _agreed_refusal(finished(spawn(2, UNREADABLE_ON_RANK_1, cfg, failing, what)))
+    assert re.search(f"refused: distributed checkpoint {re.escape(repr(folder))} {refused}", agreed), agreed
+    # negative control: no rank failing to read, the newest folder loads (newest) or the previous is offered
+    outputs = finished(spawn(2, UNREADABLE_ON_RANK_1, cfg, str(tmp_path / "none"), what))
+    assert all(("resumed" in out) if unreadable != "previous" else re.search(offered, out) for out in outputs), outputs
+
+
+# Each rank: a resume of the run in which rank 1 alone cannot read the single-file checkpoint argv[2]
+# (an I/O error on its machine: neither its step nor the whole file), how the resume ended, then how
+# many times this rank read the previous checkpoint (ckpt.prev.pt).
+CKPT_UNREADABLE_ON_RANK_1 = _resume_with("""
+    unreadable, plain, previous = sys.argv[2], torch.load, []
+
+    def load(f, *args, **kwargs):
+        if f == unreadable and os.environ["RANK"] == "1":
+            raise OSError(5, "Input/output error")
+        if str(f).endswith("ckpt.prev.pt"):
+            previous.append(f)
+        return plain(f, *args, **kwargs)
+
+    torch.load = load
+""", after="""
+    print(f"previous read {len(previous)} times", flush=True)
+""")
+
+
+@pytest.mark.parametrize("folder_touched", [False, True])
+def test_a_ckpt_pt_only_one_rank_cannot_read_is_refused_alike_by_every_rank(runs, tmp_path, folder_touched):
+    # every rank chose the checkpoint and read it on its own. Rank 1, unable to read ckpt.pt's step,
+    # compared it by time: with the older folder touched after it, it chose that folder and waited in
+    # the record's collective while rank 0 loaded ckpt.pt (step 12), until killed; with the folder
+    # untouched, it raised the refusal alone and rank 0 died of gloo's "Connection closed by peer".
+    # Rank 0 now chooses for every rank, the ranks agree on the verdict, and rank 0 alone reads the
+    # previous checkpoint the refusal offers.
+    run = halfway(runs / "fsdp", tmp_path / "run")
+    train(config(run, resume=True))  # one process: ckpt.pt at step STEPS, beside dcp-step HALF
+    ckpt = os.path.join(run, "ckpt.pt")
+    shutil.copy(ckpt, os.path.join(run, "ckpt.prev.pt"))
+    if folder_touched:
+        _touch(last(run))
+    cfg = config(run, parallel="fsdp", resume=True, stop_after=STEPS)  # the load alone
+    # a rank left waiting is killed at the timeout, and the test fails
+    outputs = finished(spawn(2, CKPT_UNREADABLE_ON_RANK_1, cfg, ckpt))
+    refused = _agreed_refusal(outputs)
+    assert re.search(f"refused: checkpoint {re.escape(repr(ckpt))} is truncated or corrupt \\(\\[Errno 5\\] "
+                     f"Input/output error\\); the previous checkpoint .*ckpt.prev.pt' \\(step {STEPS}\\) loads",
+                     refused), refused
+    assert ["previous read 1 times" in outputs[0], "previous read 0 times" in outputs[1]] == [True, True], outputs
+    # negative control: no rank failing to read, both ranks resume from ckpt.pt
+    outputs = finished(spawn(2, CKPT_UNREADABLE_ON_RANK_1, cfg, str(tmp_path / "none")))
+    assert all("resumed" in out for out in outputs) and f"resumed from {ckpt} at step {STEPS}" in outputs[0], outputs
+
+
+# Each rank: from_rank_0 of a value, an exception, a result that cannot be pickled and an exception
+# that cannot be unpickled, each outcome printed as "case: value" or "case: Type: message".
+FROM_RANK_0 = textwrap.dedent("""
+    import os, threading, torch.distributed as dist
+    from geomuon.pretrain.parallel import from_rank_0
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    class TwoArguments(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    def value():
+        return {"path": "ckpt.pt", "rank": rank}
+
+    def refused():
+        raise ValueError(f"refused on rank {rank}")
+
+    def lock():
+        return threading.Lock()
+
+    def two_arguments():
+        raise TwoArguments(1, 2)
+
+    for case, fn in (("value", value), ("refused", refused), ("lock", lock), ("two_arguments", two_arguments)):
+        try:
+            print(f"{case}: {from_rank_0(fn, True)}", flush=True)
+        except Exception as err:
+            print(f"{case}: {type(err).__name__}: {err}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_from_rank_0_gives_every_rank_rank_0s_value_or_refusal(tmp_path):
+    # rank 0 alone computes; every rank returns its value or raises its exception. A result that
+    # cannot be pickled had raised pickle's TypeError on rank 0 alone, before the broadcast the other
+    # ranks then waited in until the process group's timeout (the test's join fails on such a wait)
+    ranks = [out.splitlines() for out in finished(spawn(2, FROM_RANK_0, config(tmp_path)))]
+    for lines in ranks:
+        assert "value: {'path': 'ckpt.pt', 'rank': 0}" in lines  # rank 0's, not this rank's
+        assert "refused: ValueError: refused on rank 0" in lines
+        assert any(line.startswith("lock: RuntimeError: rank 0's result cannot be sent to the other ranks (")
+                   for line in lines), lines
+    assert "two_arguments: TwoArguments: 1/2" in ranks[0]  # rank 0 raises its own
+    assert any(line.startswith("two_arguments: RuntimeError: rank 0's result cannot be read on this rank (")
+               for line in ranks[1]), ranks[1]
+
+
+# Each rank: a resume of the run in which rank 1 alone cannot stat the folder argv[2] (os.path.isdir
+# answers False there), then how the resume ended.
+FOLDER_UNSEEN_ON_RANK_1 = _resume_with("""
+    unseen, plain = sys.argv[2], os.path.isdir
+
+    def isdir(path):
+        return False if os.fspath(path) == unseen and os.environ["RANK"] == "1" else plain(path)
+
+    os.path.isdir = isdir
+""")
+
+
+def test_every_rank_resumes_from_the_folder_rank_0_chose(runs, tmp_path):
+    # rank 0 chose the checkpoint, yet each rank asked on its own whether it is a folder: rank 1,
+    # whose stat failed, read it as a single file and paired its collectives with rank 0's others
+    # (rank 0 refused, rank 1 waited until killed). Rank 0 now says both
+    run, cfg = _fsdp_resume(runs, tmp_path)
+    newest = last(run)
+    outputs = finished(spawn(2, FOLDER_UNSEEN_ON_RANK_1, cfg, newest))
+    assert all("resumed" in out for out in outputs) and f"resumed from {newest} at step {STEPS}" in outputs[0], outputs
 
 
 def test_a_resume_reads_the_record_of_its_distributed_checkpoint_once(runs, tmp_path, monkeypatch):
@@ -608,9 +787,11 @@ def test_a_folder_rank_0_claimed_is_released_when_its_broadcast_fails(tmp_path, 
     # rank 0 claims the folder (creates and locks it), then broadcasts it to the other ranks: a broadcast
     # that fails (a peer gone) must not leave this process holding the lock, nor an empty folder behind
     from geomuon.pretrain import compare
-    from geomuon.pretrain.train import Distributed, RunFolderClaim
+    from geomuon.pretrain import train as training
+    from geomuon.pretrain.train import RunFolderClaim
 
-    def broadcast(self, value):
+    def broadcast(value, together):
+        value()  # rank 0's claim, then a broadcast that fails
         raise RuntimeError("a peer is gone")
 
     def run(out_dir):
@@ -618,7 +799,7 @@ def test_a_folder_rank_0_claimed_is_released_when_its_broadcast_fails(tmp_path, 
         with pytest.raises(RuntimeError, match="a peer is gone"):
             train(cfg) if command == "train" else compare.compare(cfg, ["adamw"], [0])
 
-    monkeypatch.setattr(Distributed, "from_main", broadcast)
+    monkeypatch.setattr(training, "from_rank_0", broadcast)
     run(tmp_path / "cmp-{time}")
     assert os.listdir(tmp_path) == []  # the fresh folder the template gave, removed again
     os.mkdir(tmp_path / "run")

@@ -463,3 +463,26 @@ def test_a_muon_with_aux_adam_group_is_refused_and_its_translation_steps():
     torch.testing.assert_close(head.detach(), twin.detach(), rtol=0,
                                atol=4 * torch.finfo(torch.float32).eps * head.detach().abs().max().item())
     assert "exp_avg" in opt.state[head] and "momentum_buffer" not in opt.state[head]
+
+
+@pytest.mark.parametrize("dtype, entry, momentum", [(torch.float32, 3.4e38, 0.0), (torch.float32, 3.4e38, 5e-4),
+                                                    (torch.float64, 1e300, 0.95)])
+def test_a_skipped_matrix_whose_momentum_leaves_bf16s_range_keeps_its_weights(dtype, entry, momentum):
+    # A finite gradient entry whose square overflows (3.4e38 in fp32, 1e300 in fp64) overflows the
+    # Frobenius norm, so the step is skipped (its momentum must enter the map as exactly 0). Its
+    # Nesterov momentum (1 - mu) G + mu B then lies above bf16's largest finite number (3.39e38):
+    # in fp32 with momentum < 0.002, in fp64 at the default 0.95. Rounded into the bf16 stack
+    # before the skip's 0 mask, it had become inf and 0 * inf = NaN, which the update then wrote
+    # into the weights it was to leave alone.
+    # Control: that momentum, formed in the weights' dtype as the step forms it, is inf once in bf16.
+    p = torch.nn.Parameter(torch.eye(4, 3, dtype=dtype))
+    p.grad = torch.zeros(4, 3, dtype=dtype)
+    p.grad[0, 0] = entry
+    assert torch.isfinite(p.grad).all()
+    opt = Muon([{"params": [("w", p)]}], lr=0.02, momentum=momentum)  # Nesterov, bf16 Newton-Schulz: the defaults
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="overflows.*'w'"):
+        assert opt.check_finite() == {"'w'": 1}
+    assert torch.equal(p.detach(), torch.eye(4, 3, dtype=dtype))
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros(4, 3, dtype=dtype))
+    assert torch.isinf(torch.tensor(entry, dtype=dtype).lerp(torch.tensor(0.0, dtype=dtype), momentum).bfloat16())

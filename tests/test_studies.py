@@ -912,10 +912,16 @@ def test_a_sweeps_configuration_says_what_it_sweeps(tiny_sweep, run_once, tmp_pa
     assert common.main(tiny_sweep, [*argv, "--out", str(tmp_path / "out")]) == 0
     sentence, config = _configuration((tmp_path / "out" / "tiny-sweep.md").read_text())
     size = tiny_sweep.SIZES["tiny"]
+    # one text of the grid's seeds: the block's, the --seeds help's and the refusal of other seeds' (the
+    # three had each been written out, in three wordings)
+    seeds = "0,1 per point, 0,1,2 at each arm's best point"
+    assert f"tiny: {seeds} (leave --seeds out)" in tiny_sweep.SEEDS_HELP
+    with pytest.raises(ValueError, match=re.escape(f"--seeds: a sweep's seeds are its grid's ({seeds}); drop")):
+        tiny_sweep.run(tiny_sweep, dataclasses.replace(size, seeds=(5,)), str(DATA), tmp_path / "refused", 1, 1, False)
     assert sentence.startswith("Every run uses these settings except those the sweep sets per run (seeds, lr, "
                                "adamw_lr: described in place of a value")
     assert config == {"size": "tiny", **dataclasses.asdict(size), **{
-        "seeds": "the grid's: 0,1 at every point, 0,1,2 at each arm's best point",
+        "seeds": f"the grid's: {seeds}",
         "lr": "swept for muon: 3 rates spaced ×2 around 0.02, at most 1 more beyond an edge; 0.02 for the other arms",
         "adamw_lr": "swept for adamw: 3 rates spaced ×2 around 0.003, at most 1 more beyond an edge; 0.003 for the "
                     "other arms"}}
@@ -1048,6 +1054,21 @@ def test_the_long_arms_run_at_the_rates_their_published_sweep_found():
     assert {v.name: v.hyper["lr"] for v in long_arms_study.variants(size)} == best
 
 
+def test_the_view_of_a_sweep_without_runs_of_an_arm_names_the_arm():
+    """:meth:`LearningRateSweep.arm_sweeps` of results holding no run of an arm on its grid names
+    the arm (it had failed with min()'s "arg is an empty sequence", which ``--rates-from`` had
+    guarded against by building every grid point a second time). Control: the published results
+    give every arm its view."""
+    published = common.read_results(ROOT / "docs" / "results" / manifolds_study.SWEEP.NAME)
+    size = common.size_from(manifolds_study.SWEEP, published["size"])
+    runs = {name: records for name, records in published["runs"].items() if not name.startswith("hetero @ ")}
+    with pytest.raises(ValueError, match=re.escape("the results hold no runs of arm 'hetero' on the manifolds-sweep "
+                                                   "grid")):
+        manifolds_study.SWEEP.arm_sweeps(runs, size)
+    assert [a.arm.name for a in manifolds_study.SWEEP.arm_sweeps(runs, size, ["unconstrained"])] == ["unconstrained"]
+    assert len(manifolds_study.SWEEP.arm_sweeps(published["runs"], size)) == len(manifolds_study.SWEEP.variants(size))
+
+
 def _sweep_results(tmp_path: Path, name: str, edit) -> str:
     """The published manifolds-sweep results, changed by ``edit(payload)``, written as ``name``."""
     from geomuon.pretrain.train import spell_nonfinite
@@ -1108,8 +1129,9 @@ def test_the_long_arms_take_their_rates_from_a_rerun_sweep(tmp_path, capsys, mon
     for path, message in ((tmp_path / "notes.txt", "cannot be read as a study's results (Not a gzipped file"),
                           (tmp_path / "missing.json.gz", "cannot be read as a study's results ([Errno 2]"),
                           (other, "the results of study 'manifolds-long-arms', not of manifolds-sweep"),
-                          (no_hetero, "the sweep has no runs of arm 'hetero'"),
-                          (off_grid, "the sweep has no runs of arm 'hetero' on its"),  # (had been "min() arg is an empty sequence")
+                          (no_hetero, "the results hold no runs of arm 'hetero' on the manifolds-sweep grid at size"),
+                          # (had been "min() arg is an empty sequence")
+                          (off_grid, "the results hold no runs of arm 'hetero' on the manifolds-sweep grid at size"),
                           (listed_size, "a sweep at size [")):  # (had been a TypeError: unhashable type)
         assert common.main(long_arms_study, [*argv, "--rates-from", str(path)]) == 2
         assert f"--rates-from {path}: {message}" in capsys.readouterr().err

@@ -115,10 +115,9 @@ class ReferenceManifoldMuon(ManifoldMuon):
             converged = converged | (_rms(H) < 1e-6).all()
             lam = torch.where(converged, lam, lam - self.reference_alpha * (1 - k / K) * H)
         # ManifoldMuon's batches return new points: decay, then the manifold's own retr (a
-        # skipped matrix keeps its old one).
+        # skipped matrix keeps its old one: ManifoldMuon._apply selects it).
         lr = float(group["lr"])
-        point = manifold.retr(W * (1.0 - lr * float(group["weight_decay"])), -lr * A)
-        return point if keep is None else torch.where(keep.reshape(-1, *(1,) * (W.dim() - 1)), point, W)
+        return manifold.retr(W * (1.0 - lr * float(group["weight_decay"])), -lr * A)
 
 
 # ----------------------------------------------------------------------------- variants

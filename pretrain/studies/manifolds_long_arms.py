@@ -29,7 +29,6 @@ import types
 
 from . import common, manifolds, manifolds_long
 from .common import Size, Variant
-from .sweep import point
 
 NAME = "manifolds-long-arms"
 TITLE = "The seed-000 arms at the longer standard configuration (1000 steps, 4 × 128)"
@@ -99,13 +98,10 @@ def rates_from(path: str) -> tuple[dict[str, float], int]:
         raise ValueError(f"--rates-from {path}: a sweep at size {payload.get('size')!r}, none of "
                          f"{sorted(sweep.SIZES)}; {what}")
     size, runs = sweep.SIZES[payload["size"]], payload.get("runs") or {}
-    g = sweep.grid(size)
-    for arm in sweep.variants(size):  # (only the arms this study trains are needed)
-        if arm.name in TUNED_LR and not any(point(arm, size, g, k).name in runs for k in range(-g.reach, g.reach + 1)):
-            raise ValueError(f"--rates-from {path}: the sweep has no runs of arm {arm.name!r} on its "
-                             f"{payload['size']} grid; {what}")
-    try:
+    try:  # (only the arms this study trains are needed)
         found = {a.arm.name: a.rate(a.best) for a in sweep.arm_sweeps(runs, size, TUNED_LR)}
+    except ValueError as err:  # what the view refuses: an arm without runs on the grid
+        raise ValueError(f"--rates-from {path}: {err} at size {payload['size']!r}; {what}") from None
     except (KeyError, TypeError) as err:  # a grid point or seed missing
         raise ValueError(f"--rates-from {path}: an incomplete {sweep.NAME} result (no {err}); {what}") from None
     return {name: found[name] for name in TUNED_LR}, size.steps

@@ -67,6 +67,12 @@ class Grid:
         if not set(self.seeds) <= set(self.best_seeds):
             raise ValueError(f"Grid: best_seeds {self.best_seeds} must contain the grid's seeds {self.seeds}")
 
+    def seeds_text(self) -> str:
+        """The grid's seeds in words, ``"0,1 per point, 0,1,2 at each arm's best point"``: one text for a
+        sweep's ``--seeds`` help, its page's Configuration block and its refusal of other seeds."""
+        return (f"{','.join(map(str, self.seeds))} per point, {','.join(map(str, self.best_seeds))} at each "
+                "arm's best point")
+
     @property
     def reach(self) -> int:
         """The farthest grid step from the default a sweep can reach, edges extended included."""
@@ -160,8 +166,7 @@ class LearningRateSweep:
         self.comparisons, self.grids, self.note = comparisons, grids, note
         #: ``--help`` of ``--seeds``: :meth:`run` takes no seeds but its grid's
         self.SEEDS_HELP = "not for a sweep, which trains its grid's seeds: " + "; ".join(
-            f"{name}: {','.join(map(str, g.seeds))} per point, {','.join(map(str, g.best_seeds))} at the best"
-            for name, g in grids.items()) + " (leave --seeds out)"
+            f"{name}: {g.seeds_text()}" for name, g in grids.items()) + " (leave --seeds out)"
         self.__doc__ = f"Learning-rate sweep of the {base.NAME} study."
 
     def grid(self, size: Size) -> Grid:
@@ -177,8 +182,7 @@ class LearningRateSweep:
         the grid and the arms that sweep it (:func:`geomuon.pretrain.studies.common.write_page`)."""
         g = self.grid(size)
         arms = self.variants(size)
-        settings = {"seeds": f"the grid's: {','.join(map(str, g.seeds))} at every point, "
-                             f"{','.join(map(str, g.best_seeds))} at each arm's best point"}
+        settings = {"seeds": f"the grid's: {g.seeds_text()}"}
         for parameter in ("lr", "adamw_lr"):
             swept = [arm for arm in arms if swept_parameter(arm) == parameter]
             if swept:
@@ -233,8 +237,7 @@ class LearningRateSweep:
         number read back)``; a point lists its grid seeds, the best point its best seeds."""
         g = self.grid(size)
         if size.seeds not in {known.seeds for known in self.SIZES.values()}:
-            raise ValueError(f"--seeds: a sweep's seeds are its grid's ({g.seeds} per point, {g.best_seeds} at "
-                             "the best point); drop --seeds")
+            raise ValueError(f"--seeds: a sweep's seeds are its grid's ({g.seeds_text()}); drop --seeds")
         self.check(size)
         read_back = 0
 
@@ -280,7 +283,8 @@ class LearningRateSweep:
 
     def arm_sweeps(self, results: dict[str, list[dict]], size: Size, arms=None) -> list[ArmSweep]:
         """The per-arm view of ``results`` (as :meth:`run` returns them), for the page; ``arms``:
-        the names of the arms to view (default: every arm)."""
+        the names of the arms to view (default: every arm). ``ValueError`` naming an arm that
+        ``results`` hold no run of on the grid."""
         g = self.grid(size)
         reach = g.reach
         found = []
@@ -289,6 +293,8 @@ class LearningRateSweep:
                 continue
             points = {k: point(arm, size, g, k) for k in range(-reach, reach + 1)}
             points = {k: v for k, v in points.items() if v.name in results}
+            if not points:  # (had been min()'s "arg is an empty sequence")
+                raise ValueError(f"the results hold no runs of arm {arm.name!r} on the {self.NAME} grid")
             records = {(v.name, r["seed"]): r for v in points.values() for r in results[v.name]}
             scores = {k: _score([records[(v.name, s)] for s in g.seeds]) for k, v in points.items()}
             found.append(ArmSweep(arm, swept_parameter(arm), points, records, best_exponent(list(points), scores)))
