@@ -10,7 +10,8 @@ writes one report, ``DIR/device_check.md``:
    (``torch.cuda.set_sync_debug_mode("warn")``), on the CPU every read of a tensor's value
    into Python (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``), the
    tests' stand-in. The matrix work must read nothing (the tests hold the CPU path to it);
-   the whole step's count shows whether anything around it does (0 on the CPU).
+   the whole step's count (the matrix work's included) shows whether anything around it does
+   (0 on the CPU).
 2. **Step time**: :mod:`bench.optimizer_step` on the same device, on the default set and on
    one GPT-2-small block, with the device's bf16/fp32 rate in the header
    (``DIR/optimizer_step*.md``).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import subprocess
 import sys
 import warnings
@@ -87,8 +89,13 @@ def host_reads(device: str, shapes: list[tuple[int, int]]) -> list[list[str]]:
         matrix_step = opt._matrix_step
 
         def counted_matrix_step(*args, **kwargs):
-            with counting_host_reads(device, inner):
-                return matrix_step(*args, **kwargs)
+            found = [0]
+            with counting_host_reads(device, found):
+                result = matrix_step(*args, **kwargs)
+            inner[0] += found[0]
+            if torch.device(device).type == "cuda":  # the whole step's count too: on CUDA this context
+                whole[0] += found[0]  # recorded the syncs' warnings, which the step's never saw (the CPU chains both)
+            return result
 
         for step in range(3):
             for p, g in zip(params, grads):
@@ -104,16 +111,32 @@ def host_reads(device: str, shapes: list[tuple[int, int]]) -> list[list[str]]:
     return rows
 
 
+def device_for_pretrain(device: str) -> tuple[str, dict[str, str]]:
+    """``geomuon pretrain``'s ``--device`` for ``device`` and its process environment: it takes a
+    device type (a CUDA run uses its first visible GPU), so ``cuda:N`` becomes ``cuda`` with
+    ``CUDA_VISIBLE_DEVICES`` naming GPU N (the N-th of those it lists, when it is set)."""
+    chosen, env = torch.device(device), dict(os.environ)
+    if chosen.type == "cuda" and chosen.index is not None:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        listed = [entry.strip() for entry in visible.split(",")] if visible is not None else None
+        if listed is not None and (chosen.index >= len(listed) or not listed[chosen.index]):
+            raise ValueError(f"--device {device}: CUDA_VISIBLE_DEVICES={visible!r} lists no GPU {chosen.index}; "
+                             "choose one it lists, or unset it")
+        env["CUDA_VISIBLE_DEVICES"] = listed[chosen.index] if listed is not None else str(chosen.index)
+    return chosen.type, env
+
+
 def pretrain_smoke(device: str, out: Path, quick: bool) -> list[list[str]]:
     """Rows ``[strategy, steps, first train loss, last, finite and lower]`` of short ``geomuon pretrain`` runs."""
     config, steps = ("cpu-tiny", 6) if quick else ("gpt2-small", 40)
+    kind, env = device_for_pretrain(device)
     rows = []
     for strategy in ("unconstrained", "hetero"):
         folder = out / f"pretrain-{strategy}"
         command = [sys.executable, "-m", "geomuon", "pretrain", "--config", config, "--strategy", strategy,
-                   "--steps", str(steps), "--warmup-steps", str(steps // 4), "--device", device, "--out-dir",
+                   "--steps", str(steps), "--warmup-steps", str(steps // 4), "--device", kind, "--out-dir",
                    str(folder), "--eval-every", str(steps), "--no-progress", "--no-compile", "--log-every", "1"]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
         if result.returncode != 0:
             rows.append([strategy, "-", "-", "-", f"failed: {result.stderr.strip().splitlines()[-1:]}"])
             continue

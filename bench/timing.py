@@ -160,16 +160,19 @@ def check_output_file(parser: argparse.ArgumentParser, option: str, path: str | 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device`` for the scripts that can run on an accelerator (``cpu``, ``cuda``, ``cuda:1``)."""
     parser.add_argument("--device", type=device_option, default="cpu",
-                        help="where the tensors live (default cpu); on cuda every timed call ends with "
-                             "torch.cuda.synchronize() and --clock must be wall")
+                        help="where the tensors live (default cpu); on cuda every timed call ends by "
+                             "synchronizing that device and --clock must be wall")
 
 
 def synchronizer(device: str) -> Callable[[], object]:
     """What a timed call on ``device`` ends with so the clock sees its kernels finish:
-    ``torch.cuda.synchronize`` on CUDA, nothing on the CPU."""
+    ``torch.cuda.synchronize(device)`` on CUDA (that device's: without it, the current one's, and
+    ``cuda:1``'s kernels had been timed unfinished), nothing on the CPU."""
     import torch
 
-    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    if torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int, clock=time.perf_counter,

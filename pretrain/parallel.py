@@ -563,7 +563,8 @@ def load_distributed(folder: str, model, assignment, owned=None, record: dict | 
 
     Optimizer state is loaded for the parameters this rank holds (``owned`` under DDP,
     every parameter otherwise); elementwise state (:data:`ELEMENTWISE_STATE`) takes the
-    parameter's layout, any other (warm starts, step counts) is loaded whole. ``record``: the
+    parameter's layout, any other (warm starts, step counts) is loaded whole, on the parameter's
+    device but a ``"step"`` count, on the CPU as a one-process resume loads it. ``record``: the
     folder's :func:`read_record`, when it was read already (it is not read again).
 
     Raises:
@@ -621,13 +622,16 @@ def load_distributed(folder: str, model, assignment, owned=None, record: dict | 
                 prefix = _state_key(opt_name, names[id(p)], "")
                 for state_key in (k for k in saved if k.startswith(prefix)):
                     meta = saved[state_key]
-                    if _elementwise(state_key[len(prefix):], meta.size, p):
+                    key = state_key[len(prefix):]
+                    if _elementwise(key, meta.size, p):
                         template = torch.empty_like(p.detach(), dtype=meta.properties.dtype)
                     else:
-                        template = torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
-                                               device=_local_device(p))
+                        # a step count where a one-process resume puts it (map_location="cpu"), and a
+                        # fresh torch.optim.AdamW keeps it: on the GPU, AdamW had read it back every step
+                        device = "cpu" if key == "step" else _local_device(p)
+                        template = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=device)
                     templates[state_key] = template
-                    wanted.append((opt_name, p, state_key[len(prefix):], state_key))
+                    wanted.append((opt_name, p, key, state_key))
     _load_tensors(folder, templates, together)
     set_model_state_dict(model, {k: templates[f"model/{k}"] for k in model_state},
                          options=StateDictOptions(strict=True))

@@ -395,6 +395,72 @@ def test_bad_options_are_usage_errors_before_any_work(tmp_path):
                                        "--threads", "0")
 
 
+def test_the_device_checks_cuda_paths_count_and_name_the_device(monkeypatch):
+    """What the device check does only on a GPU, simulated on the CPU (no test here runs CUDA):
+    (1) a timed call on ``cuda:1`` waits for that device (``torch.cuda.synchronize()`` waits for
+    the current one: ``cuda:1``'s kernels had been timed unfinished); (2) the pretraining smoke
+    passes ``geomuon pretrain`` a device it takes (it refused ``cuda:1``), the GPU chosen through
+    ``CUDA_VISIBLE_DEVICES`` (among those already visible); (3) on CUDA the whole step's count of
+    syncs includes its matrix work's, as on the CPU (the matrix work's context had recorded them
+    away from the step's). Controls: nothing synchronized on the CPU, no variable set for a bare
+    ``cuda``."""
+    import warnings
+
+    from bench import device_check
+    from bench.timing import synchronizer
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    synchronizer("cuda:1")()
+    synchronizer("cpu")()
+    assert waited == ["cuda:1"]
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_check.device_for_pretrain("cpu")[0] == "cpu"
+    kind, env = device_check.device_for_pretrain("cuda")
+    assert kind == "cuda" and "CUDA_VISIBLE_DEVICES" not in env
+    kind, env = device_check.device_for_pretrain("cuda:1")
+    assert (kind, env["CUDA_VISIBLE_DEVICES"]) == ("cuda", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a, GPU-b")
+    assert device_check.device_for_pretrain("cuda:1")[1]["CUDA_VISIBLE_DEVICES"] == "GPU-b"
+    for visible in ("0", ""):  # a GPU it does not list (an empty list hides every GPU)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with pytest.raises(ValueError, match=f"--device cuda:1: CUDA_VISIBLE_DEVICES='{visible}' lists no GPU 1"):
+            device_check.device_for_pretrain("cuda:1")
+    # the smoke's runs get it: each `geomuon pretrain` on the device type, in that environment
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    launched = []
+
+    def run(command, **kwargs):
+        launched.append((command[command.index("--device") + 1], kwargs["env"]["CUDA_VISIBLE_DEVICES"]))
+        return subprocess.CompletedProcess(command, 1, "", "not run")
+
+    monkeypatch.setattr(device_check.subprocess, "run", run)
+    device_check.pretrain_smoke("cuda:1", Path("unused"), quick=True)
+    assert launched == [("cuda", "GPU-b")] * 2
+
+    class Synchronizing:
+        """An optimizer whose step syncs once around its matrix work and once inside it."""
+        param_groups = [{"params": [torch.zeros(1)]}]
+
+        def step(self):
+            warnings.warn("called a synchronizing CUDA operation")
+            self._matrix_step()
+
+        def _matrix_step(self):
+            warnings.warn("called a synchronizing CUDA operation")
+
+    names = ("Muon (ours)", "ManifoldMuon Stiefel", "ManifoldMuon DGram", "ManifoldMuon Stiefel, projected",
+             "ManifoldMuon DGram, projected")
+    monkeypatch.setattr(device_check.optimizer_step, "build",
+                        lambda *args, **kwargs: ({name: Synchronizing() for name in names}, [torch.zeros(1)]))
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    with warnings.catch_warnings():  # (the warm-up steps' syncs, which nothing counts)
+        warnings.filterwarnings("ignore", "called a synchronizing CUDA operation")
+        assert device_check.host_reads("cuda", []) == [[name, "2", "1"] for name in names]
+
+
 def test_the_device_check_refuses_a_folder_that_holds_a_report(tmp_path):
     (tmp_path / "device_check.md").write_text("the first report\n")
     assert "already holds files" in usage_error("device_check", "--device", "cpu", "--quick", "--out", str(tmp_path))

@@ -931,6 +931,33 @@ def test_a_distributed_checkpoint_of_another_parameter_order_is_refused(tmp_path
         assert torch.equal(ordered.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
 
 
+def test_a_step_count_loads_on_the_cpu_as_a_one_process_resume_loads_it(tmp_path, monkeypatch):
+    # every non-elementwise state entry had been loaded onto the parameter's device, torch.optim.AdamW's
+    # "step" included: on a GPU, AdamW (neither capturable nor fused) then reads it back at every step
+    # (a host sync per parameter). The parameter's device is played here by "meta" (no GPU in the
+    # tests): a template there had left the step count on meta. One process, no process group
+    from geomuon.optimizers.assign import Assignment
+    from geomuon.pretrain import parallel
+
+    def adamw_of(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 3)
+    opt = adamw_of(saved)
+    saved(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    folder = str(tmp_path / "dcp-step00000001")
+    parallel.save_distributed(folder, saved, Assignment("adamw", [], {"adamw": opt}), {"step": 1})
+    loaded = torch.nn.Linear(4, 3)
+    resumed = adamw_of(loaded)
+    monkeypatch.setattr(parallel, "_local_device", lambda p: torch.device("meta"))
+    parallel.load_distributed(folder, loaded, Assignment("adamw", [], {"adamw": resumed}))
+    for p, q in zip(loaded.parameters(), saved.parameters()):
+        assert resumed.state[p]["step"].device.type == "cpu" and float(resumed.state[p]["step"]) == 1.0
+        assert torch.equal(resumed.state[p]["exp_avg"], opt.state[q]["exp_avg"])  # control: the state loaded
+
+
 def test_a_distributed_checkpoint_of_another_geometry_is_refused_as_one_process_refuses_it(tmp_path):
     # load_distributed compared the parameters only: a Stiefel run's state loaded into a DGram
     # optimizer replaced its groups (torch loads the saved options), and the run went on on

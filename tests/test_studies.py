@@ -192,6 +192,25 @@ def test_a_run_whose_hook_source_changed_is_never_reused(tmp_path, monkeypatch):
     assert folder() != before
 
 
+def test_a_customize_hook_that_is_no_top_level_function_is_refused_by_name():
+    """A variant's ``customize`` is named by module and name in its run key and sent to worker
+    processes by that name: a ``functools.partial`` had failed inside ``identity`` (``AttributeError:
+    __qualname__``), a lambda or a nested function at the first worker. Control: a top-level
+    function of a study module is taken."""
+    import functools
+
+    def nested(model, assignment, hyper):
+        return assignment
+
+    for hook in (functools.partial(manifolds_study.column_cap_on_dgram), lambda model, assignment, hyper: assignment,
+                 nested):
+        with pytest.raises(ValueError, match=r"Variant 'arm': customize must be a function defined at the top level "
+                                             r"of a module .*wrap what it does in one"):
+            common.Variant("arm", "an arm", "hetero", customize=hook)
+    arm = common.Variant("arm", "an arm", "hetero", customize=manifolds_study.column_cap_on_dgram)
+    assert arm.identity()["customize"].endswith("manifolds.column_cap_on_dgram")
+
+
 def _first_manifolds_run_folder(tmp_path):
     """``folder()``: the run folder the manifolds study's first tiny variant, seed 0, takes under
     ``tmp_path``, asked anew at each call (what the keys of the two tests below decide)."""

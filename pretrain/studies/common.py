@@ -137,6 +137,16 @@ class Variant:
     hyper: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # named by module and name in the run key, and sent to worker processes by that name: a
+        # functools.partial had failed in identity() (no __qualname__), a lambda or a nested function
+        # cannot be sent to a worker
+        hook = self.customize
+        if hook is not None and not (inspect.isfunction(hook) and hook.__qualname__ == hook.__name__):
+            raise ValueError(f"Variant {self.name!r}: customize must be a function defined at the top level of a "
+                             f"module (a def, found by its name in worker processes), not {hook!r}; wrap what it "
+                             "does in one")
+
     def identity(self) -> dict:
         """Everything that defines the variant, as JSON-able data (for the cache key)."""
         strategy = self.strategy if isinstance(self.strategy, str) else {
