@@ -36,10 +36,11 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import (TrainConfig, add_options, field_problems, from_args, is_template, launcher_value,
                                      option, option_text)
-from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, check_same_run,
+from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, check_same_data,
+                                    check_same_run,
                                     checkpoint_to_resume, claimed_by_main, literal_out_dir, load_run_data,
-                                    previous_checkpoint, resolve_out_dir, resume_command, resume_record, run_files,
-                                    train)
+                                    previous_checkpoint, printing_rank, resolve_out_dir, resume_command, resume_record,
+                                    run_files, say_refusal, train)
 
 SEED_STRATEGIES = ("unconstrained", "all_stiefel", "all_dgram", "hetero", "hetero_inv")
 FIGURES = ("loss.png", "sigma_max.png", "attention_logits.png")
@@ -191,13 +192,14 @@ def compare(
     try:
         (root, runs), claim = claimed_by_main(ddp, _claimed_comparison, base, strategies, seeds)
         data = load_run_data(base)
+        check_same_data(data, ddp)  # before the checkpoints' checks: they compare each rank's data
         for cfg in runs:
             if cfg.resume:
                 checkpoint, record = resume_record(resolve_out_dir(cfg))
                 try:
                     check_same_run(record, cfg, data)
-                except ValueError as err:  # which of the comparison's runs: its checkpoint
-                    raise ValueError(f"{checkpoint!r}: {err}") from None
+                except ValueError as err:  # which of the comparison's runs: its checkpoint (a data refusal stays one)
+                    raise type(err)(f"{checkpoint!r}: {err}") from None
         overall = _runs_bar(len(runs), base.progress)
         for cfg in runs:
             result = train(cfg, data, sharing=strategies)
@@ -392,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summaries = compare(base, options.strategies, options.seeds, options.divergence_margin)
     except ValueError as err:
-        print(f"geomuon compare: {err}", file=sys.stderr)
+        say_refusal("compare", err, printing_rank())  # rank 0's, and each rank's own refusal of its data
         return 2
     except TrainingInterrupted as stop:
         if launcher_value("RANK") != 0:

@@ -5,7 +5,7 @@ averages the gradients, and the optimizer work is sharded by parameter: each par
 has one owner rank (:func:`geomuon.pretrain.train.owners`, a greedy balance of the
 matrix work), every rank steps only the parameters it owns, and :class:`OwnerGather`
 then sends the updated parameters to every rank with **one**
-``all_gather_into_tensor`` per dtype: rank $r$ packs its parameters into a flat
+``all_gather_single`` (``all_gather_into_tensor``) per dtype: rank $r$ packs its parameters into a flat
 buffer of $L = \max_r L_r$ entries ($L_r$ = the entries it owns), the gather fills a
 $w\times L$ buffer, and each rank copies the others' parameters out of it. Per step a
 rank receives $(w-1)\,L$ entries, $\approx \tfrac{w-1}{w}\,P$ for $P$ parameter entries
@@ -43,9 +43,14 @@ __all__ = ["OwnerGather", "RunWriteError", "DamagedCheckpoint", "ddp", "fsdp", "
            "checked_record", "read_distributed", "file_sum", "dcp_folder", "dcp_folders", "agreed", "from_rank_0"]
 
 
+#: ``torch.distributed.all_gather_single`` where this torch has it (its ``all_gather_into_tensor``,
+#: the same collective, warns that it is deprecated on every rank at every DDP step), else the old name.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 @dataclass
 class OwnerGather:
-    """Bucketed hand-out of owner-updated parameters (one ``all_gather_into_tensor`` per dtype).
+    """Bucketed hand-out of owner-updated parameters (one ``all_gather_single`` per dtype).
 
     Args:
         params: every parameter the optimizers step, in the same order on every rank.
@@ -89,7 +94,7 @@ class OwnerGather:
             if mine:
                 torch.cat([p.detach().reshape(-1) for p in mine], out=send[:sum(p.numel() for p in mine)])
             recv = torch.empty(self.world * length, dtype=send.dtype, device=send.device)
-            pending.append((dist.all_gather_into_tensor(recv, send, group=self.group, async_op=True),
+            pending.append((_all_gather_single(recv, send, group=self.group, async_op=True),
                             recv, length, owned))
             self.collectives += 1
             self.bytes_received += (self.world - 1) * length * send.element_size()

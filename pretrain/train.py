@@ -107,8 +107,8 @@ from geomuon.manifolds.linalg import spectral_norm
 from geomuon.optimizers.assign import ATTENTION_ROLES, MLP_ROLES, Assignment, Hyper, assign
 from geomuon.optimizers.distributed import is_sharded, whole
 from geomuon.optimizers.base import MatrixOptimizer
-from geomuon.pretrain.config import (TrainConfig, add_options, command_line, from_args, is_template, launcher_value,
-                                     option_text)
+from geomuon.pretrain.config import (MODEL_OPTIONS, TrainConfig, add_options, command_line, from_args, is_template,
+                                     launcher_value, option_text)
 from geomuon.pretrain.data import BATCH_SEEDING, TokenData, identity_changes, load_data, read_from, spec_source
 from geomuon.pretrain.model import GPT, GPTConfig, get_config
 from geomuon.pretrain.monitoring import nan_max
@@ -278,6 +278,8 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
         return path
     found = run_files(path)
     if found and not (cfg.resume or cfg.overwrite):
+        if _held(path):  # (the advice below had led to this refusal second)
+            raise _in_use(path)
         raise ValueError(
             f"{option_text('out_dir')} {path!r} already holds a run ({', '.join(found)}); continue it with "
             f"{option_text('resume', True)}, replace it with {option_text('overwrite', True)}, or leave it out "
@@ -288,6 +290,26 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
 
 #: The lock a run holds on its folder while it runs (:class:`RunFolderClaim`).
 LOCK_FILE = ".lock"
+
+
+def _in_use(path: str) -> ValueError:
+    return ValueError(f"{option_text('out_dir')} {path!r} is in use by another run (it holds {LOCK_FILE!r}); wait "
+                      "for it to finish or choose another one")
+
+
+def _held(path: str) -> bool:
+    """Whether a running run holds the folder ``path`` (:class:`RunFolderClaim`), asked without
+    taking it: a shared lock on its ``.lock`` is refused while one holds it exclusively."""
+    if fcntl is None:
+        return False
+    try:
+        with open(os.path.join(path, LOCK_FILE), "rb") as file:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (dropped when the file closes)
+    except BlockingIOError:
+        return True
+    except OSError:  # no .lock: no run has held it
+        return False
+    return False
 
 
 class RunFolderClaim:
@@ -330,8 +352,7 @@ class RunFolderClaim:
                 return file
         except BlockingIOError:
             file.close()
-            raise ValueError(f"{option_text('out_dir')} {self.path!r} is in use by another run (it holds "
-                             f"{LOCK_FILE!r}); wait for it to finish or choose another one") from None
+            raise _in_use(self.path) from None
         except FileNotFoundError:  # locked after the holder removed it, with the folder
             pass
         file.close()  # a file no longer at .lock: locking it excludes no one
@@ -735,6 +756,28 @@ def load_run_data(cfg: TrainConfig) -> TokenData:
         return load_data(cfg.data, vocab_size=vocab_size)
 
 
+def check_same_data(data: TokenData, ddp: Distributed) -> None:
+    """Refuse, on every rank alike, a torchrun run whose ranks read different data: each rank reads
+    its own copy (on several machines, files of its own), and ranks of different vocabularies had
+    aborted in the model's first broadcast (gloo: "Received data size doesn't match expected
+    size"; NCCL waits until its timeout) while ranks of one vocabulary trained on different text.
+    Every rank's :attr:`~geomuon.pretrain.data.TokenData.identity` (its tokens, wherever they are
+    read from) is gathered in one collective and compared with rank 0's
+    (:func:`identity_changes`): a ``ValueError`` naming the ranks whose data differs and how.
+    Every rank hashes its data here; a one-process run neither hashes nor gathers."""
+    if ddp.world == 1:
+        return
+    identities = [None] * ddp.world
+    dist.all_gather_object(identities, data.identity)
+    changes = {rank: identity_changes(identities[0], identity) for rank, identity in enumerate(identities)}
+    differ = [rank for rank, changed in changes.items() if changed]
+    if differ:
+        named = ", ".join(map(str, differ))
+        raise ValueError(f"rank{'s' if len(differ) > 1 else ''} {named} read other data than rank 0's "
+                         f"{identities[0]['source']} (rank {differ[0]}: {'; '.join(changes[differ[0]])}); give "
+                         f"every process the same {option_text('data')} file contents")
+
+
 @contextlib.contextmanager
 def _refusing_data():
     """A ``ValueError`` raised inside (a refusal of the data this process read) raised again as a
@@ -1078,6 +1121,7 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
            extra_metrics: ExtraMetrics | None, request: _StopRequest) -> TrainResult:
     device = _device(cfg, ddp)
     data = data or load_run_data(cfg)
+    check_same_data(data, ddp)  # before the model: its first broadcast assumes one vocabulary
     model, assignment = build(cfg, data, device, build_assignment)
     block_size = model.config.block_size
     say = print if ddp.main else (lambda *a, **k: None)
@@ -1323,12 +1367,18 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     (:attr:`~geomuon.pretrain.data.TokenData.identity`: its tokens, wherever they are read
     from) and the model's configuration. ``ValueError`` naming what changed and what to do.
 
+    The model's shape options (:data:`~geomuon.pretrain.config.MODEL_OPTIONS`, ``model_overrides``)
+    are compared by the model they build: ``--n-embd 32`` given or left to a config whose width is
+    32 is the same run (the options as typed had been compared: ``n_embd: None → 32`` refused it).
+
     Every rank checks the data it read itself (each rank loads its own copy, on several machines
     from files of its own), so every rank hashes it here; the record it compares with is the
     checkpoint's, the same on every rank."""
     # a checkpoint written before a field existed ran with that field's default
     saved = {**asdict(TrainConfig()), **record["config"]}
-    changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in RUN_IDENTITY if saved[k] != getattr(cfg, k)]
+    shape_options = {*MODEL_OPTIONS, "model_overrides"}
+    changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in RUN_IDENTITY
+               if k not in shape_options and saved[k] != getattr(cfg, k)]
     if changed:
         raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
                          + f"); use the original settings or a new {option_text('out_dir')}")
@@ -1353,6 +1403,13 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
         raise DataRefusal(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
                           + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))
+    # the saved options' model as this version builds it: what the options given change, apart
+    # from what another geomuon version builds of them (the record's model, below)
+    before = asdict(model_config(replace(cfg, **{k: saved[k] for k in shape_options}), data))
+    changed = [f"{k}: {v!r} → {built[k]!r}" for k, v in before.items() if built[k] != v]
+    if changed:
+        raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
+                         + f"); use the original settings or a new {option_text('out_dir')}")
     changed = [f"{k}: {v!r} → {built.get(k)!r}" for k, v in record["model_config"].items() if built.get(k) != v]
     if changed:
         raise ValueError(f"the checkpoint's model differs from the one --config {cfg.model} builds now ("
@@ -1413,20 +1470,34 @@ def resume_command(verb: str, *configs, defaults: dict | None = None) -> str:
     return command_line(prefix, *configs, exclude=("overwrite",), defaults=defaults)
 
 
+def printing_rank() -> int | None:
+    """This process's ``RANK`` (0 prints), ``None`` where it is not a valid one: then every process
+    says what is wrong with it (train's config check refuses it)."""
+    try:
+        return launcher_value("RANK")
+    except ValueError:
+        return None
+
+
+def say_refusal(verb: str, err: ValueError, rank: int | None) -> None:
+    """Print ``geomuon <verb>: <err>`` on stderr where it is said. Under torchrun every rank
+    raises a refusal alike, and rank 0 says it once; a :class:`DataRefusal` may be one rank's
+    alone, so each rank that raises one says it, prefixed ``[rank r]`` on ranks other than 0 (which
+    rank's data is wrong), in one write of the whole line (ranks writing at once had interleaved
+    their lines into one)."""
+    if rank in (0, None) or isinstance(err, DataRefusal):
+        sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}geomuon {verb}: {err}\n")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``geomuon pretrain`` with parsed arguments; returns the exit code."""
     cfg = from_args(TrainConfig, args)
-    try:
-        main = launcher_value("RANK") == 0  # the rank that prints
-    except ValueError:
-        main = True  # every process says what is wrong with its RANK (train's config check refuses it)
+    rank = printing_rank()
+    main = rank in (0, None)
     try:
         result = train(cfg)
     except ValueError as err:
-        # under torchrun every rank raises a refusal alike, and rank 0 says it once; a refusal of the
-        # data one rank read may be that rank's alone, so each rank that raises one says it
-        if main or isinstance(err, DataRefusal):
-            print(f"geomuon pretrain: {err}", file=sys.stderr)
+        say_refusal("pretrain", err, rank)
         return 2
     except RunWriteError as err:
         if main:  # rank 0 alone writes the log, and every rank raises a distributed checkpoint's (it names the rank)

@@ -222,6 +222,16 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_the_previous_checkpoint_i
     assert read_record(previous)["step"] == 2 and read_distributed(previous)  # intact
 
 
+def test_a_ddp_run_warns_of_no_deprecated_collective(tmp_path):
+    # every rank of every DDP run had printed torch's FutureWarning "all_gather_into_tensor is
+    # deprecated" (the owners' hand-out, OwnerGather; a torch without all_gather_single does not
+    # deprecate it); control: the run trained
+    outputs = finished(spawn(2, WORKER, config(tmp_path / "run", parallel="ddp", steps=2, warmup_steps=0,
+                                               eval_every=2)))
+    assert not any("deprecated" in out for out in outputs), outputs
+    assert dcp_folders(str(tmp_path / "run"))  # its checkpoint
+
+
 def relative_difference(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
@@ -878,13 +888,111 @@ HASHED_WHERE_NEEDED = textwrap.dedent("""
 """)
 
 
-def test_only_rank_0_hashes_the_data_and_runs_git_unless_a_resume_checks_the_data(tmp_path):
-    # the data's sha256 (a pass over every token) and git had run on every rank for the record that
-    # rank 0 alone writes; a resume needs every rank's own check of the data it read (on several
-    # machines each reads files of its own), so there every rank hashes it
+def test_only_rank_0_runs_git_and_every_rank_hashes_its_data(tmp_path):
+    # git had run on every rank for the record that rank 0 alone writes. Every rank hashes the data
+    # it read (on several machines each reads files of its own): a fresh run compares the ranks'
+    # data (rank 1 on other text had trained silently, or aborted in gloo), a resume each rank's
+    # with the checkpoint's
     cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=4, eval_every=2, stop_after=2)
     fresh = finished(spawn(2, HASHED_WHERE_NEEDED, cfg))
-    assert "rank 0: hashed True, provenance 1" in fresh[0] and "rank 1: hashed False, provenance 0" in fresh[1], fresh
+    assert "rank 0: hashed True, provenance 1" in fresh[0] and "rank 1: hashed True, provenance 0" in fresh[1], fresh
     resumed = finished(spawn(2, HASHED_WHERE_NEEDED, replace(cfg, stop_after=4, resume=True)))
     assert "rank 0: hashed True, provenance 1" in resumed[0] and "rank 1: hashed True, provenance 0" in resumed[1], \
         resumed
+
+
+# Each rank: a run on the data of argv[2 + its rank] (each rank reads its own copy of the data: a
+# launcher script that gives each rank its own --data, or files of its own machine).
+OWN_DATA = _resume_with("""
+    fields = eval(sys.argv[1])
+    fields["data"] = sys.argv[2 + int(os.environ["RANK"])]
+    sys.argv[1] = repr(fields)
+""")
+
+
+@pytest.mark.parametrize("other", ["same characters", "another vocabulary"])
+def test_a_fresh_run_whose_ranks_read_different_data_is_refused_alike_on_every_rank(tmp_path, other):
+    # a fresh run never compared the ranks' data (a resume did, against the checkpoint): ranks of
+    # one vocabulary trained on different text, and ranks of two had aborted gloo in the model's
+    # first broadcast ("Received data size doesn't match expected size"; NCCL hangs)
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    mine, theirs = tmp_path / "a.txt", tmp_path / "b.txt"
+    mine.write_text(text)
+    theirs.write_text(text[::-1] if other == "same characters" else text + "!")
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=2, warmup_steps=0, eval_every=2)
+    outputs = finished(spawn(2, OWN_DATA, cfg, f"text:{mine}", f"text:{theirs}"))
+    refusals = [re.search(r"refused: (.*)", out) for out in outputs]
+    assert all(refusals) and refusals[0].group(1) == refusals[1].group(1), outputs
+    said = refusals[0].group(1)
+    assert said.startswith(f"rank 1 read other data than rank 0's text:{mine} (rank 1: ") and \
+        said.endswith("give every process the same --data (data) file contents"), said
+    # negative control: the same contents, read from another path on rank 1, train ("resumed": the
+    # script's word for a run that ended without a refusal)
+    copy = tmp_path / "copy.txt"
+    copy.write_text(text)
+    cfg = replace(cfg, out_dir=str(tmp_path / "same"))
+    assert all("resumed" in out for out in finished(spawn(2, OWN_DATA, cfg, f"text:{mine}", f"text:{copy}")))
+
+
+# Each rank: the command `geomuon compare` of argv[1]'s options (those `compare` takes); with more
+# arguments, on the data of argv[2 + its rank].
+COMPARE_COMMAND = textwrap.dedent("""
+    import os, shlex, sys, torch
+    torch.set_num_threads(1)
+    from geomuon.cli import entry
+    from geomuon.pretrain.compare import COMPARE_DEFAULTS
+    from geomuon.pretrain.config import command_line
+    from geomuon.pretrain.train import TrainConfig
+    fields = eval(sys.argv[1])
+    if len(sys.argv) > 2:
+        fields["data"] = sys.argv[2 + int(os.environ["RANK"])]
+    cfg = TrainConfig(**fields)
+    sys.argv = shlex.split(command_line("geomuon compare --strategies adamw", cfg, exclude=("strategy", "seed"),
+                                        defaults=COMPARE_DEFAULTS))
+    entry()
+""")
+
+
+def test_under_torchrun_a_comparisons_refusal_is_printed_once(tmp_path):
+    # every rank had printed the same `geomuon compare: …` line (`geomuon pretrain` prints it on rank 0)
+    cfg = config(tmp_path / "empty", parallel="ddp", strategy="adamw", resume=True)
+    procs = spawn(2, COMPARE_COMMAND, cfg)
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert outputs[0].count("geomuon compare: ") == 1 and "geomuon compare:" not in outputs[1], outputs
+
+
+def test_a_resumed_comparison_whose_ranks_read_different_data_is_refused_once_on_every_rank(tmp_path):
+    # compare checked each checkpoint against each rank's data before any run (and its data check)
+    # started: rank 1, on other text, raised a refusal it did not print (a data refusal, rewrapped as
+    # a plain one) and rank 0 went on into the first run's collectives, where gloo killed it.
+    # Control: the same data on both ranks resumes the comparison
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    mine, theirs = tmp_path / "a.txt", tmp_path / "b.txt"
+    mine.write_text(text)
+    theirs.write_text(text[::-1])
+    cfg = config(tmp_path / "cmp", parallel="ddp", strategy="adamw", steps=4, warmup_steps=0, eval_every=2,
+                 stop_after=2, data=f"text:{mine}")
+    finished(spawn(2, COMPARE_COMMAND, cfg, f"text:{mine}", f"text:{mine}"))
+    resumed = replace(cfg, resume=True, stop_after=4)
+    procs = spawn(2, COMPARE_COMMAND, resumed, f"text:{mine}", f"text:{theirs}")
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert outputs[0].count("geomuon compare: rank 1 read other data than rank 0's") == 1, outputs
+    assert "geomuon compare:" not in outputs[1], outputs
+    finished(spawn(2, COMPARE_COMMAND, resumed, f"text:{mine}", f"text:{mine}"))
+
+
+def test_a_ranks_own_data_refusal_is_one_write_naming_the_rank(monkeypatch):
+    # each rank that refuses its data says so, and ranks writing at once had interleaved their
+    # lines (print writes the message and its newline apart): one write of the whole line, and the
+    # rank named where it is not rank 0; a refusal every rank raises alike is rank 0's to say
+    from geomuon.pretrain.train import DataRefusal, say_refusal
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Stderr", (), {"write": lambda self, text: writes.append(text)})())
+    say_refusal("pretrain", DataRefusal("data x: unreadable"), 1)
+    say_refusal("pretrain", DataRefusal("data y: unreadable"), 0)
+    say_refusal("compare", ValueError("alike"), 1)
+    say_refusal("compare", ValueError("alike"), 0)
+    assert writes == ["[rank 1] geomuon pretrain: data x: unreadable\n", "geomuon pretrain: data y: unreadable\n",
+                      "geomuon compare: alike\n"], writes

@@ -124,6 +124,19 @@ def test_truncated_checkpoint_is_reported_and_previous_kept(tmp_path):
         train(config(tmp_path / "b", steps=8, resume=True, strategy="lipschitz", w_max=3.0))
 
 
+def test_a_shape_option_given_with_the_configs_own_value_resumes(tmp_path):
+    # --n-embd 32 on cpu-tiny (whose width is 32), given on one side only, had been refused as
+    # "n_embd: None → 32": the options were compared as typed, not by the model they build.
+    # Control: another width is refused, as a changed option (not as another geomuon version)
+    train(config(tmp_path / "a", steps=8, stop_after=2))
+    assert train(config(tmp_path / "a", steps=8, stop_after=3, resume=True, n_embd=32)).last_step == 3
+    train(config(tmp_path / "b", steps=8, stop_after=2, n_embd=32, block_size=None))  # the config's 64, and 32 given
+    assert train(config(tmp_path / "b", steps=8, stop_after=3, resume=True, block_size=64)).last_step == 3
+    with pytest.raises(ValueError, match=r"--resume with a different run configuration \(n_embd: 32 → 64\); use the "
+                                         r"original settings"):
+        train(config(tmp_path / "a", steps=8, resume=True, n_embd=64))
+
+
 def test_resume_with_other_validation_windows_is_refused(tmp_path):
     # the evaluations after the resume had been scored on other windows than those before it: a
     # step in the val-loss curve that training did not make

@@ -292,8 +292,11 @@ def test_resume_identity_includes_model_overrides(tmp_path):
     saved = {k: v for k, v in vars(cfg).items() if k != "model_overrides"}
     record = {"config": saved, "model_config": vars(model_config(cfg, data)), "batch_seeding": BATCH_SEEDING}
     check_same_run(record, cfg, data)  # a checkpoint from before the field: its default, the same run
-    with pytest.raises(ValueError, match=r"model_overrides: \{'mlp': 'swiglu'\} → \{\}"):
-        check_same_run({**record, "config": {**saved, "model_overrides": {"mlp": "swiglu"}}}, cfg, data)
+    # a run with an override: compared by the model it builds (the override named as what it changed)
+    swiglu = vars(model_config(dataclasses.replace(cfg, model_overrides={"mlp": "swiglu"}), data))
+    with pytest.raises(ValueError, match=r"--resume with a different run configuration \(mlp: 'swiglu' → "):
+        check_same_run({**record, "config": {**saved, "model_overrides": {"mlp": "swiglu"}}, "model_config": swiglu},
+                       cfg, data)
 
 
 def test_a_checkpoint_of_another_batch_seeding_is_not_resumed(tmp_path):
@@ -987,6 +990,15 @@ def test_run_folder_refusals_name_the_python_spelling_of_each_option(tmp_path):
     with pytest.raises(ValueError, match=r"^--out-dir \(out_dir\) '.*busy' is in use by another run"):
         train(other)
     running.release()
+    # a folder that holds a run which is still running: that it is in use comes first (its "continue
+    # it with --resume" had led to the in-use refusal second); control: released, it holds a run
+    running = RunFolderClaim(cfg.out_dir)
+    with pytest.raises(ValueError, match=r"^--out-dir \(out_dir\) '.*' is in use by another run \(it holds '.lock'\); "
+                                         r"wait for it to finish"):
+        train(cfg)
+    running.release()
+    with pytest.raises(ValueError, match=r"already holds a run"):
+        train(cfg)
 
 
 def test_an_out_dir_with_a_literal_brace_names_one_folder_and_resumes(tmp_path, monkeypatch, capsys):
