@@ -48,7 +48,9 @@ HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
 @contextlib.contextmanager
 def counting_host_reads(device: str, counter: list[int]):
-    """Count into ``counter[0]`` every host sync (CUDA) or host read of a tensor (CPU) in the block."""
+    """Count into ``counter[0]`` every host sync (CUDA) or host read of a tensor (CPU) in the block;
+    nested, an enclosing count counts them too (on CUDA the block's warnings are issued again once
+    counted: recorded here, an enclosing block's record had never seen them)."""
     if torch.device(device).type == "cuda":
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
@@ -59,6 +61,8 @@ def counting_host_reads(device: str, counter: list[int]):
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         counter[0] += sum("synchroniz" in str(w.message) for w in caught)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
@@ -89,13 +93,8 @@ def host_reads(device: str, shapes: list[tuple[int, int]]) -> list[list[str]]:
         matrix_step = opt._matrix_step
 
         def counted_matrix_step(*args, **kwargs):
-            found = [0]
-            with counting_host_reads(device, found):
-                result = matrix_step(*args, **kwargs)
-            inner[0] += found[0]
-            if torch.device(device).type == "cuda":  # the whole step's count too: on CUDA this context
-                whole[0] += found[0]  # recorded the syncs' warnings, which the step's never saw (the CPU chains both)
-            return result
+            with counting_host_reads(device, inner):
+                return matrix_step(*args, **kwargs)
 
         for step in range(3):
             for p, g in zip(params, grads):

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from geomuon.pretrain.provenance import git_commit, machine, markdown_row, markdown_table
+from geomuon.pretrain.provenance import file_above, git_commit, machine, markdown_row, markdown_table
 
 __all__ = ["add_arguments", "at_least", "positive_seconds", "device_option", "check_output_file", "add_device_argument",
            "refuse_passive_wait", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
@@ -149,7 +149,7 @@ def check_output_file(parser: argparse.ArgumentParser, option: str, path: str | 
     path = Path(path)
     if path.is_dir():
         parser.error(f"{option} {path} is a folder; give a file path such as {path / 'table.md'}")
-    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    blocking = file_above(path)
     if blocking is not None:
         parser.error(f"{option} {path}: {blocking} is a file, not a folder")
     if path.exists() and not overwrite:

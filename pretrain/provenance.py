@@ -15,7 +15,13 @@ import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["CHECKOUT", "code_fingerprint", "git_commit", "machine", "markdown_row", "markdown_table"]
+__all__ = ["CHECKOUT", "code_fingerprint", "file_above", "git_commit", "machine", "markdown_row", "markdown_table"]
+
+
+def file_above(path: Path) -> Path | None:
+    """The first of ``path``'s parents that exists and is not a directory (a path through a
+    file, which nothing can create or read: an output or data path refused by name), else ``None``."""
+    return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
 
 
 def _checkout() -> Path | None:

@@ -568,16 +568,16 @@ def distributed_record(folder: str, together: bool) -> dict:
     ranks agree on the verdict (:func:`~geomuon.pretrain.parallel.read_record`): a read failing on one
     rank alone had sent that rank to check the previous folder while the others went on, and
     they waited for each other in different collectives."""
-    with _previous_offered(folder):
+    with _previous_offered(folder, together):
         return read_record(folder, together)
 
 
 @contextlib.contextmanager
-def _previous_offered(folder: str):
+def _previous_offered(folder: str, together: bool):
     """A :class:`DamagedCheckpoint` raised inside, about the distributed checkpoint ``folder``,
     raised again as a ``ValueError`` with what to do: resume from the previous folder when that
-    one is complete, or start again. Under torchrun every rank enters it alike (the same
-    checkpoint files) and the ranks check the previous folder together
+    one is complete, or start again. ``together`` (under torchrun): every rank enters it alike (the
+    same checkpoint files) and the ranks check the previous folder together
     (:func:`~geomuon.pretrain.parallel.checked_record`: each rank its share of the files, one
     verdict for all, so that every rank raises the same refusal; each rank had read every file)."""
     try:
@@ -588,7 +588,7 @@ def _previous_offered(folder: str):
             raise _start_again(str(err))
         step, previous = older[-1]
         try:
-            checked_record(previous, dist.is_initialized())  # complete means its bytes too: a resume reads them all
+            checked_record(previous, together)  # complete means its bytes too: a resume reads them all
         except ValueError:
             raise _start_again(str(err), previous) from None
         raise ValueError(f"{err}; the previous checkpoint {previous!r} (step {step}) is complete: remove "
@@ -1171,7 +1171,8 @@ def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_ass
     parallel = parallelize(model, assignment, cfg, ddp)
     if on_disk and cfg.resume:
         if distributed:
-            with _previous_offered(resume_from):  # the previous folder may be complete (other settings: none is)
+            # the previous folder may be complete (other settings: none is)
+            with _previous_offered(resume_from, dist.is_initialized()):
                 load_distributed(resume_from, model, assignment, parallel.owned, payload)
         say(resumed)
     # the log is rewritten from the checkpoint once it has loaded: a refused one leaves the log as it was
@@ -1360,6 +1361,11 @@ RUN_IDENTITY = ("model", "strategy", "steps", "batch_size", "grad_accum", "block
                 "eval_batches", "final_eval_batches")
 
 
+def _changed_options(changed: list[str]) -> ValueError:
+    return ValueError("--resume with a different run configuration (" + "; ".join(changed)
+                      + f"); use the original settings or a new {option_text('out_dir')}")
+
+
 def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     """Refuse to resume the checkpoint ``record`` (:func:`_run_record`'s data) as the run of
     ``cfg`` on ``data`` unless it is the same run: the options of :data:`RUN_IDENTITY`, the
@@ -1380,8 +1386,7 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     changed = [f"{k}: {saved[k]!r} → {getattr(cfg, k)!r}" for k in RUN_IDENTITY
                if k not in shape_options and saved[k] != getattr(cfg, k)]
     if changed:
-        raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
-                         + f"); use the original settings or a new {option_text('out_dir')}")
+        raise _changed_options(changed)
     seeding = record.get("batch_seeding", "linear")  # (checkpoints before it had the linear seeding)
     if seeding != BATCH_SEEDING:
         raise ValueError(f"the checkpoint's run drew its batches by the {seeding!r} seeding, which this geomuon "
@@ -1408,8 +1413,7 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     before = asdict(model_config(replace(cfg, **{k: saved[k] for k in shape_options}), data))
     changed = [f"{k}: {v!r} → {built[k]!r}" for k, v in before.items() if built[k] != v]
     if changed:
-        raise ValueError("--resume with a different run configuration (" + "; ".join(changed)
-                         + f"); use the original settings or a new {option_text('out_dir')}")
+        raise _changed_options(changed)
     changed = [f"{k}: {v!r} → {built.get(k)!r}" for k, v in record["model_config"].items() if built.get(k) != v]
     if changed:
         raise ValueError(f"the checkpoint's model differs from the one --config {cfg.model} builds now ("

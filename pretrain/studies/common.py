@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from geomuon.pretrain.provenance import CHECKOUT, code_fingerprint, git_commit, machine, markdown_table
+from geomuon.pretrain.provenance import CHECKOUT, code_fingerprint, file_above, git_commit, machine, markdown_table
 
 #: Seed of the validation windows: every run of a study is scored on the same text.
 VAL_SEED = 1234
@@ -82,7 +82,7 @@ def resolve_data(path: str | None) -> str:
         raise ValueError(f"--data {path}: is a directory; pass the file itself (e.g. "
                          f"{Path(path) / 'tinyshakespeare.txt'}), a copy of {_GET_DATA}")
     # (pathlib drops a trailing "/": "input.txt/" is a path through the file itself)
-    blocking = Path(path) if path.endswith(os.sep) and Path(path).is_file() else _file_above(Path(path))
+    blocking = Path(path) if path.endswith(os.sep) and Path(path).is_file() else file_above(Path(path))
     if blocking is not None:  # "notes.txt/input.txt" had been refused as "no such file" too
         raise ValueError(f"--data {path}: {str(blocking)!r} above it is a file, not a directory; pass the path "
                          f"of a copy of {_GET_DATA}")
@@ -93,12 +93,6 @@ def resolve_data(path: str | None) -> str:
     except ValueError as err:
         raise ValueError(f"--data {path}: {err}; pass the path of a copy of {_GET_DATA}") from None
     return str(path)
-
-
-def _file_above(path: Path) -> Path | None:
-    """The first of ``path``'s parents that exists and is not a directory (a path through a
-    file, which nothing can create or read), else ``None``."""
-    return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
 
 
 @functools.lru_cache(maxsize=2)
@@ -687,7 +681,7 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
         # a file there, or above it, had raised FileExistsError / NotADirectoryError after all the training
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{option} {str(folder)!r} is a file, not a folder; choose another {option}")
-        blocking = _file_above(folder)
+        blocking = file_above(folder)
         if blocking is not None:
             raise ValueError(f"{option} {str(folder)!r}: {str(blocking)!r} above it is a file, not a folder; choose "
                              f"another {option}")
