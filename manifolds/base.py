@@ -283,8 +283,9 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         """The manifold a :meth:`spec` describes (a new instance, equal in :attr:`identity`).
 
         Raises:
-            ValueError: the spec is not ``{"name": str, "args": dict}`` or names an
-                unregistered manifold.
+            ValueError: the spec is not ``{"name": str, "args": dict}``, names an
+                unregistered manifold, or gives arguments its constructor does not take or
+                lacks one it requires.
         """
         if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
             raise ValueError(f"a manifold spec is {{'name': str, 'args': dict}}, got {spec!r}")
@@ -299,7 +300,8 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
                              f"by name, got {type(args).__name__} {args!r}")
         args = dict(args or {})
         positional, keywords = [], {}
-        parameters = list(inspect.signature(manifold_cls.__init__).parameters.values())[1:]
+        signature = inspect.signature(manifold_cls.__init__)
+        parameters = list(signature.parameters.values())[1:]
         for parameter in parameters:
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 keywords.update(args)  # the remaining names go to **kwargs
@@ -318,6 +320,11 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
                 f"manifold spec {spec['name']!r}: {manifold_cls.__name__}() takes no argument(s) "
                 f"{sorted(args)}"
             )
+        try:  # a required argument the spec lacks (the constructor had raised a bare TypeError)
+            signature.bind(None, *positional, **keywords)
+        except TypeError as err:
+            raise ValueError(f"manifold spec {spec['name']!r}: {manifold_cls.__name__}(): {err}; give it in "
+                             "'args'") from None
         return manifold_cls(*positional, **keywords)
 
     @classmethod

@@ -543,17 +543,24 @@ class ManifoldMuon(MatrixOptimizer):
                     f"ManifoldMuon: parameter {name} has no manifold; set the group's 'manifold' "
                     "(e.g. 'stiefel') or pass a geoopt.ManifoldParameter"
                 )
+            owner = manifold
             if own is not None and group["manifold"] is None:
-                resolved = resolve_manifold(own, f"parameter {name}")
-                resolved.identity  # noqa: B018
-                _check_form_defaults(resolved, f"parameter {name}")
+                owner = resolve_manifold(own, f"parameter {name}")
+                owner.identity  # noqa: B018
+                _check_form_defaults(owner, f"parameter {name}")
             elif own is not None and _leaves_own(own, manifold, tuple(p.shape)):
                 raise ValueError(
                     f"ManifoldMuon: parameter {name} is a ManifoldParameter on {_described(own)} but its group "
                     f"says {_described(manifold)}; give them the same manifold"
                 )
+            # (its manifold had refused it at the first step, naming no parameter, after earlier groups had moved)
+            problem = "it is empty" if p.numel() == 0 else owner.shape_problem(*self._matrix_shape(group, p)[-2:])
+            if problem is not None:
+                raise ValueError(f"ManifoldMuon: parameter {name} of shape {tuple(p.shape)} has no point on "
+                                 f"{_described(owner)} ({problem}); give it a manifold of its shape, or an "
+                                 "update='adamw' group")
             if group["solver"] == "projected":
-                self._check_projected(group, p, own if manifold is None else manifold, name)
+                self._check_projected(group, p, owner, name)
         forms = self._gram_forms(group, index, manifold)
         self._refuse_gram_options_off_the_gram_path(group, index, forms)
         self._refuse_newton_without_a_newton_step(group, index, forms)

@@ -148,8 +148,9 @@ class SolverSettings:
         alpha: dual step size $\alpha$ (in units of the Jacobi-preconditioned step
             $\sigma_k H_k \oslash \operatorname{diag}(L_WL_W^*)$; dimensionless).
         decay: step $\alpha(1 - k/K)$ if true, constant $\alpha$ otherwise.
-        tol: stop when RMS$(L_W(A_k))$ < ``tol`` (0: never; a positive ``tol`` reads one
-            flag back per step).
+        tol: a matrix whose RMS$(L_W(A_k))$ < ``tol`` takes no further step, and the solve
+            stops when every matrix of the batch has (0: never; a positive ``tol`` reads one
+            flag back per step). A matrix's result is thus the one it gets alone.
         init: ``"projection"`` ($\Lambda_0 = -(LL^*)^{-1}L_WG$), ``"reference"``
             ($-\tfrac14 L_WG$) or ``"zero"``.
         precondition: divide the dual gradient by $\operatorname{diag}(L_WL_W^*)$.
@@ -239,8 +240,8 @@ class SteepestResult:
             tenth and the last with ``track_best``; the last alone without),
             an upper bound on the optimum.
         ratio: primal / dual, a certified lower bound on the optimality fraction.
-        steps: dual steps run on the batch (a matrix the ``safeguard`` stopped took fewer:
-            its later steps are zero, which the count cannot show without a read-back).
+        steps: dual steps run on the batch (a matrix the ``safeguard`` or ``tol`` stopped took
+            fewer: its later steps are zero, which the count cannot show without a read-back).
         residual: RMS of $L_W(A)$ at the last dual iterate (before the final
             projection), ``[...]``; ``None`` when nothing asked for it (no certificate,
             ``tol = 0``, no safeguard), which skips that product after the last step.
@@ -508,8 +509,9 @@ def _solve(manifold, W: torch.Tensor, G: torch.Tensor, nrm: Norm, s: SolverSetti
             frozen = worse if frozen is None else frozen | worse
             A, X, delta, residual = (torch.where(_per_matrix(worse, new, batch), old, new)
                                      for old, new in zip(previous, (A, X, delta, residual)))
+        met = residual < s.tol if s.tol > 0 else None
         # the tolerance test reads back one flag, so only a solve that asks for it pays it
-        stop = k == steps or (s.tol > 0 and bool((residual < s.tol).all()))
+        stop = k == steps or (met is not None and bool(met.all()))
         if best is not None and (k % _TRACK_EVERY == 0 or stop):  # (a tol stop's iterate had gone unscored)
             candidate = _feasible(manifold, W, A, nrm, s.rescale_exactly)
             best.score(candidate, *certificate(G, candidate, X, A, nrm, s))
@@ -517,6 +519,8 @@ def _solve(manifold, W: torch.Tensor, G: torch.Tensor, nrm: Norm, s: SolverSetti
             break
         rate = s.alpha * (1.0 - k / steps) if s.decay else s.alpha
         step = _jacobi_step(manifold, W, X, A, H, gram, rate, batch) if s.precondition else _plain_step(H, rate)
+        if met is not None:  # a matrix within tol stops where it would alone (its batch-mates' steps had moved it on)
+            frozen = met if frozen is None else frozen | met
         if frozen is not None:
             step = torch.where(_per_matrix(frozen, step, batch), 0, step)
         if s.safeguard:

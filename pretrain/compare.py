@@ -8,10 +8,18 @@ the same batches for a given seed and the same schedule. A run is **diverged** w
 stopped on a non-finite loss, or when its final val loss exceeds its best val loss by
 more than ``divergence_margin`` nats (the "explosive growth that does not recover" reported by
 the module-wise Manifold Muon study, github.com/kiratoyoshihara/module-wise-manifold-muon).
+Runs that ``--stop-after`` stopped before ``--steps`` are judged by the first rule alone (the
+rest of their schedule may still bring the loss down); the table then heads its column "last
+val loss", the summary line names the step they stopped at, and the line before it gives the
+command that continues them.
 
 A comparison gets a fresh folder (``runs/compare-<UTC time>``) unless ``--out-dir`` names
 one; a folder holding an earlier comparison is refused unless ``--resume`` (finished runs
 are read back from their checkpoints, the interrupted one continues) or ``--overwrite``.
+``--resume`` names every run the folder holds (``--strategies`` and ``--seeds`` may add runs,
+not leave any out): the figures and the table are redrawn from the runs named, and had
+silently dropped the others'; to continue some runs alone, resume each with ``geomuon pretrain
+--resume --out-dir <folder>/<strategy>-s<seed>`` and the comparison's options.
 Ctrl-C checkpoints the running run and prints the command that resumes the comparison. A
 progress bar counts the runs, and each run shows its steps below it.
 
@@ -36,9 +44,9 @@ import time
 from geomuon.optimizers.assign import STRATEGIES
 from geomuon.pretrain.config import (TrainConfig, add_options, field_problems, from_args, is_template, launcher_value,
                                      option, option_text)
-from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, check_same_data,
+from geomuon.pretrain.train import (Distributed, RunFolderClaim, TrainingInterrupted, TrainResult, agreed_data,
                                     check_same_run,
-                                    checkpoint_to_resume, claimed_by_main, literal_out_dir, load_run_data,
+                                    checkpoint_to_resume, claimed_by_main, literal_out_dir, nothing_to_continue,
                                     previous_checkpoint, printing_rank, resolve_out_dir, resume_command, resume_record,
                                     run_files, say_refusal, train)
 
@@ -56,13 +64,15 @@ class CompareConfig:
     strategies: list[str] = option(list(SEED_STRATEGIES), "strategies to train, comma-separated",
                                    choices=lambda: sorted(STRATEGIES))
     seeds: list[int] = option([0], "seeds of every strategy, comma-separated", at_least=0)
-    divergence_margin: float = option(0.5, "a final val loss this far above the run's best counts as diverged",
+    divergence_margin: float = option(0.5, "a final val loss this far above the run's best counts as diverged "
+                                      "(not applied to runs --stop-after stopped early)",
                                       unit="nats", at_least=0)
 
 
 @dataclasses.dataclass
 class RunSummary:
-    """What one (strategy, seed) run of a comparison produced: losses, verdict, wall time."""
+    """What one (strategy, seed) run of a comparison produced: losses, verdict, wall time, and
+    the length of its schedule, ``steps`` (``--steps``; ``None``: the run is taken to have run it)."""
     strategy: str
     seed: int
     final_val_loss: float
@@ -70,15 +80,28 @@ class RunSummary:
     diverged: bool
     wall_time: float
     result: TrainResult
+    steps: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the run stopped before its schedule's end on finite losses (``--stop-after``,
+        at ``result.last_step``): its "final" val loss is the last one so far."""
+        return self.steps is not None and not self.diverged and self.result.last_step < self.steps
 
 
-def verdict(result: TrainResult, divergence_margin: float) -> tuple[float, float, bool]:
-    """``(final val loss, best val loss, diverged)`` of one run."""
+def verdict(result: TrainResult, divergence_margin: float, steps: int | None = None) -> tuple[float, float, bool]:
+    """``(final val loss, best val loss, diverged)`` of one run: diverged when it stopped on a
+    non-finite loss, or when its final val loss exceeds its best by more than
+    ``divergence_margin`` nats. The second rule judges only a run that ran its schedule's
+    ``steps`` (``None``: taken as run): one that ``--stop-after`` stopped earlier has not yet
+    shown growth that does not recover (the rest of its schedule, the learning-rate decay among
+    it, may bring the loss down), and called diverged it would be named no best run."""
     losses = [e["val_loss"] for e in result.evals]
     final = losses[-1] if losses else math.nan
     finite = [v for v in losses if math.isfinite(v)]
     best = min(finite) if finite else math.nan
-    diverged = result.diverged or not math.isfinite(final) or final > best + divergence_margin
+    ran = steps is None or result.last_step >= steps
+    diverged = result.diverged or not math.isfinite(final) or (ran and final > best + divergence_margin)
     return final, best, diverged
 
 
@@ -87,9 +110,10 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
     """The folder of a comparison and the configuration of each of its runs
     (``<folder>/<strategy>-s<seed>``), all checked before the first one trains: a folder
     holding an earlier comparison is refused unless ``--resume`` (finished runs are read
-    back, the interrupted one continues, the others start) or ``--overwrite``. The fresh
-    folder a template (``{time}``) gives is created here, after every check, under a name no
-    other comparison holds; the caller removes it again if it stops before writing into it."""
+    back, the interrupted one continues, the others start; every run the folder holds must be
+    named) or ``--overwrite``. The fresh folder a template (``{time}``) gives is created here,
+    after every check, under a name no other comparison holds; the caller removes it again if
+    it stops before writing into it."""
     base.validate(named_strategy=False)  # the strategy is each run's
     for name, values in (("strategies", strategies), ("seeds", seeds)):
         twice = sorted({str(v) for v in values if values.count(v) > 1})
@@ -97,11 +121,28 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
             raise ValueError(f"{option_text(name, options=CompareConfig)} lists {', '.join(twice)} more than once; "
                              "give each once")
     root = _comparison_folder(base)
-    if base.resume and not os.path.isdir(root):
-        raise ValueError(f"{option_text('resume', True)}: there is no comparison in {root!r} to continue")
+    runs_held = _runs_held(root)
+    figures = [name for name in FIGURES if root is not None and os.path.exists(os.path.join(root, name))]
+    if base.resume and not runs_held:  # (had started a fresh comparison)
+        if figures:  # (told to start without --resume, it is refused as a folder holding a comparison)
+            raise ValueError(f"{option_text('resume', True)}: {option_text('out_dir')} {root!r} holds the figures "
+                             f"of a comparison ({', '.join(figures)}) but none of its runs, so there is no comparison "
+                             f"to continue; replace them with {option_text('overwrite', True)}, or choose another "
+                             f"{option_text('out_dir')}")
+        raise nothing_to_continue(root, "comparison")
+    if base.resume:  # the figures and the table are redrawn from the runs named: one left out had vanished from them
+        named = {_run_name(strategy, seed) for strategy in strategies for seed in seeds}
+        left_out = [entry for entry in runs_held if entry not in named]
+        if left_out:
+            raise ValueError(f"{option_text('resume', True)}: {root!r} holds runs that "
+                             f"{option_text('strategies', options=CompareConfig)} and "
+                             f"{option_text('seeds', options=CompareConfig)} leave out ({', '.join(left_out)}): "
+                             "the figures and the table, redrawn from the runs named, would lose them; name them too "
+                             "(a finished run is read back, not trained again), or continue a run <strategy>-s<seed> "
+                             "alone with 'geomuon pretrain --resume --out-dir <its folder> --strategy <strategy> "
+                             "--seed <seed>' and the comparison's options")
     if root is not None and os.path.isdir(root) and not (base.resume or base.overwrite):
-        held = [name for name in FIGURES if os.path.exists(os.path.join(root, name))]
-        held += [f"{entry}/{name}" for entry in sorted(os.listdir(root)) for name in run_files(os.path.join(root, entry))]
+        held = figures + [f"{entry}/{name}" for entry, names in runs_held.items() for name in names]
         if held:
             raise ValueError(f"{option_text('out_dir')} {root!r} already holds a comparison ({', '.join(held[:4])}"
                              f"{', …' if len(held) > 4 else ''}); continue it with {option_text('resume', True)}, "
@@ -127,6 +168,15 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
         runs = [dataclasses.replace(cfg, out_dir=_run_out_dir(os.path.join(root, _run_name(cfg.strategy, cfg.seed))))
                 for cfg in runs]
     return root, runs
+
+
+def _runs_held(root: str | None) -> dict[str, list[str]]:
+    """The entries of the comparison folder ``root`` that hold a run, each with its run files
+    (:func:`~geomuon.pretrain.train.run_files`), in name order; none where ``root`` is no folder."""
+    if root is None or not os.path.isdir(root):
+        return {}
+    held = {entry: run_files(os.path.join(root, entry)) for entry in sorted(os.listdir(root))}
+    return {entry: names for entry, names in held.items() if names}
 
 
 def _run_name(strategy: str, seed: int) -> str:
@@ -191,20 +241,22 @@ def compare(
     claim, overall, summaries = None, None, []
     try:
         (root, runs), claim = claimed_by_main(ddp, _claimed_comparison, base, strategies, seeds)
-        data = load_run_data(base)
-        check_same_data(data, ddp)  # before the checkpoints' checks: they compare each rank's data
+        data = agreed_data(base, None, ddp)  # before the checkpoints' checks: they compare each rank's data
         for cfg in runs:
             if cfg.resume:
-                checkpoint, record = resume_record(resolve_out_dir(cfg))
+                # rank 0's folder (a collective: every rank resumes; a rank's own view of the disk had
+                # been able to refuse alone, in resolve_out_dir, while the others waited)
+                checkpoint, record = resume_record(os.path.join(root, _run_name(cfg.strategy, cfg.seed)))
                 try:
                     check_same_run(record, cfg, data)
-                except ValueError as err:  # which of the comparison's runs: its checkpoint (a data refusal stays one)
-                    raise type(err)(f"{checkpoint!r}: {err}") from None
+                except ValueError as err:  # which of the comparison's runs: its checkpoint
+                    raise ValueError(f"{checkpoint!r}: {err}") from None
         overall = _runs_bar(len(runs), base.progress)
         for cfg in runs:
             result = train(cfg, data, sharing=strategies)
-            final, best, diverged = verdict(result, divergence_margin)
-            summaries.append(RunSummary(cfg.strategy, cfg.seed, final, best, diverged, result.wall_time, result))
+            final, best, diverged = verdict(result, divergence_margin, cfg.steps)
+            summaries.append(RunSummary(cfg.strategy, cfg.seed, final, best, diverged, result.wall_time, result,
+                                        cfg.steps))
             if overall is not None:
                 overall.set_postfix_str(f"{cfg.strategy} s{cfg.seed}: val {final:.3f}", refresh=False)
                 overall.update(1)
@@ -243,22 +295,30 @@ def _runs_bar(total: int, enabled: bool):
 def summary_line(summaries: list[RunSummary], wall_time: float, out_dir: str | None) -> str:
     """The last line of ``geomuon compare``: runs, divergences, time, the best run among those
     that did not diverge (a diverged run's last val loss may come from before it stopped, or
-    be the blown-up value itself: it names no winner)."""
+    be the blown-up value itself: it names no winner). Runs that ``--stop-after`` stopped
+    (:attr:`RunSummary.stopped`) are said to have stopped, at which step of how many, and
+    their val losses are the last ones, not final."""
     diverged = sum(s.diverged for s in summaries)
     line = f"compare: {len(summaries)} runs, {diverged} diverged, {wall_time:.0f}s"
+    stopped = [s for s in summaries if s.stopped]
+    if stopped:  # at one step: every run of a comparison that did not diverge trains to its --stop-after
+        line += f"; stopped at step {stopped[0].result.last_step} of {stopped[0].steps} (--stop-after)"
     converged = [s for s in summaries if not s.diverged]
     if converged:
         best = min(converged, key=lambda s: s.final_val_loss)
         step = best.result.evals[-1]["step"]
-        line += f"; best final val loss {best.final_val_loss:.4f} ({best.strategy} s{best.seed}, step {step})"
+        line += (f"; best {'last' if stopped else 'final'} val loss {best.final_val_loss:.4f} "
+                 f"({best.strategy} s{best.seed}, step {step})")
     elif summaries:
         line += "; no run finished without diverging"
     return line + (f"; runs and figures in {out_dir}" if out_dir else "")
 
 
 def results_table(summaries: list[RunSummary]) -> str:
-    """Format the comparison as a fixed-width text table, one row per run."""
-    header = ("strategy", "seed", "final val loss", "best val loss", "diverged", "wall time")
+    """Format the comparison as a fixed-width text table, one row per run (its val loss column
+    is headed "last val loss" when ``--stop-after`` stopped runs before their schedule's end)."""
+    last = "last val loss" if any(s.stopped for s in summaries) else "final val loss"
+    header = ("strategy", "seed", last, "best val loss", "diverged", "wall time")
     rows = [
         (s.strategy, str(s.seed), f"{s.final_val_loss:.4f}", f"{s.best_val_loss:.4f}",
          "yes" if s.diverged else "no", f"{s.wall_time:.1f}s")
@@ -416,5 +476,10 @@ def run(args: argparse.Namespace) -> int:
     if root is not None:
         for path in plot(summaries, root):
             print(f"figure: {path}")
+        if any(s.stopped for s in summaries):  # (in memory, no run can be continued)
+            again = resume_command("compare", dataclasses.replace(base, out_dir=literal_out_dir(root), resume=True,
+                                                                  overwrite=False, stop_after=None),
+                                   options, defaults=COMPARE_DEFAULTS)
+            print(f"continue the runs to step {base.steps} with: {again}")
     print(summary_line(summaries, time.perf_counter() - started, root))
     return 0

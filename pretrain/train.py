@@ -149,12 +149,13 @@ class TrainingInterrupted(Exception):
 
 
 class DataRefusal(ValueError):
-    """A refusal of the data this process read (:func:`load_run_data`, :func:`build`'s checks of
-    it, :func:`check_same_run`'s comparison of its tokens). Under torchrun each rank reads its own
-    copy (on several machines, files of its own), so the other ranks may not refuse it: the command
-    line prints it on every rank that raises it. Every other refusal is raised alike on every rank
-    (the same options, rank 0's decisions sent to all, the same checkpoint files) and printed by
-    rank 0 alone."""
+    """A refusal of the data this process loaded (:func:`load_run_data`). Under torchrun each rank
+    loads its own copy (on several machines, files of its own), so the other ranks may not refuse
+    it: the command line prints it on every rank that raises it (the others raise a ``ValueError``
+    naming that rank, :func:`agreed_data`). Every other refusal is raised alike on every rank (the
+    same options, rank 0's decisions sent to all, the same checkpoint files, and once the ranks
+    have agreed on it the same data: :func:`build`'s checks of it and :func:`check_same_run`'s
+    comparison of its tokens are plain ``ValueError``) and printed by rank 0 alone."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -258,7 +259,8 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
     """The folder a run writes to: ``cfg.out_dir`` with ``{strategy}`` and ``{time}`` (UTC,
     ``YYYYmmdd-HHMMSS``) filled in — a templated name (:func:`is_template`) that exists already
     gets ``-2``, ``-3``, … — and ``{{``, ``}}`` written as one brace, checked: a folder holding a
-    run is refused unless ``cfg.resume`` or ``cfg.overwrite``. Creates nothing."""
+    run is refused unless ``cfg.resume`` or ``cfg.overwrite``, and ``cfg.resume`` into one holding
+    none. Creates nothing."""
     if cfg.out_dir is None:
         return None
     label = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.strategy)
@@ -277,9 +279,12 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
             path = f"{base}-{n}"
         return path
     found = run_files(path)
+    nothing_to_resume = cfg.resume and not found
+    if (nothing_to_resume or found and not (cfg.resume or cfg.overwrite)) and _held(path):
+        raise _in_use(path)  # (first: the advice of the refusals below had led to this one second)
+    if nothing_to_resume:  # (refused by load_checkpoint, it had loaded the data and built the model first)
+        raise nothing_to_continue(path)
     if found and not (cfg.resume or cfg.overwrite):
-        if _held(path):  # (the advice below had led to this refusal second)
-            raise _in_use(path)
         raise ValueError(
             f"{option_text('out_dir')} {path!r} already holds a run ({', '.join(found)}); continue it with "
             f"{option_text('resume', True)}, replace it with {option_text('overwrite', True)}, or leave it out "
@@ -290,6 +295,15 @@ def resolve_out_dir(cfg: TrainConfig) -> str | None:
 
 #: The lock a run holds on its folder while it runs (:class:`RunFolderClaim`).
 LOCK_FILE = ".lock"
+
+
+def nothing_to_continue(path: str, what: str = "run") -> ValueError:
+    """The refusal of ``--resume`` into the folder ``path`` that does not exist or holds no run:
+    no ``what`` (a ``"run"``, a ``"comparison"``) to continue."""
+    there = "holds no run" if os.path.isdir(path) else "does not exist"
+    return ValueError(f"{option_text('resume', True)}: {option_text('out_dir')} {path!r} {there}, so there is no "
+                      f"{what} to continue; start without {option_text('resume', True)}, or give the folder of the "
+                      f"{what} to continue")
 
 
 def _in_use(path: str) -> ValueError:
@@ -718,12 +732,11 @@ def build(cfg: TrainConfig, data: TokenData, device: torch.device,
     (:func:`_check_soft_caps`), not at the step the warmup reaches it."""
     model_cfg = model_config(cfg, data)
     if data.vocab_size > model_cfg.vocab_size:
-        raise DataRefusal(
+        raise ValueError(
             f"data {data.source} has vocab {data.vocab_size} > the model's {model_cfg.vocab_size}; "
             f"use a config with a larger vocab_size"
         )
-    with _refusing_data():
-        data.check_context(model_cfg.block_size)
+    data.check_context(model_cfg.block_size)
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg).to(device)
     direction = {"default": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.direction_dtype]
@@ -752,23 +765,53 @@ def load_run_data(cfg: TrainConfig) -> TokenData:
     it, because they were always read as a 50304-token vocabulary); a character-level source
     sets its own. A refusal of the data is a :class:`DataRefusal`."""
     vocab_size = get_config(cfg.model, **cfg.model_kwargs()).vocab_size
-    with _refusing_data():
+    try:
         return load_data(cfg.data, vocab_size=vocab_size)
+    except ValueError as err:
+        raise DataRefusal(str(err)) from None
 
 
-def check_same_data(data: TokenData, ddp: Distributed) -> None:
+def agreed_data(cfg: TrainConfig, data: TokenData | None, ddp: Distributed) -> TokenData:
+    """``data`` (default: this process's :func:`load_run_data` of ``cfg``), once every rank of a
+    torchrun run holds the same (:func:`check_same_data`). A rank whose load, or hash of its
+    tokens, fails takes part in that one gather all the same, with its failure: it then raises its
+    own exception (a :class:`DataRefusal`, which it prints, where the load refused its data), and
+    every other rank a ``ValueError`` naming it. Each rank had loaded alone, and one that failed left the others waiting in the
+    gather (gloo until its socket closed; NCCL until its timeout). One process: its own
+    exception, and neither hash nor gather."""
+    if ddp.world == 1:
+        return data or load_run_data(cfg)
+    try:
+        data = data or load_run_data(cfg)
+        mine = data.identity  # (the hash reads every token: a shard's read can fail here too)
+    except Exception as err:
+        mine = err
+    check_same_data(mine, ddp)
+    return data
+
+
+def check_same_data(mine: dict | Exception, ddp: Distributed) -> None:
     """Refuse, on every rank alike, a torchrun run whose ranks read different data: each rank reads
     its own copy (on several machines, files of its own), and ranks of different vocabularies had
     aborted in the model's first broadcast (gloo: "Received data size doesn't match expected
     size"; NCCL waits until its timeout) while ranks of one vocabulary trained on different text.
-    Every rank's :attr:`~geomuon.pretrain.data.TokenData.identity` (its tokens, wherever they are
-    read from) is gathered in one collective and compared with rank 0's
-    (:func:`identity_changes`): a ``ValueError`` naming the ranks whose data differs and how.
-    Every rank hashes its data here; a one-process run neither hashes nor gathers."""
-    if ddp.world == 1:
-        return
+    Every rank's ``mine`` — its data's :attr:`~geomuon.pretrain.data.TokenData.identity` (its tokens,
+    wherever they are read from), or the exception its load raised, sent as its text — is gathered
+    in one collective (every rank calls it). A rank whose load failed raises its own exception;
+    while any did, the others raise a ``ValueError`` naming those ranks and the first one's
+    message; else each identity is compared with rank 0's (:func:`identity_changes`): a
+    ``ValueError`` naming the ranks whose data differs and how."""
+    failed_here = isinstance(mine, Exception)
     identities = [None] * ddp.world
-    dist.all_gather_object(identities, data.identity)
+    dist.all_gather_object(identities, (str(mine) or type(mine).__name__) if failed_here else mine)
+    if failed_here:
+        raise mine
+    failed = [rank for rank, identity in enumerate(identities) if isinstance(identity, str)]
+    if failed:
+        several = len(failed) > 1
+        raise ValueError(f"rank{'s' if several else ''} {', '.join(map(str, failed))} could not read "
+                         f"{'their' if several else 'its'} data (rank {failed[0]}: {identities[failed[0]]}); give "
+                         f"every process a readable copy of its {option_text('data')}")
     changes = {rank: identity_changes(identities[0], identity) for rank, identity in enumerate(identities)}
     differ = [rank for rank, changed in changes.items() if changed]
     if differ:
@@ -776,16 +819,6 @@ def check_same_data(data: TokenData, ddp: Distributed) -> None:
         raise ValueError(f"rank{'s' if len(differ) > 1 else ''} {named} read other data than rank 0's "
                          f"{identities[0]['source']} (rank {differ[0]}: {'; '.join(changes[differ[0]])}); give "
                          f"every process the same {option_text('data')} file contents")
-
-
-@contextlib.contextmanager
-def _refusing_data():
-    """A ``ValueError`` raised inside (a refusal of the data this process read) raised again as a
-    :class:`DataRefusal` with its message."""
-    try:
-        yield
-    except ValueError as err:
-        raise DataRefusal(str(err)) from None
 
 
 def model_config(cfg: TrainConfig, data: TokenData) -> GPTConfig:
@@ -1120,8 +1153,7 @@ def _records_before(payload: dict) -> list[dict]:
 def _train(cfg: TrainConfig, data: TokenData | None, ddp: Distributed, build_assignment: AssignmentFactory | None,
            extra_metrics: ExtraMetrics | None, request: _StopRequest) -> TrainResult:
     device = _device(cfg, ddp)
-    data = data or load_run_data(cfg)
-    check_same_data(data, ddp)  # before the model: its first broadcast assumes one vocabulary
+    data = agreed_data(cfg, data, ddp)  # before the model: its first broadcast assumes one vocabulary
     model, assignment = build(cfg, data, device, build_assignment)
     block_size = model.config.block_size
     say = print if ddp.main else (lambda *a, **k: None)
@@ -1377,9 +1409,10 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     are compared by the model they build: ``--n-embd 32`` given or left to a config whose width is
     32 is the same run (the options as typed had been compared: ``n_embd: None → 32`` refused it).
 
-    Every rank checks the data it read itself (each rank loads its own copy, on several machines
-    from files of its own), so every rank hashes it here; the record it compares with is the
-    checkpoint's, the same on every rank."""
+    Under torchrun every rank calls it (a collective for a checkpoint that keeps no data identity)
+    and checks the data it loaded itself (each rank its own copy, on several machines from files of
+    its own), which the ranks have found the same (:func:`agreed_data`), with the checkpoint's
+    record, the same on every rank: every rank raises a refusal alike."""
     # a checkpoint written before a field existed ran with that field's default
     saved = {**asdict(TrainConfig()), **record["config"]}
     shape_options = {*MODEL_OPTIONS, "model_overrides"}
@@ -1396,17 +1429,21 @@ def check_same_run(record: dict, cfg: TrainConfig, data: TokenData) -> None:
     if "data" in record:
         changed, trained_on = identity_changes(record["data"], data.identity), data_read_from(record)
     else:  # (older checkpoints recorded no data identity: the spec alone is compared)
-        changed = [f"data spec: {saved['data']!r} → {cfg.data!r}, and the checkpoint keeps no sha256 of its tokens "
-                   "to compare"] if saved["data"] != cfg.data else []
-        trained_on = None
+        # each rank compares the spec it was given (a path of its own machine): the first rank's
+        # refusal on every rank (a rank refusing alone had left the others in the model's broadcast)
+        together = dist.is_initialized()
+        where = f" on rank {dist.get_rank()}" if together else ""
+        changed = [f"data spec{where}: {saved['data']!r} → {cfg.data!r}, and the checkpoint keeps no sha256 of its "
+                   "tokens to compare"] if saved["data"] != cfg.data else None
+        changed, trained_on = agreed(changed, together), None
     if changed:
         now = read_from(data.source)
         restore = ("resume under the Python version that started the run (the embedded corpus is its "
                    "pydoc_data)" if trained_on == now == spec_source("embedded")
                    else "restore the data the run was trained on")
         where = "" if trained_on in (None, now) else f", read from {trained_on}"
-        raise DataRefusal(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
-                          + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
+        raise ValueError(f"--data {cfg.data}: the data differs from the data the run was trained on{where} ("
+                         + "; ".join(changed) + f"); {restore}, or use a new {option_text('out_dir')}")
     built = asdict(model_config(cfg, data))
     # the saved options' model as this version builds it: what the options given change, apart
     # from what another geomuon version builds of them (the record's model, below)
@@ -1485,10 +1522,10 @@ def printing_rank() -> int | None:
 
 def say_refusal(verb: str, err: ValueError, rank: int | None) -> None:
     """Print ``geomuon <verb>: <err>`` on stderr where it is said. Under torchrun every rank
-    raises a refusal alike, and rank 0 says it once; a :class:`DataRefusal` may be one rank's
-    alone, so each rank that raises one says it, prefixed ``[rank r]`` on ranks other than 0 (which
-    rank's data is wrong), in one write of the whole line (ranks writing at once had interleaved
-    their lines into one)."""
+    raises a refusal alike, and rank 0 says it once; a :class:`DataRefusal` (of the data a rank
+    loaded) may be one rank's alone, so each rank that raises one says it, prefixed ``[rank r]`` on
+    ranks other than 0 (which rank's data is wrong), in one write of the whole line (ranks writing
+    at once had interleaved their lines into one)."""
     if rank in (0, None) or isinstance(err, DataRefusal):
         sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}geomuon {verb}: {err}\n")
 
@@ -1518,6 +1555,9 @@ def run(args: argparse.Namespace) -> int:
         measured = f"val_loss={last['val_loss']:.4f} at step {last['step']}" if last else "no evaluation"
         print(f"done: {result.last_step} steps in {result.wall_time:.1f}s, diverged={result.diverged}, "
               f"{measured}, log {os.path.join(result.out_dir, 'log.jsonl')}")
+        if result.last_step < cfg.steps and not result.diverged:  # --stop-after: as geomuon compare says it
+            again = replace(cfg, out_dir=literal_out_dir(result.out_dir), resume=True, overwrite=False, stop_after=None)
+            print(f"continue the run to step {cfg.steps} with: {resume_command('pretrain', again)}")
     return 1 if result.diverged else 0
 
 

@@ -17,8 +17,9 @@ from geomuon.pretrain.config import TrainConfig
 from geomuon.pretrain.train import TrainResult, read_log
 
 
-def result(val_losses, diverged=False):
-    return TrainResult("x", evals=[{"step": i, "val_loss": v} for i, v in enumerate(val_losses)], diverged=diverged)
+def result(val_losses, diverged=False, last_step=0):
+    return TrainResult("x", evals=[{"step": i, "val_loss": v} for i, v in enumerate(val_losses)], diverged=diverged,
+                       last_step=last_step)
 
 
 def test_verdict_flags_non_finite_and_unrecovered_growth():
@@ -28,6 +29,18 @@ def test_verdict_flags_non_finite_and_unrecovered_growth():
     final, best, diverged = verdict(result([4.0, math.nan]), 0.5)
     assert math.isnan(final) and best == 4.0 and diverged
     assert verdict(result([4.0, 3.0], diverged=True), 0.5)[2]  # stopped on a non-finite loss
+
+
+def test_a_run_stopped_before_its_schedules_end_is_not_judged_by_its_growth():
+    # --stop-after 10 of --steps 20: a last val loss 0.6 nats above the best is no growth that does
+    # not recover yet (the rest of the schedule may bring it down); it had been called diverged
+    rising = [4.0, 3.0, 3.6]
+    assert verdict(result(rising, last_step=10), 0.5, steps=20) == (3.6, 3.0, False)
+    assert verdict(result(rising, last_step=20), 0.5, steps=20)[2]  # control: the schedule ran, diverged
+    assert verdict(result(rising, last_step=10), 0.5)[2]  # control: no schedule given, taken as run
+    # stopped early on a non-finite loss, or a non-finite val loss: diverged all the same
+    assert verdict(result([4.0, 3.0], diverged=True, last_step=10), 0.5, steps=20)[2]
+    assert verdict(result([4.0, math.nan], last_step=10), 0.5, steps=20)[2]
 
 
 def test_compare_cli_prints_table_and_writes_figures(tmp_path, capsys):
@@ -142,6 +155,48 @@ def test_a_resumed_comparison_reads_its_data_from_another_path_but_not_other_dat
     assert max(read_log(out / "adamw-s0" / "log.jsonl"), key=lambda r: r["step"])["step"] == 6  # trained to the end
 
 
+def test_a_resume_that_leaves_out_runs_of_the_folder_is_refused_before_any_run(tmp_path, capsys):
+    # a resume naming fewer strategies or seeds than the folder holds had redrawn its figures and
+    # table from those alone: the other runs vanished from them without a word
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw,unconstrained", "--seeds", "0,1", *SMALL, "--out-dir", str(out)]) == 0
+    capsys.readouterr()
+    held = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    for strategies, seeds, left_out in (("adamw", "0,1", "unconstrained-s0, unconstrained-s1"),
+                                        ("adamw,unconstrained", "1", "adamw-s0, unconstrained-s0")):
+        assert cli(["compare", "--strategies", strategies, "--seeds", seeds, *SMALL, "--resume",
+                    "--out-dir", str(out)]) == 2
+        assert (f"geomuon compare: --resume (resume=True): {str(out)!r} holds runs that --strategies (strategies) "
+                f"and --seeds (seeds) leave out ({left_out}): the figures and the table") in capsys.readouterr().err
+        assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == held  # nothing touched
+    # control: a resume naming every run (in another order) reads them all back, into one table
+    assert cli(["compare", "--strategies", "unconstrained,adamw", "--seeds", "1,0", *SMALL, "--resume",
+                "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("resumed from ") == 4 and printed.strip().splitlines()[-1].startswith("compare: 4 runs, ")
+
+
+@pytest.mark.parametrize("held", ["nothing", "figures", "missing"])
+def test_a_resume_into_a_folder_holding_no_run_is_refused_as_pretrain_refuses_it(tmp_path, capsys, held):
+    # an empty folder, or one of figures whose runs are gone, had started a fresh comparison under
+    # --resume (geomuon pretrain refuses a resume into a folder holding no run)
+    out = tmp_path / "cmp"
+    if held != "missing":
+        out.mkdir()
+    if held == "figures":
+        (out / "loss.png").write_bytes(b"png")
+    said = {"missing": "does not exist, so there is no comparison to continue; start without --resume",
+            "nothing": "holds no run, so there is no comparison to continue; start without --resume",
+            # (without --resume it is refused as holding a comparison: the way out is --overwrite)
+            "figures": "holds the figures of a comparison (loss.png) but none of its runs, so there is no comparison "
+                       "to continue; replace them with --overwrite"}[held]
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--resume", "--out-dir", str(out)]) == 2
+    assert f"geomuon compare: --resume (resume=True): --out-dir (out_dir) {str(out)!r} {said}" in \
+        capsys.readouterr().err
+    assert out.exists() == (held != "missing")  # nothing created, nothing written
+    assert sorted(p.name for p in out.rglob("*")) == (["loss.png"] if held == "figures" else [])
+
+
 def test_an_interrupted_comparison_resumes_with_the_printed_command(tmp_path, monkeypatch, capsys):
     """SIGINT (a real one, sent at the second run's step-3 evaluation) stops ``compare``
     with exit 130 and a command; that command reads the finished run back without
@@ -202,6 +257,47 @@ def test_the_summary_line_names_no_diverged_run_as_best():
     assert line == "compare: 3 runs, 2 diverged, 10s; best final val loss 3.2500 (hetero s0, step 2)"
     assert summary_line([stopped, blown_up], 10.0, None) == (
         "compare: 2 runs, 2 diverged, 10s; no run finished without diverging")
+
+
+def test_the_table_and_summary_of_stopped_runs_call_their_val_loss_the_last_one_and_name_the_step():
+    # runs that --stop-after stopped at step 10 of 20 had been shown under "final val loss"
+    def summaries(last_step):
+        runs = [("adamw", result([4.0, 3.0, 3.3], last_step=last_step)),
+                ("hetero", result([4.0, 3.5, 3.25], last_step=last_step))]
+        return [RunSummary(name, 0, *verdict(run, 0.5, 20), 1.0, run, 20) for name, run in runs]
+
+    stopped = summaries(10)
+    assert results_table(stopped).splitlines()[0].split()[2:5] == ["last", "val", "loss"]
+    assert summary_line(stopped, 10.0, "cmp") == ("compare: 2 runs, 0 diverged, 10s; stopped at step 10 of 20 "
+                                                  "(--stop-after); best last val loss 3.2500 (hetero s0, step 2); "
+                                                  "runs and figures in cmp")
+    finished = summaries(20)  # control: the schedule ran, the output as it was
+    assert results_table(finished).splitlines()[0].split()[2:5] == ["final", "val", "loss"]
+    assert summary_line(finished, 10.0, "cmp") == ("compare: 2 runs, 0 diverged, 10s; best final val loss 3.2500 "
+                                                   "(hetero s0, step 2); runs and figures in cmp")
+
+
+def test_a_stopped_comparison_prints_the_command_that_continues_it_to_the_end(tmp_path, capsys):
+    import shlex
+
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw,unconstrained", *SMALL, "--stop-after", "4",
+                "--out-dir", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert next(line for line in lines if line.startswith("strategy")).split()[2:5] == ["last", "val", "loss"]
+    # stopped at step 4, last evaluated at step 3 (--eval-every 3): both named
+    assert re.match(r"compare: 2 runs, 0 diverged, \d+s; stopped at step 4 of 6 \(--stop-after\); best last val "
+                    rf"loss \d\.\d{{4}} \(\w+ s0, step 3\); runs and figures in {re.escape(str(out))}$", lines[-1])
+    assert lines[-2].startswith("continue the runs to step 6 with: geomuon compare ")
+    command = shlex.split(lines[-2].split(" with: ", 1)[1])
+    assert "--resume" in command and "--stop-after" not in command
+    assert cli(command[1:]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    # control: the continued comparison ran its schedule, and says so as a comparison run in one go does
+    assert next(line for line in lines if line.startswith("strategy")).split()[2:5] == ["final", "val", "loss"]
+    assert not any(line.startswith("continue the runs") for line in lines)
+    assert re.match(r"compare: 2 runs, 0 diverged, \d+s; best final val loss \d\.\d{4} \(\w+ s0, step 6\); "
+                    rf"runs and figures in {re.escape(str(out))}$", lines[-1])
 
 
 def test_figures_give_each_module_one_colour_and_each_seed_one_line_style(tmp_path, monkeypatch):

@@ -26,7 +26,8 @@ import torch
 from geomuon.pretrain.data import load_data
 from geomuon.pretrain.parallel import (DamagedCheckpoint, dcp_folders, load_checked, load_distributed,
                                       read_distributed, read_record)
-from geomuon.pretrain.train import TrainConfig, build, checkpoint_to_resume, load_checkpoint, resolve_out_dir, train
+from geomuon.pretrain.train import (TrainConfig, build, checkpoint_to_resume, load_checkpoint, resolve_out_dir,
+                                    save_checkpoint, train)
 
 STEPS, HALF = 12, 6  # checkpoints every HALF steps: a run's folder keeps the HALF and the STEPS one
 
@@ -96,14 +97,19 @@ def spawn(world: int, script: str, cfg, *args: str) -> list[subprocess.Popen]:
                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
 
 
-def finished(procs: list[subprocess.Popen], timeout: float = 60) -> list[str]:
-    """The outputs of ``procs``, which must all exit 0 within ``timeout`` seconds (a rank left
-    waiting in a collective is killed)."""
+def ended(procs: list[subprocess.Popen], timeout: float = 60) -> list[str]:
+    """The outputs of ``procs``, which must all exit on their own within ``timeout`` seconds (else
+    ``subprocess.TimeoutExpired``, and a rank left waiting in a collective is killed)."""
     try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
+
+
+def finished(procs: list[subprocess.Popen], timeout: float = 60) -> list[str]:
+    """The outputs of ``procs``, which must all exit 0 within ``timeout`` seconds (:func:`ended`)."""
+    outputs = ended(procs, timeout)
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     return outputs
 
@@ -689,15 +695,17 @@ def test_a_checkpoint_whose_record_lists_no_files_still_loads_and_a_lost_shard_i
 
 
 # Each rank: the command `geomuon pretrain` of the run, the rank of argv[2] unable to read its data
+# (a ValueError, as the loader refuses a file; with argv[3] "OSError", an OSError of its machine)
 COMMAND = textwrap.dedent("""
     import os, shlex, sys, torch
     torch.set_num_threads(1)
     from geomuon.cli import entry
     from geomuon.pretrain import train as training
     from geomuon.pretrain.config import command_line
+    error = OSError if sys.argv[3:] == ["OSError"] else ValueError
 
     def load_data(spec, vocab_size):
-        raise ValueError(f"data {spec}: no such file on rank {os.environ['RANK']}")
+        raise error(f"data {spec}: no such file on rank {os.environ['RANK']}")
 
     if os.environ["RANK"] == sys.argv[2]:  # this rank's copy of the data is gone (its own machine's)
         training.load_data = load_data
@@ -706,21 +714,63 @@ COMMAND = textwrap.dedent("""
 """)
 
 
-def test_under_torchrun_a_refusal_is_printed_once_and_a_ranks_own_refusal_by_that_rank(tmp_path):
-    # every rank had printed the same `geomuon pretrain: …` line; a refusal only one rank raises (of
-    # the data it read itself) must still be printed by that rank: torchrun then stops the others
+def test_under_torchrun_a_refusal_is_printed_once(tmp_path):
+    # every rank had printed the same `geomuon pretrain: …` line
     cfg = config(tmp_path / "empty", parallel="ddp", strategy="adamw", resume=True)
-    outputs = [p.communicate(timeout=60)[0] for p in spawn(2, COMMAND, cfg, "none")]
-    said = "geomuon pretrain: checkpoint"
+    procs = spawn(2, COMMAND, cfg, "none")
+    outputs = ended(procs)
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    said = "geomuon pretrain: --resume (resume=True): --out-dir (out_dir)"
     assert outputs[0].count(said) == 1 and "geomuon pretrain:" not in outputs[1], outputs
-    procs = spawn(2, COMMAND, replace(cfg, out_dir=str(tmp_path / "run"), resume=False), "1")
-    try:
-        own = procs[1].communicate(timeout=60)[0]
-    finally:  # rank 0 waits for rank 1 in a collective (torchrun would stop it)
-        for p in procs:
-            p.kill()
-            p.communicate()
-    assert procs[1].returncode == 2 and "geomuon pretrain: data embedded: no such file on rank 1" in own, own
+
+
+@pytest.mark.parametrize("failing, error", [("1", "ValueError"), ("0", "ValueError"), ("1", "OSError")])
+def test_a_rank_that_cannot_load_its_data_says_so_and_every_rank_stops_at_once(tmp_path, failing, error):
+    # each rank loaded its data alone, then the ranks gathered their data's identities: a rank whose
+    # load failed left, and the others waited in that gather (gloo until the rank's socket closed,
+    # NCCL until its timeout). It now sends its failure in that gather: it raises its own error (a
+    # refusal of its data, which it prints), the others a refusal naming it (printed once, by rank 0)
+    procs = spawn(2, COMMAND, config(tmp_path / "run", parallel="ddp", strategy="adamw"), failing, error)
+    outputs = ended(procs)  # every rank on its own: none is killed
+    own = f"data embedded: no such file on rank {failing}"
+    named = (f"geomuon pretrain: rank {failing} could not read its data (rank {failing}: {own}); give every process "
+             "a readable copy of its --data (data)\n")
+    if error == "OSError":  # not a refusal: the command line leaves it to Python's traceback, and exit status 1
+        assert [p.returncode for p in procs] == [2, 1] and f"OSError: {own}" in outputs[1], outputs
+    else:
+        assert [p.returncode for p in procs] == [2, 2], outputs
+        mine = outputs[int(failing)]
+        said = f"{'[rank 1] ' if failing == '1' else ''}geomuon pretrain: {own}\n"
+        assert mine.count(said) == 1 and mine.count("geomuon pretrain:") == 1, outputs
+    if failing == "1":
+        assert outputs[0].count(named) == 1 and outputs[0].count("geomuon pretrain:") == 1, outputs
+    else:  # rank 0's own refusal is the one line: rank 1 prints none
+        assert "geomuon pretrain:" not in outputs[1], outputs
+    assert not os.path.exists(tmp_path / "run")  # nothing was written
+
+
+@pytest.mark.parametrize("refused", ["context", "resume"])
+def test_a_refusal_of_the_data_the_ranks_agreed_on_is_printed_once(tmp_path, refused):
+    # once the ranks hold the same data, its later refusals (build's check of the context, a resume
+    # on other data) are raised alike by every rank: they had been refusals of each rank's own data,
+    # printed by every rank ("[rank 1] geomuon pretrain: …" beside rank 0's line)
+    text = tmp_path / "text.txt"
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=2, warmup_steps=0, eval_every=2,
+                 data=f"text:{text}")
+    if refused == "context":
+        text.write_text("abc" * 10)  # both splits shorter than one window of block_size + 1 tokens
+        said = f"geomuon pretrain: data text:{text}: the train split has 27 tokens, fewer than"
+    else:
+        text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+        train(replace(cfg, parallel="none"))  # the run, on one process
+        text.write_text("the quick brown fox jumps over the lazy cat. " * 40)
+        cfg = replace(cfg, resume=True)
+        said = f"geomuon pretrain: --data text:{text}: the data differs from the data the run was trained on"
+    procs = spawn(2, COMMAND, cfg, "none")
+    outputs = ended(procs)
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert outputs[0].count(said) == 1 and outputs[0].count("geomuon pretrain:") == 1, outputs
+    assert "geomuon pretrain:" not in outputs[1], outputs
 
 
 def _touch(path) -> None:
@@ -932,6 +982,30 @@ def test_a_fresh_run_whose_ranks_read_different_data_is_refused_alike_on_every_r
     copy.write_text(text)
     cfg = replace(cfg, out_dir=str(tmp_path / "same"))
     assert all("resumed" in out for out in finished(spawn(2, OWN_DATA, cfg, f"text:{mine}", f"text:{copy}")))
+
+
+def test_a_checkpoint_keeping_no_data_identity_is_judged_alike_on_every_rank(tmp_path):
+    # a checkpoint written before runs recorded their data's sha256 is compared by the --data spec each
+    # rank was given (a path of its own machine): rank 1, given another path to the same text, had
+    # refused alone and rank 0 died in the model's broadcast. Control: the same spec on both resumes
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    mine, copy = tmp_path / "a.txt", tmp_path / "b.txt"
+    mine.write_text(text)
+    copy.write_text(text)
+    cfg = config(tmp_path / "run", parallel="ddp", strategy="adamw", steps=4, warmup_steps=0, eval_every=2,
+                 data=f"text:{mine}", stop_after=2)
+    train(replace(cfg, parallel="none"))
+    ckpt = os.path.join(cfg.out_dir, "ckpt.pt")
+    payload = load_checkpoint(ckpt)
+    save_checkpoint(ckpt, {k: v for k, v in payload.items() if k != "data"})  # as older versions wrote it
+    resume = replace(cfg, resume=True, stop_after=4)
+    outputs = finished(spawn(2, OWN_DATA, resume, f"text:{mine}", f"text:{copy}"))
+    # alike on both ranks but for the --data each names at its head
+    refusals = [re.search(r"refused: --data \S+: (.*)", out) for out in outputs]
+    assert all(refusals) and refusals[0].group(1) == refusals[1].group(1), outputs
+    assert f"(data spec on rank 1: 'text:{mine}' → 'text:{copy}', and the checkpoint keeps no sha256" in \
+        refusals[0].group(1)
+    assert all("resumed" in out for out in finished(spawn(2, OWN_DATA, resume, f"text:{mine}", f"text:{mine}")))
 
 
 # Each rank: the command `geomuon compare` of argv[1]'s options (those `compare` takes); with more

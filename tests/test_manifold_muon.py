@@ -1173,3 +1173,38 @@ def test_dgram_steps_of_the_general_path_read_nothing_back(no_host_reads):
     # on DGram to the float64 retraction's round-off: its cosines within Polar Express's at most
     # 12 steps of 3 products of inner dimension <= m + n = 16, each <= (m + n) eps (scale-free)
     assert manifold.check_point_on_manifold(W.detach(), atol=12 * 3 * 16 * torch.finfo(torch.float64).eps, rtol=0.0)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (8, 0), (0, 4, 4)])
+def test_an_empty_matrix_is_refused_by_name_before_any_group_steps(shape):
+    # it had been accepted, then refused by its manifold inside step(), unnamed, after the groups
+    # before it had moved (a second step then failed in a reshape)
+    kept = Stiefel().projx(torch.randn(16, 8, dtype=torch.float64))
+    A = torch.nn.Parameter(kept.clone())
+    empty = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    view = {"matrix_view": "batch"} if len(shape) == 3 else {}
+    refused = rf"parameter .* of shape {re.escape(str(shape))} has no point on Stiefel.*update='adamw' group"
+    with pytest.raises(ValueError, match=refused):
+        ManifoldMuon([{"params": [A]}, {"params": [empty], **view}], manifold="stiefel")
+    optimizer = ManifoldMuon([A], manifold="stiefel")
+    with pytest.raises(ValueError, match=refused):
+        optimizer.add_param_group({"params": [empty], **view})
+    # negative control: the update='adamw' group it is told to use takes it, and a step moves the rest
+    optimizer.add_param_group({"params": [empty], "update": "adamw"})
+    A.grad, empty.grad = torch.randn_like(A), torch.zeros_like(empty)
+    optimizer.step()
+    assert not torch.equal(A.detach(), kept) and empty.shape == shape
+
+
+def test_a_shape_its_manifold_refuses_is_refused_at_construction_naming_the_parameter():
+    # a 1 x 8 router (one expert) had been accepted, then refused by CenteredRouterSpace at the first
+    # step as "x of shape (1, 8) is invalid", which parameter of the group unsaid
+    from geomuon.manifolds import CenteredRouterSpace
+
+    router = CenteredRouterSpace()
+    fine = torch.nn.Parameter(router.projx(torch.randn(4, 8, dtype=torch.float64)))
+    lone = torch.nn.Parameter(torch.randn(1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"parameter #1 of param group 0 of shape \(1, 8\) has no point on "
+                                         r"CenteredRouterSpace.*\(a router needs at least 2 experts"):
+        ManifoldMuon([fine, lone], manifold=router)
+    ManifoldMuon([fine], manifold=router)  # negative control: a shape it takes is accepted

@@ -122,6 +122,10 @@ def test_from_spec_refuses_bad_specs_by_name():
         MatrixManifold.from_spec({"name": "Stiefel", "args": {"bogus": 1}})
     with pytest.raises(ValueError, match="unknown keys"):
         MatrixManifold.from_spec({"name": "Stiefel", "args": {}, "extra": 1})
+    # a required argument left out (a user's manifold): a bare TypeError from its constructor had named no spec
+    with pytest.raises(ValueError, match=r"manifold spec 'WeightedSphere': WeightedSphere\(\): missing a required "
+                                         r"argument: 'weights'; give it in 'args'"):
+        MatrixManifold.from_spec({"name": "WeightedSphere", "args": {"radius": 1.0}})
     with pytest.raises(ValueError, match="param group 3: unknown manifold"):
         MatrixManifold.resolve("nope", "param group 3")
 

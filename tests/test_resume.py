@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from geomuon.cli import main as cli
-from geomuon.pretrain.train import (DataRefusal, RunLog, RunWriteError, TrainConfig, TrainingInterrupted,
+from geomuon.pretrain.train import (RunLog, RunWriteError, TrainConfig, TrainingInterrupted,
                                     load_checkpoint, previous_checkpoint, read_log, save_checkpoint, train)
 
 STEPS = 400  # the schedule; the runs below stop long before its end
@@ -216,12 +216,14 @@ def test_the_same_data_read_from_another_path_resumes_and_other_data_is_still_re
                          ("text:longer.txt", r"train tokens: 18000 → 18090; val tokens: 2000 → 2010;"),
                          ("tokens:shards", r"tokenization: characters → GPT-2 tokens; vocab size: \d+ → 256;"),
                          ("embedded", r"characters added: .*train tokens: 18000 → \d+;")):
-        # (a DataRefusal: the data this process read, which under torchrun every rank refusing it prints)
         # (where the run last read its data, as its provenance records it: absolute, links resolved)
         refused = (rf"^--data {spec}: the data differs from the data the run was trained on, read from "
                    rf"shakespeare:{re.escape(os.path.realpath(moved))} \({change}.*restore the data")
-        with pytest.raises(DataRefusal, match=refused):
+        with pytest.raises(ValueError, match=refused) as refusal:
             train(config(out, stop_after=5, resume=True, data=spec, **run))
+        # no DataRefusal (one rank's own load): under torchrun the ranks have agreed on their data
+        # first, so every rank refuses it alike, and rank 0 alone prints it
+        assert type(refusal.value) is ValueError
     # a checkpoint that keeps no data identity (written before it did): only the spec can be compared
     payload = load_checkpoint(str(out / "ckpt.pt"))
     save_checkpoint(str(out / "ckpt.pt"), {k: v for k, v in payload.items() if k != "data"})
@@ -289,6 +291,31 @@ def test_a_missing_checkpoint_says_what_to_do_with_the_folder(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="does not exist; start without --resume"):
         load_checkpoint(str(empty / "ckpt.pt"))
+
+
+@pytest.mark.parametrize("there", [False, True])
+def test_a_resume_into_a_folder_holding_no_run_is_refused_before_the_data_is_read(tmp_path, monkeypatch, there):
+    # it had read the data and built the model before load_checkpoint refused "ckpt.pt does not exist"
+    import geomuon.pretrain.train as training
+
+    def read(cfg):
+        raise AssertionError("the data was read before the refusal")
+
+    monkeypatch.setattr(training, "load_run_data", read)
+    out = tmp_path / "run"
+    if there:
+        out.mkdir()
+    said = "holds no run" if there else "does not exist"
+    with pytest.raises(ValueError, match=rf"^--resume \(resume=True\): --out-dir \(out_dir\) '{re.escape(str(out))}' "
+                                         rf"{said}, so there is no run to continue; start without --resume"):
+        train(config(out, resume=True))
+    assert out.exists() == there  # nothing created
+    # negative control: a folder holding a run's log (killed before its first checkpoint) passes this
+    # check, and load_checkpoint says what to do with it after the data was read
+    out.mkdir(exist_ok=True)
+    (out / "log.jsonl").write_text("{}\n")
+    with pytest.raises(AssertionError, match="the data was read"):
+        train(config(out, resume=True))
 
 
 def test_flipped_bytes_inside_a_checkpoint_are_reported_by_its_crc(tmp_path):

@@ -158,6 +158,24 @@ def test_batched_problems_are_solved_independently():
     assert batched.ratio.shape == (2,)
 
 
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram(), Oblique()], ids=lambda m: type(m).__name__)
+def test_a_matrix_meeting_the_tolerance_gets_its_own_result_whatever_its_batch_mates(manifold):
+    # the tolerance stop was one flag for the batch: a matrix that met it went on stepping until its
+    # batch-mates did, and its direction moved by 2e-11 to 1e-10 from the one it got alone (fp64)
+    torch.manual_seed(1)
+    W = manifold.projx(torch.randn(4, 12, 5, dtype=torch.float64))
+    G = torch.randn(4, 12, 5, dtype=torch.float64)
+    G[2] += 30 * W[2] @ torch.randn(5, 5, dtype=torch.float64)  # mostly normal: the slowest to converge
+    batched = steepest_direction(manifold, W, G)
+    alone = [steepest_direction(manifold, W[i:i + 1], G[i:i + 1]) for i in range(4)]
+    assert len({result.steps for result in alone}) > 1  # they meet the tolerance at different steps
+    # a batched product may round a few ulps apart from a single one, and up to 100 dual steps
+    # carry it at this conditioning (O(10)): 1e3 ulps, a hundred times below the gap above
+    for i, result in enumerate(alone):
+        assert torch.allclose(batched.direction[i], result.direction[0], rtol=0,
+                              atol=1e3 * torch.finfo(torch.float64).eps), i
+
+
 def test_bad_input():
     W, G = _problem(24, 8, seed=13)
     with pytest.raises(ValueError, match="differ"):

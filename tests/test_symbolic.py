@@ -3,6 +3,7 @@ library's methods/maps (run on exact sympy-valued tensors or free-algebra letter
 each certificate family has a negative control asserted to be rejected."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -522,6 +523,27 @@ def test_manifold_certificate_rejects_a_wrong_adjoint_and_gram_diagonal():
     assert not half.holds and not _zero(half.witness["<L(A), lam> = <A, L*(lam)>"])
     kept = certify_manifold(DiagonalKept.__new__(DiagonalKept), Wd)
     assert not kept.holds and not _zero(kept.witness["<L(A), lam> = <A, L*(lam)>"])
+
+
+def test_a_manifold_without_a_diagonal_gram_is_refused_by_name_not_reported_as_failing():
+    # a manifold declaring no diagonal L L* (a user's generalized Stiefel): its generic projection had
+    # raised a TypeError inside the certificate, and a closed-form one had read "holds=False" with
+    # every residual zero
+    class NoDiagonalGram(Stiefel):
+        def constraint_gram_diag(self, x):
+            return None
+
+    stiefel, W = _POINTS[(3, 2)]["Stiefel"]
+    refused = r"NoDiagonalGram declares no diagonal L L\* .*check_manifold_contract"
+    with pytest.raises(ValueError, match=rf"certify_manifold: {refused}"):
+        certify_manifold(NoDiagonalGram(), W)
+    with pytest.raises(ValueError, match=rf"certify_projection: {refused}"):
+        certify_projection(NoDiagonalGram().proju, NoDiagonalGram(), W)
+    every = certify_every_size(NoDiagonalGram())  # (its convention: not certified, the error as its witness)
+    assert not every.holds and re.search(rf"ValueError: certify_every_size: {refused}", every.witness["error"])
+    # negative controls: the parent class certifies
+    assert certify_manifold(stiefel, W).holds and certify_projection(stiefel.proju, stiefel, W).holds
+    assert certify_every_size(stiefel).holds
 
 
 def _zero(residual) -> bool:

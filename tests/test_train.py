@@ -439,6 +439,18 @@ def test_a_resume_told_to_stop_before_its_checkpoint_is_refused(tmp_path, capsys
     assert cli([*PRETRAIN, "--out-dir", out, "--resume", "--stop-after", "4"]) == 0
 
 
+def test_a_run_stopped_early_prints_the_command_that_continues_it_to_its_end(tmp_path, capsys):
+    # after --stop-after it said "done: 2 steps" and nothing of the rest (geomuon compare prints the
+    # command); the command printed continues to --steps. Control: a finished run prints none
+    out = str(tmp_path / "run")
+    assert cli([*PRETRAIN, "--out-dir", out, "--stop-after", "2"]) == 0
+    said = re.search(r"^continue the run to step 4 with: geomuon (pretrain .*)$", capsys.readouterr().out, re.M)
+    assert said and "--stop-after" not in said.group(1) and "--resume" in said.group(1), said
+    assert cli(shlex.split(said.group(1))) == 0
+    finished = capsys.readouterr().out
+    assert "done: 4 steps" in finished and "continue the run" not in finished, finished
+
+
 @pytest.mark.parametrize("options, environment, named", [
     (dict(data="webtext"), {}, ["--data", "'webtext'"]),
     (dict(model_overrides={"depth": 3}), {}, ["--model-overrides", "'depth'"]),
@@ -642,8 +654,8 @@ def test_bad_out_dirs_are_refused_by_name(tmp_path, monkeypatch, capsys, out_dir
 def test_done_line_says_where_its_val_loss_was_measured(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert cli([*PRETRAIN, "--out-dir", out, "--steps", "10", "--eval-every", "4", "--stop-after", "6"]) == 0
-    done = capsys.readouterr().out.strip().splitlines()[-1]
-    assert done.startswith("done: 6 steps") and "at step 4," in done  # the last evaluation, not step 6
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith("done: 6 steps") and "at step 4," in done[0]  # the last evaluation
 
 
 # ----------------------------------------------------------------------------- batches
@@ -892,24 +904,30 @@ def _odd_shards(folder):
     (folder / "val.bin").write_bytes(b"\x01\x00" * 64)
 
 
-@pytest.mark.parametrize("spec, make, message", [
-    ("text:{dir}/empty.txt", lambda d: (d / "empty.txt").write_text(""), r"empty\.txt: the text is empty"),
+@pytest.mark.parametrize("spec, make, message, refusal", [
+    ("text:{dir}/empty.txt", lambda d: (d / "empty.txt").write_text(""), r"empty\.txt: the text is empty",
+     DataRefusal),
     ("text:{dir}/latin1.txt", lambda d: (d / "latin1.txt").write_bytes(b"caf\xe9 " * 200),
-     r"latin1\.txt' is not UTF-8"),
-    ("text:{dir}/missing.txt", lambda d: None, r"missing\.txt' does not exist"),
+     r"latin1\.txt' is not UTF-8", DataRefusal),
+    ("text:{dir}/missing.txt", lambda d: None, r"missing\.txt' does not exist", DataRefusal),
     ("text:{dir}/short.txt", lambda d: (d / "short.txt").write_text("abc" * 10),
-     r"short\.txt: the (train|val) split has \d+ tokens"),
-    ("tokens:{dir}/shards", lambda d: _odd_shards(d / "shards"), r"train\.bin': 3 bytes is not a whole number"),
+     r"short\.txt: the (train|val) split has \d+ tokens", ValueError),
+    ("tokens:{dir}/shards", lambda d: _odd_shards(d / "shards"), r"train\.bin': 3 bytes is not a whole number",
+     DataRefusal),
 ])
-def test_a_bad_data_file_is_refused_by_name_before_anything_is_written(tmp_path, capsys, spec, make, message):
+def test_a_bad_data_file_is_refused_by_name_before_anything_is_written(tmp_path, capsys, spec, make, message,
+                                                                       refusal):
     make(tmp_path)
     out = tmp_path / "run"
     assert cli([*PRETRAIN, "--out-dir", str(out), "--data", spec.format(dir=tmp_path)]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()  # no run folder left behind
-    # a refusal of the data this process read, which under torchrun every rank raising it prints
-    with pytest.raises(DataRefusal, match=message):
+    # a DataRefusal: this process's load refused it (under torchrun every rank raising one prints it);
+    # a plain ValueError: the data loaded, and its check for the model (its context) is refused alike by
+    # every rank, which agreed on their data first (rank 0 prints it)
+    with pytest.raises(ValueError, match=message) as refused:
         train(tiny(tmp_path, data=spec.format(dir=tmp_path)))
+    assert type(refused.value) is refusal
 
 
 def test_data_other_than_the_configured_data_is_refused(tmp_path):

@@ -1661,11 +1661,18 @@ def certify_manifold(manifold, W: ExactTensor, name: str = "") -> Certificate:
 
     Methods are called through the library's public API (validation and the wide-point
     transposition included). ``witness``: each identity's reduced residual.
+
+    Raises:
+        ValueError: the manifold declares no diagonal $L_WL_W^*$ (``constraint_gram_diag``
+            returns ``None``), which the projection identity above divides by; check such a
+            manifold numerically with :func:`geomuon.theory.contracts.check_manifold_contract`.
     """
+    label = name or type(manifold).__name__
     m, n = W.shape[-2:]
     # Entries live in the field QQ(point parameters, A, X, Lambda, t): sparse rational-
     # function arithmetic, exact, and zero-testing is free.
     W, (A, X, lam_all, t) = _in_field(W, [("a", (m, n)), ("x", (m, n)), ("lam", (max(m, n) ** 2,)), ("t", ())])
+    gram = ExactTensor(_gram_diag(manifold, W, "certify_manifold", label))
     LA = manifold.constraint(W, A)
     lam = ExactTensor(lam_all.a[: LA.numel()].reshape(LA.a.shape))
     residuals: dict[str, Any] = {}
@@ -1675,28 +1682,36 @@ def certify_manifold(manifold, W: ExactTensor, name: str = "") -> Certificate:
         derivative = ExactTensor(np.vectorize(lambda e: e.diff(t).subs(t, 0), otypes=[object])(_lift(moved)))
         residuals["dF_W(A) = L_W(A)"] = derivative - LA
     residuals["<L(A), lam> = <A, L*(lam)>"] = _inner(LA, lam) - _inner(A, manifold.constraint_adjoint(W, lam))
-    gram = manifold.constraint_gram_diag(W)
-    gram = ExactTensor(gram) if gram is not None else None
-    if gram is not None and LA.numel():
+    positive = True  # (no constraint, nothing to divide by)
+    if LA.numel():
         residuals["L L*(L(A)) = g * L(A)"] = manifold.constraint(W, manifold.constraint_adjoint(W, LA)) - gram * LA
         positive = all(_as_expr(g).is_positive for g in gram.a.flat)
-    else:
-        positive = gram is not None
     PX = manifold.proju(W, X)
-    if gram is not None:
-        LX = manifold.constraint(W, X)
-        solved = LX / gram if LX.numel() else LX
-        residuals["P(X) = X - L*((L L*)^-1 L(X))"] = PX - (X - manifold.constraint_adjoint(W, solved))
+    LX = manifold.constraint(W, X)
+    solved = LX / gram if LX.numel() else LX
+    residuals["P(X) = X - L*((L L*)^-1 L(X))"] = PX - (X - manifold.constraint_adjoint(W, solved))
     residuals["L(P(X)) = 0"] = manifold.constraint(W, PX)
     residuals["P(P(X)) = P(X)"] = manifold.proju(W, PX) - PX
     checked = {k: _zero_tensor(v) for k, v in residuals.items()}
     holds = positive and all(ok for ok, _ in checked.values())
-    label = name or type(manifold).__name__
     return Certificate(
         f"{label} {m}x{n}: F(W)=0, dF=L, L* adjoint, LL* = diag(g) on range(L), P = I - L*(LL*)^-1 L",
         holds,
         {"gram_diag_positive": positive, **{k: r for k, (_, r) in checked.items()}},
     )
+
+
+def _gram_diag(manifold, W, certificate: str, label: str):
+    """``manifold.constraint_gram_diag(W)``, which the certificates' projection identity
+    $P = I - L^*(LL^*)^{-1}L$ divides by; a ``ValueError`` naming ``certificate`` and the
+    manifold (``label``) where it declares none (``None``): a generic projection had failed
+    inside, and a closed-form one had been reported as not holding with every residual zero."""
+    gram = manifold.constraint_gram_diag(W)
+    if gram is None:
+        raise ValueError(f"{certificate}: {label} declares no diagonal L L* (its constraint_gram_diag returns None), "
+                         "which this certificate's projection identity needs; check it numerically with "
+                         "geomuon.theory.contracts.check_manifold_contract")
+    return gram
 
 
 def certify_projection(project: Callable, manifold, W: ExactTensor, name: str = "P") -> Certificate:
@@ -1705,7 +1720,7 @@ def certify_projection(project: Callable, manifold, W: ExactTensor, name: str = 
     controls of the suite feed wrong projections, e.g. $P \equiv 0$)."""
     m, n = W.shape[-2:]
     X = symbols_matrix("x", m, n)
-    gram = ExactTensor(manifold.constraint_gram_diag(W))
+    gram = ExactTensor(_gram_diag(manifold, W, "certify_projection", type(manifold).__name__))
     reference = X - manifold.constraint_adjoint(W, manifold.constraint(W, X) / gram)
     ok, residual = _zero_tensor(project(W, X) - reference)
     return Certificate(f"{name} is the orthogonal tangent projection at the {m}x{n} point", ok, residual)
@@ -1955,18 +1970,17 @@ def _certify_every_size(manifold, orientation: str, point: _FreePoint) -> Certif
     other = _free_inner(A, manifold.constraint_adjoint(W, lam))
     residuals["<L(A), lam> = <A, L*(lam)>"] = {w: c for w, c in ((w, _reduce(inner.get(w, 0) - other.get(w, 0)))
                                                                for w in {*inner, *other}) if c != 0}
-    gram = manifold.constraint_gram_diag(W)
-    if gram is not None:
-        residuals["L L*(L(A)) = g * L(A)"] = manifold.constraint(W, manifold.constraint_adjoint(W, LA)) - gram * LA
-        LX = manifold.constraint(W, X)
-        residuals["P(X) = X - L*((L L*)^-1 L(X))"] = manifold.proju(W, X) - (X - manifold.constraint_adjoint(W, LX / gram))
+    gram = _gram_diag(manifold, W, "certify_every_size", manifold.name)
+    residuals["L L*(L(A)) = g * L(A)"] = manifold.constraint(W, manifold.constraint_adjoint(W, LA)) - gram * LA
+    LX = manifold.constraint(W, X)
+    residuals["P(X) = X - L*((L L*)^-1 L(X))"] = manifold.proju(W, X) - (X - manifold.constraint_adjoint(W, LX / gram))
     PX = manifold.proju(W, X)
     residuals["L(P(X)) = 0"] = manifold.constraint(W, PX)
     residuals["P(P(X)) = P(X)"] = manifold.proju(W, PX) - PX
     residuals["L(V) = 0 for tangent V"] = manifold.constraint(W, V)
     residuals["P(V) = V for tangent V"] = manifold.proju(W, V) - V
     checked = {k: _free_zero(v) for k, v in residuals.items()}
-    positive = gram is not None and _positive_gram(gram)
+    positive = _positive_gram(gram)
     m, n = ORIENTATIONS[orientation]
     return Certificate(
         f"{manifold.name}, every {orientation} size ({m} x {n}): F(W)=0, dF=L, L* adjoint, LL* = g on range(L), "
