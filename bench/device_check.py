@@ -40,7 +40,7 @@ from geomuon.pretrain.train import read_log
 if __package__ in (None, ""):  # run as `python bench/device_check.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import optimizer_step  # noqa: E402
-from bench.timing import device_option, markdown_table, refuse_passive_wait  # noqa: E402
+from bench.timing import check_output_folder, device_option, markdown_table, refuse_passive_wait  # noqa: E402
 
 #: Tensor methods that read a value back to Python (each a device sync on CUDA).
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
         # a second run into the same folder had replaced the first report, and its smoke runs
         # failed on their own earlier run folders
         parser.error(f"--out {args.out} is a file or already holds files (an earlier report?); give a new folder")
+    check_output_folder(parser, "--out", args.out)  # (an unwritable one had been a traceback)
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = [(64, 64), (256, 64), (64, 256)] if args.quick else optimizer_step.gpt2_small_shapes()
     reads = host_reads(args.device, shapes)

@@ -54,7 +54,7 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/distributed_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import CLOCKS, Provenance, add_arguments, markdown_table  # noqa: E402
+from bench.timing import CLOCKS, Provenance, add_arguments, markdown_table, refuse_repeated  # noqa: E402
 
 SIZES = {"full": (256, 4), "quick": (32, 2)}  # (C, layers)
 #: ``--quick``: timed steps after the warm-up one
@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if worlds[0] != 1 or min(worlds) < 1:
         parser.error(f"--worlds must be process counts >= 1 starting with 1 (the single-process reference), "
                      f"got {args.worlds!r}")
+    refuse_repeated(parser, "--worlds", worlds)
     provenance = Provenance(__file__, args, argv, parser)
     torch.set_num_threads(args.threads)
     width, layers = SIZES["quick" if args.quick else "full"]

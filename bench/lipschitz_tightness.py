@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import REPO, Provenance, add_arguments, markdown_table  # noqa: E402
+from bench.timing import REPO, Provenance, add_arguments, check_output_folder, markdown_table  # noqa: E402
 from geomuon.optimizers.regulate import HardCap  # noqa: E402
 from geomuon.pretrain.model import GPT, GPTConfig, get_config  # noqa: E402
 from geomuon.theory.lipschitz import (  # noqa: E402
@@ -271,6 +271,10 @@ def measure(model: GPT, spec: Model, search: Search, seed: int) -> tuple[list[li
     return rows, per_token
 
 
+#: Where the catalogue's training runs are kept without ``--checkpoints`` (a full run).
+DEFAULT_CHECKPOINTS = REPO / "runs" / "lipschitz_tightness"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser, repeats=1, threads=1, repeats_help="unused (the script times nothing)")
@@ -279,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder of the catalogue's training runs: a model whose checkpoint is there is "
                              "not trained again (default the repository's runs/lipschitz_tightness; with --quick a temporary folder)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     provenance = Provenance(__file__, args, argv, parser, timed=False)
+    # a file there had been refused after the bounds at the cap, naming the training's --out-dir
+    check_output_folder(parser, "--checkpoints", args.checkpoints or (None if args.quick else DEFAULT_CHECKPOINTS))
+    torch.set_num_threads(args.threads)
     size = "quick" if args.quick else "full"
     search = SEARCH[size]
 
@@ -295,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     header = ["model", "steps", "norm", *(f"{method} bound" for method in LOOSEST_FIRST), "best estimate",
               *(f"{method} / estimate" for method in LOOSEST_FIRST), "estimate by search"]
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoints = args.checkpoints or (Path(scratch) if args.quick else REPO / "runs" / "lipschitz_tightness")
+        checkpoints = args.checkpoints or (Path(scratch) if args.quick else DEFAULT_CHECKPOINTS)
         models = {spec: trained_model(spec, args.seed, checkpoints, args.threads) for spec in CATALOGUE[size]}
     rows, composition_rows = [], []
     for spec, model in models.items():

@@ -48,7 +48,8 @@ import torch
 if __package__ in (None, ""):  # run as `python bench/manifold_frontier.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import (  # noqa: E402
-    CLOCKS, Provenance, add_arguments, at_least, interleaved_medians, markdown_row, markdown_table, refuse_dual_row_options,
+    CLOCKS, Distinct, Provenance, add_arguments, at_least, interleaved_medians, markdown_row, markdown_table,
+    refuse_dual_row_options,
 )
 
 #: ``--quick``: 3 steps, dual steps 0 and 1, 2 timed rounds (seconds; not a result).
@@ -133,29 +134,29 @@ def time_config(shapes, manifold, dual_steps: int, warm: bool, repeats: int, see
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", nargs="+", default=["384x128"], choices=["384x128", "gpt"])
-    parser.add_argument("--manifold", nargs="+", default=["stiefel"], choices=["stiefel", "dgram"])
+    parser.add_argument("--set", nargs="+", action=Distinct, default=["384x128"], choices=["384x128", "gpt"])
+    parser.add_argument("--manifold", nargs="+", action=Distinct, default=["stiefel"], choices=["stiefel", "dgram"])
     parser.add_argument("--steps", type=at_least(1), default=40, help="training steps per configuration")
-    parser.add_argument("--dual", type=at_least(0), nargs="+", default=None,
+    parser.add_argument("--dual", type=at_least(0), nargs="+", action=Distinct, default=None,
                         help="dual steps per optimizer step of the dual rows (default 0 to 8)")
-    parser.add_argument("--starts", nargs="+", choices=["warm", "cold"], default=None,
+    parser.add_argument("--starts", nargs="+", action=Distinct, choices=["warm", "cold"], default=None,
                         help="dual start of the dual rows (default warm and cold)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's, by manifold and update)")
     parser.add_argument("--msign", default=None, help="dualizer method (default: ManifoldMuon's)")
     parser.add_argument("--msign-steps", type=at_least(1), default=None)
-    parser.add_argument("--retraction", nargs="+", default=None, choices=["fused", "manifold"],
+    parser.add_argument("--retraction", nargs="+", action=Distinct, default=None, choices=["fused", "manifold"],
                         help="ManifoldMuon's retraction option (default fused): fused (the Gram-space path where the "
                              "manifold has a Gram form) and/or manifold (the general engine)")
-    parser.add_argument("--update", nargs="+", default=None, choices=["newton", "jacobi"],
+    parser.add_argument("--update", nargs="+", action=Distinct, default=None, choices=["newton", "jacobi"],
                         help="the Gram path's dual update (ManifoldMuon's dual_update; default both); the general path "
                              "always takes Jacobi steps")
     parser.add_argument("--dualizer", default=None, choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: its default)")
-    parser.add_argument("--solver", nargs="+", default=["dual"], choices=["dual", "projected"],
+    parser.add_argument("--solver", nargs="+", action=Distinct, default=["dual"], choices=["dual", "projected"],
                         help="ManifoldMuon's solver: dual (the rows above, per dual steps, update and start) "
                              "and/or projected (no dual: one row per --polish)")
-    parser.add_argument("--polish", type=at_least(0), nargs="+", default=None,
+    parser.add_argument("--polish", type=at_least(0), nargs="+", action=Distinct, default=None,
                         help=f"polish rounds of the projected solver's rows (default {' '.join(map(str, PROJECTED_POLISH))}; needs --solver "
                              "projected: the dual rows take each manifold's default)")
     parser.add_argument("--reference", type=at_least(0), default=0,

@@ -48,7 +48,8 @@ import torch
 
 if __package__ in (None, ""):  # run as `python bench/manifold_inrun.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import Provenance, add_arguments, markdown_row, markdown_table, refuse_dual_row_options  # noqa: E402
+from bench.timing import (Distinct, Provenance, add_arguments, markdown_row, markdown_table,  # noqa: E402
+                          refuse_dual_row_options)
 from geomuon.pretrain.data import spec_problem  # noqa: E402
 
 #: the manifolds study's full size (model, schedule, evaluation cadence)
@@ -104,12 +105,38 @@ def refuse_bad_settings(parser: argparse.ArgumentParser, manifold: str, settings
         parser.error(f"{flag} (on {manifold}): ManifoldMuon refuses it: {err}")
 
 
-def certified_run(manifold: str, settings: dict, run: dict, data: str, seed: int):
+def run_config(manifold: str, run: dict, data: str, seed: int):
+    """The :class:`~geomuon.pretrain.config.TrainConfig` of one run of ``manifold`` on the data
+    spec ``data``."""
+    from geomuon.pretrain.config import TrainConfig
+
+    fields = {k: v for k, v in run.items() if k not in ("model",)}
+    # out_dir=None: the run stays in memory (the default template had left a run folder with two
+    # checkpoints in ./runs for every configuration measured)
+    return TrainConfig(model=run["model"], strategy=STRATEGY[manifold], data=data, seed=seed, progress=False,
+                       print_table=False, out_dir=None, **fields)
+
+
+def load_or_refuse(parser: argparse.ArgumentParser, run: dict, data: str, seed: int):
+    """The data of every run (the spec ``data``, read once, as ``train`` reads it:
+    :func:`~geomuon.pretrain.train.load_run_data`), refused as a usage error naming ``--data``:
+    a missing or wrong file had been a traceback from the first run's ``train()``, after the
+    table's header."""
+    from geomuon.pretrain.train import load_run_data
+
+    cfg = run_config(next(iter(STRATEGY)), run, data, seed)  # (any manifold: the same vocabulary in every run)
+    try:
+        return load_run_data(cfg)
+    except ValueError as err:
+        parser.error(f"--data {data}: {err}")
+
+
+def certified_run(manifold: str, settings: dict, run: dict, data: str, seed: int, tokens):
     """Train one run with ManifoldMuon's ``settings`` (:func:`optimizer_settings`, checked by
-    :func:`refuse_bad_settings`); ``{orientation: [certified ratios]}`` over its evaluation steps."""
+    :func:`refuse_bad_settings`) on ``tokens``, the data spec ``data`` read by
+    :func:`load_or_refuse`; ``{orientation: [certified ratios]}`` over its evaluation steps."""
     from geomuon.optimizers import ManifoldMuon
     from geomuon.optimizers.assign import assign
-    from geomuon.pretrain.config import TrainConfig
     from geomuon.pretrain.train import train
 
     optimizers: list[ManifoldMuon] = []
@@ -135,39 +162,38 @@ def certified_run(manifold: str, settings: dict, run: dict, data: str, seed: int
                 ratios.setdefault(orientation(shapes[name]), []).append(ratio)
         return {}
 
-    fields = {k: v for k, v in run.items() if k not in ("model",)}
-    # out_dir=None: the run stays in memory (the default template had left a run folder with two
-    # checkpoints in ./runs for every configuration measured)
-    cfg = TrainConfig(model=run["model"], strategy=STRATEGY[manifold], data=data, seed=seed, progress=False,
-                      print_table=False, out_dir=None, **fields)
-    train(cfg, build_assignment=build, extra_metrics=read_certificates)
+    train(run_config(manifold, run, data, seed), tokens, build_assignment=build, extra_metrics=read_certificates)
     return ratios
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--manifold", nargs="+", default=["stiefel", "dgram"], choices=sorted(STRATEGY))
-    parser.add_argument("--update", nargs="+", default=None, choices=["newton", "jacobi"],
+    parser.add_argument("--manifold", nargs="+", action=Distinct, default=["stiefel", "dgram"],
+                        choices=sorted(STRATEGY))
+    parser.add_argument("--update", nargs="+", action=Distinct, default=None, choices=["newton", "jacobi"],
                         help="dual update (default: ManifoldMuon's for the manifold)")
-    parser.add_argument("--dual", type=int, nargs="+", default=None,
+    parser.add_argument("--dual", type=int, nargs="+", action=Distinct, default=None,
                         help="dual steps per optimizer step (default: ManifoldMuon's for the manifold)")
-    parser.add_argument("--polish", type=int, nargs="+", default=[None],
+    parser.add_argument("--polish", type=int, nargs="+", action=Distinct, default=[None],
                         help="rounds of the direction's polish (ManifoldMuon's polish_rounds; default: ManifoldMuon's "
                              "for the manifold and dualizer)")
-    parser.add_argument("--polish-method", nargs="+", default=None, choices=["admm", "alternating"],
+    parser.add_argument("--polish-method", nargs="+", action=Distinct, default=None,
+                        choices=["admm", "alternating"],
                         help="method of the polish rounds (ManifoldMuon's polish_method; default: ManifoldMuon's for "
                              "the manifold; the dual solver's rows)")
-    parser.add_argument("--starts", nargs="+", default=None, choices=["warm", "cold"],
+    parser.add_argument("--starts", nargs="+", action=Distinct, default=None, choices=["warm", "cold"],
                         help="dual start of each step: the previous step's correction (warm, ManifoldMuon's "
                              "default) or none (cold: warm_start=False)")
-    parser.add_argument("--smoothing", type=float, nargs="+", default=None,
+    parser.add_argument("--smoothing", type=float, nargs="+", action=Distinct, default=None,
                         help="smoothing of the dual (ManifoldMuon's dual_smoothing; default: ManifoldMuon's)")
-    parser.add_argument("--alpha", type=float, nargs="+", default=None,
+    parser.add_argument("--alpha", type=float, nargs="+", action=Distinct, default=None,
                         help="dual step size (ManifoldMuon's dual_alpha; default: ManifoldMuon's)")
-    parser.add_argument("--dualizer", nargs="+", default=[None], choices=["eigh", "polar_express"],
+    parser.add_argument("--dualizer", nargs="+", action=Distinct, default=[None],
+                        choices=["eigh", "polar_express"],
                         help="the Gram path's dualizer (ManifoldMuon's gram_dualizer; default: by device, eigh on "
                              "the CPU, polar_express on CUDA; eigh with --smoothing > 0)")
-    parser.add_argument("--solver", nargs="+", default=["dual"], choices=["dual", "projected"],
+    parser.add_argument("--solver", nargs="+", action=Distinct, default=["dual"],
+                        choices=["dual", "projected"],
                         help="ManifoldMuon's solver (projected: no dual; the dual options do not apply, and its "
                              "own dual iterate is the projection start: certify it with --reference)")
     parser.add_argument("--reference", type=int, default=0,
@@ -205,6 +231,7 @@ def main(argv=None) -> int:
 
     for solver, manifold, *row in combinations:  # before any run
         refuse_bad_settings(parser, manifold, settings_of(solver, *row))
+    tokens = load_or_refuse(parser, run, args.data, args.seed)
     provenance = Provenance(__file__, args, argv, parser, timed=False)
     torch.set_num_threads(args.threads)
 
@@ -232,7 +259,7 @@ def main(argv=None) -> int:
                 continue
             projected_runs.add((manifold, polish, dualizer))
         ratios = certified_run(manifold, settings_of(solver, update, dual, polish, method, start, smoothing, alpha,
-                                                     dualizer), run, args.data, args.seed)
+                                                     dualizer), run, args.data, args.seed, tokens)
         update, dual = update or default_dual_update(owner), default_dual_steps(owner) if dual is None else dual
         shown_update = update + (" (default)" if update == default_dual_update(owner) else "")
         shown_dual = str(dual) + (" (default)" if dual == default_dual_steps(owner) else "")

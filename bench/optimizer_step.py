@@ -54,8 +54,8 @@ except ImportError:
 
 if __package__ in (None, ""):  # run as `python bench/optimizer_step.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import (CLOCKS, Provenance, add_arguments, add_device_argument, at_least, interleaved_medians,  # noqa: E402
-                          markdown_table, synchronizer)
+from bench.timing import (CLOCKS, Distinct, Provenance, add_arguments, add_device_argument, at_least,  # noqa: E402
+                          interleaved_medians, markdown_table, synchronizer)
 
 #: The gpt set's default size (6 blocks of width 384).
 GPT_SIZE = {"layers": 6, "width": 384}
@@ -235,10 +235,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of each ManifoldMuon row: where the time goes (CPU only)")
-    parser.add_argument("--dualizer", nargs="+", default=["default"], choices=["default", "eigh", "polar_express"],
+    parser.add_argument("--dualizer", nargs="+", action=Distinct, default=["default"],
+                        choices=["default", "eigh", "polar_express"],
                         help="ManifoldMuon rows, one pair per dualizer (gram_dualizer; default: ManifoldMuon's, "
                              "eigh on the CPU): on a CPU whose bf16 products are fast, compare polar_express")
-    parser.add_argument("--solver", nargs="+", default=["dual", "projected"], choices=["dual", "projected"],
+    parser.add_argument("--solver", nargs="+", action=Distinct, default=["dual", "projected"],
+                        choices=["dual", "projected"],
                         help="ManifoldMuon rows, one set per solver (its solver key; the rows' labels name it "
                              "unless it is the default, dual)")
     add_device_argument(parser)

@@ -271,23 +271,29 @@ def _apply(root: Path, mutation: Mutation) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="", help="run the mutations whose label contains this text (comma-separated: any of them)")
+    parser.add_argument("--only", default=None, help="run the mutations whose label contains this text (comma-separated: any of them)")
     parser.add_argument("--range", default=":", help="a slice START:STOP of the catalogue (default all), to split a run")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds per suite run (default 900)")
     parser.add_argument("--markdown", type=Path, help="also write the result table to this file")
     parser.add_argument("--overwrite", action="store_true", help="let --markdown replace an existing file")
     args = parser.parse_args(argv)
-    check_output_file(parser, "--markdown", args.markdown, args.overwrite)  # before hours of suite runs
+    if args.list and args.markdown is not None:  # (--list had ignored it: exit 0, nothing written)
+        parser.error("--list prints the catalogue and runs nothing, so --markdown would have no table; drop one")
     match = re.fullmatch(r"(-?\d*):(-?\d*)", args.range.strip())
     if match is None:
         parser.error(f"--range must be START:STOP (either may be empty, e.g. 0:40 or 40:), got {args.range!r}")
     start, stop = (int(bound) if bound else None for bound in match.groups())
-    wanted = args.only.split(",")
-    chosen = [m for m in MUTATIONS[start:stop] if any(part in m.label for part in wanted)]
+    # blank entries are dropped: "" is in every label ("dgram," had chosen the whole catalogue)
+    wanted = None if args.only is None else [part for part in args.only.split(",") if part.strip()]
+    if wanted == []:
+        parser.error(f"--only {args.only!r} names no label text; give comma-separated parts of labels (--list "
+                     "prints the catalogue), or leave --only out for all")
+    chosen = [m for m in MUTATIONS[start:stop] if wanted is None or any(part in m.label for part in wanted)]
     if not chosen:
-        parser.error(f"no mutation in --range {args.range} has a label containing any of {wanted} (--list prints "
-                     "the catalogue)")
+        labels = "" if wanted is None else f" has a label containing any of {wanted}"
+        parser.error(f"no mutation in --range {args.range}{labels} (--list prints the catalogue)")
+    check_output_file(parser, "--markdown", args.markdown, args.overwrite)  # before hours of suite runs
     if args.list:
         for m in chosen:
             print(f"{m.label:55s} {m.path}")

@@ -12,9 +12,10 @@ it is ``--quick``: sleeping OpenMP threads slow steps made of many small kernels
 Provenance: ``--markdown PATH`` writes the script's table under a header stating the
 command line, the commit (and whether the checkout had uncommitted changes), the torch
 version, threads, clock, the machine (and accelerator), its bf16 / fp32 matmul rate ratio,
-the OMP_*/MKL_* thread settings, the machine's load average at the start and at the end of
-the run, and the date and duration; a ``--quick`` run is marked as a smoke test, not a result. The path is
-checked before anything is measured, and an existing file (a published table) is replaced
+the OMP_*/MKL_* thread settings it was launched with, the machine's load average at the start
+and at the end of the run, and the date and duration; a ``--quick`` run is marked as a smoke
+test, not a result. The path is checked before anything is measured (a probe file is written
+in its folder, which is created then), and an existing file (a published table) is replaced
 only with ``--overwrite``. The docs include these files from ``docs/results/benchmarks/``
 (see ``docs/results/index.md``).
 """
@@ -22,6 +23,7 @@ only with ``--overwrite``. The docs include these files from ``docs/results/benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -32,11 +34,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from geomuon.pretrain.provenance import file_above, git_commit, machine, markdown_row, markdown_table
+from geomuon.pretrain.provenance import file_above, git_commit, machine, markdown_row, markdown_table, require_writable
 
-__all__ = ["add_arguments", "at_least", "positive_seconds", "device_option", "check_output_file", "add_device_argument",
-           "refuse_passive_wait", "synchronizer", "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR",
-           "git_commit", "machine", "markdown_row", "markdown_table"]
+__all__ = ["add_arguments", "at_least", "positive_seconds", "device_option", "Distinct", "refuse_repeated",
+           "check_output_file", "check_output_folder", "add_device_argument", "refuse_passive_wait", "synchronizer",
+           "interleaved_medians", "Provenance", "CLOCKS", "RESULTS_DIR", "git_commit", "machine", "markdown_row",
+           "markdown_table"]
 
 REPO = Path(__file__).resolve().parents[1]
 #: Where the docs site looks for the benchmark tables (``docs/results/index.md``).
@@ -97,6 +100,26 @@ def device_option(text: str) -> str:
     return text
 
 
+def refuse_repeated(parser: argparse.ArgumentParser, option: str, values) -> None:
+    """Refuse, as a usage error, a list option whose ``values`` repeat one: its rows (or runs)
+    had been measured twice (``--manifold stiefel stiefel``, ``--worlds 1,2,2``)."""
+    twice = [value for index, value in enumerate(values) if value in values[:index]]
+    if twice:
+        parser.error(f"{option} lists {', '.join(map(str, dict.fromkeys(twice)))} more than once; give each once")
+
+
+class Distinct(argparse.Action):
+    """``action=`` of a list option (``nargs="+"``) that takes each value once
+    (:func:`refuse_repeated`, on the values after their ``type``: ``--alpha 1.5 1.50`` repeats),
+    given once (a second ``--manifold`` had replaced the first one's list)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not self.default:
+            parser.error(f"{option_string} is given twice; list all its values after one {option_string}")
+        refuse_repeated(parser, option_string, values)
+        setattr(namespace, self.dest, values)
+
+
 def refuse_dual_row_options(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> None:
     """Refuse, as a usage error, the options ``names`` (their ``dest``; ``None`` when not given) that
     set only the dual solver's rows, given while ``--solver`` has no ``dual`` (they had been
@@ -142,8 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, repeats: int, threads: int
 def check_output_file(parser: argparse.ArgumentParser, option: str, path: str | os.PathLike | None,
                       overwrite: bool) -> None:
     """Refuse, as a usage error before any work, an output ``path`` that cannot be written
-    (a folder, or under a file) or that exists without ``overwrite``: the table of a run of
-    minutes to hours had been lost at its end, or had replaced a published one."""
+    (a folder, under a file, or in a folder that cannot be created or written: a probe file is
+    written there now, the folder created) or that exists without ``overwrite``: the table of a
+    run of minutes to hours had been lost at its end, or had replaced a published one."""
     if path is None:
         return
     path = Path(path)
@@ -155,6 +179,36 @@ def check_output_file(parser: argparse.ArgumentParser, option: str, path: str | 
     if path.exists() and not overwrite:
         parser.error(f"{option} {path} exists (a published table?); pass --overwrite to replace it, or give "
                      "another path")
+    _require_writable(parser, option, path.parent)
+
+
+def check_output_folder(parser: argparse.ArgumentParser, option: str, folder: str | os.PathLike | None) -> None:
+    """Refuse, as a usage error before any work, an output ``folder`` that cannot be written (a
+    file, under a file, or one that cannot be created or written: a probe file is written in
+    it now, the folder created): it had been refused only at the first write, after the work before it."""
+    if folder is None:
+        return
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        parser.error(f"{option} {folder} is a file, not a folder; give a folder")
+    blocking = file_above(folder)
+    if blocking is not None:
+        parser.error(f"{option} {folder}: {blocking} is a file, not a folder")
+    _require_writable(parser, option, folder)
+
+
+def _require_writable(parser: argparse.ArgumentParser, option: str, folder: Path) -> None:
+    # the folders the probe creates are removed again, deepest first: the write creates them (a run
+    # refused by a later check, or interrupted, had left them empty)
+    created = [path for path in (folder, *folder.parents) if not path.exists()]
+    try:
+        require_writable(option, folder)
+    except ValueError as err:
+        parser.error(str(err))
+    finally:
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -204,13 +258,15 @@ class Provenance:
 
     def __init__(self, script: str, args: argparse.Namespace, argv: list[str] | None,
                  parser: argparse.ArgumentParser, *, timed: bool = True) -> None:
-        """``parser`` (the script's) reports an unusable ``--markdown`` path as a usage error
-        now, before measuring (:func:`check_output_file`), and so a run that ``timed`` something
-        under ``OMP_WAIT_POLICY=PASSIVE`` unless it is a ``--quick`` smoke run
-        (:func:`refuse_passive_wait`)."""
-        check_output_file(parser, "--markdown", args.markdown, args.overwrite)
+        """``parser`` (the script's) reports a run that ``timed`` something under
+        ``OMP_WAIT_POLICY=PASSIVE`` as a usage error now, before measuring, unless it is a
+        ``--quick`` smoke run (:func:`refuse_passive_wait`), and so an unusable ``--markdown``
+        path (:func:`check_output_file`; last: it creates the path's folder). The thread settings
+        are read now, as launched (a script may set one for what it runs, after this)."""
         if timed and not args.quick:
             refuse_passive_wait(parser)
+        check_output_file(parser, "--markdown", args.markdown, args.overwrite)
+        self.environment = {name: os.environ[name] for name in _ENVIRONMENT if name in os.environ}
         self.args = args
         argv = sys.argv[1:] if argv is None else argv
         self.command = " ".join(["python", f"bench/{Path(script).name}", *map(shlex.quote, argv)])
@@ -232,7 +288,7 @@ class Provenance:
             ("bf16 / fp32 matmul rate", matmul_rate_ratio(device=getattr(args, "device", "cpu"))),
             # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
             # parallel ops: ManifoldMuon/Muon on 2 threads measured 7.0 instead of 5.1.
-            ("environment", ", ".join(f"{k}={os.environ[k]}" for k in _ENVIRONMENT if k in os.environ)
+            ("environment", ", ".join(f"{k}={v}" for k, v in self.environment.items())
              or "no OMP_*/MKL_* thread settings (library defaults)"),
             ("load average (1, 5, 15 min)", f"{_load(self.load_start)} at the start, {_load(load_end)} at the end"),
             ("date (UTC), duration", f"{self.started:%Y-%m-%d %H:%M}, {time.time() - self.started.timestamp():.1f} s"),

@@ -13,15 +13,33 @@ import hashlib
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
-__all__ = ["CHECKOUT", "code_fingerprint", "file_above", "git_commit", "machine", "markdown_row", "markdown_table"]
+__all__ = ["CHECKOUT", "code_fingerprint", "file_above", "git_commit", "machine", "markdown_row", "markdown_table",
+           "require_writable"]
 
 
 def file_above(path: Path) -> Path | None:
     """The first of ``path``'s parents that exists and is not a directory (a path through a
     file, which nothing can create or read: an output or data path refused by name), else ``None``."""
     return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+
+
+def require_writable(option: str, folder: Path) -> None:
+    """Create ``folder`` (and its parents) and write a probe file in it, refusing ``option``
+    by name on any ``OSError``: a folder that cannot be created (``--out /proc/x``) had
+    failed with a traceback after every run had trained (the studies' and the
+    benchmarks' output folders)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        # a name of its own (O_EXCL): two runs probing one folder had removed each other's probe
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".geomuon-write-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{option} {str(folder)!r} cannot be created or written ({err.strerror or err}); "
+                         f"choose a folder you can write to") from None
 
 
 def _checkout() -> Path | None:

@@ -810,3 +810,184 @@ def test_every_table_header_records_the_machine_and_its_bf16_fp32_rate(monkeypat
         re.MULTILINE).groups())
     # the ratio is printed to 2 significant digits (5 % relative), each rate to 3 (0.5 % each)
     assert ratio > 0 and abs(ratio - bf16 / fp32) <= 0.05 * ratio + 0.01 * bf16 / fp32
+
+
+class Started(Exception):
+    """Raised by a stand-in for a script's first piece of work: the run got past its checks."""
+
+
+def start_work(*args, **kwargs):
+    raise Started(args)
+
+
+@pytest.fixture
+def script_settings(monkeypatch):
+    """Run a script's ``main`` in this process and leave the process as it was: the scripts set
+    torch's thread count, and equivariance_checker ``OMP_NUM_THREADS`` when it is unset."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # restored after the test
+    yield
+    torch.set_num_threads(threads)
+
+
+#: Each script that takes --markdown, with its quick options and the function where its work begins.
+MARKDOWN_SCRIPTS = {
+    "polar_kernels": ([], "measure"),
+    "optimizer_step": ([], "build"),
+    "manifold_frontier": ([], "run_config"),
+    "manifold_inrun": ([], "certified_run"),
+    "lipschitz_tightness": ([], "capped_shakespeare_bounds"),
+    "equivariance_checker": ([], "measure"),
+    "distributed_step": (["--worlds", "1"], "measure"),
+    "symbolic_mutations": (["--only", "GELU"], "_copy_tree"),
+}
+
+
+def test_every_markdown_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                                script_settings):
+    # --markdown /proc/... had been found unwritable only by the write at the end, a
+    # FileNotFoundError traceback after the whole benchmark
+    import importlib
+
+    for name, (options, work) in MARKDOWN_SCRIPTS.items():
+        script = importlib.import_module(f"bench.{name}")
+        monkeypatch.setattr(script, work, start_work)
+        quick = [] if name == "symbolic_mutations" else ["--quick"]
+        stderr = refused_in_process(script.main, capsys, *quick, *options, "--markdown", "/proc/geomuon_bench/t.md")
+        assert "--markdown '/proc/geomuon_bench' cannot be created or written" in stderr, name
+        # control: a path in folders that do not exist yet passes, and the check leaves nothing behind
+        # (the write at the end creates them: a run stopped before it had left them empty)
+        with pytest.raises(Started):
+            script.main([*quick, *options, "--markdown", str(tmp_path / name / "sub" / "t.md")])
+        assert not (tmp_path / name).exists(), name
+
+
+def test_output_folders_are_checked_before_any_work(tmp_path, monkeypatch, capsys, script_settings):
+    # lipschitz_tightness --checkpoints onto a file had been refused after the bounds at the cap
+    # (~20 s), naming the training's --out-dir; device_check --out /proc/x had been a traceback
+    from bench import device_check, lipschitz_tightness
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(lipschitz_tightness, "capped_shakespeare_bounds", start_work)
+    monkeypatch.setattr(device_check, "host_reads", start_work)
+    for argv, message in ((["--checkpoints", str(tmp_path / "afile")], f"--checkpoints {tmp_path / 'afile'} is a file"),
+                          (["--checkpoints", str(tmp_path / "afile" / "runs")], f"{tmp_path / 'afile'} is a file, not "
+                                                                                 "a folder"),
+                          (["--checkpoints", "/proc/geomuon_bench"], "--checkpoints '/proc/geomuon_bench' cannot be "
+                                                                     "created or written")):
+        assert message in refused_in_process(lipschitz_tightness.main, capsys, "--quick", *argv), argv
+    assert "--out '/proc/geomuon_bench' cannot be created or written" in refused_in_process(
+        device_check.main, capsys, "--device", "cpu", "--quick", "--out", "/proc/geomuon_bench")
+    # a later refusal (--markdown onto a published table) leaves no --checkpoints folder behind
+    (tmp_path / "published.md").write_text("table")
+    assert "exists (a published table?)" in refused_in_process(
+        lipschitz_tightness.main, capsys, "--quick", "--checkpoints", str(tmp_path / "left" / "ck"),
+        "--markdown", str(tmp_path / "published.md"))
+    assert not (tmp_path / "left").exists()
+    # controls: a new folder passes (the training creates it; device_check's report is written there)
+    with pytest.raises(Started):
+        lipschitz_tightness.main(["--quick", "--checkpoints", str(tmp_path / "checkpoints")])
+    with pytest.raises(Started):
+        device_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "report")])
+    assert (tmp_path / "report").is_dir() and not any((tmp_path / "report").iterdir())
+
+
+def test_manifold_inrun_refuses_data_it_cannot_load_before_any_output(tmp_path, monkeypatch, capsys, script_settings):
+    # a missing or wrong data file had printed the table's header, then a DataRefusal traceback
+    # from the first run's train(), never naming --data
+    from bench import manifold_inrun
+    from geomuon.pretrain.data import spec_source
+
+    wrong = tmp_path / "wrong.txt"
+    wrong.write_text("not the corpus\n")
+    monkeypatch.setattr(manifold_inrun, "certified_run", start_work)
+    for spec, reason in ((f"shakespeare:{tmp_path / 'missing.txt'}", "does not exist"),
+                         (f"shakespeare:{wrong}", "differs from the expected"),
+                         (f"tokens:{tmp_path / 'no_shards'}", "does not exist")):
+        with pytest.raises(SystemExit) as stopped:
+            manifold_inrun.main(["--quick", "--manifold", "stiefel", "--data", spec])
+        printed = capsys.readouterr()
+        assert stopped.value.code == 2 and printed.out == "", spec
+        assert f"--data {spec}: " in printed.err and reason in printed.err, (spec, printed.err)
+    # control: data that loads reaches the runs, read once and handed to them with its spec
+    with pytest.raises(Started) as started:
+        manifold_inrun.main(["--quick", "--manifold", "stiefel", "--data", "embedded"])
+    *_, spec, seed, tokens = started.value.args[0]
+    assert spec == "embedded" and tokens.source == spec_source("embedded")
+
+
+def test_repeated_list_values_are_refused(monkeypatch, capsys, script_settings):
+    # a value given twice had measured its rows (or its world size) twice
+    from bench import distributed_step, manifold_frontier, manifold_inrun, optimizer_step
+
+    monkeypatch.setattr(manifold_frontier, "run_config", start_work)
+    monkeypatch.setattr(manifold_inrun, "certified_run", start_work)
+    monkeypatch.setattr(distributed_step, "measure", start_work)
+    monkeypatch.setattr(optimizer_step, "build", start_work)
+    cases = [(manifold_frontier, ["--manifold", "stiefel", "stiefel"], "--manifold lists stiefel more than once; give each once"),
+             (manifold_frontier, ["--dual", "1", "2", "1"], "--dual lists 1 more than once; give each once"),
+             (manifold_inrun, ["--manifold", "dgram", "dgram"], "--manifold lists dgram more than once; give each once"),
+             (manifold_inrun, ["--alpha", "1.5", "1.50"], "--alpha lists 1.5 more than once; give each once"),  # equal as numbers
+             (distributed_step, ["--worlds", "1,2,2"], "--worlds lists 2 more than once; give each once"),
+             (optimizer_step, ["--solver", "dual", "dual"], "--solver lists dual more than once; give each once"),
+             # a second --manifold had replaced the first one's list: dgram silently dropped
+             (manifold_frontier, ["--manifold", "stiefel", "dgram", "--manifold", "stiefel"],
+              "--manifold is given twice; list all its values after one --manifold")]
+    for script, argv, message in cases:
+        stderr = refused_in_process(script.main, capsys, "--quick", *argv)
+        assert message in stderr, argv
+    # controls: each value once passes
+    for script, argv in ((manifold_frontier, ["--manifold", "stiefel", "dgram"]),
+                         (manifold_inrun, ["--manifold", "stiefel", "dgram", "--alpha", "1.5", "1.25"]),
+                         (distributed_step, ["--worlds", "1,2"]), (optimizer_step, ["--solver", "dual", "projected"])):
+        with pytest.raises(Started):
+            script.main(["--quick", *argv])
+
+
+def test_symbolic_mutations_only_ignores_empty_entries_and_list_takes_no_markdown(tmp_path, capsys):
+    # --only "dgram," had chosen the whole catalogue ("" is in every label), and --only "," run it
+    # all; --list --markdown PATH had exited 0 with nothing written
+    from bench import symbolic_mutations
+
+    def listed(only: str) -> list[str]:
+        assert symbolic_mutations.main(["--list", "--only", only]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    dgram = listed("dgram")
+    assert 0 < len(dgram) < len(symbolic_mutations.MUTATIONS)
+    assert listed("dgram,") == listed(",dgram, ") == dgram  # (a space in an entry is text to match, as in labels)
+    assert len(listed("dgram,stiefel")) > len(dgram)  # control: a second entry still counts
+    for only in (",", "", " , "):
+        assert f"--only {only!r} names no label text" in refused_in_process(symbolic_mutations.main, capsys,
+                                                                            "--list", "--only", only)
+    markdown = tmp_path / "catalogue.md"
+    stderr = refused_in_process(symbolic_mutations.main, capsys, "--list", "--markdown", str(markdown))
+    assert "--list prints the catalogue and runs nothing, so --markdown would have no table" in stderr
+    assert not markdown.exists()
+
+
+def test_the_header_records_the_thread_settings_the_script_was_launched_with(tmp_path, monkeypatch, script_settings):
+    # equivariance_checker sets OMP_NUM_THREADS for its CLI runs when unset, and the header (read at
+    # the end) had recorded it as the user's setting; the caption now says what the checks ran under
+    from bench import equivariance_checker
+
+    monkeypatch.setattr(equivariance_checker, "measure", lambda size, seed, clock: (
+        [], {"api": ["ok"], "cli": ["ok"]}, {"api": [0.5], "cli": [0.5]}))
+    monkeypatch.setattr(equivariance_checker, "cli_process_time", lambda repeats: (1.0, 1.0))
+
+    def written(name: str) -> tuple[str, str]:
+        markdown = tmp_path / name
+        assert equivariance_checker.main(["--quick", "--markdown", str(markdown)]) == 0
+        text = markdown.read_text()
+        return re.search(r"^\| environment \| (.*) \|$", text, re.MULTILINE).group(1), text
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    environment, text = written("unset.md")
+    assert "OMP_NUM_THREADS" not in environment and "under OMP_NUM_THREADS=1, import included" in text
+    # control: a setting the run was launched with is recorded, and is the one the timed CLI process
+    # ran under; the in-process checks ran on --threads torch threads whatever it is (the CLI in-process
+    # sets its own only where OMP_NUM_THREADS is unset)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    environment, text = written("set.md")
+    assert "OMP_NUM_THREADS=3" in environment and "under OMP_NUM_THREADS=3, import included" in text
+    assert "and the API, on 1 torch thread(s)." in text

@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from geomuon.pretrain.provenance import CHECKOUT, code_fingerprint, file_above, git_commit, machine, markdown_table
+from geomuon.pretrain.provenance import (CHECKOUT, code_fingerprint, file_above, git_commit, machine, markdown_table,
+                                         require_writable)
 
 #: Seed of the validation windows: every run of a study is scored on the same text.
 VAL_SEED = 1234
@@ -689,7 +690,7 @@ def run_study(study, args: argparse.Namespace, argv_for_page: list[str] | None =
     created = [next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None) for _, folder in folders]
     try:
         for option, folder in folders:
-            _require_writable(option, folder)
+            require_writable(option, folder)
         commit = git_commit(short=False)  # the code the runs are about to use
         start = time.perf_counter()
         runner = getattr(study, "run", run_all)  # a study with stages (a sweep) brings its own
@@ -727,20 +728,6 @@ def _remove_empty(folder: Path, top: Path | None) -> None:
             return
         if path == top:
             return
-
-
-def _require_writable(option: str, folder: Path) -> None:
-    """Create ``folder`` (and its parents) and write a probe file in it, refusing ``option``
-    by name on any ``OSError``: a folder that cannot be created (``--out /proc/x``) had
-    failed with a traceback after every run had trained."""
-    probe = folder / f".geomuon-write-probe-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(f"{option} {str(folder)!r} cannot be created or written ({err.strerror or err}); "
-                         f"choose a folder you can write to") from None
 
 
 def _seeds(text: str) -> list[int]:
