@@ -513,8 +513,8 @@ class GPT(nn.Module):
         Returns ``{"blocks": [{"q", "k", "v", "o", "mlp_in", "mlp_out"}: [out, in]
         tensors], "head": [V, d], "residual_weight": a, "attention_scale": 1/3,
         "score_scale": 1/d_head, "gelu_scale": 1/1.1289, "n_embd": d, "n_head": H, "input_radius": 1}``
-        (``a``, the score and GELU scales as the blocks hold them: one value each, refused where
-        the blocks differ)
+        (``a``, the score and GELU scales and the attention output's scale as the blocks hold them
+        — 1/3 while ``attn.lipschitz`` — one value each, refused where the blocks differ)
         (:meth:`embed` gives every token RMS exactly 1); tensors are the live parameters
         (detach before modifying).
 
@@ -547,9 +547,11 @@ class GPT(nn.Module):
             )
         # the constants forward uses, read from the modules (a model edited after construction had
         # been certified with the config's: attn.scale = 4 gave an estimate 12x its "bound")
-        residual_weight, score_scale, gelu_scale = (self._blocks_share(name, read) for name, read in (
+        residual_weight, score_scale, gelu_scale, attention_scale = (self._blocks_share(name, read) for name, read in (
             ("residual_weight", lambda b: b.residual_weight), ("attn.scale", lambda b: b.attn.scale),
-            ("mlp.gelu_scale", lambda b: b.mlp.gelu_scale)))
+            ("mlp.gelu_scale", lambda b: b.mlp.gelu_scale),
+            # (attn.lipschitz = False undoes the 1/3: it had been reported, a "bound" 4.2 under an estimate 5.1)
+            ("attention output scale (attn.lipschitz)", lambda b: 1.0 / 3.0 if b.attn.lipschitz else 1.0)))
         blocks = [
             {
                 "q": b.attn.q.weight,
@@ -565,7 +567,7 @@ class GPT(nn.Module):
             "blocks": blocks,
             "head": self.lm_head.weight,
             "residual_weight": residual_weight,
-            "attention_scale": 1.0 / 3.0,
+            "attention_scale": attention_scale,
             "score_scale": score_scale,
             "gelu_scale": gelu_scale,
             "n_embd": self.config.n_embd,

@@ -1284,6 +1284,10 @@ def test_empirical_lipschitz_refuses_maps_and_norms_that_do_not_keep_the_batch()
         empirical_lipschitz(lambda z: z @ A.T, x, out_norm=lambda z: z.norm(), **options)
     with pytest.raises(ValueError, match=r"f must map a batch \[B, \.\.\.\] to \[B, \.\.\.\]"):
         empirical_lipschitz(lambda z: z[0] @ A.T, x, **options)
+    # an f that mixes the rows (a batch mean: BatchNorm in training mode) had "estimated" 6669 for a map of
+    # constant 5, the ratio of no pair
+    with pytest.raises(ValueError, match=r"f must map a batch \[B, \.\.\.\] row by row: its first row alone"):
+        empirical_lipschitz(lambda z: 5 * z.mean(0, keepdim=True).expand_as(z), x, **options)
     with pytest.raises(ValueError, match="x0 of shape \\(\\) is empty or has no token dimension"):
         empirical_lipschitz(lambda z: 2 * z, torch.tensor(0.5, dtype=torch.float64), **options)
     with pytest.raises(ValueError, match="searches must be a non-empty subset"):

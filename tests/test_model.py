@@ -75,17 +75,19 @@ def test_lipschitz_weights_report_the_residual_weight_the_blocks_use():
         model.lipschitz_weights()
 
 
-@pytest.mark.parametrize("name, edit, key", [("attn.scale", lambda b: setattr(b.attn, "scale", 4.0), "score_scale"),
-                                             ("mlp.gelu_scale", lambda b: setattr(b.mlp, "gelu_scale", 60.0),
-                                              "gelu_scale")])
-def test_lipschitz_weights_report_the_scales_the_blocks_use(name, edit, key):
+@pytest.mark.parametrize("name, edit, key, value", [
+    ("attn.scale", lambda b: setattr(b.attn, "scale", 4.0), "score_scale", 4.0),
+    ("mlp.gelu_scale", lambda b: setattr(b.mlp, "gelu_scale", 60.0), "gelu_scale", 60.0),
+    # forward divides the attention's output by 3 only while attn.lipschitz (a bound under the estimate)
+    ("attention output scale (attn.lipschitz)", lambda b: setattr(b.attn, "lipschitz", False), "attention_scale", 1.0),
+])
+def test_lipschitz_weights_report_the_scales_the_blocks_use(name, edit, key, value):
     # the config's scales had been reported for a model whose blocks were edited: the bound of
     # the unedited network (an estimate 12x (attn.scale = 4) or 17x (gelu_scale = 60) above it)
     model = GPT(get_config("cpu-lipschitz"))
     for block in model.h:
         edit(block)
-    edited = model.lipschitz_weights()[key]
-    assert edited == (4.0 if key == "score_scale" else 60.0)
+    assert model.lipschitz_weights()[key] == value
     model.h[1] = GPT(get_config("cpu-lipschitz")).h[1]  # one block as built: they differ
     with pytest.raises(ValueError, match=rf"the blocks' {re.escape(name)} differ"):
         model.lipschitz_weights()

@@ -1347,9 +1347,13 @@ def empirical_lipschitz(
 
 
 def _check_batch_shapes(where: str, f, in_norm, out_norm, x: torch.Tensor) -> None:
-    """Refuse ``f``, ``in_norm`` or ``out_norm`` unless they map the batch ``x`` (``[B, ...]``) row by row, to
-    ``[B, ...]`` and ``[B]``: one evaluation of each, before the search (a norm returning one number for
-    the whole batch had been broadcast over it, and the estimate was not a ratio of any pair)."""
+    r"""Refuse ``f``, ``in_norm`` or ``out_norm`` unless they map the batch ``x`` (``[B, ...]``) row by row, to
+    ``[B, ...]`` and ``[B]``: one evaluation of each, and of ``f`` on the first row alone, before the search
+    (a norm returning one number for the whole batch had been broadcast over it, and an ``f`` mixing the
+    rows, e.g. a batch mean or BatchNorm in training mode, had given an "estimate" of 6669 for a map of
+    constant 5: neither was a ratio of any pair). The first row alone must match within
+    $\sqrt{\varepsilon}$ of its scale: a batched evaluation rounds a few ulps per operation away from a
+    single row's, far below that, and a row-mixing ``f`` moves it by $O(1)$."""
     batch = x.size(0)
     with torch.no_grad():
         out = f(x)
@@ -1357,6 +1361,14 @@ def _check_batch_shapes(where: str, f, in_norm, out_norm, x: torch.Tensor) -> No
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"{where}: f must map a batch [B, ...] to [B, ...] row by row (a tensor); for B = {batch} "
                              f"it returned {got}")
+        if batch > 1:
+            alone, together = f(x[:1]), out[:1]
+            scale = together.abs().max().clamp_min(torch.finfo(together.dtype).tiny)
+            tolerance = torch.finfo(out.dtype).eps ** 0.5 * scale
+            if alone.shape != together.shape or (alone - together).abs().max() > tolerance:
+                raise ValueError(f"{where}: f must map a batch [B, ...] row by row: its first row alone gives another "
+                                 "result than in the batch (does f mix the rows, e.g. a batch mean or BatchNorm in "
+                                 "training mode, or draw random numbers?); evaluate the model in eval mode")
         for name, norm, value in (("in_norm", in_norm, x), ("out_norm", out_norm, out)):
             norms = norm(value)
             if not (isinstance(norms, torch.Tensor) and norms.shape == (batch,)):
