@@ -86,7 +86,13 @@ class RunSummary:
     def stopped(self) -> bool:
         """Whether the run stopped before its schedule's end on finite losses (``--stop-after``,
         at ``result.last_step``): its "final" val loss is the last one so far."""
-        return self.steps is not None and not self.diverged and self.result.last_step < self.steps
+        return not self.diverged and not ran_its_schedule(self.result, self.steps)
+
+
+def ran_its_schedule(result: TrainResult, steps: int | None) -> bool:
+    """Whether the run reached its schedule's ``steps`` (``None``: taken as run), not stopped by
+    ``--stop-after`` before it."""
+    return steps is None or result.last_step >= steps
 
 
 def verdict(result: TrainResult, divergence_margin: float, steps: int | None = None) -> tuple[float, float, bool]:
@@ -100,8 +106,8 @@ def verdict(result: TrainResult, divergence_margin: float, steps: int | None = N
     final = losses[-1] if losses else math.nan
     finite = [v for v in losses if math.isfinite(v)]
     best = min(finite) if finite else math.nan
-    ran = steps is None or result.last_step >= steps
-    diverged = result.diverged or not math.isfinite(final) or (ran and final > best + divergence_margin)
+    diverged = result.diverged or not math.isfinite(final) or (
+        ran_its_schedule(result, steps) and final > best + divergence_margin)
     return final, best, diverged
 
 
