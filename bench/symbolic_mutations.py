@@ -70,9 +70,10 @@ stiefel wide points not transposed | transposes_wide = True | transposes_wide = 
 dgram adjoint keeps the diagonal | return 2 * x @ off_diagonal(sym(lam)) | return 2 * x @ sym(lam)
 dgram projection divides by 2 d_i^2 | denominator = d2.unsqueeze(-1) + d2.unsqueeze(-2) | denominator = 2 * d2.unsqueeze(-1)
 dgram gram diagonal doubled | return 2 * (d2.unsqueeze(-1) + d2.unsqueeze(-2)) | return 4 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
-dgram retraction forgets the column norms' root | (polar * d2.sqrt().unsqueeze(-2)) | (polar * d2.unsqueeze(-2))
+dgram retraction forgets the column norms' root | norms = d2.sqrt().unsqueeze(-2) * largest | norms = d2.unsqueeze(-2) * largest
 dgram retraction steps along -u | y = x.to(compute) + u.to(compute) | y = x.to(compute) - u.to(compute)
-dgram retraction rescales by the point's column norms | d2 = self._squared_column_norms(y) | d2 = self._squared_column_norms(x.to(compute))
+dgram retraction rescales by the point's column norms | d2 = self._squared_column_norms(y / largest) | d2 = self._squared_column_norms(x.to(compute) / largest)
+dgram retraction skips the columns' normalization | polar = msign(y / norms, "polar_express") | polar = msign(y, "polar_express")
 dgram constraint's sign flipped | return off_diagonal(x.mT @ u + u.mT @ x) | return off_diagonal(x.mT @ u - u.mT @ x)
 dgram defining map keeps the diagonal | return off_diagonal(x.mT @ x) | return x.mT @ x
 dgram projection adds W Sigma | return u - x @ sigma | return u + x @ sigma

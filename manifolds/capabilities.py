@@ -378,8 +378,8 @@ class OrthogonalColumnsGram(GramForm):
     norm falls to the order of the step, so :func:`inv_sqrt_unit_diagonal` takes the series
     only within its radius and the exact inverse square root beyond). A retraction of order 1; it
     keeps every column norm of $Y$ and is equivariant under signed column permutations.
-    ``DGram.retr`` is the other retraction $\operatorname{msign}(Y)\Delta^{1/2}$ (the same map
-    when the columns of $Y$ have equal norms).
+    ``DGram.retr`` is the same map, with the polar factor of $Y\Delta^{-1/2}$ by Polar Express
+    on the $m\times n$ matrix instead of $N^{-1/2}$.
 
     Newton step: Su's fixed point for DGram's constraint, the off-diagonal symmetric $\delta$ with
 

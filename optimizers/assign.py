@@ -31,6 +31,7 @@ strategy of one's own is a ``{role: Rule}`` mapping passed to :func:`assign` dir
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +43,7 @@ from .manifold_muon import ManifoldMuon
 from .base import MatrixOptimizer
 from .muon import Muon
 from .polar import HybridPolarGradM, LeftPolarGradM, RightPolarGradM, RowNormM
-from .regulate import make_regulator
+from .regulate import REGULATORS, make_regulator
 
 ATTENTION_ROLES = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o")
 MLP_ROLES = ("mlp_in", "mlp_out", "mlp_gate", "mlp_up", "mlp_down")
@@ -163,7 +164,7 @@ class Rule:
     update: str  # "adamw", "muon", "torch_muon", "manifold_muon", "row_norm", "right_polar", "left_polar", "hybrid"
     manifold: str | None = None  # a registered manifold name, e.g. "stiefel" (ManifoldMuon only)
     centered: bool = False
-    regulate: str | None = None
+    regulate: str | None = None  # a regulator name (REGULATORS), built by rule_regulator
 
     def describe(self) -> str:
         text = self.update
@@ -230,7 +231,7 @@ class Hyper:
     lr: float = 0.02  # matrix updates (Muon, Manifold Muon, the PolarGrad maps)
     adamw_lr: float = 6e-4
     adamw_betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1  # AdamW matrices and the unconstrained Muon baseline
+    weight_decay: float = 0.1  # AdamW matrices, the unconstrained Muon baseline, a rule's weight-decay regulator
     momentum: float = 0.95
     nesterov: bool = True
     dual_steps: int | None = None  # Manifold Muon dual-ascent steps (None: optimizer default)
@@ -433,6 +434,25 @@ def _build(update: str, groups: list[dict], hyper: Hyper) -> torch.optim.Optimiz
     return cls(groups, **kwargs)
 
 
+def rule_regulator_options(name: str | None, hyper: Hyper) -> dict:
+    """The options of ``hyper`` the regulator of ``Rule.regulate = name`` takes: ``w_max`` where
+    the class :data:`REGULATORS` registers under ``name`` has that field (the caps), and
+    ``weight_decay`` where it applies one (``applies_weight_decay``: the decays; the soft cap's
+    is the decay it assumes). Every rule had been given ``w_max``, and the weight decays, which
+    take none, were refused with an error naming an option the user had not set."""
+    cls = REGULATORS.get(name) if isinstance(name, str) else None
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    options = {"w_max": hyper.w_max} if "w_max" in fields else {}
+    if getattr(cls, "applies_weight_decay", False):
+        options["weight_decay"] = hyper.weight_decay
+    return options
+
+
+def rule_regulator(name: str, hyper: Hyper):
+    """The regulator of ``Rule.regulate = name``: its class with :func:`rule_regulator_options`."""
+    return make_regulator({"name": name, **rule_regulator_options(name, hyper)})
+
+
 def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) -> dict:
     group: dict = {"params": params}
     if rule.update == "adamw":
@@ -445,7 +465,7 @@ def _group(rule: Rule, params: list[torch.Tensor], hyper: Hyper, decay: bool) ->
     if rule.centered:
         group["centered"] = True
     if rule.regulate:
-        group["regulate"] = make_regulator({"kind": rule.regulate, "w_max": hyper.w_max})
+        group["regulate"] = rule_regulator(rule.regulate, hyper)
     return group
 
 
@@ -495,7 +515,7 @@ def strategy_table(strategy: str | Mapping[str, Rule]) -> tuple[str, dict[str, R
                                  "takes no regulator; regulators go with the library's matrix updates "
                                  f"{tuple(_UPDATE_CLASSES)}")
             try:
-                make_regulator({"kind": rule.regulate, "w_max": 1.0})
+                rule_regulator(rule.regulate, Hyper())
             except (ValueError, TypeError) as error:
                 raise ValueError(f"strategy[{role!r}].regulate: {error}") from None
     return _label(table), table

@@ -71,6 +71,7 @@ if not by $W \leftarrow (1 - \eta\lambda)W - \eta_{\text{adj}}U$, how it is appl
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import threading
 import warnings
@@ -92,6 +93,13 @@ __all__ = ["MatrixOptimizer", "OffManifoldError", "ADAMW_DEFAULTS", "MATRIX_VIEW
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 #: The keys an ``update="adamw"`` group reads (the others are the matrix update's).
 _ADAMW_GROUP_KEYS = {"params", "param_names", "update", "nonfinite", "regulate", *ADAMW_DEFAULTS}
+#: ``torch.optim.AdamW``'s options that an ``update="adamw"`` group does not implement, with
+#: torch's defaults, which it steps as; a value true where the default is not is refused (it
+#: had been kept and ignored: a group with ``maximize=True`` minimized), a false one is the
+#: default's behaviour (``foreach=False``).
+_UNIMPLEMENTED_ADAMW_OPTIONS = {name: option.default for name, option in
+                                inspect.signature(torch.optim.AdamW.__init__).parameters.items()
+                                if name not in ("self", "params", *ADAMW_DEFAULTS)}
 #: State entries shaped like their parameter (momentum and AdamW moments), checked on load.
 _PARAMETER_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 MATRIX_VIEWS = ("strict", "batch", "flatten")
@@ -181,6 +189,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: an update='adamw' group takes "
                                  f"{sorted(_ADAMW_GROUP_KEYS - {'params'})}, not {ignored} (options of the matrix "
                                  "update, which AdamW would ignore); set betas for AdamW's momentum")
+            unimplemented = {key: param_group[key] for key, default in _UNIMPLEMENTED_ADAMW_OPTIONS.items()
+                             if key in param_group and bool(param_group[key]) != bool(default)}
+            if unimplemented:
+                raise ValueError(f"{type(self).__name__}: an update='adamw' group steps as torch.optim.AdamW with "
+                                 f"{_UNIMPLEMENTED_ADAMW_OPTIONS}, not {unimplemented}; leave them out, or give "
+                                 "those parameters a torch.optim.AdamW of their own")
             for key, value in ADAMW_DEFAULTS.items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
@@ -557,7 +571,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         finiteness flags per group and step (:meth:`_finite_on_host`; a trainable group without
         a gradient on this rank reads too, a frozen one does not), and before the first such
         read on a device mesh one of the ranks' options compared, each a host synchronisation
-        on CUDA."""
+        on CUDA; and where a group's regulator reads one (the adaptive
+        :class:`~geomuon.optimizers.regulate.HardCap`, ``levels=0``, its default, reads its norm
+        bound once per call; ``levels=1`` reads nothing)."""
         self._check_edited_groups()
         return self._step_checked(closure)
 

@@ -338,9 +338,10 @@ def gram_msign(Q: torch.Tensor, steps: int, low: torch.dtype, scale: torch.Tenso
     $\delta = \sqrt n\,\varepsilon\,t$ (+ tiny) keeps the factorization defined for a
     semi-definite or zero $Q$ and for the rounding of a $Q$ formed as a sum of larger terms:
     ``scale`` $t$ is the sum of the traces of those terms (default $\operatorname{tr}Q$); it
-    damps singular values below about $(n^{3/2}\varepsilon)^{1/2}\sigma_{\max}$ ($0.02$ at
-    $n = 384$ in fp32), the price of a factorization that must succeed (``shift_eps`` raises
-    $\varepsilon$ to at least that value, as in :func:`eigen_dualizer`). A matrix whose
+    damps singular values below about $(n^{3/2}\varepsilon)^{1/2}\sigma_{\max}$ ($0.03$ at
+    $n = 384$ in fp32, $\varepsilon = 2^{-23}$: a singular value of $0.03\,\sigma_{\max}$ comes
+    out at about $1/\sqrt2$ of its value), the price of a factorization that must succeed
+    (``shift_eps`` raises $\varepsilon$ to at least that value, as in :func:`eigen_dualizer`). A matrix whose
     factorization still fails gets $P = 0$ (a zero step) rather than NaN.
     Dtypes: Cholesky and the triangular solve in ``Q.dtype`` (fp32/fp64), the Polar Express
     products in ``low``. No host read: the failure flag selects on the device.

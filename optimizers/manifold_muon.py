@@ -28,9 +28,8 @@ tangent projection):
   manifold's ``retr`` in float32 (float64 for float64 parameters). On CUDA this path reads
   back to the host in every step: its feasibility rescale takes $\sigma_{\max}$ from
   ``torch.linalg.eigvalsh`` of the small Gram (equivariant, where a power iteration from a
-  fixed start is not), and CUDA's ``eigvalsh`` checks its convergence flag on the host;
-  DGram's own ``retr`` (``retraction="manifold"``) reads back its zero-column check. The
-  Gram path, what the pretraining strategies take, reads nothing back.
+  fixed start is not), and CUDA's ``eigvalsh`` checks its convergence flag on the host.
+  The Gram path, what the pretraining strategies take, reads nothing back.
 
 Per-matrix state: the momentum buffer ($m\times n$) and the dual correction
 $\Lambda - \Lambda_0$ used as the next step's warm start (the multiplier's shape:
@@ -54,6 +53,7 @@ from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_of, shape_on_meta
 
 from .base import MatrixOptimizer, OffManifoldError, require_number
+from .distributed import is_sharded
 from .regulate import make_regulator, unchecked_regulation
 from .gram import DUALIZERS, POLISH_METHODS, SOLVERS, UPDATES, GramSettings, unchecked_gram_step
 from .steepest import FAST, NORMS, certified_ratio, unchecked_steepest_direction
@@ -188,16 +188,25 @@ def resolve_manifold(spec, where: str):
     return spec
 
 
-def _regulator_leaves(manifold, regulator, shape: tuple[int, int], lr: float) -> bool:
-    """Whether three applications of ``regulator`` (at ``lr``) take a float64 point of
-    ``manifold`` off it, for a generic point and for one whose columns lean together (a large
-    top singular value where the manifold allows one: a spectral regulator acts only there)."""
+#: learning rates at which a group's regulator is probed besides the group's own
+#: (:func:`_regulator_leaves`): a schedule changes the rate after the check, and a regulator
+#: coupled to it (weight decay) is the identity at a warm-up's rate 0.
+PROBE_RATES = (1e-3, 1e-1)
+
+
+def _regulator_leaves(manifold, regulator, shape: tuple[int, int], rates: tuple[float, ...]) -> bool:
+    """Whether three applications of ``regulator`` at one of the learning ``rates`` take a
+    float64 point of ``manifold`` off it, for a generic point and for one whose columns lean
+    together (a large top singular value where the manifold allows one: a spectral regulator
+    acts only there)."""
     raw = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    for point in (manifold.projx(raw), manifold.projx(raw + 4 * raw[:, :1])):
-        for _ in range(3):  # a regulator coupled to lr moves a little each step
-            point = unchecked_regulation(regulator, point, lr=lr, state={})
-        if not manifold.check_point_on_manifold(point, atol=1e-6):
-            return True
+    points = (manifold.projx(raw), manifold.projx(raw + 4 * raw[:, :1]))
+    for lr in dict.fromkeys(rates):
+        for point in points:
+            for _ in range(3):  # a regulator coupled to lr moves a little each step
+                point = unchecked_regulation(regulator, point, lr=lr, state={})
+            if not manifold.check_point_on_manifold(point, atol=1e-6):
+                return True
     return False
 
 
@@ -539,8 +548,11 @@ class ManifoldMuon(MatrixOptimizer):
             own = getattr(p, "manifold", None)
             name = self._name(group, i, index)
             if group["manifold"] is None and own is None:
+                # (a sharded one had been told to pass the ManifoldParameter it had been given)
+                lost = (" (it is a DTensor: fully_shard replaces a geoopt.ManifoldParameter by a plain DTensor "
+                        "parameter, and its manifold is lost)" if is_sharded(p) else "")
                 raise ValueError(
-                    f"ManifoldMuon: parameter {name} has no manifold; set the group's 'manifold' "
+                    f"ManifoldMuon: parameter {name} has no manifold{lost}; set the group's 'manifold' "
                     "(e.g. 'stiefel') or pass a geoopt.ManifoldParameter"
                 )
             owner = manifold
@@ -607,14 +619,17 @@ class ManifoldMuon(MatrixOptimizer):
         """Refuse a group regulator that takes points of the group's manifold off it: the
         regulator runs after the retraction, so such a pair had left the weights off the
         manifold with no error (soft_cap on Stiefel: |W^T W - I| = 0.012 after three steps;
-        a resumed run then refused them). Probed at construction (:func:`_regulator_leaves`)
-        for every manifold and shape of the group, at the group's learning rate."""
+        a resumed run then refused them). Probed when the group is checked
+        (:func:`_regulator_leaves`) for every manifold and shape of the group, at the group's
+        learning rate and at :data:`PROBE_RATES` (a weight decay had passed a warm-up's lr=0 and
+        then left Stiefel)."""
         regulator = make_regulator(group["regulate"])
+        rates = (float(group["lr"]), *PROBE_RATES)
         probed = set()
         for p in group["params"]:
             owner = resolve_manifold(manifold if manifold is not None else p.manifold, f"param group {index}")
             shape = tuple(self._matrix_shape(group, p)[-2:])
-            if (id(owner), shape) not in probed and _regulator_leaves(owner, regulator, shape, float(group["lr"])):
+            if (id(owner), shape) not in probed and _regulator_leaves(owner, regulator, shape, rates):
                 raise ValueError(
                     f"group {index}: regulate={group['regulate']!r} takes points of {type(owner).__name__} off it "
                     "(it runs after the retraction, and ManifoldMuon keeps weights on their manifold): use that "

@@ -2,8 +2,10 @@ r"""Muon: momentum, then the Newton–Schulz polar factor, batched over same-sha
 
 A drop-in for ``torch.optim.Muon`` (same arguments, same meaning; every value it refuses is
 refused here, and more: a ``momentum`` of 1 or more, a fractional ``ns_steps``, a non-finite
-coefficient), with the package's conventions on top (AdamW groups, batching, non-finite handling,
-regulation; see :mod:`geomuon.optimizers.base`). One step, for every matrix $W$ with gradient $G$:
+coefficient, a ``nesterov`` other than ``True``/``False`` (torch reads any truthy value: ``1``,
+``numpy.True_``), an ``ns_steps`` or ``ns_coefficients`` given as a tensor), with the package's
+conventions on top (AdamW groups, batching, non-finite handling, regulation; see
+:mod:`geomuon.optimizers.base`). One step, for every matrix $W$ with gradient $G$:
 
 $$B \leftarrow \mu B + (1-\mu)G,\qquad \tilde B = \begin{cases}(1-\mu)G + \mu B & \text{Nesterov}\\ B\end{cases},$$
 $$O = \mathrm{NS}^{(a,b,c)}_k\big(\tilde B / \max(\|\tilde B\|_F, \epsilon)\big),\qquad

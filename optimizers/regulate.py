@@ -283,6 +283,9 @@ class Regulator:
     #: key under which :func:`make_regulator` finds this class; a subclass that sets it
     #: registers itself in :data:`REGULATORS` (a name already taken is a ``TypeError``)
     name: str = ""
+    #: whether its ``weight_decay`` is a decay it applies (:class:`WeightDecay`,
+    #: :class:`SpectralWeightDecay`), not one it assumes the optimizer applied (:class:`SoftCap`)
+    applies_weight_decay: bool = False
 
     def __init_subclass__(cls, register: bool = True, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -429,6 +432,7 @@ class WeightDecay(Regulator):
 
     weight_decay: float = 0.1
     name = "weight_decay"
+    applies_weight_decay = True
 
     def __post_init__(self):
         self.weight_decay = as_positive("WeightDecay", "weight_decay", self.weight_decay, zero=True)
@@ -519,6 +523,7 @@ class SpectralWeightDecay(_PowerIterationRegulator):
     steps: int = 16
     block: int = 8
     name = "spectral_weight_decay"
+    applies_weight_decay = True
 
     def __post_init__(self):
         self.weight_decay = as_positive("SpectralWeightDecay", "weight_decay", self.weight_decay, zero=True)
@@ -1332,9 +1337,10 @@ def unchecked_regulation(regulator: Callable, W: torch.Tensor, *, lr: float, sta
 
 def regulator_spec(spec: Any) -> Any:
     """``regulate=`` as plain data for a param group: a :class:`Regulator` (instance or
-    class) becomes its spec or name, lists are converted item by item, ``None``/names/dicts
-    stay. A bare callable stays as it is (it has no plain form: such a group's optimizer
-    state loads only with ``weights_only=False``)."""
+    class) becomes its spec or name, lists are converted item by item, a dict is copied with
+    its numpy scalars as the Python values they hold, ``None`` and names stay. A bare callable stays as it
+    is (it has no plain form: such a group's optimizer state loads only with
+    ``weights_only=False``)."""
     if isinstance(spec, Regulator):
         return spec.spec()
     if isinstance(spec, type) and issubclass(spec, Regulator):
@@ -1342,8 +1348,16 @@ def regulator_spec(spec: Any) -> Any:
     if isinstance(spec, (list, tuple)):
         return [regulator_spec(item) for item in spec]
     if isinstance(spec, Mapping):
-        return dict(spec)
+        return {key: _plain(value) for key, value in spec.items()}
     return spec
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar (``np.float64``, ``np.int64``, ``np.bool_``, ``np.str_``, a 0-d array) as
+    the Python value it holds, anything else as it is: ``torch.load(weights_only=True)`` refuses
+    numpy's types, and a spec with ``w_max=np.float64(2.0)`` had saved a state dict that then
+    failed to load."""
+    return value.item() if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 else value
 
 
 def make_regulator(spec: Any) -> Callable | None:

@@ -37,7 +37,8 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from geomuon.optimizers.assign import ROLES, STRATEGIES, Rule, classify, rule_for, strategy_table
+from geomuon.optimizers.assign import (ROLES, STRATEGIES, Hyper, Rule, classify, rule_for, rule_regulator_options,
+                                      strategy_table)
 from geomuon.pretrain.data import DATA_SYNTAX, spec_problem
 from geomuon.pretrain.model import CONFIGS, GPT, GPTConfig, get_config
 from geomuon.theory.lipschitz import DEFAULT_METHOD, METHODS
@@ -75,7 +76,8 @@ RULE_OPTIONS: dict[str, tuple[Callable[[Rule], bool], str]] = {
                  "strategy leaves to AdamW)"),
     "direction_dtype": (lambda rule: rule.update != "adamw", "the matrix updates other than AdamW"),
     "dual_steps": (lambda rule: rule.update == "manifold_muon", "Manifold Muon's matrices"),
-    "w_max": (lambda rule: rule.regulate is not None, "the regulated matrices (the lipschitz strategy's soft cap)"),
+    "w_max": (lambda rule: "w_max" in rule_regulator_options(rule.regulate, Hyper()),
+              "the matrices whose regulator is a cap (the lipschitz strategy's soft cap)"),
 }
 
 

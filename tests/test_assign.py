@@ -299,6 +299,30 @@ def test_rules_that_cannot_do_what_they_say_are_refused(rule, message):
         assign(_two_roles(), {"attn_q": rule})
 
 
+@pytest.mark.parametrize("name", ["weight_decay", "spectral_weight_decay", "spectral_normalize", "spectral_hammer",
+                                  "soft_cap", "hard_cap", "column_cap"])
+def test_a_rules_regulator_takes_the_hyper_options_its_class_takes(name):
+    # every rule had been given w_max: the weight decays, which take none, were refused with an
+    # error naming w_max, an option the user had not set. A decay takes Hyper.weight_decay as the
+    # decay it applies; the soft cap's weight_decay (the decay it assumes) stays its own.
+    hyper = Hyper(w_max=3.0, weight_decay=0.05)
+    decays = name in ("weight_decay", "spectral_weight_decay")
+    model = _two_roles()
+    assignment = assign(model, {"mlp_in": Rule("muon", regulate=name)}, hyper)
+    (group,) = [g for opt in assignment.optimizers.values() for g in opt.param_groups if g.get("regulate")]
+    spec = group["regulate"]
+    assert spec["name"] == name
+    assert spec.get("w_max") == (None if decays else 3.0), spec
+    assert (spec.get("weight_decay") == 0.05) == decays, spec
+    if name == "weight_decay":  # and it decays: a zero gradient leaves (1 - lr wd) W
+        before = model.mlp.fc1.weight.detach().clone()
+        model.mlp.fc1.weight.grad = torch.zeros_like(before)
+        assignment.step()
+        # rtol: the rounding of the factor and of the product, one float32 eps each
+        torch.testing.assert_close(model.mlp.fc1.weight.detach(), before * (1 - hyper.lr * hyper.weight_decay),
+                                   rtol=2 * torch.finfo(torch.float32).eps, atol=0)
+
+
 def test_settings_are_checked_before_any_weight_moves():
     # a bad Hyper had been refused after q_proj was re-initialised on Stiefel
     model = _two_roles()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -247,6 +248,9 @@ def worker(out_dir: str) -> None:
     # row shard: Muon had stepped a scrambled matrix) or Replicate (a gloo collective mismatch)
     results["batch_shard1"] = _outcome(lambda: refused([sharded(a), sharded(b, Shard(1))]))
     results["batch_shard1_manifold"] = _outcome(lambda: refused([sharded(a), sharded(b, Shard(1))], ManifoldMuon))
+    # fully_shard replaces a geoopt.ManifoldParameter by a plain DTensor parameter: the refusal had
+    # told the user to pass the ManifoldParameter they had passed
+    results["sharded_without_manifold"] = _outcome(lambda: ManifoldMuon([sharded(a)], lr=0.02))
 
     # a group of a sharded w0 without a gradient (on every rank) and a plain w1 with one: the step
     # had read the group's finiteness (a collective) and then failed on w1 with a KeyError. A
@@ -582,6 +586,17 @@ def worker(out_dir: str) -> None:
         results[f"options:{case}"] = _outcome(lambda: differing(option_of_rank))  # noqa: B023 - called at once
         save()
 
+    # another optimizer class on rank 1: the refusal had not said so, and had listed options one
+    # class lacks as "rank 0: None, rank 1: None" (a missing key read as None against the text 'None')
+    def another_class():
+        params = [sharded(w) for w in _points()]
+        group = dict(params=params, param_names=["a", "b"])
+        opt = Muon([group], lr=0.02) if rank == 0 else ManifoldMuon([group], lr=0.02, manifold="euclidean")
+        return _outcome(lambda: step(opt, params, _gradients()))
+
+    results["options:another_class"] = _outcome(another_class)
+    save()
+
     # a group listing its parameters in another order on rank 1 (a [6, 4] and a [3, 4] matrix, or
     # two named [6, 4] ones): each rank's first batch was another shape, and gloo aborted both
     # processes inside the all-to-all (so these run last); two unnamed same-shape ones swapped
@@ -735,6 +750,15 @@ def test_a_group_mixing_sharded_and_plain_or_meshes_is_refused_by_name(runs):
     _refused_by_name(ranks, "mixed_meshes", "'w1' is on the device mesh of ranks [1, 0]", "param group of their own")
     # had named the group and the shape only
     _refused_by_name(ranks, "shard1_alone", "parameter 'w0'", "Shard(dim=1)", "Shard(0)")
+
+
+def test_a_sharded_parameter_without_manifold_is_told_that_sharding_lost_it(runs):
+    ranks, _ = runs
+    _refused_by_name(ranks, "sharded_without_manifold", "has no manifold (it is a DTensor: fully_shard replaces "
+                     "a geoopt.ManifoldParameter", "set the group's 'manifold'")
+    # control: a plain parameter without one is told only what to set
+    with pytest.raises(ValueError, match=r"parameter #0 of param group 0 has no manifold; set the group's"):
+        ManifoldMuon([torch.nn.Parameter(_points()[0])], lr=0.02)
 
 
 def test_a_trainable_sharded_parameter_without_gradient_beside_a_plain_one_is_refused_by_name(runs):
@@ -1081,6 +1105,17 @@ def test_options_that_differ_between_ranks_are_refused_by_name_before_any_step(r
                                                      f"rank 1: {values[1]}"):
                 assert word in refused["message"], (r, case, word, refused["message"])
             assert not outcome["ok"]["moved"], (r, case)  # refused before any weight moved
+
+
+def test_another_optimizer_class_on_one_rank_is_named_and_absent_options_are_not_shown_as_equal(runs):
+    ranks, _ = runs
+    for r, results in enumerate(ranks):
+        refused = results["options:another_class"]["ok"]
+        assert refused.get("error") == "ValueError", (r, refused)
+        assert "the optimizer: rank 0: Muon, rank 1: ManifoldMuon" in refused["message"], (r, refused["message"])
+        # an option only one class has shows as absent on the other rank, never as two equal texts
+        assert "(no such option)" in refused["message"], (r, refused["message"])
+        assert not re.search(r"rank 0: (\S+), rank 1: \1[;)]", refused["message"]), (r, refused["message"])
 
 
 def test_parameters_listed_in_another_order_on_one_rank_are_refused_by_name_before_any_step(runs):

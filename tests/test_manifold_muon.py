@@ -860,6 +860,24 @@ def test_a_regulator_that_takes_points_off_the_manifold_is_refused_when_built():
         assert opt.check_on_manifold(raise_error=False) == [], (manifold, regulate)
 
 
+@pytest.mark.parametrize("regulate", ["weight_decay", "spectral_weight_decay"])
+def test_a_regulator_coupled_to_the_rate_is_refused_at_a_warm_up_rate_of_zero(regulate):
+    # at lr=0 (a warm-up's first rate) a weight decay is the identity, and a probe at the group's
+    # rate alone had passed it: the warm-up then left Stiefel silently (|W^T W - I| = 0.078 after
+    # five steps)
+    p = torch.nn.Parameter(Stiefel().projx(torch.randn(16, 8)))
+    with pytest.raises(ValueError, match=r"regulate=.* takes points of Stiefel off it"):
+        ManifoldMuon([p], manifold="stiefel", lr=0.0, regulate=regulate)
+    # control: DGram keeps every rescaling of its points, so its weight decay passes and stays on
+    # DGram through the warm-up
+    opt = ManifoldMuon([p], manifold="dgram", lr=0.0, regulate="weight_decay")
+    for step in range(5):
+        opt.param_groups[0]["lr"] = 0.02 * step
+        p.grad = torch.randn(16, 8)
+        opt.step()
+    assert opt.check_on_manifold(raise_error=False) == []
+
+
 @pytest.mark.parametrize("edit, message", [
     (dict(polish_method="admn"), "group 1: polish_method must be one of"),  # had raised from GramSettings mid-step
     (dict(solver="projected", dual_steps=3), "group 1: solver='projected' takes no dual iterations"),  # ignored

@@ -562,6 +562,47 @@ def test_no_nan_from_the_documented_safe_inputs():
     assert math.isfinite(manifold_residual(Euclidean(), torch.zeros(3, 2)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_dgram_retraction_keeps_a_column_far_shorter_than_the_others(wide, dtype):
+    # msign of the target itself had normalized by 1.01 ||W||_F, which put a column 1e-3 times
+    # the others at x = 3e-5 at n = 1024, below Polar Express's range: one zero step shortened
+    # it by 0.27 % and 60 took it to 0. Here a 192 x 96 point whose column 0 is 1e-6 of the
+    # others (x = 1e-7 without the columns' normalization), retracted 60 times with zero steps.
+    # Tolerance: each retraction of an exact point adds its round-off, about eps sqrt(mn) relative
+    # (the Frobenius sums of Polar Express), so 60 of them stay within 60 eps sqrt(mn): 1.8e-12
+    # in float64, 9.8e-4 in float32 (measured: 4e-15 and 9e-7); the old map lost the column (1.0).
+    gen = torch.Generator().manual_seed(0)
+    W = Stiefel().random(192, 96, dtype=torch.float64, generator=gen)
+    W[:, 0] *= 1e-6
+    W = (W.mT if wide else W).to(dtype)
+    x = W
+    for _ in range(60):
+        x = DGram().retr(x, torch.zeros_like(x))
+    columns = -1 if wide else -2
+    drift = ((x.double() - W.double()).norm(dim=columns) / W.double().norm(dim=columns)).max()
+    assert drift <= 60 * torch.finfo(dtype).eps * math.sqrt(192 * 96), drift
+    # control: one step of the unnormalized map loses that column's norm
+    target = (W.mT if wide else W).double()
+    unnormalized = msign(target, "polar_express") * target.norm(dim=-2, keepdim=True)
+    assert (unnormalized[:, 0].norm() / target[:, 0].norm() - 1).abs() > 1e-2
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_dgram_retraction_of_fp32_columns_beyond_the_squares_range(scale):
+    # fp32 columns of norm 1e30 had squared to inf (a NaN point) and of norm 1e-30 to 0 (the
+    # step skipped as if a column were zero): each column's norm comes from the column over its
+    # largest entry. Tolerance: the fp32 retraction's round-off, default_tolerance's eps sqrt(mn)
+    gen = torch.Generator().manual_seed(1)
+    W = (Stiefel().random(12, 6, dtype=torch.float64, generator=gen) * scale).float()
+    V = 1e-2 * scale * torch.randn(12, 6, generator=gen, dtype=torch.float64)
+    V = (V - W.double() @ (W.double().mT @ V) / scale**2).float()  # normal to W's columns: tangent
+    R = DGram().retr(W, V)
+    expected = (W.double() + V.double()) / (W.double() + V.double()).norm(dim=-2, keepdim=True)
+    expected = msign(expected, "svd") * (W.double() + V.double()).norm(dim=-2, keepdim=True)
+    assert ((R.double() - expected).norm() / expected.norm()).item() <= default_tolerance(torch.float32)
+
+
 @pytest.mark.parametrize("scale", [1e-12, 1.0, 1e12])
 def test_dgram_retraction_is_scale_free(scale):
     # DGram is a cone (W in M => sW in M), so its retraction must fix points at any scale

@@ -747,6 +747,18 @@ def test_an_adamw_group_refuses_the_matrix_updates_options(make):
     make([{"params": [v], "update": "adamw", "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}])
 
 
+@pytest.mark.parametrize("option", [dict(maximize=True), dict(amsgrad=True), dict(fused=True)])
+def test_an_adamw_group_refuses_torch_adamw_options_it_does_not_implement(option):
+    # a group moved over from torch.optim.AdamW had kept them and ignored them: maximize=True
+    # minimized (0.054 from torch.optim.AdamW's weights after three steps). Control: torch's
+    # default values, which it steps as, and foreach=False, which steps as they do, are taken.
+    v = torch.nn.Parameter(torch.randn(5))
+    (key,) = option
+    with pytest.raises(ValueError, match=rf"update='adamw' group steps as torch.optim.AdamW with .* not \{{'{key}'"):
+        Muon([{"params": [v], "update": "adamw", **option}])
+    Muon([{"params": [v], "update": "adamw", "maximize": False, "amsgrad": False, "foreach": False, "fused": None}])
+
+
 @pytest.mark.parametrize("make", [lambda g: Muon(g), lambda g: ManifoldMuon(g, manifold="stiefel"),
                                   lambda g: RightPolarGradM(g)], ids=["Muon", "ManifoldMuon", "RightPolarGradM"])
 def test_a_matrix_group_refuses_adamws_betas(make):

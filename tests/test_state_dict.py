@@ -14,6 +14,7 @@ import inspect
 import io
 
 import geoopt
+import numpy as np
 import pytest
 import torch
 
@@ -255,6 +256,16 @@ def test_a_bare_callable_regulator_is_the_one_thing_that_needs_weights_only_fals
     buffer.seek(0)
     with pytest.raises(Exception, match="weights_only"):
         torch.load(buffer, weights_only=True)
+
+
+def test_a_regulator_spec_given_numpy_numbers_is_stored_as_plain_data():
+    # {"w_max": np.float64(2.0)} had been stored as given: the regulator worked, and the saved
+    # state dict then failed to load with weights_only=True (numpy's scalar type is refused)
+    spec = {"name": "hard_cap", "w_max": np.float64(2.0), "levels": np.int64(1), "method": np.str_("svd")}
+    optimizer = Muon([{"params": _params(None, [(8, 4)], 9), "regulate": spec}], weight_decay=0.0)
+    loaded = _through_disk(optimizer.state_dict())["param_groups"][0]["regulate"]
+    assert loaded == {"name": "hard_cap", "w_max": 2.0, "levels": 1, "method": "svd"}
+    assert [type(loaded[key]) for key in ("w_max", "levels", "method")] == [float, int, str]
 
 
 def test_a_regulator_with_a_callable_field_refuses_a_spec_naming_the_field():

@@ -149,7 +149,6 @@ __all__ = [
     "symbols_matrix",
     "ns_fixed_points",
     "ns_output_range",
-    "ns_slope_range",
     "certify_polar_express_table",
     "PolarExpressDesign",
     "POLAR_EXPRESS_DESIGNS",
@@ -1322,6 +1321,16 @@ class FreeVector(_Wrapped):
         if any(self.algebra.atoms.get(x, ("",))[0] == "entrywise" for w in terms for x in w):
             # 1/(|d_i| + eps) of an entrywise root: an entrywise function itself
             return self.algebra.entrywise("inv", self.matrix)
+        mode = self.algebra.series_mode
+        at_zero = {w: c.subs(mode[0], 0) for w, c in terms.items()} if mode is not None and mode[1] == 2 else {}
+        at_zero = {w: c for w, c in at_zero.items() if c != 0}
+        inverses = {(root,): inverse for root, inverse in self.algebra.square_roots.values()}
+        if len(at_zero) == 1 and next(iter(at_zero)) in inverses:
+            # (Q + R)^{-1} = Q^{-1} - Q^{-1} R Q^{-1} + O(t^2) for a declared root Q and R = O(t)
+            ((word, c),) = at_zero.items()
+            inverse = self.algebra(inverses[word]) / c
+            rest = self.matrix - c * FreeMatrix({word: sp.Integer(1)}, self.algebra)
+            return inverse - inverse @ rest @ inverse
         raise NotImplementedError(f"FreeVector: no inverse of {self.matrix!r}")
 
     def __truediv__(self, other):
@@ -2179,16 +2188,17 @@ def certify_dgram_step_expansion() -> Certificate:
                        "sigma' -> p'(sigma) sigma', every size", holds, witness)
 
 
-def _probed_retraction(manifold, orientation: str) -> dict:
+def _probed_retraction(manifold, orientation: str, normalized_columns: bool = False) -> dict:
     r"""``manifold.retr(W, tV)`` on :func:`_dgram_algebra`'s generic point, with every
     :func:`~geomuon.manifolds.linalg.newton_schulz_step` replaced by a probe that checks
     its input is :func:`_family` of some $(F, G)$ and returns the family of fresh diagonal
     letters $(F_{k+1}, G_{k+1})$ — the step's certified action
     (:func:`certify_dgram_step_expansion`). Returns the result in the body's frame, the
     step records, the problems found (rows other than ``POLAR_EXPRESS``'s twelve, a step
-    not fed the previous output, the first input's scale not
-    $\lVert W_i\rVert/(1.01\lVert W\rVert_F)$), $x = F_0S$, $\dot x = G_0S + F_0ES^{-1}$
-    and the last letters."""
+    not fed the previous output, the first input's scale not the expected $x$:
+    $\lVert W_i\rVert/(1.01\lVert W\rVert_F)$, or with ``normalized_columns``, a retraction that
+    runs on the columns divided by their norms, $1/(1.01\sqrt n)$ for every column), $x = F_0S$,
+    $\dot x = G_0S + F_0ES^{-1}$ and the last letters."""
     import geomuon.manifolds.linalg as linalg
     from geomuon.manifolds import POLAR_EXPRESS
 
@@ -2230,51 +2240,75 @@ def _probed_retraction(manifold, orientation: str) -> dict:
         return {"error": "no Newton-Schulz step"}
     F0, G0 = steps[0]["F"], steps[0]["G"]
     x, xdot = F0 @ S, G0 @ S + F0 @ E @ Si
-    trace = sp.Symbol("tr(SS)", positive=True)
-    if not (x - S / (exact(POLAR_EXPRESS.input_scale) * sp.sqrt(trace))).is_zero():
-        problems.append(f"the normalized column norms are {x!r}, not ||W_i|| / (1.01 ||W||_F)")
+    if normalized_columns:
+        short = ORIENTATIONS[orientation][0 if _is_wide(orientation) else 1]
+        expected, text = algebra.identity() / (exact(POLAR_EXPRESS.input_scale) * sp.sqrt(short)), "1 / (1.01 sqrt n)"
+    else:
+        expected = S / (exact(POLAR_EXPRESS.input_scale) * sp.sqrt(sp.Symbol("tr(SS)", positive=True)))
+        text = "||W_i|| / (1.01 ||W||_F)"
+    if not (x - expected).is_zero():
+        problems.append(f"the normalized column norms are {x!r}, not {text}")
     K = len(steps)
     return {"t": t, "algebra": algebra, "Wb": Wb, "Vb": Vb, "steps": steps, "problems": problems, "x": x,
             "x'": xdot, "R": R.mT if _is_wide(orientation) else R, "F": algebra(f"F{K:02d}"), "G": algebra(f"G{K:02d}")}
 
 
-def certify_dgram_retraction(orientation: str = "tall", dgram=None) -> Certificate:
+def _unit_columns_scale_range(n_max: int) -> tuple:
+    r"""An enclosure of $e_n = P_{12}(1/(1.01\sqrt n))$ for every $n \le$ ``n_max``: the scale a
+    retraction by Polar Express gives $n$ orthonormal columns (:func:`ns_output_range` on
+    $[1/\sqrt{n_{\max}}, 1]$ before ``msign``'s division by 1.01)."""
+    from geomuon.manifolds import POLAR_EXPRESS
+
+    return ns_output_range(POLAR_EXPRESS.coefficients, POLAR_EXPRESS.default_steps, lo=1 / sp.sqrt(n_max), hi=1,
+                           input_scale=POLAR_EXPRESS.input_scale)
+
+
+def certify_dgram_retraction(orientation: str = "tall", dgram=None, n_max: int = 10**6) -> Certificate:
     r"""The library's ``DGram.retr`` (its public method: validation, the wide transposition,
-    the column norms, ``msign``'s normalization, orientation and loop) on a generic point
-    $W$ and tangent $V$ of **symbolic size** (:func:`_dgram_algebra`), to first order in
-    $t$, with every Polar Express step replaced by its certified first-order action
-    (:func:`_probed_retraction`: a step sends the family's $(F, G)$ to fresh diagonal
-    letters with $\sigma_{k+1} = p_k(\sigma_k)$, $\dot\sigma_{k+1} = p_k'(\sigma_k)\dot\sigma_k$,
-    $\sigma_k = F_kS$). Certified:
+    the column norms and the division by them, ``msign``'s normalization, orientation and
+    loop) on a generic point $W$ ($W^\top W = S^2$, any column norms) and tangent $V$ of
+    **symbolic size** (:func:`_dgram_algebra`), to first order in $t$, with every Polar
+    Express step replaced by its certified first-order action (:func:`_probed_retraction`:
+    a step sends the family's $(F, G)$ to fresh diagonal letters with
+    $\sigma_{k+1} = p_k(\sigma_k)$, $\dot\sigma_{k+1} = p_k'(\sigma_k)\dot\sigma_k$,
+    $\sigma_k = F_kS$). The retraction runs Polar Express on the normalized columns
+    $(W + tV)\Delta^{-1/2}$, $\Delta = \operatorname{Diag}((W + tV)^\top(W + tV))$, and scales
+    back by $\Delta^{1/2}$. Certified:
 
     $$R_W(tV) = (W + tV)\,\operatorname{diag}(e) + t\,W\operatorname{diag}(\dot e) + O(t^2),
       \qquad e_i = P_K(x_i),\ \dot e_i = P_K'(x_i)\,\dot x_i,$$
 
-    with $x_i = \lVert W_i\rVert/(1.01\lVert W\rVert_F)$ and $\dot x_i$ its derivative along
-    $V$ (the normalized column norm of $W + tV$), $P_K$ the composed scalar map of the
-    twelve library rows (checked: ``POLAR_EXPRESS.step_coefficients(12)``, each step fed
-    the previous output). So $R_W(0) = W\operatorname{diag}(P_K(x))$ and
-    $dR_W(0)[V] = V\operatorname{diag}(P_K(x)) + W\operatorname{diag}(P_K'(x)\dot x)$: the
-    retraction property $R_W(0) = W$, $dR_W(0) = \mathrm{id}$ holds up to exactly the
-    iteration's scalar error $P_K - 1$ and its slope $P_K'$ at the columns' normalized
-    norms (:func:`ns_slope_range` encloses both: on $x \in [10^{-3}, 1/1.01]$,
-    $\lvert P_K - 1\rvert \le 3\cdot10^{-16}$ and $\lvert P_K'\rvert \le 10^{-27}$; with
-    $\lvert\dot x_i\rvert \le 2\lVert V\rVert_F/(1.01\lVert W\rVert_F)$ this gives
-    $\lVert dR_W(0)[V] - V\rVert_F \le (3\cdot10^{-16} + 2\sqrt n\,10^{-27})\lVert V\rVert_F$
-    whenever every column has $\lVert W_i\rVert \ge 1.01\cdot10^{-3}\lVert W\rVert_F$). Hypothesis: $\lVert W\rVert_F$ above ``msign``'s floor $\sqrt{\text{tiny}}$.
-    ``witness``: the step count, $x$, $\dot x$, the problems and the residual (empty)."""
+    with every column's normalized norm $x_i = 1/(1.01\sqrt n)$ (unit columns, whatever the
+    point's column norms) and $\dot x = 0$ identically (checked on the witness), $P_K$ the
+    composed scalar map of the twelve library rows (checked: ``POLAR_EXPRESS.step_coefficients(12)``,
+    each step fed the previous output). Hence
+
+    $$R_W(tV) = e_n\,(W + tV) + O(t^2),\qquad e_n = P_{12}\big(1/(1.01\sqrt n)\big),$$
+
+    at every point: $R_W(0) = e_nW$ and $dR_W(0) = e_n\,\mathrm{id}$, with $\lvert e_n - 1\rvert$
+    enclosed rigorously for every $n \le$ ``n_max`` (:func:`ns_output_range` on
+    $[1/(1.01\sqrt{n_{\max}}), 1/1.01]$), as :func:`certify_stiefel_retraction_every_size`
+    for Stiefel. (The map ``msign(W + tV)`` scaled by the column norms, which this retraction
+    was until its columns at $10^{-3}$ of the others were shortened at $n = 1024$, has
+    $x_i = \lVert W_i\rVert/(1.01\lVert W\rVert_F)$ and fails here.) Hypothesis: every column of
+    $W + tV$ nonzero, with a norm the compute dtype represents (the retraction takes it from the
+    column over its largest entry, ``largest_entry``, the identity on these exact letters).
+    ``witness``: the step count, the enclosure, $x$, $\dot x$, the problems and the residual
+    (empty)."""
     from geomuon.manifolds import DGram
 
-    run = _probed_retraction(dgram or DGram(), orientation)
-    claim = f"DGram.retr, every {orientation} size: R_W(tV) = (W + tV) diag(P_K(x)) + t W diag(P_K'(x) x') + O(t^2)"
+    run = _probed_retraction(dgram or DGram(), orientation, normalized_columns=True)
+    claim = f"DGram.retr, every {orientation} size: R_W(tV) = e_n (W + tV) + O(t^2), e_n = P_12(1/(1.01 sqrt n))"
     if "error" in run:
         return Certificate(claim, False, run)
     S, Si, E, t = run["algebra"]("S"), run["algebra"]("S~"), run["algebra"]("E"), run["t"]
     e, edot = run["F"] @ S, run["G"] @ S + run["F"] @ E @ Si
     residual = (run["R"] - ((run["Wb"] + t * run["Vb"]) @ e + t * run["Wb"] @ edot)).terms
-    return Certificate(claim, not run["problems"] and not residual,
-                       {"steps": len(run["steps"]), "x": run["x"], "x'": run["x'"], "problems": run["problems"],
-                        "residual": residual})
+    moving = {w: c for w, c in run["x'"].terms.items() if _reduce(c) != 0}
+    low, high = _unit_columns_scale_range(n_max)
+    return Certificate(claim, not run["problems"] and not residual and not moving,
+                       {"steps": len(run["steps"]), "e_n for n <= n_max in": (low, high), "x": run["x"],
+                        "x'": run["x'"], "problems": run["problems"], "residual": residual})
 
 
 def certify_stiefel_retraction_every_size(orientation: str = "tall", stiefel=None, n_max: int = 10**6) -> Certificate:
@@ -2292,7 +2326,7 @@ def certify_stiefel_retraction_every_size(orientation: str = "tall", stiefel=Non
     rows), and $\lvert e_n - 1\rvert$ is enclosed rigorously for every $n \le$ ``n_max``
     (:func:`ns_output_range` on $[1/(1.01\sqrt{n_{\max}}), 1/1.01]$). ``witness``: the
     enclosure, $\dot x$, the problems and the residual."""
-    from geomuon.manifolds import POLAR_EXPRESS, Stiefel
+    from geomuon.manifolds import Stiefel
 
     run = _probed_retraction(stiefel or Stiefel(), orientation)
     claim = f"Stiefel.retr, every {orientation} size: R_W(tV) = e_n (W + tV) + O(t^2), e_n = P_12(1/(1.01 sqrt n))"
@@ -2303,8 +2337,7 @@ def certify_stiefel_retraction_every_size(orientation: str = "tall", stiefel=Non
     # S = I, E = 0: words with E vanish, and so does tr(E)
     at_stiefel = {w: c.subs(sp.Symbol("tr(E)", positive=True), 0) for w, c in run["x'"].terms.items() if "E" not in w}
     still_moving = {w: c for w, c in at_stiefel.items() if _reduce(c) != 0}
-    low, high = ns_output_range(POLAR_EXPRESS.coefficients, POLAR_EXPRESS.default_steps, lo=1 / sp.sqrt(n_max),
-                                hi=1, input_scale=POLAR_EXPRESS.input_scale)
+    low, high = _unit_columns_scale_range(n_max)
     return Certificate(claim, not run["problems"] and not residual and not still_moving,
                        {"e_n for n <= n_max in": (low, high), "x'": run["x'"], "x' at E = 0": still_moving,
                         "problems": run["problems"], "residual": residual})
@@ -3154,52 +3187,6 @@ def ns_output_range(
     for k in range(steps):
         lo, hi = _interval_image(*table[min(k, len(table) - 1)], lo, hi)
     return lo, hi
-
-
-def ns_slope_range(schedule, lo, hi, steps: int | None = None, width="1e-6") -> tuple[tuple, tuple]:
-    r"""Rigorous enclosures of the composed step map $P_K$ of a schedule (the library's
-    step polynomials, :func:`_step_polynomial`, on the first step's input $x$, i.e. after
-    ``msign``'s division by ``input_scale``) and of its slope $P_K'$ on $x \in [lo, hi]$:
-    interval arithmetic at 200 bits, each step in mean-value form
-    $p(X) \subseteq p(m) + p'(X)(X - m)$ (tight where $p' \approx 0$, near the fixed
-    point), the slope the product of the steps' $p'(X)$ (chain rule), the interval
-    bisected until the output enclosure is narrower than ``width``. Returns
-    $((\min P_K, \max P_K), (\min P_K', \max P_K'))$, each end a float rounded outward."""
-    from mpmath import iv
-
-    table = schedule.step_coefficients(schedule.default_steps if steps is None else steps)
-    prec = iv.prec
-    iv.prec = 200
-    try:
-        enclose = lambda r: iv.mpf(int(sp.numer(r))) / iv.mpf(int(sp.denom(r)))  # noqa: E731
-        polys = [[enclose(v) for v in _step_polynomial(*row)] for row in table]
-        limit = enclose(exact(width))
-
-        def image(left, right):
-            X, slope = iv.mpf([left, right]), iv.mpf(1)
-            for A, B, C in polys:
-                dp = A + X * X * (3 * B + 5 * C * X * X)
-                m = iv.mpf(X.mid)
-                X = m * (A + m * m * (B + m * m * C)) + dp * (X - m)
-                slope = slope * dp
-            return X, slope
-
-        values, slopes = [], []
-        pending = [(enclose(exact(lo)).a, enclose(exact(hi)).b)]
-        while pending:
-            left, right = pending.pop()
-            X, slope = image(left, right)
-            if X.delta > limit.a and len(values) + len(pending) < 200000:
-                middle = (iv.mpf(left) + iv.mpf(right)) / 2
-                pending += [(left, middle.mid), (middle.mid, right)]
-                continue
-            values.append(X)
-            slopes.append(slope)
-    finally:
-        iv.prec = prec
-    out = lambda xs: (math.nextafter(float(min(x.a for x in xs)), -math.inf),  # noqa: E731
-                      math.nextafter(float(max(x.b for x in xs)), math.inf))
-    return out(values), out(slopes)
 
 
 # ======================================================================================
