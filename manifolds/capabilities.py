@@ -33,8 +33,16 @@ from .linalg import check_count, check_real, eigh, off_diagonal
 #: :func:`geomuon.optimizers.gram.polish` implements them).
 POLISH_METHODS = ("admm", "alternating")
 
+#: The largest relaxation of the Gram path's dual step (``newton_alpha``, ManifoldMuon's
+#: ``dual_alpha``, ``GramSettings.alpha``): a relaxed fixed-point step $\Delta \leftarrow \Delta +
+#: \alpha\,\delta$ contracts for $\alpha \in (0, 2)$ and reflects past the fixed point beyond; warm
+#: started, the multipliers then grow without bound (measured, 12 x 6, 40 steps, 4 seeds: at 2.0 they
+#: stay below 0.5 on Stiefel, DGram and Oblique, at 2.2 Stiefel's reached 2e7; at 4.0 a 6 x 3 Oblique
+#: run wrote NaN weights).
+MAX_DUAL_ALPHA = 2.0
+
 __all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
-           "series_radius", "gram_retraction", "SERIES_MAX_TERMS", "POLISH_METHODS"]
+           "series_radius", "gram_retraction", "SERIES_MAX_TERMS", "POLISH_METHODS", "MAX_DUAL_ALPHA"]
 
 #: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
 _INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)
@@ -197,7 +205,7 @@ class GramForm:
     def invalid_defaults(self) -> list[str]:
         """What is wrong with the optimizer defaults this form declares, one message each (empty:
         nothing): whole step and round counts >= 0, ``retraction_order`` >= 1, ``newton_alpha``
-        finite and > 0, ``polish_method`` one of :data:`POLISH_METHODS`. ManifoldMuon refuses a
+        in (0, :data:`MAX_DUAL_ALPHA`], ``polish_method`` one of :data:`POLISH_METHODS`. ManifoldMuon refuses a
         form with any (``dual_steps = 2.5`` had run as 2 steps) and the manifold contract reports
         them."""
         where = f"the Gram form {type(self).__name__}"
@@ -208,7 +216,8 @@ class GramForm:
             except ValueError as err:
                 invalid.append(str(err))
         try:
-            check_real(where, "newton_alpha", self.newton_alpha, lambda x: x > 0, "a finite number > 0")
+            check_real(where, "newton_alpha", self.newton_alpha, lambda x: 0 < x <= MAX_DUAL_ALPHA,
+                       f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges)")
         except ValueError as err:
             invalid.append(str(err))
         if self.polish_method not in POLISH_METHODS:

@@ -86,8 +86,9 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import (POLISH_METHODS, SERIES_MAX_TERMS, GramForm, exact_inverse_sqrt, gram_retraction,
-                                            inv_sqrt_near_identity, spectral_function)
+from geomuon.manifolds.capabilities import (MAX_DUAL_ALPHA, POLISH_METHODS, SERIES_MAX_TERMS, GramForm,
+                                            exact_inverse_sqrt, gram_retraction, inv_sqrt_near_identity,
+                                            spectral_function)
 from geomuon.manifolds.linalg import (POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign,
                                      polar_express_steps)
 
@@ -126,7 +127,8 @@ class GramSettings:
             where the form declares it and the dualizer is ``"eigh"``, else conjugate
             gradients where the form declares ``newton_cg_steps``, else Jacobi) or
             ``"jacobi"`` (:func:`jacobi_update`).
-        alpha: the dual step size (1: the full Newton or Jacobi step).
+        alpha: the dual step size (1: the full Newton or Jacobi step), at most
+            :data:`~geomuon.manifolds.capabilities.MAX_DUAL_ALPHA`.
         dualizer: ``"eigh"`` (:func:`eigen_dualizer`) or ``"polar_express"``
             (:func:`gram_msign`).
         msign_steps: Polar Express steps of :func:`gram_msign` (6: singular values within
@@ -183,7 +185,8 @@ class GramSettings:
         if self.retraction_terms > SERIES_MAX_TERMS:
             raise ValueError(f"GramSettings: retraction_terms must be at most {SERIES_MAX_TERMS} (the series' known "
                              f"coefficients), got {self.retraction_terms}")
-        check_real("GramSettings", "alpha", self.alpha, lambda x: x > 0, "a finite number > 0")
+        check_real("GramSettings", "alpha", self.alpha, lambda x: 0 < x <= MAX_DUAL_ALPHA,
+                   f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges)")
         check_real("GramSettings", "smoothing", self.smoothing, lambda x: x >= 0, "a finite number >= 0")
         if self.shift_eps is not None:
             check_real("GramSettings", "shift_eps", self.shift_eps, lambda x: x > 0, "a finite number > 0 (or None)")
@@ -702,7 +705,16 @@ def gram_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torc
         :class:`GramStep`. See the module docstring for the algorithm and the dtype of
         every product. With ``settings.solver == "projected"`` the step is
         :func:`projected_step`'s (``correction`` is then unused).
+
+    Raises:
+        ValueError: stacks :func:`unchecked_gram_step` cannot take, a ``correction`` of another
+            shape, a float ``lr`` that is not a finite number >= 0 or ``shrink`` not > 0 (``lr=nan``
+            had returned NaN points; a tensor is a schedule on the device, not read back).
     """
+    if not isinstance(lr, torch.Tensor):
+        check_real("gram_step", "lr", lr, lambda x: x >= 0, "a finite number >= 0")
+    if not isinstance(shrink, torch.Tensor):
+        check_real("gram_step", "shrink", shrink, lambda x: x > 0, "a finite number > 0")
     if settings.solver == "dual" and correction is not None:
         _check_points(W, G, "gram_step")  # first: the correction's shape is read off W's
         # a correction of another shape had broadcast over the stack or failed inside a product: that of

@@ -49,6 +49,7 @@ from typing import Any, Iterable
 import torch
 
 from geomuon.manifolds import MatrixManifold
+from geomuon.manifolds.capabilities import MAX_DUAL_ALPHA
 from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_of, shape_on_meta
 
@@ -295,7 +296,8 @@ class ManifoldMuon(MatrixOptimizer):
         dual_alpha: dual step size, in units of the full Newton or Jacobi step (default
             ``None``: :func:`default_dual_alpha`, 1 except for the Newton update on a form
             that declares over-relaxation: DGram's 1.5 raised its in-run certificate from
-            0.926 / 0.755 to 0.935 / 0.800, mean / min, at no cost).
+            0.926 / 0.755 to 0.935 / 0.800, mean / min, at no cost); at most
+            :data:`~geomuon.manifolds.capabilities.MAX_DUAL_ALPHA` (2).
         dual_update: the Gram path's dual step: ``"newton"`` (Su's fixed point: the Lyapunov
             step in $Z^\top Z$'s eigenbasis on Stiefel with ``"eigh"``, conjugate gradients on
             DGram and with ``"polar_express"``; where the manifold's Gram form declares one, and
@@ -523,8 +525,10 @@ class ManifoldMuon(MatrixOptimizer):
                     group[key], bool), "a whole number >= 0" + ("" if key == "certify_reference" else
                                                               " (or None: the manifold's default)"))
         if group["dual_alpha"] is not None:
-            require_number(index, "dual_alpha", group["dual_alpha"], lambda x: x > 0,
-                           "a finite number > 0 (or None: the manifold's default)")
+            # (4.0 had grown the Gram path's warm start 13x a step, to NaN weights or an unnamed eigh error)
+            require_number(index, "dual_alpha", group["dual_alpha"], lambda x: 0 < x <= MAX_DUAL_ALPHA,
+                           f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges) "
+                           "(or None: the manifold's default)")
         for key in ("warm_start", "dual_carry"):
             if not isinstance(group[key], bool):
                 raise ValueError(f"group {index}: {key} must be True or False, got {group[key]!r}")

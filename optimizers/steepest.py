@@ -46,7 +46,8 @@ from typing import Callable
 
 import torch
 
-from geomuon.manifolds.linalg import MSIGN_METHODS, check_compute_dtype, check_count, check_real, check_shape_of, msign
+from geomuon.manifolds.linalg import (MSIGN_METHODS, check_compute_dtype, check_count, check_real, check_shape_of,
+                                     largest_entry, msign)
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -92,10 +93,14 @@ def _spectral_value(A: torch.Tensor, exact: bool) -> torch.Tensor:
 
 def _normal_only(tangent: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     r"""Per matrix: $\|P_WG\|_F \le 8\sqrt{\max(m, n)}\,\varepsilon\,\|G\|_F$, i.e. the tangent
-    part of ``G`` is at the round-off level of the projection in ``G``'s dtype."""
+    part of ``G`` is at the round-off level of the projection in ``G``'s dtype. Both norms of the
+    matrices over ``G``'s largest entry, whose squares neither underflow nor overflow (an fp32
+    ``G`` of entries $10^{-25}$ or $10^{21}$ had compared $0 \le 0$ or $\infty \le \infty$ and lost its
+    direction, certified optimal)."""
     eps = torch.finfo(G.dtype).eps
     level = 8.0 * max(G.shape[-2:]) ** 0.5 * eps
-    return tangent.norm(dim=(-2, -1)) <= level * G.norm(dim=(-2, -1))
+    scale = largest_entry(G)
+    return (tangent / scale).norm(dim=(-2, -1)) <= level * (G / scale).norm(dim=(-2, -1))
 
 
 def _nuclear(X: torch.Tensor) -> torch.Tensor:
@@ -281,9 +286,10 @@ def _rms(H: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _ratio(primal: torch.Tensor, dual: torch.Tensor) -> torch.Tensor:
-    """primal / dual; a zero optimum (zero $G$) is reached, so it reports 1, not 0/0."""
+    """primal / dual; a zero optimum (zero $G$) is reached, so it reports 1, not 0/0; a NaN dual
+    reports NaN (it had reported 1)."""
     tiny = torch.finfo(dual.dtype).tiny
-    return torch.where(dual > tiny, primal / dual.clamp_min(tiny), torch.ones_like(dual))
+    return torch.where(dual <= tiny, torch.ones_like(dual), primal / dual.clamp_min(tiny))
 
 
 def certified_ratio(G: torch.Tensor, direction: torch.Tensor, *iterates: torch.Tensor) -> torch.Tensor:
@@ -294,7 +300,18 @@ def certified_ratio(G: torch.Tensor, direction: torch.Tensor, *iterates: torch.T
     where each of ``iterates`` $Z_k = G + L_W^*(\Lambda_k)$ is a dual iterate (so each
     $\|Z_k\|_*$ bounds the optimum from above, and the smallest is the tightest). A zero
     optimum (zero $G$) reports 1. SVD-based, in the inputs' dtype; ``[...]``.
+
+    Raises:
+        ValueError: no iterate, or a ``direction`` or iterate of another shape than ``G`` (one of
+            another shape had broadcast into a "ratio" of 8.5).
     """
+    if not iterates:
+        raise ValueError("certified_ratio: give at least one dual iterate Z_k = G + L_W^*(Lambda_k) (the bound on "
+                         "the optimum)")
+    for what, X in (("direction", direction), *((f"iterate {k}", Z) for k, Z in enumerate(iterates))):
+        if X.shape != G.shape:
+            raise ValueError(f"certified_ratio: {what} has shape {tuple(X.shape)}, G {tuple(G.shape)}; pass the "
+                             "direction and the dual iterates of this G")
     primal = _inner(G, direction) / _spectral_value(direction, True).clamp_min(1.0)
     return _ratio(primal, torch.stack([_nuclear(Z) for Z in iterates]).amin(0))
 
@@ -428,10 +445,16 @@ def steepest_direction(
         :class:`SteepestResult` with tensors of ``W.dtype``.
 
     Raises:
-        ValueError: for mismatched shapes, an unknown norm, preset, init or certify.
+        ValueError: for mismatched shapes, non-finite ``W`` or ``G``, an unknown norm, preset, init or
+            certify.
         TypeError: for a keyword that is not a field of :class:`SolverSettings`.
     """
     nrm, s = _inputs(W, G, norm, settings, changes)
+    for name, X in (("W", W), ("G", G)):  # a host read: the optimizers call unchecked_steepest_direction
+        if not bool(torch.isfinite(X).all()):
+            # (a NaN in G had returned a zero direction certified optimal, ratio 1, or an SVD error)
+            raise ValueError(f"steepest_direction: {name} has non-finite entries; pass finite values (an "
+                             "optimizer skips a non-finite gradient before its step)")
     if warm_start is not None:
         # a warm start of another shape had broadcast an [8, 4] direction to [2, 2, 2, 2, 8, 4] or
         # failed inside a product: that of manifold.constraint(W, G), a previous result's correction

@@ -585,7 +585,8 @@ def test_a_tensor_learning_rate_is_never_read_back(manifold, spread, no_host_rea
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
+    (dict(alpha=float("nan")), r"alpha must be a number in \(0, 2\]"),
+    (dict(alpha=2.5), r"alpha must be a number in \(0, 2\] \(beyond, the warm-started dual step diverges"),
     (dict(smoothing=float("nan")), "smoothing must be a finite number >= 0"),
     (dict(compute_dtype=torch.int32), "compute_dtype must be a real floating"),
     (dict(compute_dtype=torch.float16), "compute_dtype=torch.float16 cannot hold"),
@@ -621,6 +622,21 @@ def test_gram_steps_refuse_stacks_they_cannot_take_by_name(step):
                                                                                             settings)
     moved = step(form, W, G, 0.1, settings=settings) if step is gram_step else step(form, W, G, 0.1, settings)
     assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12  # control
+
+
+def test_gram_step_refuses_a_step_length_that_is_no_finite_number():
+    # lr=nan (or inf) had returned NaN points; a tensor lr is a schedule on the device, not read
+    form = Stiefel().gram_form
+    W = Stiefel().random(2, 16, 4, dtype=torch.float64)
+    G = torch.randn(2, 16, 4, dtype=torch.float64)
+    for lr, shrink, match in ((float("nan"), 1.0, "lr must be a finite number >= 0"),
+                              (float("inf"), 1.0, "lr must be a finite number >= 0"),
+                              (-0.1, 1.0, "lr must be a finite number >= 0"),
+                              (0.1, 0.0, "shrink must be a finite number > 0")):
+        with pytest.raises(ValueError, match=f"gram_step: {match}"):
+            gram_step(form, W, G, lr, shrink=shrink)
+    moved = gram_step(form, W, G, torch.tensor(0.1, dtype=torch.float64))  # control: a tensor lr steps
+    assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12
 
 
 def _gram_step_of_a_stack():

@@ -581,11 +581,18 @@ def test_dgrams_over_relaxed_newton_steps_lower_the_dual_faster(seed):
         assert dual_value(steps, form.newton_alpha) < dual_value(steps, 1.0) - 1e-3
 
 
-def test_a_nonpositive_dual_step_size_is_refused_by_name():
+def test_a_dual_step_size_outside_its_stable_range_is_refused_by_name():
+    # above 2 the relaxed dual step reflects past its fixed point: dual_alpha=4 had grown Oblique's
+    # warm start 13x a step, to NaN weights or an eigh error naming no option; 2.2 Stiefel's to 2e7
     W = torch.nn.Parameter(DGram().random(8, 4).data)
-    for alpha in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="dual_alpha must be a finite number > 0"):
+    for alpha in (0.0, -1.0, float("nan"), 2.2, 4.0):
+        with pytest.raises(ValueError, match=r"dual_alpha must be a number in \(0, 2\]"):
             ManifoldMuon([W], manifold="dgram", dual_alpha=alpha)
+    # control: the edge of the range steps and stays on the manifold
+    opt = ManifoldMuon([W], manifold="dgram", dual_alpha=2.0)
+    W.grad = torch.randn(8, 4)
+    opt.step()
+    assert opt.check_on_manifold(raise_error=False) == []
 
 
 def test_the_default_gram_solver_on_the_cpu_is_newton_with_eigh():
@@ -808,7 +815,7 @@ def test_two_thread_steps_run_in_one_thread_workers_and_equal_the_one_thread_ste
     (dict(cold_dual_steps=True), "cold_dual_steps must be a whole number >= 0"),
     (dict(dual_steps=float("nan")), "dual_steps must be a whole number >= 0"),  # had been a bare int() error
     (dict(warm_start="no"), "warm_start must be True or False"),  # "no" had been true
-    (dict(dual_alpha=float("inf")), "dual_alpha must be a finite number > 0"),  # had written NaN weights
+    (dict(dual_alpha=float("inf")), r"dual_alpha must be a number in \(0, 2\]"),  # had written NaN weights
     (dict(lr=0.1, weight_decay=10.0), r"lr \* weight_decay must be < 1"),  # a decay factor <= 0: NaN weights
 ])
 def test_options_out_of_range_are_refused_naming_the_option(options, message):
@@ -1151,7 +1158,8 @@ def test_a_step_takes_its_own_warm_start_without_a_shape_check(monkeypatch, path
     ("cold_dual_steps", -1, "cold_dual_steps must be a whole number >= 0, got -1"),
     ("polish_rounds", True, "polish_rounds must be a whole number >= 0, got True"),
     ("polish_method", "admm_typo", "polish_method must be one of"),
-    ("newton_alpha", float("nan"), "newton_alpha must be a finite number > 0"),
+    ("newton_alpha", float("nan"), "newton_alpha must be a number in (0, 2]"),
+    ("newton_alpha", 3.0, "newton_alpha must be a number in (0, 2]"),  # diverges warm started
 ])
 def test_a_gram_form_declaring_a_bad_default_is_refused_before_any_step(attribute, value, message):
     # ManifoldMuon read these at a matrix's first step: dual_steps = 2.5 had run as 2 steps, the

@@ -346,6 +346,13 @@ def test_steepest_direction_refuses_what_it_cannot_take_by_name():
     with pytest.raises(ValueError, match=r"W \(torch.bfloat16\) and G \(torch.bfloat16\) must share"):
         steepest_direction(Stiefel(), W.bfloat16(), G.bfloat16())
     steepest_direction(Stiefel(), W, G, settings=SolverSettings(steps=2))  # control
+    # a NaN in G had returned a zero direction certified optimal (ratio 1; row and column norms)
+    # or an SVD error naming nothing (spectral)
+    for name, bad in (("W", (W.clone().index_fill_(0, torch.tensor([0]), math.nan), G)),
+                      ("G", (W, G.clone().index_fill_(0, torch.tensor([0]), math.inf)))):
+        for norm in ("spectral", "row"):
+            with pytest.raises(ValueError, match=rf"steepest_direction: {name} has non-finite entries"):
+                steepest_direction(Stiefel(), *bad, norm=norm)
 
 
 @pytest.mark.parametrize("manifold, multiplier", [(Stiefel(), (3, 3)), (Oblique(), (3,))], ids=["stiefel", "oblique"])
@@ -376,6 +383,37 @@ def test_a_normal_gradient_certifies_the_zero_direction_it_returns(norm):
     assert float(result.primal) == 0.0 and float(result.ratio) == 1.0
     tangent = steepest_direction(Stiefel(), W, torch.randn(8, 4, dtype=torch.float64), norm=norm)
     assert 0 < float(tangent.ratio) <= 1 + 1e-12  # control: a tangent part keeps its certificate
+
+
+@pytest.mark.parametrize("scale", [1e-25, 1e21])
+def test_a_gradient_whose_square_leaves_fp32_is_not_taken_for_a_normal_one(scale):
+    # the normal-only test compared ||P_W G|| with ||G||, both 0 (underflow) or inf (overflow) in
+    # fp32: the direction was zeroed and certified optimal (ratio 1) on every manifold, Euclidean
+    # included, where nothing is normal. Now the norms are of G over its largest entry; what the
+    # engine returns is then certified honestly (a dual above 0: no ratio of 1 for no direction).
+    G = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    for manifold in (Euclidean(), Oblique()):
+        W = manifold.random(6, 3, generator=torch.Generator().manual_seed(1))
+        result = steepest_direction(manifold, W, G * scale)
+        assert float(result.dual) > 0
+        moved = bool(result.direction.abs().max() > 0)
+        assert moved or float(result.ratio) < 1, (type(manifold).__name__, result.ratio)
+    # control: at scale 1 the direction is the optimum's
+    assert float(steepest_direction(Euclidean(), W, G).ratio) > 0.99
+
+
+def test_certified_ratio_refuses_iterates_of_another_shape():
+    # an iterate of another shape had broadcast into a "ratio" of 8.5; none had raised from stack()
+    from geomuon.optimizers.steepest import certified_ratio
+
+    W = Oblique().random(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    result = steepest_direction(Oblique(), W, G)
+    with pytest.raises(ValueError, match=r"certified_ratio: iterate 0 has shape \(5, 3\), G \(6, 3\)"):
+        certified_ratio(G, result.direction, torch.randn(5, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="certified_ratio: give at least one dual iterate"):
+        certified_ratio(G, result.direction)
+    assert 0 < float(certified_ratio(G, result.direction, G)) <= 1  # control: Z = G bounds the optimum
 
 
 def test_the_hybrid_direction_is_scale_free():
