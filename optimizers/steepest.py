@@ -151,7 +151,11 @@ class SolverSettings:
     Attributes:
         steps: maximum dual steps $K$ (0: the projection iterate $\Phi(P_WG)$ alone).
         alpha: dual step size $\alpha$ (in units of the Jacobi-preconditioned step
-            $\sigma_k H_k \oslash \operatorname{diag}(L_WL_W^*)$; dimensionless).
+            $\sigma_k H_k \oslash \operatorname{diag}(L_WL_W^*)$; dimensionless). Not bounded here:
+            with ``safeguard`` a step that lowers the dual is reverted, and with ``decay`` it
+            shrinks; without either, a constant step above 2 diverges over warm-started calls
+            as the Gram path's does (measured: Stiefel's correction at 5e13 after 50 calls at 3),
+            which :data:`~geomuon.manifolds.capabilities.MAX_DUAL_ALPHA` bounds there.
         decay: step $\alpha(1 - k/K)$ if true, constant $\alpha$ otherwise.
         tol: a matrix whose RMS$(L_W(A_k))$ < ``tol`` takes no further step, and the solve
             stops when every matrix of the batch has (0: never; a positive ``tol`` reads one

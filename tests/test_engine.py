@@ -635,8 +635,10 @@ def test_gram_step_refuses_a_step_length_that_is_no_finite_number():
                               (0.1, 0.0, "shrink must be a finite number > 0")):
         with pytest.raises(ValueError, match=f"gram_step: {match}"):
             gram_step(form, W, G, lr, shrink=shrink)
-    moved = gram_step(form, W, G, torch.tensor(0.1, dtype=torch.float64))  # control: a tensor lr steps
-    assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12
+    # controls: a float, an int and a tensor lr step (a tensor is a schedule on the device)
+    for lr in (0.1, 0, torch.tensor(0.1, dtype=torch.float64)):
+        moved = gram_step(form, W, G, lr)
+        assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12
 
 
 def _gram_step_of_a_stack():

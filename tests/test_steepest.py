@@ -402,6 +402,19 @@ def test_a_gradient_whose_square_leaves_fp32_is_not_taken_for_a_normal_one(scale
     assert float(steepest_direction(Euclidean(), W, G).ratio) > 0.99
 
 
+def test_a_nan_dual_certifies_nan_not_optimal():
+    # the ratio had been 1 wherever the dual was not above tiny, a NaN dual included: the
+    # unchecked engine (the optimizers' call, which reads nothing back) certified a NaN gradient's
+    # direction optimal. Control: a zero G (dual 0) still certifies its zero direction 1.
+    from geomuon.optimizers.steepest import unchecked_steepest_direction
+
+    W = Oblique().random(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    G[0, 0] = math.nan
+    assert math.isnan(float(unchecked_steepest_direction(Oblique(), W, G, norm="row").ratio))
+    assert float(unchecked_steepest_direction(Oblique(), W, torch.zeros_like(G), norm="row").ratio) == 1.0
+
+
 def test_certified_ratio_refuses_iterates_of_another_shape():
     # an iterate of another shape had broadcast into a "ratio" of 8.5; none had raised from stack()
     from geomuon.optimizers.steepest import certified_ratio

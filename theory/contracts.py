@@ -541,8 +541,9 @@ WHAT_TO_FIX = {
     "gram_form_matches": "the declared gram_form's project/constraint/adjoint/gram_diag disagree with the manifold's "
                          "maps (at x or at a scaled 0.7x): fix the form or declare none",
     "gram_form_settings": "the declared gram_form's optimizer defaults (class attributes of GramForm) must be "
-                          "valid: whole step and round counts >= 0, retraction_order >= 1, newton_alpha > 0, a polish_method of "
-                          "geomuon.manifolds.capabilities.POLISH_METHODS (the note names each bad one)",
+                          "valid: whole step and round counts >= 0, retraction_order >= 1, newton_alpha in (0, "
+                          "MAX_DUAL_ALPHA], a polish_method of geomuon.manifolds.capabilities.POLISH_METHODS (the note "
+                          "names each bad one)",
     "gram_retraction_on_manifold": "the declared gram_form's retraction_factor must land on M",
     "gram_retraction_slope": "the declared gram_form's retraction must be first order: R_W(tV) = W + tV + O(t^2)",
     "gram_newton_matches": "the declared gram_form's Newton step disagrees with its definition: newton_operator must "
