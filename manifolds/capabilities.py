@@ -40,9 +40,18 @@ POLISH_METHODS = ("admm", "alternating")
 #: stay below 0.5 on Stiefel, DGram and Oblique, at 2.2 Stiefel's reached 2e7; at 4.0 a 6 x 3 Oblique
 #: run wrote NaN weights).
 MAX_DUAL_ALPHA = 2.0
+#: What a dual step size must be, as its refusals say it (``newton_alpha``, ``dual_alpha``, ``alpha``).
+DUAL_ALPHA_RANGE = f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges)"
+
+
+def admissible_dual_alpha(alpha: float) -> bool:
+    """Whether ``alpha`` is a dual step size in (0, :data:`MAX_DUAL_ALPHA`]."""
+    return 0 < alpha <= MAX_DUAL_ALPHA
+
 
 __all__ = ["GramForm", "inv_sqrt_near_identity", "inv_sqrt_unit_diagonal", "exact_inverse_sqrt", "spectral_function",
-           "series_radius", "gram_retraction", "SERIES_MAX_TERMS", "POLISH_METHODS", "MAX_DUAL_ALPHA"]
+           "series_radius", "gram_retraction", "SERIES_MAX_TERMS", "POLISH_METHODS", "MAX_DUAL_ALPHA",
+           "DUAL_ALPHA_RANGE", "admissible_dual_alpha"]
 
 #: $\binom{-1/2}{k}$, the coefficients of $(I + E)^{-1/2} = \sum_k c_k E^k$.
 _INV_SQRT_SERIES = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375, 0.2255859375)
@@ -216,8 +225,7 @@ class GramForm:
             except ValueError as err:
                 invalid.append(str(err))
         try:
-            check_real(where, "newton_alpha", self.newton_alpha, lambda x: 0 < x <= MAX_DUAL_ALPHA,
-                       f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges)")
+            check_real(where, "newton_alpha", self.newton_alpha, admissible_dual_alpha, DUAL_ALPHA_RANGE)
         except ValueError as err:
             invalid.append(str(err))
         if self.polish_method not in POLISH_METHODS:

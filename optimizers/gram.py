@@ -86,9 +86,9 @@ from dataclasses import dataclass
 
 import torch
 
-from geomuon.manifolds.capabilities import (MAX_DUAL_ALPHA, POLISH_METHODS, SERIES_MAX_TERMS, GramForm,
-                                            exact_inverse_sqrt, gram_retraction, inv_sqrt_near_identity,
-                                            spectral_function)
+from geomuon.manifolds.capabilities import (DUAL_ALPHA_RANGE, POLISH_METHODS, SERIES_MAX_TERMS, GramForm,
+                                            admissible_dual_alpha, exact_inverse_sqrt, gram_retraction,
+                                            inv_sqrt_near_identity, spectral_function)
 from geomuon.manifolds.linalg import (POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign,
                                      polar_express_steps)
 
@@ -185,8 +185,7 @@ class GramSettings:
         if self.retraction_terms > SERIES_MAX_TERMS:
             raise ValueError(f"GramSettings: retraction_terms must be at most {SERIES_MAX_TERMS} (the series' known "
                              f"coefficients), got {self.retraction_terms}")
-        check_real("GramSettings", "alpha", self.alpha, lambda x: 0 < x <= MAX_DUAL_ALPHA,
-                   f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges)")
+        check_real("GramSettings", "alpha", self.alpha, admissible_dual_alpha, DUAL_ALPHA_RANGE)
         check_real("GramSettings", "smoothing", self.smoothing, lambda x: x >= 0, "a finite number >= 0")
         if self.shift_eps is not None:
             check_real("GramSettings", "shift_eps", self.shift_eps, lambda x: x > 0, "a finite number > 0 (or None)")

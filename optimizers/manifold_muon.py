@@ -49,7 +49,7 @@ from typing import Any, Iterable
 import torch
 
 from geomuon.manifolds import MatrixManifold
-from geomuon.manifolds.capabilities import MAX_DUAL_ALPHA
+from geomuon.manifolds.capabilities import DUAL_ALPHA_RANGE, admissible_dual_alpha
 from geomuon.manifolds.linalg import fp32_or_fp64
 from geomuon.manifolds.linalg import MSIGN_METHODS, POLAR_EXPRESS, check_shape_of, shape_on_meta
 
@@ -526,9 +526,8 @@ class ManifoldMuon(MatrixOptimizer):
                                                               " (or None: the manifold's default)"))
         if group["dual_alpha"] is not None:
             # (4.0 had grown the Gram path's warm start 13x a step, to NaN weights or an unnamed eigh error)
-            require_number(index, "dual_alpha", group["dual_alpha"], lambda x: 0 < x <= MAX_DUAL_ALPHA,
-                           f"a number in (0, {MAX_DUAL_ALPHA:g}] (beyond, the warm-started dual step diverges) "
-                           "(or None: the manifold's default)")
+            require_number(index, "dual_alpha", group["dual_alpha"], admissible_dual_alpha,
+                           f"{DUAL_ALPHA_RANGE} (or None: the manifold's default)")
         for key in ("warm_start", "dual_carry"):
             if not isinstance(group[key], bool):
                 raise ValueError(f"group {index}: {key} must be True or False, got {group[key]!r}")

@@ -1322,16 +1322,26 @@ class FreeVector(_Wrapped):
             # 1/(|d_i| + eps) of an entrywise root: an entrywise function itself
             return self.algebra.entrywise("inv", self.matrix)
         mode = self.algebra.series_mode
-        at_zero = {w: c.subs(mode[0], 0) for w, c in terms.items()} if mode is not None and mode[1] == 2 else {}
-        at_zero = {w: c for w, c in at_zero.items() if c != 0}
+        split = self._one_word_plus_rest() if mode is not None and mode[1] == 2 else None
         inverses = {(root,): inverse for root, inverse in self.algebra.square_roots.values()}
-        if len(at_zero) == 1 and next(iter(at_zero)) in inverses:
+        if split is not None and split[0] in inverses:
             # (Q + R)^{-1} = Q^{-1} - Q^{-1} R Q^{-1} + O(t^2) for a declared root Q and R = O(t)
-            ((word, c),) = at_zero.items()
+            word, c, rest = split
             inverse = self.algebra(inverses[word]) / c
-            rest = self.matrix - c * FreeMatrix({word: sp.Integer(1)}, self.algebra)
             return inverse - inverse @ rest @ inverse
         raise NotImplementedError(f"FreeVector: no inverse of {self.matrix!r}")
+
+    def _one_word_plus_rest(self) -> tuple | None:
+        r"""``(word, c, R)`` with this vector $= c\,\text{word} + R$, $R$ vanishing at $t = 0$ in
+        series mode (every term outside it), where exactly one word survives at $t = 0$; else
+        ``None``."""
+        mode = self.algebra.series_mode
+        at_zero = {w: c.subs(mode[0], 0) if mode else c for w, c in self.matrix.terms.items()}
+        at_zero = {w: c for w, c in at_zero.items() if c != 0}
+        if len(at_zero) != 1:
+            return None
+        ((word, c),) = at_zero.items()
+        return word, c, self.matrix - c * FreeMatrix({word: sp.Integer(1)}, self.algebra)
 
     def __truediv__(self, other):
         if isinstance(other, FreeVector):
@@ -1353,18 +1363,16 @@ class FreeVector(_Wrapped):
         $Q$ (:meth:`FreeAlgebra.square_root`) and $R = O(t)$: exact in series mode of
         order 2 (first-order Taylor coefficients). Outside series mode, any other diagonal
         is rooted by the opaque entrywise square root (:meth:`FreeAlgebra.entrywise`)."""
-        algebra, terms = self.algebra, self.matrix.terms
+        algebra = self.algebra
         mode = algebra.series_mode
-        at_zero = {w: c.subs(mode[0], 0) if mode else c for w, c in terms.items()}
-        at_zero = {w: c for w, c in at_zero.items() if c != 0}
+        split = self._one_word_plus_rest()
         roots = algebra.square_roots
-        if len(at_zero) != 1 or next(iter(at_zero)) not in roots or not next(iter(at_zero.values())).is_positive:
+        if split is None or split[0] not in roots or not split[1].is_positive:
             if mode is None:
                 return FreeVector(algebra.entrywise("sqrt", self.matrix), self.side)
             raise NotImplementedError(f"FreeVector.sqrt: {self.matrix!r} is not a declared square + O(t)")
-        ((word, c),) = at_zero.items()
+        word, c, rest = split
         root, inverse = (algebra(x) for x in roots[word])
-        rest = self.matrix - c * FreeMatrix({word: sp.Integer(1)}, algebra)
         if not rest.is_zero() and (mode is None or mode[1] != 2):
             raise NotImplementedError("FreeVector.sqrt: a perturbed square needs series mode of order 2")
         return FreeVector(sp.sqrt(c) * root + rest @ inverse / (2 * sp.sqrt(c)), self.side)
