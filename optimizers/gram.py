@@ -90,7 +90,7 @@ from geomuon.manifolds.capabilities import (DUAL_ALPHA_RANGE, POLISH_METHODS, SE
                                             admissible_dual_alpha, exact_inverse_sqrt, gram_retraction,
                                             inv_sqrt_near_identity, spectral_function)
 from geomuon.manifolds.linalg import (POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign,
-                                     polar_express_steps)
+                                     polar_express_steps, unit_scale)
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "unchecked_gram_step", "projected_step", "dual_gram", "eigen_dualizer",
            "gram_msign", "newton_update", "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball",
@@ -741,8 +741,12 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
                correction: torch.Tensor | None, settings: GramSettings, shrink: float | torch.Tensor) -> GramStep:
     """The dual solver's step (the module docstring's algorithm) on stacks :func:`_check_points`
     has passed: :func:`gram_step` checks them before the correction, :func:`unchecked_gram_step`
-    alone, each once."""
+    alone, each once. It runs on $G/s$ (:func:`~geomuon.manifolds.linalg.unit_scale`, whose Gram
+    $K$ neither overflows nor underflows): the direction is $G$'s, and the correction and the dual
+    factors are scaled back by $s$ (the multiplier is homogeneous of degree one in $G$)."""
     low = settings.compute_dtype or W.dtype
+    scale = unit_scale(G)
+    G = G / scale
     mulD = _PointGram(form, W, shrink, settings.stored_dtype)
     D = mulD.D
     B = _scale(W.mT @ G, shrink)
@@ -753,7 +757,10 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
     K = Z0.mT @ Z0
     trace_K = _trace(K)
     normal = _normal_only(trace_K, (sigma0 * D_sigma0).sum((-2, -1)), G.shape, G.dtype)
-    delta = torch.zeros_like(form.constraint(B0)) if correction is None else correction.to(W.dtype)
+    if correction is None:
+        delta = torch.zeros_like(form.constraint(B0))
+    else:
+        delta = correction.to(W.dtype) / _per_matrix(scale, correction)
     S = form.adjoint(delta)
     for k in range(settings.dual_steps + 1):
         DS = mulD(S)
@@ -784,7 +791,14 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
     T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds, UNIT_BALLS[settings.dualizer], dual)
     point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms,
                     far_inverse_sqrt(form, settings, lr, shrink, W.dtype))
-    return GramStep(point=point, correction=delta, direction_factors=(T1, T2, Z0, S))
+    return GramStep(point=point, correction=delta * _per_matrix(scale, delta),
+                    direction_factors=(T1, T2 / scale, Z0 * scale, S * scale))
+
+
+def _per_matrix(scale: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """A stack's per-matrix ``scale [B, 1, 1]`` shaped to broadcast against ``X [B, ...]`` (a
+    multiplier of the form's constraint shape)."""
+    return scale.reshape(scale.size(0), *(1,) * (X.dim() - 1))
 
 
 def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torch.Tensor,
@@ -851,6 +865,8 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     """
     _check_points(W, G, "projected_step")
     low = settings.compute_dtype or W.dtype
+    scale = unit_scale(G)  # as in gram_step: no norm below over- or underflows; `start` scaled back
+    G = G / scale
     # projections at W itself (cW has the same normal space)
     D = _PointGram(form, W, 1.0, settings.stored_dtype).D
     W_low = W.to(low)
@@ -875,7 +891,7 @@ def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float |
     new_point = gram_retraction(form, _scale(W, shrink), -lr * A, settings.retraction_terms,
                                 far_inverse_sqrt(form, settings, lr, shrink, W.dtype))
     zero, eye = torch.zeros_like(D), torch.eye(W.size(-1), dtype=W.dtype, device=W.device).expand_as(D)
-    return GramStep(point=new_point, correction=None, direction_factors=(zero, eye, A, zero), start=Z0)
+    return GramStep(point=new_point, correction=None, direction_factors=(zero, eye, A, zero), start=Z0 * scale)
 
 
 class _PointGram:

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from geomuon.manifolds.linalg import (MSIGN_METHODS, check_compute_dtype, check_count, check_real, check_shape_of,
-                                     largest_entry, msign)
+                                     largest_entry, msign, unit_scale)
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -379,8 +379,9 @@ def _jacobi_step(manifold, W, X, A, H, gram, rate: float, batch: int) -> torch.T
     return -(rate * _per_matrix(sigma, H, batch)) * _gram_solve(manifold, W, H, gram)
 
 
-def _plain_step(H: torch.Tensor, rate: float) -> torch.Tensor:
-    r"""The unpreconditioned dual (sub)gradient step $-\alpha_k H$ (the reference code's)."""
+def _plain_step(H: torch.Tensor, rate: float | torch.Tensor) -> torch.Tensor:
+    r"""The unpreconditioned dual (sub)gradient step $-\alpha_k H$ (the reference code's): not
+    homogeneous in $G$ ($H$ is scale-free), so a solve on $G/s$ passes $\alpha_k/s$."""
     return -rate * H
 
 
@@ -497,7 +498,29 @@ def _inputs(W: torch.Tensor, G: torch.Tensor, norm: str | Norm, settings: Solver
 
 def _solve(manifold, W: torch.Tensor, G: torch.Tensor, nrm: Norm, s: SolverSettings,
            warm_start: torch.Tensor | None) -> SteepestResult:
-    """The body of :func:`steepest_direction`, its inputs checked (``warm_start``'s shape by the caller)."""
+    r"""The body of :func:`steepest_direction`, its inputs checked (``warm_start``'s shape by the caller),
+    run on $G/s$ (:func:`~geomuon.manifolds.linalg.unit_scale`): the steepest direction of $G$ is
+    that of $G/s$, and its primal and dual values, multiplier and correction are homogeneous of
+    degree one in $G$, so they are scaled back by $s$; the one step that is not homogeneous, the
+    unpreconditioned one (:func:`_plain_step`, a multiplier change of $\alpha$ in $G$'s units), is
+    taken as $\alpha/s$. Without the scale an fp32 ``G`` of entries $10^{21}$ or $10^{-25}$ had lost
+    its direction in ``msign``'s normalization (a zero direction, ratio 0, or ratio 0.8)."""
+    batch = W.dim() - 2
+    scale = unit_scale(G).reshape(G.shape[:-2])
+    if warm_start is not None:
+        warm_start = warm_start / _per_matrix(scale, warm_start, batch)
+    result = _solve_unit_scaled(manifold, W, G / _per_matrix(scale, G, batch), scale, nrm, s, warm_start)
+
+    def scaled(value: torch.Tensor | None) -> torch.Tensor | None:
+        return None if value is None else value * _per_matrix(scale, value, batch)
+
+    return dataclasses.replace(result, primal=scaled(result.primal), dual=scaled(result.dual),
+                               multiplier=scaled(result.multiplier), correction=scaled(result.correction))
+
+
+def _solve_unit_scaled(manifold, W: torch.Tensor, G: torch.Tensor, scale: torch.Tensor, nrm: Norm, s: SolverSettings,
+                       warm_start: torch.Tensor | None) -> SteepestResult:
+    """:func:`_solve` on ``G`` divided by the per-matrix ``scale [...]`` (largest entry in [1, 2), or zero)."""
     batch = W.dim() - 2
     Wc = W if s.compute_dtype is None else W.to(s.compute_dtype)
     # Iterates X_k = B + L^*(Delta_k) around a base B formed in W's dtype: near a
@@ -545,7 +568,10 @@ def _solve(manifold, W: torch.Tensor, G: torch.Tensor, nrm: Norm, s: SolverSetti
         if stop:
             break
         rate = s.alpha * (1.0 - k / steps) if s.decay else s.alpha
-        step = _jacobi_step(manifold, W, X, A, H, gram, rate, batch) if s.precondition else _plain_step(H, rate)
+        if s.precondition:
+            step = _jacobi_step(manifold, W, X, A, H, gram, rate, batch)
+        else:
+            step = _plain_step(H, rate / _per_matrix(scale, H, batch))
         if met is not None:  # a matrix within tol stops where it would alone (its batch-mates' steps had moved it on)
             frozen = met if frozen is None else frozen | met
         if frozen is not None:

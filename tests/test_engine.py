@@ -641,6 +641,42 @@ def test_gram_step_refuses_a_step_length_that_is_no_finite_number():
         assert (moved.point.mT @ moved.point - torch.eye(4, dtype=torch.float64)).abs().max() <= 1e-12
 
 
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram(), Oblique()], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("solver", ["dual", "projected"])
+def test_gram_steps_are_homogeneous_in_the_momentum_across_fp32s_range(manifold, solver, monkeypatch):
+    # Both solvers run on G over a power of two of its largest entry, so a momentum scaled by 2^k
+    # is the same step bit for bit (a product by a power of two is exact), with the correction and
+    # the dual iterate scaled by 2^k. Unscaled, an fp32 momentum of entries 2^-70 (1e-21) had
+    # squared to zero in K (Stiefel: no step; DGram: a step along another direction) and one of
+    # 2^70 to infinity.
+    import geomuon.optimizers.gram as gram
+
+    form = manifold.gram_form
+    W = manifold.random(3, 24, 8, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(3, 24, 8, generator=torch.Generator().manual_seed(1))
+    settings = GramSettings(solver=solver)
+    warm = gram_step(form, W, G, 0.1, None, settings).correction
+
+    def step(k: int) -> gram.GramStep:
+        return gram_step(form, W, G * 2.0**k, 0.1, None if warm is None else warm * 2.0**k, settings)
+
+    reference = step(0)
+    for k in (-70, 70):
+        scaled = step(k)
+        assert torch.equal(scaled.point, reference.point), k
+        assert torch.equal(scaled.direction(W), reference.direction(W)), k
+        assert torch.equal(scaled.dual_iterate(W), reference.dual_iterate(W) * 2.0**k), k
+        assert warm is None or torch.equal(scaled.correction, reference.correction * 2.0**k), k
+    # control: without the scale (unit_scale returning 1) the 2^70 momentum loses its step (the
+    # projected solver's norms overflow; the dual's K does, and its eigendecomposition fails)
+    monkeypatch.setattr(gram, "unit_scale", lambda X: torch.ones_like(X[..., :1, :1]))
+    try:
+        lost = not torch.allclose(step(70).point, reference.point, rtol=0, atol=1e-3)
+    except torch.linalg.LinAlgError:
+        lost = True
+    assert lost
+
+
 def _gram_step_of_a_stack():
     """A stack of two Stiefel points, gradients, and a step of them without a correction:
     ``(form, W, G, first)``."""

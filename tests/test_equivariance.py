@@ -463,6 +463,9 @@ def test_cli_imports_from_the_working_directory_and_checks_optimizers(tmp_path, 
         def crash(D):
             raise RuntimeError("boom")
 
+        def scaled(D, k):
+            return k * D
+
         class RowSign(torch.optim.Optimizer):
             def __init__(self, params, lr=0.1):
                 super().__init__(params, dict(lr=lr))
@@ -483,6 +486,11 @@ def test_cli_imports_from_the_working_directory_and_checks_optimizers(tmp_path, 
     assert _cli("my_updates:RowSign", "--arg", "lr=0.05", "--group", "bi-orthogonal") == 1
     assert "RowSign(lr=0.05)" in capsys.readouterr().out
     assert _cli("my_updates:RowSign", "--arg", "lr", "--group", "bi-orthogonal") == 2
+    # a map's required argument no --arg gives is a usage error naming it (it had failed every trial, exit 4)
+    capsys.readouterr()
+    assert _cli("my_updates:scaled", "--group", "bi-orthogonal") == 2
+    assert "missing a required argument: 'k'" in capsys.readouterr().err
+    assert _cli("my_updates:scaled", "--arg", "k=2.0", "--group", "bi-orthogonal", "--trials", "8") == 0
 
 
 def test_cli_groups_from_the_working_directory_and_usage_errors(tmp_path, monkeypatch, capsys):
@@ -601,6 +609,24 @@ def test_an_engine_that_writes_into_its_gradient_is_told_so_not_to_seed_its_rand
     # control: the same engine out of place holds
     out_of_place = DirectionUpdate(lambda manifold, W, G: tangent(W, 2.0 * G), Stiefel())
     assert check_equivariance(out_of_place, "bi-orthogonal", (6, 4), seed=1).verdict == "holds"
+
+
+@pytest.mark.parametrize("update,shape,shown", [
+    (lambda D: maps.spectral(D)[None], (6, 4), "returned a 1x6x4 tensor for a 6x4 tensor"),
+    (lambda D: maps.spectral(D).expand(3, 6, 4), (6, 4), "returned a 3x6x4 tensor for a 6x4 tensor"),
+    (lambda D: maps.spectral(D.sum(0)), (3, 6, 4), "returned a 6x4 tensor for a 3x6x4 tensor"),
+    (lambda D: maps.spectral(D).mT, (6, 4), "returned a 4x6 tensor for a 6x4 tensor"),
+    (lambda D: [maps.spectral(D)], (6, 4), "returned a list of 1 (a 6x4 tensor) for a 6x4 tensor"),
+], ids=["leading-one", "expanded", "stack-collapsed", "transposed", "in-a-list"])
+def test_a_map_that_returns_another_shape_is_an_error_naming_both_shapes(update, shape, shown):
+    # Old checker: g's action broadcast over a (1, 6, 4) or (3, 6, 4) output of a 6 x 4 input, and a
+    # stack collapsed to one matrix under a shared element, so those maps "held"; a transposed or
+    # list output was blamed on the group element's sampling ("sample it with group.sample(...)").
+    report = check_equivariance(update, "bi-orthogonal", shape, seed=0, batch_elements="shared")
+    assert report.verdict == "error", report.message()
+    assert shown in report.message() and "a map returns its input's shape" in report.message()
+    # control: the map itself, shape for shape, holds
+    assert check_equivariance(maps.spectral, "bi-orthogonal", shape, seed=0, batch_elements="shared").verdict == "holds"
 
 
 def test_a_map_that_returns_another_dtype_is_an_error_not_equivariant_at_the_inputs_precision():

@@ -1241,3 +1241,25 @@ def test_a_shape_its_manifold_refuses_is_refused_at_construction_naming_the_para
                                          r"CenteredRouterSpace.*\(a router needs at least 2 experts"):
         ManifoldMuon([fine, lone], manifold=router)
     ManifoldMuon([fine], manifold=router)  # negative control: a shape it takes is accepted
+
+
+@pytest.mark.parametrize("manifold,options", [
+    ("stiefel", {}), ("dgram", {}), ("stiefel", {"solver": "projected"}), ("dgram", {"norm": "row"}),
+], ids=["stiefel", "dgram", "stiefel-projected", "dgram-row-general"])
+def test_a_gradient_scaled_by_a_power_of_two_takes_the_same_steps(manifold, options):
+    # Every solver runs on the momentum over a power of two of its largest entry, and momentum and
+    # warm starts are exact under a power of two: gradients scaled by 2^-70 (entries of 1e-21,
+    # whose squares leave fp32) take the same three steps bit for bit. They had taken no step
+    # (Stiefel) or a step along another direction (DGram), silently.
+    def run(scale: float) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(3)
+        W = torch.nn.Parameter(Stiefel().projx(torch.randn(48, 16, generator=gen)))  # on DGram too
+        opt = ManifoldMuon([W], lr=0.05, manifold=manifold, **options)
+        for _ in range(3):
+            W.grad = torch.randn(48, 16, generator=gen) * scale
+            opt.step()
+        return W.detach()
+
+    reference = run(1.0)
+    assert torch.equal(run(2.0**-70), reference)
+    assert not torch.allclose(run(-1.0), reference, rtol=0, atol=1e-3)  # control: another gradient steps elsewhere

@@ -161,8 +161,8 @@ def _arguments(pairs: list[str]) -> dict:
 
 def _check_keywords(obj, kwargs: dict, target: str) -> None:
     """Refuse ``--arg`` keywords that ``obj`` (a map called as ``obj(D, **kwargs)``, or an
-    optimizer class as ``obj(params, **kwargs)``) does not take, before any trial (they had
-    failed every trial, exit 4)."""
+    optimizer class as ``obj(params, **kwargs)``) does not take, or a required argument no ``--arg``
+    gives, before any trial (they had failed every trial, exit 4)."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):  # a builtin without one: the trials will say
@@ -170,7 +170,8 @@ def _check_keywords(obj, kwargs: dict, target: str) -> None:
     try:
         signature.bind(None, **kwargs)
     except TypeError as err:
-        raise ValueError(f"--arg does not fit {target}: {err}") from None
+        raise ValueError(f"--arg does not fit {target}: {err} (the first argument is the checked input; "
+                         "give each other required one as --arg NAME=VALUE)") from None
 
 
 def _check_constructor_values(optimizer: type, kwargs: dict, target: str, shape: tuple[int, ...],
@@ -208,7 +209,7 @@ def _subject(obj, kwargs: dict, steps: int, target: str, shape: tuple[int, ...],
     from geomuon.theory.equivariance import MapUpdate, OptimizerUpdate
 
     name = target.partition(":")[2]
-    if kwargs and not hasattr(obj, "evaluate"):
+    if not hasattr(obj, "evaluate"):
         _check_keywords(obj, kwargs, target)
     if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer):
         if kwargs:

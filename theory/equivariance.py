@@ -176,7 +176,9 @@ batch same-shape parameters): every member of a trial's input is its own draw of
 kind at its scale, and by default its own group element ($g_b$, stacked by
 :func:`~geomuon.theory.groups.stack_elements`: the symmetry group of a stack of independent
 parameters is the product of theirs), so an update that mixes members — a reduction over the
-batch dimension, a stack flattened into one matrix — is violated, where one element shared by the
+batch dimension, a stack flattened into one matrix — is violated (a coupling through each
+member's invariants, a stack-wide norm, commutes with every element and is not seen: that is
+an independence test, not an equivariance one), where one element shared by the
 stack (``batch_elements="shared"``, for an update that couples its members on purpose) moves every
 member alike and lets such mixing commute. Residual and floor are taken over the whole stack
 (its members share a scale, so none is swamped). :func:`hypothesis_cases` draws single matrices.
@@ -913,6 +915,11 @@ def _evaluator(subject: _Subject) -> Callable:
         if not _tensors(out):
             raise TypeError(f"{subject.name} returned a {type(out).__name__}: an update returns a tensor "
                             "(a tuple of tensors under a joint group)")
+        if isinstance(subject, MapUpdate) and _layout(out) != _layout(x):
+            # a (1, 6, 4) or (3, 6, 4) output of a 6 x 4 input had broadcast through g's action and held;
+            # a transposed or list output had been blamed on the group element's sampling
+            raise ValueError(f"{subject.name} returned {_layout_text(out)} for {_layout_text(x)}: a map returns "
+                             "its input's shape (under a joint group, a tuple of its matrices' shapes)")
         given, returned = (sorted({_dtype_name(t.dtype) for t in _members(part)}) for part in (x, out)) if isinstance(
             subject, MapUpdate) else (None, None)  # (only a map must return its input's dtype)
         if returned != given:
@@ -1107,6 +1114,17 @@ def _structured(subject: _Subject, usual: Trial, exact_element: GroupElement, ex
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _layout(x):
+    """The shapes of a (nested) example, nested as it is (tuples and lists alike)."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(_layout(part) for part in x)
+
+
+def _layout_text(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {'x'.join(map(str, x.shape)) or 'scalar'} tensor"
+    return f"a {type(x).__name__} of {len(x)} ({', '.join(_layout_text(part) for part in x)})"
 
 
 def _shape_of(example) -> str:
