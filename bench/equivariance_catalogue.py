@@ -158,6 +158,14 @@ def entrywise_batch_max(D):
     return D / D.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(D.dtype).tiny)
 
 
+def stack_normalized(D):
+    r"""$D_b/\|D\|_F$ with the norm of the *whole stack*: a member's output depends on its
+    batch-mates, yet through a quantity every member's orthogonal element leaves unchanged, so
+    the map commutes with the product group; only the members-alone test sees it."""
+    norm = D.square().sum().sqrt()
+    return D / torch.where(norm > 0, norm, 1.0)
+
+
 def gram_left(D):
     r"""$\operatorname{diag}(1, 2, \dots, m)\,D\,(D^\top D) / \|D\|_F^2$: fixed row weights, so
     $O_n$ on the right holds and $O_m$ on the left breaks."""

@@ -152,6 +152,8 @@ CATALOGUE = [
           dtypes=BF16, structured=True),
     Entry(M + "entrywise_batch_max", "signed-permutation", "violated", "normalized over the stack (dim 0)",
           dtypes=BF16, batch=(3,)),
+    Entry(M + "stack_normalized", "bi-orthogonal", "violated", "one norm for the whole stack: equivariant, coupled",
+          dtypes=BF16, batch=(3,)),
     Entry(M + "unguarded_row_unit", "left-perm-right-orth", "error", "NaN on zero rows", dtypes=BF16),
     Entry(M + "cholesky_polar", "bi-orthogonal", "error", "raises on singular Gram"),
     Entry(M + "HeavyBall", "bi-orthogonal", "holds", "linear optimizer", ("--arg", "lr=0.1"), BF16),

@@ -42,7 +42,7 @@ with warnings.catch_warnings():
     import geoopt
 from geoopt.utils import size2shape
 
-from .linalg import check_matrix, check_shape_of, fp32_or_fp64, largest_entry, power_of_two_at_most
+from .linalg import check_matrix, check_shape_of, fixed_start, fp32_or_fp64, largest_entry, power_of_two_at_most
 
 __all__ = [
     "MatrixManifold",
@@ -129,6 +129,10 @@ class _ManifoldType(type(geoopt.Manifold)):
         manifold = super().__call__(*bound.args[1:], **bound.kwargs)
         object.__setattr__(manifold, "_arguments_fixed", True)
         return manifold
+
+
+#: Probes of :meth:`MatrixManifold._terms_scale`.
+TERM_PROBES = 4
 
 
 class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
@@ -661,7 +665,7 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         constraint here; the default names the generic rule's."""
         if self.has_defining_map:
             return (f"defining map F(x) != 0 with atol={atol} (times |F(0)|, the scale of the "
-                    "constraint's constant, where it has one)")
+                    "constraint's constant, where it has one; else times the size of each entry's terms at x)")
         return f"projx(x) != x with atol={atol}, rtol={rtol}"
 
     @matrix_method(result="multiplier")
@@ -671,7 +675,9 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         ``check_point_on_manifold`` of geoopt is its ``.all()`` read back, with a reason).
 
         Generic rule, with a defining map: ``isclose(F(x), 0)`` in every entry with the absolute
-        tolerance scaled by $\|F(0)\|_{\max}$ (1 where $F(0) = 0$), else ``isclose(projx(x), x)``
+        tolerance scaled by $\|F(0)\|_{\max}$, or where $F(0) = 0$ by the size of $F$'s terms at $x$
+        (:meth:`_terms_scale`: a linear constraint's fp32 row sums of 1024 unit entries round to
+        $10^{-5}$, and an absolute tolerance had refused its points fresh from ``projx``), else ``isclose(projx(x), x)``
         (``torch.isclose``, so ``.all()`` is ``torch.allclose``); a matrix with a non-finite entry
         is never a point. A constraint $q(x) = c$ with
         $q$ homogeneous has $F(0) = -c$, and at a point of $M$ the round-off of $F(x)$ is that
@@ -689,8 +695,12 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
             residual = self.defining_map(x)
             constant = self.defining_map(torch.zeros_like(x)).abs().flatten(x.dim() - 2)
             scale = constant.amax(-1) if constant.size(-1) else constant.new_zeros(constant.shape[:-1])
-            scale = torch.where(scale > 0, scale, 1.0)  # a homogeneous constraint: an absolute tolerance
             scale = scale.reshape(*scale.shape, *(1,) * (residual.dim() - scale.dim()))
+            if type(self).constraint is not MatrixManifold.constraint:
+                # a homogeneous constraint (F(0) = 0): each entry at the size of its own terms
+                scale = torch.where(scale > 0, scale, self._terms_scale(x).abs())
+            else:  # (a manifold with its own projx may define no constraint: an absolute tolerance)
+                scale = torch.where(scale > 0, scale, 1.0)
             close = residual.abs() <= atol * scale  # (rtol has no reference value here: |0| = 0)
         else:  # projx without its finite check (a host read, and a raise where this says False),
             # of a finite stand-in (an SVD fails on NaN); the finite mask below decides those
@@ -772,12 +782,15 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
         # A small step is also what a stall looks like: where the normal space degenerates (a
         # zero or rank-deficient input) F(y) leaves the range of L_y, whose solve then moves y
         # by nothing. Converged, F(y) is round-off of its terms, about eps (|L_y(y)| + |F(0)|)
-        # (L_y(y) = k q(y) for a q homogeneous of degree k, F = q - F(0)); sqrt(eps) of that
+        # (L_y(y) = k q(y) for a q homogeneous of degree k, F = q - F(0)), or of a linear
+        # constraint's terms (L_y(y) = F(y) cancels there: _terms_scale); sqrt(eps) of that
         # scale parts the two by orders of magnitude (the generic projx had returned the zero
-        # matrix for a Frobenius sphere, and a generalized Stiefel frame 0.58 off M, unwarned).
+        # matrix for a Frobenius sphere, and a generalized Stiefel frame 0.58 off M, unwarned;
+        # and warned at every converged projection onto a linear constraint).
         residual = self._flat_multiplier(self.defining_map(y), y).norm(dim=-1)
         scale = (self._flat_multiplier(self.constraint(y, y), y).norm(dim=-1)
-                 + self._flat_multiplier(self.defining_map(torch.zeros_like(y)), y).norm(dim=-1))
+                 + self._flat_multiplier(self.defining_map(torch.zeros_like(y)), y).norm(dim=-1)
+                 + self._flat_multiplier(self._terms_scale(y), y).norm(dim=-1))
         stalled = residual > torch.finfo(y.dtype).eps ** 0.5 * scale
         if bool(stalled.any()):
             worst = float((residual / scale.clamp_min(tiny)).max())
@@ -790,6 +803,19 @@ class MatrixManifold(geoopt.Manifold, metaclass=_ManifoldType):
                 stacklevel=3,
             )
         return y
+
+    def _terms_scale(self, x: torch.Tensor) -> torch.Tensor:
+        r"""Per entry of the multiplier, the size of $F$'s terms at $x$: the RMS of $L_x(P_k\odot x)$
+        over :data:`TERM_PROBES` fixed pseudo-random Gaussian $P_k$
+        (:func:`~geomuon.manifolds.linalg.fixed_start`). An entry of $L_x(P\odot x)$ is a centred
+        Gaussian whose variance $\sigma^2 = \sum_j w_jt_j^2$ weighs that entry's terms $t_j$ ($w_j = 1$
+        for a linear constraint; 2 or 4 for the entries of a quadratic one such as $W^\top W$), so the
+        RMS of four is $\sigma\sqrt{\chi^2_4/4}$: below $\sigma/10$ with probability
+        $2\cdot10^{-4}$ (one probe's: 8 %). $L_x(x) = F(x)$ cannot serve: at a point of a
+        linear constraint its terms cancel. Entrywise in $x$, so each row of a row-wise constraint
+        is measured by its own entries. On ``x``'s device, no host read."""
+        probes = fixed_start((TERM_PROBES, *x.shape[-2:]), x.dtype, x.device)
+        return torch.stack([self.constraint(x, probe * x) for probe in probes]).square().mean(0).sqrt()
 
     @staticmethod
     def _flat_multiplier(multiplier: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -619,7 +619,8 @@ def power_of_two_at_most(largest: torch.Tensor) -> torch.Tensor:
 
 
 def unit_scale(X: torch.Tensor) -> torch.Tensor:
-    r"""Per matrix (``[..., 1, 1]``, ``X.dtype``): the power of two $s$ with $1 \le \max_{ij}|X_{ij}/s| < 2$,
+    r"""Per matrix (``[..., 1, 1]``, ``X.dtype``): the power of two $s$ with $1 \le \max_{ij}|X_{ij}/s| < 2$
+    (for a largest entry below the dtype's ``tiny``, $s$ = ``tiny`` and the quotient stays below 1),
     and $s = 1$ for a zero or non-finite matrix (nothing to scale; a non-finite one is refused or
     propagated by the caller, not hidden by the scale).
 

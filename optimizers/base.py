@@ -118,10 +118,48 @@ class _Listed(tuple):
     (:func:`_same_option`; ``==`` would compare the tensors' values)."""
 
 
+class _Structure:
+    """The snapshot of a dict or list option (a manifold's or a regulator's spec): its nesting, its
+    plain values (numbers, strings, ``None``) by type and value and any other value by identity
+    (:class:`_Same`), so that an edit in place counts as an edit (a spec's ``radius`` edited in
+    place had been stepped with the old manifold and saved with the new value, which then failed
+    to resume)."""
+
+    def __init__(self, value) -> None:
+        self.value, self.contents = value, _contents(value)
+
+
+class _Same:
+    """A value of a :class:`_Structure` compared by identity: a tensor (``==`` would compare its
+    values, reading a device back) or an array (whose ``==`` is no bool). Held here, so that its
+    ``id`` is not reused by a value put in its place."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and self.value is other.value
+
+    __hash__ = None
+
+
+_PLAIN_TYPES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _contents(value):
+    if isinstance(value, dict):
+        return ("dict", tuple((key, _contents(item)) for key, item in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_contents(item) for item in value))
+    return (type(value), value) if type(value) in _PLAIN_TYPES else _Same(value)
+
+
 def _same_option(before, now) -> bool:
     """Whether a group option is unchanged since it was checked: the same object, or an equal
-    plain value of the same type. A tensor, dict or list counts as changed unless it is the same
-    object (a manifold's spec may hold tensors: comparing them would read a device back); a
+    plain value of the same type. A tensor counts as changed unless it is the same object; a
+    dict or list (:class:`_Structure`) unless it is the same object with the same contents; a
     group's parameters (:class:`_Listed`) are unchanged if it lists the same tensors, by identity
     (an option's tuple of numbers, Muon's ``ns_coefficients``, compares by value: an equal tuple
     put back had counted as an edit, the group checked again at every step)."""
@@ -129,7 +167,9 @@ def _same_option(before, now) -> bool:
         return True
     if isinstance(before, _Listed):
         return type(now) is _Listed and len(before) == len(now) and all(b is n for b, n in zip(before, now))
-    if isinstance(before, (torch.Tensor, dict, list)) or type(before) is not type(now):
+    if isinstance(before, _Structure):
+        return type(now) is _Structure and before.value is now.value and before.contents == now.contents
+    if isinstance(before, torch.Tensor) or type(before) is not type(now):
         return False
     return before == now
 
@@ -321,6 +361,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         value = group.get(key)
         if key == "params":
             return _Listed(value)
+        if isinstance(value, (dict, list)):
+            return _Structure(value)
         if key in SCHEDULED_OPTIONS and not isinstance(value, torch.Tensor):
             return _HOST_VALUE
         return value
@@ -348,6 +390,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             checked = self._checked_options[index]
             edited = [key for key, value in checked.items() if not _same_option(value, self._option_value(group, key))]
             if edited:
+                # rebuilt from the edited specs (an edit in place keeps the spec object they are cached by)
+                self._manifolds.pop(id(group), None)
+                self._regulators[index] = (None, None)
                 try:
                     self._validate_group(group, index)
                 except ValueError as err:

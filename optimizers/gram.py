@@ -760,7 +760,7 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
     if correction is None:
         delta = torch.zeros_like(form.constraint(B0))
     else:
-        delta = correction.to(W.dtype) / _per_matrix(scale, correction)
+        delta = correction.to(W.dtype) / _per_matrix_of_stack(scale, correction)
     S = form.adjoint(delta)
     for k in range(settings.dual_steps + 1):
         DS = mulD(S)
@@ -791,11 +791,11 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
     T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds, UNIT_BALLS[settings.dualizer], dual)
     point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms,
                     far_inverse_sqrt(form, settings, lr, shrink, W.dtype))
-    return GramStep(point=point, correction=delta * _per_matrix(scale, delta),
+    return GramStep(point=point, correction=delta * _per_matrix_of_stack(scale, delta),
                     direction_factors=(T1, T2 / scale, Z0 * scale, S * scale))
 
 
-def _per_matrix(scale: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+def _per_matrix_of_stack(scale: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """A stack's per-matrix ``scale [B, 1, 1]`` shaped to broadcast against ``X [B, ...]`` (a
     multiplier of the form's constraint shape)."""
     return scale.reshape(scale.size(0), *(1,) * (X.dim() - 1))

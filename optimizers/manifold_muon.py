@@ -186,6 +186,13 @@ def resolve_manifold(spec, where: str):
         # raised NotImplementedError)
         raise ValueError(f"{where}: {type(spec).__name__} defines neither defining_map(x) nor its own projx and "
                          "retr, so it has no retraction to step with; define defining_map (F with M = {F = 0})")
+    missing = [name for name in ("constraint(x, u)", "constraint_adjoint(x, lam)")
+               if getattr(type(spec), name.partition("(")[0]) is getattr(MatrixManifold, name.partition("(")[0])]
+    if missing:
+        # (found only inside the first step, after the groups before it had moved)
+        raise ValueError(f"{where}: {type(spec).__name__} does not define {' or '.join(missing)}: the tangent "
+                         "constraint L_x(u) = 0 and its adjoint, which the steepest-descent engine steps with "
+                         "(CONTRIBUTING.md, 'Adding a manifold')")
     return spec
 
 

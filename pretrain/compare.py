@@ -136,9 +136,17 @@ def comparison_runs(base: TrainConfig, strategies: list[str],
                              f"to continue; replace them with {option_text('overwrite', True)}, or choose another "
                              f"{option_text('out_dir')}")
         raise nothing_to_continue(root, "comparison")
+    named = {_run_name(strategy, seed) for strategy in strategies for seed in seeds}
+    left_out = [entry for entry in runs_held if entry not in named]
+    if base.overwrite and left_out:
+        # (they had stayed beside the new comparison, and the resume command it printed was then refused)
+        raise ValueError(f"{option_text('overwrite', True)}: {root!r} holds runs that "
+                         f"{option_text('strategies', options=CompareConfig)} and "
+                         f"{option_text('seeds', options=CompareConfig)} leave out ({', '.join(left_out)}): "
+                         "--overwrite replaces the runs it names, so those would stay beside the new comparison "
+                         "(and a later --resume would be refused); name them too, remove them, or choose another "
+                         f"{option_text('out_dir')}")
     if base.resume:  # the figures and the table are redrawn from the runs named: one left out had vanished from them
-        named = {_run_name(strategy, seed) for strategy in strategies for seed in seeds}
-        left_out = [entry for entry in runs_held if entry not in named]
         if left_out:
             raise ValueError(f"{option_text('resume', True)}: {root!r} holds runs that "
                              f"{option_text('strategies', options=CompareConfig)} and "
@@ -489,3 +497,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"continue the runs to step {base.steps} with: {again}")
     print(summary_line(summaries, time.perf_counter() - started, root))
     return 0
+
+
+if __name__ == "__main__":  # (as `python -m geomuon.pretrain.train`; it had taken any arguments and done nothing)
+    parser = argparse.ArgumentParser(prog="python -m geomuon.pretrain.compare")
+    add_parser(parser)
+    sys.exit(run(parser.parse_args()))

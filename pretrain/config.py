@@ -277,6 +277,10 @@ class TrainConfig:
         if self.resume and isinstance(self.out_dir, str) and _names_a_template(self.out_dir):
             problems.append(f"--resume needs the --out-dir of the run to continue (got the template "
                             f"{self.out_dir!r}); give its folder, as the interrupted run printed it")
+        if self.overwrite and isinstance(self.out_dir, str) and _names_a_template(self.out_dir):
+            # (it had been ignored: the template gave a fresh '-2' folder, and the run it meant stayed)
+            problems.append(f"--overwrite would be ignored: --out-dir {self.out_dir!r} is a template, which names a "
+                            "fresh folder for every run; give the folder of the run to replace")
         if _numbers(self.warmup_steps, self.steps) and not 0 <= self.warmup_steps < self.steps:
             problems.append(f"--warmup-steps must be in [0, steps={self.steps}) (got {self.warmup_steps}); lower "
                             "--warmup-steps or raise --steps")

@@ -351,7 +351,14 @@ class RunFolderClaim:
         self.created = self.fresh or not os.path.exists(self.path)
         lock = os.path.join(self.path, LOCK_FILE)
         try:
+            # (a releasing run removes its own folder, never a parent: a FileNotFoundError here is a
+            # path that cannot exist, such as a link to a missing folder, which had been taken for
+            # the race below and claimed again forever, silently)
             os.makedirs(self.path, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{option_text('out_dir')} {self.path!r} cannot be created ({err.strerror}); choose "
+                             "another one") from None
+        try:
             file = open(lock, "a")
         except FileNotFoundError:  # a releasing run removed the folder after makedirs
             return None

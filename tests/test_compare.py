@@ -176,6 +176,23 @@ def test_a_resume_that_leaves_out_runs_of_the_folder_is_refused_before_any_run(t
     assert printed.count("resumed from ") == 4 and printed.strip().splitlines()[-1].startswith("compare: 4 runs, ")
 
 
+def test_an_overwrite_that_leaves_out_runs_of_the_folder_is_refused_before_any_run(tmp_path, capsys):
+    # --overwrite naming fewer strategies had replaced those runs and left the others beside them:
+    # the "continue" command the new comparison printed was then refused (runs it leaves out), and
+    # naming them too was refused as well (their checkpoints of another schedule)
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--strategies", "adamw,unconstrained", *SMALL, "--out-dir", str(out)]) == 0
+    capsys.readouterr()
+    held = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    assert cli(["compare", "--strategies", "adamw", *SMALL, "--overwrite", "--out-dir", str(out)]) == 2
+    assert (f"geomuon compare: --overwrite (overwrite=True): {str(out)!r} holds runs that --strategies (strategies) "
+            "and --seeds (seeds) leave out (unconstrained-s0): --overwrite replaces the runs it names"
+            ) in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == held  # nothing touched
+    # control: naming every run replaces the comparison
+    assert cli(["compare", "--strategies", "unconstrained,adamw", *SMALL, "--overwrite", "--out-dir", str(out)]) == 0
+
+
 @pytest.mark.parametrize("held", ["nothing", "figures", "missing"])
 def test_a_resume_into_a_folder_holding_no_run_is_refused_as_pretrain_refuses_it(tmp_path, capsys, held):
     # an empty folder, or one of figures whose runs are gone, had started a fresh comparison under

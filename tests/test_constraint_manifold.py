@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from geomuon.manifolds import MatrixManifold, Oblique
+from geomuon.optimizers import ManifoldMuon
 from geomuon.theory.contracts import check_manifold_contract, default_tolerance, manifold_residual
 
 
@@ -285,6 +286,79 @@ def test_manifold_muon_refuses_what_it_cannot_step_with_the_manifold_it_names():
 
     with pytest.raises(ValueError, match="OnlyConstraint defines neither defining_map"):
         ManifoldMuon([torch.nn.Parameter(torch.randn(6, 4))], manifold=OnlyConstraint())
+
+    # a manifold without constraint_adjoint had been taken, then failed inside the first step after
+    # the groups before it had moved; refused at construction, naming the group, class and method
+    class NoAdjoint(MatrixManifold):
+        name = "NoAdjoint"
+        constraint = UnitColumnsFromMaps.constraint
+        defining_map = UnitColumnsFromMaps.defining_map
+
+    other = torch.nn.Parameter(UnitColumnsFromMaps().projx(torch.randn(6, 4)))
+    with pytest.raises(ValueError, match=r"param group 1: NoAdjoint does not define constraint_adjoint\(x, lam\): "):
+        ManifoldMuon([{"params": [other], "manifold": UnitColumnsFromMaps()},
+                      {"params": [torch.nn.Parameter(torch.randn(6, 4))], "manifold": NoAdjoint()}])
+    NoAdjoint.constraint_adjoint = UnitColumnsFromMaps.constraint_adjoint  # control: with it, it is taken
+    ManifoldMuon([torch.nn.Parameter(UnitColumnsFromMaps().projx(torch.randn(6, 4)))], manifold=NoAdjoint())
+
+
+class ZeroRowSums(MatrixManifold):
+    """Every row sums to zero: a linear constraint, F(0) = 0, from its maps alone."""
+
+    name = "ZeroRowSums"
+
+    def constraint(self, x, u):
+        return u.sum(-1)
+
+    def constraint_adjoint(self, x, lam):
+        return lam.unsqueeze(-1).expand(*lam.shape, x.size(-1))
+
+    def defining_map(self, x):
+        return x.sum(-1)
+
+
+def test_a_linear_constraint_is_checked_at_the_size_of_its_terms():
+    # F(0) = 0 had meant an absolute tolerance of 1e-5: fp32 rows of 1024 unit entries sum to
+    # about 1e-5 of round-off, so projx's own points were refused by ManifoldMuon (whose advice,
+    # projx again, could not help), and every converged projx and retr warned "stalled" (L_y(y) =
+    # F(y) vanishes at the point, and was the only scale the stall test knew).
+    manifold = ZeroRowSums()
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = manifold.projx(torch.randn(16, 1024, generator=gen))
+        assert manifold.check_point_on_manifold(x)
+        W = torch.nn.Parameter(x.clone())
+        opt = ManifoldMuon([W], manifold=manifold, lr=0.05)
+        for _ in range(3):
+            W.grad = torch.randn(16, 1024, generator=gen)
+            opt.step()
+    # independently, in float64: recursive summation's bound n u sum|x_i| on each row's fp32 sum
+    w = W.detach().double()
+    assert bool((w.sum(-1).abs() <= 1024 * 2.0**-24 * w.abs().sum(-1)).all())
+    off = x.clone()
+    off[0] += 1e-2  # control: a row summing to 10 is off, at any scale of the terms
+    assert not manifold.check_point_on_manifold(off)
+    off[0] = 5e-7  # and each row at the size of its own terms: one of tiny entries summing to 5e-4 is off
+    assert not manifold.check_point_on_manifold(off)
+
+
+def test_a_manifold_with_a_defining_map_and_no_constraint_checks_its_points():
+    # the check of a homogeneous constraint measures its terms through L_x: a manifold that defines
+    # F and its own projx but no constraint (F(0) = -1 here) had raised NotImplementedError from it
+    class SphereFromMap(MatrixManifold):
+        name = "SphereFromMap"
+
+        def defining_map(self, x):
+            return (x.square().sum((-2, -1)) - 1).unsqueeze(-1)
+
+        def projx(self, x):
+            return x / x.norm(dim=(-2, -1), keepdim=True)
+
+    manifold = SphereFromMap()
+    x = manifold.projx(torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    assert manifold.check_point_on_manifold(x)
+    assert not manifold.check_point_on_manifold(1.01 * x)  # control
 
 
 @pytest.mark.parametrize("scale", [1e-8, 1e4, 1e6])

@@ -14,7 +14,7 @@ import torch
 from bench import equivariance_catalogue as catalogue
 from bench.equivariance_catalogue import (argmax_one_hot, cubic, dead_column_guard, entrywise_batch_max,
                                         identity_at_zero, power_iteration, rownorm_msign, sign_with_positive_zero,
-                                        svd_msign)
+                                        stack_normalized, svd_msign)
 from geomuon import cli as geomuon_cli
 from geomuon.optimizers import maps
 from geomuon.theory.equivariance import (
@@ -972,6 +972,40 @@ def test_a_batched_check_catches_an_update_that_mixes_the_members_of_its_stack(u
     # why the members get their own elements by default (the group of a stack of parameters).
     assert check_equivariance(update, group, (3, 6, 4), seed=0, trials=20,
                               batch_elements="shared").verdict == "holds"
+
+
+class StackNormalizedSGD(torch.optim.Optimizer):
+    """W <- W - lr G / |G|_F, the norm of the whole stacked parameter: equivariant under the
+    members' own orthogonal elements, yet one member's step depends on the others'."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(group["lr"] * p.grad / p.grad.norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("update", [
+    stack_normalized, OptimizerUpdate(lambda params: StackNormalizedSGD(params), name="stack-normalized"),
+], ids=["map", "optimizer"])
+def test_a_batched_check_catches_members_coupled_through_their_invariants(update):
+    # Old checker: a stack-wide norm commutes with every member's element, so the residual was
+    # round-off and the map "held", though each member's output depends on its batch-mates. The
+    # trial now also compares each member's output with that member's alone.
+    report = check_equivariance(update, "bi-orthogonal", (3, 6, 4), seed=0, trials=20)
+    assert report.verdict == "violated", report.table()
+    assert "a member's output depends on its batch-mates" in report.message()
+    if update is stack_normalized:  # in bf16 the float64 witness decides; it had passed the map
+        bf16 = check_equivariance(update, "bi-orthogonal", (3, 16, 8), seed=0, trials=20, dtype=torch.bfloat16)
+        assert bf16.verdict == "violated" and "depends on its batch-mates" in bf16.message(), bf16.table()
+    # controls: coupling on purpose, stated (one shared element, no independence test), holds;
+    # and on one matrix there are no batch-mates
+    assert check_equivariance(update, "bi-orthogonal", (3, 6, 4), seed=0, trials=20,
+                              batch_elements="shared").verdict == "holds"
+    assert check_equivariance(update, "bi-orthogonal", (6, 4), seed=0, trials=20).verdict == "holds"
 
 
 @pytest.mark.parametrize("update, group", [

@@ -8,7 +8,7 @@ import geoopt
 import pytest
 import torch
 
-from geomuon.manifolds import DGram, Euclidean, MatrixManifold, Oblique, Stiefel
+from geomuon.manifolds import LPRO, DGram, Euclidean, MatrixManifold, Oblique, Stiefel
 from geomuon.manifolds.capabilities import gram_retraction, inv_sqrt_near_identity, series_radius
 from geomuon.optimizers import ManifoldMuon, OffManifoldError, gram, manifold_muon, msign, steepest
 from geomuon.optimizers.gram import GramSettings, gram_msign, polynomial_inverse_sqrt
@@ -1244,16 +1244,17 @@ def test_a_shape_its_manifold_refuses_is_refused_at_construction_naming_the_para
 
 
 @pytest.mark.parametrize("manifold,options", [
-    ("stiefel", {}), ("dgram", {}), ("stiefel", {"solver": "projected"}), ("dgram", {"norm": "row"}),
-], ids=["stiefel", "dgram", "stiefel-projected", "dgram-row-general"])
-def test_a_gradient_scaled_by_a_power_of_two_takes_the_same_steps(manifold, options):
+    (Stiefel(), {}), (DGram(), {}), (Stiefel(), {"solver": "projected"}), (LPRO(radius=1.0), {}),
+], ids=["stiefel", "dgram", "stiefel-projected", "lpro-general"])
+def test_a_gradient_scaled_by_a_power_of_two_takes_the_same_steps(manifold, options, monkeypatch):
     # Every solver runs on the momentum over a power of two of its largest entry, and momentum and
-    # warm starts are exact under a power of two: gradients scaled by 2^-70 (entries of 1e-21,
+    # warm starts are exact under a power of two: gradients scaled by 2^-80 (entries of 1e-24,
     # whose squares leave fp32) take the same three steps bit for bit. They had taken no step
-    # (Stiefel) or a step along another direction (DGram), silently.
+    # (Stiefel), or one along another direction (DGram, the projected solver, the general engine
+    # on LPRO), silently. (A gradient whose norm overflows is skipped with a warning instead.)
     def run(scale: float) -> torch.Tensor:
         gen = torch.Generator().manual_seed(3)
-        W = torch.nn.Parameter(Stiefel().projx(torch.randn(48, 16, generator=gen)))  # on DGram too
+        W = torch.nn.Parameter(manifold.projx(torch.randn(48, 16, generator=gen)))
         opt = ManifoldMuon([W], lr=0.05, manifold=manifold, **options)
         for _ in range(3):
             W.grad = torch.randn(48, 16, generator=gen) * scale
@@ -1261,5 +1262,8 @@ def test_a_gradient_scaled_by_a_power_of_two_takes_the_same_steps(manifold, opti
         return W.detach()
 
     reference = run(1.0)
-    assert torch.equal(run(2.0**-70), reference)
-    assert not torch.allclose(run(-1.0), reference, rtol=0, atol=1e-3)  # control: another gradient steps elsewhere
+    assert torch.equal(run(2.0**-80), reference)
+    # control: without the scale (unit_scale returning 1) the same gradients step elsewhere
+    for module in (gram, steepest):
+        monkeypatch.setattr(module, "unit_scale", lambda X: torch.ones_like(X[..., :1, :1]))
+    assert not torch.allclose(run(2.0**-80), reference, rtol=0, atol=1e-2)

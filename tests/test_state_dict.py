@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from geomuon.manifolds import LPRO, CenteredRouterSpace, DGram, Euclidean, MatrixManifold, Oblique, Stiefel
-from geomuon.optimizers import HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, RightPolarGradM, RowNormM
+from geomuon.optimizers import (HybridPolarGradM, LeftPolarGradM, ManifoldMuon, Muon, OffManifoldError, RightPolarGradM,
+                                RowNormM)
 from geomuon.optimizers.regulate import SoftCap, SpectralNormalize
 
 N_STEPS, M_STEPS = 3, 2
@@ -461,6 +462,41 @@ def test_a_regulator_set_between_steps_is_used_from_the_next_step():
     with pytest.raises(ValueError):
         opt.step()
     assert torch.equal(W.detach(), before)
+
+
+def test_a_spec_edited_in_place_is_an_edit_of_its_group():
+    # A spec's value edited in place (the same dict object) had been missed: the step kept the old
+    # regulator or manifold, and state_dict saved the new value, which then failed to resume. Now it
+    # re-checks the group like an assigned spec: the new regulator acts, the new manifold refuses
+    # weights that are not on it (their step skipped, unchanged).
+    from geomuon.optimizers.regulate import rms_spectral_norm
+
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(3 * torch.randn(16, 8))
+    opt = Muon([W], lr=0.02, regulate={"name": "hard_cap", "w_max": 4.0})
+    W.grad = torch.randn(16, 8)
+    opt.step()
+    assert rms_spectral_norm(W.detach()).item() > 1.5  # control: a cap of 4 leaves it above 1.5
+    opt.param_groups[0]["regulate"]["w_max"] = 1.0
+    W.grad = torch.randn(16, 8)
+    opt.step()
+    assert rms_spectral_norm(W.detach()).item() <= 1.0 + 1e-5
+    assert opt.state_dict()["param_groups"][0]["regulate"]["w_max"] == 1.0
+
+    V = torch.nn.Parameter(LPRO(radius=1.0).projx(torch.randn(8, 4)))
+    manifold_opt = ManifoldMuon([V], manifold=LPRO(radius=1.0), lr=0.05, norm="row")
+    V.grad = torch.randn(8, 4)
+    manifold_opt.step()
+    manifold_opt.param_groups[0]["manifold"]["args"]["radius"] = 3.0
+    before = V.detach().clone()
+    V.grad = torch.randn(8, 4)
+    with pytest.raises(OffManifoldError, match="#0 of param group 0"):
+        manifold_opt.step()
+    assert torch.equal(V.detach(), before)
+    manifold_opt.project_to_manifolds()  # onto the edited manifold, which the next step keeps
+    V.grad = torch.randn(8, 4)
+    manifold_opt.step()
+    assert torch.allclose(V.detach().norm(dim=-1), torch.full((8,), 3.0), rtol=1e-5, atol=0)
 
 
 def test_a_skipped_step_leaves_fp16_adamw_weights_and_the_regulators_state():

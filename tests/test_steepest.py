@@ -397,7 +397,6 @@ def test_the_engine_is_homogeneous_in_g_across_fp32s_range(manifold, norm):
     # its published behaviour.)
     from geomuon.optimizers.steepest import ACCURATE as settings, _solve_unit_scaled
 
-
     W = manifold.random(3, 12, 6, generator=torch.Generator().manual_seed(1))
     G = torch.randn(3, 12, 6, generator=torch.Generator().manual_seed(0))
     warm = steepest_direction(manifold, W, G, norm, settings, steps=2).correction

@@ -639,13 +639,28 @@ def test_a_claim_on_a_lock_file_released_meanwhile_claims_again(tmp_path, monkey
     assert not os.path.exists(folder)
 
 
+def test_an_overwrite_of_a_template_is_refused_not_ignored(tmp_path, monkeypatch, capsys):
+    # the template had named a fresh folder ('tpl-adamw-2'), the run meant to be replaced staying
+    monkeypatch.chdir(tmp_path)
+    assert cli([*PRETRAIN, "--out-dir", "tpl-{strategy}", "--stop-after", "1"]) == 0
+    capsys.readouterr()
+    assert cli([*PRETRAIN, "--out-dir", "tpl-{strategy}", "--overwrite"]) == 2
+    assert ("--overwrite would be ignored: --out-dir 'tpl-{strategy}' is a template, which names a fresh folder "
+            "for every run; give the folder of the run to replace") in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["tpl-adamw"]  # no second folder
+    assert cli([*PRETRAIN, "--out-dir", "tpl-adamw", "--overwrite"]) == 0  # control: the folder itself
+
+
 @pytest.mark.parametrize("out_dir, message", [("x/{seed}", "not a folder template"), ("x/run{}", "not a folder template"),
                                               ("x/a{b", "not a folder template"), ("afile", "is a file, not a folder"),
-                                              ("afile/run", "cannot be written")])
+                                              ("afile/run", "cannot be created"),
+                                              ("dangling/run", "cannot be created (No such file or directory)")])
 def test_bad_out_dirs_are_refused_by_name(tmp_path, monkeypatch, capsys, out_dir, message):
     monkeypatch.chdir(tmp_path)
     open("afile", "w").close()
-    # each had been a raw KeyError/IndexError/OSError traceback, the last ones after the data loaded
+    os.symlink("unmounted/runs", "dangling")  # a link to a folder that is not there
+    # each had been a raw KeyError/IndexError/OSError traceback, the last ones after the data loaded;
+    # the dangling link had hung the run, silently (its claim taken for a race and retried forever)
     assert cli([*PRETRAIN, "--out-dir", out_dir]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"geomuon pretrain: --out-dir (out_dir) {out_dir!r}") and message in err, err

@@ -176,11 +176,11 @@ batch same-shape parameters): every member of a trial's input is its own draw of
 kind at its scale, and by default its own group element ($g_b$, stacked by
 :func:`~geomuon.theory.groups.stack_elements`: the symmetry group of a stack of independent
 parameters is the product of theirs), so an update that mixes members — a reduction over the
-batch dimension, a stack flattened into one matrix — is violated (a coupling through each
-member's invariants, a stack-wide norm, commutes with every element and is not seen: that is
-an independence test, not an equivariance one), where one element shared by the
-stack (``batch_elements="shared"``, for an update that couples its members on purpose) moves every
-member alike and lets such mixing commute. Residual and floor are taken over the whole stack
+batch dimension, a stack flattened into one matrix — is violated, and so is a coupling through
+each member's invariants (a stack-wide norm, which commutes with every element): such a trial
+also compares each member's output with its output alone (:func:`_batch_mates`). One element
+shared by the stack (``batch_elements="shared"``, for an update that couples its members on
+purpose) moves every member alike, lets such mixing commute and runs no members-alone test. Residual and floor are taken over the whole stack
 (its members share a scale, so none is swamped). :func:`hypothesis_cases` draws single matrices.
 
 ``compute_dtype`` states the precision to hold: a float32 or float64 check of an update that
@@ -1023,7 +1023,7 @@ def _witness(subject: _Subject, element: GroupElement, example, *, compute: floa
 
 def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.dtype,
               generator: torch.Generator, index: int = 0, kind: str = "", scale: float = 1.0,
-              probes: int = 1, witness: bool = True, tied: bool = False) -> Trial:
+              probes: int = 1, witness: bool = True, tied: bool = False, members: tuple[int, ...] = ()) -> Trial:
     r"""Residual, noise floor (module docstring) and verdict of ``subject`` under ``element``
     at ``example``, with ``probes`` entrywise probes at $x$ and as many at $g\cdot x$; an
     exception or a non-finite output gives the verdict ``error``. When the example is
@@ -1038,7 +1038,9 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
 
     ``tied=True`` makes the probes keep the example's exact structure (:func:`_perturbed`) and
     leaves out the witness (its probes do not): the floor of a structured trial, whose element
-    acts exactly (module docstring, *Structured inputs*)."""
+    acts exactly (module docstring, *Structured inputs*). ``members``: the batch shape of a stack
+    whose members are independent parameters (each its own element), whose trial is also an
+    independence test (:func:`_batch_mates`) wherever the residual does not decide it."""
     subject = _as_subject(subject)
     evaluate = _evaluator(subject)
     eps = _eps(compute_dtype)
@@ -1057,6 +1059,14 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
         return Trial(index, kind, scale, math.nan, math.nan, "error", element, f"{type(err).__name__}: {err}")
     floor = _floor(eps, changes)
     verdict = _judge(residual, floor)
+    if members and verdict in ("holds", "inconclusive"):
+        try:
+            coupled = _batch_mates(subject, evaluate, example, out, floor, members)
+        except Exception as err:
+            return Trial(index, kind, scale, math.nan, math.nan, "error", element,
+                         f"a member of the stack alone: {type(err).__name__}: {err}")
+        if coupled is not None:
+            return Trial(index, kind, scale, coupled[0], floor, "violated", element, coupled[1], route="members alone")
     if witness and not tied and verdict != "violated" and _narrower_than_float64(example):
         # Its own stream, seeded from the trial's: its draws do not depend on how many probes
         # the dtype trial drew, so more probes only ever add to its floor.
@@ -1080,8 +1090,58 @@ def run_trial(subject, element: GroupElement, example, *, compute_dtype: torch.d
             except Exception:  # no measure of d's round-off at x: no witness, the dtype verdict stands
                 same_input = None
             if same_input is not None and subject.relative(out, found[2]) <= HOLDS_FACTOR * _floor(eps, same_input):
+                # the independence test at the witness's resolution too (a bf16 trial's floor had hidden a
+                # stack-wide norm that the float64 witness then passed)
+                coupled = None
+                if members and witnessed in ("holds", "inconclusive"):
+                    try:
+                        coupled = _batch_mates(subject, evaluate, _widened(example), found[2], found[1], members)
+                    except Exception:  # as in _witness: the float64 path is not the check's subject
+                        coupled = None
+                if coupled is not None:
+                    return Trial(index, kind, scale, coupled[0], found[1], "violated", element, coupled[1],
+                                 route="float64 witness")
                 return Trial(index, kind, scale, found[0], found[1], witnessed, element, route="float64 witness")
     return Trial(index, kind, scale, residual, floor, verdict, element)
+
+
+def _member(x, b: int, batch: tuple[int, ...]):
+    """Member ``b`` (flat index over ``batch``) of every tensor of a (nested) example or output, as
+    a stack of one (each tensor ``[*batch, ...]`` becomes ``[1, ..., 1, ...]``)."""
+    if isinstance(x, torch.Tensor):
+        item = x.shape[len(batch):]
+        return x.reshape(-1, *item)[b].reshape(*(1,) * len(batch), *item)
+    return type(x)(_member(part, b, batch) for part in x)
+
+
+def _batch_mates(subject: _Subject, evaluate: Callable, example, out, floor: float,
+                 batch: tuple[int, ...]) -> tuple[float, str] | None:
+    r"""The independence test of a stack of independent parameters: each member's output $U(x)_b$
+    against the output of that member alone, $U(x_b)$ (a stack of one), relative over the stack
+    (:func:`_distance`, :func:`_norm`), judged against the trial's own floor (:func:`_judge`);
+    ``(relative difference, message)`` when it is violated, else ``None``.
+
+    Why beside the residual: a coupling through quantities each member's element leaves unchanged
+    (a stack-wide Frobenius norm, clip or RMS match) commutes with the product group, so the
+    residual is round-off, while the member's output depends on its batch-mates (such a map had
+    held). Computed apart, a member's output differs from its output in the stack by the batched
+    kernels' round-off at most, which the floor's probes measure."""
+    count = math.prod(batch)
+    together = [_member(out, b, batch) for b in range(count)]
+    alone = [evaluate(_member(example, b, batch)) for b in range(count)]
+    apart = [_distance(t, a) for t, a in zip(together, alone)]
+    size = max(_norm(out), math.sqrt(sum(_norm(a) ** 2 for a in alone)))
+    difference = math.sqrt(sum(d * d for d in apart)) / size if any(apart) else 0.0
+    if _judge(difference, floor) != "violated":
+        return None
+    worst = max(range(count), key=apart.__getitem__)
+    return difference, (
+        f"a member's output depends on its batch-mates: the stack's output differs from its members' own "
+        f"outputs (each member alone, a stack of one) by {difference:.2e} relative, "
+        f"{difference / floor if floor > 0 else math.inf:.3g}x the noise floor {floor:.2e} (> {VIOLATION_FACTOR:g}x; "
+        f"member {worst} most). Stacked parameters are independent: compute each member's output from its own "
+        "matrix (a norm, clip or statistic over the whole stack couples them), or check an update that couples "
+        "its members on purpose with batch_elements='shared' (--batch-elements shared)")
 
 
 #: How decisive a trial's verdict is, most first: a structured trial keeps the more decisive of
@@ -1568,11 +1628,12 @@ def check_equivariance(
                                  f"building the example failed: {type(err).__name__}: {err}"))
             continue
         element = _element(group.sample, shapes, generator, batch, shared, scale)
+        members = () if shared else batch
         trial = run_trial(subject, element, example, compute_dtype=compute_dtype, generator=generator,
-                          index=i, kind=kind, scale=scale)
+                          index=i, kind=kind, scale=scale, members=members)
         if trial.verdict == "inconclusive" or (trial.verdict == "violated" and not confirmed):
             trial = run_trial(subject, element, example, compute_dtype=compute_dtype, generator=generator,
-                              index=i, kind=kind, scale=scale, probes=CONFIRMATION_PROBES)
+                              index=i, kind=kind, scale=scale, probes=CONFIRMATION_PROBES, members=members)
             confirmed = confirmed or trial.verdict == "violated"
         if structured and kind in STRUCTURED_KINDS:
             # drawn after the usual trial's draws: its elements and probes are those of an
