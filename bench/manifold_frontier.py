@@ -207,10 +207,11 @@ def main(argv=None) -> int:
     clock = CLOCKS[args.clock]
     header = ["set", "manifold", "path", "dual update", "dual steps", "start", "mean certified ratio", "min", "step cost / Muon"]
     alpha = "ManifoldMuon's" if args.alpha is None else args.alpha
+    timing = (f"{args.clock} clock, step cost: median of {args.repeats} interleaved rounds" if args.repeats
+              else "no timing (--repeats 0)")
     lines = [
         f"{args.steps} steps per configuration, alpha={alpha}, lr=0.02, bf16 dual iterations, dualizer "
-        f"{solver or 'default'}, {args.threads} thread(s), {args.clock} clock, step cost: median of "
-        f"{args.repeats} interleaved rounds; start \"(default)\": ManifoldMuon's default solver",
+        f"{solver or 'default'}, {args.threads} thread(s), {timing}; start \"(default)\": ManifoldMuon's default solver",
         "",
         markdown_table(header, []),
     ]

@@ -6,17 +6,21 @@ round, rounds repeated — and reports medians, so a change in machine load duri
 hits every candidate alike and cancels in the ratios. ``--clock process`` counts the CPU
 time of this process only (robust to other processes on a shared machine with
 ``--threads 1``; with more threads it also counts OpenMP spin-waits).
-A timing run under ``OMP_WAIT_POLICY=PASSIVE`` (the test suite's setting) is refused unless
-it is ``--quick``: sleeping OpenMP threads slow steps made of many small kernels.
+A timing run under ``OMP_WAIT_POLICY=PASSIVE`` (the test suite's setting), ``GOMP_SPINCOUNT=0`` or
+``KMP_BLOCKTIME=0`` (libgomp's and Intel OpenMP's ways to the same sleep) is refused unless it is
+``--quick``: sleeping OpenMP threads slow steps made of many small kernels. A run that times
+nothing refuses ``--clock``.
 
 Provenance: ``--markdown PATH`` writes the script's table under a header stating the
 command line, the commit (and whether the checkout had uncommitted changes), the torch
-version, threads, clock, the machine (and accelerator), its bf16 / fp32 matmul rate ratio,
-the OMP_*/MKL_* thread settings it was launched with, the machine's load average at the start
-and at the end of the run, and the date and duration; a ``--quick`` run is marked as a smoke
-test, not a result. The path is checked before anything is measured (a probe file is written
-in its folder, which is created then), and an existing file (a published table) is replaced
-only with ``--overwrite``. The docs include these files from ``docs/results/benchmarks/``
+version, threads, the clock (of a timed run), the machine (and accelerator), its bf16 / fp32
+matmul rate ratio, every OMP_*/GOMP_*/KMP_*/MKL_* variable it was launched with, the machine's
+load average at the start and at the end of the run, and the date and duration; a ``--quick``
+run is marked as a smoke test, not a result. The path is checked before anything is measured
+(a probe file is written in its folder, which is created then), and an existing file (a
+published table) is replaced only with ``--overwrite``; without it the file is created
+exclusively at the end, and one that appeared during the run is kept (this run's table then
+goes to ``<stem>-2.md``, with a note). The docs include these files from ``docs/results/benchmarks/``
 (see ``docs/results/index.md``).
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import math
 import os
 import shlex
@@ -134,13 +139,19 @@ def refuse_dual_row_options(parser: argparse.ArgumentParser, args: argparse.Name
 
 def refuse_passive_wait(parser: argparse.ArgumentParser) -> None:
     """Refuse, as a usage error before any work, a timing run under ``OMP_WAIT_POLICY=PASSIVE``
-    (what the test suite sets): idle OpenMP threads then sleep between parallel regions, and a
+    (what the test suite sets), ``GOMP_SPINCOUNT=0`` or ``KMP_BLOCKTIME=0`` (the same sleep in
+    libgomp's and Intel OpenMP's own variables): idle OpenMP threads then sleep between parallel regions, and a
     step made of many small kernels pays the wake-up each time (ManifoldMuon measured 7.0x our
     Muon on 2 threads that way instead of 5.1x), so its table would not be the library's cost."""
     if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":
         parser.error("OMP_WAIT_POLICY=PASSIVE is set: it slows steps made of many small parallel kernels, so the "
                      "times would not be the library's; rerun without it (env -u OMP_WAIT_POLICY python ...), "
                      "or with --quick for a smoke run")
+    for name in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME"):  # libgomp's and Intel OpenMP's ways to the same sleep
+        if os.environ.get(name, "").strip() == "0":
+            parser.error(f"{name}=0 is set: idle OpenMP threads then sleep at once, as under "
+                         "OMP_WAIT_POLICY=PASSIVE, so the times would not be the library's; rerun without it "
+                         f"(env -u {name} python ...), or with --quick for a smoke run")
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, repeats: int, threads: int = 2,
@@ -260,13 +271,18 @@ class Provenance:
                  parser: argparse.ArgumentParser, *, timed: bool = True) -> None:
         """``parser`` (the script's) reports a run that ``timed`` something under
         ``OMP_WAIT_POLICY=PASSIVE`` as a usage error now, before measuring, unless it is a
-        ``--quick`` smoke run (:func:`refuse_passive_wait`), and so an unusable ``--markdown``
+        ``--quick`` smoke run (:func:`refuse_passive_wait`), a run that times nothing given a
+        ``--clock``, and so an unusable ``--markdown``
         path (:func:`check_output_file`; last: it creates the path's folder). The thread settings
         are read now, as launched (a script may set one for what it runs, after this)."""
         if timed and not args.quick:
             refuse_passive_wait(parser)
+        if not timed and args.clock != "wall":  # (taken, ignored, and printed in the header as if used)
+            parser.error(f"--clock {args.clock}: this run times nothing; drop --clock")
         check_output_file(parser, "--markdown", args.markdown, args.overwrite)
-        self.environment = {name: os.environ[name] for name in _ENVIRONMENT if name in os.environ}
+        self.environment = {name: value for name, value in sorted(os.environ.items())
+                            if name.startswith(_ENVIRONMENT_PREFIXES)}
+        self.timed = timed
         self.args = args
         argv = sys.argv[1:] if argv is None else argv
         self.command = " ".join(["python", f"bench/{Path(script).name}", *map(shlex.quote, argv)])
@@ -282,14 +298,14 @@ class Provenance:
         rows = [
             ("command", f"`{self.command}`"),
             ("commit", f"`{self.commit}`"),
-            ("torch", f"{torch.__version__}, {args.threads} thread(s), {args.clock} clock"),
+            ("torch", f"{torch.__version__}, {args.threads} thread(s)" + (f", {args.clock} clock" if self.timed else "")),
             ("machine", machine() + _accelerator(getattr(args, "device", "cpu"))),
             # The step ratios depend on it: the fp32 products a step keeps cost this many bf16 ones.
             ("bf16 / fp32 matmul rate", matmul_rate_ratio(device=getattr(args, "device", "cpu"))),
             # OMP_WAIT_POLICY=PASSIVE (the tests set it) slows steps made of many small
             # parallel ops: ManifoldMuon/Muon on 2 threads measured 7.0 instead of 5.1.
             ("environment", ", ".join(f"{k}={v}" for k, v in self.environment.items())
-             or "no OMP_*/MKL_* thread settings (library defaults)"),
+             or "no OMP_*/GOMP_*/KMP_*/MKL_* settings (library defaults)"),
             ("load average (1, 5, 15 min)", f"{_load(self.load_start)} at the start, {_load(load_end)} at the end"),
             ("date (UTC), duration", f"{self.started:%Y-%m-%d %H:%M}, {time.time() - self.started.timestamp():.1f} s"),
         ]
@@ -301,11 +317,28 @@ class Provenance:
         return text
 
     def write(self, path: str | os.PathLike, table: str) -> Path:
-        """Write the provenance header and ``table`` (Markdown) to ``path``; returns it."""
+        """Write the provenance header and ``table`` (Markdown) to ``path``; returns the path
+        written. Without ``--overwrite`` the file is created exclusively: one that appeared during
+        the run (another run into the same path) is kept, and this run's table goes to the first
+        free ``<stem>-2.md``, ``-3``, ... with a note (it had replaced the other's, both runs
+        printing "written")."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.header() + "\n\n" + table.strip() + "\n")
-        return path
+        text = self.header() + "\n\n" + table.strip() + "\n"
+        if self.args.overwrite:
+            path.write_text(text)
+            return path
+        for n in itertools.count(1):
+            target = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+            try:
+                with open(target, "x") as file:
+                    file.write(text)
+            except FileExistsError:
+                continue
+            if target != path:
+                print(f"note: {path} appeared during this run (another run wrote it) and is kept; this run's "
+                      f"table is {target}", file=sys.stderr)
+            return target
 
     def finish(self, table: str, *, printed: bool = False) -> int:
         """End of a script: print ``table`` (unless it was ``printed`` row by row), write it
@@ -317,8 +350,9 @@ class Provenance:
         return 0
 
 
-#: Environment variables that change how kernels use threads, recorded with every run.
-_ENVIRONMENT = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+#: Prefixes of the environment variables that change how kernels use threads (OpenMP, libgomp,
+#: Intel's runtime, MKL), recorded with every run (four names had been: GOMP_SPINCOUNT=0 went unrecorded).
+_ENVIRONMENT_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
 
 
 def _load(averages: tuple[float, float, float]) -> str:

@@ -72,7 +72,9 @@ def check_provenance(markdown: Path, name: str, stdout: str) -> None:
     command = re.search(r"^\| command \| `(.*)` \|$", text, re.MULTILINE).group(1)
     assert command.startswith(f"python bench/{name}.py --quick") and str(markdown) in command
     assert re.search(r"^\| commit \| `([0-9a-f]{4,}(-dirty)?|unknown \(.*\))` \|$", text, re.MULTILINE), text
-    assert f"| torch | {torch.__version__}, 1 thread(s), " in text
+    # a timed run names its clock; one that times nothing names none
+    assert re.search(rf"^\| torch \| {re.escape(torch.__version__)}, 1 thread\(s\)(, (wall|process) clock)? \|$", text,
+                     re.MULTILINE), text
     assert re.search(r"^\| load average \(1, 5, 15 min\) \| [\d.]+, [\d.]+, [\d.]+ at the start, "
                      r"[\d.]+, [\d.]+, [\d.]+ at the end \|$", text, re.MULTILINE)
     # The thread settings the script ran under (run_script sets OMP_NUM_THREADS=1; the
@@ -393,6 +395,36 @@ def test_bad_options_are_usage_errors_before_any_work(tmp_path):
     # control: --overwrite is what lets a table be replaced (the path check passes; --threads 0 stops it)
     assert "exists" not in usage_error("polar_kernels", "--quick", "--markdown", str(published), "--overwrite",
                                        "--threads", "0")
+    # a clock for a run that times nothing had been taken and printed in the header as if used; and
+    # libgomp's GOMP_SPINCOUNT=0, PASSIVE's sleep under another name, had been neither refused nor recorded
+    assert "--clock process: this run times nothing; drop --clock" in usage_error(
+        "manifold_inrun", "--quick", "--clock", "process")
+    # (a folder as --markdown stops a timed run just after the wait check: the control needs no timing)
+    assert "GOMP_SPINCOUNT=0 is set" in usage_error("polar_kernels", "--markdown", str(tmp_path), GOMP_SPINCOUNT="0",
+                                                    OMP_WAIT_POLICY="active")
+    assert "is a folder" in usage_error("polar_kernels", "--markdown", str(tmp_path), GOMP_SPINCOUNT="100",
+                                        OMP_WAIT_POLICY="active")
+
+
+def test_a_table_that_appeared_during_the_run_is_kept(tmp_path, monkeypatch):
+    # two runs into one --markdown path had both passed the start's check and both printed "written",
+    # the second replacing the first's table; now the file is created exclusively at the end
+    from bench.timing import Provenance, add_arguments
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # recorded: every OMP_/GOMP_/KMP_/MKL_ variable is
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, repeats=1)
+    target = tmp_path / "table.md"
+    args = parser.parse_args(["--quick", "--markdown", str(target)])
+    provenance = Provenance("bench/example.py", args, [], parser)
+    target.write_text("the other run's table\n")  # written while this run measured
+    written = provenance.write(target, "| a |\n|---|\n| 1 |")
+    assert written == tmp_path / "table-2.md" and target.read_text() == "the other run's table\n"
+    assert "| a |" in written.read_text() and "GOMP_SPINCOUNT=1000" in written.read_text()
+    # control: with --overwrite the path is replaced
+    args = parser.parse_args(["--quick", "--markdown", str(target), "--overwrite"])
+    assert Provenance("bench/example.py", args, [], parser).write(target, "| b |\n|---|\n| 2 |") == target
+    assert "| b |" in target.read_text()
 
 
 def test_the_device_checks_cuda_paths_count_and_name_the_device(monkeypatch):
@@ -553,6 +585,8 @@ def test_a_timing_run_under_passive_openmp_waits_is_refused(monkeypatch, capsys)
     provenance("--quick")
     provenance(timed=False)
     monkeypatch.delenv("OMP_WAIT_POLICY")
+    for name in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME"):  # (the caller's: either would refuse the run too)
+        monkeypatch.delenv(name, raising=False)
     provenance()
     # a script: a full-size run is refused before it measures
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
@@ -802,7 +836,8 @@ def test_every_table_header_records_the_machine_and_its_bf16_fp32_rate(monkeypat
 
     parser = argparse.ArgumentParser(prog="bench")
     add_arguments(parser, repeats=1, threads=1)
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):  # a timed run under none of the sleeps
+        monkeypatch.delenv(name, raising=False)
     header = Provenance("bench/x.py", parser.parse_args([]), [], parser).header()
     assert f"| machine | {machine()} |" in header
     ratio, bf16, fp32 = (float(value) for value in re.search(

@@ -91,6 +91,11 @@ def test_composition_rules():
     assert rms_operator_norm(W) == pytest.approx(math.sqrt(2 / 4) * 3 * math.sqrt(2))
     with pytest.raises(ValueError, match="fan_out, fan_in"):
         rms_operator_norm(torch.ones(3))
+    # a diverged weight's norm is NaN, as its run's metrics record it (a NaN entry had failed the SVD)
+    for entry in (math.nan, math.inf):
+        W = torch.eye(3)
+        W[0, 1] = entry
+        assert math.isnan(rms_operator_norm(W))
 
 
 def test_one_head_attention_is_the_design_formula():

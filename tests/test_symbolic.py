@@ -212,6 +212,42 @@ def test_soft_cap_root_is_unique_and_the_threshold_is_62_81():
     assert SOFT_CAP_MIN_RATIO == float(certificate.witness["h(1/3)"])
 
 
+def test_the_constant_certificates_read_the_library_constants(monkeypatch):
+    # the docs say they pin GELU_LIPSCHITZ and SOFT_CAP_MIN_RATIO; they had proved the math alone,
+    # and held with the reference's understated 1.1289 or a threshold of 0.76
+    import geomuon.optimizers.regulate as regulate
+    import geomuon.theory.lipschitz as lipschitz
+
+    up_two = math.nextafter(math.nextafter(GELU_LIPSCHITZ, 2), 2)
+    for wrong in (1.1289, math.nextafter(GELU_LIPSCHITZ, 0), up_two):  # below it, one ulp down, two ulps up
+        monkeypatch.setattr(lipschitz, "GELU_LIPSCHITZ", wrong)
+        assert certify_gelu_lipschitz().holds is False, wrong
+    for wrong in (0.76, math.nextafter(SOFT_CAP_MIN_RATIO, 0), math.nextafter(SOFT_CAP_MIN_RATIO, 1)):
+        monkeypatch.setattr(regulate, "SOFT_CAP_MIN_RATIO", wrong)
+        assert certify_soft_cap_root_unique().holds is False, wrong
+    monkeypatch.undo()  # controls: the library's own
+    assert certify_gelu_lipschitz().holds and certify_soft_cap_root_unique().holds
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: certify_dualizer(maps.col_norm, "spectral", (3, 2)), r"certify_dualizer: norm must be one of"),
+    (lambda: certify_stiefel_retraction("sideways", 2), r"orientation must be 'tall' or 'wide', got 'sideways'"),
+    (lambda: certify_every_size(Oblique(), "diagonal"), r"orientation must be one of \['tall', 'square'"),
+    (lambda: certify_rms_scale(((0, 3),)), r"certify_rms_scale: shape \(0, 3\)'s fan_out must be"),
+    (lambda: inverse_sqrt_error_bound(-1, "1e-8"), r"inverse_sqrt_error_bound: steps must be"),
+    (lambda: inverse_sqrt_error_bound(25, 2), r"inverse_sqrt_error_bound: lam_min must be a number in \(0, 1\]"),
+    (lambda: certify_soft_cap_monotone(1.0, 0.0, -0.1), r"certify_soft_cap_monotone: eta must be"),
+    (lambda: soft_cap_coupling_roots(1.0, -0.1, 0.1), r"soft_cap_coupling_roots: wd must be a number in \[0, 1\)"),
+    (lambda: soft_cap_coupling_roots(math.nan, 0.1, 0.1), r"soft_cap_coupling_roots: w_max must be"),
+], ids=["dualizer-norm", "retraction-orientation", "every-size-orientation", "rms-shape", "steps", "lam-min",
+        "monotone-eta", "roots-wd", "roots-nan"])
+def test_certificates_refuse_arguments_they_cannot_state_by_name(call, message):
+    # each had been certified (col_norm "the dualizer of the spectral norm", a "sideways" retraction, a
+    # negative eta, lam_min = 2) or raised a bare KeyError / IndexError / sympy TypeError
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 @pytest.mark.parametrize("w_max, wd, eta", [(1.0, 0.0, 0.05), (2.0, 0.01, 0.0240454), (1.0, 0.0, 0.3), (6.0, 0.0, 0.5)])
 def test_library_soft_cap_alpha_is_the_certified_root(w_max, wd, eta):
     k = w_max * (1 - wd) + eta
@@ -246,7 +282,18 @@ def test_soft_cap_regulator_applies_the_certified_polynomial(shape, monkeypatch)
         return X.mT if M.size(-2) < M.size(-1) else X
 
     monkeypatch.setattr(SoftCap, "regulate", steps_swapped)
-    assert not certify_soft_cap_regulator(shape).holds
+    assert certify_soft_cap_regulator(shape).holds is False
+
+    def second_step_off(self, M, *, lr, state):  # 1 % too much alpha in the second cubic step
+        alpha = soft_cap_alpha(self.w_max, lr * self.weight_decay, self.eta_for(lr, tuple(M.shape)))
+        X = M.mT if M.size(-2) < M.size(-1) else M
+        for coefficient in (-alpha, 1.01 * alpha):
+            X = X + coefficient * (X @ (X.mT @ X))
+        return X.mT if M.size(-2) < M.size(-1) else X
+
+    # False, not None: sympy leaves this residual's is_zero_matrix undecided (holds had been None)
+    monkeypatch.setattr(SoftCap, "regulate", second_step_off)
+    assert certify_soft_cap_regulator(shape).holds is False
 
 
 def test_library_soft_cap_threshold_is_the_certified_one():

@@ -115,7 +115,8 @@ DEFAULT_METHOD = METHODS[0]
 
 def rms_operator_norm(W: torch.Tensor) -> float:
     r"""$\sqrt{\text{fan\_in}/\text{fan\_out}}\,\sigma_{\max}(W)$ of a ``[fan_out, fan_in]``
-    matrix, exact (float64 SVD)."""
+    matrix, exact (float64 SVD); NaN for a matrix with a NaN or infinite entry (the bounds that
+    call it refuse such weights by name first)."""
     if not isinstance(W, torch.Tensor) or W.dim() != 2:
         raise ValueError(
             f"rms_operator_norm: expected a [fan_out, fan_in] matrix, got "
@@ -126,6 +127,9 @@ def rms_operator_norm(W: torch.Tensor) -> float:
     if not W.numel():  # (fan_out = 0 had divided by zero: a bare ZeroDivisionError)
         raise ValueError(f"rms_operator_norm: W is {W.size(0)}x{W.size(1)}, an empty matrix: the RMS of a "
                          "0-dimensional vector is undefined")
+    if not bool(torch.isfinite(W).all()):
+        # NaN, as a diverged run's metrics record it (a NaN entry had failed the SVD, "did not converge")
+        return math.nan
     sigma = torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
     return rms_scale(W.shape) * sigma
 

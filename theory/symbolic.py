@@ -107,6 +107,8 @@ import sympy as sp
 import torch
 from sympy.polys.fields import FracElement
 
+from geomuon.manifolds.linalg import check_count
+
 __all__ = [
     "Certificate",
     "exact",
@@ -121,6 +123,7 @@ __all__ = [
     "certify_every_size",
     "FreeVector",
     "ORIENTATIONS",
+    "DUALIZER_NORMS",
     "certify_retraction",
     "certify_stiefel_retraction",
     "certify_dgram_step_expansion",
@@ -182,6 +185,11 @@ class Certificate:
 
     def __bool__(self) -> bool:
         return self.holds
+
+
+def _float_value(x: float) -> sp.Rational:
+    """The rational a float *is* (its binary value; :func:`exact` reads its shortest decimal)."""
+    return sp.Rational(*float(x).as_integer_ratio())
 
 
 def exact(x) -> sp.Expr:
@@ -1823,8 +1831,16 @@ ORIENTATIONS = {"tall": (_a + _b + 2, _a + 1), "square": (_a + 2, _a + 2), "wide
                 "row": (sp.Integer(1), _a + 2)}
 
 
+def _orientation_shape(orientation: str):
+    """The symbolic ``(m, n)`` of ``orientation``, refused by name (a bare ``KeyError`` had named
+    nothing) unless it is one of :data:`ORIENTATIONS`."""
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"orientation must be one of {list(ORIENTATIONS)}, got {orientation!r}")
+    return ORIENTATIONS[orientation]
+
+
 def _is_wide(orientation: str) -> bool:
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     return bool(sp.sympify(m < n))
 
 
@@ -1868,7 +1884,7 @@ def _free_point(manifold, orientation: str) -> _FreePoint:
     * LPRO (radius $r$): $\operatorname{Diag}(WW^\top) = r^2I$, $\operatorname{Diag}(WV^\top) = 0$;
     * CenteredRouterSpace: $\mathbf 1^\top W = 0$, $\mathbf 1^\top V = 0$ ($\mathbf 1^\top\mathbf 1 = m$).
     """
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     short = m if _is_wide(orientation) else n
     # The model of the nearest built-in class (a subclass overriding a formula, such as the
     # suite's negative controls, keeps its parent's definition of a point).
@@ -1998,7 +2014,7 @@ def _certify_every_size(manifold, orientation: str, point: _FreePoint) -> Certif
     residuals["P(V) = V for tangent V"] = manifold.proju(W, V) - V
     checked = {k: _free_zero(v) for k, v in residuals.items()}
     positive = _positive_gram(gram)
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     return Certificate(
         f"{manifold.name}, every {orientation} size ({m} x {n}): F(W)=0, dF=L, L* adjoint, LL* = g on range(L), "
         "P = I - L*(LL*)^-1 L, range(P) = T_W",
@@ -2055,6 +2071,8 @@ def certify_stiefel_retraction(orientation: str = "tall", n: int = 3, stiefel=No
     $|e_n - 1|$ is certified. ``witness``: $e_n$, the enclosure and the surviving terms."""
     from geomuon.manifolds import POLAR_EXPRESS, Stiefel
 
+    if orientation not in ("tall", "wide"):  # (any other name had run as "wide", certified as "sideways")
+        raise ValueError(f"certify_stiefel_retraction: orientation must be 'tall' or 'wide', got {orientation!r}")
     stiefel = stiefel or Stiefel()
     a = sp.Symbol("a", integer=True, nonnegative=True)
     long = a + n + 1
@@ -2088,7 +2106,7 @@ def _dgram_algebra(orientation: str, t: sp.Symbol) -> tuple[FreeAlgebra, FreeMat
     $V^\top W = -W^\top V + 2E$, $E = \operatorname{Diag}(W^\top V)$; $S$ and $S^{-1}$ are
     declared roots of $S^2$; exact series mode of order 2 in ``t``. Returns the algebra
     and the body's letters $(W_b, V_b)$ ($W, V$, or their transposes when wide)."""
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     algebra = FreeAlgebra({"W": "W'", "V": "V'"}, diagonal=("S",), shapes={"W": (m, n), "V": (m, n)})
     W, V = algebra("W"), algebra("V")
     wide = _is_wide(orientation)
@@ -2249,7 +2267,7 @@ def _probed_retraction(manifold, orientation: str, normalized_columns: bool = Fa
     F0, G0 = steps[0]["F"], steps[0]["G"]
     x, xdot = F0 @ S, G0 @ S + F0 @ E @ Si
     if normalized_columns:
-        short = ORIENTATIONS[orientation][0 if _is_wide(orientation) else 1]
+        short = _orientation_shape(orientation)[0 if _is_wide(orientation) else 1]
         expected, text = algebra.identity() / (exact(POLAR_EXPRESS.input_scale) * sp.sqrt(short)), "1 / (1.01 sqrt n)"
     else:
         expected = S / (exact(POLAR_EXPRESS.input_scale) * sp.sqrt(sp.Symbol("tr(SS)", positive=True)))
@@ -2589,7 +2607,7 @@ def certify_equivariance_every_size(update: Callable, group, orientation: str = 
     the identity is proved for every value of them. Hypothesis (for maps that call
     ``msign``): the matrix it normalizes has Frobenius norm above msign's floor, so the
     floor is never taken. ``witness``: per side the reduced residual (empty)."""
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     letters, monomial, positive, shapes = {"D": "D'"}, [], [], {"D": (m, n)}
     shift = getattr(group, "shift", False)
     if shift:
@@ -2712,7 +2730,7 @@ def certify_polar_map_equivariance(update: Callable | None = None, orientation: 
     negative control passes another). ``witness``: per map, $\alpha$ and side the residual."""
     from geomuon.optimizers import maps
 
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     algebra = FreeAlgebra({"D": "D'", "L": "L'", "R": "R'", "P": "P'"},
                           shapes={"D": (m, n), "L": (m, m), "R": (n, n), "P": (m, n)})
     D, L, R, P = algebra("D"), algebra("L"), algebra("R"), algebra("P")
@@ -2775,7 +2793,7 @@ def certify_dgram_symmetry(orientation: str = "tall", dgram=None) -> Certificate
     from geomuon.manifolds import DGram
 
     dgram = dgram if dgram is not None else DGram()
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     wide = _is_wide(orientation)
     short = m if wide else n
     orthogonal, monomial = (n, m) if wide else (m, n)
@@ -2837,7 +2855,7 @@ def _shift_probe_certificate(orientation: str = "tall") -> Certificate:
     centered_probe = maps.centered(probe)
     centered_probe.__name__ = "centered(identity probe)"
     certificate = certify_equivariance_every_size(centered_probe, RouterShift(), orientation)
-    m, n = ORIENTATIONS[orientation]
+    m, n = _orientation_shape(orientation)
     algebra = FreeAlgebra({"D": "D'", "U": "U'"}, shapes={"D": (m, n), "U": (m, n)}, ones=("1", m))
     column_sums = (algebra("1").mT @ maps.centered(lambda D: algebra("U"))(algebra("D"))).terms
     return Certificate(
@@ -3080,8 +3098,10 @@ def certify_gelu_lipschitz() -> Certificate:
     $[-\sqrt2, \sqrt2]$ and decreases outside, with limits $0$ ($-\infty$) and $1$
     ($+\infty$); its extremes are $\text{GELU}'(\sqrt2)$ and
     $\text{GELU}'(-\sqrt2) = 1 - \text{GELU}'(\sqrt2)$ (certified), and
-    $\text{GELU}'(\sqrt2) > 1 > |1 - \text{GELU}'(\sqrt2)|$. ``witness``: the exact value
-    and the residuals."""
+    $\text{GELU}'(\sqrt2) > 1 > |1 - \text{GELU}'(\sqrt2)|$. The library's
+    :data:`~geomuon.theory.lipschitz.GELU_LIPSCHITZ` must be that value rounded up: at or above it,
+    within one ulp (its binary value, not its decimal). ``witness``: the exact value, the
+    constant's excess over it and the residuals."""
     x = sp.Symbol("x", real=True)
     Phi = (1 + sp.erf(x / sp.sqrt(2))) / 2
     phi = sp.exp(-(x**2) / 2) / sp.sqrt(2 * sp.pi)
@@ -3095,9 +3115,14 @@ def certify_gelu_lipschitz() -> Certificate:
     residuals["GELU'(sqrt 2) - closed form"] = sp.simplify(first.subs(x, sp.sqrt(2)) - closed)
     residuals["GELU'(-sqrt 2) - (1 - GELU'(sqrt 2))"] = sp.simplify(first.subs(x, -sp.sqrt(2)) - (1 - closed))
     ordered = bool(sp.N(closed, 30) > 1) and bool(sp.N(closed - 1, 30) < 1)
-    holds = ordered and all(r == 0 for r in residuals.values())
-    return Certificate("max |GELU'| = GELU'(sqrt 2) = (1 + erf 1)/2 + 1/(e sqrt(pi))", holds,
-                       {"value": closed, **residuals})
+    # the library's float: at or above the value (a bound), within one ulp of it
+    from geomuon.theory.lipschitz import GELU_LIPSCHITZ
+
+    above = _float_value(GELU_LIPSCHITZ) - closed
+    pinned = bool(sp.N(above, 40) >= 0) and bool(sp.N(above, 40) <= _float_value(math.ulp(GELU_LIPSCHITZ)))
+    holds = ordered and pinned and all(r == 0 for r in residuals.values())
+    return Certificate("max |GELU'| = GELU'(sqrt 2) = (1 + erf 1)/2 + 1/(e sqrt(pi)), and GELU_LIPSCHITZ is it "
+                       "rounded up", holds, {"value": closed, "GELU_LIPSCHITZ - value": sp.N(above, 20), **residuals})
 
 
 def _msign_full_column_rank(X: sp.Matrix) -> sp.Matrix:
@@ -3129,7 +3154,9 @@ def certify_sorted_sigma_map_fails(column_norms: Sequence = (1, 2)) -> Certifica
     residual = moved.applyfunc(_reduce)
     return Certificate(
         f"sorted-sigma map moves the DGram point with column norms {tuple(d)}",
-        not residual.is_zero_matrix,
+        # a proof that it moves: an entry nonzero at a rational point (is_zero_matrix is undecided
+        # here, and `not None` would have claimed it for any residual)
+        any(_nonzero_somewhere(e) for e in residual),
         residual,
     )
 
@@ -3388,8 +3415,12 @@ def inverse_sqrt_error_bound(steps: int, lam_min) -> sp.Rational:
     eigenvalue: $1 - f^K(\sqrt{\lambda_{\min}})$ with $f$ the certified monotone error map
     (:func:`certify_inverse_sqrt_iteration`), each iterate rounded *down* to 50 decimals
     (a lower bound on $f^K$, so an upper bound on the error)."""
+    check_count("inverse_sqrt_error_bound", "steps", steps)
+    lam = _exact_real("inverse_sqrt_error_bound", "lam_min", lam_min)
+    if not 0 < lam <= 1:  # (-1 steps, or lam_min = 2, had been bounded)
+        raise ValueError(f"inverse_sqrt_error_bound: lam_min must be a number in (0, 1], got {lam_min!r}")
     *_, u, _, _, f = _inverse_sqrt_scalar_map()
-    value = _round_out(sp.sqrt(exact(lam_min)), up=False)
+    value = _round_out(sp.sqrt(lam), up=False)
     for _ in range(steps):
         value = _round_out(f.subs(u, value), up=False)
     return 1 - value
@@ -3459,6 +3490,10 @@ def hybrid_map_reference(shape: tuple[int, int], alpha) -> dict[str, Any]:
 # The update maps as dualizers, and the RMS scale
 
 
+#: The norms :func:`certify_dualizer` states a dualizer of.
+DUALIZER_NORMS = ("row", "column", "max")
+
+
 def certify_dualizer(update: Callable, norm: str, shape: tuple[int, int]) -> Certificate:
     r"""The library's map is the **dualizer** of its norm, $U(D) = \arg\max_{\|A\|\le1}
     \langle D, A\rangle$, on a matrix $D$ of symbols of the given ``shape``, run with
@@ -3477,6 +3512,9 @@ def certify_dualizer(update: Callable, norm: str, shape: tuple[int, int]) -> Cer
     This pins the map's scale and normalizing axis, which an equivariance certificate
     does not (a map of the row norms, $D/\|d_i\|^2$, is just as equivariant).
     ``witness``: the reduced residuals."""
+    if norm not in DUALIZER_NORMS:
+        # (any other name had been certified as "column": col_norm "is the dualizer of the spectral norm")
+        raise ValueError(f"certify_dualizer: norm must be one of {DUALIZER_NORMS}, got {norm!r}")
     m, n = shape
     if norm == "max":
         pattern = lambda i, j: 1 if (i + j) % 2 == 0 else -1  # noqa: E731
@@ -3515,6 +3553,8 @@ def certify_rms_scale(shapes: Sequence[tuple[int, int]] = ((3, 5), (5, 3), (4, 4
 
     witness, holds = {}, True
     for m, n in shapes:
+        check_count("certify_rms_scale", f"shape {(m, n)}'s fan_out", m, least=1)
+        check_count("certify_rms_scale", f"shape {(m, n)}'s fan_in", n, least=1)
         W = sp.zeros(m, n)
         W[0, 0] = 1
         x = sp.Matrix([1] + [0] * (n - 1))
@@ -3535,9 +3575,27 @@ def soft_cap_polynomial(alpha, sigma=None) -> sp.Expr:
     return sp.expand(library(sigma, alpha))
 
 
-def _coupling(w_max, wd, eta):
-    w_max, wd, eta = exact(w_max), exact(wd), exact(eta)
+def _coupling(w_max, wd, eta, where: str):
+    r"""$(w_{\max}, k)$ exact, with $k = w_{\max}(1 - \text{wd}) + \eta$, once the three are checked
+    (a negative ``eta`` or weight decay had been certified; NaN had raised sympy's own error)."""
+    w_max, wd, eta = (_exact_real(where, name, value) for name, value in (("w_max", w_max), ("wd", wd), ("eta", eta)))
+    for name, value, admissible, what in (("w_max", w_max, w_max > 0, "> 0"), ("wd", wd, 0 <= wd < 1, "in [0, 1)"),
+                                          ("eta", eta, eta >= 0, ">= 0")):
+        if not admissible:
+            raise ValueError(f"{where}: {name} must be a number {what}, got {value}")
     return w_max, w_max * (1 - wd) + eta
+
+
+def _exact_real(where: str, name: str, value) -> sp.Expr:
+    """:func:`exact` of ``value`` (a number or its decimal string), refused by name unless it is a
+    finite real number (NaN had raised sympy's own TypeError, naming nothing)."""
+    try:
+        number = exact(value)
+    except (TypeError, ValueError):
+        number = sp.nan
+    if not (number.is_real and number.is_finite and number.is_number):
+        raise ValueError(f"{where}: {name} must be a finite real number (or its decimal string), got {value!r}")
+    return number
 
 
 def certify_soft_cap_coupling() -> Certificate:
@@ -3559,9 +3617,7 @@ def soft_cap_coupling_roots(w_max: float, wd: float, eta: float) -> tuple[float,
     to float at the end, so it serves as an oracle to $10^{-15}$ relative for a numeric
     solver. Empty when no root $\ge 0$ exists ($k < w_{\max}$: no cap is needed).
     """
-    w, k = _coupling(w_max, wd, eta)
-    if k <= 0 or w <= 0:
-        raise ValueError(f"soft_cap_coupling_roots: need w_max > 0 and k = w_max(1-wd)+eta > 0, got w_max={w_max}, k={float(k)}")
+    w, k = _coupling(w_max, wd, eta, "soft_cap_coupling_roots")
     alpha = sp.Symbol("alpha")
     quartic = sp.Poly(-(k**9) * alpha**4 + 3 * k**7 * alpha**3 - 3 * k**5 * alpha**2 + (k - w), alpha)
     return tuple(float(sp.N(r, 30)) for r in sorted(set(sp.real_roots(quartic))) if r >= 0)
@@ -3576,7 +3632,7 @@ def certify_soft_cap_monotone(w_max: float, wd: float, eta: float) -> Certificat
     $3\alpha k^2 \le 1$. ``witness``: ``{"alpha", "k", "derivative_residual", "peak"}``
     with the exact peak $\max_{[0,k]} f_\alpha$ (at $\sigma = 1/\sqrt{3\alpha}$ when that
     lies inside)."""
-    w, k = _coupling(w_max, wd, eta)
+    w, k = _coupling(w_max, wd, eta, "certify_soft_cap_monotone")
     roots = soft_cap_coupling_roots(w_max, wd, eta)
     alpha = exact(roots[0]) if roots else sp.Integer(0)
     sigma = sp.Symbol("sigma")
@@ -3650,8 +3706,9 @@ def certify_soft_cap_root_unique() -> Certificate:
     decreasing on $\beta > 0$ and $h(\beta) = w_{\max}/k$ has at most one root $\beta \ge 0$
     (exactly one when $w_{\max}/k \le 1$). $f_\alpha' = (1 - 3\alpha\sigma^2)(1 +
     3\alpha g^2)$ (certified), so $f_\alpha$ is monotone on $[0, k]$ iff $\beta \le 1/3$,
-    and the smallest ratio a monotone cap reaches is $h(1/3) = 62/81$. ``witness``: the
-    residuals, the discriminant and $h(1/3)$."""
+    and the smallest ratio a monotone cap reaches is $h(1/3) = 62/81$, which the library's
+    :data:`~geomuon.optimizers.regulate.SOFT_CAP_MIN_RATIO` must be to half an ulp (its binary
+    value). ``witness``: the residuals, the discriminant, $h(1/3)$ and the constant's error."""
     beta, k, sigma, alpha = sp.symbols("beta k sigma alpha", positive=True)
     h = sp.expand(soft_cap_polynomial(beta / k**2, k) / k)
     quartic = 1 - 3 * beta**2 + 3 * beta**3 - beta**4
@@ -3667,15 +3724,21 @@ def certify_soft_cap_root_unique() -> Certificate:
         "leading coefficient": quadratic.LC(),
         "h(1/3)": quartic.subs(beta, sp.Rational(1, 3)),
     }
-    holds = (
-        witness["h(beta) - quartic"] == 0
+    from geomuon.optimizers.regulate import SOFT_CAP_MIN_RATIO
+
+    # the library's threshold: 62/81 to the nearest float (half an ulp)
+    witness["SOFT_CAP_MIN_RATIO - 62/81"] = _float_value(SOFT_CAP_MIN_RATIO) - sp.Rational(62, 81)
+    holds = bool(
+        abs(witness["SOFT_CAP_MIN_RATIO - 62/81"]) <= _float_value(math.ulp(SOFT_CAP_MIN_RATIO)) / 2
+        and witness["h(beta) - quartic"] == 0
         and witness["h'(beta) + beta (6 - 9 beta + 4 beta^2)"] == 0
         and witness["f' - (1 - 3 alpha s^2)(1 + 3 alpha g^2)"] == 0
         and discriminant < 0
         and quadratic.LC() > 0
         and witness["h(1/3)"] == sp.Rational(62, 81)
     )
-    return Certificate("the soft-cap coupling root is unique; monotone caps reach w_max/k >= 62/81", holds, witness)
+    return Certificate("the soft-cap coupling root is unique; monotone caps reach w_max/k >= 62/81 "
+                       "(SOFT_CAP_MIN_RATIO)", holds, witness)
 
 
 def certify_soft_cap_regulator(shape: tuple[int, int] = (3, 2), w_max: float = 1.0, weight_decay: float = 0.01,
@@ -3708,8 +3771,9 @@ def certify_soft_cap_regulator(shape: tuple[int, int] = (3, 2), w_max: float = 1
     alpha = exact(soft_cap_alpha(w_max, lr * weight_decay, eta))  # the float the regulator takes
     expected = Q * sp.diag(*[soft_cap_polynomial(alpha, s * x) / s for x in sigma]) * R.T
     residual = (capped - expected).applyfunc(_reduce)
+    # (is_zero_matrix is None, not False, for a nonzero polynomial sympy does not decide the sign of)
     return Certificate(f"SoftCap {m}x{n} maps every RMS singular value by the certified f_alpha",
-                       residual.is_zero_matrix, residual)
+                       residual.is_zero_matrix is True, residual)
 
 
 def soft_cap_beta(ratio) -> sp.Expr:
