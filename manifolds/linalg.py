@@ -40,6 +40,7 @@ __all__ = [
     "largest_entry",
     "power_of_two_at_most",
     "unit_scale",
+    "per_matrix",
     "coupled_newton_schulz_step",
     "power_iteration",
     "fixed_start",
@@ -634,6 +635,12 @@ def unit_scale(X: torch.Tensor) -> torch.Tensor:
     scalable = (largest > 0) & torch.isfinite(largest)
     scale = power_of_two_at_most(torch.where(scalable, largest, 1).clamp_min(torch.finfo(X.dtype).tiny))
     return torch.where(scalable, scale, 1)
+
+
+def per_matrix(values: torch.Tensor, like: torch.Tensor, batch: int) -> torch.Tensor:
+    """Per-matrix ``values`` (shape ``like.shape[:batch]``) reshaped to broadcast against ``like
+    [*batch_shape, *item]`` (a matrix stack, a multiplier, a correction)."""
+    return values.reshape(tuple(values.shape) + (1,) * (like.dim() - batch))
 
 
 def coupled_newton_schulz_step(Y: torch.Tensor, Z: torch.Tensor, eye: torch.Tensor):

@@ -90,7 +90,7 @@ from geomuon.manifolds.capabilities import (DUAL_ALPHA_RANGE, POLISH_METHODS, SE
                                             admissible_dual_alpha, exact_inverse_sqrt, gram_retraction,
                                             inv_sqrt_near_identity, spectral_function)
 from geomuon.manifolds.linalg import (POLAR_EXPRESS, check_compute_dtype, check_count, check_real, check_shape_of, eigh, msign,
-                                     polar_express_steps, unit_scale)
+                                     per_matrix, polar_express_steps, unit_scale)
 
 __all__ = ["GramSettings", "GramStep", "gram_step", "unchecked_gram_step", "projected_step", "dual_gram", "eigen_dualizer",
            "gram_msign", "newton_update", "jacobi_update", "newton_cg", "polish", "exact_unit_ball", "polynomial_unit_ball",
@@ -760,7 +760,7 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
     if correction is None:
         delta = torch.zeros_like(form.constraint(B0))
     else:
-        delta = correction.to(W.dtype) / _per_matrix_of_stack(scale, correction)
+        delta = correction.to(W.dtype) / per_matrix(scale.flatten(), correction, 1)
     S = form.adjoint(delta)
     for k in range(settings.dual_steps + 1):
         DS = mulD(S)
@@ -791,14 +791,8 @@ def _dual_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | tor
     T1, T2 = polish(form, mulD, B0, K, T1, T2, settings.polish_rounds, UNIT_BALLS[settings.dualizer], dual)
     point = retract(form, W, Z0, T1, T2, lr, shrink, settings.retraction_terms,
                     far_inverse_sqrt(form, settings, lr, shrink, W.dtype))
-    return GramStep(point=point, correction=delta * _per_matrix_of_stack(scale, delta),
+    return GramStep(point=point, correction=delta * per_matrix(scale.flatten(), delta, 1),
                     direction_factors=(T1, T2 / scale, Z0 * scale, S * scale))
-
-
-def _per_matrix_of_stack(scale: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """A stack's per-matrix ``scale [B, 1, 1]`` shaped to broadcast against ``X [B, ...]`` (a
-    multiplier of the form's constraint shape)."""
-    return scale.reshape(scale.size(0), *(1,) * (X.dim() - 1))
 
 
 def projected_step(form: GramForm, W: torch.Tensor, G: torch.Tensor, lr: float | torch.Tensor,

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from geomuon.manifolds.linalg import (MSIGN_METHODS, check_compute_dtype, check_count, check_real, check_shape_of,
-                                     largest_entry, msign, unit_scale)
+                                     largest_entry, msign, per_matrix, unit_scale)
 
 from .maps import col_norm, hybrid, row_norm
 
@@ -277,11 +277,6 @@ def _inner(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
 _TRACK_EVERY = 10
 
 
-def _per_matrix(values: torch.Tensor, like: torch.Tensor, batch: int) -> torch.Tensor:
-    """Reshape per-matrix ``values [...]`` to broadcast against ``like [..., *item]``."""
-    return values.reshape(tuple(values.shape) + (1,) * (like.dim() - batch))
-
-
 def _rms(H: torch.Tensor, batch: int) -> torch.Tensor:
     """RMS over the multiplier dimensions (those after the ``batch`` leading ones)."""
     if H.numel() == 0:
@@ -376,7 +371,7 @@ def _jacobi_step(manifold, W, X, A, H, gram, rate: float, batch: int) -> torch.T
     """
     A = A.to(X.dtype)
     sigma = _inner(X, A) / _inner(A, A).clamp_min(torch.finfo(X.dtype).tiny)
-    return -(rate * _per_matrix(sigma, H, batch)) * _gram_solve(manifold, W, H, gram)
+    return -(rate * per_matrix(sigma, H, batch)) * _gram_solve(manifold, W, H, gram)
 
 
 def _plain_step(H: torch.Tensor, rate: float | torch.Tensor) -> torch.Tensor:
@@ -508,11 +503,11 @@ def _solve(manifold, W: torch.Tensor, G: torch.Tensor, nrm: Norm, s: SolverSetti
     batch = W.dim() - 2
     scale = unit_scale(G).reshape(G.shape[:-2])
     if warm_start is not None:
-        warm_start = warm_start / _per_matrix(scale, warm_start, batch)
-    result = _solve_unit_scaled(manifold, W, G / _per_matrix(scale, G, batch), scale, nrm, s, warm_start)
+        warm_start = warm_start / per_matrix(scale, warm_start, batch)
+    result = _solve_unit_scaled(manifold, W, G / per_matrix(scale, G, batch), scale, nrm, s, warm_start)
 
     def scaled(value: torch.Tensor | None) -> torch.Tensor | None:
-        return None if value is None else value * _per_matrix(scale, value, batch)
+        return None if value is None else value * per_matrix(scale, value, batch)
 
     return dataclasses.replace(result, primal=scaled(result.primal), dual=scaled(result.dual),
                                multiplier=scaled(result.multiplier), correction=scaled(result.correction))
@@ -557,7 +552,7 @@ def _solve_unit_scaled(manifold, W: torch.Tensor, G: torch.Tensor, scale: torch.
             # the safeguard, per matrix on the device (no read-back of a batch-wide flag)
             worse = residual > previous[3]
             frozen = worse if frozen is None else frozen | worse
-            A, X, delta, residual = (torch.where(_per_matrix(worse, new, batch), old, new)
+            A, X, delta, residual = (torch.where(per_matrix(worse, new, batch), old, new)
                                      for old, new in zip(previous, (A, X, delta, residual)))
         met = residual < s.tol if s.tol > 0 else None
         # the tolerance test reads back one flag, so only a solve that asks for it pays it
@@ -571,11 +566,11 @@ def _solve_unit_scaled(manifold, W: torch.Tensor, G: torch.Tensor, scale: torch.
         if s.precondition:
             step = _jacobi_step(manifold, W, X, A, H, gram, rate, batch)
         else:
-            step = _plain_step(H, rate / _per_matrix(scale, H, batch))
+            step = _plain_step(H, rate / per_matrix(scale, H, batch))
         if met is not None:  # a matrix within tol stops where it would alone (its batch-mates' steps had moved it on)
             frozen = met if frozen is None else frozen | met
         if frozen is not None:
-            step = torch.where(_per_matrix(frozen, step, batch), 0, step)
+            step = torch.where(per_matrix(frozen, step, batch), 0, step)
         if s.safeguard:
             previous = (A, X, torch.zeros_like(step) if delta is None else delta, residual)
         delta = step if delta is None else delta + step
@@ -594,7 +589,7 @@ def _solve_unit_scaled(manifold, W: torch.Tensor, G: torch.Tensor, scale: torch.
         # certificate describes it (it had kept the discarded direction's, a ratio of 1.32):
         # primal 0, optimal up to round-off
         normal = _normal_only(B, G)
-        direction = torch.where(_per_matrix(normal, direction, batch), torch.zeros_like(direction), direction)
+        direction = torch.where(per_matrix(normal, direction, batch), torch.zeros_like(direction), direction)
         if primal is not None:
             primal = torch.where(normal, torch.zeros_like(primal), primal)
             ratio = torch.where(normal, torch.ones_like(ratio), ratio)
